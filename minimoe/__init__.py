@@ -1,0 +1,7 @@
+"""minimoe: Granite 3.1 MoE and OLMoE in a few readable files, with LoRA and token-error-supervised routing."""
+from minimoe.checkpoint import from_pretrained, load_tokenizer, save_pretrained
+from minimoe.generate import generate
+from minimoe.model import CausalLMOutput, KVCache, MoEConfig, MoEForCausalLM, Routing
+
+__all__ = ["from_pretrained", "load_tokenizer", "save_pretrained", "generate",
+           "CausalLMOutput", "KVCache", "MoEConfig", "MoEForCausalLM", "Routing"]

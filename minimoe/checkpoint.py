@@ -1,0 +1,321 @@
+"""Checkpoint I/O: official safetensors <-> MoEForCausalLM, config.json <-> MoEConfig, tokenizer.
+
+Our module names equal the checkpoint keys wherever the two families agree; `LAYER_KEYS` is the
+whole name table for the rest. Loading is strict: a missing, unexpected or wrongly shaped key, an
+unknown model_type, a missing config field or an unreadable file raises an error naming it.
+
+Loading builds the model on the meta device (no random weights are ever allocated), then reads
+each tensor from the safetensors files, converts its dtype and assigns it, so peak memory stays
+close to the checkpoint's size. OLMoE's per-expert matrices are copied one by one into the stacked
+`[E, out, in]` banks. `dtype=None` keeps the dtype the checkpoint records (`torch_dtype`).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from minimoe.model import MoEConfig, MoEForCausalLM, config_field_names
+
+# Per layer: our parameter name -> the on-disk key(s). A tuple of per-expert patterns means the
+# experts are stored one by one and concatenated along `out` (gate rows, then up rows) into our bank.
+LAYER_KEYS = {
+    "granitemoe": {
+        "mlp.gate.weight": "block_sparse_moe.router.layer.weight",
+        "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
+        "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight",
+    },
+    "olmoe": {
+        "mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
+        "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",),
+    },
+}
+ARCHITECTURES = {"granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+# config.json names that differ from ours, per family.
+CONFIG_RENAMES = {"granitemoe": {"num_local_experts": "num_experts"}, "olmoe": {}}
+# Fields of ours that a family's config.json does not have.
+FOREIGN_FIELDS = {
+    "granitemoe": {"norm_topk_prob", "clip_qkv"},
+    "olmoe": {"embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"},
+}
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "num_experts", "num_experts_per_tok")
+HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- config
+
+def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
+    family = d.get("model_type")
+    if family not in CONFIG_RENAMES:
+        raise ValueError(f"{source}: unknown model_type {family!r}; expected one of {list(CONFIG_RENAMES)}")
+    d = {CONFIG_RENAMES[family].get(k, k): v for k, v in d.items()}
+    d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
+    missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
+    if missing:
+        raise ValueError(f"{source}: missing field(s) {missing} for model_type {family!r}")
+    ours = set(config_field_names())
+    known = {k: v for k, v in d.items() if k in ours}
+    extra = {k: v for k, v in d.items() if k not in ours}
+    return MoEConfig(**known, extra=extra)
+
+
+def config_to_dict(config: MoEConfig) -> dict:
+    family = config.model_type
+    ours = {k: getattr(config, k) for k in config_field_names() if k not in FOREIGN_FIELDS[family]}
+    back = {v: k for k, v in CONFIG_RENAMES[family].items()}
+    d = {**config.extra, **{back.get(k, k): v for k, v in ours.items()}}
+    d["architectures"] = [ARCHITECTURES[family]]
+    if family == "granitemoe" and d.get("attention_multiplier") is None:
+        d["attention_multiplier"] = config.attention_scale
+    return d
+
+
+def read_config(folder: Path) -> MoEConfig:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json; a checkpoint folder needs config.json and safetensors")
+    with open(path) as f:
+        return config_from_dict(json.load(f), str(path))
+
+
+# ----------------------------------------------------------------------------- name table
+
+def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str]:
+    """Our parameter name -> its on-disk key (str) or per-expert keys (tuple, in concatenation order)."""
+    layout = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        layout["lm_head.weight"] = "lm_head.weight"
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate.weight",
+                 "mlp.experts.gate_up_proj.weight", "mlp.experts.down_proj.weight"]
+    per_layer += [f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in (["weight", "bias"] if config.attention_bias else ["weight"])]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    table = LAYER_KEYS[config.model_type]
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for name in per_layer:
+            disk = table.get(name, name)
+            if isinstance(disk, tuple):
+                layout[prefix + name] = tuple(prefix + pat.format(j=j) for j in range(config.num_experts) for pat in disk)
+            else:
+                layout[prefix + name] = prefix + disk
+    return layout
+
+
+# ----------------------------------------------------------------------------- loading
+
+def default_weights_dir() -> str | None:
+    """$MINIMOE_WEIGHTS, else the repository's weights/ folder, else huggingface_hub's own cache."""
+    if os.environ.get("MINIMOE_WEIGHTS"):
+        return os.environ["MINIMOE_WEIGHTS"]
+    repo_weights = Path(__file__).resolve().parents[1] / "weights"
+    return str(repo_weights) if repo_weights.is_dir() else None
+
+
+def resolve_checkpoint(name_or_path, cache_dir=None, revision=None) -> Path:
+    """A local folder as it is, or a hub repo id downloaded (config, safetensors, tokenizer only)."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        return path
+    name = str(name_or_path)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(f"{name}: no such checkpoint folder, and not a hub repo id like 'allenai/OLMoE-1B-7B-0924'")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir or default_weights_dir(),
+                                      allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(f"{name}: not in the local cache and the hub cannot be reached "
+                                f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {e}") from e
+
+
+def _weight_files(folder: Path) -> dict[str, list[str]]:
+    """safetensors file -> the keys it holds, from the shard index or the single file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files: dict[str, list[str]] = {}
+        for key, file in weight_map.items():
+            files.setdefault(file, []).append(key)
+        return files
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    return {"model.safetensors": None}
+
+
+def _open(path: Path):
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: weight file named by the checkpoint is missing")
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+
+
+def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, revision=None) -> MoEForCausalLM:
+    """Load an official Granite-MoE or OLMoE checkpoint from a folder or a hub repo id."""
+    folder = resolve_checkpoint(name_or_path, cache_dir, revision)
+    config = read_config(folder)
+    if isinstance(dtype, str):
+        dtype = DTYPES[dtype]
+    dtype = dtype or DTYPES.get(config.torch_dtype or "", torch.float32)
+    device = torch.device(device or "cpu")
+    with torch.device("meta"):
+        model = MoEForCausalLM(config)
+    layout = checkpoint_layout(config)
+
+    handles, where = {}, {}  # file -> handle, disk key -> file
+    for file, keys in _weight_files(folder).items():
+        handles[file] = _open(folder / file)
+        for key in handles[file].keys() if keys is None else keys:
+            where[key] = file
+    expected = {k for disk in layout.values() for k in ((disk,) if isinstance(disk, str) else disk)}
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
+    unexpected = sorted(set(where) - expected - ignored)
+    if unexpected:
+        raise KeyError(f"{folder}: unexpected key {unexpected[0]!r} in {where[unexpected[0]]} "
+                       f"({len(unexpected)} in all); is this a {config.model_type} checkpoint?")
+    missing = sorted(expected - set(where))
+    if missing:
+        raise KeyError(f"{folder}: missing key {missing[0]!r} ({len(missing)} in all) for model_type {config.model_type!r}")
+
+    def read(key, shape):
+        file = where[key]
+        try:
+            t = handles[file].get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{folder / file}: cannot read {key!r} (truncated file?): {e}") from e
+        if tuple(t.shape) != tuple(shape):
+            raise ValueError(f"{folder / file}: {key!r} has shape {tuple(t.shape)}; expected {tuple(shape)}")
+        return t.to(device=device, dtype=dtype)
+
+    for name, disk in layout.items():
+        meta = model.get_parameter(name)
+        if isinstance(disk, str):
+            value = read(disk, meta.shape)
+        else:  # per-expert matrices -> one stacked bank, filled in place
+            E = config.num_experts
+            parts = len(disk) // E
+            value = torch.empty(meta.shape, dtype=dtype, device=device)
+            rows = meta.shape[1] // parts
+            for j in range(E):
+                for p in range(parts):
+                    value[j, p * rows:(p + 1) * rows] = read(disk[j * parts + p], (rows, meta.shape[2]))
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
+    model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta:
+        raise KeyError(f"{folder}: no checkpoint key fills parameter {still_meta[0]!r}")
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- saving
+
+def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
+    """The official on-disk tensors of `model` (base weights only; LoRA and method heads are not in the table)."""
+    config, out = model.config, {}
+    for name, disk in checkpoint_layout(config).items():
+        value = model.get_parameter(name).detach().cpu()
+        if isinstance(disk, str):
+            out[disk] = value.contiguous()
+            continue
+        parts = len(disk) // config.num_experts
+        rows = value.shape[1] // parts
+        for j in range(config.num_experts):
+            for p in range(parts):
+                out[disk[j * parts + p]] = value[j, p * rows:(p + 1) * rows].contiguous()
+    return out
+
+
+def atomic_directory(path) -> tuple[Path, callable]:
+    """A temp folder beside `path` and a commit() that swaps it in, so readers never see half a folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+
+    def commit():
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old)
+    return tmp, commit
+
+
+def save_pretrained(model: MoEForCausalLM, path, *, max_shard_bytes: int = 5 * 2**30):
+    """Write config.json and safetensors in the official layout (sharded past max_shard_bytes)."""
+    tensors = checkpoint_tensors(model)
+    shards, current, size = [], {}, 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = t
+        size += nbytes
+    shards.append(current)
+    tmp, commit = atomic_directory(path)
+    try:
+        config = config_to_dict(model.config)
+        config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+        with open(tmp / "config.json", "w") as f:
+            json.dump(config, f, indent=2, sort_keys=True)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update(dict.fromkeys(shard, name))
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            with open(tmp / "model.safetensors.index.json", "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        commit()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+class Tokenizer:
+    """The checkpoint's tokenizer.json (via `tokenizers`) with the special ids from its config."""
+
+    def __init__(self, tokenizer, config: MoEConfig):
+        self.tokenizer = tokenizer
+        self.eos_token_id, self.pad_token_id, self.bos_token_id = config.eos_token_id, config.pad_token_id, config.bos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __len__(self):
+        return self.tokenizer.get_vocab_size()
+
+
+def load_tokenizer(name_or_path, *, cache_dir=None, revision=None) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    folder = resolve_checkpoint(name_or_path, cache_dir, revision)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no tokenizer.json")
+    return Tokenizer(HFTokenizer.from_file(str(path)), read_config(folder))

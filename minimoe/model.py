@@ -1,0 +1,414 @@
+"""Granite 3.1 MoE and OLMoE in one file: config, attention, routed experts, causal LM.
+
+The two families differ only by config fields (see `MoEConfig`); every module below serves both.
+Letters in shape comments: B batch, T query positions, S key positions, D hidden, H query heads,
+G key/value heads, d head dim, E experts, K experts per token, I expert width, V vocab, N = T*K rows.
+
+Decisions that matter for parity with `transformers` 4.57 (see shared/reference/hf-checkpoints.md):
+- RMSNorm normalises in fp32, casts back to the input dtype, *then* multiplies by its weight.
+- Router logits are computed in the model dtype and upcast; softmax and top-K run in fp32 because
+  bf16 ties and rounding would change which experts run. The combine weights are cast back to the
+  model dtype before they scale expert outputs, as the reference does.
+- Granite: top-K on logits then softmax over the K (= full softmax renormalised over the K), the
+  attention scale is `attention_multiplier`, and three more multipliers scale the embedding, the
+  residual branches and the logits. OLMoE: RMSNorm over the full q/k projection width before the
+  head split, optional clip_qkv, and renormalisation of the K weights only when `norm_topk_prob`.
+- Routing is a swappable module (`MoEBlock.router`, see minimoe/routing.py). It sees the
+  pre-expert hidden state and the native affinity logits and returns a `Routing`; every layer's
+  `Routing` (logits, selected experts, weights, method readouts) is returned with the logits.
+- Experts are stacked 3-D weights `[E, out, in]` run on token blocks sorted by expert, with
+  `torch.nn.functional.grouped_mm` where it applies and a plain per-expert loop otherwise
+  (`expert_matmul`); both paths are tested equal. Experts are never evaluated densely.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+FAMILIES = ("granitemoe", "olmoe")
+
+
+@dataclass
+class MoEConfig:
+    model_type: str  # "granitemoe" or "olmoe": selects the per-family switches below
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # I, width of one expert
+    num_hidden_layers: int
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # G; GQA when G < H
+    num_experts: int  # E (Granite calls it num_local_experts)
+    num_experts_per_tok: int  # K
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    norm_topk_prob: bool = False  # OLMoE's switch; Granite always renormalises over the K
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection (and q/k norm)
+    # Granite's multipliers; the OLMoE values leave the forward unchanged.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None  # None: 1/sqrt(head_dim)
+    router_aux_loss_coef: float = 0.01
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+    rope_scaling: dict | None = None
+    torch_dtype: str | None = None  # dtype the checkpoint was saved in
+    extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back on save
+
+    def __post_init__(self):
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"config: unknown model_type {self.model_type!r}; expected one of {FAMILIES}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"config: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"config: num_experts_per_tok {self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.hidden_act != "silu":
+            raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
+        if self.rope_scaling is not None:
+            raise ValueError(f"config: rope_scaling {self.rope_scaling!r} is not supported; expected null")
+        if self.model_type == "granitemoe":
+            self.norm_topk_prob = True  # softmax over the top-K logits is a renormalisation over the K
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "olmoe"
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attention_multiplier if self.attention_multiplier is not None else self.head_dim ** -0.5
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)  # cast before the weight, as the reference does
+
+
+def rope_cos_sin(position_ids, head_dim: int, theta: float, dtype):
+    """cos, sin [B, T, d] for the rotate-half convention; computed in fp32, cast to the model dtype."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)  # [d/2]
+    freqs = position_ids[..., None].float() * inv_freq  # [B, T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):  # x [B, h, T, d], cos/sin [B, T, d]
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Preallocated keys and values for every layer: [B, G, S_max, d] each, filled left to right."""
+
+    def __init__(self, config: MoEConfig, batch_size: int, max_len: int, dtype, device):
+        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.length = 0  # positions filled so far; advanced once per forward by the model
+
+    def update(self, layer: int, k, v):  # k, v [B, G, T, d] -> all keys/values so far [B, G, S, d]
+        end = self.length + k.shape[2]
+        if end > self.k[layer].shape[2]:
+            raise ValueError(f"KV cache holds {self.k[layer].shape[2]} positions; {end} were asked for")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: MoEConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        H, G, d, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+        self.q_proj = nn.Linear(D, H * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(D, G * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(D, G * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(H * d, D, bias=config.attention_bias)
+        if config.qk_norm:  # OLMoE: over the whole projection width, before the head split
+            self.q_norm = RMSNorm(H * d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(G * d, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None):  # x [B, T, D]
+        c = self.config
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q = q.view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B, H, T, d]
+        k = k.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, G, T, d]
+        v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # [B, G, S, d]
+        # Query head h reads kv head h // (H/G): the reference's repeat_interleave layout.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=c.attention_scale, enable_gqa=True)  # [B, H, T, d]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+# ----------------------------------------------------------------------------- routed experts
+
+@dataclass
+class Routing:
+    """One MoE layer's routing decision for T tokens (see minimoe/routing.py for the policies)."""
+    logits: torch.Tensor  # [T, E] fp32 native affinity logits a_t; the load-balancing loss reads these
+    experts: torch.Tensor  # [T, K] executed experts S_t^act
+    weights: torch.Tensor  # [T, K] fp32 weights g_t that combine the executed experts' outputs
+    readouts: dict = field(default_factory=dict)  # method statistics per token (e_hat, concentration, ...)
+
+
+class Dispatch:
+    """Token rows sorted by expert, so that each expert runs on one contiguous block."""
+
+    def __init__(self, experts, num_experts: int):  # experts [T, K]
+        flat = experts.flatten()  # [N]
+        self.order = flat.argsort(stable=True)  # sorted row -> flat (token, slot) index
+        self.token = self.order // experts.shape[1]  # sorted row -> token
+        self.counts = torch.bincount(flat, minlength=num_experts)  # [E] rows per expert
+        self.offsets = self.counts.cumsum(0).to(torch.int32)  # [E] block ends, grouped_mm's int32 offs
+        self._counts_list = None
+
+    @property
+    def counts_list(self) -> list[int]:  # the loop path needs python ints (one host sync)
+        if self._counts_list is None:
+            self._counts_list = self.counts.tolist()
+        return self._counts_list
+
+
+USE_GROUPED_MM = hasattr(F, "grouped_mm")  # tests switch this off to compare against the loop
+
+
+def _grouped_mm_applies(x, w_t) -> bool:
+    # grouped_mm wants every non-unit stride 16-byte aligned; CUDA kernels want bf16.
+    if not USE_GROUPED_MM or x.dtype != w_t.dtype or x.shape[0] == 0:
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    size = x.element_size()
+    strides = [s for t in (x, w_t) for s in t.stride() if s != 1]
+    return all(s * size % 16 == 0 for s in strides) and x.stride(-1) == 1
+
+
+def expert_matmul(x, weight, dispatch: Dispatch):
+    """x [N, in] sorted by expert, weight [E, out, in] -> [N, out]: row block e times weight[e].T."""
+    w_t = weight.transpose(-2, -1)  # [E, in, out], a view
+    if _grouped_mm_applies(x, w_t):
+        return F.grouped_mm(x, w_t, offs=dispatch.offsets)
+    blocks = x.split(dispatch.counts_list)  # the readable reference path
+    return torch.cat([blk @ w_t[e] for e, blk in enumerate(blocks)])
+
+
+class GroupedLinear(nn.Module):
+    """E linear maps stored as one [E, out, in] weight; forward runs the sorted row blocks."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+
+    def forward(self, x, dispatch: Dispatch):  # x [N, in] -> [N, out]
+        return expert_matmul(x, self.weight, dispatch)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts. gate_up_proj [E, 2I, D] holds the gate rows first, then the up rows."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        E, D, I = config.num_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = GroupedLinear(E, 2 * I, D)
+        self.down_proj = GroupedLinear(E, D, I)
+
+    def forward(self, x, experts, weights):  # x [T, D], experts/weights [T, K] -> [T, D]
+        dispatch = Dispatch(experts, self.gate_up_proj.weight.shape[0])
+        h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = self.down_proj(F.silu(gate) * up, dispatch)  # [N, D]
+        y = y * weights.flatten()[dispatch.order, None].to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, dispatch.token, y)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        from minimoe.routing import NativeRouter  # routing.py imports Routing from here
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # native affinity W_aff
+        self.experts = Experts(config)
+        self.router = NativeRouter(config.num_experts_per_tok, config.norm_topk_prob)
+
+    def forward(self, x):  # x [B, T, D]
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        routing = self.router(flat, self.gate(flat).float())
+        return self.experts(flat, routing.experts, routing.weights).view(B, T, D), routing
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: MoEConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MoEBlock(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier
+
+    def forward(self, h, cos, sin, mask, cache):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache) * self.residual_multiplier
+        moe_out, routing = self.mlp(self.post_attention_layernorm(h))
+        return h + moe_out * self.residual_multiplier, routing
+
+
+# ----------------------------------------------------------------------------- the causal LM
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, V] in the model dtype
+    routings: list  # one Routing per layer, tokens flattened as B*T
+    aux_loss: torch.Tensor | None = None  # load-balancing loss over all layers (None with a KV cache)
+
+
+def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None):
+    """transformers' Switch-style loss: E * sum_e f_e * P_e over all layers' tokens pooled.
+
+    router_logits: list of [B*T, E] per layer. f_e = share of the K slots that chose e, P_e = mean
+    router probability of e; with a padding mask both means run over real tokens only.
+    """
+    logits = torch.cat(router_logits)  # [L*B*T, E]
+    probs = logits.float().softmax(-1)
+    chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).float()  # [L*B*T, K, E]
+    if attention_mask is None:
+        f, p = chosen.mean(0), probs.mean(0)  # f [K, E], p [E]
+    else:
+        real = attention_mask.to(probs.dtype).flatten().repeat(len(router_logits))[:, None]  # [L*B*T, 1]
+        f = (chosen * real[:, :, None]).sum(0) / real.sum()
+        p = (probs * real).sum(0) / real.sum()
+    return (f * p).sum() * num_experts
+
+
+class Model(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        pad = config.pad_token_id if config.pad_token_id is not None and config.pad_token_id < config.vocab_size else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=pad)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MoEForCausalLM(nn.Module):
+    """`model(input_ids, attention_mask=None)` -> CausalLMOutput(logits, routings, aux_loss)."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.model = Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache: KVCache | None = None):
+        """input_ids [B, T]; attention_mask [B, S] (1 = real token, covers cached positions too)."""
+        c = self.config
+        B, T = input_ids.shape
+        start = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        h = self.model.embed_tokens(input_ids) * c.embedding_multiplier  # [B, T, D]
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
+        mask = self._attention_mask(attention_mask, B, T, start, input_ids.device)
+        routings = []
+        for layer in self.model.layers:
+            h, routing = layer(h, cos, sin, mask, cache)
+            routings.append(routing)
+        if cache is not None:
+            cache.length += T
+        logits = self.lm_head(self.model.norm(h)) / c.logits_scaling
+        aux = None
+        if cache is None:
+            real = attention_mask[:, -T:] if attention_mask is not None else None
+            aux = load_balancing_loss([r.logits for r in routings], c.num_experts, c.num_experts_per_tok, real)
+        return CausalLMOutput(logits=logits, routings=routings, aux_loss=aux)
+
+    @staticmethod
+    def _attention_mask(attention_mask, B, T, start, device):
+        """None (plain causal, SDPA's fast path) or a bool [B, 1, T, S] mask: causal and not padding."""
+        if attention_mask is None and start == 0:
+            return None
+        S = start + T
+        q_pos = torch.arange(start, S, device=device)[:, None]
+        allowed = torch.arange(S, device=device)[None, :] <= q_pos  # [T, S] causal
+        allowed = allowed[None, None].expand(B, 1, T, S)
+        if attention_mask is not None:
+            if attention_mask.shape != (B, S):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, S)}")
+            allowed = allowed & attention_mask.bool()[:, None, None, :]
+            # A padding query would see no key at all; letting it see itself keeps SDPA finite.
+            # Real queries always see themselves already, so their outputs do not change.
+            allowed = allowed | (torch.arange(S, device=device)[None, :] == q_pos)[None, None]
+        return allowed
+
+    @property
+    def dtype(self):
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self):
+        return self.lm_head.weight.device
+
+    def save_pretrained(self, path, *, max_shard_bytes: int = 5 * 2**30):
+        from minimoe.checkpoint import save_pretrained
+        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
+
+
+def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None):
+    """Random init for tests and tiny models: N(0, std) matrices, unit norms, zero biases."""
+    std = model.config.initializer_range if std is None else std
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=generator)
+        pad = model.model.embed_tokens.padding_idx
+        if pad is not None:
+            model.model.embed_tokens.weight[pad].zero_()
+    return model
+
+
+def config_field_names() -> list[str]:
+    return [f.name for f in fields(MoEConfig) if f.name != "extra"]
