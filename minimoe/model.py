@@ -266,10 +266,15 @@ class MoEBlock(nn.Module):
         self.experts = Experts(config)
         self.router = NativeRouter(config.num_experts_per_tok, config.norm_topk_prob)
 
-    def forward(self, x):  # x [B, T, D]
+    def forward(self, x, stash: dict | None = None):  # x [B, T, D]
+        """stash: under gradient checkpointing, the first pass records its expert choice there and
+        the recompute replays it, so that backward never runs experts the forward did not."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
-        routing = self.router(flat, self.gate(flat).float())
+        replay = stash.get("experts") if stash is not None else None
+        routing = self.router(flat, self.gate(flat).float(), experts=replay)
+        if stash is not None and replay is None:
+            stash["experts"] = routing.experts.detach()
         return self.experts(flat, routing.experts, routing.weights).view(B, T, D), routing
 
 
@@ -281,10 +286,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = config.residual_multiplier
+        self.gradient_checkpointing = False  # recompute this block in backward instead of storing it
 
     def forward(self, h, cos, sin, mask, cache):
+        if self.gradient_checkpointing and torch.is_grad_enabled() and cache is None:
+            return torch.utils.checkpoint.checkpoint(self._forward, h, cos, sin, mask, cache, {}, use_reentrant=False)
+        return self._forward(h, cos, sin, mask, cache, None)
+
+    def _forward(self, h, cos, sin, mask, cache, stash):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache) * self.residual_multiplier
-        moe_out, routing = self.mlp(self.post_attention_layernorm(h))
+        moe_out, routing = self.mlp(self.post_attention_layernorm(h), stash)
         return h + moe_out * self.residual_multiplier, routing
 
 
@@ -334,6 +345,10 @@ class MoEForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def gradient_checkpointing_enable(self, enable: bool = True):
+        for layer in self.model.layers:
+            layer.gradient_checkpointing = enable
 
     def tie_weights(self):
         if self.config.tie_word_embeddings:

@@ -1,8 +1,11 @@
 """Routing policies: the swappable part of each MoE block (`MoEBlock.router`).
 
-A policy is an nn.Module called as `router(x, logits) -> Routing` with x [T, D] the pre-expert
-hidden state h_t and logits [T, E] the native affinity logits a_t = W_aff h_t (Eq. native_affinity),
-already in fp32. Its parameters live under `...mlp.router.*`, apart from the checkpoint's own gate.
+A policy is an nn.Module called as `router(x, logits, experts=None) -> Routing` with x [T, D] the
+pre-expert hidden state h_t and logits [T, E] the native affinity logits a_t = W_aff h_t
+(Eq. native_affinity), already in fp32. `experts` [T, K], when given, is a selection to replay
+(gradient checkpointing's recompute): the policy must then use it instead of its own top-K and
+compute everything else as usual. Its parameters live under `...mlp.router.*`; the checkpoint's
+own gate stays at `...mlp.gate`.
 """
 from __future__ import annotations
 
@@ -12,15 +15,18 @@ import torch.nn as nn
 from minimoe.model import Routing
 
 
-def select_topk(logits, k: int, renormalize: bool):
-    """Top-K of softmax(logits) -> (experts [T, K], weights [T, K] fp32).
+def select_topk(logits, k: int, renormalize: bool, experts=None):
+    """Top-K of softmax(logits) -> (experts [T, K], weights [T, K] fp32); `experts` replays a selection.
 
     The two native policies in one: Granite (renormalize=True) takes the top-K logits and softmaxes
     over them, which equals the full softmax renormalised over the K; OLMoE softmaxes over all
     experts, keeps the K largest probabilities and renormalises them only when `norm_topk_prob`.
     """
     probs = logits.float().softmax(dim=-1)  # [T, E]
-    weights, experts = probs.topk(k, dim=-1)
+    if experts is None:
+        weights, experts = probs.topk(k, dim=-1)
+    else:
+        weights = probs.gather(-1, experts)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return experts, weights
@@ -33,6 +39,6 @@ class NativeRouter(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
 
-    def forward(self, x, logits):
-        experts, weights = select_topk(logits, self.top_k, self.renormalize)
+    def forward(self, x, logits, experts=None):
+        experts, weights = select_topk(logits, self.top_k, self.renormalize, experts)
         return Routing(logits=logits, experts=experts, weights=weights)
