@@ -23,10 +23,9 @@ def select_topk(logits, k: int, renormalize: bool, experts=None):
     experts, keeps the K largest probabilities and renormalises them only when `norm_topk_prob`.
     """
     probs = logits.float().softmax(dim=-1)  # [T, E]
-    if experts is None:
-        weights, experts = probs.topk(k, dim=-1)
-    else:
-        weights = probs.gather(-1, experts)
+    if experts is None:  # the choice carries no gradient; the weights do, through gather
+        experts = probs.detach().topk(k, dim=-1).indices
+    weights = probs.gather(-1, experts)  # one op sequence whether chosen or replayed
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return experts, weights
