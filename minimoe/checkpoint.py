@@ -225,11 +225,11 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
 
 # ----------------------------------------------------------------------------- saving
 
-def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
-    """The official on-disk tensors of `model` (base weights only; LoRA and method heads are not in the table)."""
-    config, out = model.config, {}
+def to_disk_layout(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors named like our parameters -> tensors named and split like the official checkpoint."""
+    out = {}
     for name, disk in checkpoint_layout(config).items():
-        value = model.get_parameter(name).detach().cpu()
+        value = tensors[name]
         if isinstance(disk, str):
             out[disk] = value.contiguous()
             continue
@@ -239,6 +239,12 @@ def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
             for p in range(parts):
                 out[disk[j * parts + p]] = value[j, p * rows:(p + 1) * rows].contiguous()
     return out
+
+
+def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
+    """The official on-disk tensors of `model` (base weights only; LoRA and method heads are not in the table)."""
+    names = checkpoint_layout(model.config)
+    return to_disk_layout(model.config, {n: model.get_parameter(n).detach().cpu() for n in names})
 
 
 def atomic_directory(path) -> tuple[Path, callable]:

@@ -1,0 +1,41 @@
+"""Tiny random models of both families, shared by the tests.
+
+Dimensions are multiples of 8 so that the grouped_mm path applies in fp32 and bf16; weights are
+scaled up from the default init (std 0.2) so that numerical differences show in the logits.
+"""
+import pytest
+import torch
+
+from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
+
+FAMILY_SWITCHES = {
+    # Granite: every multiplier away from 1, tied head, GQA.
+    "granitemoe": dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                       logits_scaling=6.0, attention_multiplier=0.1, pad_token_id=0, eos_token_id=0),
+    # OLMoE: q/k norms (always), clip_qkv low enough to bite, renormalised top-K, GQA.
+    "olmoe": dict(clip_qkv=0.5, norm_topk_prob=True, pad_token_id=1, eos_token_id=2),
+}
+
+
+def tiny_config(family: str, **overrides) -> MoEConfig:
+    kw = dict(model_type=family, vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+              rms_norm_eps=1e-6, rope_theta=10000.0)
+    kw.update(FAMILY_SWITCHES[family])
+    kw.update(overrides)
+    return MoEConfig(**kw)
+
+
+def tiny_model(family: str, seed: int = 0, std: float = 0.2, **overrides) -> MoEForCausalLM:
+    g = torch.Generator().manual_seed(seed)
+    model = init_weights(MoEForCausalLM(tiny_config(family, **overrides)), std=std, generator=g)
+    with torch.no_grad():  # norm weights away from 1, so a misplaced norm weight shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+@pytest.fixture(params=["granitemoe", "olmoe"])
+def family(request):
+    return request.param

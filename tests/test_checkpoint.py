@@ -1,0 +1,221 @@
+"""Checkpoint I/O: sharded files, the hub path through an offline cache, export round trip, bad input."""
+import json
+import os
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import minimoe
+from minimoe.checkpoint import HUB_FILES, resolve_checkpoint
+from tests.conftest import tiny_model
+
+IDS = torch.tensor([[5, 9, 17, 33, 65, 7, 11, 13]])
+
+
+def assert_same_params(a, b):
+    sa, sb = dict(a.named_parameters()), dict(b.named_parameters())
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_export_round_trip_through_transformers(family, tmp_path):
+    """save_pretrained writes the official layout: transformers loads it and gives our logits."""
+    ours = tiny_model(family)
+    ours.save_pretrained(tmp_path / "out")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
+    with torch.no_grad():
+        want, got = ref(IDS).logits, ours(IDS).logits
+    assert ((got - want).abs().max() / want.abs().max()).item() <= 2e-5
+    assert_same_params(ours, minimoe.from_pretrained(tmp_path / "out"))
+
+
+def test_official_key_names_on_disk(tmp_path):
+    """Granite keeps its fused banks and tied head; OLMoE is written per expert, as the releases are."""
+    tiny_model("granitemoe").save_pretrained(tmp_path / "g")
+    keys = load_file(tmp_path / "g" / "model.safetensors").keys()
+    assert "model.layers.0.block_sparse_moe.input_linear.weight" in keys
+    assert "model.layers.0.block_sparse_moe.router.layer.weight" in keys
+    assert "lm_head.weight" not in keys
+    tiny_model("olmoe").save_pretrained(tmp_path / "o")
+    tensors = load_file(tmp_path / "o" / "model.safetensors")
+    assert tensors["model.layers.1.mlp.experts.7.gate_proj.weight"].shape == (32, 64)
+    assert tensors["model.layers.1.mlp.experts.7.down_proj.weight"].shape == (64, 32)
+    assert "lm_head.weight" in tensors
+
+
+def test_sharded_checkpoint_loads(family, tmp_path):
+    """A checkpoint split over several files with model.safetensors.index.json loads identically."""
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path / "sharded", max_shard_bytes=64 * 1024)
+    files = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(files) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    assert_same_params(model, minimoe.from_pretrained(tmp_path / "sharded"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "sharded")  # the official reader agrees
+    assert ref.config.model_type == family
+
+
+def test_dtype_conversion_on_load(tmp_path):
+    """dtype=None keeps the checkpoint's dtype; an explicit dtype converts every tensor."""
+    tiny_model("olmoe").save_pretrained(tmp_path / "m")
+    assert minimoe.from_pretrained(tmp_path / "m").dtype == torch.float32
+    model = minimoe.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def populate_hub_cache(cache, repo_id, source, commit="0123456789abcdef0123456789abcdef01234567"):
+    """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/files}."""
+    root = cache / f"models--{repo_id.replace('/', '--')}"
+    snap = root / "snapshots" / commit
+    snap.mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(commit)
+    for f in source.iterdir():
+        (snap / f.name).write_bytes(f.read_bytes())
+    return snap
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    import huggingface_hub.constants as hub_constants
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+
+
+def test_hub_id_through_offline_cache(tmp_path, offline):
+    """A hub repo id resolves to an already-populated cache with HF_HUB_OFFLINE=1 (no network)."""
+    model = tiny_model("olmoe")
+    model.save_pretrained(tmp_path / "src")
+    snap = populate_hub_cache(tmp_path / "cache", "allenai/OLMoE-tiny", tmp_path / "src")
+    assert resolve_checkpoint("allenai/OLMoE-tiny", cache_dir=tmp_path / "cache") == snap
+    assert_same_params(model, minimoe.from_pretrained("allenai/OLMoE-tiny", cache_dir=tmp_path / "cache"))
+
+
+def test_hub_id_not_cached_offline_says_so(tmp_path, offline):
+    with pytest.raises(FileNotFoundError, match="not in the local cache"):
+        minimoe.from_pretrained("allenai/not-downloaded", cache_dir=tmp_path / "empty")
+
+
+def test_hub_download_asks_only_for_checkpoint_files():
+    """Only config, safetensors, index and tokenizer files are fetched, never *.bin or *.pt."""
+    assert "*.safetensors" in HUB_FILES and "config.json" in HUB_FILES and "tokenizer.json" in HUB_FILES
+    assert not any(p.endswith((".bin", ".pt", ".pth", "*")) and p != "*.safetensors" for p in HUB_FILES)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.fixture
+def saved(tmp_path):
+    tiny_model("olmoe").save_pretrained(tmp_path / "m")
+    return tmp_path / "m"
+
+
+def rewrite(path, change):
+    tensors = load_file(path / "model.safetensors")
+    change(tensors)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_missing_key_is_named(saved):
+    rewrite(saved, lambda t: t.pop("model.layers.1.mlp.experts.3.up_proj.weight"))
+    with pytest.raises(KeyError, match="experts.3.up_proj"):
+        minimoe.from_pretrained(saved)
+
+
+def test_unexpected_key_is_named(saved):
+    rewrite(saved, lambda t: t.__setitem__("model.layers.0.mlp.shared_expert.weight", torch.zeros(2)))
+    with pytest.raises(KeyError, match="shared_expert"):
+        minimoe.from_pretrained(saved)
+
+
+def test_shape_mismatch_is_named(saved):
+    rewrite(saved, lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.weight", torch.zeros(64, 32)))
+    with pytest.raises(ValueError, match=r"q_proj.weight.*\(64, 32\).*expected \(64, 64\)"):
+        minimoe.from_pretrained(saved)
+
+
+def test_granite_checkpoint_read_as_olmoe_is_refused(tmp_path):
+    """A wrong-family checkpoint: the config says olmoe, the tensors are Granite's."""
+    tiny_model("granitemoe").save_pretrained(tmp_path / "g")
+    cfg = json.loads((tmp_path / "g" / "config.json").read_text())
+    cfg.update(model_type="olmoe", num_experts=cfg.pop("num_local_experts"))
+    (tmp_path / "g" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KeyError, match="block_sparse_moe"):
+        minimoe.from_pretrained(tmp_path / "g")
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(model_type="llama"), "unknown model_type 'llama'"),
+    (lambda c: c.pop("hidden_size"), r"missing field\(s\) \['hidden_size'\]"),
+    (lambda c: c.update(num_experts_per_tok=99), "num_experts_per_tok"),
+])
+def test_bad_config_is_named(saved, change, message):
+    cfg = json.loads((saved / "config.json").read_text())
+    change(cfg)
+    (saved / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        minimoe.from_pretrained(saved)
+
+
+def test_missing_config_and_weights_are_named(saved):
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        minimoe.from_pretrained(saved)
+    (saved / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        minimoe.from_pretrained(saved)
+
+
+def test_truncated_file_is_named(saved):
+    f = saved / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors.*truncated"):
+        minimoe.from_pretrained(saved)
+
+
+def test_missing_shard_is_named(tmp_path):
+    tiny_model("olmoe").save_pretrained(tmp_path / "s", max_shard_bytes=64 * 1024)
+    victim = sorted((tmp_path / "s").glob("*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match=victim.name):
+        minimoe.from_pretrained(tmp_path / "s")
+
+
+def test_nonexistent_folder_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such checkpoint folder"):
+        minimoe.from_pretrained(tmp_path / "nowhere")
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    """A save that fails half-way leaves the previous checkpoint in place and no partial folder."""
+    import minimoe.checkpoint as ck
+    model = tiny_model("olmoe")
+    model.save_pretrained(tmp_path / "m")
+    before = (tmp_path / "m" / "model.safetensors").read_bytes()
+
+    def broken(*a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(ck, "save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        tiny_model("olmoe", seed=5).save_pretrained(tmp_path / "m")
+    assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["m"]
+
+
+def test_load_tokenizer_reads_tokenizer_json_and_special_ids(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["Question: what is an expert?\nAnswer: a small network"] * 10,
+                            trainers.BpeTrainer(vocab_size=100, special_tokens=["<unk>", "<pad>", "<eos>"]))
+    tiny_model("olmoe").save_pretrained(tmp_path / "m")
+    tok.save(str(tmp_path / "m" / "tokenizer.json"))
+    loaded = minimoe.load_tokenizer(tmp_path / "m")
+    assert (loaded.pad_token_id, loaded.eos_token_id) == (1, 2)
+    ids = loaded.encode("Question: what is an expert?")
+    assert ids == tok.encode("Question: what is an expert?").ids
+    assert loaded.decode(ids) == "Question: what is an expert?"

@@ -1,0 +1,196 @@
+"""Logit and gradient parity with transformers 4.57 (the reference), and the model's own invariants.
+
+The reference model is built and randomised by transformers itself and saved with its own
+save_pretrained; ours loads those files through the same `from_pretrained` that reads official
+checkpoints. Gradients are compared parameter by parameter, mapped through the checkpoint name table.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+
+import minimoe
+import minimoe.model as mm
+from minimoe.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
+from tests.conftest import tiny_config
+
+FP32_TOL = 2e-5  # max |ours - ref| / max |ref| on the logits
+
+
+def reference_model(family, tmp_path, seed=0, **overrides):
+    """A transformers model with random weights (norms included) saved by transformers; ours loads it."""
+    cfg_dict = config_to_dict(tiny_config(family, **overrides))
+    config = transformers.AutoConfig.for_model(**cfg_dict)
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+        pad = ref.model.embed_tokens.padding_idx
+        ref.model.embed_tokens.weight[pad].zero_()
+    ref.save_pretrained(tmp_path / "ref")
+    return ref.eval(), tmp_path / "ref"
+
+
+def batch(vocab=128, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (3, 16), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0  # right padding
+    mask[2, 5:] = 0
+    return ids, mask
+
+
+def rel_err(ours, ref, mask):
+    real = mask.bool()
+    return ((ours.float() - ref.float())[real].abs().max() / ref.float()[real].abs().max()).item()
+
+
+def test_fp32_logits_match_transformers(family, tmp_path):
+    """Every config switch on (GQA, Granite multipliers + tied head, OLMoE clip_qkv + norm_topk_prob), padded batch."""
+    ref, path = reference_model(family, tmp_path)
+    ours = minimoe.from_pretrained(path, dtype=torch.float32)
+    ids, mask = batch()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    assert rel_err(got, want, mask) <= FP32_TOL
+
+
+def test_olmoe_default_switches_match_transformers(tmp_path):
+    """The released OLMoE settings: no clip_qkv, norm_topk_prob false (weights keep the selected mass)."""
+    ref, path = reference_model("olmoe", tmp_path, clip_qkv=None, norm_topk_prob=False, num_key_value_heads=4)
+    ours = minimoe.from_pretrained(path)
+    ids, mask = batch()
+    with torch.no_grad():
+        assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
+
+
+def test_clip_qkv_actually_clips(tmp_path):
+    """Guard for the test above: with clip_qkv=0.5 some projections exceed the clip, so it is exercised."""
+    ref, path = reference_model("olmoe", tmp_path)
+    attn = minimoe.from_pretrained(path).model.layers[0].self_attn
+    x = torch.randn(1, 16, 64)
+    assert attn.q_norm(attn.q_proj(x)).abs().max() > 0.5
+
+
+def test_bf16_error_no_worse_than_reference_bf16(family, tmp_path):
+    """bf16: our error against the fp32 reference is within 2x of transformers' own bf16 error."""
+    ref, path = reference_model(family, tmp_path)
+    ids, mask = batch()
+    with torch.no_grad():
+        exact = ref(ids, attention_mask=mask).logits
+        ref_bf16 = ref.to(torch.bfloat16)(ids, attention_mask=mask).logits
+        ours_bf16 = minimoe.from_pretrained(path, dtype=torch.bfloat16)(ids, attention_mask=mask).logits
+    assert ours_bf16.dtype == torch.bfloat16
+    assert rel_err(ours_bf16, exact, mask) <= 2 * rel_err(ref_bf16, exact, mask)
+
+
+def test_gradients_match_transformers(family, tmp_path):
+    """d(next-token CE)/d(every weight) equals the reference's, mapped by checkpoint name (fp32)."""
+    ref, path = reference_model(family, tmp_path)
+    ours = minimoe.from_pretrained(path).train()
+    ref.train()
+    ids, mask = batch()
+
+    def next_token_ce(logits):
+        targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+        return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+    next_token_ce(ours(ids, attention_mask=mask).logits).backward()
+    next_token_ce(ref(ids, attention_mask=mask).logits).backward()
+    names = checkpoint_layout(ours.config)
+    ours_grads = to_disk_layout(ours.config, {n: ours.get_parameter(n).grad for n in names})
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    assert set(ours_grads) == set(ref_grads)
+    for key, want in ref_grads.items():
+        scale = want.abs().max().clamp(min=1e-8)
+        assert ((ours_grads[key] - want).abs().max() / scale).item() <= 1e-4, key
+
+
+def test_padding_gives_unpadded_logits(family):
+    """Right-padded rows equal the same rows run alone, at every real position."""
+    from tests.conftest import tiny_model
+    model = tiny_model(family)
+    ids, mask = batch()
+    with torch.no_grad():
+        padded = model(ids, attention_mask=mask).logits
+        for row in range(ids.shape[0]):
+            n = int(mask[row].sum())
+            alone = model(ids[row:row + 1, :n]).logits[0]
+            torch.testing.assert_close(padded[row, :n], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_mm_path_equals_loop_path(family, monkeypatch):
+    """The two dispatch paths (F.grouped_mm and the per-expert loop) give the same outputs and grads."""
+    from tests.conftest import tiny_model
+    assert hasattr(F, "grouped_mm"), "torch 2.13 has grouped_mm on CPU; this test must exercise it"
+    calls = []
+    real = F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]:
+        model = tiny_model(family).to(dtype)
+        ids, _ = batch()
+        outs = []
+        for use in (True, False):
+            monkeypatch.setattr(mm, "USE_GROUPED_MM", use)
+            model.zero_grad()
+            logits = model(ids).logits
+            logits.float().square().mean().backward()
+            outs.append((logits.detach().float(), model.model.layers[0].mlp.experts.gate_up_proj.weight.grad.float()))
+        assert calls, "grouped_mm was never called"
+        torch.testing.assert_close(outs[0][0], outs[1][0], rtol=tol, atol=tol)
+        torch.testing.assert_close(outs[0][1], outs[1][1], rtol=tol, atol=tol)
+
+
+def test_experts_run_only_on_routed_rows(monkeypatch):
+    """Sparse dispatch: each expert matmul sees exactly T*K rows, never T*E (no dense evaluation)."""
+    from tests.conftest import tiny_model
+    model = tiny_model("olmoe")
+    seen = []
+    real = mm.expert_matmul
+    monkeypatch.setattr(mm, "expert_matmul", lambda x, w, d: seen.append(x.shape[0]) or real(x, w, d))
+    ids, _ = batch()
+    model(ids)
+    T, K = ids.numel(), model.config.num_experts_per_tok
+    assert seen and all(n == T * K for n in seen)
+
+
+def test_every_layer_returns_its_routing(family):
+    """Each layer exposes native logits [T,E], its top-K experts [T,K] and weights; Granite weights sum to 1."""
+    from tests.conftest import tiny_model
+    model = tiny_model(family)
+    ids, mask = batch()
+    out = model(ids, attention_mask=mask)
+    c = model.config
+    assert len(out.routings) == c.num_hidden_layers
+    for r in out.routings:
+        assert r.logits.shape == (ids.numel(), c.num_experts) and r.logits.dtype == torch.float32
+        assert r.experts.shape == r.weights.shape == (ids.numel(), c.num_experts_per_tok)
+        probs = r.logits.softmax(-1)
+        torch.testing.assert_close(r.experts, probs.topk(c.num_experts_per_tok).indices)
+        if c.norm_topk_prob:
+            torch.testing.assert_close(r.weights.sum(-1), torch.ones(ids.numel()))
+
+
+def test_aux_loss_matches_transformers(family, tmp_path):
+    """The load-balancing loss over all layers, padding-aware, equals transformers' load_balancing_loss_func."""
+    ref, path = reference_model(family, tmp_path)
+    ours = minimoe.from_pretrained(path)
+    ids, mask = batch()
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask, output_router_logits=True).aux_loss
+        got = ours(ids, attention_mask=mask).aux_loss
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_config_values_raise():
+    """Config values the model cannot honour are refused with the field's name."""
+    with pytest.raises(ValueError, match="model_type"):
+        tiny_config("olmoe", model_type="mixtral")
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        tiny_config("olmoe", num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        tiny_config("olmoe", num_key_value_heads=3)
+    with pytest.raises(ValueError, match="rope_scaling"):
+        tiny_config("olmoe", rope_scaling={"type": "linear", "factor": 2.0})
