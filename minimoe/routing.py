@@ -1,4 +1,4 @@
-"""Routing policies: the swappable part of each MoE block (`MoEBlock.router`).
+"""Routing policies: the swappable part of each MoE block (`MoEBlock.router`), and `set_router`.
 
 A policy is an nn.Module called as `router(x, logits, experts=None) -> Routing` with x [T, D] the
 pre-expert hidden state h_t and logits [T, E] the native affinity logits a_t = W_aff h_t
@@ -6,13 +6,75 @@ pre-expert hidden state h_t and logits [T, E] the native affinity logits a_t = W
 (gradient checkpointing's recompute): the policy must then use it instead of its own top-K and
 compute everything else as usual. Its parameters live under `...mlp.router.*`; the checkpoint's
 own gate stays at `...mlp.gate`.
+
+Methods (`set_router(model, method, layers, **options)`):
+- native `NativeRouter`: the family's top-K (Eq. native_affinity, native_moe_output).
+- dual   `DualAffinityRouter`: the Dual Affinity control; a trainable copy of the gate,
+         `router.affinity`, mixed with the frozen native logits, then the native policy.
+- tes    `TokenErrorRouter`: error head `router.error_head` (Eq. positive_error_head), attenuated
+         routing (Eq. attenuated_routing_score, started_log_transform or shifted_log_ablation_score)
+         and the error readout e_hat_t (Eq. aggregate_predicted_error).
+- acs    `ConcentrationRouter`: native routing plus C_t (Eq. affinity_concentration) with gradient.
+
+Readouts (`Routing.readouts`, one entry per token of the flattened B*T):
+- "prediction" [T]: what `objectives.supervision_loss` supervises; present only for tes (e_hat_t)
+  and acs (C_t), and its presence is what marks a layer as supervised.
+- "concentration" [T]: C_t of the native p over the native top-K (Eq. affinity_concentration,
+  diagnostic_token_concentration), for every policy. Detached except under acs, where it is the
+  prediction itself.
+- tes: "e_hat" [T] and "expert_scores" [T, E]; tes and dual: "routing_logits" [T, E], the logits
+  the selection used. `Routing.logits` stays the native a_t under every policy.
+
+Decisions where the paper is silent, and why:
+- The tes readout weights the *executed* experts (S_t^act, i.e. the attenuated top-K) by native p
+  renormalised over that set, as Eq. aggregate_predicted_error states; the FFN combines with the
+  attenuated probabilities under the family's own normalisation (`select_topk` on the attenuated
+  logits), as the text after Eq. started_log_transform states.
+- Nothing is detached on the tes path. The expert scores get gradient (1) from the readout,
+  pbar_i times the aggregate's, executed experts only (Eq. appendix_aggregate_component_derivative),
+  and (2) through the attenuated combine weights into the LM loss and the attached token CE. With
+  renormalisation over the K (Granite, OLMoE norm_topk_prob) path (2) reaches only the executed
+  experts' scores; without it (OLMoE default) every score gets some, through the full softmax
+  denominator ("where its normalization policy permits", app. aggregate_supervision_expert_scores).
+- The heads run in the model dtype like the gate; softplus, log and softmax run in fp32. The pure
+  log clamps e_hat at fp32's smallest normal so that a softplus underflow cannot give log 0.
+- Initialisation leaves routing native: started log, zero weight and bias, so every expert gets
+  phi = log(1 + log 2 / tau) and a per-token constant shift leaves softmax and top-K unchanged
+  (exact in math; in floats a_i - c rounds, so equal to ~1e-7 relative, not bitwise). Pure log,
+  zero weight and bias log(e - 1), so e_hat = 1 and phi = 0 (to the rounding of log(e-1); in bf16
+  it rounds to e_hat ~ 1.002, still the same for every expert).
+- Dual computes the copy as `linear(x, W) + b` (the gate's own op, then an exact +0 at init) and
+  mixes as a + w (a_copy - a), which is (1 - w) a + w a_copy, so at init it is bitwise native for
+  every w.
+- The concentration diagnostic uses the native top-K and native p (the ACS appendix's S_t) even
+  under tes/dual, whose executed set may differ.
+- `set_router` describes the whole model: layers out of scope get `NativeRouter` back and every gate
+  is frozen except in scope with tune_router=True. `router_spec` stores every option with its
+  resolved default, so a saved adapter does not change meaning if a default changes.
 """
 from __future__ import annotations
 
+import math
+from numbers import Integral, Real
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from minimoe.model import Routing
+
+TRANSFORMS = ("started-log", "log")
+# Each method's options and their defaults (paper: gamma = tau = 1, mixing weight 0.5).
+METHOD_OPTIONS = {
+    "native": {"tune_router": False},
+    "dual": {"tune_router": False, "mix": 0.5},
+    "tes": {"tune_router": False, "gamma": 1.0, "tau": 1.0, "transform": "started-log"},
+    "acs": {"tune_router": False},
+}
+
+
+def _number(x) -> bool:
+    return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def select_topk(logits, k: int, renormalize: bool, experts=None):
@@ -31,6 +93,36 @@ def select_topk(logits, k: int, renormalize: bool, experts=None):
     return experts, weights
 
 
+def concentration(logits, experts):
+    """C_t = sum_{i in S} pbar_i^2, pbar = softmax(logits) renormalised over S = `experts` -> [T].
+
+    Eq. affinity_concentration; differentiable w.r.t. the logits (Eq. appendix_affinity_concentration_logit_gradient).
+    """
+    p = logits.float().softmax(dim=-1).gather(-1, experts)  # [T, K]
+    pbar = p / p.sum(dim=-1, keepdim=True)
+    return pbar.pow(2).sum(dim=-1)
+
+
+def native_concentration(logits, k: int, renormalize: bool):
+    """Diagnostic C_t over the native top-K, without gradient -> [T]."""
+    with torch.no_grad():
+        return concentration(logits, select_topk(logits, k, renormalize)[0])
+
+
+def attenuate(logits, e_hat, gamma: float = 1.0, tau: float = 1.0, transform: str = "started-log"):
+    """a - gamma * phi(e_hat) [T, E] (Eq. attenuated_routing_score).
+
+    phi = log(1 + e/tau) (Eq. started_log_transform) or the pure-log control log e
+    (Eq. shifted_log_ablation_score, where tau is unused).
+    """
+    e_hat = e_hat.float()
+    if transform == "started-log":
+        phi = torch.log1p(e_hat / tau)
+    else:
+        phi = torch.log(e_hat.clamp_min(torch.finfo(torch.float32).tiny))
+    return logits.float() - gamma * phi
+
+
 class NativeRouter(nn.Module):
     """The family's own policy (Eq. native_affinity, native_moe_output)."""
 
@@ -40,4 +132,143 @@ class NativeRouter(nn.Module):
 
     def forward(self, x, logits, experts=None):
         experts, weights = select_topk(logits, self.top_k, self.renormalize, experts)
-        return Routing(logits=logits, experts=experts, weights=weights)
+        with torch.no_grad():
+            c = concentration(logits, experts)
+        return Routing(logits=logits, experts=experts, weights=weights, readouts={"concentration": c})
+
+
+class ConcentrationRouter(NativeRouter):
+    """ACS: native routing; the supervised prediction is C_t over the native top-K, with gradient."""
+
+    def __init__(self, top_k: int, renormalize: bool):
+        if top_k < 2:
+            raise ValueError(f"acs: num_experts_per_tok is {top_k}; affinity concentration needs K >= 2 "
+                             "(with K = 1, C_t = 1 for every token and gives no gradient)")
+        super().__init__(top_k, renormalize)
+
+    def forward(self, x, logits, experts=None):
+        experts, weights = select_topk(logits, self.top_k, self.renormalize, experts)
+        c = concentration(logits, experts)  # [T]
+        return Routing(logits=logits, experts=experts, weights=weights,
+                       readouts={"concentration": c, "prediction": c})
+
+
+class DualAffinityRouter(NativeRouter):
+    """Dual Affinity: logits (1 - w) a + w a_copy, with `affinity` a trainable copy of the native gate."""
+
+    def __init__(self, gate: nn.Linear, top_k: int, renormalize: bool, mix: float = 0.5):
+        if not (_number(mix) and 0.0 <= mix <= 1.0):
+            raise ValueError(f"dual: mix={mix!r}; expected a mixing weight in [0, 1]")
+        super().__init__(top_k, renormalize)
+        self.mix = float(mix)
+        w = gate.weight
+        self.affinity = nn.Linear(w.shape[1], w.shape[0], bias=True, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            self.affinity.weight.copy_(w)
+            self.affinity.bias.zero_()
+
+    def forward(self, x, logits, experts=None):
+        # The gate's own op plus an fp32 bias, so that at init a_copy equals a bit for bit.
+        copy = F.linear(x, self.affinity.weight).float() + self.affinity.bias.float()  # [T, E]
+        mixed = logits + self.mix * (copy - logits)
+        experts, weights = select_topk(mixed, self.top_k, self.renormalize, experts)
+        readouts = {"routing_logits": mixed,
+                    "concentration": native_concentration(logits, self.top_k, self.renormalize)}
+        return Routing(logits=logits, experts=experts, weights=weights, readouts=readouts)
+
+
+class TokenErrorRouter(NativeRouter):
+    """TES: per-expert error scores e = softplus(W_e h + b_e) attenuate the native logits."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
+                 gamma: float = 1.0, tau: float = 1.0, transform: str = "started-log", device=None, dtype=None):
+        if not (_number(gamma) and gamma >= 0):
+            raise ValueError(f"tes: gamma={gamma!r}; expected a finite attenuation strength >= 0")
+        if not (_number(tau) and tau > 0):
+            raise ValueError(f"tes: tau={tau!r}; expected a finite reference scale > 0")
+        if transform not in TRANSFORMS:
+            raise ValueError(f"tes: transform={transform!r}; expected one of {TRANSFORMS}")
+        super().__init__(top_k, renormalize)
+        self.gamma, self.tau, self.transform = float(gamma), float(tau), transform
+        self.error_head = nn.Linear(hidden_size, num_experts, bias=True, device=device, dtype=dtype)
+        with torch.no_grad():  # neutral start: routing is native (see the module docstring)
+            self.error_head.weight.zero_()
+            self.error_head.bias.fill_(0.0 if transform == "started-log" else math.log(math.e - 1))
+
+    def forward(self, x, logits, experts=None):
+        scores = F.softplus(self.error_head(x).float())  # [T, E] e_hat_{t,i} > 0
+        attenuated = attenuate(logits, scores, self.gamma, self.tau, self.transform)
+        experts, weights = select_topk(attenuated, self.top_k, self.renormalize, experts)
+        p = logits.softmax(dim=-1).gather(-1, experts)  # [T, K] native p on the executed set
+        pbar = p / p.sum(dim=-1, keepdim=True)
+        e_hat = (pbar * scores.gather(-1, experts)).sum(dim=-1)  # [T]
+        readouts = {"e_hat": e_hat, "prediction": e_hat, "expert_scores": scores, "routing_logits": attenuated,
+                    "concentration": native_concentration(logits, self.top_k, self.renormalize)}
+        return Routing(logits=logits, experts=experts, weights=weights, readouts=readouts)
+
+
+# ----------------------------------------------------------------------------- set_router
+
+def resolve_layers(layers, num_layers: int) -> list[int]:
+    """'final' | 'all' | 'first:N' | 'last:N' | list of indices -> sorted layer indices."""
+    if isinstance(layers, str):
+        head, _, count = layers.partition(":")
+        if layers == "final":
+            return [num_layers - 1]  # every layer of both families is sparse
+        if layers == "all":
+            return list(range(num_layers))
+        if head in ("first", "last") and count.isdigit() and 1 <= int(count) <= num_layers:
+            n = int(count)
+            return list(range(n)) if head == "first" else list(range(num_layers - n, num_layers))
+        raise ValueError(f"set_router: layers={layers!r} is not understood; expected 'final', 'all', "
+                         f"'first:N' or 'last:N' with 1 <= N <= {num_layers}, or a list of layer indices")
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ValueError(f"set_router: layers={layers!r}; expected a scope name or a non-empty list of indices")
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, Integral) or not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"set_router: layer index {bad[0]!r} is out of range; the model has layers "
+                         f"0..{num_layers - 1}")
+    return sorted({int(i) for i in layers})
+
+
+def _build(method: str, opts: dict, gate: nn.Linear, config):
+    K, renorm = config.num_experts_per_tok, config.norm_topk_prob
+    if method == "dual":
+        return DualAffinityRouter(gate, K, renorm, opts["mix"])
+    if method == "tes":
+        w = gate.weight
+        return TokenErrorRouter(w.shape[1], w.shape[0], K, renorm, opts["gamma"], opts["tau"], opts["transform"],
+                                device=w.device, dtype=w.dtype)
+    return ConcentrationRouter(K, renorm) if method == "acs" else NativeRouter(K, renorm)
+
+
+def set_router(model, method: str = "native", layers="final", **options):
+    """Install `method`'s policy on the layers in scope and record `model.router_spec`.
+
+    `set_router(model, **model.router_spec)` rebuilds the same structure (an adapter loader's
+    route). New heads are trainable; each native gate `mlp.gate.weight` is frozen unless it is in
+    scope and tune_router=True ("+ affinity tuning"). Layers out of scope get the native policy.
+    """
+    if method not in METHOD_OPTIONS:
+        raise ValueError(f"set_router: unknown method {method!r}; expected one of {list(METHOD_OPTIONS)}")
+    unknown = sorted(set(options) - set(METHOD_OPTIONS[method]))
+    if unknown:
+        raise ValueError(f"set_router: option(s) {unknown} do not apply to method {method!r}; "
+                         f"it takes {sorted(METHOD_OPTIONS[method])}")
+    opts = {**METHOD_OPTIONS[method], **options}
+    if not isinstance(opts["tune_router"], bool):
+        raise ValueError(f"set_router: tune_router={opts['tune_router']!r}; expected True or False")
+    for name in ("mix", "gamma", "tau"):  # floats in the spec, so that it stays JSON-serialisable
+        if name in opts and _number(opts[name]):
+            opts[name] = float(opts[name])
+    blocks = [layer.mlp for layer in model.model.layers]
+    scope = resolve_layers(layers, len(blocks))
+    c = model.config
+    # Build every router first, so that a bad option leaves the model untouched.
+    routers = [_build(method, opts, mlp.gate, c) if i in scope else NativeRouter(c.num_experts_per_tok, c.norm_topk_prob)
+               for i, mlp in enumerate(blocks)]
+    for i, (mlp, router) in enumerate(zip(blocks, routers)):
+        mlp.router = router
+        mlp.gate.weight.requires_grad_(i in scope and opts["tune_router"])
+    model.router_spec = {"method": method, "layers": scope, **opts}
+    return model

@@ -1,0 +1,72 @@
+"""Token-error supervision objectives (TES and ACS share them; the paper's Section 3.3-3.5).
+
+- `itakura_saito`: Eq. token_is_loss, L+/e - log(L+/e) - 1 with the floor L+ = max(L_CE, eps).
+- `exponential_nll`: Eq. token_enll_loss, L/e + log e.
+- `supervision_loss`: Eq. averaged_training_losses, the mean over supervised layers and tokens.
+  The total objective (Eq. total_loss) is the trainer's: CE + lambda_m * this + lambda_aux * aux.
+
+Decisions where the paper is silent, and why:
+- The observed CE is never detached: IS and ENLL differ exactly in the gradient they send through it
+  (Eq. appendix_is_token_loss_gradient, appendix_enll_token_loss_gradient). Below the floor the IS
+  gradient through the observed CE is zero (clamp); at exactly L = eps it passes (torch's clamp
+  convention, one choice of the subgradient the paper leaves open).
+- A layer is supervised when its `Routing.readouts` has a "prediction" (tes: e_hat_t, acs: C_t).
+  Every supervised layer sees the same supervised tokens, so the double sum of Eq.
+  averaged_training_losses is the mean over layers of per-layer token means.
+- `depth_scaled=True` multiplies by |M|: the per-layer strength of final-layer-only supervision at
+  any depth (app. acs_depth_coefficient_scaling, "scale lambda by the number of supervised layers").
+- Losses run in at least fp32 whatever the model dtype: L/e - log(L/e) - 1 cancels near the match.
+"""
+from __future__ import annotations
+
+import torch
+
+OBJECTIVES = ("is", "enll")
+
+
+def _at_least_fp32(x):
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def itakura_saito(pred, observed, eps: float = 1e-8):
+    """Per-token IS divergence (Eq. token_is_loss); `observed` stays attached."""
+    ratio = _at_least_fp32(observed).clamp_min(eps) / _at_least_fp32(pred)
+    return ratio - torch.log(ratio) - 1
+
+
+def exponential_nll(pred, observed):
+    """Per-token exponential negative log-likelihood with mean `pred` (Eq. token_enll_loss)."""
+    pred = _at_least_fp32(pred)
+    return _at_least_fp32(observed) / pred + torch.log(pred)
+
+
+def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: float = 1e-8,
+                     depth_scaled: bool = False):
+    """L_m (Eq. averaged_training_losses) -> scalar.
+
+    routings: the model output's list, one Routing per layer, tokens flattened as B*T.
+    token_ce [B, T]: observed next-token CE at the position whose hidden state routed,
+        ce[b, t] = CE(logits[b, t], ids[b, t + 1]), attached to the graph.
+    mask [B, T] bool: supervised positions (no padding, no ignored or missing target).
+    """
+    if objective not in OBJECTIVES:
+        raise ValueError(f"supervision_loss: unknown objective {objective!r}; expected one of {OBJECTIVES}")
+    preds = [r.readouts["prediction"] for r in routings if "prediction" in r.readouts]
+    if not preds:
+        raise ValueError("supervision_loss: no layer is supervised (no Routing has a 'prediction' readout); "
+                         "install tes or acs with minimoe.set_router")
+    if token_ce.shape != mask.shape:
+        raise ValueError(f"supervision_loss: token_ce {tuple(token_ce.shape)} and mask {tuple(mask.shape)} differ")
+    m = mask.reshape(-1).bool()
+    if not m.any():
+        raise ValueError("supervision_loss: mask selects no token")
+    observed = token_ce.reshape(-1)[m]
+    total = 0.0
+    for pred in preds:
+        if pred.shape != m.shape:
+            raise ValueError(f"supervision_loss: a layer's prediction has shape {tuple(pred.shape)}; "
+                             f"expected ({m.numel()},) = B*T tokens")
+        p = pred[m]
+        per_token = itakura_saito(p, observed, eps) if objective == "is" else exponential_nll(p, observed)
+        total = total + per_token.mean()
+    return total if depth_scaled else total / len(preds)

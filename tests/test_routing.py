@@ -1,0 +1,340 @@
+"""Tests for minimoe.routing: each test names the paper equation, contract or bad input it checks."""
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.objectives import itakura_saito, supervision_loss
+from minimoe.routing import (
+    ConcentrationRouter,
+    DualAffinityRouter,
+    NativeRouter,
+    TokenErrorRouter,
+    attenuate,
+    concentration,
+    select_topk,
+    set_router,
+)
+
+FAMILIES = {
+    "granite": dict(model_type="granitemoe", tie_word_embeddings=True, embedding_multiplier=12.0,
+                    residual_multiplier=0.22, logits_scaling=6.0, attention_multiplier=0.1),
+    "olmoe": dict(model_type="olmoe"),
+    "olmoe-norm": dict(model_type="olmoe", norm_topk_prob=True),
+}
+POLICY_TYPES = {"native": NativeRouter, "dual": DualAffinityRouter, "tes": TokenErrorRouter, "acs": ConcentrationRouter}
+
+
+def tiny_model(family="olmoe", seed=0, top_k=2):
+    torch.manual_seed(seed)
+    config = MoEConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
+                       num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=top_k,
+                       **FAMILIES[family])
+    return init_weights(MoEForCausalLM(config), std=0.2)
+
+
+def token_ce(logits, ids):
+    """ce[b, t] = CE(logits[b, t], ids[b, t + 1]); the last position has no target (mask False)."""
+    B, T, V = logits.shape
+    ce = F.cross_entropy(logits[:, :-1].float().reshape(-1, V), ids[:, 1:].reshape(-1), reduction="none")
+    mask = torch.ones(B, T, dtype=torch.bool)
+    mask[:, -1] = False
+    return torch.cat([ce.view(B, T - 1), ce.new_zeros(B, 1)], dim=1), mask
+
+
+def tes_router(renormalize, gamma=1.0, tau=1.0, transform="started-log", D=16, E=8, K=3, seed=0):
+    """A TES policy with a random (non-neutral) error head, and random inputs for it."""
+    g = torch.Generator().manual_seed(seed)
+    router = TokenErrorRouter(D, E, K, renormalize, gamma, tau, transform)
+    with torch.no_grad():
+        router.error_head.weight.copy_(torch.randn(E, D, generator=g))
+        router.error_head.bias.copy_(torch.randn(E, generator=g))
+    return router, torch.randn(32, D, generator=g), 2 * torch.randn(32, E, generator=g)
+
+
+# ---- attenuation geometry (Eq. attenuated_probability, app. shifted_log_geometry) -----------------
+
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("gamma,tau", [(1.0, 1.0), (2.5, 0.3)])
+def test_attenuated_probability_is_native_times_inverse_error_factor(renormalize, gamma, tau):
+    # Eq. attenuated_probability: p~_i = p_i (1 + e_i/tau)^-gamma / sum_j p_j (1 + e_j/tau)^-gamma,
+    # and the FFN weights are p~ on the executed set under the family's normalisation.
+    router, x, logits = tes_router(renormalize, gamma, tau)
+    r = router(x, logits)
+    e = r.readouts["expert_scores"].detach().double()
+    unnorm = logits.double().softmax(-1) * (1 + e / tau) ** -gamma
+    p_att = unnorm / unnorm.sum(-1, keepdim=True)
+    torch.testing.assert_close(r.readouts["routing_logits"].double().softmax(-1), p_att, rtol=1e-5, atol=1e-7)
+    assert torch.equal(r.experts.sort(-1).values, p_att.topk(3, -1).indices.sort(-1).values)
+    expected = p_att.gather(-1, r.experts)
+    if renormalize:
+        expected = expected / expected.sum(-1, keepdim=True)
+    torch.testing.assert_close(r.weights.double(), expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_gamma_zero_recovers_native_routing(renormalize):
+    # Eq. attenuated_routing_score at gamma = 0: a~ = a exactly, whatever the error head says.
+    router, x, logits = tes_router(renormalize, gamma=0.0)
+    r = router(x, logits)
+    experts, weights = select_topk(logits, 3, renormalize)
+    assert torch.equal(r.experts, experts) and torch.equal(r.weights, weights)
+
+
+def test_pairwise_routing_odds():
+    # Eq. appendix_shifted_log_pairwise: p~_i / p~_j = (p_i / p_j) ((tau + e_i) / (tau + e_j))^-gamma.
+    gamma, tau = 1.7, 0.6
+    router, x, logits = tes_router(True, gamma, tau)
+    r = router(x, logits)
+    p, e = logits.double().softmax(-1), r.readouts["expert_scores"].detach().double()
+    p_att = r.readouts["routing_logits"].double().softmax(-1)
+    for i, j in [(0, 1), (2, 7), (5, 3)]:
+        expected = p[:, i] / p[:, j] * ((tau + e[:, i]) / (tau + e[:, j])) ** -gamma
+        torch.testing.assert_close(p_att[:, i] / p_att[:, j], expected, rtol=1e-5, atol=0)
+
+
+def test_started_log_rescaling_identity():
+    # Eq. appendix_shifted_log_rescaling: phi_tau(xi e) = phi_{tau/xi}(e); read off a~ = a - phi.
+    e, a = torch.rand(100, dtype=torch.float64) * 5 + 1e-3, torch.zeros(100, dtype=torch.float64)
+    for xi, tau in [(0.5, 1.0), (3.0, 0.2), (10.0, 7.0)]:
+        torch.testing.assert_close(attenuate(a, xi * e, 1.0, tau), attenuate(a, e, 1.0, tau / xi))
+
+
+@pytest.mark.parametrize("gamma,tau", [(1.0, 1.0), (0.4, 2.0)])
+def test_started_log_derivatives(gamma, tau):
+    # Eq. appendix_shifted_log_derivatives: da~/de = -gamma/(tau + e), da~/dlog e = -gamma e/(tau + e).
+    log_e = torch.linspace(-4, 4, 17, dtype=torch.float64, requires_grad=True)
+    e = log_e.exp()
+    e.retain_grad()
+    attenuate(torch.zeros_like(e), e, gamma, tau).sum().backward()
+    ed = e.detach()
+    torch.testing.assert_close(e.grad, -gamma / (tau + ed))
+    torch.testing.assert_close(log_e.grad, -gamma * ed / (tau + ed))
+
+
+def test_pure_log_transform():
+    # Eq. shifted_log_ablation_score: a~ = a - gamma log e; a common rescaling of e is a shared shift.
+    a, e = torch.randn(4, 8), torch.rand(4, 8) + 0.1
+    torch.testing.assert_close(attenuate(a, e, 2.0, transform="log"), a - 2.0 * e.log())
+    shifted = attenuate(a, 5.0 * e, 2.0, transform="log")
+    torch.testing.assert_close(shifted.softmax(-1), attenuate(a, e, 2.0, transform="log").softmax(-1))
+
+
+# ---- initialisation: routing exactly native ---------------------------------------------------------
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("method,options", [("dual", {}), ("dual", {"mix": 0.3}), ("tes", {}),
+                                            ("tes", {"transform": "log"})])
+def test_new_heads_start_native(family, method, options):
+    # Dual: a + w (a_copy - a) with a_copy == a bit for bit, so the logits are torch.equal.
+    # TES: every expert gets the same phi (softplus(0) = log 2, or e_hat = 1 for pure log), a per-token
+    # constant that softmax ignores (Eq. attenuated_probability's factor cancels). In floats a_i - c
+    # rounds per element, so the LM logits agree to ~1e-7 of their scale, not bit for bit; the
+    # executed experts are identical.
+    model = tiny_model(family)
+    ids = torch.randint(0, 128, (2, 12))
+    ref = model(ids)
+    out = set_router(model, method, "all", **options)(ids)
+    for r, n in zip(out.routings, ref.routings):
+        assert torch.equal(r.experts, n.experts)
+        torch.testing.assert_close(r.weights, n.weights, rtol=1e-6, atol=1e-7)
+    if method == "dual":
+        assert torch.equal(out.logits, ref.logits)
+    else:
+        assert (out.logits - ref.logits).abs().max() <= 1e-6 * ref.logits.abs().max()
+        scores = out.routings[0].readouts["expert_scores"]
+        expected = math.log(2.0) if options.get("transform", "started-log") == "started-log" else 1.0
+        torch.testing.assert_close(scores, torch.full_like(scores, expected), rtol=1e-6, atol=0)
+
+
+# ---- affinity concentration (Eq. affinity_concentration) --------------------------------------------
+
+def test_concentration_bounds_and_uniform_value():
+    # Eq. affinity_concentration: 1/K <= C_t <= 1, and C_t = 1/K at uniform selected affinity.
+    K = 3
+    logits = 3 * torch.randn(500, 8)
+    experts, _ = select_topk(logits, K, False)
+    c = concentration(logits, experts)
+    assert (c >= 1 / K - 1e-6).all() and (c <= 1 + 1e-6).all()
+    uniform = torch.tensor([[1.0, 1.0, 1.0, -2.0, 0.5, -1.0, 0.0, 0.3]])
+    torch.testing.assert_close(concentration(uniform, select_topk(uniform, K, False)[0]), torch.tensor([1 / K]))
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_concentration_logit_gradient(renormalize):
+    # Eq. appendix_affinity_concentration_logit_gradient: dC/da_i = 2 pbar_i (pbar_i - C) on the
+    # selected set, 0 elsewhere; through the acs policy's "prediction" readout.
+    logits = (2 * torch.randn(64, 8)).requires_grad_()  # routing math is fp32
+    r = ConcentrationRouter(3, renormalize)(None, logits)
+    assert r.readouts["prediction"] is r.readouts["concentration"]
+    c = r.readouts["prediction"]
+    c.sum().backward()
+    p = logits.detach().softmax(-1).gather(-1, r.experts)
+    pbar = p / p.sum(-1, keepdim=True)
+    expected = torch.zeros_like(logits).scatter(-1, r.experts, 2 * pbar * (pbar - c.detach()[:, None]))
+    torch.testing.assert_close(logits.grad, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_concentration_readout_is_native_and_diagnostic_for_every_policy():
+    # The diagnostic C_t is over the native top-K with native p, detached, for every policy.
+    model = set_router(tiny_model(), "tes", "all", gamma=3.0)
+    for mlp in (layer.mlp for layer in model.model.layers):
+        with torch.no_grad():
+            mlp.router.error_head.weight.normal_(0, 1.0)
+    out = model(torch.randint(0, 128, (2, 12)))
+    r = out.routings[-1]
+    native = select_topk(r.logits, 2, False)[0]
+    assert not torch.equal(native, r.experts)  # attenuation moved the route, so the sets differ
+    torch.testing.assert_close(r.readouts["concentration"], concentration(r.logits, native))
+    assert not r.readouts["concentration"].requires_grad
+
+
+# ---- the tes readout (Eq. aggregate_predicted_error) ------------------------------------------------
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_tes_readout_weights_executed_scores_by_native_affinity(renormalize):
+    # Eq. aggregate_predicted_error: e_hat_t = sum_{i in S_act} pbar_i e_i with native p renormalised
+    # over the executed (attenuated) set.
+    router, x, logits = tes_router(renormalize, gamma=2.0)
+    r = router(x, logits)
+    p = logits.softmax(-1).gather(-1, r.experts)
+    expected = (p / p.sum(-1, keepdim=True) * r.readouts["expert_scores"].gather(-1, r.experts)).sum(-1)
+    torch.testing.assert_close(r.readouts["e_hat"], expected)
+    assert r.readouts["prediction"] is r.readouts["e_hat"]
+
+
+def test_expert_score_gradient_is_pbar_times_aggregate_gradient():
+    # Eq. appendix_aggregate_component_derivative (de_hat/de_i = pbar_i on S_act, 0 elsewhere) and
+    # Eq. appendix_is_component_gradient (dL_IS/de_i = pbar_i (e_hat - L+)/e_hat^2).
+    router, x, logits = tes_router(True, gamma=1.0)
+    r = router(x, logits)
+    scores, e_hat = r.readouts["expert_scores"], r.readouts["e_hat"]
+    scores.retain_grad()
+    observed = torch.rand(32) * 4
+    itakura_saito(e_hat, observed).sum().backward()
+    p = logits.softmax(-1).gather(-1, r.experts)
+    pbar = p / p.sum(-1, keepdim=True)
+    e = e_hat.detach()[:, None]
+    expected = torch.zeros_like(scores).scatter(-1, r.experts, pbar * (e - observed[:, None]) / e**2)
+    torch.testing.assert_close(scores.grad, expected)
+
+
+# ---- replay (gradient checkpointing) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [lambda: NativeRouter(3, True), lambda: ConcentrationRouter(3, False),
+                                  lambda: tes_router(False, gamma=2.0)[0],
+                                  lambda: DualAffinityRouter(torch.nn.Linear(16, 8, bias=False), 3, True)])
+def test_policies_replay_a_given_selection(make):
+    # The protocol: with `experts` given, the policy uses them and computes everything else as usual.
+    router, x, logits = make(), torch.randn(32, 16), 2 * torch.randn(32, 8)
+    first = router(x, logits)
+    again = router(x, logits, experts=first.experts)
+    assert torch.equal(again.weights, first.weights)
+    for k in first.readouts:
+        assert torch.equal(again.readouts[k], first.readouts[k])
+    other = torch.arange(3).expand(32, 3)
+    assert torch.equal(router(x, logits, experts=other).experts, other)
+
+
+@pytest.mark.parametrize("family", ["granite", "olmoe"])
+@pytest.mark.parametrize("method", ["tes", "dual"])
+def test_gradient_checkpointing_gives_the_same_grads(family, method):
+    model = set_router(tiny_model(family), method, "all")
+    with torch.no_grad():  # move every head off its neutral start, so attenuation changes routes
+        for name, p in model.named_parameters():
+            if ".router." in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    ids = torch.randint(0, 128, (2, 12))
+    grads = []
+    for ckpt in (False, True):
+        m = copy.deepcopy(model)
+        m.gradient_checkpointing_enable(ckpt)
+        out = m(ids)
+        ce, mask = token_ce(out.logits, ids)
+        loss = ce[mask].mean()
+        if method == "tes":
+            loss = loss + 1e-1 * supervision_loss(out.routings, ce, mask, "is")
+        loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and any(".router." in n for n in grads[0])
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+# ---- set_router: scope, spec, parameters -------------------------------------------------------------
+
+@pytest.mark.parametrize("layers,expected", [("final", [2]), ("first:2", [0, 1]), ("last:2", [1, 2]),
+                                             ("all", [0, 1, 2]), ([0, 2], [0, 2]), ((2, 0, 2), [0, 2])])
+@pytest.mark.parametrize("method", list(POLICY_TYPES))
+def test_layer_scope_and_spec_rebuild(layers, expected, method):
+    model = set_router(tiny_model(), method, layers)
+    spec = model.router_spec
+    assert spec["method"] == method and spec["layers"] == expected
+    for i, layer in enumerate(model.model.layers):
+        assert type(layer.mlp.router) is (POLICY_TYPES[method] if i in expected else NativeRouter)
+    # An adapter saver writes the spec as JSON; set_router(model, **spec) rebuilds the same structure.
+    rebuilt = set_router(tiny_model(seed=1), **json.loads(json.dumps(spec)))
+    assert rebuilt.router_spec == spec
+    assert {n: p.shape for n, p in rebuilt.named_parameters()} == {n: p.shape for n, p in model.named_parameters()}
+    assert ([n for n, p in rebuilt.named_parameters() if p.requires_grad]
+            == [n for n, p in model.named_parameters() if p.requires_grad])
+
+
+def test_supervised_layers_follow_the_scope():
+    model = set_router(tiny_model(), "acs", "first:2")
+    out = model(torch.randint(0, 128, (1, 8)))
+    assert ["prediction" in r.readouts for r in out.routings] == [True, True, False]
+
+
+def test_parameter_names_and_freezing():
+    # The naming contract the trainer's AdamW groups rely on, and who is trainable.
+    model = set_router(tiny_model(), "tes", "last:2")
+    named = dict(model.named_parameters())
+    heads = [n for n in named if ".router." in n]
+    assert heads == [f"model.layers.{i}.mlp.router.error_head.{w}" for i in (1, 2) for w in ("weight", "bias")]
+    assert all(named[n].requires_grad for n in heads)
+    assert not any(named[f"model.layers.{i}.mlp.gate.weight"].requires_grad for i in range(3))
+
+    model = set_router(model, "dual", "final", tune_router=True)
+    named = dict(model.named_parameters())
+    assert [n for n in named if ".router." in n] == ["model.layers.2.mlp.router.affinity.weight",
+                                                     "model.layers.2.mlp.router.affinity.bias"]
+    assert torch.equal(named["model.layers.2.mlp.router.affinity.weight"], named["model.layers.2.mlp.gate.weight"])
+    assert not named["model.layers.2.mlp.router.affinity.bias"].any()
+    assert [named[f"model.layers.{i}.mlp.gate.weight"].requires_grad for i in range(3)] == [False, False, True]
+
+    model = set_router(model, "native", "all", tune_router=True)  # "CE + affinity tuning"
+    assert not any(".router." in n for n, _ in model.named_parameters())
+    assert all(layer.mlp.gate.weight.requires_grad for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(method="moe"), "unknown method"),
+    (dict(method="tes", gamma=-0.1), "gamma"),
+    (dict(method="tes", tau=0.0), "tau"),
+    (dict(method="tes", tau=-1.0), "tau"),
+    (dict(method="tes", transform="log1p"), "transform"),
+    (dict(method="dual", mix=1.5), "mix"),
+    (dict(method="dual", mix=-0.1), "mix"),
+    (dict(method="acs", gamma=1.0), "do not apply"),
+    (dict(method="tes", layers=[0, 3]), "out of range"),
+    (dict(method="tes", layers=[-1]), "out of range"),
+    (dict(method="tes", layers="last:4"), "last:4"),
+    (dict(method="tes", layers="middle"), "middle"),
+    (dict(method="native", tune_router="yes"), "tune_router"),
+])
+def test_bad_options_raise_clear_errors(kwargs, match):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=match):
+        set_router(model, **kwargs)
+    assert type(model.model.layers[2].mlp.router) is NativeRouter  # the model is left as it was
+
+
+def test_acs_with_one_expert_per_token_raises():
+    with pytest.raises(ValueError, match="K >= 2"):
+        set_router(tiny_model(top_k=1), "acs")
