@@ -2,6 +2,7 @@
 from minimoe.checkpoint import from_pretrained, load_tokenizer, save_pretrained
 from minimoe.generate import generate
 from minimoe.model import CausalLMOutput, KVCache, MoEConfig, MoEForCausalLM, Routing
+from minimoe.routing import set_router
 
 __all__ = ["from_pretrained", "load_tokenizer", "save_pretrained", "generate",
-           "CausalLMOutput", "KVCache", "MoEConfig", "MoEForCausalLM", "Routing"]
+           "CausalLMOutput", "KVCache", "MoEConfig", "MoEForCausalLM", "Routing", "set_router"]
