@@ -42,7 +42,7 @@ Decisions where the paper is silent, and why:
   phi = log(1 + log 2 / tau) and a per-token constant shift leaves softmax and top-K unchanged
   (exact in math; in floats a_i - c rounds, so equal to ~1e-7 relative, not bitwise). Pure log,
   zero weight and bias log(e - 1), so e_hat = 1 and phi = 0 (to the rounding of log(e-1); in bf16
-  it rounds to e_hat ~ 1.002, still the same for every expert).
+  it rounds to e_hat ~ 1.001, still the same for every expert).
 - Dual computes the copy as `linear(x, W) + b` (the gate's own op, then an exact +0 at init) and
   mixes as a + w (a_copy - a), which is (1 - w) a + w a_copy, so at init it is bitwise native for
   every w.
