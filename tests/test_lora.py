@@ -1,0 +1,359 @@
+"""Tests for minimoe.lora: each test names the equation, reference implementation or bad input it checks."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+import minimoe.model as M
+import minimoe.routing
+from minimoe.checkpoint import checkpoint_tensors
+from minimoe.lora import (add_lora, export_merged, load_adapter, lora_modules, merge_lora, save_adapter,
+                          trainable_parameters, unmerge_lora)
+from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
+
+FAMILIES = ["granitemoe", "olmoe"]
+GRANITE = dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+               logits_scaling=6.0, attention_multiplier=0.1)
+
+
+def tiny(family: str, seed: int = 0, **overrides) -> MoEForCausalLM:
+    """Dims are multiples of 8 so the grouped_mm path applies; std 0.2 so differences show in the logits."""
+    kw = dict(model_type=family, vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)
+    kw.update(GRANITE if family == "granitemoe" else {})
+    kw.update(overrides)
+    g = torch.Generator().manual_seed(seed)
+    return init_weights(MoEForCausalLM(MoEConfig(**kw)), std=0.2, generator=g).eval()
+
+
+def randomize_lora(model, seed: int = 1, std: float = 0.05):
+    """Move B (and A) away from their init, as training would."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith((".lora_A", ".lora_B")):
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+
+
+def ids(seed: int = 0, B: int = 2, T: int = 16):
+    return torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ---- the LoRA forward ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_zero_B_leaves_logits_unchanged(family):
+    """B starts at zero, so W x + scale * B A x = W x exactly, while A is nonzero (peft's init)."""
+    model = tiny(family)
+    before = model(ids()).logits
+    add_lora(model, targets=["q", "k", "v", "o", "experts"])
+    assert all(m.lora_A.abs().sum() > 0 and not m.lora_B.any() for m in lora_modules(model).values())
+    assert torch.equal(model(ids()).logits, before)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_merged_equals_unmerged_and_unmerge_restores_weights(family):
+    """merge_lora folds scale * B A into W; the merged forward must not add the LoRA path again."""
+    model = add_lora(tiny(family), targets=["q", "k", "v", "o", "experts"])
+    randomize_lora(model)
+    base = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith(".weight")}
+    unmerged = model(ids()).logits
+    merge_lora(model)
+    assert rel_err(model(ids()).logits, unmerged) < 1e-5
+    merge_lora(model)  # a second merge is a no-op
+    assert rel_err(model(ids()).logits, unmerged) < 1e-5
+    unmerge_lora(model)
+    for n, p in model.named_parameters():
+        if n in base:
+            torch.testing.assert_close(p, base[n], rtol=0, atol=1e-6)
+    assert torch.allclose(model(ids()).logits, unmerged, rtol=0, atol=1e-5)
+
+
+def reference_experts(experts_module, x, chosen, weights, gate_up_blocks):
+    """Per token and slot: x @ (W_e + scale * B_e A_e).T; the gate_up bank's A/B split into
+    `gate_up_blocks` independent LoRAs (OLMoE: gate_proj and up_proj), the down bank one LoRA."""
+    def weight(lin, e, blocks):
+        A, B = lin.lora_A[e], lin.lora_B[e]  # [blocks*r, in], [out, r]
+        r, rows = A.shape[0] // blocks, B.shape[0] // blocks
+        delta = torch.zeros_like(lin.weight[e])
+        for b in range(blocks):  # gate rows from the first r rows of A, up rows from the last r
+            delta[b * rows:(b + 1) * rows] = B[b * rows:(b + 1) * rows] @ A[b * r:(b + 1) * r]
+        return lin.weight[e] + lin.scale * delta
+
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(chosen.shape[1]):
+            e = chosen[t, k].item()
+            h = x[t] @ weight(experts_module.gate_up_proj, e, gate_up_blocks).T
+            gate, up = h.chunk(2)
+            out[t] += weights[t, k] * (F.silu(gate) * up @ weight(experts_module.down_proj, e, 1).T)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("grouped_mm", [True, False])
+def test_grouped_expert_lora_equals_per_expert_loop(family, grouped_mm, monkeypatch):
+    """Grouped A [E, blocks*r, D] / B [E, 2I, r] on sorted rows = a plain loop over (token, expert)."""
+    monkeypatch.setattr(M, "USE_GROUPED_MM", grouped_mm)
+    model = add_lora(tiny(family), targets=["experts"])
+    randomize_lora(model, std=0.2)
+    experts = model.model.layers[0].mlp.experts
+    blocks = 2 if family == "olmoe" else 1  # OLMoE: separate gate_proj / up_proj LoRAs
+    assert experts.gate_up_proj.lora_A.shape == (8, blocks * 8, 64)
+    assert experts.gate_up_proj.lora_B.shape == (8, 64, 8)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 64, generator=g)
+    chosen = torch.rand(24, 8, generator=g).topk(2, dim=-1).indices
+    chosen[:3] = torch.tensor([5, 6])  # expert 0 stays idle only if unchosen; make some blocks uneven
+    weights = torch.rand(24, 2, generator=g)
+    with torch.no_grad():
+        got = experts(x, chosen, weights)
+        want = reference_experts(experts, x, chosen, weights, blocks)
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="this torch has no grouped_mm")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_grouped_mm_and_loop_paths_give_same_logits_and_grads(family, monkeypatch):
+    """USE_GROUPED_MM True and False agree on logits and LoRA grads, and True really runs grouped_mm."""
+    calls = []
+    real = F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    results = []
+    for use in (True, False):
+        monkeypatch.setattr(M, "USE_GROUPED_MM", use)
+        model = add_lora(tiny(family), dropout=0.0)
+        randomize_lora(model)
+        logits = model(ids()).logits
+        logits.square().mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results.append((logits.detach(), grads))
+        if use:
+            # base and LoRA matmuls of both banks in both layers; OLMoE's gate_up LoRA B runs twice
+            assert len(calls) >= 2 * (2 + 2 + 2 + (1 if family == "olmoe" else 0))
+    (l1, g1), (l2, g2) = results
+    assert rel_err(l1, l2) < 1e-5
+    for n in g1:
+        assert rel_err(g1[n], g2[n]) < 1e-4, n
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_only_lora_and_method_heads_train_and_base_keeps_its_dtype(family):
+    """Everything but lora_A/lora_B is frozen; adapters are fp32 on a bf16 base that stays bf16."""
+    model = add_lora(tiny(family).to(torch.bfloat16), targets=["q", "v", "down"])
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {f"model.layers.{i}.{m}.{ab}" for i in range(2) for ab in ("lora_A", "lora_B")
+                         for m in ("self_attn.q_proj", "self_attn.v_proj", "mlp.experts.down_proj")}
+    for n, p in model.named_parameters():
+        assert p.dtype == (torch.float32 if n in trainable else torch.bfloat16), n
+    logits = model.train()(ids()).logits  # the bf16 forward with fp32 adapters runs and backprops
+    assert logits.dtype == torch.bfloat16
+    logits.float().mean().backward()
+    assert model.model.layers[0].mlp.experts.down_proj.lora_A.grad.dtype == torch.float32
+    # "affinity tuning" unfreezes the native gate; trainable_parameters puts it in its own group
+    model.model.layers[1].mlp.gate.weight.requires_grad_(True)
+    groups = trainable_parameters(model)
+    assert len(groups["lora"]) == 12 and [n for n, _ in groups["router"]] == ["model.layers.1.mlp.gate.weight"]
+    model.model.norm.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match="model.norm.weight"):
+        trainable_parameters(model)
+
+
+def test_lora_keeps_base_names_so_checkpoint_io_is_unchanged():
+    """The base parameter names survive; lora_A/B sit beside them and never reach the official layout."""
+    model = tiny("olmoe")
+    before = checkpoint_tensors(model)
+    add_lora(model)
+    names = dict(model.named_parameters())
+    assert "model.layers.0.mlp.experts.gate_up_proj.weight" in names
+    assert "model.layers.0.mlp.experts.gate_up_proj.lora_A" in names
+    assert "model.layers.1.self_attn.o_proj.lora_B" in names
+    after = checkpoint_tensors(model)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_gradient_checkpointing_gives_the_same_lora_grads(dropout):
+    """Checkpointing restores the RNG for the recompute, so dropout masks (and expert choices) match."""
+    grads = []
+    for checkpointing in (False, True):
+        model = add_lora(tiny("olmoe"), dropout=dropout).train()
+        randomize_lora(model)
+        model.gradient_checkpointing_enable(checkpointing)
+        torch.manual_seed(7)
+        out = model(ids())
+        (out.logits.square().mean() + out.aux_loss).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7, msg=n)
+    if dropout:  # and dropout really acted: a different seed gives other grads
+        model.gradient_checkpointing_enable(False)
+        model.zero_grad()
+        torch.manual_seed(8)
+        model(ids()).logits.square().mean().backward()
+        assert not torch.allclose(model.model.layers[0].self_attn.q_proj.lora_B.grad,
+                                  grads[0]["model.layers.0.self_attn.q_proj.lora_B"])
+
+
+# ---- against peft and transformers -----------------------------------------------------------------
+
+def test_olmoe_fused_bank_lora_equals_peft_per_expert_lora(tmp_path):
+    """Our A [E, 2r, D] / B [E, 2I, r] on the fused gate_up bank = peft's rank-r LoRAs on OLMoE's
+    per-expert gate_proj and up_proj (and down_proj, q/k/v/o), on transformers' OlmoeForCausalLM."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    model = tiny("olmoe")
+    model.save_pretrained(tmp_path / "base")
+    add_lora(model, rank=4, alpha=12, dropout=0.0, targets=["q", "k", "v", "o", "experts"])
+    randomize_lora(model, std=0.1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager",
+                                                           dtype=torch.float32)
+    hf = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=12, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).eval()
+    peft_params = dict(hf.named_parameters())
+    r, I = 4, 32
+    with torch.no_grad():
+        for i, layer in enumerate(model.model.layers):
+            theirs = f"base_model.model.model.layers.{i}"
+            for p in "qkvo":
+                lin = layer.self_attn.get_submodule(f"{p}_proj")
+                peft_params[f"{theirs}.self_attn.{p}_proj.lora_A.default.weight"].copy_(lin.lora_A)
+                peft_params[f"{theirs}.self_attn.{p}_proj.lora_B.default.weight"].copy_(lin.lora_B)
+            gu, down = layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj
+            for j in range(8):
+                e = f"{theirs}.mlp.experts.{j}"
+                # gate_proj: A rows [0, r), B rows [0, I); up_proj: A rows [r, 2r), B rows [I, 2I)
+                peft_params[f"{e}.gate_proj.lora_A.default.weight"].copy_(gu.lora_A[j, :r])
+                peft_params[f"{e}.gate_proj.lora_B.default.weight"].copy_(gu.lora_B[j, :I])
+                peft_params[f"{e}.up_proj.lora_A.default.weight"].copy_(gu.lora_A[j, r:])
+                peft_params[f"{e}.up_proj.lora_B.default.weight"].copy_(gu.lora_B[j, I:])
+                peft_params[f"{e}.down_proj.lora_A.default.weight"].copy_(down.lora_A[j])
+                peft_params[f"{e}.down_proj.lora_B.default.weight"].copy_(down.lora_B[j])
+        x = ids(5, B=2, T=24)
+        want = hf(x).logits
+        got = model(x).logits
+        with hf.disable_adapter():
+            base = hf(x).logits
+    assert rel_err(base, want) > 1e-2  # the adapters move the logits, so the comparison has teeth
+    assert rel_err(got, want) <= 2e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_export_merged_loads_in_transformers_with_our_merged_logits(family, tmp_path):
+    """export_merged writes W + scale * B A in the official layout; the model itself is left unchanged."""
+    transformers = pytest.importorskip("transformers")
+    model = add_lora(tiny(family), targets=["q", "k", "v", "o", "experts"])
+    randomize_lora(model)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ours = model(ids()).logits
+    export_merged(model, tmp_path / "merged")
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert not any(m.merged for m in lora_modules(model).values())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager",
+                                                           dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel_err(hf(ids()).logits, ours) < 2e-5
+
+
+# ---- adapter files -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adapter_round_trip_on_a_fresh_base_gives_identical_logits(family, tmp_path):
+    """save_adapter + load_adapter into a fresh base model restores LoRA and a tuned native gate exactly."""
+    model = add_lora(tiny(family), rank=4, alpha=16, targets=["q", "k", "v", "experts"])
+    randomize_lora(model)
+    gate = model.model.layers[1].mlp.gate.weight
+    gate.requires_grad_(True)  # "affinity tuning" on the final layer
+    with torch.no_grad():
+        gate.add_(0.1)
+    want = model(ids()).logits
+    save_adapter(model, tmp_path / "adapter", base_model="tiny-base")
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["rank"] == 4 and config["alpha"] == 16 and config["base_model"] == "tiny-base"
+    assert config["targets"] == ["q", "k", "v", "gate_up", "down"] and config["gate_layers"] == [1]
+    assert config["fingerprint"]["num_experts"] == 8 and config["router"] is None
+    keys = set(load_file(str(tmp_path / "adapter" / "adapter.safetensors")))
+    assert "model.layers.1.mlp.gate.weight" in keys and "model.layers.0.mlp.gate.weight" not in keys
+
+    fresh = load_adapter(tiny(family), tmp_path / "adapter")
+    assert torch.equal(fresh(ids()).logits, want)
+    assert {n for n, p in fresh.named_parameters() if p.requires_grad} == \
+           {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.skipif(not hasattr(minimoe.routing, "set_router"),
+                    reason="minimoe.routing.set_router is not written yet; the router-spec path needs it")
+def test_adapter_round_trip_restores_the_router_spec_and_heads(tmp_path):
+    """An adapter saved after set_router re-creates the method heads on load and restores their values."""
+    from minimoe.routing import set_router
+    model = tiny("granitemoe")
+    set_router(model, "tes", layers="final", tune_router=True, gamma=0.5)
+    add_lora(model)
+    assert model.model.layers[1].mlp.gate.weight.requires_grad  # add_lora keeps "+ affinity tuning"
+    assert not model.model.layers[0].mlp.gate.weight.requires_grad
+    randomize_lora(model)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.requires_grad and (".mlp.router." in n or ".mlp.gate." in n):  # the trained head and gate
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    heads = {n for n, _ in model.named_parameters() if ".mlp.router." in n}
+    assert heads == {"model.layers.1.mlp.router.error_head.weight", "model.layers.1.mlp.router.error_head.bias"}
+    want = model(ids()).logits
+    save_adapter(model, tmp_path / "adapter", base_model="tiny-base")
+    fresh = load_adapter(tiny("granitemoe"), tmp_path / "adapter")
+    assert fresh.router_spec == json.loads(json.dumps(model.router_spec))
+    assert torch.equal(fresh(ids()).logits, want)
+    groups = {g: [n for n, _ in ps] for g, ps in trainable_parameters(fresh).items()}
+    assert set(groups["error_head"]) == heads and groups["router"] == ["model.layers.1.mlp.gate.weight"]
+
+
+# ---- bad input -------------------------------------------------------------------------------------
+
+def test_bad_targets_and_rank_raise():
+    with pytest.raises(ValueError, match="unknown target 'mlp'"):
+        add_lora(tiny("olmoe"), targets=["q", "mlp"])
+    for rank in (0, -2):
+        with pytest.raises(ValueError, match="rank must be a positive int"):
+            add_lora(tiny("olmoe"), rank=rank)
+    model = add_lora(tiny("olmoe"))
+    with pytest.raises(ValueError, match="already has LoRA"):
+        add_lora(model)
+
+
+def test_loading_into_a_different_base_raises_naming_the_field(tmp_path):
+    save_adapter(add_lora(tiny("olmoe")), tmp_path / "a", base_model="tiny-olmoe")
+    with pytest.raises(ValueError, match="trained on 'tiny-olmoe'.*field num_experts is 16, expected 8"):
+        load_adapter(tiny("olmoe", num_experts=16), tmp_path / "a")
+    with pytest.raises(ValueError, match="field model_type is 'granitemoe', expected 'olmoe'"):
+        load_adapter(tiny("granitemoe"), tmp_path / "a")
+
+
+def test_missing_folder_file_tensor_or_wrong_shape_raise(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such adapter folder"):
+        load_adapter(tiny("olmoe"), tmp_path / "nowhere")
+    folder = tmp_path / "a"
+    save_adapter(add_lora(tiny("olmoe")), folder, base_model="tiny")
+    file = folder / "adapter.safetensors"
+    good = load_file(str(file))
+    key = "model.layers.0.mlp.experts.gate_up_proj.lora_A"
+
+    tampered = dict(good, **{key: good[key][:, :8].contiguous()})
+    save_file(tampered, str(file))
+    with pytest.raises(ValueError, match=f"'{key}' has shape \\(8, 8, 64\\); expected \\(8, 16, 64\\)"):
+        load_adapter(tiny("olmoe"), folder)
+    save_file({k: v for k, v in good.items() if k != key}, str(file))
+    with pytest.raises(KeyError, match=f"missing tensor '{key}'"):
+        load_adapter(tiny("olmoe"), folder)
+    save_file(dict(good, **{"model.layers.0.mlp.extra": good[key].clone()}), str(file))
+    with pytest.raises(KeyError, match="unexpected tensor 'model.layers.0.mlp.extra'"):
+        load_adapter(tiny("olmoe"), folder)
+    file.unlink()
+    with pytest.raises(FileNotFoundError, match="missing adapter.safetensors"):
+        load_adapter(tiny("olmoe"), folder)
