@@ -1,0 +1,143 @@
+"""Evaluate a model, or a trained adapter, on a benchmark split; or tabulate many evaluations.
+
+Example (a finished run: the model and dataset come from RUN/config.json, the adapter from
+RUN/checkpoints/epoch-<last_epoch>, the paper's primary endpoint):
+
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --split test --out runs/granite-arc-TES-IS-seed42/eval/test
+
+The base model alone (routing diagnostics of its final layer):
+
+    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --out runs/olmoe-native-arc
+
+The paper's accuracy table, mean ± sample std over seeds, from every metrics.json under the folders:
+
+    python evaluate.py report runs/*/eval/test --seeds 42 43 45 --out table.md
+
+Outputs in --out (written to a temp folder beside it, then swapped in whole):
+  predictions.jsonl   one line per example: gold, predictions and per-candidate log-probabilities
+  metrics.json        accuracy (mean-token, the paper's), accuracy_sum, accuracy_per_char, choice_nll,
+                      identity keys for the report, and "diagnostics" per diagnosed MoE layer
+  tokens-<split>.npz  per gold-answer-token CE, target id, C_t (and e_hat for tes) for later analysis
+  error-prediction-layer<l>.png  tes only: standardised decile curves, train vs evaluated split
+See minimoe/evaluation.py for what each number is and the paper equation it follows.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from minimoe.data import DEFAULT_DATA_DIR, SPLITS
+from minimoe.diagnostics import PAPER_SEEDS
+
+EXAMPLES = """examples:
+  a finished run (model and data from RUN/config.json; adapter of the last epoch):
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --out runs/granite-arc-TES-IS-seed42/eval/test
+  its validation-NLL-selected epoch instead:
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --checkpoint selected --out runs/granite-arc-TES-IS-seed42/eval/test-selected
+  a base model, 50 examples, on a GPU in bf16:
+    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --out /tmp/olmoe-arc
+  the accuracy table (mean ± sample std over seeds) of many evaluations:
+    python evaluate.py report runs/*/eval/test --seeds 42 43 45 --out table.md   (more: python evaluate.py report --help)
+"""
+
+
+def evaluate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    what = p.add_argument_group("what to evaluate")
+    what.add_argument("--model", help="base checkpoint: a local folder or a hub id (e.g. allenai/OLMoE-1B-7B-0924-SFT). "
+                                      "May be left out when --adapter is a run folder: its config.json names it")
+    what.add_argument("--adapter", type=Path,
+                      help="a run folder written by train.py (config.json, checkpoints/, selection.json) or one "
+                           "adapter folder (adapter.safetensors + adapter_config.json, e.g. RUN/checkpoints/epoch-2). "
+                           "Left out: the base model with native routing")
+    what.add_argument("--checkpoint", choices=("last", "selected"),
+                      help="for a run folder: 'last' (default; the final epoch, the paper's primary endpoint) or "
+                           "'selected' (minimum validation choice NLL, from selection.json)")
+    data = p.add_argument_group("data")
+    data.add_argument("--data", help="benchmark name (arc_challenge, arc_easy, openbookqa, sciq, medmcqa; registered "
+                                     "splits are built under --data-dir on first use), a folder of train/val/test.jsonl "
+                                     "manifests, or one .jsonl manifest. Default with a run folder: the run's data")
+    data.add_argument("--split", default="test", choices=SPLITS, help="split to score (default: test)")
+    data.add_argument("--data-dir", type=Path,
+                      help=f"where benchmark manifests live (default: the run's, else {DEFAULT_DATA_DIR})")
+    data.add_argument("--max-examples", type=int, metavar="N",
+                      help="score only the first N examples (of the train population too); for quick checks")
+    data.add_argument("--max-length", type=int, metavar="T",
+                      help="longest row in tokens, prompts cut from the left (default: the run's, else no limit)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", type=Path, required=True,
+                     help="output folder; replaced as a whole only once everything is written")
+    diag = p.add_argument_group("routing diagnostics")
+    diag.add_argument("--train-split-diagnostics", action=argparse.BooleanOptionalAction, default=None,
+                      help="also score the train split, for train-vs-evaluated diagnostics and the train moments "
+                           "that standardise the tes decile curves (default: on for tes adapters, off otherwise)")
+    compute = p.add_argument_group("compute")
+    compute.add_argument("--batch-size", type=int, default=16, metavar="N",
+                         help="examples per forward; all their candidates run together (default: 16)")
+    compute.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                         help="auto: cuda when available (default)")
+    compute.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                         help="model weights and activations; routing math and scores are fp32 either way "
+                              "(default auto: bfloat16 on CUDA, float32 on CPU, as train.py)")
+    return p
+
+
+def report_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="evaluate.py report",
+        description="Gather metrics.json files into the paper's accuracy table: one row per (model, method), one "
+                    "column per dataset, mean ± sample std in percent over the seeds. Evaluations without a seed "
+                    "(base models) or of another split are skipped.")
+    p.add_argument("paths", nargs="+", type=Path, metavar="DIR", help="metrics.json files or folders searched recursively")
+    p.add_argument("--seeds", type=int, nargs="+", default=list(PAPER_SEEDS),
+                   help=f"seeds to include (default: {' '.join(map(str, PAPER_SEEDS))})")
+    p.add_argument("--split", default="test", choices=SPLITS, help="split to tabulate (default: test)")
+    p.add_argument("--out", type=Path, help="also write the Markdown table here")
+    return p
+
+
+def report(argv) -> str:
+    from minimoe.evaluation import accuracy_report
+    args = report_parser().parse_args(argv)
+    table, notes = accuracy_report(args.paths, seeds=args.seeds, split=args.split)
+    for note in notes:
+        print(note, file=sys.stderr)
+    print(table, end="")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(table, encoding="utf-8")
+    return table
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if argv[:1] == ["report"]:
+        return report(argv[1:])
+    parser = evaluate_parser()
+    args = parser.parse_args(argv)
+    if args.model is None and args.adapter is None:
+        parser.error("pass --model, or --adapter with a run folder that names its model")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size {args.batch_size}: expected >= 1")
+    from minimoe.evaluation import run_evaluation  # after argument checks: torch takes seconds to import
+    metrics = run_evaluation(
+        out=args.out, model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
+        split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
+        batch_size=args.batch_size,
+        device=args.device, dtype=args.dtype, train_split_diagnostics=args.train_split_diagnostics)
+    print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples): "
+          f"accuracy {metrics['accuracy']:.4f} (sum {metrics['accuracy_sum']:.4f}, per-char "
+          f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.out}")
+    return metrics
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (FileNotFoundError, ValueError, KeyError) as e:  # bad input: the message names file and field
+        print(f"evaluate.py: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,561 @@
+"""Evaluation: answer-choice accuracy of a checkpoint (+ adapter) on one split, and routing diagnostics.
+
+`evaluate_split` scores an in-memory model on a list of examples. `run_evaluation` (evaluate.py)
+resolves a run or checkpoint folder, loads model and adapter, scores, and writes the output folder
+atomically (`atomic_directory`): predictions.jsonl, metrics.json, tokens-<split>.npz and, for tes,
+error-prediction-layer<l>.png. `evaluate_run` does the same for train.py at the end of a run, with
+the model it holds. `accuracy_report` turns many metrics.json into the paper's table.
+
+Scoring (paper, "Experimental Configuration"): every candidate is one row of `make_choice_batch`;
+all candidates of `batch_size` examples run in one forward. Examples are sorted by a length proxy
+(characters of the question plus the longest choice) to cut padding; outputs keep the input order.
+The paper ranks by mean answer-token log-prob ("accuracy"); sum and per-character rankings are
+reported beside it. "choice_nll" is the mean over examples of the cross-entropy over candidates
+scored by their mean token log-prob: the length-normalised answer-choice NLL that the paper
+selects checkpoints by.
+
+Routing diagnostics are read at the gold answer's token positions (`ChoiceBatch.supervised_mask`),
+the tokens that TES/ACS training supervises; token CE there is the observed next-token CE.
+- Every method, per diagnosed layer (the router spec's layers; the final layer without a spec):
+  C_t from the native logits over the native top-K (Eq. diagnostic_token_concentration), computed
+  here from `Routing.logits` so that it is the same statistic under every policy; C_bar, N_eff =
+  1/C_bar and the token-level Pearson r(C_t, CE_t) (Eq. diagnostic_split_concentration,
+  diagnostic_concentration_loss_correlation; undefined -> NaN -> null in JSON).
+- tes layers also: pointwise r(e_hat_t, CE_t), group Pearson/Spearman over (layer, target token id)
+  groups, and equal-count decile curves of train and evaluated populations, both standardised with
+  the train groups' moments (subsec:error_prediction_analysis), drawn as in fig:arc_error_prediction.
+  With more than one tes layer, a "pooled" entry groups all of them by (layer, token) as the paper.
+  One run is one seed: averaging group means across seeds is left to `average_groups_across_seeds`
+  on the saved token arrays.
+
+Decisions where neither the paper nor train.py fixes the answer:
+- A run folder resolves only through selection.json (last_epoch / selected_epoch); a run without
+  one has not finished and is refused, rather than guessing its latest epoch.
+- Identity keys: "method" is the run's label; outside a run it is the adapter's router method
+  ("TES", ...; "CE" for LoRA on native routing), or "native" without an adapter, and "seed" is
+  null. "dataset" is the benchmark name, or the name of the folder holding the manifests.
+- Model dtype "auto" is train.py's rule (bf16 on CUDA, fp32 on CPU); max_length and data default
+  to the run's. The train population is the run's train split cut to its max_train_examples.
+- Decile curves need >= 10 groups in each population and non-constant train group means; else
+  they are null with "deciles_skipped" saying why (a fresh tes head predicts one constant).
+
+Not done: scoring the prompt once and the candidates from its KV cache. On ARC-Challenge test it
+would feed about 2.7x fewer tokens (36% of the rows' tokens, counted with the tiny tokenizer), but
+a whole 500-example split is ~1e5 tokens of forward passes, seconds on one GPU; and the first
+answer token is predicted at the last prompt position, so its log-prob and routing would have to
+be spliced in from a left-padded prefill with per-row positions. Not worth that code here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from minimoe.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer
+from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split
+from minimoe.diagnostics import (PAPER_SEEDS, _metrics_files, accuracy_table, collect_metrics,
+                                 concentration_summary, decile_curve, error_prediction_summary,
+                                 group_by_layer_token, plot_error_prediction, population_moments,
+                                 token_concentration)
+from minimoe.scoring import (IGNORE, answer_token_logprobs, by_example, choice_loss, choice_scores,
+                             make_choice_batch, predictions)
+
+log = logging.getLogger(__name__)
+
+NORMALISATIONS = {"mean": "accuracy", "sum": "accuracy_sum", "per_char": "accuracy_per_char"}
+DECILE_BINS = 10
+
+
+# ----------------------------------------------------------------------------- scoring
+
+@dataclass
+class TokenArrays:
+    """One split's observations at the gold answer's token positions, n tokens in all."""
+    token_ce: np.ndarray  # [n] observed next-token CE
+    target: np.ndarray  # [n] the target token id (with the layer, the group key)
+    example: np.ndarray  # [n] index of the token's example in the evaluated list
+    concentration: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n] C_t
+    e_hat: dict[int, np.ndarray] = field(default_factory=dict)  # tes layer -> [n] aggregate prediction
+
+    def save(self, path):
+        arrays = {"token_ce": self.token_ce, "target": self.target, "example": self.example}
+        arrays.update({f"concentration_layer{l}": v for l, v in self.concentration.items()})
+        arrays.update({f"e_hat_layer{l}": v for l, v in self.e_hat.items()})
+        np.savez(path, **arrays)
+
+
+def diagnosed_layers(model) -> list[int]:
+    spec = getattr(model, "router_spec", None)
+    return list(spec["layers"]) if spec else [model.config.num_hidden_layers - 1]
+
+
+def concentration_from_logits(logits, k: int) -> np.ndarray:
+    """Native logits [T, E] -> C_t [T] over the native top-K of softmax(logits), renormalised."""
+    top = logits.float().softmax(dim=-1).topk(k, dim=-1).values  # [T, K]
+    c = token_concentration(top.double().cpu().numpy())
+    return np.minimum(c, 1.0)  # sum of squares of a renormalised vector can round past 1 by an ulp
+
+
+def _length_proxy(ex: Example) -> int:
+    return len(ex.question) + max(len(c) for c in ex.choices)
+
+
+def _pad_id(tokenizer) -> int:
+    for i in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if i is not None:
+            return i
+    return 0  # padded positions are masked out of attention and scores, so any id serves
+
+
+@torch.inference_mode()
+def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int = 16, device=None,
+                   diagnostics: bool = True, max_length: int | None = None):
+    """Score every candidate of `examples` -> (records, metrics, TokenArrays or None).
+
+    records: one dict per example, in input order (the predictions.jsonl lines).
+    metrics: n_examples, accuracy (mean-token), accuracy_sum, accuracy_per_char, choice_nll.
+    max_length: longest row in tokens; longer rows lose the prompt's start (make_choice_batch), as in training.
+    """
+    if not examples:
+        raise ValueError("evaluate_split: no examples")
+    if batch_size < 1:
+        raise ValueError(f"evaluate_split: batch_size={batch_size}; expected >= 1")
+    device = torch.device(device) if device is not None else model.device
+    with eval_mode(model):  # LoRA dropout off, also when a trainer calls this mid-run
+        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length)
+
+
+@contextmanager
+def eval_mode(model):
+    """model.eval() inside; afterwards every module gets its own train/eval flag back."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length):
+    k, layers = model.config.num_experts_per_tok, diagnosed_layers(model)
+    order = sorted(range(len(examples)), key=lambda i: -_length_proxy(examples[i]))  # longest first: OOM early
+    records: list[dict | None] = [None] * len(examples)
+    seen = {"token_ce": [], "target": [], "example": []}
+    conc: dict[int, list] = {l: [] for l in layers}
+    e_hat: dict[int, list] = {}
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        batch = make_choice_batch([examples[i] for i in idx], tokenizer, _pad_id(tokenizer), max_length).to(device)
+        out = model(batch.input_ids, attention_mask=batch.attention_mask)
+        logp = answer_token_logprobs(out.logits, batch)  # [R, T] fp32
+        scores = choice_scores(logp, batch)
+        tables = {name: by_example(s, batch).tolist() for name, s in scores.items()}  # [X, C_max]
+        tokens = by_example((batch.targets != IGNORE).sum(-1).float(), batch).tolist()
+        chars = by_example(batch.chars.float(), batch).tolist()
+        picked = {name: predictions(s, batch).tolist() for name, s in scores.items()}
+        nll = choice_loss(scores["mean"], batch, reduction="none").tolist()  # [X]
+        for x, i in enumerate(idx):
+            ex, n = examples[i], len(examples[i].choices)
+            records[i] = {"id": ex.id, "gold": ex.answer, "prediction": picked["mean"][x],
+                          "correct": picked["mean"][x] == ex.answer,
+                          "prediction_sum": picked["sum"][x], "prediction_per_char": picked["per_char"][x],
+                          "choice_nll": nll[x],
+                          "logprob_mean": tables["mean"][x][:n], "logprob_sum": tables["sum"][x][:n],
+                          "logprob_per_char": tables["per_char"][x][:n],
+                          "n_tokens": [int(t) for t in tokens[x][:n]], "n_chars": [int(c) for c in chars[x][:n]]}
+        if not diagnostics:
+            continue
+        mask = batch.supervised_mask.flatten()  # [R*T], the same flattening as Routing's tokens
+        seen["token_ce"].append((-logp.flatten()[mask]).double().cpu().numpy())
+        seen["target"].append(batch.targets.flatten()[mask].cpu().numpy())
+        row_example = torch.tensor(idx, device=device)[batch.example]  # [R] index into `examples`
+        seen["example"].append(row_example[:, None].expand_as(batch.targets).flatten()[mask].cpu().numpy())
+        for l in layers:
+            routing = out.routings[l]
+            conc[l].append(concentration_from_logits(routing.logits[mask], k))
+            if "e_hat" in routing.readouts:
+                e_hat.setdefault(l, []).append(routing.readouts["e_hat"][mask].double().cpu().numpy())
+    metrics = {"n_examples": len(examples)}
+    for name, key in NORMALISATIONS.items():
+        field_name = "prediction" if name == "mean" else f"prediction_{name}"
+        metrics[key] = sum(r[field_name] == r["gold"] for r in records) / len(records)
+    metrics["choice_nll"] = float(np.mean([r["choice_nll"] for r in records]))
+    arrays = None
+    if diagnostics:
+        arrays = TokenArrays(np.concatenate(seen["token_ce"]), np.concatenate(seen["target"]),
+                             np.concatenate(seen["example"]), {l: np.concatenate(v) for l, v in conc.items()},
+                             {l: np.concatenate(v) for l, v in e_hat.items()})
+    return records, metrics, arrays
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+def _curve_json(curve: dict) -> dict:
+    return {k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in curve.items()}
+
+
+def error_prediction_stats(populations: dict[str, tuple], title: str):
+    """populations: split -> (layer, target, e_hat, token_ce) arrays, "train" among them for curves.
+
+    -> ({split: pointwise/group stats (+ deciles)}, plot arguments or None). Deciles need the train
+    population (its group moments standardise every population) and >= 10 groups everywhere.
+    """
+    stats = {name: error_prediction_summary(*arrays) for name, arrays in populations.items()}
+    groups = {name: group_by_layer_token(*arrays) for name, arrays in populations.items()}
+    if "train" not in groups:
+        return stats, None
+    reference = population_moments(groups["train"].predicted, groups["train"].observed)
+    reason = None
+    if min(len(g.keys) for g in groups.values()) < DECILE_BINS:
+        reason = f"fewer than {DECILE_BINS} layer-token groups"
+    elif reference[1] <= 0 or reference[3] <= 0:
+        reason = "constant train-group predicted or observed error (no moments to standardise with)"
+    if reason is not None:
+        for s in stats.values():
+            s["deciles"], s["deciles_skipped"] = None, reason
+        return stats, None
+    curves = {name: decile_curve(g.predicted, g.observed, reference=reference, bins=DECILE_BINS)
+              for name, g in groups.items()}
+    for name, curve in curves.items():
+        stats[name]["deciles"] = _curve_json(curve)
+    stats["reference_moments"] = dict(zip(("pred_mean", "pred_std", "obs_mean", "obs_std"), reference))
+    evaluated = [name for name in curves if name != "train"]
+    plot = (curves["train"], curves[evaluated[0]], title) if evaluated else None
+    return stats, plot
+
+
+def diagnostics_report(evaluated: TokenArrays, split: str, train: TokenArrays | None = None, *, label: str = ""):
+    """-> (metrics.json's "diagnostics", {png name: (train_curve, test_curve, title)}); label starts the titles."""
+    populations = {split: evaluated}
+    if train is not None and split != "train":
+        populations = {"train": train, split: evaluated}
+    layers, plots = {}, {}
+    for l in evaluated.concentration:
+        entry = {name: concentration_summary(a.concentration[l], a.token_ce) for name, a in populations.items()}
+        if l in evaluated.e_hat:
+            per_split = {name: (np.full(a.token_ce.shape, l), a.target, a.e_hat[l], a.token_ce)
+                         for name, a in populations.items()}
+            stats, plot = error_prediction_stats(per_split, f"{label}layer {l}: train vs {split}")
+            for name in populations:
+                entry[name].update(stats[name])
+            if "reference_moments" in stats:
+                entry["reference_moments"] = stats["reference_moments"]
+            if plot is not None:
+                entry["plot"] = f"error-prediction-layer{l}.png"
+                plots[entry["plot"]] = plot
+        layers[str(l)] = entry
+    report = {"positions": "gold answer tokens", "populations": list(populations), "layers": layers}
+    tes_layers = sorted(evaluated.e_hat)
+    if len(tes_layers) > 1:  # the paper's groups: (layer, token) over every supervised layer
+        pooled = {name: tuple(np.concatenate(parts) for parts in zip(*(
+                      (np.full(a.token_ce.shape, l), a.target, a.e_hat[l], a.token_ce) for l in tes_layers)))
+                  for name, a in populations.items()}
+        stats, plot = error_prediction_stats(pooled, f"{label}layers {tes_layers}: train vs {split}")
+        if plot is not None:
+            stats["plot"] = "error-prediction-pooled.png"
+            plots[stats["plot"]] = plot
+        report["pooled"] = {"layers": tes_layers, **stats}
+    return report, plots
+
+
+def json_safe(value):
+    """NaN/inf -> None (JSON null), numpy scalars -> Python numbers, recursively."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    if isinstance(value, (np.integer, np.bool_)):
+        return value.item()
+    if isinstance(value, (float, np.floating)):
+        return float(value) if np.isfinite(value) else None
+    return value
+
+
+# ----------------------------------------------------------------------------- what to evaluate
+
+@dataclass
+class AdapterSource:
+    folder: Path  # the adapter folder load_adapter reads
+    run: Path | None  # the run folder it belongs to, if any
+    run_config: dict  # RUN/config.json, {} outside a run
+    checkpoint: str | None  # "last" | "selected" when resolved through selection.json
+    epoch: int | None
+    router: dict | None  # adapter_config.json's router spec
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def resolve_adapter(path, checkpoint: str | None = None) -> AdapterSource:
+    """A run folder (config.json + checkpoints/ + selection.json) or an adapter folder -> AdapterSource.
+
+    A run resolves to checkpoints/epoch-<last_epoch> (checkpoint "last", the paper's primary
+    endpoint) or epoch-<selected_epoch> ("selected", minimum validation choice NLL).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--adapter {path}: no such folder; expected a run folder (config.json, "
+                                f"checkpoints/, selection.json) or an adapter folder (adapter_config.json)")
+    if (path / "adapter_config.json").is_file():
+        if checkpoint is not None:
+            raise ValueError(f"--checkpoint {checkpoint} applies to run folders; {path} is a checkpoint folder already")
+        run = path.parent.parent if path.parent.name == "checkpoints" else None
+        run_config = _read_json(run / "config.json") if run and (run / "config.json").is_file() else {}
+        epoch = int(path.name.removeprefix("epoch-")) if run and path.name.removeprefix("epoch-").isdigit() else None
+        return AdapterSource(path, run if run_config else None, run_config, None, epoch,
+                             _read_json(path / "adapter_config.json").get("router"))
+    if not ((path / "config.json").is_file() and (path / "checkpoints").is_dir()):
+        hint = " (it looks like a model checkpoint: pass it as --model)" if (path / "config.json").is_file() else ""
+        raise FileNotFoundError(f"--adapter {path}: neither a run folder (config.json and checkpoints/) nor an "
+                                f"adapter folder (adapter_config.json){hint}")
+    checkpoint = checkpoint or "last"
+    if checkpoint not in ("last", "selected"):
+        raise ValueError(f"--checkpoint {checkpoint!r}; expected 'last' or 'selected'")
+    selection_path = path / "selection.json"
+    if not selection_path.is_file():
+        raise FileNotFoundError(f"{selection_path}: missing, so the run has not finished; pass a checkpoint "
+                                f"folder ({path / 'checkpoints'}/epoch-N) to evaluate it anyway")
+    selection = _read_json(selection_path)
+    key = "last_epoch" if checkpoint == "last" else "selected_epoch"
+    epoch = selection.get(key)
+    if not isinstance(epoch, int) or isinstance(epoch, bool):
+        raise ValueError(f"{selection_path}: {key!r} is {epoch!r}; expected an epoch number")
+    folder = path / "checkpoints" / f"epoch-{epoch}"
+    if not (folder / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no adapter_config.json; {selection_path} names epoch {epoch} ({key})")
+    return AdapterSource(folder, path, _read_json(path / "config.json"), checkpoint, epoch,
+                         _read_json(folder / "adapter_config.json").get("router"))
+
+
+def method_label(source: AdapterSource | None) -> str:
+    """The run's label (e.g. "TES-IS"); outside a run the router method, "CE" for LoRA on native routing."""
+    if source is None:
+        return "native"
+    if source.run_config.get("label"):
+        return source.run_config["label"]
+    method = (source.router or {}).get("method", "native")
+    return "CE" if method == "native" else method.upper()
+
+
+def load_examples_for(data, split: str, data_dir, max_examples: int | None = None) -> list[Example]:
+    """A benchmark name (registered manifests under data_dir), a folder of <split>.jsonl manifests (as
+    train.py's --data takes), or one .jsonl manifest: named after a split it must match `split`, named
+    otherwise it is taken as `split`."""
+    path = Path(data)
+    if path.is_dir():
+        examples = load_split(path / f"{split}.jsonl")
+    elif str(data).endswith(".jsonl"):
+        examples = load_split(path, split if path.stem in SPLITS else None)
+    else:
+        examples = load_split(str(data), split, data_dir=data_dir)
+    if max_examples is not None:
+        if max_examples < 1:
+            raise ValueError(f"--max-examples {max_examples}; expected >= 1")
+        examples = examples[:max_examples]
+    return examples
+
+
+def train_data_for(data) -> str:
+    """Where the train population of `data` lives: the same benchmark or folder, or train.jsonl beside a manifest."""
+    path = Path(data)
+    if path.is_dir() or not str(data).endswith(".jsonl"):
+        return str(data)
+    train = path.with_name("train.jsonl")
+    if path.stem not in SPLITS or not train.is_file():
+        raise FileNotFoundError(f"{train}: no train manifest beside {data}; the diagnostics' train population "
+                                f"is read from train.jsonl in the manifest's folder (or pass "
+                                f"--no-train-split-diagnostics)")
+    return str(train)
+
+
+def dataset_name(data) -> str:
+    """The report's column: a benchmark name as is; for manifests, the folder they sit in (or the file stem)."""
+    path = Path(data)
+    if path.is_dir():
+        return path.name
+    if str(data).endswith(".jsonl"):
+        return path.parent.name if path.stem in SPLITS else path.stem
+    return str(data)
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> str:
+    """auto: bfloat16 on CUDA, float32 on CPU (train.py's rule, so its end-of-run scores agree)."""
+    if name == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r}; expected auto or one of {list(DTYPES)}")
+    return name
+
+
+def _wants_train_population(flag: bool | None, source: AdapterSource | None, split: str) -> bool:
+    if split == "train":
+        return False  # the evaluated split is the train population
+    return flag if flag is not None else (source is not None and (source.router or {}).get("method") == "tes")
+
+
+def _train_limit(max_examples, run_config) -> int | None:
+    """--max-examples, else the run's --max-train-examples: the population the run trained on."""
+    limits = [n for n in (max_examples, run_config.get("max_train_examples")) if n]
+    return min(limits) if limits else None
+
+
+def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_examples=None,
+                    batch_size: int = 16, max_length: int | None = None) -> dict:
+    """Score, summarise and write `out` atomically (temp folder beside it, swapped in at the end)."""
+    split = identity["split"]
+    records, metrics, arrays = evaluate_split(model, tokenizer, examples, batch_size=batch_size,
+                                              max_length=max_length)
+    train_arrays = None
+    extra = {}
+    if train_examples is not None:
+        _, train_metrics, train_arrays = evaluate_split(model, tokenizer, train_examples, batch_size=batch_size,
+                                                        max_length=max_length)
+        extra = {"train_examples": train_metrics["n_examples"], "train_accuracy": train_metrics["accuracy"]}
+    label = f"{identity['method']}, {identity['dataset']}: "
+    diagnostics, plots = diagnostics_report(arrays, split, train_arrays, label=label)
+    result = json_safe({**identity, **metrics, "diagnostics": {**diagnostics, **extra}})
+    tmp, commit = atomic_directory(out)
+    try:
+        with open(tmp / "predictions.jsonl", "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(json_safe(r), ensure_ascii=False, allow_nan=False) + "\n")
+        arrays.save(tmp / f"tokens-{split}.npz")
+        if train_arrays is not None:
+            train_arrays.save(tmp / "tokens-train.npz")
+        for name, (train_curve, test_curve, title) in plots.items():
+            plot_error_prediction(train_curve, test_curve, tmp / name, title=title)
+        with open(tmp / "metrics.json", "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2, allow_nan=False)
+            f.write("\n")
+        commit()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return result
+
+
+def _identity(source: AdapterSource | None, *, model, data, split, net, batch_size, max_examples, max_length) -> dict:
+    """metrics.json's keys that say what was evaluated (the report groups by model, method, dataset, seed)."""
+    return {"model": str(model), "method": method_label(source), "dataset": dataset_name(data), "data": str(data),
+            "seed": source.run_config.get("seed") if source else None, "split": split,
+            "adapter": str(source.folder) if source else None,
+            "run": str(source.run) if source and source.run else None,
+            "checkpoint": source.checkpoint if source else None, "epoch": source.epoch if source else None,
+            "router": getattr(net, "router_spec", None),
+            "dtype": str(net.dtype).removeprefix("torch."), "device": net.device.type,
+            "batch_size": batch_size, "max_examples": max_examples, "max_length": max_length}
+
+
+def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: str | None = None,
+                   data: str | None = None, split: str = "test", data_dir=None, max_examples: int | None = None,
+                   max_length: int | None = None, batch_size: int = 16, device: str = "auto", dtype: str = "auto",
+                   train_split_diagnostics: bool | None = None) -> dict:
+    """Load the model (+ adapter), evaluate and write `out`; returns the metrics.json content.
+
+    Everything that can fail on bad input (folders, manifests, model, adapter) is checked before the
+    output folder is created. Left out, model/data/data_dir/max_length come from a run's config.json.
+    train_split_diagnostics=None scores the train split for tes adapters only.
+    """
+    source = resolve_adapter(adapter, checkpoint) if adapter is not None else None
+    run_config = source.run_config if source else {}
+    model = model or run_config.get("model")
+    if model is None:
+        raise ValueError("no model: pass --model, or an --adapter run folder whose config.json names it")
+    if run_config.get("model") and str(run_config["model"]) != str(model):
+        log.warning("--model %s differs from the run's model %s; the adapter's fingerprint check still applies",
+                    model, run_config["model"])
+    data = data or run_config.get("dataset") or run_config.get("data")
+    if data is None:
+        raise ValueError("no data: pass --data, or an --adapter run folder whose config.json names its data")
+    data_dir = data_dir or run_config.get("data_dir") or DEFAULT_DATA_DIR
+    max_length = max_length or run_config.get("max_length")
+    torch_device = pick_device(device)
+    dtype = pick_dtype(dtype, torch_device)
+    examples = load_examples_for(data, split, data_dir, max_examples)
+    train_examples = None
+    if _wants_train_population(train_split_diagnostics, source, split):
+        train_examples = load_examples_for(train_data_for(data), "train", data_dir, _train_limit(max_examples, run_config))
+
+    from minimoe.lora import load_adapter  # here: evaluating a base model does not need LoRA
+    net = from_pretrained(model, dtype=DTYPES[dtype], device=torch_device)
+    tokenizer = load_tokenizer(model)
+    if source is not None:
+        load_adapter(net, source.folder)
+    identity = _identity(source, model=model, data=data, split=split, net=net, batch_size=batch_size,
+                         max_examples=max_examples, max_length=max_length)
+    return score_and_write(net, tokenizer, examples, out, identity, train_examples=train_examples,
+                           batch_size=batch_size, max_length=max_length)
+
+
+def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=None, train_data=None, out=None,
+                 checkpoint: str | None = None, batch_size: int = 16, train_split_diagnostics: bool | None = None,
+                 device: str = "auto", dtype: str = "auto") -> dict:
+    """Evaluate a finished run into RUN/eval/<split> (RUN/eval/<split>-selected for checkpoint="selected").
+
+    With `model` (and `tokenizer`): the in-memory model as train.py ends with it, i.e. the last epoch,
+    on `data` (examples; default: the run's split) and, for the train population, `train_data`.
+    Without: the checkpoint is loaded from the run folder, as `python evaluate.py --adapter RUN` does.
+    """
+    run = Path(run)
+    if out is None:
+        out = run / "eval" / (split if checkpoint in (None, "last") else f"{split}-{checkpoint}")
+    if model is None:
+        return run_evaluation(out=out, adapter=run, checkpoint=checkpoint, split=split, batch_size=batch_size,
+                              device=device, dtype=dtype, train_split_diagnostics=train_split_diagnostics)
+    if tokenizer is None:
+        raise ValueError("evaluate_run: an in-memory model needs its tokenizer")
+    if checkpoint not in (None, "last"):
+        raise ValueError(f"evaluate_run: checkpoint={checkpoint!r} with an in-memory model, which holds the last "
+                         f"epoch; leave model=None to load the {checkpoint} checkpoint from {run}")
+    source = resolve_adapter(run, "last")
+    cfg = source.run_config
+    run_data, data_dir = cfg.get("dataset") or cfg.get("data"), cfg.get("data_dir") or DEFAULT_DATA_DIR
+    examples = data if data is not None else load_examples_for(run_data, split, data_dir)
+    train_examples = None
+    if _wants_train_population(train_split_diagnostics, source, split):
+        train_examples = train_data if train_data is not None else load_examples_for(
+            train_data_for(run_data), "train", data_dir, _train_limit(None, cfg))
+    identity = _identity(source, model=cfg.get("model"), data=run_data, split=split, net=model,
+                         batch_size=batch_size, max_examples=None, max_length=cfg.get("max_length"))
+    return score_and_write(model, tokenizer, examples, out, identity, train_examples=train_examples,
+                           batch_size=batch_size, max_length=cfg.get("max_length"))
+
+
+# ----------------------------------------------------------------------------- the accuracy table
+
+def accuracy_report(paths, *, seeds=PAPER_SEEDS, split: str = "test") -> tuple[str, list[str]]:
+    """metrics.json files (or folders searched recursively) -> (Markdown table, notes on skipped files).
+
+    Evaluations without a seed (a base model: no run) and of other splits are skipped, not errors.
+    """
+    kept, notes = [], []
+    for f in _metrics_files(paths):
+        record = _read_json(f)
+        if record.get("seed") is None:
+            notes.append(f"skipped {f}: no seed (not a training run)")
+        elif record.get("split", split) != split:
+            notes.append(f"skipped {f}: split {record.get('split')!r}, not {split!r}")
+        else:
+            kept.append(f)
+    if not kept:
+        raise ValueError(f"no metrics.json with a seed and split {split!r} under {[str(p) for p in paths]}")
+    return accuracy_table(collect_metrics(kept), seeds=seeds), notes
