@@ -37,7 +37,7 @@ EXAMPLES = """examples:
   its validation-NLL-selected epoch instead:
     python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --checkpoint selected --out runs/granite-arc-TES-IS-seed42/eval/test-selected
   a base model, 50 examples, on a GPU in bf16:
-    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --out /tmp/olmoe-arc
+    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --out runs/olmoe-native-arc
   the accuracy table (mean ± sample std over seeds) of many evaluations:
     python evaluate.py report runs/*/eval/test --seeds 42 43 45 --out table.md   (more: python evaluate.py report --help)
 """
