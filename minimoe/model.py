@@ -207,11 +207,12 @@ class Dispatch:
 
 
 USE_GROUPED_MM = hasattr(F, "grouped_mm")  # tests switch this off to compare against the loop
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _grouped_mm_applies(x, w_t) -> bool:
     # grouped_mm wants every non-unit stride 16-byte aligned; CUDA kernels want bf16.
-    if not USE_GROUPED_MM or x.dtype != w_t.dtype or x.shape[0] == 0:
+    if not USE_GROUPED_MM or x.dtype != w_t.dtype or x.shape[0] == 0 or x.dtype not in GROUPED_MM_DTYPES:
         return False
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return False

@@ -1,0 +1,250 @@
+"""The adaptation loop behind train.py: LoRA + a routing method, answer-choice CE + the method term.
+
+Objective per optimizer step (paper Eq. total_loss):
+    task CE over the candidates (each scored by its mean answer-token log-prob)
+  + lambda * L_m (TES or ACS, IS or ENLL) on the gold answer's next-token CE at its answer positions
+  + aux_coef * the family's load-balancing loss.
+Each term is normalised by its count over the *whole* optimizer step — all micro-batches of the
+gradient accumulation and all data-parallel ranks — so that N processes, or N micro-batches, give
+the gradient of one process with the whole batch (DDP averages gradients, hence the world factor).
+
+Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
+shuffles with seed + e), and the RNG state is saved with each epoch checkpoint, so `--resume`
+after a kill ends on the same bits as the uninterrupted run on CPU.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
+from minimoe.objectives import supervision_loss
+from minimoe.routing import set_router
+from minimoe.scoring import answer_token_logprobs, choice_loss, choice_scores, make_choice_batch, predictions
+
+# The paper's Experimental Configuration table, one dict per backbone; "tiny" is the offline default.
+RECIPES = {
+    "granite": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=["q", "k", "v", "experts"],
+                    lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine", warmup=0.05, weight_decay=0.0,
+                    clip=1.0, epochs=3),
+    "olmoe": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=["q", "k", "v", "o", "experts"],
+                  lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0.0,
+                  clip=1.0, epochs=3),
+    # Random tiny weights learn nothing at 2e-5: a larger step so the default run visibly trains.
+    "tiny": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=["q", "k", "v", "o", "experts"],
+                 lr=2e-3, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0.0,
+                 clip=1.0, epochs=2),
+}
+METHOD_DEFAULTS = dict(method="tes", objective="is", lambda_=1e-3, layers="final", tune_router=False, gamma=1.0,
+                       tau=1.0, transform="started-log", mix=0.5, error_head_lr=1e-5, copied_head_lr=1e-3,
+                       router_lr=None, depth_scaled_lambda=False, aux_coef=0.0, is_eps=1e-8)
+
+
+def method_label(method: str, objective: str, tune_router: bool) -> str:
+    """The paper's row names: CE, Dual Affinity, TES-IS, ACS-ENLL + affinity tuning, ..."""
+    base = {"ce": "CE", "dual": "Dual Affinity"}.get(method) or f"{method.upper()}-{objective.upper()}"
+    return base + (" + affinity tuning" if tune_router else "")
+
+
+def install_method(model, cfg: dict):
+    """LoRA on the recipe's targets, then the routing method (heads trainable, native gate frozen)."""
+    add_lora(model, rank=cfg["lora_rank"], alpha=cfg["lora_alpha"], dropout=cfg["lora_dropout"],
+             targets=cfg["lora_targets"])
+    opts = {"tune_router": cfg["tune_router"]}
+    if cfg["method"] == "tes":
+        opts.update(gamma=cfg["gamma"], tau=cfg["tau"], transform=cfg["transform"])
+    elif cfg["method"] == "dual":
+        opts["mix"] = cfg["mix"]
+    set_router(model, "native" if cfg["method"] == "ce" else cfg["method"], layers=cfg["layers"], **opts)
+
+
+def make_optimizer(model, cfg: dict):
+    lrs = {"lora": cfg["lr"], "error_head": cfg["error_head_lr"], "copied_head": cfg["copied_head_lr"],
+           "router": cfg["router_lr"] or cfg["lr"]}
+    groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}
+              for name, params in trainable_parameters(model).items() if params]
+    return torch.optim.AdamW(groups, weight_decay=cfg["weight_decay"])
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+    """Linear warmup to the peak, then cosine or linear decay to zero (as transformers' schedulers)."""
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else max(0.0, 1 - progress)
+
+
+def world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def global_sum(x: float) -> float:
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def step_loss(model, batches, cfg, counts, world_size):
+    """Forward + backward of one micro-batch list's terms; returns the step's logged terms."""
+    logs = {"task": 0.0, "method": 0.0, "aux": 0.0}
+    for i, batch in enumerate(batches):
+        sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
+        ctx = model.no_sync() if not sync else torch.enable_grad()
+        with ctx, autocast(cfg):
+            out = model(batch.input_ids, attention_mask=batch.attention_mask)
+            logp = answer_token_logprobs(out.logits, batch)  # [R, T]
+            task = choice_loss(choice_scores(logp, batch)["mean"], batch, reduction="sum") / counts["examples"]
+            loss = task
+            logs["task"] += task.item()
+            mask = batch.supervised_mask
+            if cfg["method"] in ("tes", "acs") and mask.any():
+                share = mask.sum().item() / counts["tokens"]  # this micro-batch's part of the step's tokens
+                method = supervision_loss(out.routings, -logp, mask, cfg["objective"], eps=cfg["is_eps"],
+                                          depth_scaled=cfg["depth_scaled_lambda"]) * share
+                loss = loss + cfg["lambda_"] * method
+                logs["method"] += method.item()
+            if cfg["aux_coef"] > 0:
+                aux = out.aux_loss * batch.input_ids.shape[0] / counts["rows"]
+                loss = loss + cfg["aux_coef"] * aux
+                logs["aux"] += aux.item()
+            (loss * world_size).backward()  # DDP averages over ranks; the counts are global already
+    return logs
+
+
+def autocast(cfg):
+    if cfg["device"].startswith("cuda") and cfg["dtype"] == "bfloat16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+@torch.no_grad()
+def score_split(model, tokenizer, examples, cfg) -> dict:
+    """Validation: length-normalised answer-choice NLL (the selection rule's quantity) and accuracy."""
+    model.eval()
+    nll, correct = 0.0, 0
+    for start in range(0, len(examples), cfg["eval_batch_size"]):
+        part = examples[start:start + cfg["eval_batch_size"]]
+        batch = make_choice_batch(part, tokenizer, cfg["pad_token_id"], cfg["max_length"]).to(cfg["device"])
+        with autocast(cfg):
+            logp = answer_token_logprobs(model(batch.input_ids, attention_mask=batch.attention_mask).logits, batch)
+        mean = choice_scores(logp, batch)["mean"]
+        nll += choice_loss(mean, batch, reduction="sum").item()
+        correct += (predictions(mean, batch) == batch.gold).sum().item()
+    model.train()
+    return {"choice_nll": nll / len(examples), "accuracy": correct / len(examples)}
+
+
+def save_epoch(run: Path, model, optimizer, scheduler, epoch: int, step: int, base_model: str):
+    """checkpoints/epoch-N: the adapter (atomic folder), then training_state.pt, which marks it complete."""
+    folder = run / "checkpoints" / f"epoch-{epoch}"
+    save_adapter(model, folder, base_model=base_model)
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+    tmp = folder / "training_state.pt.tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, folder / "training_state.pt")
+
+
+def last_complete_epoch(run: Path) -> int:
+    done = [int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("epoch-*")
+            if (p / "training_state.pt").is_file()]
+    return max(done, default=0)
+
+
+def append_metrics(run: Path, record: dict):
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = False):
+    """Fit `model` (LoRA + method already installed) on data["train"]; select on data["val"]."""
+    rank, world_size = world()
+    device = cfg["device"]
+    start_epoch = last_complete_epoch(run) if resume else 0
+    if start_epoch:  # before the optimizer: loading rebuilds the method heads as new parameters
+        folder = run / "checkpoints" / f"epoch-{start_epoch}"
+        load_adapter(model, folder)
+        state = torch.load(folder / "training_state.pt", weights_only=False)
+    optimizer = make_optimizer(model, cfg)
+    per_step = cfg["batch_size"] * cfg["grad_accum"]
+    steps_per_epoch = math.ceil(len(data["train"]) / per_step)
+    total = steps_per_epoch * cfg["epochs"]
+    warmup = int(cfg["warmup"] * total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg["schedule"]))
+    step = 0
+    if start_epoch:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step = state["step"]
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        np.random.set_state(state["rng"]["numpy"])
+        if rank == 0:  # the records of the epochs that will run again go
+            kept = [line for line in (run / "metrics.jsonl").read_text().splitlines()
+                    if json.loads(line)["epoch"] <= start_epoch]
+            (run / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+    ddp = model
+    if world_size > 1:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
+    trainable = [p for g in optimizer.param_groups for p in g["params"]]
+    model.train()
+    for epoch in range(start_epoch + 1, cfg["epochs"] + 1):
+        order = torch.randperm(len(data["train"]), generator=torch.Generator().manual_seed(cfg["seed"] + epoch)).tolist()
+        bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch}/{cfg['epochs']}", disable=rank != 0 or cfg.get("quiet"))
+        for s in bar:
+            t0 = time.perf_counter()
+            ids = order[s * per_step:(s + 1) * per_step]
+            micro = [ids[i:i + cfg["batch_size"]] for i in range(0, len(ids), cfg["batch_size"])]
+            # Each rank takes every world_size-th example of each micro-batch.
+            batches = [make_choice_batch([data["train"][j] for j in m[rank::world_size]], tokenizer,
+                                         cfg["pad_token_id"], cfg["max_length"]).to(device) for m in micro]
+            counts = {"examples": len(ids), "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in batches)),
+                      "rows": global_sum(sum(b.input_ids.shape[0] for b in batches))}
+            logs = step_loss(ddp, batches, cfg, counts, world_size)
+            logs = {k: global_sum(v) for k, v in logs.items()}
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["clip"]).item()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            rate = global_sum(sum(b.attention_mask.sum().item() for b in batches)) / (time.perf_counter() - t0)
+            loss = logs["task"] + cfg["lambda_"] * logs["method"] + cfg["aux_coef"] * logs["aux"]
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
+            if rank == 0:
+                append_metrics(run, {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
+                                     "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate})
+        val = score_split(model, tokenizer, data["val"], cfg)
+        if rank == 0:
+            append_metrics(run, {"kind": "epoch", "epoch": epoch, "step": step, "val_choice_nll": val["choice_nll"],
+                                 "val_accuracy": val["accuracy"]})
+            save_epoch(run, model, optimizer, scheduler, epoch, step, cfg["model"])
+        if dist.is_initialized():
+            dist.barrier()
+        if cfg.get("stop_after_epochs") and epoch >= cfg["stop_after_epochs"] and epoch < cfg["epochs"]:
+            raise SystemExit(f"stopped after epoch {epoch} as asked (--stop-after-epochs); continue with --resume")
+    if rank == 0:
+        write_selection(run)
+
+
+def write_selection(run: Path) -> dict:
+    """The paper's rule, fixed before any test evaluation: minimum validation choice NLL, ties to the earlier epoch."""
+    epochs = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
+    best = min(epochs, key=lambda r: (r["val_choice_nll"], r["epoch"]))
+    selection = {"selected_epoch": best["epoch"], "last_epoch": max(r["epoch"] for r in epochs),
+                 "rule": "minimum length-normalised validation answer-choice NLL; ties to the earlier epoch",
+                 "val_choice_nll": {str(r["epoch"]): r["val_choice_nll"] for r in epochs}}
+    tmp = run / "selection.json.tmp"
+    tmp.write_text(json.dumps(selection, indent=2))
+    os.replace(tmp, run / "selection.json")
+    return selection
