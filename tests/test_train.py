@@ -86,13 +86,18 @@ def test_two_process_ddp_equals_one_process(tmp_path):
                     str(REPO / "train.py"), "--out-dir", str(tmp_path), "--run-name", "two", *flags],
                    check=True, cwd=REPO, env=env, capture_output=True, timeout=600)
     assert json.loads((tmp_path / "two" / "config.json").read_text())["world_size"] == 2
+    def steps(run, key):
+        return torch.tensor([r[key] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                             if r["kind"] == "step"])
+    # The step losses and the global gradient norms are what DDP must reproduce: tight.
+    for key in ("loss", "grad_norm"):
+        torch.testing.assert_close(steps(tmp_path / "two", key), steps(tmp_path / "one", key), rtol=1e-5, atol=0)
+    # Adam's update is ~lr * sign(g) even for gradients at rounding level, so an element whose gradient
+    # is ~0 may step differently (bounded by 2 * lr * steps); every other element must agree to 1e-5.
     one, two = adapter(tmp_path / "one", 1), adapter(tmp_path / "two", 1)
-    for key in one:  # equal up to the reduction order (Adam's m/sqrt(v) can magnify it for tiny gradients)
-        torch.testing.assert_close(two[key], one[key], rtol=1e-4, atol=1e-5)
-
-    def losses(run):
-        return [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
-    torch.testing.assert_close(torch.tensor(losses(tmp_path / "two")), torch.tensor(losses(tmp_path / "one")), rtol=1e-5, atol=0)
+    diffs = torch.cat([(two[k] - one[k]).abs().flatten() for k in one])
+    assert diffs.max() <= 2 * 2e-3 * 2
+    assert (diffs > 1e-5).float().mean() <= 0.01
 
 
 def test_unknown_dataset_fails_before_any_run_folder(tmp_path):
