@@ -1,0 +1,175 @@
+"""Shared pieces of the benchmark: model shapes, identical-weight model pairs, paired timing, tables.
+
+The machine is shared and noisy (other jobs run on the same 2 cores), so every comparison is timed
+*interleaved*: round r runs each candidate once, in an order that rotates between rounds, and the
+ratio is taken per round before the median. A slow spell then hits both sides of a ratio alike.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results"  # git-ignored
+CHECKPOINTS = BENCH / "checkpoints"  # git-ignored: random checkpoints, tens of GB
+
+# The official shapes (shared/reference/hf-checkpoints.md); `shape(family, layers)` cuts the depth only.
+OFFICIAL = {
+    "olmoe": dict(model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
+                  num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                  num_experts_per_tok=8, rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=4096,
+                  tie_word_embeddings=False, norm_topk_prob=False, pad_token_id=1, eos_token_id=50279),
+    "granitemoe": dict(model_type="granitemoe", vocab_size=49152, hidden_size=1536, intermediate_size=512,
+                       num_hidden_layers=32, num_attention_heads=24, num_key_value_heads=8, num_experts=40,
+                       num_experts_per_tok=8, rms_norm_eps=1e-6, rope_theta=1e7, max_position_embeddings=131072,
+                       tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.015625,
+                       residual_multiplier=0.22, logits_scaling=6.0, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+}
+
+
+def shape(family: str, layers: int | None = None) -> MoEConfig:
+    d = dict(OFFICIAL[family])
+    if layers is not None:
+        d["num_hidden_layers"] = layers
+    return MoEConfig(**d)
+
+
+def random_checkpoint(family: str, layers: int, folder: Path | None = None, seed: int = 0) -> Path:
+    """A random minimoe model of this shape saved in the official layout (bf16, so that fp32 and bf16
+    loads of it hold the same values); reused when already there."""
+    folder = folder or CHECKPOINTS / f"{family}-{layers}L"
+    if not (folder / "config.json").is_file():
+        model = MoEForCausalLM(shape(family, layers)).to(torch.bfloat16)
+        init_weights(model, generator=torch.Generator().manual_seed(seed))
+        model.save_pretrained(folder)
+        del model
+        gc.collect()
+    return folder
+
+
+def load_ours(folder: Path, dtype):
+    from minimoe.checkpoint import from_pretrained
+    return from_pretrained(folder, dtype=dtype)
+
+
+def load_hf(folder: Path, dtype, attn: str = "eager"):
+    import transformers
+    transformers.logging.set_verbosity_error()
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=attn).eval()
+
+
+def set_attn(hf_model, attn: str):
+    """Switch a loaded transformers model between "eager" and "sdpa" without reloading its weights."""
+    hf_model.set_attn_implementation(attn)
+    return hf_model
+
+
+# ----------------------------------------------------------------------------- timing
+
+@dataclass
+class Timing:
+    times: dict  # candidate -> [seconds per round]
+
+    def median(self, name: str) -> float:
+        return statistics.median(self.times[name])
+
+    def ratio(self, slow: str, fast: str) -> tuple[float, float, float]:
+        """Per-round time(slow) / time(fast): (median, min, max). > 1 means `fast` is faster."""
+        r = [a / b for a, b in zip(self.times[slow], self.times[fast])]
+        return statistics.median(r), min(r), max(r)
+
+    def spread(self, name: str) -> float:
+        """(max - min) / median of one candidate's round times: how noisy the machine was."""
+        t = self.times[name]
+        return (max(t) - min(t)) / statistics.median(t)
+
+
+def interleaved(candidates: dict, rounds: int, warmup: int = 1) -> Timing:
+    """Run each callable `warmup` times, then `rounds` rounds of each once, rotating the order."""
+    names = list(candidates)
+    for _ in range(warmup):
+        for n in names:
+            candidates[n]()
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            gc.collect()
+            t0 = time.perf_counter()
+            candidates[n]()
+            times[n].append(time.perf_counter() - t0)
+    return Timing(times)
+
+
+# ----------------------------------------------------------------------------- results
+
+@dataclass
+class Row:
+    item: str  # which benchmark (forward, train, lora, decode, moe-roofline, load, full-size)
+    model: str  # olmoe-2L, granitemoe-2L, ...
+    dtype: str
+    metric: str  # what the two values measure, with units
+    ours: float
+    baseline: float | None  # transformers' figure (or the dense matmul for the roofline)
+    baseline_name: str  # which baseline: "hf eager", "hf sdpa", "hf+peft", "dense matmul", ...
+    ratio: float | None  # ours vs baseline, > 1 = ours better (speed) or smaller (memory)
+    ratio_range: tuple | None = None  # min, max over rounds
+    note: str = ""  # what bounded the figure, parity, spread
+    extra: dict = field(default_factory=dict)
+
+
+def fmt(x, digits=3):
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}" if abs(x) < 1e5 else f"{x:.3e}"
+    return str(x)
+
+
+def markdown(rows: list[Row]) -> str:
+    head = "| item | model | dtype | metric | minimoe | baseline | baseline is | ratio (median [min-max]) | note |"
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        rng = f" [{r.ratio_range[0]:.2f}-{r.ratio_range[1]:.2f}]" if r.ratio_range else ""
+        ratio = f"{r.ratio:.2f}x{rng}" if r.ratio is not None else "-"
+        lines.append(f"| {r.item} | {r.model} | {r.dtype} | {r.metric} | {fmt(r.ours)} | {fmt(r.baseline)} | "
+                     f"{r.baseline_name} | {ratio} | {r.note} |")
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    import transformers
+    try:
+        import peft
+        peft_v = peft.__version__
+    except ImportError:
+        peft_v = "absent"
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{os.cpu_count()}-core {cpu}, {mem:.0f} GiB RAM, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads), transformers {transformers.__version__}, peft {peft_v}, "
+            f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M %Z')}")
+
+
+def save(rows: list[Row], name: str, header: str = "") -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    md = (header + "\n\n" if header else "") + markdown(rows) + "\n"
+    (RESULTS / f"{name}.md").write_text(md)
+    (RESULTS / f"{name}.json").write_text(json.dumps([asdict(r) for r in rows], indent=1, default=str))
+    return RESULTS / f"{name}.md"
