@@ -142,7 +142,8 @@ def test_new_heads_start_native(family, method, options):
     out = set_router(model, method, "all", **options)(ids)
     for r, n in zip(out.routings, ref.routings):
         assert torch.equal(r.experts, n.experts)
-        torch.testing.assert_close(r.weights, n.weights, rtol=1e-6, atol=1e-7)
+        # TES subtracts one constant from every logit: equal up to fp32 rounding of a - c (few ulp).
+        torch.testing.assert_close(r.weights, n.weights, rtol=1e-5, atol=1e-6)
     if method == "dual":
         assert torch.equal(out.logits, ref.logits)
     else:
