@@ -89,6 +89,10 @@ class Timing:
         r = [a / b for a, b in zip(self.times[slow], self.times[fast])]
         return statistics.median(r), min(r), max(r)
 
+    def best_ratio(self, slow: str, fast: str) -> float:
+        """min time(slow) / min time(fast): each side at its least disturbed round."""
+        return min(self.times[slow]) / min(self.times[fast])
+
     def spread(self, name: str) -> float:
         """(max - min) / median of one candidate's round times: how noisy the machine was."""
         t = self.times[name]

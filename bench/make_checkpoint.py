@@ -83,8 +83,9 @@ def write_safetensors(path: Path, entries, dtype, generator) -> int:
 
 
 def make(family: str, out: Path, *, layers: int | None = None, max_shard_bytes: int = 5 * 10**9,
-         dtype=torch.bfloat16, seed: int = 0) -> Path:
-    config = common.shape(family, layers)
+         dtype=torch.bfloat16, seed: int = 0, config=None) -> Path:
+    """config: another MoEConfig to write instead of the official shape (tests use tiny ones)."""
+    config = config or common.shape(family, layers)
     groups = shard(disk_tensors(config), dtype, max_shard_bytes)
     generator = torch.Generator().manual_seed(seed)
     tmp, commit = atomic_directory(out)

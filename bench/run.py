@@ -75,7 +75,7 @@ def bench_forward(args, family, dtype_name):
     base = pick_baseline(t)
     tok = B * T
     note = (f"logits max|diff| {diff:.2g}, argmax agree {agree:.1%}; eager/sdpa {t.median('hf eager'):.2f}/"
-            f"{t.median('hf sdpa'):.2f}s; round spread {t.spread('minimoe'):.0%}")
+            f"{t.median('hf sdpa'):.2f}s; round spread {t.spread('minimoe'):.0%}; {best(t, base)}")
     del ours, hf
     gc.collect()
     return [Row("forward", f"{family}-{args.layers}L", dtype_name, f"prefill tokens/s ({B}x{T})",
@@ -85,6 +85,10 @@ def bench_forward(args, family, dtype_name):
 def _ratio(t, base):
     med, lo, hi = t.ratio(base, "minimoe")
     return med, (lo, hi)
+
+
+def best(t, base):
+    return f"best-of-rounds ratio {t.best_ratio(base, 'minimoe'):.2f}x"
 
 
 # ----------------------------------------------------------------------------- 2. train step
@@ -110,7 +114,8 @@ def bench_train(args, family, dtype_name):
                      "hf sdpa": hf_call(hf, "sdpa", step(hf, use_cache=False))}, args.rounds)
     base = pick_baseline(t)
     tok = B * T
-    note = f"fwd+bwd, all weights trainable; eager/sdpa {t.median('hf eager'):.2f}/{t.median('hf sdpa'):.2f}s"
+    note = (f"fwd+bwd, all weights trainable; eager/sdpa {t.median('hf eager'):.2f}/{t.median('hf sdpa'):.2f}s; "
+            f"{best(t, base)}")
     del ours, hf
     gc.collect()
     return [Row("train", f"{family}-{args.layers}L", dtype_name, f"train tokens/s ({B}x{T})",
@@ -145,7 +150,7 @@ def bench_decode(args, family, dtype_name):
         rows.append(Row("decode", f"{family}-{args.layers}L", dtype_name,
                         f"new tokens/s (batch {B}, prompt {args.prompt}, {n} new, greedy)",
                         B * n / t.median("minimoe"), B * n / t.median(base), base, *_ratio(t, base),
-                        note=f"identical greedy tokens in {same:.0%} of rows (bf16 ties may differ)"))
+                        note=f"identical greedy tokens in {same:.0%} of rows (bf16 ties may differ); {best(t, base)}"))
     del ours, hf
     gc.collect()
     return rows

@@ -1,0 +1,41 @@
+"""The benchmark's own machinery: the streaming checkpoint writer and the interleaved timer."""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import common  # noqa: E402
+from bench.make_checkpoint import make  # noqa: E402
+from minimoe.checkpoint import checkpoint_tensors, from_pretrained  # noqa: E402
+from minimoe.model import MoEConfig  # noqa: E402
+
+
+def tiny(family):
+    d = dict(common.OFFICIAL[family], vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+             num_experts=4, num_experts_per_tok=2, num_attention_heads=4,
+             num_key_value_heads=2 if family == "granitemoe" else 4)
+    return MoEConfig(**d)
+
+
+def test_streamed_checkpoint_has_the_saver_keys_and_loads_strictly(tmp_path):
+    """make_checkpoint writes safetensors by hand; minimoe's strict loader and its saver's key set are the reference."""
+    for family in ("olmoe", "granitemoe"):
+        out = make(family, tmp_path / family, config=tiny(family), max_shard_bytes=20_000)
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1, "small shards should give several files"
+        model = from_pretrained(out, dtype=torch.float32)  # raises on any missing/unexpected/misshaped key
+        assert set(index["weight_map"]) == set(checkpoint_tensors(model))
+        assert (family == "granitemoe") == ("lm_head.weight" not in index["weight_map"])  # tied embeddings
+        with torch.no_grad():
+            assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+
+
+def test_interleaved_rotates_order_and_ratios_per_round():
+    calls = []
+    t = common.interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=2, warmup=0)
+    assert calls == ["a", "b", "b", "a"]
+    t.times = {"a": [2.0, 4.0], "b": [1.0, 1.0]}
+    assert t.ratio("a", "b") == (3.0, 2.0, 4.0)
+    assert t.best_ratio("a", "b") == 2.0
