@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from minimoe.evaluation import evaluate_split
 from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
 from minimoe.objectives import supervision_loss
 from minimoe.routing import set_router
-from minimoe.scoring import answer_token_logprobs, choice_loss, choice_scores, make_choice_batch, predictions
+from minimoe.scoring import answer_token_logprobs, choice_loss, choice_scores, make_choice_batch
 
 # The paper's Experimental Configuration table, one dict per backbone; "tiny" is the offline default.
 RECIPES = {
@@ -128,21 +129,12 @@ def autocast(cfg):
     return torch.autocast("cpu", enabled=False)
 
 
-@torch.no_grad()
 def score_split(model, tokenizer, examples, cfg) -> dict:
-    """Validation: length-normalised answer-choice NLL (the selection rule's quantity) and accuracy."""
-    model.eval()
-    nll, correct = 0.0, 0
-    for start in range(0, len(examples), cfg["eval_batch_size"]):
-        part = examples[start:start + cfg["eval_batch_size"]]
-        batch = make_choice_batch(part, tokenizer, cfg["pad_token_id"], cfg["max_length"]).to(cfg["device"])
-        with autocast(cfg):
-            logp = answer_token_logprobs(model(batch.input_ids, attention_mask=batch.attention_mask).logits, batch)
-        mean = choice_scores(logp, batch)["mean"]
-        nll += choice_loss(mean, batch, reduction="sum").item()
-        correct += (predictions(mean, batch) == batch.gold).sum().item()
-    model.train()
-    return {"choice_nll": nll / len(examples), "accuracy": correct / len(examples)}
+    """Validation: length-normalised answer-choice NLL (the selection rule's quantity) and accuracy,
+    scored by the same code as evaluate.py, so validation and test numbers are comparable."""
+    _, metrics, _ = evaluate_split(model, tokenizer, examples, batch_size=cfg["eval_batch_size"],
+                                   device=cfg["device"], diagnostics=False, max_length=cfg["max_length"])
+    return {"choice_nll": metrics["choice_nll"], "accuracy": metrics["accuracy"]}
 
 
 def save_epoch(run: Path, model, optimizer, scheduler, epoch: int, step: int, base_model: str):
