@@ -243,7 +243,8 @@ def plot_error_prediction(train_curve: dict, test_curve: dict, path, *,
 
 # ---- accuracy report (tab:downstream_accuracy) --------------------------------------------------
 
-def _metrics_files(paths: Iterable) -> list[Path]:
+def metrics_files(paths: Iterable) -> list[Path]:
+    """metrics.json paths, or folders searched recursively -> the files, each once, in order."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
@@ -262,7 +263,7 @@ def _metrics_files(paths: Iterable) -> list[Path]:
 def collect_metrics(paths: Iterable) -> list[dict]:
     """Load metrics.json files (or directories searched recursively); adds `metrics_path`."""
     records = []
-    for f in _metrics_files(paths):
+    for f in metrics_files(paths):
         record = json.loads(f.read_text())
         for key in REQUIRED_METRICS_KEYS:
             if key not in record:

@@ -59,9 +59,9 @@ import torch
 
 from minimoe.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer
 from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split
-from minimoe.diagnostics import (PAPER_SEEDS, _metrics_files, accuracy_table, collect_metrics,
-                                 concentration_summary, decile_curve, error_prediction_summary,
-                                 group_by_layer_token, plot_error_prediction, population_moments,
+from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, concentration_summary,
+                                 decile_curve, error_prediction_summary, group_by_layer_token,
+                                 metrics_files, plot_error_prediction, population_moments,
                                  token_concentration)
 from minimoe.scoring import (IGNORE, answer_token_logprobs, by_example, choice_loss, choice_scores,
                              make_choice_batch, predictions)
@@ -548,7 +548,7 @@ def accuracy_report(paths, *, seeds=PAPER_SEEDS, split: str = "test") -> tuple[s
     Evaluations without a seed (a base model: no run) and of other splits are skipped, not errors.
     """
     kept, notes = [], []
-    for f in _metrics_files(paths):
+    for f in metrics_files(paths):
         record = _read_json(f)
         if record.get("seed") is None:
             notes.append(f"skipped {f}: no seed (not a training run)")
