@@ -88,7 +88,7 @@ def test_matched_prediction_gradients_through_the_attached_ce():
     # At e_hat = L (equal values, e_hat held fixed): grad of lambda*IS through the CE path is 0,
     # grad of ENLL is (1/L) grad L, for every model parameter.
     model = tiny_model()
-    ids = torch.randint(0, 128, (2, 9))
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     ce = token_ce(model(ids).logits, ids)[:, :-1]  # [B, T-1], attached
     params = [p for p in model.parameters() if p.requires_grad]
     pred = ce.detach().clone()  # matched prediction, no parameters behind it
@@ -145,7 +145,7 @@ def test_supervision_loss_averages_supervised_layers_and_tokens(objective, depth
 
 def test_supervision_loss_trains_the_error_head_end_to_end():
     model = set_router(tiny_model(), "tes", "last:2")
-    ids = torch.randint(0, 128, (2, 9))
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     out = model(ids)
     ce = token_ce(out.logits, ids)
     mask = torch.ones_like(ce, dtype=torch.bool)

@@ -100,7 +100,8 @@ def test_pairwise_routing_odds():
 
 def test_started_log_rescaling_identity():
     # Eq. appendix_shifted_log_rescaling: phi_tau(xi e) = phi_{tau/xi}(e); read off a~ = a - phi.
-    e, a = torch.rand(100, dtype=torch.float64) * 5 + 1e-3, torch.zeros(100, dtype=torch.float64)
+    g = torch.Generator().manual_seed(0)
+    e, a = torch.rand(100, dtype=torch.float64, generator=g) * 5 + 1e-3, torch.zeros(100, dtype=torch.float64)
     for xi, tau in [(0.5, 1.0), (3.0, 0.2), (10.0, 7.0)]:
         torch.testing.assert_close(attenuate(a, xi * e, 1.0, tau), attenuate(a, e, 1.0, tau / xi))
 
@@ -119,7 +120,8 @@ def test_started_log_derivatives(gamma, tau):
 
 def test_pure_log_transform():
     # Eq. shifted_log_ablation_score: a~ = a - gamma log e; a common rescaling of e is a shared shift.
-    a, e = torch.randn(4, 8), torch.rand(4, 8) + 0.1
+    g = torch.Generator().manual_seed(0)
+    a, e = torch.randn(4, 8, generator=g), torch.rand(4, 8, generator=g) + 0.1
     torch.testing.assert_close(attenuate(a, e, 2.0, transform="log"), a - 2.0 * e.log())
     shifted = attenuate(a, 5.0 * e, 2.0, transform="log")
     torch.testing.assert_close(shifted.softmax(-1), attenuate(a, e, 2.0, transform="log").softmax(-1))
@@ -137,7 +139,7 @@ def test_new_heads_start_native(family, method, options):
     # rounds per element, so the LM logits agree to ~1e-7 of their scale, not bit for bit; the
     # executed experts are identical.
     model = tiny_model(family)
-    ids = torch.randint(0, 128, (2, 12))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     ref = model(ids)
     out = set_router(model, method, "all", **options)(ids)
     for r, n in zip(out.routings, ref.routings):
@@ -158,7 +160,7 @@ def test_new_heads_start_native(family, method, options):
 def test_concentration_bounds_and_uniform_value():
     # Eq. affinity_concentration: 1/K <= C_t <= 1, and C_t = 1/K at uniform selected affinity.
     K = 3
-    logits = 3 * torch.randn(500, 8)
+    logits = 3 * torch.randn(500, 8, generator=torch.Generator().manual_seed(0))
     experts, _ = select_topk(logits, K, False)
     c = concentration(logits, experts)
     assert (c >= 1 / K - 1e-6).all() and (c <= 1 + 1e-6).all()
@@ -170,7 +172,8 @@ def test_concentration_bounds_and_uniform_value():
 def test_concentration_logit_gradient(renormalize):
     # Eq. appendix_affinity_concentration_logit_gradient: dC/da_i = 2 pbar_i (pbar_i - C) on the
     # selected set, 0 elsewhere; through the acs policy's "prediction" readout.
-    logits = (2 * torch.randn(64, 8)).requires_grad_()  # routing math is fp32
+    g = torch.Generator().manual_seed(0)
+    logits = (2 * torch.randn(64, 8, generator=g)).requires_grad_()  # routing math is fp32
     r = ConcentrationRouter(3, renormalize)(None, logits)
     assert r.readouts["prediction"] is r.readouts["concentration"]
     c = r.readouts["prediction"]
@@ -184,10 +187,11 @@ def test_concentration_logit_gradient(renormalize):
 def test_concentration_readout_is_native_and_diagnostic_for_every_policy():
     # The diagnostic C_t is over the native top-K with native p, detached, for every policy.
     model = set_router(tiny_model(), "tes", "all", gamma=3.0)
+    g = torch.Generator().manual_seed(0)
     for mlp in (layer.mlp for layer in model.model.layers):
         with torch.no_grad():
-            mlp.router.error_head.weight.normal_(0, 1.0)
-    out = model(torch.randint(0, 128, (2, 12)))
+            mlp.router.error_head.weight.normal_(0, 1.0, generator=g)
+    out = model(torch.randint(0, 128, (2, 12), generator=g))
     r = out.routings[-1]
     native = select_topk(r.logits, 2, False)[0]
     assert not torch.equal(native, r.experts)  # attenuation moved the route, so the sets differ
@@ -216,7 +220,7 @@ def test_expert_score_gradient_is_pbar_times_aggregate_gradient():
     r = router(x, logits)
     scores, e_hat = r.readouts["expert_scores"], r.readouts["e_hat"]
     scores.retain_grad()
-    observed = torch.rand(32) * 4
+    observed = torch.rand(32, generator=torch.Generator().manual_seed(1)) * 4
     itakura_saito(e_hat, observed).sum().backward()
     p = logits.softmax(-1).gather(-1, r.experts)
     pbar = p / p.sum(-1, keepdim=True)
@@ -232,7 +236,8 @@ def test_expert_score_gradient_is_pbar_times_aggregate_gradient():
                                   lambda: DualAffinityRouter(torch.nn.Linear(16, 8, bias=False), 3, True)])
 def test_policies_replay_a_given_selection(make):
     # The protocol: with `experts` given, the policy uses them and computes everything else as usual.
-    router, x, logits = make(), torch.randn(32, 16), 2 * torch.randn(32, 8)
+    g = torch.Generator().manual_seed(0)
+    router, x, logits = make(), torch.randn(32, 16, generator=g), 2 * torch.randn(32, 8, generator=g)
     first = router(x, logits)
     again = router(x, logits, experts=first.experts)
     assert torch.equal(again.weights, first.weights)
@@ -246,11 +251,12 @@ def test_policies_replay_a_given_selection(make):
 @pytest.mark.parametrize("method", ["tes", "dual"])
 def test_gradient_checkpointing_gives_the_same_grads(family, method):
     model = set_router(tiny_model(family), method, "all")
+    g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # move every head off its neutral start, so attenuation changes routes
         for name, p in model.named_parameters():
             if ".router." in name:
-                p.add_(torch.randn_like(p) * 0.3)
-    ids = torch.randint(0, 128, (2, 12))
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    ids = torch.randint(0, 128, (2, 12), generator=g)
     grads = []
     for ckpt in (False, True):
         m = copy.deepcopy(model)
