@@ -57,29 +57,41 @@ def parity(ours, hf, ids):
     return (a - b).abs().max().item(), (a.argmax(-1) == b.argmax(-1)).float().mean().item()
 
 
+def against_hf(args, family, dtype_name, *, item, metric, batch, seed, step, note, train=False):
+    """One Row of tokens/s: `step` on minimoe against the faster of transformers eager and sdpa.
+
+    Both models load one random checkpoint; step(model, ids, **kw) gives the callable to time on
+    batch x args.seq random ids, and note(timing, baseline, ours, hf, ids) the row's note.
+    """
+    ours, hf = models(family, args.layers, DTYPES[dtype_name], train)
+    B, T = batch, args.seq
+    ids = torch.randint(2, ours.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+    t = interleaved({"minimoe": step(ours, ids), "hf eager": hf_call(hf, "eager", step(hf, ids, use_cache=False)),
+                     "hf sdpa": hf_call(hf, "sdpa", step(hf, ids, use_cache=False))}, args.rounds)
+    base = pick_baseline(t)
+    text = note(t, base, ours, hf, ids)
+    del ours, hf
+    gc.collect()
+    tok = B * T
+    return [Row(item, f"{family}-{args.layers}L", dtype_name, f"{metric} ({B}x{T})",
+                tok / t.median("minimoe"), tok / t.median(base), base, *_ratio(t, base), note=text)]
+
+
 # ----------------------------------------------------------------------------- 1. forward
 
 def bench_forward(args, family, dtype_name):
-    dtype = DTYPES[dtype_name]
-    ours, hf = models(family, args.layers, dtype)
-    B, T = args.batch, args.seq
-    ids = torch.randint(2, ours.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(1))
-    diff, agree = parity(ours, hf, ids[:1, :64])
-
     @torch.no_grad()
-    def fwd(m, **kw):
+    def fwd(m, ids, **kw):
         return lambda: m(ids, **kw).logits
 
-    t = interleaved({"minimoe": fwd(ours), "hf eager": hf_call(hf, "eager", fwd(hf, use_cache=False)),
-                     "hf sdpa": hf_call(hf, "sdpa", fwd(hf, use_cache=False))}, args.rounds)
-    base = pick_baseline(t)
-    tok = B * T
-    note = (f"logits max|diff| {diff:.2g}, argmax agree {agree:.1%}; eager/sdpa {t.median('hf eager'):.2f}/"
-            f"{t.median('hf sdpa'):.2f}s; round spread {t.spread('minimoe'):.0%}; {best(t, base)}")
-    del ours, hf
-    gc.collect()
-    return [Row("forward", f"{family}-{args.layers}L", dtype_name, f"prefill tokens/s ({B}x{T})",
-                tok / t.median("minimoe"), tok / t.median(base), base, *_ratio(t, base), note=note)]
+    def note(t, base, ours, hf, ids):
+        common.set_attn(hf, "eager")  # parity against eager, as models() loads it (the timing switched it)
+        diff, agree = parity(ours, hf, ids[:1, :64])
+        return (f"logits max|diff| {diff:.2g}, argmax agree {agree:.1%}; {eager_sdpa(t)}; "
+                f"round spread {t.spread('minimoe'):.0%}; {best(t, base)}")
+
+    return against_hf(args, family, dtype_name, item="forward", metric="prefill tokens/s", batch=args.batch,
+                      seed=1, step=fwd, note=note)
 
 
 def _ratio(t, base):
@@ -91,6 +103,10 @@ def best(t, base):
     return f"best-of-rounds ratio {t.best_ratio(base, 'minimoe'):.2f}x"
 
 
+def eager_sdpa(t):
+    return f"eager/sdpa {t.median('hf eager'):.2f}/{t.median('hf sdpa'):.2f}s"
+
+
 # ----------------------------------------------------------------------------- 2. train step
 
 def next_token_ce(logits, ids):
@@ -98,28 +114,18 @@ def next_token_ce(logits, ids):
 
 
 def bench_train(args, family, dtype_name):
-    dtype = DTYPES[dtype_name]
-    ours, hf = models(family, args.layers, dtype, train=True)
-    B, T = args.train_batch, args.seq
-    ids = torch.randint(2, ours.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(2))
-
-    def step(m, **kw):
+    def step(m, ids, **kw):
         def run():
             m.zero_grad(set_to_none=True)
             next_token_ce(m(ids, **kw).logits, ids).backward()
             m.zero_grad(set_to_none=True)  # the other model's step should not see these grads' memory
         return run
 
-    t = interleaved({"minimoe": step(ours), "hf eager": hf_call(hf, "eager", step(hf, use_cache=False)),
-                     "hf sdpa": hf_call(hf, "sdpa", step(hf, use_cache=False))}, args.rounds)
-    base = pick_baseline(t)
-    tok = B * T
-    note = (f"fwd+bwd, all weights trainable; eager/sdpa {t.median('hf eager'):.2f}/{t.median('hf sdpa'):.2f}s; "
-            f"{best(t, base)}")
-    del ours, hf
-    gc.collect()
-    return [Row("train", f"{family}-{args.layers}L", dtype_name, f"train tokens/s ({B}x{T})",
-                tok / t.median("minimoe"), tok / t.median(base), base, *_ratio(t, base), note=note)]
+    def note(t, base, ours, hf, ids):
+        return f"fwd+bwd, all weights trainable; {eager_sdpa(t)}; {best(t, base)}"
+
+    return against_hf(args, family, dtype_name, item="train", metric="train tokens/s", batch=args.train_batch,
+                      seed=2, step=step, note=note, train=True)
 
 
 # ----------------------------------------------------------------------------- 4. decoding
