@@ -7,11 +7,12 @@ weights are random (seeded): it is a pipeline check, not a language model. Built
 """
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
 
-from minimoe.checkpoint import atomic_directory, default_weights_dir
+from minimoe.checkpoint import atomic_directory, default_weights_dir, write_checkpoint
 from minimoe.data import EOS_TOKEN, PAD_TOKEN, load_examples, train_tokenizer
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
 
@@ -35,12 +36,13 @@ def build_tiny_checkpoint(folder, *, seed: int = 0, vocab_size: int = 2048) -> P
     config = tiny_config(vocab, tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN))
     model = init_weights(MoEForCausalLM(config), generator=torch.Generator().manual_seed(seed))
     tmp, commit = atomic_directory(folder)
-    model.save_pretrained(tmp / "model")
-    tokenizer.save(str(tmp / "model" / "tokenizer.json"))
-    for f in (tmp / "model").iterdir():
-        f.rename(tmp / f.name)
-    (tmp / "model").rmdir()
-    commit()
+    try:
+        write_checkpoint(model, tmp)
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        commit()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return folder
 
 

@@ -62,7 +62,20 @@ def test_dtype_conversion_on_load(tmp_path):
     tiny_model("olmoe").save_pretrained(tmp_path / "m")
     assert minimoe.from_pretrained(tmp_path / "m").dtype == torch.float32
     model = minimoe.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    want = tiny_model("olmoe").to(torch.bfloat16)
+    assert_same_params(model, want)  # the same rounding as a plain .to(bfloat16)
+
+
+def test_loaded_parameters_own_their_memory(family, tmp_path):
+    """No parameter is a view into a mapped file or a larger buffer: the peak stays one checkpoint."""
+    tiny_model(family).save_pretrained(tmp_path / "m", max_shard_bytes=64 * 1024)
+    model = minimoe.from_pretrained(tmp_path / "m")
+    storages = set()
+    for name, p in model.named_parameters():
+        storage = p.untyped_storage()
+        assert storage.nbytes() == p.numel() * p.element_size() and p.data_ptr() == storage.data_ptr(), name
+        storages.add(storage.data_ptr())
+    assert len(storages) == len(list(model.parameters()))
 
 
 def populate_hub_cache(cache, repo_id, source, commit="0123456789abcdef0123456789abcdef01234567"):
@@ -174,6 +187,24 @@ def test_truncated_file_is_named(saved):
     f.write_bytes(data[: len(data) // 2])
     with pytest.raises(ValueError, match="model.safetensors.*truncated"):
         minimoe.from_pretrained(saved)
+
+
+def test_corrupt_header_is_named(saved):
+    f = saved / "model.safetensors"
+    f.write_bytes(b"\xff" * 8 + f.read_bytes()[8:])
+    with pytest.raises(ValueError, match="model.safetensors.*not a readable safetensors file"):
+        minimoe.from_pretrained(saved)
+
+
+def test_index_naming_the_wrong_shard_is_named(tmp_path):
+    tiny_model("olmoe").save_pretrained(tmp_path / "s", max_shard_bytes=64 * 1024)
+    index_path = tmp_path / "s" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first, last = sorted(set(index["weight_map"].values()))[::len(set(index["weight_map"].values())) - 1]
+    index["weight_map"]["model.norm.weight"] = first if index["weight_map"]["model.norm.weight"] != first else last
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(KeyError, match="model.norm.weight.*does not hold it"):
+        minimoe.from_pretrained(tmp_path / "s")
 
 
 def test_missing_shard_is_named(tmp_path):
