@@ -88,21 +88,20 @@ def make(family: str, out: Path, *, layers: int | None = None, max_shard_bytes: 
     config = config or common.shape(family, layers)
     groups = shard(disk_tensors(config), dtype, max_shard_bytes)
     generator = torch.Generator().manual_seed(seed)
-    tmp, commit = atomic_directory(out)
-    weight_map, total = {}, 0
-    for i, entries in enumerate(groups, 1):
-        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
-        t0 = time.time()
-        total += write_safetensors(tmp / name, entries, dtype, generator)
-        weight_map.update(dict.fromkeys((k for k, _ in entries), name))
-        print(f"  {name}: {len(entries)} tensors, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
-    with open(tmp / "model.safetensors.index.json", "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    cfg = config_to_dict(config)
-    cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
-    with open(tmp / "config.json", "w") as f:
-        json.dump(cfg, f, indent=2, sort_keys=True)
-    commit()
+    with atomic_directory(out) as tmp:
+        weight_map, total = {}, 0
+        for i, entries in enumerate(groups, 1):
+            name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+            t0 = time.time()
+            total += write_safetensors(tmp / name, entries, dtype, generator)
+            weight_map.update(dict.fromkeys((k for k, _ in entries), name))
+            print(f"  {name}: {len(entries)} tensors, {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+        with open(tmp / "model.safetensors.index.json", "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        cfg = config_to_dict(config)
+        cfg["torch_dtype"] = str(dtype).removeprefix("torch.")
+        with open(tmp / "config.json", "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
     return out
 
 

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -301,32 +302,31 @@ def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
     return to_disk_layout(model.config, {n: model.get_parameter(n).detach().cpu() for n in names})
 
 
-def atomic_directory(path) -> tuple[Path, callable]:
-    """A temp folder beside `path` and a commit() that swaps it in, so readers never see half a folder."""
+@contextmanager
+def atomic_directory(path):
+    """`with atomic_directory(p) as tmp:` write into tmp, a folder beside p; on success tmp replaces
+    p whole, on any error it is removed, so readers never see half a folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-
-    def commit():
-        old = None
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old)
-    return tmp, commit
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = None
+    if path.exists():
+        old = path.with_name(f".{path.name}.old-{os.getpid()}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def save_pretrained(model: MoEForCausalLM, path, *, max_shard_bytes: int = 5 * 2**30):
     """Write config.json and safetensors in the official layout (sharded past max_shard_bytes), atomically."""
-    tmp, commit = atomic_directory(path)
-    try:
+    with atomic_directory(path) as tmp:
         write_checkpoint(model, tmp, max_shard_bytes=max_shard_bytes)
-        commit()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def write_checkpoint(model: MoEForCausalLM, folder: Path, *, max_shard_bytes: int = 5 * 2**30):

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -433,8 +432,7 @@ def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_ex
     label = f"{identity['method']}, {identity['dataset']}: "
     diagnostics, plots = diagnostics_report(arrays, split, train_arrays, label=label)
     result = json_safe({**identity, **metrics, "diagnostics": {**diagnostics, **extra}})
-    tmp, commit = atomic_directory(out)
-    try:
+    with atomic_directory(out) as tmp:
         with open(tmp / "predictions.jsonl", "w", encoding="utf-8") as f:
             for r in records:
                 f.write(json.dumps(json_safe(r), ensure_ascii=False, allow_nan=False) + "\n")
@@ -446,10 +444,6 @@ def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_ex
         with open(tmp / "metrics.json", "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2, allow_nan=False)
             f.write("\n")
-        commit()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return result
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import torch
@@ -223,15 +222,10 @@ def save_adapter(model: MoEForCausalLM, path, *, base_model: str):
     tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_tensors(model, gate_layers).items()}
     config = dict(spec, base_model=str(base_model), fingerprint=fingerprint(model.config),
                   router=getattr(model, "router_spec", None), gate_layers=gate_layers)
-    tmp, commit = atomic_directory(path)
-    try:
+    with atomic_directory(path) as tmp:
         save_file(tensors, str(tmp / "adapter.safetensors"), metadata={"format": "pt"})
         with open(tmp / "adapter_config.json", "w") as f:
             json.dump(config, f, indent=2)
-        commit()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def load_adapter(model: MoEForCausalLM, path) -> MoEForCausalLM:

@@ -7,7 +7,6 @@ weights are random (seeded): it is a pipeline check, not a language model. Built
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import torch
@@ -35,14 +34,9 @@ def build_tiny_checkpoint(folder, *, seed: int = 0, vocab_size: int = 2048) -> P
     vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # rows padded to a multiple of 64, as the releases do
     config = tiny_config(vocab, tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN))
     model = init_weights(MoEForCausalLM(config), generator=torch.Generator().manual_seed(seed))
-    tmp, commit = atomic_directory(folder)
-    try:
+    with atomic_directory(folder) as tmp:
         write_checkpoint(model, tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
-        commit()
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return folder
 
 
