@@ -22,7 +22,6 @@ Decisions that matter for parity with `transformers` 4.57 (see shared/reference/
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -279,6 +278,11 @@ class MoEBlock(nn.Module):
         return self.experts(flat, routing.experts, routing.weights).view(B, T, D), routing
 
 
+def scaled(x, factor: float):
+    """x * factor, skipped at 1.0 (every OLMoE multiplier): x * 1.0 == x, and the copy costs a full pass."""
+    return x if factor == 1.0 else x * factor
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
@@ -295,12 +299,13 @@ class DecoderLayer(nn.Module):
         return self._forward(h, cos, sin, mask, cache, None)
 
     def _forward(self, h, cos, sin, mask, cache, stash):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, cache) * self.residual_multiplier
+        h = h + scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask, cache), self.residual_multiplier)
         moe_out, routing = self.mlp(self.post_attention_layernorm(h), stash)
-        return h + moe_out * self.residual_multiplier, routing
+        return h + scaled(moe_out, self.residual_multiplier), routing
 
 
 # ----------------------------------------------------------------------------- the causal LM
+
 
 @dataclass
 class CausalLMOutput:
@@ -362,7 +367,7 @@ class MoEForCausalLM(nn.Module):
         start = cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
-        h = self.model.embed_tokens(input_ids) * c.embedding_multiplier  # [B, T, D]
+        h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
         mask = self._attention_mask(attention_mask, B, T, start, input_ids.device)
         routings = []
@@ -371,7 +376,9 @@ class MoEForCausalLM(nn.Module):
             routings.append(routing)
         if cache is not None:
             cache.length += T
-        logits = self.lm_head(self.model.norm(h)) / c.logits_scaling
+        logits = self.lm_head(self.model.norm(h))
+        if c.logits_scaling != 1.0:  # Granite divides, as the reference does (not * 1/s: other bits)
+            logits = logits / c.logits_scaling
         aux = None
         if cache is None:
             real = attention_mask[:, -T:] if attention_mask is not None else None
