@@ -80,9 +80,11 @@ def against_hf(args, family, dtype_name, *, item, metric, batch, seed, step, not
 # ----------------------------------------------------------------------------- 1. forward
 
 def bench_forward(args, family, dtype_name):
-    @torch.no_grad()
     def fwd(m, ids, **kw):
-        return lambda: m(ids, **kw).logits
+        @torch.no_grad()
+        def run():
+            return m(ids, **kw).logits
+        return run
 
     def note(t, base, ours, hf, ids):
         common.set_attn(hf, "eager")  # parity against eager, as models() loads it (the timing switched it)
@@ -218,15 +220,8 @@ def bench_moe(args, family, dtype_name):
 # ----------------------------------------------------------------------------- 3. LoRA step
 
 def bench_lora(args, family, dtype_name):
-    try:
-        from minimoe.lora import add_lora
-    except ImportError as e:
-        print(f"[lora] skipped: minimoe.lora is not importable yet ({e})", file=sys.stderr)
-        return []
-    dtype = DTYPES[dtype_name]
     folder = common.random_checkpoint(family, args.layers)
     B, T = args.train_batch, args.seq
-    ids = torch.randint(2, common.shape(family).vocab_size, (B, T), generator=torch.Generator().manual_seed(5))
     rows, times, peaks = [], {}, {}
     # Peak memory needs one model at a time: each side runs alone in a child process (bench/lora_peft.py).
     from bench.lora_peft import measure_in_child
