@@ -1,7 +1,7 @@
 """minimoe against transformers (4.57, eager and sdpa) on identical random weights, CPU.
 
     python bench/run.py                 # everything that fits in ~10 minutes per item
-    python bench/run.py --quick         # smaller batches, fewer rounds: a couple of minutes
+    python bench/run.py --quick         # bf16, smaller batches, fewer rounds: a few minutes
     python bench/run.py --items forward,moe --families olmoe --dtypes bf16
 
 Each item builds (once, under bench/checkpoints/) a random minimoe model at the real widths, expert
@@ -255,8 +255,8 @@ def main(argv=None):
     g = p.add_argument_group("what to run")
     g.add_argument("--items", default="forward,train,decode,moe,lora", help="comma list of " + ",".join(ITEMS))
     g.add_argument("--families", default="olmoe,granitemoe", help="comma list: olmoe, granitemoe")
-    g.add_argument("--dtypes", default="bf16,fp32", help="comma list: bf16, fp32")
-    g.add_argument("--quick", action="store_true", help="batch 1x128, 2 rounds, 8 new tokens: a couple of minutes")
+    g.add_argument("--dtypes", default=None, help="comma list: bf16, fp32 (default both; --quick: bf16)")
+    g.add_argument("--quick", action="store_true", help="bf16, batch 1x128, 2 rounds, 8 new tokens: a few minutes")
     s = p.add_argument_group("sizes")
     s.add_argument("--layers", type=int, default=2, help="decoder layers of the reduced-depth models")
     s.add_argument("--batch", type=int, default=4)
@@ -273,6 +273,7 @@ def main(argv=None):
     if args.quick:
         args.batch, args.train_batch, args.seq, args.rounds, args.new_tokens, args.moe_tokens = 1, 1, 128, 2, 8, 512
         args.decode_batches = "1"
+    args.dtypes = args.dtypes or ("bf16" if args.quick else "bf16,fp32")
     args.decode_batches = [int(b) for b in args.decode_batches.split(",")]
     torch.manual_seed(0)
     header = f"Machine: {common.machine()}\n\nCommand: `python bench/run.py {' '.join(argv or sys.argv[1:])}`"
