@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import minimoe
+from minimoe.atomic import atomic_file
 from minimoe.data import load_split
 from minimoe.tiny import tiny_checkpoint
 from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_label, train, world
@@ -164,9 +165,8 @@ def main(argv=None):
             changed = {k for k in resolved if k not in ("stop_after_epochs", "quiet") and before.get(k) != resolved[k]}
             if changed:
                 sys.exit(f"train.py: --resume with a different config: {sorted(changed)} differ from {run}/config.json")
-        tmp = run / "config.json.tmp"
-        tmp.write_text(json.dumps(resolved, indent=2, default=str))
-        os.replace(tmp, run / "config.json")
+        with atomic_file(run / "config.json") as tmp:
+            tmp.write_text(json.dumps(resolved, indent=2, default=str))
     train(model, tokenizer, data, cfg, run, resume=cfg["resume"])
     if rank == 0 and not cfg["no_test_eval"]:
         from minimoe.evaluation import evaluate_run

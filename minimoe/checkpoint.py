@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from minimoe.atomic import atomic_directory
 from minimoe.model import MoEConfig, MoEForCausalLM, config_field_names
 
 # Per layer: our parameter name -> the on-disk key(s). A tuple of per-expert patterns means the
@@ -300,27 +298,6 @@ def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
     """The official on-disk tensors of `model` (base weights only; LoRA and method heads are not in the table)."""
     names = checkpoint_layout(model.config)
     return to_disk_layout(model.config, {n: model.get_parameter(n).detach().cpu() for n in names})
-
-
-@contextmanager
-def atomic_directory(path):
-    """`with atomic_directory(p) as tmp:` write into tmp, a folder beside p; on success tmp replaces
-    p whole, on any error it is removed, so readers never see half a folder."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = None
-    if path.exists():
-        old = path.with_name(f".{path.name}.old-{os.getpid()}")
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old)
 
 
 def save_pretrained(model: MoEForCausalLM, path, *, max_shard_bytes: int = 5 * 2**30):

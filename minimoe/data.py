@@ -36,14 +36,14 @@ import hashlib
 import importlib.util
 import json
 import logging
-import os
 import random
 import re
-import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 from importlib.metadata import version
 from pathlib import Path
+
+from minimoe.atomic import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -264,17 +264,8 @@ def _by_partition(examples: list[Example]) -> dict[str, int]:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp:
+        tmp.write_bytes(data)
 
 
 def build_splits(name: str, out_dir, *, seed: int = 42, sizes: dict[str, int] | None = None,

@@ -38,13 +38,13 @@ seeds, as in the paper's captions.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 from pathlib import Path
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
+
+from minimoe.atomic import atomic_file
 
 PAPER_SEEDS = (42, 43, 45)  # the seeds of the paper's accuracy tables
 METRICS_FILENAME = "metrics.json"
@@ -228,16 +228,8 @@ def plot_error_prediction(train_curve: dict, test_curve: dict, path, *,
     fig.tight_layout()
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Temp file in the same directory, then rename: a reader never sees a half-written PNG.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp:  # a reader never sees a half-written PNG
+        fig.savefig(tmp, format="png")
     return path
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from minimoe.atomic import atomic_file
 from minimoe.evaluation import evaluate_split
 from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
 from minimoe.objectives import supervision_loss
@@ -143,9 +143,8 @@ def save_epoch(run: Path, model, optimizer, scheduler, epoch: int, step: int, ba
     save_adapter(model, folder, base_model=base_model)
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
              "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
-    tmp = folder / "training_state.pt.tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, folder / "training_state.pt")
+    with atomic_file(folder / "training_state.pt") as tmp:
+        torch.save(state, tmp)
 
 
 def last_complete_epoch(run: Path) -> int:
@@ -236,7 +235,6 @@ def write_selection(run: Path) -> dict:
     selection = {"selected_epoch": best["epoch"], "last_epoch": max(r["epoch"] for r in epochs),
                  "rule": "minimum length-normalised validation answer-choice NLL; ties to the earlier epoch",
                  "val_choice_nll": {str(r["epoch"]): r["val_choice_nll"] for r in epochs}}
-    tmp = run / "selection.json.tmp"
-    tmp.write_text(json.dumps(selection, indent=2))
-    os.replace(tmp, run / "selection.json")
+    with atomic_file(run / "selection.json") as tmp:
+        tmp.write_text(json.dumps(selection, indent=2))
     return selection
