@@ -306,7 +306,6 @@ class DecoderLayer(nn.Module):
 
 # ----------------------------------------------------------------------------- the causal LM
 
-
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, V] in the model dtype

@@ -200,8 +200,8 @@ def test_index_naming_the_wrong_shard_is_named(tmp_path):
     tiny_model("olmoe").save_pretrained(tmp_path / "s", max_shard_bytes=64 * 1024)
     index_path = tmp_path / "s" / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
-    first, last = sorted(set(index["weight_map"].values()))[::len(set(index["weight_map"].values())) - 1]
-    index["weight_map"]["model.norm.weight"] = first if index["weight_map"]["model.norm.weight"] != first else last
+    holder = index["weight_map"]["model.norm.weight"]
+    index["weight_map"]["model.norm.weight"] = next(f for f in sorted(set(index["weight_map"].values())) if f != holder)
     index_path.write_text(json.dumps(index))
     with pytest.raises(KeyError, match="model.norm.weight.*does not hold it"):
         minimoe.from_pretrained(tmp_path / "s")
@@ -250,3 +250,18 @@ def test_load_tokenizer_reads_tokenizer_json_and_special_ids(tmp_path):
     ids = loaded.encode("Question: what is an expert?")
     assert ids == tok.encode("Question: what is an expert?").ids
     assert loaded.decode(ids) == "Question: what is an expert?"
+
+
+def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
+    from minimoe.atomic import atomic_file
+    target = tmp_path / "selection.json"
+    target.write_text("old")
+    with pytest.raises(RuntimeError, match="crash"):
+        with atomic_file(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("crash")
+    assert target.read_text() == "old" and sorted(os.listdir(tmp_path)) == ["selection.json"]
+    with atomic_file(target) as tmp:
+        tmp.write_text("new")
+        assert target.read_text() == "old"  # nothing visible until the block succeeds
+    assert target.read_text() == "new" and sorted(os.listdir(tmp_path)) == ["selection.json"]
