@@ -123,7 +123,9 @@ def main(argv=None):
         parser.error("pass --model, or --adapter with a run folder that names its model")
     if args.batch_size < 1:
         parser.error(f"--batch-size {args.batch_size}: expected >= 1")
+    from minimoe.allocator import keep_freed_memory
     from minimoe.evaluation import run_evaluation  # after argument checks: torch takes seconds to import
+    keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     metrics = run_evaluation(
         out=args.out, model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
         split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,

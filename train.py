@@ -126,6 +126,7 @@ def load_data(cfg) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
+    minimoe.keep_freed_memory()  # big gradient and logit blocks are reused, not faulted in again every step
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
