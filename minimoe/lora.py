@@ -70,6 +70,12 @@ class LoRAMixin:
         self.blocks, self.scale, self.merged = blocks, alpha / rank, False
         self.dropout = nn.Dropout(dropout)
 
+    def add_delta(self, y, delta):
+        """y + scale * delta, rounded once to y's dtype. The adapter branch runs in the adapters' dtype
+        (fp32 by default), as peft's does. In bf16 it would also give oneDNN one more small matmul
+        shape per expert block size to compile and cache, which cost OLMoE-2L 0.25 GiB of RSS."""
+        return (y + self.scale * delta).to(y.dtype)
+
     def delta_weight(self):
         """scale * B A in fp32, shaped like the base weight, with OLMoE's gate/up blocks kept apart."""
         A, B = self.lora_A.float(), self.lora_B.float()
@@ -104,8 +110,8 @@ class LoRALinear(LoRAMixin, nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if self.merged:
             return y
-        A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        return y + self.scale * F.linear(F.linear(self.dropout(x), A), B)
+        h = self.dropout(x.to(self.lora_A.dtype))
+        return self.add_delta(y, F.linear(F.linear(h, self.lora_A), self.lora_B))
 
 
 class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
@@ -121,10 +127,9 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         y = expert_matmul(x, self.weight, dispatch)
         if self.merged:
             return y
-        A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
-        a = expert_matmul(self.dropout(x), A, dispatch)  # [N, blocks*r]
-        pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
-        return y + self.scale * torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1)
+        a = expert_matmul(self.dropout(x.to(self.lora_A.dtype)), self.lora_A, dispatch)  # [N, blocks*r]
+        pairs = zip(a.chunk(self.blocks, dim=-1), self.lora_B.chunk(self.blocks, dim=-2))
+        return self.add_delta(y, torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1))
 
 
 def resolve_targets(targets) -> list[str]:

@@ -118,6 +118,30 @@ def test_grouped_expert_lora_equals_per_expert_loop(family, grouped_mm, monkeypa
     assert rel_err(got, want) < 1e-5
 
 
+def test_bf16_base_runs_the_adapter_branch_in_fp32_and_rounds_once():
+    """On a bf16 base with fp32 adapters, y = bf16(base(x) + scale * B A x) with B A x in fp32, as in
+    peft, for a linear layer and for each expert's block of a grouped bank."""
+    model = add_lora(tiny("olmoe").to(torch.bfloat16), alpha=12, targets=["q", "experts"])
+    randomize_lora(model, std=0.2)
+    g = torch.Generator().manual_seed(4)
+    q, gate_up = model.model.layers[0].self_attn.q_proj, model.model.layers[0].mlp.experts.gate_up_proj
+    x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        delta = x.float() @ q.lora_A.T @ q.lora_B.T
+        want = (F.linear(x, q.weight).float() + q.scale * delta).to(torch.bfloat16)
+        assert torch.equal(q(x), want)
+        assert not torch.equal(want, (F.linear(x, q.weight) + (q.scale * delta).to(torch.bfloat16)))
+
+        dispatch = M.Dispatch(torch.tensor([[1], [1], [4], [6], [6], [6]]), num_experts=8)
+        got = gate_up(x, dispatch)  # rows already sorted by expert
+        r = 8
+        for row, e in enumerate([1, 1, 4, 6, 6, 6]):
+            a = x[row].float() @ gate_up.lora_A[e].T  # [2r]: gate's r, then up's r
+            delta = torch.cat([gate_up.lora_B[e, :32] @ a[:r], gate_up.lora_B[e, 32:] @ a[r:]])
+            want = (x[row] @ gate_up.weight[e].T).float() + gate_up.scale * delta
+            assert torch.allclose(got[row].float(), want.to(torch.bfloat16).float(), rtol=0, atol=1e-2), row
+
+
 @pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="this torch has no grouped_mm")
 @pytest.mark.parametrize("family", FAMILIES)
 def test_grouped_mm_and_loop_paths_give_same_logits_and_grads(family, monkeypatch):
