@@ -36,7 +36,7 @@ def peft_wrap(hf_model, family: str):
     return get_peft_model(hf_model, cfg)
 
 
-def child(side: str, folder: str, dtype_name: str, B: int, T: int, rounds: int) -> dict:
+def child(side: str, folder: str, dtype_name: str, B: int, T: int, rounds: int, warmup: int) -> dict:
     import torch
     import torch.nn.functional as F
     from bench.load import RSSSampler
@@ -64,7 +64,8 @@ def child(side: str, folder: str, dtype_name: str, B: int, T: int, rounds: int) 
     times = []
     with RSSSampler() as s:  # weights loaded and touched: from here on only steps allocate
         before = s.peak
-        step()  # warm-up: allocates the adapter grads
+        for _ in range(warmup):  # allocates the adapter grads, and the heap stops growing
+            step()
         for _ in range(rounds):
             t0 = time.perf_counter()
             step()
@@ -73,8 +74,10 @@ def child(side: str, folder: str, dtype_name: str, B: int, T: int, rounds: int) 
             "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
 
-def measure_in_child(side, folder, dtype_name, B, T, rounds) -> dict:
-    cmd = [sys.executable, __file__, side, str(folder), dtype_name, str(B), str(T), str(rounds)]
+def measure_in_child(side, folder, dtype_name, B, T, rounds, warmup, keep: bool) -> dict:
+    """keep: the child calls minimoe.keep_freed_memory() first, as train.py does."""
+    cmd = [sys.executable, __file__, side, str(folder), dtype_name, str(B), str(T), str(rounds), str(warmup),
+           str(int(keep))]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"LoRA child {side} failed: {proc.stderr[-2000:]}")
@@ -82,5 +85,8 @@ def measure_in_child(side, folder, dtype_name, B, T, rounds) -> dict:
 
 
 if __name__ == "__main__":
-    side, folder, dtype_name, B, T, rounds = sys.argv[1:]
-    print(json.dumps(child(side, folder, dtype_name, int(B), int(T), int(rounds))))
+    side, folder, dtype_name, B, T, rounds, warmup, keep = sys.argv[1:]
+    if keep == "1":
+        from minimoe.allocator import keep_freed_memory
+        keep_freed_memory()
+    print(json.dumps(child(side, folder, dtype_name, int(B), int(T), int(rounds), int(warmup))))

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from bench.common import Row, interleaved  # noqa: E402
+from minimoe.allocator import keep_freed_memory  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -67,7 +68,7 @@ def against_hf(args, family, dtype_name, *, item, metric, batch, seed, step, not
     B, T = batch, args.seq
     ids = torch.randint(2, ours.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
     t = interleaved({"minimoe": step(ours, ids), "hf eager": hf_call(hf, "eager", step(hf, ids, use_cache=False)),
-                     "hf sdpa": hf_call(hf, "sdpa", step(hf, ids, use_cache=False))}, args.rounds)
+                     "hf sdpa": hf_call(hf, "sdpa", step(hf, ids, use_cache=False))}, args.rounds, args.warmup)
     base = pick_baseline(t)
     text = note(t, base, ours, hf, ids)
     del ours, hf
@@ -133,35 +134,37 @@ def bench_train(args, family, dtype_name):
 # ----------------------------------------------------------------------------- 4. decoding
 
 def bench_decode(args, family, dtype_name):
-    from minimoe.generate import generate
-    dtype = DTYPES[dtype_name]
-    ours, hf = models(family, args.layers, dtype)
-    rows = []
-    for B in args.decode_batches:
-        ids = torch.randint(2, ours.config.vocab_size, (B, args.prompt), generator=torch.Generator().manual_seed(3))
-        n = args.new_tokens
-        out = {}
-
-        def mine():
-            out["minimoe"] = generate(ours, ids, n)
-
-        def theirs(attn):
-            def run():
-                common.set_attn(hf, attn)
-                out[attn] = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                        do_sample=False, pad_token_id=0, eos_token_id=None)
-            return run
-
-        t = interleaved({"minimoe": mine, "hf eager": theirs("eager"), "hf sdpa": theirs("sdpa")}, args.rounds)
-        base = pick_baseline(t)
-        same = (out["minimoe"] == out["eager"]).all(-1).float().mean().item()
-        rows.append(Row("decode", f"{family}-{args.layers}L", dtype_name,
-                        f"new tokens/s (batch {B}, prompt {args.prompt}, {n} new, greedy)",
-                        B * n / t.median("minimoe"), B * n / t.median(base), base, *_ratio(t, base),
-                        note=f"identical greedy tokens in {same:.0%} of rows (bf16 ties may differ); {best(t, base)}"))
+    ours, hf = models(family, args.layers, DTYPES[dtype_name])
+    rows = [decode_row(args, family, dtype_name, ours, hf, B) for B in args.decode_batches]
     del ours, hf
     gc.collect()
     return rows
+
+
+def decode_row(args, family, dtype_name, ours, hf, B):
+    from minimoe.generate import generate
+    ids = torch.randint(2, ours.config.vocab_size, (B, args.prompt), generator=torch.Generator().manual_seed(3))
+    n = args.new_tokens
+    out = {}
+
+    def mine():
+        out["minimoe"] = generate(ours, ids, n)
+
+    def theirs(attn):
+        def run():
+            common.set_attn(hf, attn)
+            out[attn] = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                    do_sample=False, pad_token_id=0, eos_token_id=None)
+        return run
+
+    t = interleaved({"minimoe": mine, "hf eager": theirs("eager"), "hf sdpa": theirs("sdpa")}, args.rounds,
+                    args.warmup)
+    base = pick_baseline(t)
+    same = (out["minimoe"] == out["eager"]).all(-1).float().mean().item()
+    return Row("decode", f"{family}-{args.layers}L", dtype_name,
+               f"new tokens/s (batch {B}, prompt {args.prompt}, {n} new, greedy)",
+               B * n / t.median("minimoe"), B * n / t.median(base), base, *_ratio(t, base),
+               note=f"identical greedy tokens in {same:.0%} of rows (bf16 ties may differ); {best(t, base)}")
 
 
 # ----------------------------------------------------------------------------- 6. MoE layer roofline
@@ -202,7 +205,7 @@ def bench_moe(args, family, dtype_name):
     has_grouped = hasattr(F, "grouped_mm")
     if has_grouped:
         cands["moe loop"] = moe(False)
-    t = interleaved(cands, args.rounds)
+    t = interleaved(cands, args.rounds, args.warmup)
     mm.USE_GROUPED_MM = has_grouped
     flops = expert_flops(T, config)
     best = "moe" if not has_grouped or t.median("moe") <= t.median("moe loop") else "moe loop"
@@ -225,7 +228,9 @@ def bench_lora(args, family, dtype_name):
     rows, times, peaks = [], {}, {}
     # Peak memory needs one model at a time: each side runs alone in a child process (bench/lora_peft.py).
     from bench.lora_peft import measure_in_child
-    res = {side: measure_in_child(side, folder, dtype_name, B, T, args.rounds) for side in ("minimoe", "hf+peft")}
+    res = {side: measure_in_child(side, folder, dtype_name, B, T, args.rounds, args.warmup,
+                                   keep=not args.glibc_defaults)
+           for side in ("minimoe", "hf+peft")}
     for side, r in res.items():
         times[side], peaks[side] = r["times"], r["peak_bytes"]
     import statistics
@@ -262,11 +267,15 @@ def main(argv=None):
     s.add_argument("--batch", type=int, default=4)
     s.add_argument("--seq", type=int, default=256)
     s.add_argument("--train-batch", type=int, default=2, help="batch of the train and LoRA steps")
-    s.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (after one warm-up)")
+    s.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds, after the warm-up")
+    s.add_argument("--warmup", type=int, default=2,
+                   help="untimed rounds (LoRA: steps) first; a train step's heap takes two to stop growing")
     s.add_argument("--prompt", type=int, default=32, help="decoding prompt length")
     s.add_argument("--new-tokens", type=int, default=32)
     s.add_argument("--decode-batches", default="1,8")
     s.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer roofline item")
+    g.add_argument("--glibc-defaults", action="store_true",
+                   help="skip minimoe.keep_freed_memory(), which otherwise applies to both sides (and LoRA children)")
     o = p.add_argument_group("output")
     o.add_argument("--name", default=None, help="results file stem (default: run-<time> or quick-<time>)")
     args = p.parse_args(argv)
@@ -276,7 +285,9 @@ def main(argv=None):
     args.dtypes = args.dtypes or ("bf16" if args.quick else "bf16,fp32")
     args.decode_batches = [int(b) for b in args.decode_batches.split(",")]
     torch.manual_seed(0)
-    header = f"Machine: {common.machine()}\n\nCommand: `python bench/run.py {' '.join(argv or sys.argv[1:])}`"
+    allocator = "glibc defaults" if args.glibc_defaults else f"keep_freed_memory() -> {keep_freed_memory()}"
+    header = (f"Machine: {common.machine()}\n\nCommand: `python bench/run.py {' '.join(argv or sys.argv[1:])}`"
+              f"\n\nAllocator (both sides): {allocator}")
     print(header, flush=True)
     rows = []
     for item in args.items.split(","):
