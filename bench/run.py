@@ -75,7 +75,8 @@ def against_hf(args, family, dtype_name, *, item, metric, batch, seed, step, not
     gc.collect()
     tok = B * T
     return [Row(item, f"{family}-{args.layers}L", dtype_name, f"{metric} ({B}x{T})",
-                tok / t.median("minimoe"), tok / t.median(base), base, *_ratio(t, base), note=text)]
+                tok / t.median("minimoe"), tok / t.median(base), base, *_ratio(t, base), note=text,
+                extra={"seconds": t.times})]
 
 
 # ----------------------------------------------------------------------------- 1. forward
