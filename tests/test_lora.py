@@ -119,8 +119,8 @@ def test_grouped_expert_lora_equals_per_expert_loop(family, grouped_mm, monkeypa
 
 
 def test_bf16_base_runs_the_adapter_branch_in_fp32_and_rounds_once():
-    """On a bf16 base with fp32 adapters, y = bf16(base(x) + scale * B A x) with B A x in fp32, as in
-    peft, for a linear layer and for each expert's block of a grouped bank."""
+    """On CPU, a bf16 base with fp32 adapters gives y = bf16(base(x) + scale * B A x) with B A x in
+    fp32, as in peft, for a linear layer and for each expert's block of a grouped bank."""
     model = add_lora(tiny("olmoe").to(torch.bfloat16), alpha=12, targets=["q", "experts"])
     randomize_lora(model, std=0.2)
     g = torch.Generator().manual_seed(4)
