@@ -1,4 +1,6 @@
-"""Keep freed CPU memory for the next training step (glibc malloc).
+"""CPU memory behaviour that PyTorch leaves to the C library and the kernel.
+
+keep_freed_memory(): keep freed blocks for the next training step (glibc malloc).
 
 glibc gives every block over 32 MB its own mmap and unmaps it on free. A stacked expert bank's
 gradient is one such block (OLMoE: 0.25 to 1 GB per bank), so under glibc's defaults every step
@@ -6,13 +8,20 @@ faults it in again, zero-filled by the kernel. On the VM we measured that runs a
 made a full OLMoE-2L train step 1.5-5 s instead of 0.8 s. transformers' per-expert 4 MB gradients
 escape this because glibc recycles small blocks from its heap. `keep_freed_memory()` makes glibc
 treat big blocks the same way, which is what PyTorch's caching allocator does on a GPU.
+
+advise_huge_pages(tensor): back a fresh tensor with 2 MB pages (Linux transparent huge pages).
+Filling fresh memory costs one page fault per 4 KB page, and first-touch faults bounded loading at
+0.3-0.7 GB/s on the same VM. With 2 MB pages, a warm-cache load of the full Granite 3B shape took
+6 s instead of 20 s, and the OLMoE 7B shape 19 s instead of 57 s, at the same peak RSS.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import sys
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameter numbers, from glibc's <malloc.h>
+MADV_HUGEPAGE, HUGE_PAGE = 14, 2 * 2**20  # from Linux's <sys/mman.h>; x86-64 and arm64 (4 KB base pages)
 USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 
 
@@ -32,3 +41,17 @@ def keep_freed_memory() -> bool:
     # mallopt returns 1 on success. A trim threshold of -1 turns trimming off (mallopt(3)); the
     # value is a C int, so no byte count could say "never" for more than 2 GB of freed memory.
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+
+
+def advise_huge_pages(tensor) -> None:
+    """Advise Linux to back a fresh CPU tensor with 2 MB pages before it is first written.
+
+    Only the whole 2 MB pages inside the tensor are advised, so no page is shared with other data.
+    Advice only: a no-op off Linux, for tensors not on the CPU, for tensors under 4 MB, and where
+    the kernel refuses (THP "never", or a kernel without THP).
+    """
+    if sys.platform != "linux" or tensor.device.type != "cpu" or tensor.nbytes < 2 * HUGE_PAGE:
+        return
+    first = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # round the start up, the end down
+    end = (tensor.data_ptr() + tensor.nbytes) // HUGE_PAGE * HUGE_PAGE
+    ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), MADV_HUGEPAGE)

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+from minimoe.allocator import advise_huge_pages
 from minimoe.atomic import atomic_directory
 from minimoe.model import MoEConfig, MoEForCausalLM, config_field_names
 
@@ -254,6 +255,7 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
     for name, disk in layout.items():
         meta = model.get_parameter(name)
         value = torch.empty(meta.shape, dtype=dtype, device=device)
+        advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
         if isinstance(disk, str):
             destination[disk] = value
         else:  # per-expert keys in (expert, part) order; part p fills rows [p*rows, (p+1)*rows)

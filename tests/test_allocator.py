@@ -43,3 +43,38 @@ def test_an_allocator_setting_in_the_environment_wins():
     kept = probe("keep", MALLOC_ARENA_MAX="2", MALLOC_TRIM_THRESHOLD_="0")
     assert kept["applied"] is False
     assert min(kept["faults"]) > 15_000, kept  # the user's trim threshold of 0 still applies
+
+
+def thp_mode() -> str:
+    try:  # e.g. "always [madvise] never": the bracketed word is the mode
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return "absent"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+def anon_huge_bytes(start: int, end: int) -> int:
+    """AnonHugePages summed over the mappings that overlap [start, end), from /proc/self/smaps
+    (madvise splits a mapping where the advised range begins and ends)."""
+    total, overlaps = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            overlaps = lo < end and start < hi
+        elif overlaps and head == "AnonHugePages:":
+            total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="this kernel gives no transparent huge pages")
+def test_advised_tensor_is_backed_by_huge_pages_and_keeps_its_values():
+    from minimoe.allocator import HUGE_PAGE, advise_huge_pages
+    import torch
+    small = torch.empty(1000)
+    advise_huge_pages(small)  # under 4 MB: left alone
+    block = torch.empty(8 * HUGE_PAGE // 4)  # 16 MB of float32, a fresh mapping of its own
+    advise_huge_pages(block)
+    block.copy_(torch.arange(block.numel(), dtype=torch.float32))
+    assert anon_huge_bytes(block.data_ptr(), block.data_ptr() + block.nbytes) >= 7 * HUGE_PAGE  # the whole pages inside
+    assert torch.equal(block[:5], torch.arange(5.0)) and block[-1].item() == block.numel() - 1

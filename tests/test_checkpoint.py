@@ -78,6 +78,24 @@ def test_loaded_parameters_own_their_memory(family, tmp_path):
     assert len(storages) == len(list(model.parameters()))
 
 
+def test_tensors_advised_onto_huge_pages_load_the_saved_values(tmp_path, monkeypatch):
+    """Parameters of 4 MB and more are advised onto 2 MB pages before the file is read into them
+    (here the two 5 MB fp32 embedding tables; in bf16 they are 2.6 MB and left alone). Either way
+    the values are the saved ones."""
+    import minimoe.checkpoint
+    advised = []
+    advise = minimoe.checkpoint.advise_huge_pages
+    monkeypatch.setattr(minimoe.checkpoint, "advise_huge_pages", lambda t: advised.append(t.nbytes) or advise(t))
+    model = tiny_model("olmoe", vocab_size=20_000)
+    model.save_pretrained(tmp_path / "m")
+    for dtype in (torch.float32, torch.bfloat16):
+        advised.clear()
+        loaded = minimoe.from_pretrained(tmp_path / "m", dtype=dtype)
+        assert_same_params(loaded, model.to(dtype))
+        assert sum(n >= 4 * 2**20 for n in advised) == (2 if dtype == torch.float32 else 0)
+        assert len(advised) == len(list(loaded.parameters()))
+
+
 def populate_hub_cache(cache, repo_id, source, commit="0123456789abcdef0123456789abcdef01234567"):
     """The layout huggingface_hub writes: models--org--name/{refs/main, snapshots/<commit>/files}."""
     root = cache / f"models--{repo_id.replace('/', '--')}"
