@@ -263,6 +263,8 @@ def main(argv=None):
     g.add_argument("--families", default="olmoe,granitemoe", help="comma list: olmoe, granitemoe")
     g.add_argument("--dtypes", default=None, help="comma list: bf16, fp32 (default both; --quick: bf16)")
     g.add_argument("--quick", action="store_true", help="bf16, batch 1x128, 2 rounds, 8 new tokens: a few minutes")
+    g.add_argument("--glibc-defaults", action="store_true",
+                   help="skip minimoe.keep_freed_memory(), which otherwise applies to both sides (and LoRA children)")
     s = p.add_argument_group("sizes")
     s.add_argument("--layers", type=int, default=2, help="decoder layers of the reduced-depth models")
     s.add_argument("--batch", type=int, default=4)
@@ -275,8 +277,6 @@ def main(argv=None):
     s.add_argument("--new-tokens", type=int, default=32)
     s.add_argument("--decode-batches", default="1,8")
     s.add_argument("--moe-tokens", type=int, default=2048, help="tokens through the MoE layer roofline item")
-    g.add_argument("--glibc-defaults", action="store_true",
-                   help="skip minimoe.keep_freed_memory(), which otherwise applies to both sides (and LoRA children)")
     o = p.add_argument_group("output")
     o.add_argument("--name", default=None, help="results file stem (default: run-<time> or quick-<time>)")
     args = p.parse_args(argv)

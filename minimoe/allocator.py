@@ -17,12 +17,19 @@ Filling fresh memory costs one page fault per 4 KB page, and first-touch faults 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameter numbers, from glibc's <malloc.h>
 MADV_HUGEPAGE, HUGE_PAGE = 14, 2 * 2**20  # from Linux's <sys/mman.h>; x86-64 and arm64 (4 KB base pages)
 USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
+
+
+@functools.cache
+def libc() -> ctypes.CDLL:
+    """The symbols already loaded into this process, the C library among them (looked up once)."""
+    return ctypes.CDLL(None)
 
 
 def keep_freed_memory() -> bool:
@@ -35,12 +42,11 @@ def keep_freed_memory() -> bool:
     """
     if any(name in os.environ for name in USER_SETTINGS):
         return False
-    libc = ctypes.CDLL(None)  # the symbols already loaded into this process, the C library among them
-    if not hasattr(libc, "gnu_get_libc_version"):  # musl, macOS: their allocators have no such knobs
+    if not hasattr(libc(), "gnu_get_libc_version"):  # musl, macOS: their allocators have no such knobs
         return False
     # mallopt returns 1 on success. A trim threshold of -1 turns trimming off (mallopt(3)); the
     # value is a C int, so no byte count could say "never" for more than 2 GB of freed memory.
-    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, -1))
+    return bool(libc().mallopt(M_MMAP_MAX, 0)) and bool(libc().mallopt(M_TRIM_THRESHOLD, -1))
 
 
 def advise_huge_pages(tensor) -> None:
@@ -54,4 +60,4 @@ def advise_huge_pages(tensor) -> None:
         return
     first = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # round the start up, the end down
     end = (tensor.data_ptr() + tensor.nbytes) // HUGE_PAGE * HUGE_PAGE
-    ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), MADV_HUGEPAGE)
+    libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), MADV_HUGEPAGE)

@@ -71,8 +71,6 @@ def anon_huge_bytes(start: int, end: int) -> int:
 def test_advised_tensor_is_backed_by_huge_pages_and_keeps_its_values():
     from minimoe.allocator import HUGE_PAGE, advise_huge_pages
     import torch
-    small = torch.empty(1000)
-    advise_huge_pages(small)  # under 4 MB: left alone
     block = torch.empty(8 * HUGE_PAGE // 4)  # 16 MB of float32, a fresh mapping of its own
     advise_huge_pages(block)
     block.copy_(torch.arange(block.numel(), dtype=torch.float32))
