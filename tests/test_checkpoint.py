@@ -5,10 +5,11 @@ import os
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import minimoe
-from minimoe.checkpoint import HUB_FILES, resolve_checkpoint, save_pretrained
+from minimoe.checkpoint import HUB_FILES, WeightFile, checkpoint_tensors, resolve_checkpoint, save_pretrained
 from tests.conftest import tiny_model
 
 IDS = torch.tensor([[5, 9, 17, 33, 65, 7, 11, 13]])
@@ -76,6 +77,31 @@ def test_loaded_parameters_own_their_memory(family, tmp_path):
         assert storage.nbytes() == p.numel() * p.element_size() and p.data_ptr() == storage.data_ptr(), name
         storages.add(storage.data_ptr())
     assert len(storages) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weight_file_reads_what_safe_open_reads(family, dtype, tmp_path):
+    """Our reader (`WeightFile`) against the reference, safetensors' own `safe_open`: every key of a
+    sharded checkpoint, bit for bit in the disk dtype, and converted to fp32 into a strided tensor."""
+    save_pretrained(tiny_model(family).to(dtype), tmp_path / "m", max_shard_bytes=64 * 1024)
+    files = sorted((tmp_path / "m").glob("*.safetensors"))
+    assert len(files) > 1
+    seen = 0
+    for path in files:
+        ours = WeightFile(path)
+        with safe_open(str(path), framework="pt") as ref, open(path, "rb") as f:
+            assert sorted(ours.keys()) == sorted(ref.keys())
+            for key in ref.keys():
+                want = ref.get_tensor(key)
+                got = torch.empty(want.shape, dtype=want.dtype)
+                ours.read_into(key, got, f)
+                assert want.dtype == dtype and torch.equal(got, want), key
+                dims = list(range(want.dim()))[::-1]  # reversed strides: not contiguous from 2-D on
+                strided = torch.empty(want.shape[::-1], dtype=torch.float32).permute(dims)
+                ours.read_into(key, strided, f)
+                assert torch.equal(strided, want.float()), key
+                seen += 1
+    assert seen == len(checkpoint_tensors(tiny_model(family)))
 
 
 def test_tensors_advised_onto_huge_pages_load_the_saved_values(tmp_path, monkeypatch):
