@@ -18,9 +18,10 @@ Routing diagnostics are read at the gold answer's token positions (`ChoiceBatch.
 the tokens that TES/ACS training supervises; token CE there is the observed next-token CE.
 - Every method, per diagnosed layer (the router spec's layers; the final layer without a spec):
   C_t from the native logits over the native top-K (Eq. diagnostic_token_concentration), computed
-  here from `Routing.logits` so that it is the same statistic under every policy; C_bar, N_eff =
-  1/C_bar and the token-level Pearson r(C_t, CE_t) (Eq. diagnostic_split_concentration,
-  diagnostic_concentration_loss_correlation; undefined -> NaN -> null in JSON).
+  here from `Routing.logits` (`routing.native_concentration`) so that it is the same statistic under
+  every policy; C_bar, N_eff = 1/C_bar and the token-level Pearson r(C_t, CE_t) (Eq.
+  diagnostic_split_concentration, diagnostic_concentration_loss_correlation; undefined -> NaN ->
+  null in JSON).
 - tes layers also: pointwise r(e_hat_t, CE_t), group Pearson/Spearman over (layer, target token id)
   groups, and equal-count decile curves of train and evaluated populations, both standardised with
   the train groups' moments (subsec:error_prediction_analysis), drawn as in fig:arc_error_prediction.
