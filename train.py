@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import minimoe
+from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
 from minimoe.data import load_split
 from minimoe.tiny import tiny_checkpoint
@@ -126,7 +127,7 @@ def load_data(cfg) -> dict:
 
 def main(argv=None):
     args = parse_args(argv)
-    minimoe.keep_freed_memory()  # big gradient and logit blocks are reused, not faulted in again every step
+    keep_freed_memory()  # big gradient and logit blocks are reused, not faulted in again every step
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():

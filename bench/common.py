@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from minimoe.checkpoint import from_pretrained, save_pretrained
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
 
 BENCH = Path(__file__).resolve().parent
@@ -51,14 +52,13 @@ def random_checkpoint(family: str, layers: int, folder: Path | None = None, seed
     if not (folder / "config.json").is_file():
         model = MoEForCausalLM(shape(family, layers)).to(torch.bfloat16)
         init_weights(model, generator=torch.Generator().manual_seed(seed))
-        model.save_pretrained(folder)
+        save_pretrained(model, folder)
         del model
         gc.collect()
     return folder
 
 
 def load_ours(folder: Path, dtype):
-    from minimoe.checkpoint import from_pretrained
     return from_pretrained(folder, dtype=dtype)
 
 

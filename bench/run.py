@@ -264,7 +264,7 @@ def main(argv=None):
     g.add_argument("--dtypes", default=None, help="comma list: bf16, fp32 (default both; --quick: bf16)")
     g.add_argument("--quick", action="store_true", help="bf16, batch 1x128, 2 rounds, 8 new tokens: a few minutes")
     g.add_argument("--glibc-defaults", action="store_true",
-                   help="skip minimoe.keep_freed_memory(), which otherwise applies to both sides (and LoRA children)")
+                   help="skip minimoe.allocator.keep_freed_memory(), which otherwise applies to both sides (and LoRA children)")
     s = p.add_argument_group("sizes")
     s.add_argument("--layers", type=int, default=2, help="decoder layers of the reduced-depth models")
     s.add_argument("--batch", type=int, default=4)

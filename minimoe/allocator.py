@@ -1,18 +1,15 @@
-"""CPU memory behaviour that PyTorch leaves to the C library and the kernel.
+"""CPU memory behaviour that PyTorch leaves to the C library and the kernel: platform tuning that
+the CLIs (train.py, evaluate.py, bench/) and the loader call; `minimoe` does not export it.
 
-keep_freed_memory(): keep freed blocks for the next training step (glibc malloc).
-
-glibc gives every block over 32 MB its own mmap and unmaps it on free. A stacked expert bank's
-gradient is one such block (OLMoE: 0.25 to 1 GB per bank), so under glibc's defaults every step
-faults it in again, zero-filled by the kernel. On the VM we measured that runs at 0.4-0.8 GB/s and
-made a full OLMoE-2L train step 1.5-5 s instead of 0.8 s. transformers' per-expert 4 MB gradients
-escape this because glibc recycles small blocks from its heap. `keep_freed_memory()` makes glibc
-treat big blocks the same way, which is what PyTorch's caching allocator does on a GPU.
+keep_freed_memory(): keep freed blocks for the next training step (glibc malloc). glibc gives every
+block over 32 MB its own mmap and unmaps it on free. A stacked expert bank's gradient is one such
+block (OLMoE: 0.25 to 1 GB per bank), so under glibc's defaults every step faults it in again,
+zero-filled by the kernel. `keep_freed_memory()` makes glibc serve big blocks from its heap as it
+does small ones, which is what PyTorch's caching allocator does on a GPU.
 
 advise_huge_pages(tensor): back a fresh tensor with 2 MB pages (Linux transparent huge pages).
-Filling fresh memory costs one page fault per 4 KB page, and first-touch faults bounded loading at
-0.3-0.7 GB/s on the same VM. With 2 MB pages, a warm-cache load of the full Granite 3B shape took
-6 s instead of 20 s, and the OLMoE 7B shape 19 s instead of 57 s, at the same peak RSS.
+Filling fresh memory costs one page fault per 4 KB page; 2 MB pages take 512x fewer, at the same
+peak RSS. The measurements behind both are in bench/RESULTS.md.
 """
 from __future__ import annotations
 

@@ -166,9 +166,10 @@ class WeightFile:
     """One safetensors file, read with plain `readinto` calls straight into tensors we own.
 
     Not `safe_open`: it memory-maps the file, and every page a read touches stays resident while any
-    tensor taken from that file is alive. Copying OLMoE's per-expert matrices into stacked banks then
-    held the banks and the mapped files at once (peak RSS 1.73x the checkpoint). Plain reads keep the
-    peak at the checkpoint's size, plus one tensor when the dtype changes. The format is an 8-byte
+    tensor taken from that file is alive, so copying OLMoE's per-expert matrices into stacked banks
+    would hold the banks and the mapped files at once (bench/RESULTS.md). Plain reads keep the peak
+    at the checkpoint's size, plus one tensor when the dtype changes. `safe_open` stays the reference
+    reader: tests/test_checkpoint.py holds the two equal on every key. The format is an 8-byte
     little-endian header length, a JSON header {key: {dtype, shape, data_offsets}}, then the bytes.
     """
 

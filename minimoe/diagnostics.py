@@ -7,8 +7,6 @@ What each function reproduces (labels from the paper's .tex):
 - `pearson`: Eq. diagnostic_concentration_loss_correlation. Undefined, hence NaN (not 0), when
   either side is constant or has fewer than two points, as the paper says.
 - `spearman`: Pearson of average ranks (tied values share the mean of their ranks).
-- `token_concentration`: Eq. diagnostic_token_concentration, C_t = sum_i pbar_{t,i}^2 over the
-  native top-K set, from the selected affinity probabilities.
 - `concentration_summary`: Eq. diagnostic_split_concentration and the correlation above.
   N_eff = 1 / mean(C_t), NOT mean(1 / C_t); the two differ whenever C_t varies (Jensen).
 - `group_by_layer_token` / `average_groups_across_seeds`: the layer--token-identity groups of
@@ -95,15 +93,6 @@ def spearman(x, y) -> float:
 
 
 # ---- affinity concentration (app:acs_concentration_diagnostics) ---------------------------------
-
-def token_concentration(selected_probs) -> np.ndarray:
-    """(T, K) affinity probabilities of the executed top-K experts -> (T,) C_t."""
-    p = np.asarray(selected_probs, dtype=np.float64)
-    if p.ndim != 2 or np.any(p < 0) or not np.all(np.isfinite(p)):
-        raise ValueError(f"selected_probs must be a finite non-negative (T, K) array, got {p.shape}")
-    p_bar = p / p.sum(axis=1, keepdims=True)  # renormalise over the selected set
-    return (p_bar**2).sum(axis=1)
-
 
 def concentration_summary(concentration, token_ce) -> dict:
     """One checkpoint and split: C_bar, N_eff = 1 / C_bar, r(C_t, CE_t) and the token count."""

@@ -18,9 +18,10 @@ Routing diagnostics are read at the gold answer's token positions (`ChoiceBatch.
 the tokens that TES/ACS training supervises; token CE there is the observed next-token CE.
 - Every method, per diagnosed layer (the router spec's layers; the final layer without a spec):
   C_t from the native logits over the native top-K (Eq. diagnostic_token_concentration), computed
-  here from `Routing.logits` so that it is the same statistic under every policy; C_bar, N_eff =
-  1/C_bar and the token-level Pearson r(C_t, CE_t) (Eq. diagnostic_split_concentration,
-  diagnostic_concentration_loss_correlation; undefined -> NaN -> null in JSON).
+  here from `Routing.logits` (`routing.native_concentration`) so that it is the same statistic under
+  every policy; C_bar, N_eff = 1/C_bar and the token-level Pearson r(C_t, CE_t) (Eq.
+  diagnostic_split_concentration, diagnostic_concentration_loss_correlation; undefined -> NaN ->
+  null in JSON).
 - tes layers also: pointwise r(e_hat_t, CE_t), group Pearson/Spearman over (layer, target token id)
   groups, and equal-count decile curves of train and evaluated populations, both standardised with
   the train groups' moments (subsec:error_prediction_analysis), drawn as in fig:arc_error_prediction.
@@ -60,8 +61,9 @@ from minimoe.checkpoint import DTYPES, atomic_directory, from_pretrained, load_t
 from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split
 from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, concentration_summary,
                                  decile_curve, error_prediction_summary, group_by_layer_token,
-                                 metrics_files, plot_error_prediction, population_moments,
-                                 token_concentration)
+                                 metrics_files, plot_error_prediction, population_moments)
+from minimoe.lora import load_adapter
+from minimoe.routing import native_concentration
 from minimoe.scoring import (IGNORE, answer_token_logprobs, by_example, choice_loss, choice_scores,
                              make_choice_batch, predictions)
 
@@ -90,15 +92,8 @@ class TokenArrays:
 
 
 def diagnosed_layers(model) -> list[int]:
-    spec = getattr(model, "router_spec", None)
+    spec = model.router_spec
     return list(spec["layers"]) if spec else [model.config.num_hidden_layers - 1]
-
-
-def concentration_from_logits(logits, k: int) -> np.ndarray:
-    """Native logits [T, E] -> C_t [T] over the native top-K of softmax(logits), renormalised."""
-    top = logits.float().softmax(dim=-1).topk(k, dim=-1).values  # [T, K]
-    c = token_concentration(top.double().cpu().numpy())
-    return np.minimum(c, 1.0)  # sum of squares of a renormalised vector can round past 1 by an ulp
 
 
 def _length_proxy(ex: Example) -> int:
@@ -178,9 +173,10 @@ def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_leng
         seen["example"].append(row_example[:, None].expand_as(batch.targets).flatten()[mask].cpu().numpy())
         for l in layers:
             routing = out.routings[l]
-            conc[l].append(concentration_from_logits(routing.logits[mask], k))
-            if "e_hat" in routing.readouts:
-                e_hat.setdefault(l, []).append(routing.readouts["e_hat"][mask].double().cpu().numpy())
+            c = native_concentration(routing.logits[mask], k)  # [n]
+            conc[l].append(c.clamp_max(1.0).double().cpu().numpy())  # a sum of squares can round past 1
+            if routing.e_hat is not None:
+                e_hat.setdefault(l, []).append(routing.e_hat[mask].double().cpu().numpy())
     metrics = {"n_examples": len(examples)}
     for name, key in NORMALISATIONS.items():
         field_name = "prediction" if name == "mean" else f"prediction_{name}"
@@ -454,7 +450,7 @@ def _identity(source: AdapterSource | None, *, model, data, split, net, batch_si
             "adapter": str(source.folder) if source else None,
             "run": str(source.run) if source and source.run else None,
             "checkpoint": source.checkpoint if source else None, "epoch": source.epoch if source else None,
-            "router": getattr(net, "router_spec", None),
+            "router": net.router_spec,
             "dtype": str(net.dtype).removeprefix("torch."), "device": net.device.type,
             "batch_size": batch_size, "max_examples": max_examples, "max_length": max_length}
 
@@ -489,7 +485,6 @@ def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: s
     if _wants_train_population(train_split_diagnostics, source, split):
         train_examples = load_examples_for(train_data_for(data), "train", data_dir, _train_limit(max_examples, run_config))
 
-    from minimoe.lora import load_adapter  # here: evaluating a base model does not need LoRA
     net = from_pretrained(model, dtype=DTYPES[dtype], device=torch_device)
     tokenizer = load_tokenizer(model)
     if source is not None:

@@ -42,8 +42,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from minimoe.checkpoint import LAYER_KEYS, atomic_directory
+from minimoe.checkpoint import LAYER_KEYS, atomic_directory, save_pretrained
 from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul
+from minimoe.routing import set_router
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
            "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
@@ -72,9 +73,9 @@ class LoRAMixin:
 
     def branch(self, x):
         """(x, A, B) in the dtype the adapter branch runs in. On CPU that is the adapters' dtype
-        (fp32 by default), as in peft; in bf16, every expert block size would be one more small
-        matmul for oneDNN to compile and cache (0.25 GiB of RSS for OLMoE-2L). On CUDA it is x's
-        dtype (bf16 under autocast), because grouped_mm there takes bf16 only."""
+        (fp32 by default), as in peft: in bf16, oneDNN compiles and caches one more small matmul
+        per expert block size (bench/RESULTS.md). On CUDA it is x's dtype (bf16 under autocast),
+        because grouped_mm there takes bf16 only."""
         dtype = x.dtype if x.is_cuda else self.lora_A.dtype
         return x.to(dtype), self.lora_A.to(dtype), self.lora_B.to(dtype)
 
@@ -169,7 +170,7 @@ def add_lora(model: MoEForCausalLM, rank: int = 8, alpha: float = 8, dropout: fl
     targets = resolve_targets(DEFAULT_TARGETS[config.model_type] if targets is None else targets)
     for name, p in model.named_parameters():
         p.requires_grad_(".mlp.router." in name)  # method heads keep training
-    router = getattr(model, "router_spec", None) or {}
+    router = model.router_spec or {}
     for i in router.get("layers", []) if router.get("tune_router") else []:
         model.model.layers[i].mlp.gate.weight.requires_grad_(True)  # set_router's "+ affinity tuning"
     for i, layer in enumerate(model.model.layers):
@@ -227,13 +228,13 @@ def adapter_tensors(model: MoEForCausalLM, gate_layers) -> dict[str, torch.Tenso
 
 def save_adapter(model: MoEForCausalLM, path, *, base_model: str):
     """Write adapter.safetensors and adapter_config.json to `path`, atomically."""
-    spec = getattr(model, "lora_spec", None)
+    spec = model.lora_spec
     if spec is None:
         raise ValueError("save_adapter: the model has no LoRA; call add_lora first")
     gate_layers = [i for i, layer in enumerate(model.model.layers) if layer.mlp.gate.weight.requires_grad]
     tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_tensors(model, gate_layers).items()}
     config = dict(spec, base_model=str(base_model), fingerprint=fingerprint(model.config),
-                  router=getattr(model, "router_spec", None), gate_layers=gate_layers)
+                  router=model.router_spec, gate_layers=gate_layers)
     with atomic_directory(path) as tmp:
         save_file(tensors, str(tmp / "adapter.safetensors"), metadata={"format": "pt"})
         with open(tmp / "adapter_config.json", "w") as f:
@@ -263,10 +264,9 @@ def load_adapter(model: MoEForCausalLM, path) -> MoEForCausalLM:
             raise ValueError(f"{path}: adapter was trained on {config['base_model']!r}, this model is a different "
                              f"{ours['model_type']} model: field {k} is {ours.get(k)!r}, expected {expected!r}")
     if config.get("router") is not None:
-        from minimoe.routing import set_router
         set_router(model, **config["router"])
     spec = {k: config[k] for k in ("rank", "alpha", "dropout", "targets", "dtype")}
-    if getattr(model, "lora_spec", None) is None:
+    if model.lora_spec is None:
         add_lora(model, spec["rank"], spec["alpha"], spec["dropout"], spec["targets"], DTYPES[spec["dtype"]])
     for k, v in spec.items():
         if model.lora_spec[k] != v:
@@ -304,7 +304,7 @@ def export_merged(model: MoEForCausalLM, path):
                 originals[name] = m.weight.data
                 m.weight.data = (m.weight.float() + m.delta_weight()).to(m.weight.dtype)
     try:
-        model.save_pretrained(path)
+        save_pretrained(model, path)
     finally:
         for name, weight in originals.items():
             model.get_submodule(name).weight.data = weight

@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minimoe.routing import NativeRouter, Routing
+
 FAMILIES = ("granitemoe", "olmoe")
 
 
@@ -178,15 +180,6 @@ class Attention(nn.Module):
 
 # ----------------------------------------------------------------------------- routed experts
 
-@dataclass
-class Routing:
-    """One MoE layer's routing decision for T tokens (see minimoe/routing.py for the policies)."""
-    logits: torch.Tensor  # [T, E] fp32 native affinity logits a_t; the load-balancing loss reads these
-    experts: torch.Tensor  # [T, K] executed experts S_t^act
-    weights: torch.Tensor  # [T, K] fp32 weights g_t that combine the executed experts' outputs
-    readouts: dict = field(default_factory=dict)  # method statistics per token (e_hat, concentration, ...)
-
-
 class Dispatch:
     """Token rows sorted by expert, so that each expert runs on one contiguous block."""
 
@@ -261,12 +254,11 @@ class Experts(nn.Module):
 class MoEBlock(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
-        from minimoe.routing import NativeRouter  # routing.py imports Routing from here
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # native affinity W_aff
         self.experts = Experts(config)
         self.router = NativeRouter(config.num_experts_per_tok, config.norm_topk_prob)
 
-    def forward(self, x, stash: dict | None = None):  # x [B, T, D]
+    def forward(self, x, stash: dict | None = None) -> tuple[torch.Tensor, Routing]:  # x [B, T, D]
         """stash: under gradient checkpointing, the first pass records its expert choice there and
         the recompute replays it, so that backward never runs experts the forward did not."""
         B, T, D = x.shape
@@ -309,7 +301,7 @@ class DecoderLayer(nn.Module):
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, V] in the model dtype
-    routings: list  # one Routing per layer, tokens flattened as B*T
+    routings: list[Routing]  # one per layer, tokens flattened as B*T
     aux_loss: torch.Tensor | None = None  # load-balancing loss over all layers (None with a KV cache)
 
 
@@ -355,6 +347,10 @@ class MoEForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # What was installed on top of the checkpoint, as JSON-ready dicts that rebuild it; adapters
+        # save them. None: native routing everywhere (`routing.set_router` sets it), no LoRA (`lora.add_lora`).
+        self.router_spec: dict | None = None
+        self.lora_spec: dict | None = None
 
     def gradient_checkpointing_enable(self, enable: bool = True):
         for layer in self.model.layers:
@@ -414,10 +410,6 @@ class MoEForCausalLM(nn.Module):
     @property
     def device(self):
         return self.lm_head.weight.device
-
-    def save_pretrained(self, path, *, max_shard_bytes: int = 5 * 2**30):
-        from minimoe.checkpoint import save_pretrained
-        save_pretrained(self, path, max_shard_bytes=max_shard_bytes)
 
 
 def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None):

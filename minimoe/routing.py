@@ -16,14 +16,14 @@ Methods (`set_router(model, method, layers, **options)`):
          and the error readout e_hat_t (Eq. aggregate_predicted_error).
 - acs    `ConcentrationRouter`: native routing plus C_t (Eq. affinity_concentration) with gradient.
 
-Readouts (`Routing.readouts`, one entry per token of the flattened B*T):
-- "prediction" [T]: what `objectives.supervision_loss` supervises; present only for tes (e_hat_t)
-  and acs (C_t), and its presence is what marks a layer as supervised.
-- "concentration" [T]: C_t of the native p over the native top-K (Eq. affinity_concentration,
-  diagnostic_token_concentration), for every policy. Detached except under acs, where it is the
-  prediction itself.
-- tes: "e_hat" [T] and "expert_scores" [T, E]; tes and dual: "routing_logits" [T, E], the logits
-  the selection used. `Routing.logits` stays the native a_t under every policy.
+`Routing` fields beyond logits, experts and weights (per token of the flattened B*T; None when the
+policy has no such value):
+- `prediction` [T]: what `objectives.supervision_loss` supervises; set only by tes (e_hat_t) and
+  acs (C_t), and being set is what marks a layer as supervised.
+- `e_hat` [T] and `expert_scores` [T, E]: tes. `routing_logits` [T, E]: tes and dual, the logits
+  the selection used. `logits` stays the native a_t under every policy.
+- C_t (Eq. affinity_concentration) has one home, `concentration`; no policy but acs computes it on
+  the forward. The evaluation's diagnostic C_t is `native_concentration` of `Routing.logits`.
 
 Decisions where the paper is silent, and why:
 - The tes readout weights the *executed* experts (S_t^act, i.e. the attenuated top-K) by native p
@@ -46,8 +46,8 @@ Decisions where the paper is silent, and why:
 - Dual computes the copy as `linear(x, W) + b` (the gate's own op, then an exact +0 at init) and
   mixes as a + w (a_copy - a), which is (1 - w) a + w a_copy, so at init it is bitwise native for
   every w.
-- The concentration diagnostic uses the native top-K and native p (the ACS appendix's S_t) even
-  under tes/dual, whose executed set may differ.
+- The concentration diagnostic (`native_concentration`) uses the native top-K and native p (the
+  ACS appendix's S_t) even under tes/dual, whose executed set may differ.
 - `set_router` describes the whole model: layers out of scope get `NativeRouter` back and every gate
   is frozen except in scope with tune_router=True. `router_spec` stores every option with its
   resolved default, so a saved adapter does not change meaning if a default changes.
@@ -55,13 +55,12 @@ Decisions where the paper is silent, and why:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from numbers import Integral, Real
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-from minimoe.model import Routing
 
 TRANSFORMS = ("started-log", "log")
 # Each method's options and their defaults (paper: gamma = tau = 1, mixing weight 0.5).
@@ -71,6 +70,18 @@ METHOD_OPTIONS = {
     "tes": {"tune_router": False, "gamma": 1.0, "tau": 1.0, "transform": "started-log"},
     "acs": {"tune_router": False},
 }
+
+
+@dataclass
+class Routing:
+    """One MoE layer's routing decision for T tokens, and what the method reads out of it."""
+    logits: torch.Tensor  # [T, E] fp32 native affinity logits a_t; the load-balancing loss reads these
+    experts: torch.Tensor  # [T, K] executed experts S_t^act
+    weights: torch.Tensor  # [T, K] fp32 weights g_t that combine the executed experts' outputs
+    prediction: torch.Tensor | None = None  # [T] supervised (tes: e_hat, acs: C_t); None: not supervised
+    e_hat: torch.Tensor | None = None  # [T] tes: aggregate predicted error (Eq. aggregate_predicted_error)
+    expert_scores: torch.Tensor | None = None  # [T, E] tes: per-expert error scores e_hat_{t,i}
+    routing_logits: torch.Tensor | None = None  # [T, E] tes, dual: the logits the selection used
 
 
 def _number(x) -> bool:
@@ -96,17 +107,21 @@ def select_topk(logits, k: int, renormalize: bool, experts=None):
 def concentration(logits, experts):
     """C_t = sum_{i in S} pbar_i^2, pbar = softmax(logits) renormalised over S = `experts` -> [T].
 
-    Eq. affinity_concentration; differentiable w.r.t. the logits (Eq. appendix_affinity_concentration_logit_gradient).
+    Eq. affinity_concentration (= diagnostic_token_concentration with S the native top-K);
+    differentiable w.r.t. the logits (Eq. appendix_affinity_concentration_logit_gradient).
     """
     p = logits.float().softmax(dim=-1).gather(-1, experts)  # [T, K]
     pbar = p / p.sum(dim=-1, keepdim=True)
     return pbar.pow(2).sum(dim=-1)
 
 
-def native_concentration(logits, k: int, renormalize: bool):
-    """Diagnostic C_t over the native top-K, without gradient -> [T]."""
+def native_concentration(logits, k: int):
+    """Diagnostic C_t over the native top-K of softmax(logits), without gradient -> [T].
+
+    The top-K set is the same with or without renormalisation, so only K is needed.
+    """
     with torch.no_grad():
-        return concentration(logits, select_topk(logits, k, renormalize)[0])
+        return concentration(logits, select_topk(logits, k, renormalize=False)[0])
 
 
 def attenuate(logits, e_hat, gamma: float = 1.0, tau: float = 1.0, transform: str = "started-log"):
@@ -132,9 +147,7 @@ class NativeRouter(nn.Module):
 
     def forward(self, x, logits, experts=None):
         experts, weights = select_topk(logits, self.top_k, self.renormalize, experts)
-        with torch.no_grad():
-            c = concentration(logits, experts)
-        return Routing(logits=logits, experts=experts, weights=weights, readouts={"concentration": c})
+        return Routing(logits=logits, experts=experts, weights=weights)
 
 
 class ConcentrationRouter(NativeRouter):
@@ -149,8 +162,7 @@ class ConcentrationRouter(NativeRouter):
     def forward(self, x, logits, experts=None):
         experts, weights = select_topk(logits, self.top_k, self.renormalize, experts)
         c = concentration(logits, experts)  # [T]
-        return Routing(logits=logits, experts=experts, weights=weights,
-                       readouts={"concentration": c, "prediction": c})
+        return Routing(logits=logits, experts=experts, weights=weights, prediction=c)
 
 
 class DualAffinityRouter(NativeRouter):
@@ -172,9 +184,7 @@ class DualAffinityRouter(NativeRouter):
         copy = F.linear(x, self.affinity.weight).float() + self.affinity.bias.float()  # [T, E]
         mixed = logits + self.mix * (copy - logits)
         experts, weights = select_topk(mixed, self.top_k, self.renormalize, experts)
-        readouts = {"routing_logits": mixed,
-                    "concentration": native_concentration(logits, self.top_k, self.renormalize)}
-        return Routing(logits=logits, experts=experts, weights=weights, readouts=readouts)
+        return Routing(logits=logits, experts=experts, weights=weights, routing_logits=mixed)
 
 
 class TokenErrorRouter(NativeRouter):
@@ -202,9 +212,8 @@ class TokenErrorRouter(NativeRouter):
         p = logits.softmax(dim=-1).gather(-1, experts)  # [T, K] native p on the executed set
         pbar = p / p.sum(dim=-1, keepdim=True)
         e_hat = (pbar * scores.gather(-1, experts)).sum(dim=-1)  # [T]
-        readouts = {"e_hat": e_hat, "prediction": e_hat, "expert_scores": scores, "routing_logits": attenuated,
-                    "concentration": native_concentration(logits, self.top_k, self.renormalize)}
-        return Routing(logits=logits, experts=experts, weights=weights, readouts=readouts)
+        return Routing(logits=logits, experts=experts, weights=weights, prediction=e_hat, e_hat=e_hat,
+                       expert_scores=scores, routing_logits=attenuated)
 
 
 # ----------------------------------------------------------------------------- set_router

@@ -5,10 +5,11 @@ import os
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import minimoe
-from minimoe.checkpoint import HUB_FILES, resolve_checkpoint
+from minimoe.checkpoint import HUB_FILES, WeightFile, checkpoint_tensors, resolve_checkpoint, save_pretrained
 from tests.conftest import tiny_model
 
 IDS = torch.tensor([[5, 9, 17, 33, 65, 7, 11, 13]])
@@ -24,7 +25,7 @@ def assert_same_params(a, b):
 def test_export_round_trip_through_transformers(family, tmp_path):
     """save_pretrained writes the official layout: transformers loads it and gives our logits."""
     ours = tiny_model(family)
-    ours.save_pretrained(tmp_path / "out")
+    save_pretrained(ours, tmp_path / "out")
     ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", attn_implementation="eager").eval()
     with torch.no_grad():
         want, got = ref(IDS).logits, ours(IDS).logits
@@ -34,12 +35,12 @@ def test_export_round_trip_through_transformers(family, tmp_path):
 
 def test_official_key_names_on_disk(tmp_path):
     """Granite keeps its fused banks and tied head; OLMoE is written per expert, as the releases are."""
-    tiny_model("granitemoe").save_pretrained(tmp_path / "g")
+    save_pretrained(tiny_model("granitemoe"), tmp_path / "g")
     keys = load_file(tmp_path / "g" / "model.safetensors").keys()
     assert "model.layers.0.block_sparse_moe.input_linear.weight" in keys
     assert "model.layers.0.block_sparse_moe.router.layer.weight" in keys
     assert "lm_head.weight" not in keys
-    tiny_model("olmoe").save_pretrained(tmp_path / "o")
+    save_pretrained(tiny_model("olmoe"), tmp_path / "o")
     tensors = load_file(tmp_path / "o" / "model.safetensors")
     assert tensors["model.layers.1.mlp.experts.7.gate_proj.weight"].shape == (32, 64)
     assert tensors["model.layers.1.mlp.experts.7.down_proj.weight"].shape == (64, 32)
@@ -49,7 +50,7 @@ def test_official_key_names_on_disk(tmp_path):
 def test_sharded_checkpoint_loads(family, tmp_path):
     """A checkpoint split over several files with model.safetensors.index.json loads identically."""
     model = tiny_model(family)
-    model.save_pretrained(tmp_path / "sharded", max_shard_bytes=64 * 1024)
+    save_pretrained(model, tmp_path / "sharded", max_shard_bytes=64 * 1024)
     files = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
     assert len(files) > 2 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
     assert_same_params(model, minimoe.from_pretrained(tmp_path / "sharded"))
@@ -59,7 +60,7 @@ def test_sharded_checkpoint_loads(family, tmp_path):
 
 def test_dtype_conversion_on_load(tmp_path):
     """dtype=None keeps the checkpoint's dtype; an explicit dtype converts every tensor."""
-    tiny_model("olmoe").save_pretrained(tmp_path / "m")
+    save_pretrained(tiny_model("olmoe"), tmp_path / "m")
     assert minimoe.from_pretrained(tmp_path / "m").dtype == torch.float32
     model = minimoe.from_pretrained(tmp_path / "m", dtype=torch.bfloat16)
     want = tiny_model("olmoe").to(torch.bfloat16)
@@ -68,7 +69,7 @@ def test_dtype_conversion_on_load(tmp_path):
 
 def test_loaded_parameters_own_their_memory(family, tmp_path):
     """No parameter is a view into a mapped file or a larger buffer: the peak stays one checkpoint."""
-    tiny_model(family).save_pretrained(tmp_path / "m", max_shard_bytes=64 * 1024)
+    save_pretrained(tiny_model(family), tmp_path / "m", max_shard_bytes=64 * 1024)
     model = minimoe.from_pretrained(tmp_path / "m")
     storages = set()
     for name, p in model.named_parameters():
@@ -76,6 +77,31 @@ def test_loaded_parameters_own_their_memory(family, tmp_path):
         assert storage.nbytes() == p.numel() * p.element_size() and p.data_ptr() == storage.data_ptr(), name
         storages.add(storage.data_ptr())
     assert len(storages) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_weight_file_reads_what_safe_open_reads(family, dtype, tmp_path):
+    """Our reader (`WeightFile`) against the reference, safetensors' own `safe_open`: every key of a
+    sharded checkpoint, bit for bit in the disk dtype, and converted to fp32 into a strided tensor."""
+    save_pretrained(tiny_model(family).to(dtype), tmp_path / "m", max_shard_bytes=64 * 1024)
+    files = sorted((tmp_path / "m").glob("*.safetensors"))
+    assert len(files) > 1
+    seen = 0
+    for path in files:
+        ours = WeightFile(path)
+        with safe_open(str(path), framework="pt") as ref, open(path, "rb") as f:
+            assert sorted(ours.keys()) == sorted(ref.keys())
+            for key in ref.keys():
+                want = ref.get_tensor(key)
+                got = torch.empty(want.shape, dtype=want.dtype)
+                ours.read_into(key, got, f)
+                assert want.dtype == dtype and torch.equal(got, want), key
+                dims = list(range(want.dim()))[::-1]  # reversed strides: not contiguous from 2-D on
+                strided = torch.empty(want.shape[::-1], dtype=torch.float32).permute(dims)
+                ours.read_into(key, strided, f)
+                assert torch.equal(strided, want.float()), key
+                seen += 1
+    assert seen == len(checkpoint_tensors(tiny_model(family)))
 
 
 def test_tensors_advised_onto_huge_pages_load_the_saved_values(tmp_path, monkeypatch):
@@ -87,7 +113,7 @@ def test_tensors_advised_onto_huge_pages_load_the_saved_values(tmp_path, monkeyp
     advise = minimoe.checkpoint.advise_huge_pages
     monkeypatch.setattr(minimoe.checkpoint, "advise_huge_pages", lambda t: advised.append(t.nbytes) or advise(t))
     model = tiny_model("olmoe", vocab_size=20_000)
-    model.save_pretrained(tmp_path / "m")
+    save_pretrained(model, tmp_path / "m")
     for dtype in (torch.float32, torch.bfloat16):
         advised.clear()
         loaded = minimoe.from_pretrained(tmp_path / "m", dtype=dtype)
@@ -118,7 +144,7 @@ def offline(monkeypatch):
 def test_hub_id_through_offline_cache(tmp_path, offline):
     """A hub repo id resolves to an already-populated cache with HF_HUB_OFFLINE=1 (no network)."""
     model = tiny_model("olmoe")
-    model.save_pretrained(tmp_path / "src")
+    save_pretrained(model, tmp_path / "src")
     snap = populate_hub_cache(tmp_path / "cache", "allenai/OLMoE-tiny", tmp_path / "src")
     assert resolve_checkpoint("allenai/OLMoE-tiny", cache_dir=tmp_path / "cache") == snap
     assert_same_params(model, minimoe.from_pretrained("allenai/OLMoE-tiny", cache_dir=tmp_path / "cache"))
@@ -139,7 +165,7 @@ def test_hub_download_asks_only_for_checkpoint_files():
 
 @pytest.fixture
 def saved(tmp_path):
-    tiny_model("olmoe").save_pretrained(tmp_path / "m")
+    save_pretrained(tiny_model("olmoe"), tmp_path / "m")
     return tmp_path / "m"
 
 
@@ -169,7 +195,7 @@ def test_shape_mismatch_is_named(saved):
 
 def test_granite_checkpoint_read_as_olmoe_is_refused(tmp_path):
     """A wrong-family checkpoint: the config says olmoe, the tensors are Granite's."""
-    tiny_model("granitemoe").save_pretrained(tmp_path / "g")
+    save_pretrained(tiny_model("granitemoe"), tmp_path / "g")
     cfg = json.loads((tmp_path / "g" / "config.json").read_text())
     cfg.update(model_type="olmoe", num_experts=cfg.pop("num_local_experts"))
     (tmp_path / "g" / "config.json").write_text(json.dumps(cfg))
@@ -215,7 +241,7 @@ def test_corrupt_header_is_named(saved):
 
 
 def test_index_naming_the_wrong_shard_is_named(tmp_path):
-    tiny_model("olmoe").save_pretrained(tmp_path / "s", max_shard_bytes=64 * 1024)
+    save_pretrained(tiny_model("olmoe"), tmp_path / "s", max_shard_bytes=64 * 1024)
     index_path = tmp_path / "s" / "model.safetensors.index.json"
     index = json.loads(index_path.read_text())
     holder = index["weight_map"]["model.norm.weight"]
@@ -226,7 +252,7 @@ def test_index_naming_the_wrong_shard_is_named(tmp_path):
 
 
 def test_missing_shard_is_named(tmp_path):
-    tiny_model("olmoe").save_pretrained(tmp_path / "s", max_shard_bytes=64 * 1024)
+    save_pretrained(tiny_model("olmoe"), tmp_path / "s", max_shard_bytes=64 * 1024)
     victim = sorted((tmp_path / "s").glob("*.safetensors"))[1]
     victim.unlink()
     with pytest.raises(FileNotFoundError, match=victim.name):
@@ -242,14 +268,14 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     """A save that fails half-way leaves the previous checkpoint in place and no partial folder."""
     import minimoe.checkpoint as ck
     model = tiny_model("olmoe")
-    model.save_pretrained(tmp_path / "m")
+    save_pretrained(model, tmp_path / "m")
     before = (tmp_path / "m" / "model.safetensors").read_bytes()
 
     def broken(*a, **k):
         raise OSError("disk full")
     monkeypatch.setattr(ck, "save_file", broken)
     with pytest.raises(OSError, match="disk full"):
-        tiny_model("olmoe", seed=5).save_pretrained(tmp_path / "m")
+        save_pretrained(tiny_model("olmoe", seed=5), tmp_path / "m")
     assert (tmp_path / "m" / "model.safetensors").read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["m"]
 
@@ -261,7 +287,7 @@ def test_load_tokenizer_reads_tokenizer_json_and_special_ids(tmp_path):
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator(["Question: what is an expert?\nAnswer: a small network"] * 10,
                             trainers.BpeTrainer(vocab_size=100, special_tokens=["<unk>", "<pad>", "<eos>"]))
-    tiny_model("olmoe").save_pretrained(tmp_path / "m")
+    save_pretrained(tiny_model("olmoe"), tmp_path / "m")
     tok.save(str(tmp_path / "m" / "tokenizer.json"))
     loaded = minimoe.load_tokenizer(tmp_path / "m")
     assert (loaded.pad_token_id, loaded.eos_token_id) == (1, 2)

@@ -21,7 +21,6 @@ from minimoe.diagnostics import (
     plot_error_prediction,
     population_moments,
     spearman,
-    token_concentration,
 )
 
 
@@ -94,12 +93,6 @@ def test_correlations_agree_with_scipy_when_installed():
 
 
 # ---- affinity concentration ---------------------------------------------------------------------
-
-def test_token_concentration_renormalises_over_the_selected_set():
-    # Eq. diagnostic_token_concentration: (0.3, 0.1) renormalises to (0.75, 0.25).
-    c = token_concentration([[0.3, 0.1], [0.2, 0.2]])
-    np.testing.assert_allclose(c, [0.75**2 + 0.25**2, 0.5])
-
 
 def test_n_eff_is_reciprocal_of_mean_concentration_not_mean_of_reciprocals():
     # Eq. diagnostic_split_concentration. C = (1, 1/8): 1/mean = 1/0.5625 = 1.777..., while

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import evaluate
-from minimoe.checkpoint import from_pretrained
+from minimoe.checkpoint import from_pretrained, save_pretrained
 from minimoe.data import EOS_TOKEN, PAD_TOKEN, Example, train_tokenizer
-from minimoe.evaluation import (TokenArrays, concentration_from_logits, diagnostics_report, evaluate_split,
+from minimoe.evaluation import (TokenArrays, diagnostics_report, evaluate_split,
                                 json_safe, resolve_adapter)
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.routing import ConcentrationRouter, native_concentration
 
 WORDS = ("red", "blue", "green", "stone", "water", "light", "heavy", "plant", "animal", "energy", "metal", "cloud",
          "river", "sun", "moon", "seed", "leaf", "magnet", "sound", "heat", "ice", "salt", "sugar", "wind")
@@ -64,7 +65,7 @@ def toy(tmp_path_factory):
                            num_experts_per_tok=2, norm_topk_prob=True, eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
                            pad_token_id=tokenizer.token_to_id(PAD_TOKEN), **(GRANITE if family == "granitemoe" else {}))
         model = init_weights(MoEForCausalLM(config), std=0.2, generator=torch.Generator().manual_seed(0))
-        model.save_pretrained(root / family)
+        save_pretrained(model, root / family)
         tokenizer.save(str(root / family / "tokenizer.json"))
         models[family] = root / family
     return {"root": root, "data": root / "data", "models": models, "splits": splits}
@@ -180,16 +181,15 @@ def test_scoring_turns_lora_dropout_off_and_restores_train_mode(toy):
 
 # ---- diagnostics -----------------------------------------------------------------------------------
 
-def test_concentration_from_logits_by_hand_and_against_the_router():
+def test_diagnostic_concentration_by_hand_and_against_the_router():
     """p = (.4, .3, .2, .1), K = 2: pbar = (4/7, 3/7), C = 25/49 (Eq. diagnostic_token_concentration);
-    and on random logits it equals minimoe.routing's own readout of the native top-K."""
+    and on random logits the evaluation's C_t equals what the acs policy supervises."""
     logits = torch.tensor([[0.4, 0.3, 0.2, 0.1]]).log()
-    assert concentration_from_logits(logits, 2)[0] == pytest.approx(25 / 49, abs=1e-7)
-    routing = pytest.importorskip("minimoe.routing")
+    assert native_concentration(logits, 2)[0].item() == pytest.approx(25 / 49, abs=1e-7)
     logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 3
     for renormalize in (True, False):  # C_t renormalises over the K whatever the combine weights do
-        ours = concentration_from_logits(logits, 2)
-        theirs = routing.native_concentration(logits, 2, renormalize).double().numpy()
+        ours = native_concentration(logits, 2).double().numpy()
+        theirs = ConcentrationRouter(2, renormalize)(None, logits).prediction.double().numpy()
         assert np.allclose(ours, theirs, atol=1e-6)
 
 

@@ -7,7 +7,7 @@ from tests.conftest import tiny_model
 
 
 def reference(model, tmp_path):
-    model.save_pretrained(tmp_path / "m")
+    minimoe.save_pretrained(model, tmp_path / "m")
     return transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m", attn_implementation="eager").eval()
 
 

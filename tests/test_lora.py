@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 
 import minimoe.model as M
 import minimoe.routing
-from minimoe.checkpoint import checkpoint_tensors
+from minimoe.checkpoint import checkpoint_tensors, save_pretrained
 from minimoe.lora import (add_lora, export_merged, load_adapter, lora_modules, merge_lora, save_adapter,
                           trainable_parameters, unmerge_lora)
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
@@ -233,7 +233,7 @@ def test_olmoe_fused_bank_lora_equals_peft_per_expert_lora(tmp_path):
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     model = tiny("olmoe")
-    model.save_pretrained(tmp_path / "base")
+    save_pretrained(model, tmp_path / "base")
     add_lora(model, rank=4, alpha=12, dropout=0.0, targets=["q", "k", "v", "o", "experts"])
     randomize_lora(model, std=0.1)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager",

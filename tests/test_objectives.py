@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minimoe.model import MoEConfig, MoEForCausalLM, Routing, init_weights
+from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.objectives import exponential_nll, itakura_saito, supervision_loss
-from minimoe.routing import set_router
+from minimoe.routing import Routing, set_router
 
 
 def tiny_model(seed=0):
@@ -112,11 +112,9 @@ def fake_routings(B, T, supervised, seed=0):
     g = torch.Generator().manual_seed(seed)
     routings = []
     for s in supervised:
-        readouts = {"concentration": torch.rand(B * T, generator=g)}
-        if s:
-            readouts["prediction"] = torch.rand(B * T, generator=g) * 3 + 0.1
+        prediction = torch.rand(B * T, generator=g) * 3 + 0.1 if s else None
         routings.append(Routing(logits=torch.zeros(B * T, 4), experts=torch.zeros(B * T, 2, dtype=torch.long),
-                                weights=torch.zeros(B * T, 2), readouts=readouts))
+                                weights=torch.zeros(B * T, 2), prediction=prediction))
     return routings
 
 
@@ -131,13 +129,13 @@ def test_supervision_loss_averages_supervised_layers_and_tokens(objective, depth
     per_token = itakura_saito if objective == "is" else exponential_nll
     total, n_layers = 0.0, 0
     for r in routings:  # the hand loop: sum over l in M and t in B_tok, divided by |M| |B_tok|
-        if "prediction" not in r.readouts:
+        if r.prediction is None:
             continue
         n_layers += 1
         for b in range(B):
             for t in range(T):
                 if mask[b, t]:
-                    total += per_token(r.readouts["prediction"][b * T + t], ce[b, t]).item()
+                    total += per_token(r.prediction[b * T + t], ce[b, t]).item()
     expected = total / (n_layers * mask.sum().item()) * (n_layers if depth_scaled else 1)
     got = supervision_loss(routings, ce, mask, objective, depth_scaled=depth_scaled)
     assert got.dim() == 0 and abs(got.item() - expected) < 1e-5

@@ -3,7 +3,9 @@
 import copy
 import json
 import math
+from dataclasses import fields
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,9 +16,11 @@ from minimoe.routing import (
     ConcentrationRouter,
     DualAffinityRouter,
     NativeRouter,
+    Routing,
     TokenErrorRouter,
     attenuate,
     concentration,
+    native_concentration,
     select_topk,
     set_router,
 )
@@ -66,10 +70,10 @@ def test_attenuated_probability_is_native_times_inverse_error_factor(renormalize
     # and the FFN weights are p~ on the executed set under the family's normalisation.
     router, x, logits = tes_router(renormalize, gamma, tau)
     r = router(x, logits)
-    e = r.readouts["expert_scores"].detach().double()
+    e = r.expert_scores.detach().double()
     unnorm = logits.double().softmax(-1) * (1 + e / tau) ** -gamma
     p_att = unnorm / unnorm.sum(-1, keepdim=True)
-    torch.testing.assert_close(r.readouts["routing_logits"].double().softmax(-1), p_att, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(r.routing_logits.double().softmax(-1), p_att, rtol=1e-5, atol=1e-7)
     assert torch.equal(r.experts.sort(-1).values, p_att.topk(3, -1).indices.sort(-1).values)
     expected = p_att.gather(-1, r.experts)
     if renormalize:
@@ -91,8 +95,8 @@ def test_pairwise_routing_odds():
     gamma, tau = 1.7, 0.6
     router, x, logits = tes_router(True, gamma, tau)
     r = router(x, logits)
-    p, e = logits.double().softmax(-1), r.readouts["expert_scores"].detach().double()
-    p_att = r.readouts["routing_logits"].double().softmax(-1)
+    p, e = logits.double().softmax(-1), r.expert_scores.detach().double()
+    p_att = r.routing_logits.double().softmax(-1)
     for i, j in [(0, 1), (2, 7), (5, 3)]:
         expected = p[:, i] / p[:, j] * ((tau + e[:, i]) / (tau + e[:, j])) ** -gamma
         torch.testing.assert_close(p_att[:, i] / p_att[:, j], expected, rtol=1e-5, atol=0)
@@ -150,12 +154,31 @@ def test_new_heads_start_native(family, method, options):
         assert torch.equal(out.logits, ref.logits)
     else:
         assert (out.logits - ref.logits).abs().max() <= 1e-6 * ref.logits.abs().max()
-        scores = out.routings[0].readouts["expert_scores"]
+        scores = out.routings[0].expert_scores
         expected = math.log(2.0) if options.get("transform", "started-log") == "started-log" else 1.0
         torch.testing.assert_close(scores, torch.full_like(scores, expected), rtol=1e-6, atol=0)
 
 
 # ---- affinity concentration (Eq. affinity_concentration) --------------------------------------------
+
+def reference_concentration(selected_probs):
+    """Eq. diagnostic_token_concentration in numpy, the oracle: (T, K) selected probabilities -> (T,) C_t."""
+    p = np.asarray(selected_probs, dtype=np.float64)
+    pbar = p / p.sum(axis=1, keepdims=True)  # renormalise over the selected set
+    return (pbar**2).sum(axis=1)
+
+
+def test_concentration_renormalises_over_the_selected_set():
+    # Eq. diagnostic_token_concentration: (0.3, 0.1) renormalises to (0.75, 0.25).
+    np.testing.assert_allclose(reference_concentration([[0.3, 0.1], [0.2, 0.2]]), [0.75**2 + 0.25**2, 0.5])
+    probs = torch.tensor([[0.3, 0.1, 0.6], [0.2, 0.2, 0.6]])  # two selected experts of three
+    c = concentration(probs.log(), torch.tensor([[0, 1], [0, 1]]))
+    np.testing.assert_allclose(c.numpy(), [0.75**2 + 0.25**2, 0.5], rtol=1e-6)
+    logits = 3 * torch.randn(200, 8, generator=torch.Generator().manual_seed(0))
+    experts, _ = select_topk(logits, 3, False)
+    selected = logits.double().softmax(-1).gather(-1, experts).numpy()
+    np.testing.assert_allclose(concentration(logits, experts).numpy(), reference_concentration(selected), rtol=1e-6)
+
 
 def test_concentration_bounds_and_uniform_value():
     # Eq. affinity_concentration: 1/K <= C_t <= 1, and C_t = 1/K at uniform selected affinity.
@@ -175,8 +198,8 @@ def test_concentration_logit_gradient(renormalize):
     g = torch.Generator().manual_seed(0)
     logits = (2 * torch.randn(64, 8, generator=g)).requires_grad_()  # routing math is fp32
     r = ConcentrationRouter(3, renormalize)(None, logits)
-    assert r.readouts["prediction"] is r.readouts["concentration"]
-    c = r.readouts["prediction"]
+    c = r.prediction
+    torch.testing.assert_close(c, native_concentration(logits, 3))  # acs supervises the native C_t
     c.sum().backward()
     p = logits.detach().softmax(-1).gather(-1, r.experts)
     pbar = p / p.sum(-1, keepdim=True)
@@ -195,8 +218,9 @@ def test_concentration_readout_is_native_and_diagnostic_for_every_policy():
     r = out.routings[-1]
     native = select_topk(r.logits, 2, False)[0]
     assert not torch.equal(native, r.experts)  # attenuation moved the route, so the sets differ
-    torch.testing.assert_close(r.readouts["concentration"], concentration(r.logits, native))
-    assert not r.readouts["concentration"].requires_grad
+    c = native_concentration(r.logits, 2)
+    torch.testing.assert_close(c, concentration(r.logits, native))
+    assert not c.requires_grad
 
 
 # ---- the tes readout (Eq. aggregate_predicted_error) ------------------------------------------------
@@ -208,9 +232,9 @@ def test_tes_readout_weights_executed_scores_by_native_affinity(renormalize):
     router, x, logits = tes_router(renormalize, gamma=2.0)
     r = router(x, logits)
     p = logits.softmax(-1).gather(-1, r.experts)
-    expected = (p / p.sum(-1, keepdim=True) * r.readouts["expert_scores"].gather(-1, r.experts)).sum(-1)
-    torch.testing.assert_close(r.readouts["e_hat"], expected)
-    assert r.readouts["prediction"] is r.readouts["e_hat"]
+    expected = (p / p.sum(-1, keepdim=True) * r.expert_scores.gather(-1, r.experts)).sum(-1)
+    torch.testing.assert_close(r.e_hat, expected)
+    assert r.prediction is r.e_hat
 
 
 def test_expert_score_gradient_is_pbar_times_aggregate_gradient():
@@ -218,7 +242,7 @@ def test_expert_score_gradient_is_pbar_times_aggregate_gradient():
     # Eq. appendix_is_component_gradient (dL_IS/de_i = pbar_i (e_hat - L+)/e_hat^2).
     router, x, logits = tes_router(True, gamma=1.0)
     r = router(x, logits)
-    scores, e_hat = r.readouts["expert_scores"], r.readouts["e_hat"]
+    scores, e_hat = r.expert_scores, r.e_hat
     scores.retain_grad()
     observed = torch.rand(32, generator=torch.Generator().manual_seed(1)) * 4
     itakura_saito(e_hat, observed).sum().backward()
@@ -241,8 +265,9 @@ def test_policies_replay_a_given_selection(make):
     first = router(x, logits)
     again = router(x, logits, experts=first.experts)
     assert torch.equal(again.weights, first.weights)
-    for k in first.readouts:
-        assert torch.equal(again.readouts[k], first.readouts[k])
+    for f in fields(Routing):
+        if getattr(first, f.name) is not None:
+            assert torch.equal(getattr(again, f.name), getattr(first, f.name)), f.name
     other = torch.arange(3).expand(32, 3)
     assert torch.equal(router(x, logits, experts=other).experts, other)
 
@@ -295,7 +320,7 @@ def test_layer_scope_and_spec_rebuild(layers, expected, method):
 def test_supervised_layers_follow_the_scope():
     model = set_router(tiny_model(), "acs", "first:2")
     out = model(torch.randint(0, 128, (1, 8)))
-    assert ["prediction" in r.readouts for r in out.routings] == [True, True, False]
+    assert [r.prediction is not None for r in out.routings] == [True, True, False]
 
 
 def test_parameter_names_and_freezing():
