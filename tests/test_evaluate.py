@@ -116,7 +116,8 @@ def test_cli_writes_consistent_outputs(toy, tmp_path):
     out = tmp_path / "eval"
     evaluate.main(["--model", str(toy["models"]["olmoe"]), "--data", str(toy["data"] / "test.jsonl"),
                    "--out", str(out), "--batch-size", "5"])
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "predictions.jsonl", "tokens-test.npz"]
+    assert sorted(p.name for p in out.iterdir()) == [".minimoe-written", "metrics.json", "predictions.jsonl",
+                                                     "tokens-test.npz"]
     metrics, records = json.loads((out / "metrics.json").read_text()), read_jsonl(out / "predictions.jsonl")
     assert [r["id"] for r in records] == [ex.id for ex in toy["splits"]["test"]]  # input order, not length order
     assert metrics["n_examples"] == len(records) == 12
@@ -373,16 +374,16 @@ def test_bad_input_raises_before_any_output(toy, tmp_path, case):
 def test_failed_write_keeps_the_previous_output(toy, tmp_path, monkeypatch):
     """A failure while writing removes the temp folder; the previous complete output stays as it was."""
     out = tmp_path / "eval"
-    out.mkdir()
-    (out / "metrics.json").write_text("previous")
+    argv = ["--model", str(toy["models"]["olmoe"]), "--data", str(toy["data"] / "test.jsonl"), "--out", str(out)]
+    evaluate.main(argv + ["--max-examples", "3"])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     def broken_save(self, path):
         raise OSError("disk full")
     monkeypatch.setattr(TokenArrays, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
-        evaluate.main(["--model", str(toy["models"]["olmoe"]), "--data", str(toy["data"] / "test.jsonl"),
-                       "--out", str(out), "--max-examples", "2"])
-    assert [p.name for p in out.iterdir()] == ["metrics.json"] and (out / "metrics.json").read_text() == "previous"
+    with pytest.raises(OSError, match=f"{out}: could not write it.*disk full"):
+        evaluate.main(argv + ["--max-examples", "2"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert not list(tmp_path.glob(".eval.*"))
 
 
