@@ -34,10 +34,11 @@ def check_replaceable(path, kind: str = "folder") -> None:
             written = None
         if written == kind:
             return
-        what = f"a {written} folder" if written else f"not written by minimoe (no {MARKER} marker)"
-        raise FileExistsError(f"{path}: exists and is {what}; refusing to replace it with a {kind} folder. "
-                              f"Choose another path, or remove it yourself")
-    raise FileExistsError(f"{path}: exists and is not a folder; refusing to replace it with a {kind} folder")
+        what = (f"holds minimoe's {written!r} output, not {kind!r}" if written
+                else f"was not written by minimoe (no {MARKER} marker)")
+        raise FileExistsError(f"{path}: exists and {what}; refusing to replace it. Choose another path, or "
+                              f"remove it yourself")
+    raise FileExistsError(f"{path}: exists and is not a folder; refusing to replace it with a {kind!r} folder")
 
 
 @contextmanager

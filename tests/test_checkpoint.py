@@ -283,3 +283,28 @@ def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
         tmp.write_text("new")
         assert target.read_text() == "old"  # nothing visible until the block succeeds
     assert target.read_text() == "new" and sorted(os.listdir(tmp_path)) == ["selection.json"]
+
+
+def test_atomic_directory_replaces_only_its_own_folders(tmp_path):
+    """A folder replaces one it wrote with the same kind (or an empty one); anything else is refused, untouched."""
+    from minimoe.atomic import atomic_directory
+    target = tmp_path / "out"
+    target.mkdir()  # empty: nothing to lose
+    with atomic_directory(target, "evaluation") as tmp:
+        (tmp / "a").write_text("1")
+    with atomic_directory(target, "evaluation") as tmp:
+        (tmp / "a").write_text("2")
+    assert (target / "a").read_text() == "2"
+    with pytest.raises(FileExistsError, match=f"{target}: exists and holds minimoe's 'evaluation' output, not 'adapter'"):
+        with atomic_directory(target, "adapter") as tmp:
+            (tmp / "a").write_text("3")
+    foreign = tmp_path / "run"
+    foreign.mkdir()
+    (foreign / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match=f"{foreign}: exists and was not written by minimoe"):
+        with atomic_directory(foreign, "evaluation"):
+            raise AssertionError("refused before the block runs")
+    assert (target / "a").read_text() == "2" and [p.name for p in foreign.iterdir()] == ["config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    tiny_model("olmoe").save_pretrained(tmp_path / "m")
+    tiny_model("olmoe", seed=5).save_pretrained(tmp_path / "m")  # a checkpoint over one we wrote: fine
