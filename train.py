@@ -7,7 +7,8 @@
 
 A run folder (runs/<name>/) holds config.json (the full resolved config), metrics.jsonl, one
 checkpoint per epoch (adapter + method heads + optimizer/scheduler/RNG state), selection.json
-(the validation-NLL selection, fixed before any test evaluation) and eval/test/ (the test scoring).
+(the validation-NLL selection, fixed before any test evaluation), eval/test/ (the test scoring)
+and train.lock (held by the training process; see minimoe/runs.py for the run folder's rules).
 """
 from __future__ import annotations
 
@@ -34,9 +35,9 @@ from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_la
 
 def number(kind, low=None, high=None, *, low_open=False, high_open=False):
     """An argparse type: `kind` (int or float) in [low, high] (open ends where asked), finite."""
-    bounds = " and ".join(b for b in (
-        low is not None and f"{'>' if low_open else '>='} {low}", high is not None and f"{'<' if high_open else '<='} {high}") if b)
-    what = f"{'an integer' if kind is int else 'a number'}{' ' + bounds if bounds else ''}"
+    bounds = [f"{'>' if low_open else '>='} {low}" if low is not None else "",
+              f"{'<' if high_open else '<='} {high}" if high is not None else ""]
+    what = " ".join(["an integer" if kind is int else "a number", " and ".join(b for b in bounds if b)]).strip()
 
     def parse(text):
         try:
@@ -50,7 +51,8 @@ def number(kind, low=None, high=None, *, low_open=False, high_open=False):
     return parse
 
 
-COUNT, POSITIVE, NONNEGATIVE, FRACTION = number(int, 1), number(float, 0, low_open=True), number(float, 0), number(float, 0, 1)
+COUNT, POSITIVE = number(int, 1), number(float, 0, low_open=True)
+NONNEGATIVE, FRACTION = number(float, 0), number(float, 0, 1)
 
 
 def layer_scope(text: str):
@@ -91,7 +93,8 @@ def parse_args(argv=None):
     g.add_argument("--method", choices=["ce", "dual", "tes", "acs"], help="ce = no method head (default: tes)")
     g.add_argument("--objective", choices=["is", "enll"], help="Itakura-Saito or exponential NLL (default: is)")
     g.add_argument("--lambda", dest="lambda_", type=NONNEGATIVE, help="method coefficient lambda_m (default 1e-3)")
-    g.add_argument("--layers", type=layer_scope, help="supervised MoE layers: final | all | first:N | last:N | 0,3,5 (default final)")
+    g.add_argument("--layers", type=layer_scope,
+                   help="supervised MoE layers: final | all | first:N | last:N | 3 | 0,3,5 (default final)")
     g.add_argument("--tune-router", action="store_true", default=None, help="unfreeze the native router in scope")
     g.add_argument("--gamma", type=NONNEGATIVE, help="TES attenuation strength (default 1)")
     g.add_argument("--tau", type=POSITIVE, help="TES started-log reference scale (default 1)")
@@ -205,11 +208,9 @@ def main(argv=None):
             resolved = {k: v for k, v in cfg.items() if k != "resume"}
             resolved["data_sizes"] = {s: len(v) for s, v in data.items()}
             if cfg["resume"]:
-                before = read_run_config(run / "config.json")
-                changed = {k for k in resolved.keys() | before.keys()
-                           if k not in RESUME_MAY_DIFFER and before.get(k) != json.loads(json.dumps(resolved.get(k), default=str))}
+                changed = changed_settings(read_run_config(run / "config.json"), resolved)
                 if changed:
-                    sys.exit(f"train.py: --resume with a different config: {sorted(changed)} differ from {run}/config.json")
+                    sys.exit(f"train.py: --resume with a different config: {changed} differ from {run}/config.json")
             with atomic_file(run / "config.json") as tmp:
                 tmp.write_text(json.dumps(resolved, indent=2, default=str))
         train(model, tokenizer, data, cfg, run, resume=cfg["resume"])
@@ -221,6 +222,12 @@ def main(argv=None):
         print(f"run folder: {run}")
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def changed_settings(before: dict, now: dict) -> list[str]:
+    """The settings that change the trained result and differ from the run's config.json."""
+    now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
+    return sorted(k for k in before.keys() | now.keys() if k not in RESUME_MAY_DIFFER and before.get(k) != now.get(k))
 
 
 def read_run_config(path: Path) -> dict:

@@ -311,7 +311,8 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False)
     try:
         got = load_file(str(file))
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file}: not a readable safetensors file ({e}); the adapter is truncated or corrupt") from None
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); the adapter is truncated or "
+                         f"corrupt") from None
     unexpected, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
     if unexpected:
         raise KeyError(f"{file}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all)")

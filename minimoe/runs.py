@@ -93,8 +93,12 @@ def remove_orphans(run: Path) -> list[Path]:
 
 def append_metrics(run: Path, record: dict):
     line = json.dumps(record) + "\n"
-    with open(run / METRICS, "a") as f:
-        f.write(line)  # one write: a kill leaves at most a torn last line, which resume drops
+    try:
+        with open(run / METRICS, "a") as f:
+            f.write(line)  # one write: a kill leaves at most a torn last line, which resume drops
+    except OSError as e:
+        raise OSError(f"{run / METRICS}: could not append a record ({e.strerror or e}); free some space, then "
+                      f"continue with --resume from the last complete epoch") from e
 
 
 def truncate_metrics(run: Path, epoch: int) -> list[dict]:
@@ -142,7 +146,8 @@ def set_rng_state(state: dict):
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
     n = state["numpy"]
-    np.random.set_state((n["key"], n["state"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    keys = n["state"].numpy().astype(np.uint32)
+    np.random.set_state((n["key"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
 
 
 def save_state(path: Path, optimizer, scheduler, epoch: int, step: int):

