@@ -15,7 +15,10 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 MARKER = ".minimoe-written"
+WRITE_ERRORS = (OSError, SafetensorError)  # safetensors reports a full disk as SafetensorError
 
 
 def check_replaceable(path, kind: str = "folder") -> None:
@@ -41,6 +44,14 @@ def check_replaceable(path, kind: str = "folder") -> None:
     raise FileExistsError(f"{path}: exists and is not a folder; refusing to replace it with a {kind!r} folder")
 
 
+def _reraise(e: BaseException, path: Path, what: str):
+    """A failed write (a full disk, no permission) as an OSError naming the target; anything else as it is."""
+    if isinstance(e, WRITE_ERRORS) and not isinstance(e, (FileNotFoundError, FileExistsError)):
+        raise OSError(f"{path}: could not write it ({getattr(e, 'strerror', None) or e}); the previous {what}, if "
+                      f"any, is unchanged; check free disk space and permissions") from e
+    raise e
+
+
 @contextmanager
 def atomic_file(path):
     """`with atomic_file(p) as tmp:` write tmp (a path beside p); on success it is synced and renamed
@@ -55,10 +66,7 @@ def atomic_file(path):
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):
-            raise OSError(f"{path}: could not write it ({e.strerror or e}); the previous file, if any, is "
-                          f"unchanged; check free disk space and permissions") from e
-        raise
+        _reraise(e, path, "file")
 
 
 @contextmanager
@@ -76,10 +84,7 @@ def atomic_directory(path, kind: str = "folder"):
         check_replaceable(path, kind)  # something may have appeared there meanwhile
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError) and not isinstance(e, (FileNotFoundError, FileExistsError)):
-            raise OSError(f"{path}: could not write it ({e.strerror or e}); the previous folder, if any, is "
-                          f"unchanged; check free disk space and permissions") from e
-        raise
+        _reraise(e, path, "folder")
     old = None
     if path.exists():
         old = path.with_name(f".{path.name}.old-{os.getpid()}")

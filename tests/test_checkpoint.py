@@ -308,3 +308,16 @@ def test_atomic_directory_replaces_only_its_own_folders(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
     tiny_model("olmoe").save_pretrained(tmp_path / "m")
     tiny_model("olmoe", seed=5).save_pretrained(tmp_path / "m")  # a checkpoint over one we wrote: fine
+
+
+def test_full_disk_in_safetensors_names_the_folder(tmp_path, monkeypatch):
+    """safetensors reports ENOSPC as SafetensorError: it comes out as an OSError naming the target folder."""
+    import minimoe.checkpoint as ck
+    from safetensors import SafetensorError
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(ck, "save_file", full)
+    with pytest.raises(OSError, match=f"{tmp_path / 'm'}: could not write it.*No space left"):
+        tiny_model("olmoe").save_pretrained(tmp_path / "m")
+    assert os.listdir(tmp_path) == []
