@@ -367,4 +367,8 @@ def load_tokenizer(name_or_path, *, cache_dir=None, revision=None) -> Tokenizer:
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no tokenizer.json")
-    return Tokenizer(HFTokenizer.from_file(str(path)), read_config(folder))
+    try:
+        tokenizer = HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for unreadable JSON
+        raise ValueError(f"{path}: not a readable tokenizer ({e}); the file is truncated or corrupt") from None
+    return Tokenizer(tokenizer, read_config(folder))

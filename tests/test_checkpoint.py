@@ -207,6 +207,13 @@ def test_truncated_file_is_named(saved):
         minimoe.from_pretrained(saved)
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_truncated_json_is_named(saved, name):
+    (saved / name).write_text('{"model_type": "olmoe", "vocab_si')
+    with pytest.raises(ValueError, match=f"{saved / name}: not .*truncated or corrupt"):
+        (minimoe.from_pretrained if name == "config.json" else minimoe.load_tokenizer)(saved)
+
+
 def test_corrupt_header_is_named(saved):
     f = saved / "model.safetensors"
     f.write_bytes(b"\xff" * 8 + f.read_bytes()[8:])
