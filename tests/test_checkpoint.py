@@ -313,8 +313,9 @@ def test_atomic_directory_replaces_only_its_own_folders(tmp_path):
             raise AssertionError("refused before the block runs")
     assert (target / "a").read_text() == "2" and [p.name for p in foreign.iterdir()] == ["config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
-    tiny_model("olmoe").save_pretrained(tmp_path / "m")
-    tiny_model("olmoe", seed=5).save_pretrained(tmp_path / "m")  # a checkpoint over one we wrote: fine
+    from minimoe.checkpoint import save_pretrained
+    save_pretrained(tiny_model("olmoe"), tmp_path / "m")
+    save_pretrained(tiny_model("olmoe", seed=5), tmp_path / "m")  # a checkpoint over one we wrote: fine
 
 
 def test_full_disk_in_safetensors_names_the_folder(tmp_path, monkeypatch):
@@ -326,5 +327,5 @@ def test_full_disk_in_safetensors_names_the_folder(tmp_path, monkeypatch):
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     monkeypatch.setattr(ck, "save_file", full)
     with pytest.raises(OSError, match=f"{tmp_path / 'm'}: could not write it.*No space left"):
-        tiny_model("olmoe").save_pretrained(tmp_path / "m")
+        ck.save_pretrained(tiny_model("olmoe"), tmp_path / "m")
     assert os.listdir(tmp_path) == []
