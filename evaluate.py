@@ -13,7 +13,8 @@ The paper's accuracy table, mean ± sample std over seeds, from every metrics.js
 
     python evaluate.py report runs/*/eval/test --seeds 42 43 45 --out table.md
 
-Outputs in --out (written to a temp folder beside it, then swapped in whole):
+Outputs in --out (written to a temp folder beside it, then swapped in whole; an existing --out must be
+an earlier evaluation, recognised by its .minimoe-written marker, or empty: anything else is refused):
   predictions.jsonl   one line per example: gold, predictions and per-candidate log-probabilities
   metrics.json        accuracy (mean-token, the paper's), accuracy_sum, accuracy_per_char, choice_nll,
                       identity keys for the report, and "diagnostics" per diagnosed MoE layer
@@ -72,7 +73,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                       help="longest row in tokens, prompts cut from the left (default: the run's, else no limit)")
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, required=True,
-                     help="output folder; replaced as a whole only once everything is written")
+                     help="output folder; replaced as a whole only once everything is written, and only if it "
+                          "is empty or an earlier evaluation (a run folder, say, is refused)")
     diag = p.add_argument_group("routing diagnostics")
     diag.add_argument("--train-split-diagnostics", action=argparse.BooleanOptionalAction, default=None,
                       help="also score the train split, for train-vs-evaluated diagnostics and the train moments "
