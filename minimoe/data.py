@@ -314,7 +314,24 @@ def _parse_line(line: str, where: str) -> Example:
         raise ValueError(f"{where}: 'choices' is {d['choices']!r}; expected at least two non-empty strings")
     if not 0 <= d["answer"] < len(d["choices"]):
         raise ValueError(f"{where}: 'answer' is {d['answer']}; expected an index in [0, {len(d['choices'])})")
+    if len(set(d["choices"])) < len(d["choices"]):
+        raise ValueError(f"{where}: 'choices' {d['choices']!r} repeat a choice; expected distinct choices "
+                         f"(the gold answer would be ambiguous)")
     return Example(**d)
+
+
+def check_disjoint(splits: dict[str, list[Example]], where="the data") -> None:
+    """Refuse an example that sits in two splits: the same id, or the same question and choice set
+    (filter_examples' duplicate key)."""
+    seen: dict = {}
+    for split, examples in splits.items():
+        for ex in examples:
+            for key in (("id", ex.id), ("content", ex.question, tuple(sorted(ex.choices)))):
+                other = seen.setdefault(key, (split, ex.id))
+                if other[0] != split:
+                    what = f"id {ex.id!r}" if key[0] == "id" else f"question and choices ({other[1]!r} and {ex.id!r})"
+                    raise ValueError(f"{where}: {other[0]} and {split} share {what}; expected disjoint splits, "
+                                     f"or the test score would count examples seen in training")
 
 
 def read_manifest(path) -> list[Example]:

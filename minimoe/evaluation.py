@@ -57,6 +57,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from minimoe.atomic import check_replaceable
 from minimoe.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer
 from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split
 from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, concentration_summary,
@@ -428,7 +429,7 @@ def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_ex
     label = f"{identity['method']}, {identity['dataset']}: "
     diagnostics, plots = diagnostics_report(arrays, split, train_arrays, label=label)
     result = json_safe({**identity, **metrics, "diagnostics": {**diagnostics, **extra}})
-    with atomic_directory(out) as tmp:
+    with atomic_directory(out, "evaluation") as tmp:
         with open(tmp / "predictions.jsonl", "w", encoding="utf-8") as f:
             for r in records:
                 f.write(json.dumps(json_safe(r), ensure_ascii=False, allow_nan=False) + "\n")
@@ -458,13 +459,14 @@ def _identity(source: AdapterSource | None, *, model, data, split, net, batch_si
 def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: str | None = None,
                    data: str | None = None, split: str = "test", data_dir=None, max_examples: int | None = None,
                    max_length: int | None = None, batch_size: int = 16, device: str = "auto", dtype: str = "auto",
-                   train_split_diagnostics: bool | None = None) -> dict:
+                   train_split_diagnostics: bool | None = None, allow_other_base: bool = False) -> dict:
     """Load the model (+ adapter), evaluate and write `out`; returns the metrics.json content.
 
     Everything that can fail on bad input (folders, manifests, model, adapter) is checked before the
     output folder is created. Left out, model/data/data_dir/max_length come from a run's config.json.
     train_split_diagnostics=None scores the train split for tes adapters only.
     """
+    check_replaceable(out, "evaluation")  # never replace a run, runs/ or an adapter; fail before any work
     source = resolve_adapter(adapter, checkpoint) if adapter is not None else None
     run_config = source.run_config if source else {}
     model = model or run_config.get("model")
@@ -488,7 +490,7 @@ def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: s
     net = from_pretrained(model, dtype=DTYPES[dtype], device=torch_device)
     tokenizer = load_tokenizer(model)
     if source is not None:
-        load_adapter(net, source.folder)
+        load_adapter(net, source.folder, allow_other_base=allow_other_base)
     identity = _identity(source, model=model, data=data, split=split, net=net, batch_size=batch_size,
                          max_examples=max_examples, max_length=max_length)
     return score_and_write(net, tokenizer, examples, out, identity, train_examples=train_examples,
@@ -507,6 +509,7 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=N
     run = Path(run)
     if out is None:
         out = run / "eval" / (split if checkpoint in (None, "last") else f"{split}-{checkpoint}")
+    check_replaceable(out, "evaluation")
     if model is None:
         return run_evaluation(out=out, adapter=run, checkpoint=checkpoint, split=split, batch_size=batch_size,
                               device=device, dtype=dtype, train_split_diagnostics=train_split_diagnostics)

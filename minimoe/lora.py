@@ -33,6 +33,7 @@ targets, dtype, base model, a config fingerprint, the `set_router` spec, the tun
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -40,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from minimoe.checkpoint import LAYER_KEYS, atomic_directory, save_pretrained
@@ -219,6 +221,23 @@ def fingerprint(config) -> dict:
     return {k: getattr(config, k) for k in FINGERPRINT}
 
 
+def base_weights_digest(model: MoEForCausalLM) -> str:
+    """A digest of the frozen base weights: per tensor, a strided sample of <= 4096 values rounded to
+    bfloat16 (so the same checkpoint loaded in fp32 or bf16 agrees). Another model of the same shapes
+    (another seed, a base vs its SFT) differs. LoRA, method heads and native gates (they may train) are left out."""
+    if any(m.merged for m in lora_modules(model).values()):
+        raise ValueError("the model's LoRA is merged; unmerge_lora first (the digest is of the base weights)")
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if name.endswith((".lora_A", ".lora_B", ".mlp.gate.weight")) or ".mlp.router." in name:
+            continue
+        flat = p.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16).view(torch.int16)
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(sample.cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def adapter_tensors(model: MoEForCausalLM, gate_layers) -> dict[str, torch.Tensor]:
     """The adapter's state: LoRA tensors, method-head state, and the native gates of `gate_layers`."""
     gates = {f"model.layers.{i}.mlp.gate.weight" for i in gate_layers}
@@ -233,16 +252,20 @@ def save_adapter(model: MoEForCausalLM, path, *, base_model: str):
         raise ValueError("save_adapter: the model has no LoRA; call add_lora first")
     gate_layers = [i for i, layer in enumerate(model.model.layers) if layer.mlp.gate.weight.requires_grad]
     tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_tensors(model, gate_layers).items()}
-    config = dict(spec, base_model=str(base_model), fingerprint=fingerprint(model.config),
+    config = dict(spec, base_model=str(base_model),
+                  fingerprint=fingerprint(model.config) | {"base_weights": base_weights_digest(model)},
                   router=model.router_spec, gate_layers=gate_layers)
-    with atomic_directory(path) as tmp:
+    with atomic_directory(path, "adapter") as tmp:
         save_file(tensors, str(tmp / "adapter.safetensors"), metadata={"format": "pt"})
         with open(tmp / "adapter_config.json", "w") as f:
             json.dump(config, f, indent=2)
 
 
-def load_adapter(model: MoEForCausalLM, path) -> MoEForCausalLM:
+def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False) -> MoEForCausalLM:
     """Restore a saved adapter into `model` (a base model, or one with the same LoRA); strict.
+
+    An adapter trained on other base weights of the same shapes (fingerprint "base_weights") is
+    refused unless allow_other_base; other shapes are refused always.
 
     The router spec and the LoRA modules are installed before the tensors are checked, so after an
     error the model may carry them with fresh values: discard it.
@@ -253,16 +276,24 @@ def load_adapter(model: MoEForCausalLM, path) -> MoEForCausalLM:
     for file in ("adapter_config.json", "adapter.safetensors"):
         if not (path / file).is_file():
             raise FileNotFoundError(f"{path}: missing {file}")
-    with open(path / "adapter_config.json") as f:
-        config = json.load(f)
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / 'adapter_config.json'}: not valid JSON ({e}); the adapter folder is "
+                         f"truncated or corrupt") from None
     missing = [k for k in CONFIG_FIELDS if k not in config]
     if missing:
         raise ValueError(f"{path / 'adapter_config.json'}: missing field(s) {missing}")
     ours = fingerprint(model.config)
     for k, expected in config["fingerprint"].items():
-        if ours.get(k) != expected:
+        if k != "base_weights" and ours.get(k) != expected:
             raise ValueError(f"{path}: adapter was trained on {config['base_model']!r}, this model is a different "
                              f"{ours['model_type']} model: field {k} is {ours.get(k)!r}, expected {expected!r}")
+    expected = config["fingerprint"].get("base_weights")  # absent in adapters written before it existed
+    if expected is not None and not allow_other_base and (digest := base_weights_digest(model)) != expected:
+        raise ValueError(f"{path}: adapter was trained on {config['base_model']!r}, whose weights differ from this "
+                         f"model's (base_weights digest {digest}, expected {expected}); pass "
+                         f"--allow-other-base (allow_other_base=True) to apply it anyway")
     if config.get("router") is not None:
         set_router(model, **config["router"])
     spec = {k: config[k] for k in ("rank", "alpha", "dropout", "targets", "dtype")}
@@ -277,7 +308,11 @@ def load_adapter(model: MoEForCausalLM, path) -> MoEForCausalLM:
         model.model.layers[i].mlp.gate.weight.requires_grad_(True)
     want = adapter_tensors(model, config["gate_layers"])
     file = path / "adapter.safetensors"
-    got = load_file(str(file))
+    try:
+        got = load_file(str(file))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); the adapter is truncated or "
+                         f"corrupt") from None
     unexpected, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
     if unexpected:
         raise KeyError(f"{file}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all)")

@@ -10,17 +10,16 @@ the gradient of one process with the whole batch (DDP averages gradients, hence 
 
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
 shuffles with seed + e), and the RNG state is saved with each epoch checkpoint, so `--resume`
-after a kill ends on the same bits as the uninterrupted run on CPU.
+after a kill ends on the same bits as the uninterrupted run on CPU. The run folder's rules (lock,
+log truncation, safe state files, fallback past a corrupt checkpoint) are in minimoe/runs.py.
 """
 from __future__ import annotations
 
 import json
 import math
-import random
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -30,6 +29,8 @@ from minimoe.evaluation import evaluate_split
 from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
 from minimoe.objectives import supervision_loss
 from minimoe.routing import set_router
+from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, read_metrics, remove_orphans,
+                          resumable_epoch, save_state, set_rng_state, truncate_metrics)
 from minimoe.scoring import answer_token_logprobs, choice_loss, choice_scores, make_choice_batch
 
 # The paper's Experimental Configuration table, one dict per backbone; "tiny" is the offline default.
@@ -141,32 +142,16 @@ def save_epoch(run: Path, model, optimizer, scheduler, epoch: int, step: int, ba
     """checkpoints/epoch-N: the adapter (atomic folder), then training_state.pt, which marks it complete."""
     folder = run / "checkpoints" / f"epoch-{epoch}"
     save_adapter(model, folder, base_model=base_model)
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
-             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
-    with atomic_file(folder / "training_state.pt") as tmp:
-        torch.save(state, tmp)
-
-
-def last_complete_epoch(run: Path) -> int:
-    done = [int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("epoch-*")
-            if (p / "training_state.pt").is_file()]
-    return max(done, default=0)
-
-
-def append_metrics(run: Path, record: dict):
-    with open(run / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    save_state(folder / STATE, optimizer, scheduler, epoch, step)
 
 
 def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = False):
     """Fit `model` (LoRA + method already installed) on data["train"]; select on data["val"]."""
     rank, world_size = world()
     device = cfg["device"]
-    start_epoch = last_complete_epoch(run) if resume else 0
+    start_epoch, state = resumable_epoch(run) if resume else (0, None)
     if start_epoch:  # before the optimizer: loading rebuilds the method heads as new parameters
-        folder = run / "checkpoints" / f"epoch-{start_epoch}"
-        load_adapter(model, folder)
-        state = torch.load(folder / "training_state.pt", weights_only=False)
+        load_adapter(model, run / "checkpoints" / f"epoch-{start_epoch}")
     optimizer = make_optimizer(model, cfg)
     per_step = cfg["batch_size"] * cfg["grad_accum"]
     steps_per_epoch = math.ceil(len(data["train"]) / per_step)
@@ -178,13 +163,11 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        np.random.set_state(state["rng"]["numpy"])
-        if rank == 0:  # the records of the epochs that will run again go
-            kept = [line for line in (run / "metrics.jsonl").read_text().splitlines()
-                    if json.loads(line)["epoch"] <= start_epoch]
-            (run / "metrics.jsonl").write_text("".join(line + "\n" for line in kept))
+        set_rng_state(state["rng"])
+    if resume and rank == 0:  # what a kill left, and the epochs that will run again, go
+        remove_orphans(run)
+        drop_later_checkpoints(run, start_epoch)
+        truncate_metrics(run, start_epoch)
     ddp = model
     if world_size > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
@@ -230,7 +213,7 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
 
 def write_selection(run: Path) -> dict:
     """The paper's rule, fixed before any test evaluation: minimum validation choice NLL, ties to the earlier epoch."""
-    epochs = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "epoch"]
+    epochs = [r for r in read_metrics(run) if r["kind"] == "epoch"]
     best = min(epochs, key=lambda r: (r["val_choice_nll"], r["epoch"]))
     selection = {"selected_epoch": best["epoch"], "last_epoch": max(r["epoch"] for r in epochs),
                  "rule": "minimum length-normalised validation answer-choice NLL; ties to the earlier epoch",

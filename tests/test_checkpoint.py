@@ -233,6 +233,13 @@ def test_truncated_file_is_named(saved):
         minimoe.from_pretrained(saved)
 
 
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_truncated_json_is_named(saved, name):
+    (saved / name).write_text('{"model_type": "olmoe", "vocab_si')
+    with pytest.raises(ValueError, match=f"{saved / name}: not .*truncated or corrupt"):
+        (minimoe.from_pretrained if name == "config.json" else minimoe.load_tokenizer)(saved)
+
+
 def test_corrupt_header_is_named(saved):
     f = saved / "model.safetensors"
     f.write_bytes(b"\xff" * 8 + f.read_bytes()[8:])
@@ -309,3 +316,42 @@ def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
         tmp.write_text("new")
         assert target.read_text() == "old"  # nothing visible until the block succeeds
     assert target.read_text() == "new" and sorted(os.listdir(tmp_path)) == ["selection.json"]
+
+
+def test_atomic_directory_replaces_only_its_own_folders(tmp_path):
+    """A folder replaces one it wrote with the same kind (or an empty one); anything else is refused, untouched."""
+    from minimoe.atomic import atomic_directory
+    target = tmp_path / "out"
+    target.mkdir()  # empty: nothing to lose
+    with atomic_directory(target, "evaluation") as tmp:
+        (tmp / "a").write_text("1")
+    with atomic_directory(target, "evaluation") as tmp:
+        (tmp / "a").write_text("2")
+    assert (target / "a").read_text() == "2"
+    with pytest.raises(FileExistsError, match=f"{target}: exists and holds minimoe's 'evaluation' output, not 'ad"):
+        with atomic_directory(target, "adapter") as tmp:
+            (tmp / "a").write_text("3")
+    foreign = tmp_path / "run"
+    foreign.mkdir()
+    (foreign / "config.json").write_text("{}")
+    with pytest.raises(FileExistsError, match=f"{foreign}: exists and was not written by minimoe"):
+        with atomic_directory(foreign, "evaluation"):
+            raise AssertionError("refused before the block runs")
+    assert (target / "a").read_text() == "2" and [p.name for p in foreign.iterdir()] == ["config.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
+    from minimoe.checkpoint import save_pretrained
+    save_pretrained(tiny_model("olmoe"), tmp_path / "m")
+    save_pretrained(tiny_model("olmoe", seed=5), tmp_path / "m")  # a checkpoint over one we wrote: fine
+
+
+def test_full_disk_in_safetensors_names_the_folder(tmp_path, monkeypatch):
+    """safetensors reports ENOSPC as SafetensorError: it comes out as an OSError naming the target folder."""
+    import minimoe.checkpoint as ck
+    from safetensors import SafetensorError
+
+    def full(*a, **k):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    monkeypatch.setattr(ck, "save_file", full)
+    with pytest.raises(OSError, match=f"{tmp_path / 'm'}: could not write it.*No space left"):
+        ck.save_pretrained(tiny_model("olmoe"), tmp_path / "m")
+    assert os.listdir(tmp_path) == []

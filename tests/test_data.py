@@ -194,6 +194,7 @@ GOOD = {"id": "t:1", "question": "q?", "choices": ["a", "b"], "answer": 1, "sour
     (json.dumps({**GOOD, "answer": True}), "'answer' is bool; expected int"),
     (json.dumps({**GOOD, "answer": 2}), r"expected an index in \[0, 2\)"),
     (json.dumps({**GOOD, "choices": ["a"]}), "at least two"),
+    (json.dumps({**GOOD, "choices": ["a", "b", "a"]}), "repeat a choice"),
     (json.dumps({**GOOD, "id": "t:0"}), "repeats an earlier line"),
     ("", "invalid JSON"),  # a blank line in the middle
 ])

@@ -117,7 +117,8 @@ def test_cli_writes_consistent_outputs(toy, tmp_path):
     out = tmp_path / "eval"
     evaluate.main(["--model", str(toy["models"]["olmoe"]), "--data", str(toy["data"] / "test.jsonl"),
                    "--out", str(out), "--batch-size", "5"])
-    assert sorted(p.name for p in out.iterdir()) == ["metrics.json", "predictions.jsonl", "tokens-test.npz"]
+    assert sorted(p.name for p in out.iterdir()) == [".minimoe-written", "metrics.json", "predictions.jsonl",
+                                                     "tokens-test.npz"]
     metrics, records = json.loads((out / "metrics.json").read_text()), read_jsonl(out / "predictions.jsonl")
     assert [r["id"] for r in records] == [ex.id for ex in toy["splits"]["test"]]  # input order, not length order
     assert metrics["n_examples"] == len(records) == 12
@@ -349,6 +350,13 @@ def bad_case(case, toy, tmp_path) -> tuple[list, type, str]:
         pytest.importorskip("minimoe.lora", reason="needs minimoe.lora.load_adapter")
         return (model + ["--data", test, "--adapter", str(other_base_adapter(tmp_path))], ValueError,
                 "some/other-model.*hidden_size")
+    if case == "adapter of other weights with the same shapes":
+        from minimoe.lora import add_lora, save_adapter
+        other = init_weights(MoEForCausalLM(from_pretrained(toy["models"]["olmoe"]).config), std=0.2,
+                             generator=torch.Generator().manual_seed(1))  # the toy model is seed 0
+        save_adapter(add_lora(other, rank=4), tmp_path / "seed1-adapter", base_model="toy-seed1")
+        return (model + ["--data", test, "--adapter", str(tmp_path / "seed1-adapter")], ValueError,
+                "toy-seed1', whose weights differ.*--allow-other-base")
     if case == "unfinished run":
         run = tes_run(toy, tmp_path / "run")
         (run / "selection.json").unlink()
@@ -361,7 +369,8 @@ def bad_case(case, toy, tmp_path) -> tuple[list, type, str]:
 
 
 @pytest.mark.parametrize("case", ["unknown dataset", "empty manifest", "malformed line", "missing adapter",
-                                  "adapter of another base model", "unfinished run", "no train manifest for tes"])
+                                  "adapter of another base model", "adapter of other weights with the same shapes",
+                                  "unfinished run", "no train manifest for tes"])
 def test_bad_input_raises_before_any_output(toy, tmp_path, case):
     argv, error, message = bad_case(case, toy, tmp_path)
     out = tmp_path / "out" / "eval"
@@ -370,19 +379,64 @@ def test_bad_input_raises_before_any_output(toy, tmp_path, case):
     assert no_leftovers(out)
 
 
+def test_other_base_weights_only_with_the_override(toy, tmp_path):
+    argv, _, _ = bad_case("adapter of other weights with the same shapes", toy, tmp_path)
+    metrics = evaluate.main(argv + ["--out", str(tmp_path / "eval"), "--max-examples", "4", "--allow-other-base"])
+    assert metrics["n_examples"] == 4
+
+
+def tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("target", ["run", "runs", "adapter"])
+def test_out_never_replaces_what_evaluate_did_not_write(toy, tmp_path, target):
+    """--out a run folder, its parent, or an adapter folder: refused naming it, every byte left as it was;
+    an earlier evaluation folder is replaced."""
+    run = tes_run(toy, tmp_path / "runs" / "run")
+    out = {"run": run, "runs": tmp_path / "runs", "adapter": run / "checkpoints" / "epoch-2"}[target]
+    before = tree(tmp_path)
+    with pytest.raises(FileExistsError, match=f"{out}: exists and"):
+        evaluate.main(["--adapter", str(run), "--out", str(out), "--max-examples", "2"])
+    assert tree(tmp_path) == before
+    evaluate.main(["--adapter", str(run), "--out", str(run / "eval"), "--max-examples", "2"])
+    evaluate.main(["--adapter", str(run), "--out", str(run / "eval"), "--max-examples", "3"])
+    assert json.loads((run / "eval" / "metrics.json").read_text())["n_examples"] == 3
+
+
+def test_cli_refusal_is_one_line_and_nonzero(toy, tmp_path):
+    import subprocess
+    import sys
+    run = tes_run(toy, tmp_path / "run")
+    before = tree(run)
+    repo = Path(evaluate.__file__).resolve().parent
+    out = subprocess.run([sys.executable, str(repo / "evaluate.py"), "--adapter", str(run), "--out", str(run)],
+                         capture_output=True, text=True, cwd=repo, timeout=300)
+    assert out.returncode != 0 and out.stderr.startswith(f"evaluate.py: error: {run}: exists and was not written by")
+    assert len(out.stderr.strip().splitlines()) == 1 and tree(run) == before
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--max-examples", "--max-length"])
+def test_bad_number_is_refused_before_any_output(toy, tmp_path, capsys, flag):
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--model", str(toy["models"]["olmoe"]), "--out", str(tmp_path / "eval"), flag, "0"])
+    assert exit_info.value.code == 2 and f"argument {flag}: 0: expected an integer >= 1" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_failed_write_keeps_the_previous_output(toy, tmp_path, monkeypatch):
     """A failure while writing removes the temp folder; the previous complete output stays as it was."""
     out = tmp_path / "eval"
-    out.mkdir()
-    (out / "metrics.json").write_text("previous")
+    argv = ["--model", str(toy["models"]["olmoe"]), "--data", str(toy["data"] / "test.jsonl"), "--out", str(out)]
+    evaluate.main(argv + ["--max-examples", "3"])
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
 
     def broken_save(self, path):
         raise OSError("disk full")
     monkeypatch.setattr(TokenArrays, "save", broken_save)
-    with pytest.raises(OSError, match="disk full"):
-        evaluate.main(["--model", str(toy["models"]["olmoe"]), "--data", str(toy["data"] / "test.jsonl"),
-                       "--out", str(out), "--max-examples", "2"])
-    assert [p.name for p in out.iterdir()] == ["metrics.json"] and (out / "metrics.json").read_text() == "previous"
+    with pytest.raises(OSError, match=f"{out}: could not write it.*disk full"):
+        evaluate.main(argv + ["--max-examples", "2"])
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert not list(tmp_path.glob(".eval.*"))
 
 

@@ -381,3 +381,22 @@ def test_missing_folder_file_tensor_or_wrong_shape_raise(tmp_path):
     file.unlink()
     with pytest.raises(FileNotFoundError, match="missing adapter.safetensors"):
         load_adapter(tiny("olmoe"), folder)
+
+
+def test_adapter_of_other_weights_with_the_same_shapes_is_refused(tmp_path):
+    """The base-weights digest: the same checkpoint in bf16 matches; another seed of the same shapes is
+    refused naming both digests, unless allow_other_base."""
+    save_adapter(add_lora(tiny("olmoe")), tmp_path / "a", base_model="tiny-seed0")
+    load_adapter(tiny("olmoe").to(torch.bfloat16), tmp_path / "a")
+    with pytest.raises(ValueError, match="trained on 'tiny-seed0', whose weights differ.*allow_other_base"):
+        load_adapter(tiny("olmoe", seed=1), tmp_path / "a")
+    load_adapter(tiny("olmoe", seed=1), tmp_path / "a", allow_other_base=True)
+
+
+@pytest.mark.parametrize("file", ["adapter.safetensors", "adapter_config.json"])
+def test_truncated_adapter_file_is_named(tmp_path, file):
+    save_adapter(add_lora(tiny("olmoe")), tmp_path / "a", base_model="tiny")
+    path = tmp_path / "a" / file
+    path.write_bytes(path.read_bytes()[:40])
+    with pytest.raises(ValueError, match=f"{path}: not .*(truncated|corrupt)"):
+        load_adapter(tiny("olmoe"), tmp_path / "a")

@@ -121,3 +121,194 @@ def test_existing_run_folder_is_not_overwritten(tmp_path):
     run_train(tmp_path, "--method", "ce")
     with pytest.raises(SystemExit, match="exists; pass --resume"):
         run_train(tmp_path, "--method", "ce")
+
+
+# ---- reliability: refused before anything is written, resume that survives kills, one writer --------
+
+def train_cli(*flags, timeout=300):
+    """train.py as a user runs it: exit status and stderr."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run([sys.executable, str(REPO / "train.py"), *flags], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--lr", "-1"), ("--lr", "0"), ("--lr", "nan"), ("--lambda", "-1"), ("--batch-size", "-2"), ("--batch-size", "0"),
+    ("--max-train-examples", "0"), ("--max-train-examples", "-5"), ("--epochs", "0"), ("--epochs", "-1"),
+    ("--grad-accum", "0"), ("--max-length", "0"), ("--eval-batch-size", "0"), ("--warmup", "1.5"),
+    ("--lora-dropout", "1"), ("--lora-rank", "0"), ("--clip", "-1"), ("--mix", "2"), ("--seed", "-1"),
+    ("--tau", "0"), ("--is-eps", "0"), ("--weight-decay", "-0.1"), ("--error-head-lr", "inf"),
+    ("--layers", "0,x"), ("--layers", "-1"), ("--layers", "last:0"),
+])
+def test_bad_number_is_refused_before_any_folder(tmp_path, capsys, flag, value):
+    """argparse's own error (exit 2, naming the flag and what it expects); nothing is created."""
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--out-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "splits"), flag, value])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_single_layer_index_is_a_scope(tmp_path):
+    run = run_train(tmp_path, "--method", "tes", "--layers", "3")
+    assert json.loads((run / "config.json").read_text())["layers"] == [3]
+    assert json.loads((run / "checkpoints" / "epoch-1" / "adapter_config.json").read_text())["router"]["layers"] == [3]
+
+
+def manifests(tmp_path, **splits) -> Path:
+    """A manifest folder from slices of the registered ARC-Challenge train split."""
+    from dataclasses import asdict
+    from minimoe.data import load_split
+    pool = load_split("arc_challenge", "train", data_dir=tmp_path / "splits")
+    folder = tmp_path / "manifests"
+    folder.mkdir()
+    for split, rows in splits.items():
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(asdict(ex)) + "\n" for ex in rows(pool)))
+    return folder
+
+
+@pytest.mark.parametrize("test_rows, message", [
+    (lambda pool: pool[:20], "train and test share id"),  # test.jsonl == train.jsonl
+    (lambda pool: [ex.__class__(**{**ex.__dict__, "id": ex.id + "-copy"}) for ex in pool[5:8]],
+     "train and test share question and choices"),
+])
+def test_overlapping_splits_are_refused_before_any_run_folder(tmp_path, test_rows, message):
+    data = manifests(tmp_path, train=lambda pool: pool[:20], val=lambda pool: pool[20:24], test=test_rows)
+    with pytest.raises(ValueError, match=message):
+        run_train(tmp_path, "--data", str(data))
+    assert not (tmp_path / "run").exists()
+
+
+def killed_after_epoch_1(tmp_path, name="killed"):
+    with pytest.raises(SystemExit, match="stopped after epoch 1"):
+        run_train(tmp_path, "--method", "tes", "--epochs", "2", "--stop-after-epochs", "1", name=name)
+    return tmp_path / name
+
+
+def records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_pickled_payload_in_training_state_is_not_run(tmp_path):
+    """training_state.pt loads with weights_only=True: a file whose unpickling would make a folder is refused."""
+    run = killed_after_epoch_1(tmp_path)
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.mkdir, (str(marker),)
+    torch.save({"optimizer": Payload(), "epoch": 1, "step": 2}, run / "checkpoints" / "epoch-1" / "training_state.pt")
+    with pytest.raises(ValueError, match="training_state.pt: holds objects that only a full unpickle"):
+        run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
+    assert not marker.exists()
+
+
+def test_torn_log_line_and_orphans_are_dropped_on_resume(tmp_path):
+    """A full disk or a kill mid-write: a torn last line of metrics.jsonl and .tmp-* leftovers; resume
+    ends with the straight run's log and adapter."""
+    straight = run_train(tmp_path, "--method", "tes", "--epochs", "2", name="straight")
+    run = killed_after_epoch_1(tmp_path)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "step", "epoch": 2, "st')
+    orphans = [run / "checkpoints" / ".epoch-2.tmp-abc123",
+               run / "checkpoints" / "epoch-1" / ".training_state.pt.tmp-99"]
+    orphans[0].mkdir()
+    orphans[1].write_bytes(b"half")
+    run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
+    assert not any(p.exists() for p in orphans)
+    assert [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(run)] == [
+        {k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(straight)]
+    for key, value in adapter(straight, 2).items():
+        assert torch.equal(value, adapter(run, 2)[key]), key
+
+
+def test_kill_before_the_first_checkpoint_leaves_no_duplicate_records(tmp_path):
+    run = killed_after_epoch_1(tmp_path)
+    import shutil
+    shutil.rmtree(run / "checkpoints")  # as if killed while epoch 1 was saving: its step records were logged
+    run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
+    expected = [("step", 1), ("step", 1), ("epoch", 1), ("step", 2), ("step", 2), ("epoch", 2)]
+    assert [(r["kind"], r["epoch"]) for r in records(run)] == expected
+
+
+def test_corrupt_last_checkpoint_falls_back_to_the_epoch_before(tmp_path, caplog):
+    """Epoch 2 saved, then its training_state.pt truncated: resume says so, redoes epoch 2 from epoch 1,
+    and ends where the straight run does."""
+    straight = run_train(tmp_path, "--method", "tes", "--epochs", "2", name="straight")
+    run = run_train(tmp_path, "--method", "tes", "--epochs", "2", name="broken")
+    state = run / "checkpoints" / "epoch-2" / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:1000])
+    (run / "selection.json").unlink()
+    run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="broken")
+    assert "training_state.pt: unreadable" in caplog.text and "resuming from epoch 1 instead" in caplog.text
+    for key, value in adapter(straight, 2).items():
+        assert torch.equal(value, adapter(run, 2)[key]), key
+
+
+def test_corrupt_files_give_a_one_line_error_naming_them(tmp_path):
+    """train.py as a command: no traceback, exit 1, the file named."""
+    run = killed_after_epoch_1(tmp_path)
+    (run / "config.json").write_text('{"model": "tiny-ol')
+    out = train_cli("--out-dir", str(tmp_path), "--run-name", "killed", "--data-dir", str(tmp_path / "splits"),
+                    *SMOKE, "--method", "tes", "--epochs", "2", "--resume")
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith(f"train.py: error: {run / 'config.json'}: not valid JSON")
+
+
+def test_second_process_on_a_locked_run_folder_fails_fast(tmp_path):
+    run = killed_after_epoch_1(tmp_path)
+    before = (run / "metrics.jsonl").read_bytes()
+    # The holder: any process with an exclusive flock on RUN/train.lock and its pid written there.
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\nf = open(sys.argv[1], 'w')\n"
+                               "fcntl.flock(f, fcntl.LOCK_EX)\nf.write(f'{os.getpid()}\\n')\nf.flush()\n"
+                               "print('locked', flush=True)\ntime.sleep(120)", str(run / "train.lock")],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(OSError, match=f"in use by process {holder.pid}"):
+            run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert (run / "metrics.jsonl").read_bytes() == before
+    run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")  # the lock died with it
+
+
+def test_resume_accepts_what_does_not_change_the_result(tmp_path):
+    """A moved run folder, an explicit --run-name equal to the default, --eval-batch-size, test evaluation on."""
+    flags = ["--data-dir", str(tmp_path / "splits"), "--max-train-examples", "16", "--batch-size", "8", "--quiet",
+             "--method", "tes", "--epochs", "2"]
+    with pytest.raises(SystemExit, match="stopped after epoch 1"):
+        train.main(["--out-dir", str(tmp_path / "a"), *flags, "--no-test-eval", "--stop-after-epochs", "1"])
+    [run] = (tmp_path / "a").iterdir()
+    (tmp_path / "b").mkdir()
+    moved = run.rename(tmp_path / "b" / run.name)
+    train.main(["--out-dir", str(tmp_path / "b"), "--run-name", run.name, *flags, "--eval-batch-size", "4", "--resume"])
+    assert json.loads((moved / "selection.json").read_text())["last_epoch"] == 2
+    assert (moved / "eval" / "test" / "metrics.json").is_file()
+
+
+def test_training_state_round_trips_with_weights_only_and_a_full_disk_names_the_file(tmp_path, monkeypatch):
+    """The RNG states (torch, python, numpy) come back exactly through torch.load(weights_only=True);
+    torch.save's full-disk RuntimeError becomes an OSError naming training_state.pt, leaving nothing."""
+    import random
+
+    import numpy as np
+
+    from minimoe import runs
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    path = tmp_path / "training_state.pt"
+    runs.save_state(path, optimizer, scheduler, epoch=1, step=2)
+    draws = (torch.rand(2).tolist(), random.random(), np.random.rand())
+    state = torch.load(path, weights_only=True)
+    runs.set_rng_state(state["rng"])
+    assert (torch.rand(2).tolist(), random.random(), np.random.rand()) == draws and state["step"] == 2
+
+    def full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing file")
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(OSError, match=f"{tmp_path / 'again.pt'}: could not write it.*inline_container"):
+        runs.save_state(tmp_path / "again.pt", optimizer, scheduler, epoch=1, step=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["training_state.pt"]

@@ -1,0 +1,210 @@
+"""The run folder's rules: one writer at a time, a log that survives kills, state that loads safely.
+
+A run folder (train.py) holds config.json, metrics.jsonl, checkpoints/epoch-N/{adapter files,
+training_state.pt}, selection.json, eval/ and train.lock. Decisions:
+- One writer: the training process holds an exclusive `fcntl.flock` on train.lock for its whole
+  life (the kernel drops it when the process dies, also on kill -9); a second process on the same
+  folder fails at once with RunInUse naming the holder's pid, written into the lock file.
+- metrics.jsonl is appended one whole line per write. On --resume it is cut back to the records of
+  the epochs that stay (<= the resumed epoch; none when no epoch finished), dropping a torn last
+  line (a kill or a full disk mid-write), and rewritten atomically.
+- training_state.pt holds only tensors, numbers, strings and lists (python's and numpy's RNG
+  states converted), so it loads with `torch.load(weights_only=True)`: a crafted file cannot run
+  code. A file that needs anything else is refused; a truncated one counts as missing, and
+  --resume falls back to the previous complete epoch (`resumable_epoch`) and says so.
+- Orphans of a kill (`.<name>.tmp-*`, `.<name>.old-*` left by atomic_file/atomic_directory) are
+  removed when the run resumes, under the lock.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import pickle
+import random
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from minimoe.atomic import atomic_file
+
+log = logging.getLogger(__name__)
+
+LOCK = "train.lock"
+METRICS = "metrics.jsonl"
+STATE = "training_state.pt"
+
+
+class RunInUse(OSError):
+    """Another process holds the run folder's lock."""
+
+
+class CorruptFile(ValueError):
+    """A run file that cannot be read back (truncated, half written)."""
+
+
+# ----------------------------------------------------------------------------- one writer
+
+@contextmanager
+def run_lock(run: Path):
+    """Hold the run folder's exclusive lock inside the block (creating the folder if needed)."""
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / LOCK
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise RunInUse(f"{run}: in use by process {holder} (it holds {path}); wait for it to end or stop it, "
+                           f"or choose another --run-name") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def remove_orphans(run: Path) -> list[Path]:
+    """Remove the temp files and folders a killed writer left under `run`; returns what went."""
+    found = sorted((p for p in run.rglob(".*") if ".tmp-" in p.name or ".old-" in p.name), key=lambda p: len(p.parts))
+    removed = []
+    for p in found:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.exists() or p.is_symlink():
+            p.unlink(missing_ok=True)
+        else:
+            continue  # inside a folder removed just before
+        removed.append(p)
+    return removed
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+def append_metrics(run: Path, record: dict):
+    line = json.dumps(record) + "\n"
+    try:
+        with open(run / METRICS, "a") as f:
+            f.write(line)  # one write: a kill leaves at most a torn last line, which resume drops
+    except OSError as e:
+        raise OSError(f"{run / METRICS}: could not append a record ({e.strerror or e}); free some space, then "
+                      f"continue with --resume from the last complete epoch") from e
+
+
+def truncate_metrics(run: Path, epoch: int) -> list[dict]:
+    """Keep the records of epochs <= `epoch`, atomically; a torn last line (no newline) is dropped."""
+    path = run / METRICS
+    text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
+    lines = text.split("\n")
+    if lines.pop():
+        log.warning("%s: dropped a torn last line (the process was killed or the disk filled mid-write)", path)
+    records = []
+    for lineno, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg}); expected one record per line. Remove "
+                             f"that line to resume") from None
+    kept = [r for r in records if r.get("epoch", 0) <= epoch]
+    done = {r["epoch"] for r in kept if r.get("kind") == "epoch"}
+    if missing := sorted(set(range(1, epoch + 1)) - done):
+        raise ValueError(f"{path}: no epoch record for epoch(s) {missing}, which checkpoints/ holds; the log does "
+                         f"not belong to these checkpoints")
+    with atomic_file(path) as tmp:
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+    return kept
+
+
+def read_metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / METRICS).read_text(encoding="utf-8").splitlines()]
+
+
+# ----------------------------------------------------------------------------- training state
+
+def rng_state() -> dict:
+    """Every RNG a run draws from, as tensors and plain numbers (loadable with weights_only=True)."""
+    version, mt, gauss = random.getstate()
+    key, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": torch.get_rng_state(),
+            "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+            "numpy": {"key": key, "state": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+
+
+def set_rng_state(state: dict):
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    keys = n["state"].numpy().astype(np.uint32)
+    np.random.set_state((n["key"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+
+
+def save_state(path: Path, optimizer, scheduler, epoch: int, step: int):
+    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
+             "rng": rng_state()}
+    with atomic_file(path) as tmp:
+        try:
+            torch.save(state, tmp)
+        except RuntimeError as e:  # torch reports a full disk as "[enforce fail at inline_container.cc]"
+            raise OSError(f"torch.save failed: {e}") from e
+
+
+def load_state(path: Path) -> dict:
+    """training_state.pt with weights_only=True; CorruptFile if it cannot be read, ValueError if it
+    would need to unpickle anything but tensors and plain values."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path}: holds objects that only a full unpickle could load (it could run code); refusing "
+                         f"it. train.py writes plain tensors and numbers only: this file was not written by it, or "
+                         f"by an older version ({str(e).splitlines()[0]})") from None
+    except (RuntimeError, EOFError, OSError) as e:
+        raise CorruptFile(f"{path}: unreadable ({str(e).splitlines()[0]}); truncated or corrupt") from None
+
+
+def check_adapter_readable(folder: Path):
+    """CorruptFile unless the adapter files parse (load_adapter checks their content)."""
+    try:
+        json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+        load_file(str(folder / "adapter.safetensors"))
+    except (OSError, ValueError, SafetensorError) as e:
+        raise CorruptFile(f"{folder}: adapter unreadable ({e}); truncated or corrupt") from None
+
+
+def complete_epochs(run: Path) -> list[int]:
+    """Epochs whose checkpoint finished (training_state.pt is written last), newest first."""
+    return sorted((int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("epoch-*")
+                   if p.name.split("-")[1].isdigit() and (p / STATE).is_file()), reverse=True)
+
+
+def resumable_epoch(run: Path) -> tuple[int, dict | None]:
+    """(the newest epoch whose checkpoint reads back, its training state); (0, None) if none does.
+    A corrupt checkpoint is skipped with a warning, so the run falls back to the epoch before it."""
+    for epoch in complete_epochs(run):
+        folder = run / "checkpoints" / f"epoch-{epoch}"
+        try:
+            state = load_state(folder / STATE)
+            check_adapter_readable(folder)
+        except CorruptFile as e:
+            log.warning("%s; resuming from epoch %d instead", e, epoch - 1)
+            continue
+        return epoch, state
+    return 0, None
+
+
+def drop_later_checkpoints(run: Path, epoch: int):
+    """Remove checkpoints/epoch-K for K > epoch: they will be trained again (and may be corrupt)."""
+    for p in (run / "checkpoints").glob("epoch-*"):
+        if p.name.split("-")[1].isdigit() and int(p.name.split("-")[1]) > epoch:
+            shutil.rmtree(p)
