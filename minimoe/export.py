@@ -1,8 +1,5 @@
 """Export a trained adapter in peft's format, for peft + transformers (and the servers that read it).
 
-    python -m minimoe.export runs/olmoe-arc_challenge-ACS-IS-seed42 exported/olmoe-arc-acs
-    python -m minimoe.export runs/<run> OUT --checkpoint selected --base-model allenai/OLMoE-1B-7B-0924-SFT
-
 `export_peft(adapter_or_run, out_dir)` writes `adapter_config.json` and `adapter_model.safetensors`
 such that `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)`
 gives minimoe's logits with the adapter (tests/test_export.py holds this for both families). Our
@@ -27,7 +24,6 @@ names map onto the checkpoint's through `checkpoint.LAYER_KEYS`, the one name ta
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -125,21 +121,3 @@ def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_
                   metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n", encoding="utf-8")
     return out_dir
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minimoe.export", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("adapter", help="a run folder written by train.py, or one adapter folder (RUN/checkpoints/epoch-N)")
-    p.add_argument("out", help="output folder for adapter_config.json + adapter_model.safetensors (replaced whole)")
-    p.add_argument("--checkpoint", choices=("last", "selected"),
-                   help="for a run folder: 'last' (default, the paper's endpoint) or 'selected' (minimum validation NLL)")
-    p.add_argument("--base-model", help="base_model_name_or_path to write (default: the model the adapter was "
-                                        "trained on, as recorded with it)")
-    args = p.parse_args(argv)
-    out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
-    print(f"peft adapter: {out}")
-
-
-if __name__ == "__main__":
-    main()

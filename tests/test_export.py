@@ -6,7 +6,8 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_model
-from minimoe.export import export_peft, main
+from export import main
+from minimoe.export import export_peft
 from minimoe.lora import add_lora, export_merged, save_adapter
 from minimoe.routing import set_router
 
