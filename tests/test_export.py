@@ -11,9 +11,6 @@ from minimoe.export import export_peft
 from minimoe.lora import add_lora, export_merged, save_adapter
 from minimoe.routing import set_router
 
-transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
-
 # (family, method, tune_router): CE and ACS, with and without affinity tuning, across both families
 CASES = [("granitemoe", "native", False), ("granitemoe", "acs", True), ("olmoe", "native", True), ("olmoe", "acs", False)]
 
@@ -43,6 +40,8 @@ def rel_err(a, b):
 def test_peft_loads_the_export_with_our_logits(family, method, tune_router, tmp_path):
     """PeftModel.from_pretrained(transformers model, export) = our model with the adapter, every key
     matched (no missing or unexpected adapter keys), and the adapter moves the logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
     model = trained(family, method, tune_router)
     tiny_model(family).save_pretrained(tmp_path / "base")
     save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
