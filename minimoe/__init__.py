@@ -1,5 +1,6 @@
 """minimoe: Granite 3.1 MoE and OLMoE in a few readable files, with LoRA and token-error-supervised routing."""
 from minimoe.checkpoint import from_pretrained, load_tokenizer, save_pretrained
+from minimoe.export import export_peft
 from minimoe.generate import generate
 from minimoe.lora import add_lora, export_merged, load_adapter, merge_lora, save_adapter, trainable_parameters, unmerge_lora
 from minimoe.model import CausalLMOutput, KVCache, MoEConfig, MoEForCausalLM
@@ -8,4 +9,4 @@ from minimoe.routing import Routing, set_router
 __all__ = ["from_pretrained", "load_tokenizer", "save_pretrained", "generate",
            "CausalLMOutput", "KVCache", "MoEConfig", "MoEForCausalLM", "Routing", "set_router",
            "add_lora", "merge_lora", "unmerge_lora", "save_adapter", "load_adapter", "export_merged",
-           "trainable_parameters"]
+           "trainable_parameters", "export_peft"]

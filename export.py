@@ -1,0 +1,33 @@
+"""Export a train.py run's adapter in peft's format (adapter_config.json + adapter_model.safetensors).
+
+    python export.py runs/olmoe-arc_challenge-ACS-IS-seed42 exported/olmoe-arc-acs
+    python export.py runs/<run> OUT --checkpoint selected --base-model allenai/OLMoE-1B-7B-0924-SFT
+
+Then, with peft and transformers installed:
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), OUT)
+CE and ACS runs export, with or without affinity tuning; TES and Dual Affinity are refused (their heads
+change the routing function). See minimoe/export.py for the layout.
+"""
+from __future__ import annotations
+
+import argparse
+
+from minimoe.export import export_peft
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("adapter", help="a run folder written by train.py, or one adapter folder (RUN/checkpoints/epoch-N)")
+    p.add_argument("out", help="output folder for adapter_config.json + adapter_model.safetensors (replaced whole)")
+    p.add_argument("--checkpoint", choices=("last", "selected"),
+                   help="for a run folder: 'last' (default, the paper's endpoint) or 'selected' (minimum validation NLL)")
+    p.add_argument("--base-model", help="base_model_name_or_path to write (default: the model the adapter was "
+                                        "trained on, as recorded with it)")
+    args = p.parse_args(argv)
+    out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
+    print(f"peft adapter: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Tests for minimoe.export: peft + transformers (the test-only oracle) load an exported adapter with our logits."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_model
+from export import main
+from minimoe.export import export_peft
+from minimoe.lora import add_lora, export_merged, save_adapter
+from minimoe.routing import set_router
+
+# (family, method, tune_router): CE and ACS, with and without affinity tuning, across both families
+CASES = [("granitemoe", "native", False), ("granitemoe", "acs", True), ("olmoe", "native", True), ("olmoe", "acs", False)]
+
+
+def trained(family: str, method: str, tune_router: bool):
+    """A tiny model with every LoRA tensor and the tuned gates moved away from their init, as training would."""
+    model = tiny_model(family)
+    set_router(model, method, layers="final", tune_router=tune_router)
+    add_lora(model, rank=4, alpha=12, dropout=0.05, targets=["q", "k", "v", "o", "experts"])
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+def ids(B: int = 2, T: int = 16):
+    return torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(5))
+
+
+def rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("family,method,tune_router", CASES)
+def test_peft_loads_the_export_with_our_logits(family, method, tune_router, tmp_path):
+    """PeftModel.from_pretrained(transformers model, export) = our model with the adapter, every key
+    matched (no missing or unexpected adapter keys), and the adapter moves the logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    model = trained(family, method, tune_router)
+    tiny_model(family).save_pretrained(tmp_path / "base")
+    save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    export_peft(tmp_path / "adapter", tmp_path / "peft")
+
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "base")
+    assert config["lora_dropout"] == (0.0 if family == "granitemoe" else 0.05)  # ParamWrapper needs 0
+    assert config["modules_to_save"] == ({"granitemoe": ["model.layers.1.block_sparse_moe.router.layer"],
+                                          "olmoe": ["model.layers.1.mlp.gate"]}[family] if tune_router else None)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    ours = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    theirs = {k: v.shape for k, v in peft.get_peft_model_state_dict(hf).items()}
+    assert {k: v.shape for k, v in ours.items()} == theirs
+    with torch.no_grad():
+        want, got = model(ids()).logits, hf(ids()).logits
+        with hf.disable_adapter():
+            base = hf(ids()).logits
+    assert rel_err(base, want) > 1e-2  # the adapter matters, so the comparison has teeth
+    assert rel_err(got, want) <= 2e-5
+
+
+def test_export_from_the_model_equals_export_from_its_folder_and_run(tmp_path):
+    """export_peft(model), export_peft(adapter folder) and the CLI on a run folder write the same tensors."""
+    model = trained("olmoe", "acs", True)
+    run = tmp_path / "run"
+    save_adapter(model, run / "checkpoints" / "epoch-2", base_model="tiny-base")
+    (run / "config.json").write_text("{}")
+    (run / "selection.json").write_text(json.dumps({"last_epoch": 2, "selected_epoch": 2}))
+    export_peft(model, tmp_path / "a", base_model="tiny-base")
+    main([str(run), str(tmp_path / "b")])
+    a, b = (load_file(str(tmp_path / x / "adapter_model.safetensors")) for x in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((tmp_path / "b" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny-base"
+    with pytest.raises(ValueError, match="base model is not recorded.*pass base_model="):
+        export_peft(model, tmp_path / "c")
+
+
+@pytest.mark.parametrize("method", ["tes", "dual"])
+def test_tes_and_dual_are_refused_by_both_exports(method, tmp_path):
+    """Their heads change the routing function: export_peft and export_merged refuse, saying why, and write nothing."""
+    model = trained("granitemoe", method, False)
+    save_adapter(model, tmp_path / "adapter", base_model="tiny-base")
+    for export, src in ((export_peft, tmp_path / "adapter"), (export_peft, model)):
+        with pytest.raises(ValueError, match=f"export_peft: refused for method '{method}'.*routing function"):
+            export(src, tmp_path / "peft", base_model="tiny-base")
+    with pytest.raises(ValueError, match=f"export_merged: refused for method '{method}'.*routing function"):
+        export_merged(model, tmp_path / "merged")
+    assert not (tmp_path / "peft").exists() and not (tmp_path / "merged").exists()
