@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from minimoe.atomic import atomic_directory
 from minimoe.checkpoint import LAYER_KEYS
+from minimoe.evaluation import resolve_adapter  # a run folder resolves through selection.json
 from minimoe.lora import adapter_tensors, fingerprint, refuse_routing_heads
 from minimoe.model import MoEForCausalLM
 
@@ -42,13 +43,12 @@ def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[s
     """(adapter config as save_adapter writes it, tensors) from a model, an adapter folder or a run."""
     if isinstance(adapter_or_run, MoEForCausalLM):
         model = adapter_or_run
-        if getattr(model, "lora_spec", None) is None:
+        if model.lora_spec is None:
             raise ValueError("export_peft: the model has no LoRA; call add_lora (or load_adapter) first")
         gate_layers = [i for i, layer in enumerate(model.model.layers) if layer.mlp.gate.weight.requires_grad]
         config = dict(model.lora_spec, fingerprint=fingerprint(model.config), base_model=None,
-                      router=getattr(model, "router_spec", None), gate_layers=gate_layers)
+                      router=model.router_spec, gate_layers=gate_layers)
         return config, {k: v.detach().cpu() for k, v in adapter_tensors(model, gate_layers).items()}
-    from minimoe.evaluation import resolve_adapter  # a run folder resolves through selection.json
     folder = resolve_adapter(adapter_or_run, checkpoint).folder
     config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
     return config, load_file(str(folder / "adapter.safetensors"))

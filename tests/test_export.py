@@ -7,6 +7,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_model
 from export import main
+from minimoe.checkpoint import save_pretrained
 from minimoe.export import export_peft
 from minimoe.lora import add_lora, export_merged, save_adapter
 from minimoe.routing import set_router
@@ -43,7 +44,7 @@ def test_peft_loads_the_export_with_our_logits(family, method, tune_router, tmp_
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     model = trained(family, method, tune_router)
-    tiny_model(family).save_pretrained(tmp_path / "base")
+    save_pretrained(tiny_model(family), tmp_path / "base")
     save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
     export_peft(tmp_path / "adapter", tmp_path / "peft")
 
