@@ -105,7 +105,7 @@ def append_metrics(run: Path, record: dict):
             f.write(line)  # one write: a kill leaves at most a torn last line, which resume drops
     except OSError as e:
         raise OSError(f"{run / METRICS}: could not append a record ({e.strerror or e}); free some space, then "
-                      f"continue with --resume from the last complete epoch") from e
+                      f"continue with --resume from the last complete checkpoint") from e
 
 
 def truncate_metrics(run: Path, epoch: int, step: int = 0) -> list[dict]:
