@@ -6,7 +6,8 @@
     torchrun --nproc_per_node 2 train.py ...          # data-parallel, same result as one process
 
 A run folder (runs/<name>/) holds config.json (the full resolved config), metrics.jsonl, one
-checkpoint per epoch (adapter + method heads + optimizer/scheduler/RNG state), selection.json
+checkpoint per epoch (adapter + method heads + optimizer/scheduler/RNG state; with
+--save-every-steps N also the latest mid-epoch one, checkpoints/step-<global step>), selection.json
 (the validation-NLL selection, fixed before any test evaluation), eval/test/ (the test scoring)
 and train.lock (held by the training process; see minimoe/runs.py for the run folder's rules).
 """
@@ -127,10 +128,14 @@ def parse_args(argv=None):
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="runs", help="parent folder of run folders")
     g.add_argument("--run-name", help="default: <model>-<data>-<method>-seed<seed>")
-    g.add_argument("--resume", action="store_true", help="continue the run folder from its last complete epoch")
+    g.add_argument("--resume", action="store_true", help="continue the run folder from its latest complete checkpoint "
+                   "(epoch or --save-every-steps)")
+    g.add_argument("--save-every-steps", type=COUNT, metavar="N", help="also checkpoint every N optimizer steps "
+                   "inside an epoch (RUN/checkpoints/step-<global step>; only the latest is kept) for --resume")
     g.add_argument("--eval-batch-size", type=COUNT, default=16)
     g.add_argument("--no-test-eval", action="store_true", help="stop after training and selection")
     g.add_argument("--stop-after-epochs", type=COUNT, help=argparse.SUPPRESS)  # simulates a kill, for resume tests
+    g.add_argument("--stop-after-steps", type=COUNT, help=argparse.SUPPRESS)  # likewise, after a global step
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
 
@@ -169,7 +174,8 @@ def load_data(cfg) -> dict:
 
 # Settings that do not change the trained result: --resume may differ in these (a moved run folder,
 # another --run-name spelling, evaluation and display choices).
-RESUME_MAY_DIFFER = ("out_dir", "run_name", "data_dir", "stop_after_epochs", "quiet", "no_test_eval", "eval_batch_size")
+RESUME_MAY_DIFFER = ("out_dir", "run_name", "data_dir", "stop_after_epochs", "stop_after_steps", "save_every_steps",
+                     "quiet", "no_test_eval", "eval_batch_size")
 
 
 def main(argv=None):

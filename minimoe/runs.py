@@ -1,17 +1,24 @@
 """The run folder's rules: one writer at a time, a log that survives kills, state that loads safely.
 
 A run folder (train.py) holds config.json, metrics.jsonl, checkpoints/epoch-N/{adapter files,
-training_state.pt}, selection.json, eval/ and train.lock. Decisions:
+training_state.pt}, selection.json, eval/ and train.lock; with --save-every-steps also one
+mid-epoch checkpoint, checkpoints/step-G (G = global optimizer step). Decisions:
 - One writer: the training process holds an exclusive `fcntl.flock` on train.lock for its whole
   life (the kernel drops it when the process dies, also on kill -9); a second process on the same
   folder fails at once with RunInUse naming the holder's pid, written into the lock file.
-- metrics.jsonl is appended one whole line per write. On --resume it is cut back to the records of
-  the epochs that stay (<= the resumed epoch; none when no epoch finished), dropping a torn last
-  line (a kill or a full disk mid-write), and rewritten atomically.
+- A checkpoint is complete once its training_state.pt exists (written last). Its state holds the
+  position: `epoch` (epochs complete), `epoch_step` (steps of the next epoch done; 0 for an epoch
+  checkpoint) and `step` (global). Only the latest step checkpoint is kept: it is removed once a
+  later step or epoch checkpoint is complete. --resume continues from the newest complete
+  checkpoint that reads back (`latest_checkpoint`), epoch or step, ordered by global step.
+- metrics.jsonl is appended one whole line per write. On --resume it is cut back to the resumed
+  position: the records of epochs <= `epoch`, then the step records of the next epoch up to global
+  step `step` (none when no checkpoint exists), dropping a torn last line (a kill or a full disk
+  mid-write), and rewritten atomically.
 - training_state.pt holds only tensors, numbers, strings and lists (python's and numpy's RNG
   states converted), so it loads with `torch.load(weights_only=True)`: a crafted file cannot run
   code. A file that needs anything else is refused; a truncated one counts as missing, and
-  --resume falls back to the previous complete epoch (`resumable_epoch`) and says so.
+  --resume falls back to the previous complete checkpoint and says so.
 - Orphans of a kill (`.<name>.tmp-*`, `.<name>.old-*` left by atomic_file/atomic_directory) are
   removed when the run resumes, under the lock.
 """
@@ -98,11 +105,12 @@ def append_metrics(run: Path, record: dict):
             f.write(line)  # one write: a kill leaves at most a torn last line, which resume drops
     except OSError as e:
         raise OSError(f"{run / METRICS}: could not append a record ({e.strerror or e}); free some space, then "
-                      f"continue with --resume from the last complete epoch") from e
+                      f"continue with --resume from the last complete checkpoint") from e
 
 
-def truncate_metrics(run: Path, epoch: int) -> list[dict]:
-    """Keep the records of epochs <= `epoch`, atomically; a torn last line (no newline) is dropped."""
+def truncate_metrics(run: Path, epoch: int, step: int = 0) -> list[dict]:
+    """Keep the records up to a checkpoint's position (epochs <= `epoch`, then the step records of
+    epoch + 1 up to global step `step`), atomically; a torn last line (no newline) is dropped."""
     path = run / METRICS
     text = path.read_text(encoding="utf-8", errors="replace") if path.is_file() else ""
     lines = text.split("\n")
@@ -115,11 +123,15 @@ def truncate_metrics(run: Path, epoch: int) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg}); expected one record per line. Remove "
                              f"that line to resume") from None
-    kept = [r for r in records if r.get("epoch", 0) <= epoch]
+    kept = [r for r in records if r.get("epoch", 0) <= epoch
+            or (r.get("kind") == "step" and r.get("epoch") == epoch + 1 and r.get("step", 0) <= step)]
     done = {r["epoch"] for r in kept if r.get("kind") == "epoch"}
     if missing := sorted(set(range(1, epoch + 1)) - done):
         raise ValueError(f"{path}: no epoch record for epoch(s) {missing}, which checkpoints/ holds; the log does "
                          f"not belong to these checkpoints")
+    if step and not any(r.get("step") == step for r in kept):
+        raise ValueError(f"{path}: no record of step {step}, which checkpoints/ holds; the log does not belong to "
+                         f"these checkpoints")
     with atomic_file(path) as tmp:
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
     return kept
@@ -150,9 +162,11 @@ def set_rng_state(state: dict):
     np.random.set_state((n["key"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
 
 
-def save_state(path: Path, optimizer, scheduler, epoch: int, step: int):
+def save_state(path: Path, optimizer, scheduler, epoch: int, step: int, epoch_step: int = 0):
+    """The position (`epoch` complete, `epoch_step` steps of the next one, `step` global), the
+    optimizer, the scheduler and every RNG."""
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
-             "rng": rng_state()}
+             "epoch_step": epoch_step, "rng": rng_state()}
     with atomic_file(path) as tmp:
         try:
             torch.save(state, tmp)
@@ -182,29 +196,62 @@ def check_adapter_readable(folder: Path):
         raise CorruptFile(f"{folder}: adapter unreadable ({e}); truncated or corrupt") from None
 
 
-def complete_epochs(run: Path) -> list[int]:
-    """Epochs whose checkpoint finished (training_state.pt is written last), newest first."""
-    return sorted((int(p.name.split("-")[1]) for p in (run / "checkpoints").glob("epoch-*")
-                   if p.name.split("-")[1].isdigit() and (p / STATE).is_file()), reverse=True)
+def complete_checkpoints(run: Path, kind: str) -> list[tuple[int, Path]]:
+    """(N, folder) for each checkpoints/<kind>-N (kind "epoch" or "step") whose training_state.pt
+    exists (it is written last), newest first."""
+    found = [(int(p.name.split("-")[1]), p) for p in (run / "checkpoints").glob(f"{kind}-*")
+             if p.name.split("-")[1].isdigit() and (p / STATE).is_file()]
+    return sorted(found, reverse=True)
 
 
-def resumable_epoch(run: Path) -> tuple[int, dict | None]:
-    """(the newest epoch whose checkpoint reads back, its training state); (0, None) if none does.
-    A corrupt checkpoint is skipped with a warning, so the run falls back to the epoch before it."""
-    for epoch in complete_epochs(run):
-        folder = run / "checkpoints" / f"epoch-{epoch}"
+def latest_checkpoint(run: Path) -> tuple[Path | None, dict | None]:
+    """(the newest checkpoint that reads back, its training state); (None, None) if none does.
+    Newest: the latest readable epoch checkpoint, unless a readable step checkpoint lies past it.
+    A corrupt checkpoint is skipped with a warning, so the run falls back to the one before it."""
+    corrupt = []
+
+    def readable(folder: Path) -> dict | None:
         try:
             state = load_state(folder / STATE)
             check_adapter_readable(folder)
         except CorruptFile as e:
-            log.warning("%s; resuming from epoch %d instead", e, epoch - 1)
-            continue
-        return epoch, state
-    return 0, None
+            corrupt.append(str(e))
+            return None
+        return state
+
+    folder = state = None
+    for _, epoch_folder in complete_checkpoints(run, "epoch"):
+        if (state := readable(epoch_folder)) is not None:
+            folder = epoch_folder
+            break
+    for step, step_folder in complete_checkpoints(run, "step"):
+        if step > (state["step"] if state else 0) and (step_state := readable(step_folder)) is not None:
+            folder, state = step_folder, step_state
+            break
+    for message in corrupt:
+        log.warning("%s; resuming from %s instead", message, describe(folder, state))
+    return folder, state
 
 
-def drop_later_checkpoints(run: Path, epoch: int):
-    """Remove checkpoints/epoch-K for K > epoch: they will be trained again (and may be corrupt)."""
+def describe(folder: Path | None, state: dict | None) -> str:
+    if folder is None:
+        return "the start"
+    if folder.name.startswith("epoch-"):
+        return f"epoch {state['epoch']}"
+    return f"step {state['step']} (step {state['epoch_step']} of epoch {state['epoch'] + 1})"
+
+
+def drop_later_checkpoints(run: Path, epoch: int, step: int = 0):
+    """Remove checkpoints/epoch-K for K > epoch (they will be trained again, and may be corrupt) and
+    every step checkpoint but step-`step` (later ones will be redone, earlier ones are superseded)."""
     for p in (run / "checkpoints").glob("epoch-*"):
         if p.name.split("-")[1].isdigit() and int(p.name.split("-")[1]) > epoch:
+            shutil.rmtree(p)
+    drop_step_checkpoints(run, keep=step)
+
+
+def drop_step_checkpoints(run: Path, keep: int | None = None):
+    """Remove every checkpoints/step-G (complete or partial) but step-`keep`."""
+    for p in (run / "checkpoints").glob("step-*"):
+        if p.name.split("-")[1].isdigit() and int(p.name.split("-")[1]) != keep:
             shutil.rmtree(p)

@@ -9,9 +9,11 @@ gradient accumulation and all data-parallel ranks — so that N processes, or N 
 the gradient of one process with the whole batch (DDP averages gradients, hence the world factor).
 
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
-shuffles with seed + e), and the RNG state is saved with each epoch checkpoint, so `--resume`
-after a kill ends on the same bits as the uninterrupted run on CPU. The run folder's rules (lock,
-log truncation, safe state files, fallback past a corrupt checkpoint) are in minimoe/runs.py.
+shuffles with seed + e), and the RNG state is saved with each checkpoint, so `--resume` after a
+kill ends on the same bits as the uninterrupted run on CPU. A mid-epoch checkpoint
+(--save-every-steps) resumes by skipping the epoch's first `epoch_step` steps of that same order,
+not by reshuffling. The run folder's rules (lock, log truncation, safe state files, fallback past
+a corrupt checkpoint) are in minimoe/runs.py.
 """
 from __future__ import annotations
 
@@ -29,8 +31,8 @@ from minimoe.evaluation import evaluate_split
 from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
 from minimoe.objectives import supervision_loss
 from minimoe.routing import set_router
-from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, read_metrics, remove_orphans,
-                          resumable_epoch, save_state, set_rng_state, truncate_metrics)
+from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, latest_checkpoint,
+                          read_metrics, remove_orphans, save_state, set_rng_state, truncate_metrics)
 from minimoe.scoring import answer_token_logprobs, choice_loss, choice_scores, make_choice_batch
 
 # The paper's Experimental Configuration table, one dict per backbone; "tiny" is the offline default.
@@ -139,19 +141,31 @@ def score_split(model, tokenizer, examples, cfg) -> dict:
 
 
 def save_epoch(run: Path, model, optimizer, scheduler, epoch: int, step: int, base_model: str):
-    """checkpoints/epoch-N: the adapter (atomic folder), then training_state.pt, which marks it complete."""
+    """checkpoints/epoch-N: the adapter (atomic folder), then training_state.pt, which marks it complete;
+    then the mid-epoch checkpoint it supersedes goes."""
     folder = run / "checkpoints" / f"epoch-{epoch}"
     save_adapter(model, folder, base_model=base_model)
     save_state(folder / STATE, optimizer, scheduler, epoch, step)
+    drop_step_checkpoints(run)
+
+
+def save_step(run: Path, model, optimizer, scheduler, epoch: int, epoch_step: int, step: int, base_model: str):
+    """checkpoints/step-G (G = global step) after `epoch_step` steps of epoch `epoch` + 1, as save_epoch;
+    then the previous step checkpoint goes (only the latest is kept)."""
+    folder = run / "checkpoints" / f"step-{step}"
+    save_adapter(model, folder, base_model=base_model)
+    save_state(folder / STATE, optimizer, scheduler, epoch, step, epoch_step)
+    drop_step_checkpoints(run, keep=step)
 
 
 def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = False):
     """Fit `model` (LoRA + method already installed) on data["train"]; select on data["val"]."""
     rank, world_size = world()
     device = cfg["device"]
-    start_epoch, state = resumable_epoch(run) if resume else (0, None)
-    if start_epoch:  # before the optimizer: loading rebuilds the method heads as new parameters
-        load_adapter(model, run / "checkpoints" / f"epoch-{start_epoch}")
+    checkpoint, state = latest_checkpoint(run) if resume else (None, None)
+    start_epoch, skip = (state["epoch"], state.get("epoch_step", 0)) if state else (0, 0)  # epochs, steps done
+    if checkpoint:  # before the optimizer: loading rebuilds the method heads as new parameters
+        load_adapter(model, checkpoint)
     optimizer = make_optimizer(model, cfg)
     per_step = cfg["batch_size"] * cfg["grad_accum"]
     steps_per_epoch = math.ceil(len(data["train"]) / per_step)
@@ -159,15 +173,15 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
     warmup = int(cfg["warmup"] * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg["schedule"]))
     step = 0
-    if start_epoch:
+    if state:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step = state["step"]
         set_rng_state(state["rng"])
     if resume and rank == 0:  # what a kill left, and the epochs that will run again, go
         remove_orphans(run)
-        drop_later_checkpoints(run, start_epoch)
-        truncate_metrics(run, start_epoch)
+        drop_later_checkpoints(run, start_epoch, step)
+        truncate_metrics(run, start_epoch, step)
     ddp = model
     if world_size > 1:
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
@@ -175,7 +189,8 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
     model.train()
     for epoch in range(start_epoch + 1, cfg["epochs"] + 1):
         order = torch.randperm(len(data["train"]), generator=torch.Generator().manual_seed(cfg["seed"] + epoch)).tolist()
-        bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch}/{cfg['epochs']}", disable=rank != 0 or cfg.get("quiet"))
+        first = skip if epoch == start_epoch + 1 else 0  # a mid-epoch resume skips the steps done, in this order
+        bar = tqdm(range(first, steps_per_epoch), desc=f"epoch {epoch}/{cfg['epochs']}", disable=rank != 0 or cfg.get("quiet"))
         for s in bar:
             t0 = time.perf_counter()
             ids = order[s * per_step:(s + 1) * per_step]
@@ -198,6 +213,11 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
             if rank == 0:
                 append_metrics(run, {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
                                      "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate})
+                every = cfg.get("save_every_steps")
+                if every and step % every == 0 and s + 1 < steps_per_epoch:  # at the end, the epoch checkpoint
+                    save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg["model"])
+            if cfg.get("stop_after_steps") == step and step < total:
+                raise SystemExit(f"stopped after step {step} as asked (--stop-after-steps); continue with --resume")
         val = score_split(model, tokenizer, data["val"], cfg)
         if rank == 0:
             append_metrics(run, {"kind": "epoch", "epoch": epoch, "step": step, "val_choice_nll": val["choice_nll"],

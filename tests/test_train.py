@@ -76,6 +76,63 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_does(tmp_path):
     assert losses(straight) == losses(resumed)
 
 
+MID_EPOCH = ["--method", "tes", "--epochs", "2", "--max-train-examples", "24", "--batch-size", "4"]  # 6 steps an epoch
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The uninterrupted MID_EPOCH run with extra flags, trained once per module."""
+    runs = {}
+
+    def get(*flags):
+        if flags not in runs:
+            runs[flags] = run_train(tmp_path_factory.mktemp("straight"), *MID_EPOCH, *flags, name="straight")
+        return runs[flags]
+    return get
+
+
+@pytest.mark.parametrize("flags, save, kill, left, resume", [
+    # killed in epoch 2, one step after its step checkpoint; resumed without --save-every-steps
+    ([], ["--save-every-steps", "2"], 9, ["epoch-1", "step-8"], []),
+    # 2 micro-batches a step, killed in epoch 1; resumed saving at other steps
+    (["--batch-size", "2", "--grad-accum", "2"], ["--save-every-steps", "2"], 5, ["step-4"], ["--save-every-steps", "4"]),
+])
+def test_resume_from_a_mid_epoch_checkpoint_ends_where_the_uninterrupted_run_does(tmp_path, straight_run, flags, save,
+                                                                                  kill, left, resume):
+    """Killed after a step checkpoint (only the latest kept), with a torn log line: the resumed run starts at
+    the checkpoint (the log's records up to it stay as written), skips the epoch's steps already done, and
+    ends on the straight run's adapter and log; the step checkpoint goes once the epoch's is written."""
+    straight = straight_run(*flags)
+    with pytest.raises(SystemExit, match=f"stopped after step {kill}"):
+        run_train(tmp_path, *MID_EPOCH, *flags, *save, "--stop-after-steps", str(kill), name="killed")
+    run = tmp_path / "killed"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == left
+    before = [r for r in records(run) if r["step"] <= int(left[-1].split("-")[1])]
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "step", "epoch": 2, "st')
+    run_train(tmp_path, *MID_EPOCH, *flags, *resume, "--resume", name="killed")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["epoch-1", "epoch-2"]
+    assert records(run)[:len(before)] == before  # tokens_per_s included: these steps were not run again
+    assert [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(run)] == [
+        {k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(straight)]
+    for key, value in adapter(straight, 2).items():
+        assert torch.equal(value, adapter(run, 2)[key]), key
+
+
+def test_corrupt_step_checkpoint_falls_back_to_the_epoch_before(tmp_path, straight_run, caplog):
+    straight = straight_run()
+    with pytest.raises(SystemExit, match="stopped after step 10"):
+        run_train(tmp_path, *MID_EPOCH, "--save-every-steps", "4", "--stop-after-steps", "10", name="killed")
+    run = tmp_path / "killed"
+    state = run / "checkpoints" / "step-8" / "training_state.pt"
+    state.write_bytes(state.read_bytes()[:1000])
+    run_train(tmp_path, *MID_EPOCH, "--resume", name="killed")
+    assert "step-8/training_state.pt: unreadable" in caplog.text and "resuming from epoch 1 instead" in caplog.text
+    assert [r["step"] for r in records(run)] == [r["step"] for r in records(straight)]
+    for key, value in adapter(straight, 2).items():
+        assert torch.equal(value, adapter(run, 2)[key]), key
+
+
 def test_two_process_ddp_equals_one_process(tmp_path):
     """torchrun --nproc_per_node 2 (gloo) with the same global batch gives the one-process adapter."""
     tiny_checkpoint()
@@ -139,7 +196,8 @@ def train_cli(*flags, timeout=300):
     ("--grad-accum", "0"), ("--max-length", "0"), ("--eval-batch-size", "0"), ("--warmup", "1.5"),
     ("--lora-dropout", "1"), ("--lora-rank", "0"), ("--clip", "-1"), ("--mix", "2"), ("--seed", "-1"),
     ("--tau", "0"), ("--is-eps", "0"), ("--weight-decay", "-0.1"), ("--error-head-lr", "inf"),
-    ("--layers", "0,x"), ("--layers", "-1"), ("--layers", "last:0"),
+    ("--layers", "0,x"), ("--layers", "-1"), ("--layers", "last:0"), ("--save-every-steps", "0"),
+    ("--save-every-steps", "1.5"),
 ])
 def test_bad_number_is_refused_before_any_folder(tmp_path, capsys, flag, value):
     """argparse's own error (exit 2, naming the flag and what it expects); nothing is created."""
