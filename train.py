@@ -7,7 +7,8 @@
 
 A run folder (runs/<name>/) holds config.json (the full resolved config), metrics.jsonl, one
 checkpoint per epoch (adapter + method heads + optimizer/scheduler/RNG state), selection.json
-(the validation-NLL selection, fixed before any test evaluation) and eval/test/ (the test scoring).
+(the validation-NLL selection, fixed before any test evaluation) and eval/test/ (the test scoring of
+the last epoch; eval/test-selected/ for the selected one, see --test-checkpoint).
 """
 from __future__ import annotations
 
