@@ -203,3 +203,23 @@ def test_fp32_heads_and_tuned_gate_keep_bf16_logits_bitwise_at_init(family):
         model = tiny_model(family).to(torch.bfloat16)
         install_method(model, method_cfg(method=method, tune_router=tune, layers="all"))
         assert torch.equal(model(ids).logits, ref), (method, tune)
+
+
+def test_merged_export_rounds_a_tuned_fp32_gate_to_the_model_dtype(tmp_path):
+    """The official layout has one dtype: a tuned gate is written rounded to bf16 once, and the model
+    keeps its fp32 gate afterwards."""
+    from safetensors.torch import load_file
+
+    from minimoe.lora import export_merged
+    model = tiny_model("olmoe").to(torch.bfloat16)
+    install_method(model, method_cfg(method="ce", tune_router=True))
+    gate = model.model.layers[-1].mlp.gate
+    with torch.no_grad():
+        gate.weight.add_(1e-4)  # a trained gate that bf16 cannot hold exactly
+    before = gate.weight.detach().clone()
+    export_merged(model, tmp_path / "merged")
+    tensors = load_file(tmp_path / "merged" / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    key = f"model.layers.{len(model.model.layers) - 1}.mlp.gate.weight"
+    assert torch.equal(tensors[key], before.to(torch.bfloat16))
+    assert gate.weight.dtype == torch.float32 and torch.equal(gate.weight, before)
