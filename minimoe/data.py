@@ -21,10 +21,11 @@ Splits (paper, "Experimental Configuration"): pool the declared partitions, drop
 random.Random(42), take test (500), then val (50), then train (2000 for ARC, 5000 otherwise). Both
 backbones share these manifests; the training recipe decides how many of train it uses (Granite
 trains on the first 4,992 of the 5000, 312 steps of 16; `training.RECIPES`). A short pool fills test
-and val first and shrinks train, with a logged warning that splits.json keeps too. Official test examples may land in our train split, as
-in the paper. Beyond the four invalid kinds we drop exact repeats of a kept example's question and choice
-set, so one question cannot sit in both train and test. Manifests are JSON lines (sorted keys, compact,
-UTF-8) written atomically; the same inputs give the same bytes, so concurrent builders agree.
+and val first and shrinks train, with a logged warning that splits.json keeps too. Official test
+examples may land in our train split, as in the paper. Beyond the four invalid kinds we drop exact
+repeats of a kept example's question and choice set, so one question cannot sit in both train and
+test. Manifests are JSON lines (sorted keys, compact, UTF-8) written atomically; the same inputs
+give the same bytes, so concurrent builders agree.
 
 Prompt (profile manifest_answer_text_choice_ce): "Question: <q>\\nAnswer:" then " <choice text>" per
 candidate; no chat wrapper, no few-shot examples.

@@ -60,7 +60,8 @@ def test_recipes_are_the_papers_configuration(recipe):
 def test_training_examples_and_steps_per_epoch_are_the_papers(recipe, dataset, monkeypatch):
     """Through train.py's own path: registered split (shared by the backbones) -> recipe cut -> steps."""
     sizes = {"train": BENCHMARKS[dataset].train_size, "val": 50, "test": 500}
-    monkeypatch.setattr(train, "load_split", lambda name, split, **kw: [f"{name}:{split}:{i}" for i in range(sizes[split])])
+    monkeypatch.setattr(train, "load_split",
+                        lambda name, split, **kw: [f"{name}:{split}:{i}" for i in range(sizes[split])])
     cfg = resolved(recipe, "--data", dataset)
     data = train.load_data(cfg)
     assert len(data["train"]) == PAPER[recipe]["train_examples"][dataset]
@@ -181,7 +182,8 @@ def test_trainable_parameters_are_fp32_on_a_bf16_base(family, method, tune):
     model = tiny_model(family).to(torch.bfloat16)
     install_method(model, method_cfg(method=method, tune_router=tune, layers="all"))
     groups = trainable_parameters(model)
-    expected = {"lora"} | {"tes": {"error_head"}, "dual": {"copied_head"}}.get(method, set()) | ({"router"} if tune else set())
+    heads = {"tes": {"error_head"}, "dual": {"copied_head"}}.get(method, set())
+    expected = {"lora"} | heads | ({"router"} if tune else set())
     assert {g for g, params in groups.items() if params} == expected
     for name, p in model.named_parameters():
         assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16), name
