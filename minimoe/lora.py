@@ -359,6 +359,10 @@ def export_merged(model: MoEForCausalLM, path):
             if not m.merged:
                 originals[name] = m.weight.data
                 m.weight.data = (m.weight.float() + m.delta_weight()).to(m.weight.dtype)
+        for i, layer in enumerate(model.model.layers):  # a tuned gate trains in fp32 (routing.py): rounded once
+            if layer.mlp.gate.weight.dtype != model.dtype:
+                originals[f"model.layers.{i}.mlp.gate"] = layer.mlp.gate.weight.data
+                layer.mlp.gate.weight.data = layer.mlp.gate.weight.data.to(model.dtype)
     try:
         save_pretrained(model, path)
     finally:

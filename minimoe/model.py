@@ -264,7 +264,9 @@ class MoEBlock(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         replay = stash.get("experts") if stash is not None else None
-        routing = self.router(flat, self.gate(flat).float(), experts=replay)
+        # A tuned gate is stored in fp32 (routing.py); cast at use, its logits are the model dtype's as ever.
+        logits = F.linear(flat, self.gate.weight.to(flat.dtype)).float()  # [B*T, E]
+        routing = self.router(flat, logits, experts=replay)
         if stash is not None and replay is None:
             stash["experts"] = routing.experts.detach()
         return self.experts(flat, routing.experts, routing.weights).view(B, T, D), routing

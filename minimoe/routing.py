@@ -36,8 +36,14 @@ Decisions where the paper is silent, and why:
   renormalisation over the K (Granite, OLMoE norm_topk_prob) path (2) reaches only the executed
   experts' scores; without it (OLMoE default) every score gets some, through the full softmax
   denominator ("where its normalization policy permits", app. aggregate_supervision_expert_scores).
-- The heads run in the model dtype like the gate; softplus, log and softmax run in fp32. The pure
-  log clamps e_hat at fp32's smallest normal so that a softplus underflow cannot give log 0.
+- Every trainable routing parameter is *stored* in fp32 whatever the model dtype: the TES error
+  head, the Dual Affinity copy and a gate unfrozen by tune_router (as LoRA is, lora.py). In bf16,
+  AdamW steps of lr 1e-5..2e-5 on weights of size ~0.03 round away (most weights would never move).
+  Each is cast to the activation dtype at use, so the heads and a tuned gate compute their logits
+  exactly as the frozen native gate does (model dtype, then upcast, as the reference): in fp32 the
+  forward is bitwise that of a model-dtype head, and at init in bf16 too (the copy of a bf16 gate
+  is exact in fp32). Softplus, log and softmax run in fp32. The pure log clamps e_hat at fp32's
+  smallest normal so that a softplus underflow cannot give log 0.
 - Initialisation leaves routing native: started log, zero weight and bias, so every expert gets
   phi = log(1 + log 2 / tau) and a per-token constant shift leaves softmax and top-K unchanged
   (exact in math; in floats a_i - c rounds, so equal to ~1e-7 relative, not bitwise). Pure log,
@@ -45,9 +51,11 @@ Decisions where the paper is silent, and why:
   it rounds to e_hat ~ 1.001, still the same for every expert).
 - Dual computes the copy as `linear(x, W) + b` (the gate's own op, then an exact +0 at init) and
   mixes as a + w (a_copy - a), which is (1 - w) a + w a_copy, so at init it is bitwise native for
-  every w.
-- The concentration diagnostic (`native_concentration`) uses the native top-K and native p (the
-  ACS appendix's S_t) even under tes/dual, whose executed set may differ.
+  every w. It averages *logits*, not probabilities (the paper says "averages the two router
+  outputs"): the mixed logits then go through the family's own softmax and top-K unchanged, and at
+  init the policy is native exactly.
+- The concentration diagnostic (`native_concentration`) uses the native top-K and native p (the ACS appendix's S_t) even
+  under tes/dual, whose executed set may differ.
 - `set_router` describes the whole model: layers out of scope get `NativeRouter` back and every gate
   is frozen except in scope with tune_router=True. `router_spec` stores every option with its
   resolved default, so a saved adapter does not change meaning if a default changes.
@@ -174,14 +182,14 @@ class DualAffinityRouter(NativeRouter):
         super().__init__(top_k, renormalize)
         self.mix = float(mix)
         w = gate.weight
-        self.affinity = nn.Linear(w.shape[1], w.shape[0], bias=True, device=w.device, dtype=w.dtype)
+        self.affinity = nn.Linear(w.shape[1], w.shape[0], bias=True, device=w.device, dtype=torch.float32)
         with torch.no_grad():
             self.affinity.weight.copy_(w)
             self.affinity.bias.zero_()
 
     def forward(self, x, logits, experts=None):
         # The gate's own op plus an fp32 bias, so that at init a_copy equals a bit for bit.
-        copy = F.linear(x, self.affinity.weight).float() + self.affinity.bias.float()  # [T, E]
+        copy = F.linear(x, self.affinity.weight.to(x.dtype)).float() + self.affinity.bias.float()  # [T, E]
         mixed = logits + self.mix * (copy - logits)
         experts, weights = select_topk(mixed, self.top_k, self.renormalize, experts)
         return Routing(logits=logits, experts=experts, weights=weights, routing_logits=mixed)
@@ -206,7 +214,8 @@ class TokenErrorRouter(NativeRouter):
             self.error_head.bias.fill_(0.0 if transform == "started-log" else math.log(math.e - 1))
 
     def forward(self, x, logits, experts=None):
-        scores = F.softplus(self.error_head(x).float())  # [T, E] e_hat_{t,i} > 0
+        W, b = self.error_head.weight, self.error_head.bias  # fp32, cast at use like the gate
+        scores = F.softplus(F.linear(x, W.to(x.dtype), b.to(x.dtype)).float())  # [T, E] e_hat_{t,i} > 0
         attenuated = attenuate(logits, scores, self.gamma, self.tau, self.transform)
         experts, weights = select_topk(attenuated, self.top_k, self.renormalize, experts)
         p = logits.softmax(dim=-1).gather(-1, experts)  # [T, K] native p on the executed set
@@ -247,7 +256,7 @@ def _build(method: str, opts: dict, gate: nn.Linear, config):
     if method == "tes":
         w = gate.weight
         return TokenErrorRouter(w.shape[1], w.shape[0], K, renorm, opts["gamma"], opts["tau"], opts["transform"],
-                                device=w.device, dtype=w.dtype)
+                                device=w.device, dtype=torch.float32)
     return ConcentrationRouter(K, renorm) if method == "acs" else NativeRouter(K, renorm)
 
 
@@ -255,8 +264,9 @@ def set_router(model, method: str = "native", layers="final", **options):
     """Install `method`'s policy on the layers in scope and record `model.router_spec`.
 
     `set_router(model, **model.router_spec)` rebuilds the same structure (an adapter loader's
-    route). New heads are trainable; each native gate `mlp.gate.weight` is frozen unless it is in
-    scope and tune_router=True ("+ affinity tuning"). Layers out of scope get the native policy.
+    route). New heads are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it
+    is in scope and tune_router=True ("+ affinity tuning"), and then it is moved to fp32. Install
+    after moving the model to its dtype. Layers out of scope get the native policy.
     """
     if method not in METHOD_OPTIONS:
         raise ValueError(f"set_router: unknown method {method!r}; expected one of {list(METHOD_OPTIONS)}")
@@ -278,6 +288,9 @@ def set_router(model, method: str = "native", layers="final", **options):
                for i, mlp in enumerate(blocks)]
     for i, (mlp, router) in enumerate(zip(blocks, routers)):
         mlp.router = router
-        mlp.gate.weight.requires_grad_(i in scope and opts["tune_router"])
+        tuned = i in scope and opts["tune_router"]
+        if tuned and mlp.gate.weight.dtype != torch.float32:  # trained in fp32, cast at use (model.py)
+            mlp.gate.weight = nn.Parameter(mlp.gate.weight.detach().float())
+        mlp.gate.weight.requires_grad_(tuned)
     model.router_spec = {"method": method, "layers": scope, **opts}
     return model

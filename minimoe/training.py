@@ -14,6 +14,19 @@ kill ends on the same bits as the uninterrupted run on CPU. A mid-epoch checkpoi
 (--save-every-steps) resumes by skipping the epoch's first `epoch_step` steps of that same order,
 not by reshuffling. The run folder's rules (lock, log truncation, safe state files, fallback past
 a corrupt checkpoint) are in minimoe/runs.py.
+
+Recipe decisions (paper, Experimental Configuration table; `RECIPES`):
+- Training examples are the recipe's, per backbone: the registered train split (2000 ARC, 5000
+  others, shared by both backbones) is cut to `train_examples` (Granite 2000 / 4992, OLMoE 2000 /
+  5000), so that steps per epoch are the paper's 125/312 (Granite, 16 per step) and 250/625
+  (OLMoE, 8 per step). A count that does not divide keeps its partial last step: every example is
+  seen once per epoch (`steps_per_epoch`, a ceiling).
+- Warmup steps are ceil(warmup * total steps), transformers' Trainer rule for a warmup ratio
+  (`TrainingArguments.get_warmup_steps`): Granite ARC warms up 19 of its 375 steps, not 18.
+- Learning-rate groups (`make_optimizer`): LoRA at `lr`, the TES error head at `error_head_lr`
+  (1e-5), the Dual Affinity copy at `copied_head_lr` (1e-3). A native gate unfrozen by
+  --tune-router trains at the LoRA rate unless `router_lr` is given: the paper gives no rate of
+  its own for it, and it is an adapted pretrained weight like the LoRA-wrapped ones.
 """
 from __future__ import annotations
 
@@ -36,17 +49,18 @@ from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_st
 from minimoe.scoring import answer_token_logprobs, choice_loss, choice_scores, make_choice_batch
 
 # The paper's Experimental Configuration table, one dict per backbone; "tiny" is the offline default.
+# train_examples: {benchmark: count} with "default" for the others; None keeps the whole train split.
 RECIPES = {
     "granite": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=["q", "k", "v", "experts"],
                     lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine", warmup=0.05, weight_decay=0.0,
-                    clip=1.0, epochs=3),
+                    clip=1.0, epochs=3, train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 4992}),
     "olmoe": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=["q", "k", "v", "o", "experts"],
                   lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0.0,
-                  clip=1.0, epochs=3),
+                  clip=1.0, epochs=3, train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 5000}),
     # Random tiny weights learn nothing at 2e-5: a larger step so the default run visibly trains.
     "tiny": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=["q", "k", "v", "o", "experts"],
                  lr=2e-3, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0.0,
-                 clip=1.0, epochs=2),
+                 clip=1.0, epochs=2, train_examples=None),
 }
 METHOD_DEFAULTS = dict(method="tes", objective="is", lambda_=1e-3, layers="final", tune_router=False, gamma=1.0,
                        tau=1.0, transform="started-log", mix=0.5, error_head_lr=1e-5, copied_head_lr=1e-3,
@@ -71,7 +85,24 @@ def install_method(model, cfg: dict):
     set_router(model, "native" if cfg["method"] == "ce" else cfg["method"], layers=cfg["layers"], **opts)
 
 
+def recipe_train_examples(cfg: dict, dataset: str) -> int | None:
+    """How many of a registered benchmark's train split the recipe trains on (None: all of it)."""
+    counts = cfg.get("train_examples")
+    return None if counts is None else counts.get(dataset, counts["default"])
+
+
+def steps_per_epoch(n_examples: int, cfg: dict) -> int:
+    """Optimizer steps per epoch; a partial last step is kept, so every example is seen once."""
+    return math.ceil(n_examples / (cfg["batch_size"] * cfg["grad_accum"]))
+
+
+def warmup_steps(total: int, fraction: float) -> int:
+    """transformers' Trainer rule (TrainingArguments.get_warmup_steps): ceil(total * warmup_ratio)."""
+    return math.ceil(total * fraction)
+
+
 def make_optimizer(model, cfg: dict):
+    # A tuned native gate has no rate of its own in the paper: the LoRA rate unless --router-lr.
     lrs = {"lora": cfg["lr"], "error_head": cfg["error_head_lr"], "copied_head": cfg["copied_head_lr"],
            "router": cfg["router_lr"] or cfg["lr"]}
     groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}
@@ -80,7 +111,8 @@ def make_optimizer(model, cfg: dict):
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
-    """Linear warmup to the peak, then cosine or linear decay to zero (as transformers' schedulers)."""
+    """Linear warmup to the peak, then cosine or linear decay to zero (transformers' get_cosine_/
+    get_linear_schedule_with_warmup, for `warmup` = `warmup_steps(total, fraction)`)."""
     if step < warmup:
         return step / max(1, warmup)
     progress = (step - warmup) / max(1, total - warmup)
@@ -168,9 +200,9 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
         load_adapter(model, checkpoint)
     optimizer = make_optimizer(model, cfg)
     per_step = cfg["batch_size"] * cfg["grad_accum"]
-    steps_per_epoch = math.ceil(len(data["train"]) / per_step)
-    total = steps_per_epoch * cfg["epochs"]
-    warmup = int(cfg["warmup"] * total)
+    steps = steps_per_epoch(len(data["train"]), cfg)
+    total = steps * cfg["epochs"]
+    warmup = warmup_steps(total, cfg["warmup"])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg["schedule"]))
     step = 0
     if state:
@@ -190,7 +222,7 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
     for epoch in range(start_epoch + 1, cfg["epochs"] + 1):
         order = torch.randperm(len(data["train"]), generator=torch.Generator().manual_seed(cfg["seed"] + epoch)).tolist()
         first = skip if epoch == start_epoch + 1 else 0  # a mid-epoch resume skips the steps done, in this order
-        bar = tqdm(range(first, steps_per_epoch), desc=f"epoch {epoch}/{cfg['epochs']}", disable=rank != 0 or cfg.get("quiet"))
+        bar = tqdm(range(first, steps), desc=f"epoch {epoch}/{cfg['epochs']}", disable=rank != 0 or cfg.get("quiet"))
         for s in bar:
             t0 = time.perf_counter()
             ids = order[s * per_step:(s + 1) * per_step]
@@ -214,7 +246,7 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
                 append_metrics(run, {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
                                      "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate})
                 every = cfg.get("save_every_steps")
-                if every and step % every == 0 and s + 1 < steps_per_epoch:  # at the end, the epoch checkpoint
+                if every and step % every == 0 and s + 1 < steps:  # at the end, the epoch checkpoint
                     save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg["model"])
             if cfg.get("stop_after_steps") == step and step < total:
                 raise SystemExit(f"stopped after step {step} as asked (--stop-after-steps); continue with --resume")

@@ -141,6 +141,24 @@ def test_supervision_loss_averages_supervised_layers_and_tokens(objective, depth
     assert got.dim() == 0 and abs(got.item() - expected) < 1e-5
 
 
+@pytest.mark.parametrize("objective", ["is", "enll"])
+def test_supervision_loss_keeps_the_observed_ce_attached(objective):
+    # The gradient that training sends through the observed CE, via supervision_loss itself: per supervised
+    # token and layer, d/dL of IS = 1/e - 1/L (L above the floor; Eq. appendix_is_token_loss_gradient) and
+    # of ENLL = 1/e (Eq. appendix_enll_token_loss_gradient), over |M| |B_tok|; zero off the mask.
+    B, T = 3, 5
+    routings = fake_routings(B, T, [True, False, True])
+    g = torch.Generator().manual_seed(3)
+    ce = (torch.rand(B, T, generator=g) * 4 + 0.05).requires_grad_()
+    mask = torch.rand(B, T, generator=g) > 0.3
+    supervision_loss(routings, ce, mask, objective).backward()
+    preds = [r.prediction.view(B, T) for r in routings if r.prediction is not None]
+    L = ce.detach()
+    per_layer = [1 / e - 1 / L if objective == "is" else 1 / e for e in preds]
+    expected = torch.where(mask, sum(per_layer) / (len(preds) * mask.sum()), torch.zeros(()))
+    torch.testing.assert_close(ce.grad, expected)
+
+
 def test_supervision_loss_trains_the_error_head_end_to_end():
     model = set_router(tiny_model(), "tes", "last:2")
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))

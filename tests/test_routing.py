@@ -253,6 +253,35 @@ def test_expert_score_gradient_is_pbar_times_aggregate_gradient():
     torch.testing.assert_close(scores.grad, expected)
 
 
+def test_error_head_is_softplus_of_an_affine_map_with_trained_weights():
+    # Eq. positive_error_head, e_t = softplus(W_e h_t + b_e), with non-zero W_e, b_e, computed here by hand.
+    router, x, logits = tes_router(True)
+    W, b = router.error_head.weight.detach(), router.error_head.bias.detach()
+    z = (x[:, None, :].double() * W[None].double()).sum(-1) + b.double()  # [T, E]
+    expected = torch.where(z > 20, z, torch.log1p(torch.exp(z)))
+    torch.testing.assert_close(router(x, logits).expert_scores.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_error_head_trains_through_the_attenuated_combine_weights(renormalize):
+    # The head gets gradient through the FFN combine weights, not only through the readout: a loss on the
+    # weights alone gives the head the gradient of the paper's attenuated policy, written out here with
+    # autograd (Eq. positive_error_head, started_log_transform, attenuated_routing_score).
+    router, x, logits = tes_router(renormalize, gamma=1.5, tau=0.7)
+    r = router(x, logits)
+    c = torch.randn(r.weights.shape, generator=torch.Generator().manual_seed(2))
+    (r.weights * c).sum().backward()
+    W = router.error_head.weight.detach().clone().requires_grad_()
+    b = router.error_head.bias.detach().clone().requires_grad_()
+    e = torch.log1p(torch.exp(x @ W.T + b))
+    p = (logits - 1.5 * torch.log1p(e / 0.7)).softmax(-1).gather(-1, r.experts)
+    weights = p / p.sum(-1, keepdim=True) if renormalize else p
+    (weights * c).sum().backward()
+    assert W.grad.abs().max() > 1e-3
+    torch.testing.assert_close(router.error_head.weight.grad, W.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(router.error_head.bias.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
 # ---- replay (gradient checkpointing) ------------------------------------------------------------------
 
 @pytest.mark.parametrize("make", [lambda: NativeRouter(3, True), lambda: ConcentrationRouter(3, False),

@@ -370,3 +370,39 @@ def test_training_state_round_trips_with_weights_only_and_a_full_disk_names_the_
     with pytest.raises(OSError, match=f"{tmp_path / 'again.pt'}: could not write it.*inline_container"):
         runs.save_state(tmp_path / "again.pt", optimizer, scheduler, epoch=1, step=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["training_state.pt"]
+
+
+def small_manifests(tmp_path, n=(16, 4, 6)):
+    """The first n examples of each registered arc_challenge split, as a manifest folder (fast test eval)."""
+    run_train(tmp_path, "--method", "ce", name="build")  # builds the registered manifests under splits/
+    folder = tmp_path / "small"
+    folder.mkdir()
+    for split, count in zip(("train", "val", "test"), n):
+        lines = (tmp_path / "splits" / "arc_challenge" / f"{split}.jsonl").read_text().splitlines()[:count]
+        (folder / f"{split}.jsonl").write_text("".join(line + "\n" for line in lines))
+    return folder
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--recipe", "olmoe", "--tune-router"], "selected"),  # the paper's OLMoE affinity-tuned group
+    (["--recipe", "olmoe"], "last"),
+    (["--recipe", "granite", "--tune-router"], "last"),
+    (["--recipe", "olmoe", "--tune-router", "--test-checkpoint", "both"], "both"),
+])
+def test_test_checkpoint_defaults_to_what_the_paper_reports(flags, expected):
+    from conftest import tiny_config
+    cfg = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
+    assert cfg["test_checkpoint"] == expected
+
+
+@pytest.mark.parametrize("flags,folders", [(["--recipe", "olmoe", "--tune-router"], {"test-selected"}),
+                                           (["--test-checkpoint", "both"], {"test", "test-selected"})])
+def test_train_evaluates_the_selected_checkpoint(tmp_path, flags, folders):
+    data = small_manifests(tmp_path)
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data", str(data), "--method", "ce",
+                "--batch-size", "8", "--epochs", "1", "--quiet", *flags])
+    run = tmp_path / "run"
+    assert {p.name for p in (run / "eval").iterdir()} == folders
+    selected = json.loads((run / "eval" / "test-selected" / "metrics.json").read_text())
+    assert selected["checkpoint"] == "selected"
+    assert selected["epoch"] == json.loads((run / "selection.json").read_text())["selected_epoch"]

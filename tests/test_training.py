@@ -1,0 +1,228 @@
+"""Tests for minimoe.training against the paper's Experimental Configuration table (written out here),
+transformers' Trainer schedule rules, and direct computation of the task loss and selection rule."""
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import TrainingArguments, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+import train
+from conftest import tiny_config, tiny_model
+from minimoe import from_pretrained, load_tokenizer
+from minimoe.data import BENCHMARKS, Example, format_choice, format_prompt, load_split
+from minimoe.lora import trainable_parameters
+from minimoe.tiny import tiny_checkpoint
+from minimoe.training import (METHOD_DEFAULTS, RECIPES, install_method, lr_factor, make_optimizer,
+                              recipe_train_examples, steps_per_epoch, warmup_steps, write_selection)
+
+# The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
+PAPER = {
+    "granite": dict(train_examples={"arc_challenge": 2000, "openbookqa": 4992, "sciq": 4992, "medmcqa": 4992},
+                    steps_per_epoch={"arc_challenge": 125, "openbookqa": 312, "sciq": 312, "medmcqa": 312},
+                    lora_rank=8, lora_alpha=8, lora_dropout=0.05, lora_targets={"q", "k", "v", "experts"},
+                    lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine", warmup=0.05, weight_decay=0,
+                    clip=1, epochs=3),
+    "olmoe": dict(train_examples={"arc_challenge": 2000, "openbookqa": 5000, "sciq": 5000, "medmcqa": 5000},
+                  steps_per_epoch={"arc_challenge": 250, "openbookqa": 625, "sciq": 625, "medmcqa": 625},
+                  lora_rank=8, lora_alpha=8, lora_dropout=0.05, lora_targets={"q", "k", "v", "o", "experts"},
+                  lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0,
+                  clip=1, epochs=3),
+}
+# Method rows: lambda_m 1e-3, error-head LR 1e-5, copied-head LR 1e-3, mixing 0.5, started log with
+# gamma = tau = 1, final sparse layer, native router frozen, auxiliary loss 0, IS floor 1e-8.
+PAPER_METHODS = dict(lambda_=1e-3, error_head_lr=1e-5, copied_head_lr=1e-3, mix=0.5, transform="started-log",
+                     gamma=1, tau=1, layers="final", tune_router=False, aux_coef=0, is_eps=1e-8)
+
+
+def model_config(recipe):
+    return tiny_config("granitemoe" if recipe == "granite" else "olmoe")
+
+
+def resolved(recipe, *flags):
+    return train.resolve_config(train.parse_args(["--recipe", recipe, *flags]), model_config(recipe))
+
+
+@pytest.mark.parametrize("recipe", PAPER)
+def test_recipes_are_the_papers_configuration(recipe):
+    paper, cfg = PAPER[recipe], resolved(recipe)
+    for key in ("lora_rank", "lora_alpha", "lora_dropout", "lr", "batch_size", "grad_accum", "schedule", "warmup",
+                "weight_decay", "clip", "epochs"):
+        assert cfg[key] == paper[key], key
+    assert set(cfg["lora_targets"]) == paper["lora_targets"]
+    for key, value in PAPER_METHODS.items():
+        assert cfg[key] == value, key
+
+
+@pytest.mark.parametrize("recipe", PAPER)
+@pytest.mark.parametrize("dataset", ["arc_challenge", "openbookqa", "sciq", "medmcqa"])
+def test_training_examples_and_steps_per_epoch_are_the_papers(recipe, dataset, monkeypatch):
+    """Through train.py's own path: registered split (shared by the backbones) -> recipe cut -> steps."""
+    sizes = {"train": BENCHMARKS[dataset].train_size, "val": 50, "test": 500}
+    monkeypatch.setattr(train, "load_split",
+                        lambda name, split, **kw: [Example(f"{name}:{split}:{i}", f"q {split} {i}", ["a", "b"], 0, {})
+                                                   for i in range(sizes[split])])
+    cfg = resolved(recipe, "--data", dataset)
+    data = train.load_data(cfg)
+    assert len(data["train"]) == PAPER[recipe]["train_examples"][dataset]
+    assert steps_per_epoch(len(data["train"]), cfg) == PAPER[recipe]["steps_per_epoch"][dataset]
+    assert cfg["max_train_examples"] == len(data["train"])  # recorded: evaluation's train population is the same
+
+
+def test_partial_last_step_is_kept_and_flags_override_the_recipe_count():
+    cfg = resolved("granite")
+    assert steps_per_epoch(5000, cfg) == 313  # 312 full steps of 16 and one of 8: every example once
+    assert recipe_train_examples(resolved("tiny"), "sciq") is None
+
+
+@pytest.mark.parametrize("recipe,dataset", [(r, d) for r in PAPER for d in ("arc_challenge", "sciq")])
+def test_warmup_and_schedule_follow_transformers(recipe, dataset, tmp_path):
+    """Warmup steps = transformers' Trainer rule; the factor per step = transformers' scheduler."""
+    cfg = resolved(recipe)
+    total = PAPER[recipe]["steps_per_epoch"][dataset] * cfg["epochs"]
+    args = TrainingArguments(output_dir=str(tmp_path), warmup_ratio=cfg["warmup"], report_to=[])
+    warmup = warmup_steps(total, cfg["warmup"])
+    assert warmup == args.get_warmup_steps(total)
+    if (recipe, dataset) == ("granite", "arc_challenge"):
+        assert warmup == 19  # 0.05 * 375 = 18.75, rounded up
+    make = get_cosine_schedule_with_warmup if cfg["schedule"] == "cosine" else get_linear_schedule_with_warmup
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    ref = make(opt, warmup, total)
+    for step in range(total + 1):
+        assert lr_factor(step, total, warmup, cfg["schedule"]) == pytest.approx(ref.lr_lambdas[0](step), abs=1e-12)
+
+
+def test_train_steps_and_learning_rates_per_step(tmp_path):
+    """train.py end to end: 20 examples at 8 per step -> 3 steps per epoch (not 2); the logged learning
+    rates are transformers' linear schedule with ceil(0.3 * 6) = 2 warmup steps."""
+    run = tmp_path / "run"
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"), "--quiet",
+                "--no-test-eval", "--method", "ce", "--max-train-examples", "20", "--batch-size", "8",
+                "--epochs", "2", "--warmup", "0.3"])
+    steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+    assert len(steps) == 6
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2e-3)
+    ref = get_linear_schedule_with_warmup(opt, 2, 6)
+    for record in steps:  # the rate logged after step s is the one the next step uses
+        opt.step()
+        ref.step()
+        assert record["lr"] == pytest.approx(ref.get_last_lr()[0], rel=1e-12)
+
+
+def test_task_loss_scores_candidates_by_mean_answer_log_prob(tmp_path):
+    """Step 1's logged task loss (LoRA B = 0, so the base model) equals the candidates' CE computed here
+    one row at a time: score = mean log p(answer token | prefix), then softmax over candidates."""
+    run = tmp_path / "run"
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"), "--quiet",
+                "--no-test-eval", "--method", "ce", "--lora-dropout", "0", "--max-train-examples", "8",
+                "--batch-size", "8", "--epochs", "1"])
+    logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["task"]
+    model, tokenizer = from_pretrained(tiny_checkpoint()).eval(), load_tokenizer(tiny_checkpoint())
+    examples = load_split("arc_challenge", "train", data_dir=tmp_path / "splits")[:8]
+    losses, lengths = [], set()
+    with torch.no_grad():
+        for ex in examples:
+            prompt = tokenizer.encode(format_prompt(ex.question))
+            scores = []
+            for text in ex.choices:
+                answer = tokenizer.encode(format_choice(text), add_special_tokens=False)
+                ids = torch.tensor([prompt + answer])
+                logp = model(ids).logits[0].float().log_softmax(-1)
+                n = len(answer)
+                lengths.add(n)
+                picked = [logp[len(prompt) - 1 + j, answer[j]] for j in range(n)]
+                scores.append(sum(picked) / n)
+            losses.append(-torch.stack(scores).log_softmax(0)[ex.answer])
+    assert len(lengths) > 1  # candidates of different lengths, so that mean and sum rank differently
+    assert logged == pytest.approx(torch.stack(losses).mean().item(), rel=1e-5)
+
+
+def write_metrics(run, nlls):
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"kind": "epoch", "epoch": e, "step": 10 * e, "val_choice_nll": v, "val_accuracy": 0.5}) + "\n"
+        for e, v in enumerate(nlls, start=1)))
+
+
+@pytest.mark.parametrize("nlls,selected", [([0.7, 0.5, 0.5], 2), ([0.5, 0.5, 0.5], 1), ([0.9, 0.8, 0.3], 3)])
+def test_selection_minimum_validation_nll_ties_to_the_earlier_epoch(tmp_path, nlls, selected):
+    write_metrics(tmp_path / "run", nlls)
+    assert write_selection(tmp_path / "run")["selected_epoch"] == selected
+    assert json.loads((tmp_path / "run" / "selection.json").read_text())["selected_epoch"] == selected
+
+
+def method_cfg(recipe="olmoe", **method):
+    return {**RECIPES[recipe], **METHOD_DEFAULTS, **method}
+
+
+@pytest.mark.parametrize("recipe", PAPER)
+@pytest.mark.parametrize("method,tune,groups", [
+    ("tes", False, {"lora": None, "error_head": 1e-5}),
+    ("dual", False, {"lora": None, "copied_head": 1e-3}),
+    ("ce", True, {"lora": None, "router": None}),  # a tuned gate: the LoRA rate (the paper gives none)
+    ("acs", True, {"lora": None, "router": None}),
+])
+def test_learning_rate_groups(recipe, method, tune, groups):
+    model = tiny_model("olmoe")
+    cfg = method_cfg(recipe, method=method, tune_router=tune)
+    install_method(model, cfg)
+    lrs = {g["name"]: g["lr"] for g in make_optimizer(model, cfg).param_groups}
+    assert lrs == {name: PAPER[recipe]["lr"] if lr is None else lr for name, lr in groups.items()}
+    if tune:
+        install_method(model := tiny_model("olmoe"), cfg := {**cfg, "router_lr": 3e-3})
+        assert {g["name"]: g["lr"] for g in make_optimizer(model, cfg).param_groups}["router"] == 3e-3
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "olmoe"])
+@pytest.mark.parametrize("method,tune", [("tes", False), ("dual", False), ("ce", True), ("acs", True),
+                                         ("tes", True), ("dual", True)])
+def test_trainable_parameters_are_fp32_on_a_bf16_base(family, method, tune):
+    """Every trainable parameter (LoRA, error head, copied head, tuned gate) is stored in fp32; the
+    frozen base stays bf16; a training step runs and gives them fp32 gradients."""
+    model = tiny_model(family).to(torch.bfloat16)
+    install_method(model, method_cfg(method=method, tune_router=tune, layers="all"))
+    groups = trainable_parameters(model)
+    heads = {"tes": {"error_head"}, "dual": {"copied_head"}}.get(method, set())
+    expected = {"lora"} | heads | ({"router"} if tune else set())
+    assert {g for g, params in groups.items() if params} == expected
+    for name, p in model.named_parameters():
+        assert p.dtype == (torch.float32 if p.requires_grad else torch.bfloat16), name
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = model(ids).logits
+    F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)).backward()
+    for name, p in model.named_parameters():
+        if p.requires_grad and ".lora_A" not in name:  # lora_A gets no gradient while B = 0
+            assert p.grad is not None and p.grad.dtype == torch.float32, name
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "olmoe"])
+def test_fp32_heads_and_tuned_gate_keep_bf16_logits_bitwise_at_init(family):
+    """Cast at use: the copied head and a tuned fp32 gate compute their logits in bf16 as the frozen
+    gate does, so at init the bf16 model's output is bit for bit the native one."""
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref = tiny_model(family).to(torch.bfloat16)(ids).logits
+    for method, tune in (("dual", False), ("ce", True)):
+        model = tiny_model(family).to(torch.bfloat16)
+        install_method(model, method_cfg(method=method, tune_router=tune, layers="all"))
+        assert torch.equal(model(ids).logits, ref), (method, tune)
+
+
+def test_merged_export_rounds_a_tuned_fp32_gate_to_the_model_dtype(tmp_path):
+    """The official layout has one dtype: a tuned gate is written rounded to bf16 once, and the model
+    keeps its fp32 gate afterwards."""
+    from safetensors.torch import load_file
+
+    from minimoe.lora import export_merged
+    model = tiny_model("olmoe").to(torch.bfloat16)
+    install_method(model, method_cfg(method="ce", tune_router=True))
+    gate = model.model.layers[-1].mlp.gate
+    with torch.no_grad():
+        gate.weight.add_(1e-4)  # a trained gate that bf16 cannot hold exactly
+    before = gate.weight.detach().clone()
+    export_merged(model, tmp_path / "merged")
+    tensors = load_file(tmp_path / "merged" / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    key = f"model.layers.{len(model.model.layers) - 1}.mlp.gate.weight"
+    assert torch.equal(tensors[key], before.to(torch.bfloat16))
+    assert gate.weight.dtype == torch.float32 and torch.equal(gate.weight, before)
