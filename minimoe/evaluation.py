@@ -6,8 +6,8 @@ atomically (`atomic_directory`): predictions.jsonl, metrics.json, tokens-<split>
 error-prediction-layer<l>.png. `evaluate_run` does the same for train.py at the end of a run, with
 the model it holds. `accuracy_report` turns many metrics.json into the paper's table.
 
-Scoring (paper, "Experimental Configuration"): every candidate is one row of `make_choice_batch`;
-all candidates of `batch_size` examples run in one forward. Examples are sorted by a length proxy
+Scoring (paper, "Experimental Configuration"): all candidates of `batch_size` examples run in one
+forward (`make_choice_batch`). Examples are sorted by a length proxy
 (characters of the question plus the longest choice) to cut padding; outputs keep the input order.
 The paper ranks by mean answer-token log-prob ("accuracy"); sum and per-character rankings are
 reported beside it. "choice_nll" is the mean over examples of the cross-entropy over candidates
@@ -39,11 +39,9 @@ Decisions where neither the paper nor train.py fixes the answer:
 - Decile curves need >= 10 groups in each population and non-constant train group means; else
   they are null with "deciles_skipped" saying why (a fresh tes head predicts one constant).
 
-Not done: scoring the prompt once and the candidates from its KV cache. On ARC-Challenge test it
-would feed about 2.7x fewer tokens (36% of the rows' tokens, counted with the tiny tokenizer), but
-a whole 500-example split is ~1e5 tokens of forward passes, seconds on one GPU; and the first
-answer token is predicted at the last prompt position, so its log-prob and routing would have to
-be spliced in from a left-padded prefill with per-row positions. Not worth that code here.
+Rows are packed (minimoe/scoring.py): one row per example, its prompt once and every candidate
+behind a block-causal mask, the LM head only at answer positions; `packed=False` scores one row per
+candidate, the reference path, with the same scores to rounding.
 """
 from __future__ import annotations
 
@@ -62,8 +60,7 @@ from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, c
                                  decile_curve, error_prediction_summary, group_by_layer_token,
                                  metrics_files, plot_error_prediction, population_moments,
                                  token_concentration)
-from minimoe.scoring import (IGNORE, answer_token_logprobs, by_example, choice_loss, choice_scores,
-                             make_choice_batch, predictions)
+from minimoe.scoring import by_example, choice_loss, choice_scores, forward_choices, make_choice_batch, predictions
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +111,13 @@ def _pad_id(tokenizer) -> int:
 
 @torch.inference_mode()
 def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int = 16, device=None,
-                   diagnostics: bool = True, max_length: int | None = None):
+                   diagnostics: bool = True, max_length: int | None = None, packed: bool = True):
     """Score every candidate of `examples` -> (records, metrics, TokenArrays or None).
 
     records: one dict per example, in input order (the predictions.jsonl lines).
     metrics: n_examples, accuracy (mean-token), accuracy_sum, accuracy_per_char, choice_nll.
-    max_length: longest row in tokens; longer rows lose the prompt's start (make_choice_batch), as in training.
+    max_length: longest prompt + candidate in tokens; longer prompts lose their start (make_choice_batch),
+    as in training. packed: one row per example (default) or one per candidate (the reference path).
     """
     if not examples:
         raise ValueError("evaluate_split: no examples")
@@ -127,7 +125,7 @@ def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int
         raise ValueError(f"evaluate_split: batch_size={batch_size}; expected >= 1")
     device = torch.device(device) if device is not None else model.device
     with eval_mode(model):  # LoRA dropout off, also when a trainer calls this mid-run
-        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length)
+        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed)
 
 
 @contextmanager
@@ -142,7 +140,7 @@ def eval_mode(model):
             m.training = mode
 
 
-def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length):
+def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed):
     k, layers = model.config.num_experts_per_tok, diagnosed_layers(model)
     order = sorted(range(len(examples)), key=lambda i: -_length_proxy(examples[i]))  # longest first: OOM early
     records: list[dict | None] = [None] * len(examples)
@@ -151,12 +149,12 @@ def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_leng
     e_hat: dict[int, list] = {}
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        batch = make_choice_batch([examples[i] for i in idx], tokenizer, _pad_id(tokenizer), max_length).to(device)
-        out = model(batch.input_ids, attention_mask=batch.attention_mask)
-        logp = answer_token_logprobs(out.logits, batch)  # [R, T] fp32
+        batch = make_choice_batch([examples[i] for i in idx], tokenizer, _pad_id(tokenizer), max_length,
+                                  packed=packed).to(device)
+        out, logp = forward_choices(model, batch)  # logp [n] fp32, every candidate's answer tokens
         scores = choice_scores(logp, batch)
         tables = {name: by_example(s, batch).tolist() for name, s in scores.items()}  # [X, C_max]
-        tokens = by_example((batch.targets != IGNORE).sum(-1).float(), batch).tolist()
+        tokens = by_example(batch.n_tokens.float(), batch).tolist()
         chars = by_example(batch.chars.float(), batch).tolist()
         picked = {name: predictions(s, batch).tolist() for name, s in scores.items()}
         nll = choice_loss(scores["mean"], batch, reduction="none").tolist()  # [X]
@@ -172,10 +170,9 @@ def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_leng
         if not diagnostics:
             continue
         mask = batch.supervised_mask.flatten()  # [R*T], the same flattening as Routing's tokens
-        seen["token_ce"].append((-logp.flatten()[mask]).double().cpu().numpy())
-        seen["target"].append(batch.targets.flatten()[mask].cpu().numpy())
-        row_example = torch.tensor(idx, device=device)[batch.example]  # [R] index into `examples`
-        seen["example"].append(row_example[:, None].expand_as(batch.targets).flatten()[mask].cpu().numpy())
+        token_example = torch.tensor(idx, device=device)[batch.example[batch.cand]]  # [n] index into `examples`
+        for name, values in (("token_ce", -logp.double()), ("target", batch.target), ("example", token_example)):
+            seen[name].append(batch.at_supervised(values).flatten()[mask].cpu().numpy())
         for l in layers:
             routing = out.routings[l]
             conc[l].append(concentration_from_logits(routing.logits[mask], k))
