@@ -415,16 +415,16 @@ def _train_limit(max_examples, run_config) -> int | None:
 
 
 def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_examples=None,
-                    batch_size: int = 16, max_length: int | None = None) -> dict:
+                    batch_size: int = 16, max_length: int | None = None, packed: bool = True) -> dict:
     """Score, summarise and write `out` atomically (temp folder beside it, swapped in at the end)."""
     split = identity["split"]
     records, metrics, arrays = evaluate_split(model, tokenizer, examples, batch_size=batch_size,
-                                              max_length=max_length)
+                                              max_length=max_length, packed=packed)
     train_arrays = None
     extra = {}
     if train_examples is not None:
         _, train_metrics, train_arrays = evaluate_split(model, tokenizer, train_examples, batch_size=batch_size,
-                                                        max_length=max_length)
+                                                        max_length=max_length, packed=packed)
         extra = {"train_examples": train_metrics["n_examples"], "train_accuracy": train_metrics["accuracy"]}
     label = f"{identity['method']}, {identity['dataset']}: "
     diagnostics, plots = diagnostics_report(arrays, split, train_arrays, label=label)
@@ -459,7 +459,7 @@ def _identity(source: AdapterSource | None, *, model, data, split, net, batch_si
 def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: str | None = None,
                    data: str | None = None, split: str = "test", data_dir=None, max_examples: int | None = None,
                    max_length: int | None = None, batch_size: int = 16, device: str = "auto", dtype: str = "auto",
-                   train_split_diagnostics: bool | None = None) -> dict:
+                   train_split_diagnostics: bool | None = None, packed: bool = True) -> dict:
     """Load the model (+ adapter), evaluate and write `out`; returns the metrics.json content.
 
     Everything that can fail on bad input (folders, manifests, model, adapter) is checked before the
@@ -494,7 +494,7 @@ def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: s
     identity = _identity(source, model=model, data=data, split=split, net=net, batch_size=batch_size,
                          max_examples=max_examples, max_length=max_length)
     return score_and_write(net, tokenizer, examples, out, identity, train_examples=train_examples,
-                           batch_size=batch_size, max_length=max_length)
+                           batch_size=batch_size, max_length=max_length, packed=packed)
 
 
 def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=None, train_data=None, out=None,
