@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from minimoe.data import Example
-from minimoe.evaluation import concentration_from_logits
+from minimoe.evaluation import concentration_from_logits, evaluate_split
 from minimoe.lora import add_lora
 from minimoe.objectives import supervision_loss
 from minimoe.routing import set_router
@@ -22,6 +22,8 @@ METHODS = {"native": {}, "dual": {}, "tes": {"gamma": 1.0}, "acs": {}}
 
 class CharTokenizer:
     """One token per character (ids 3..127), BOS 2 before a prompt: lengths are exactly controlled."""
+
+    pad_token_id, eos_token_id = 0, None
 
     def encode(self, text, add_special_tokens=True):
         return ([2] if add_special_tokens else []) + [3 + ord(ch) % 125 for ch in text]
@@ -162,3 +164,20 @@ def test_packed_rows_under_gradient_checkpointing_give_the_same_gradients():
     ckpt = terms(model, batch, "tes")
     for name in ("grad_loss", "grad_supervision"):
         assert_close(ckpt[name], plain[name], name)
+
+
+def test_evaluate_split_packed_equals_per_candidate_rows_records_and_token_arrays():
+    model, tok = model_with("granitemoe", "tes"), CharTokenizer()
+    runs = [evaluate_split(model, tok, examples(), batch_size=2, max_length=40, packed=p) for p in (True, False)]
+    (rec_a, met_a, arr_a), (rec_b, met_b, arr_b) = runs
+    assert [r["n_tokens"] for r in rec_a] == [r["n_tokens"] for r in rec_b]
+    for ra, rb in zip(rec_a, rec_b):
+        for key in ("logprob_mean", "logprob_sum", "logprob_per_char"):
+            torch.testing.assert_close(torch.tensor(ra[key]), torch.tensor(rb[key]), atol=1e-5, rtol=1e-5)
+    assert met_a["choice_nll"] == pytest.approx(met_b["choice_nll"], abs=1e-5)
+    assert (arr_a.target == arr_b.target).all() and (arr_a.example == arr_b.example).all()
+    torch.testing.assert_close(torch.tensor(arr_a.token_ce), torch.tensor(arr_b.token_ce), atol=1e-5, rtol=1e-5)
+    for layer in arr_b.e_hat:
+        torch.testing.assert_close(torch.tensor(arr_a.e_hat[layer]), torch.tensor(arr_b.e_hat[layer]), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.tensor(arr_a.concentration[layer]), torch.tensor(arr_b.concentration[layer]),
+                                   atol=1e-5, rtol=1e-5)
