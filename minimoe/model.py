@@ -16,6 +16,9 @@ Decisions that matter for parity with `transformers` 4.57 (see shared/reference/
 - Routing is a swappable module (`MoEBlock.router`, see minimoe/routing.py). It sees the
   pre-expert hidden state and the native affinity logits and returns a `Routing`; every layer's
   `Routing` (logits, selected experts, weights, method readouts) is returned with the logits.
+- Packed answer choices (minimoe/scoring.py) pass `segment_ids`: the causal mask also hides other
+  segments than the shared prefix (0) and the query's own, as a bool SDPA mask (every backend). With
+  `logits_at` the LM head runs on the gathered final-normed hidden states only.
 - Experts are stacked 3-D weights `[E, out, in]` run on token blocks sorted by expert, with
   `torch.nn.functional.grouped_mm` where it applies and a plain per-expert loop otherwise
   (`expert_matmul`); both paths are tested equal. Experts are never evaluated densely.

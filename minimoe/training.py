@@ -8,6 +8,10 @@ Each term is normalised by its count over the *whole* optimizer step — all mic
 gradient accumulation and all data-parallel ranks — so that N processes, or N micro-batches, give
 the gradient of one process with the whole batch (DDP averages gradients, hence the world factor).
 
+Rows are packed (minimoe/scoring.py; `--per-candidate-rows` for the reference layout): each
+example's prompt runs once, so its LoRA dropout mask is shared by the candidates and the
+load-balancing loss counts its tokens once.
+
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
 shuffles with seed + e), and the RNG state is saved with each epoch checkpoint, so `--resume`
 after a kill ends on the same bits as the uninterrupted run on CPU.
