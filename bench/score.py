@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minimoe.allocator import keep_freed_memory  # noqa: E402
 from minimoe.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
 from minimoe.data import load_split  # noqa: E402
 from minimoe.evaluation import _pad_id, evaluate_split  # noqa: E402
@@ -122,6 +123,7 @@ PARTS = {"eval-packed": lambda a, d: eval_minimoe(a, d["test"], True),
 
 
 def run_part(args):
+    keep_freed_memory()  # as train.py and evaluate.py do; the transformers side gets it too
     torch.set_num_threads(args.threads)
     data = {"test": load_split("sciq", "test", data_dir=args.data_dir)[:args.max_examples],
             "train": load_split("sciq", "train", data_dir=args.data_dir)[:args.max_train_examples]}
