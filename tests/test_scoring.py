@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from minimoe.data import Example
-from minimoe.evaluation import concentration_from_logits, evaluate_split
+from minimoe.evaluation import evaluate_split
 from minimoe.lora import add_lora
 from minimoe.objectives import supervision_loss
 from minimoe.routing import set_router
@@ -50,6 +50,16 @@ def model_with(family, method):
     return model.train()  # dropout is 0: train mode changes nothing else
 
 
+def concentration(logits, k):
+    """C_t directly: sum of squares of the native top-K softmax probabilities, renormalised over the K."""
+    top = logits.softmax(-1).topk(k, -1).values
+    return ((top / top.sum(-1, keepdim=True)) ** 2).sum(-1)
+
+
+def prediction(routing):  # the supervised readout (tes: e_hat, acs: C_t)
+    return routing.prediction if hasattr(routing, "prediction") else routing.readouts["prediction"]
+
+
 def terms(model, batch, method):
     """Scores, choice loss, supervision term and the diagnostics of one layout, plus both gradients."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -61,13 +71,13 @@ def terms(model, batch, method):
     got["loss"] = loss.detach()
     got["grad_loss"] = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     flat = mask.flatten()
-    got["c_t"] = [torch.tensor(concentration_from_logits(r.logits[flat].detach(), 2)) for r in out.routings]
+    got["c_t"] = [concentration(r.logits[flat].detach(), 2) for r in out.routings]
     got["token_ce"] = batch.at_supervised(-logp).flatten()[flat].detach()
     if method in ("tes", "acs"):
         sup = supervision_loss(out.routings, batch.at_supervised(-logp), mask, "is")
         got["supervision"] = sup.detach()
         got["grad_supervision"] = torch.autograd.grad(sup, params, allow_unused=True)
-        got["e_hat"] = [r.readouts["prediction"][flat].detach() for r in out.routings]
+        got["e_hat"] = [prediction(r)[flat].detach() for r in out.routings]
     return got
 
 
