@@ -70,7 +70,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
     data.add_argument("--max-examples", type=int, metavar="N",
                       help="score only the first N examples (of the train population too); for quick checks")
     data.add_argument("--max-length", type=int, metavar="T",
-                      help="longest row in tokens, prompts cut from the left (default: the run's, else no limit)")
+                      help="longest prompt + candidate in tokens, prompts cut from the left (default: the run's, "
+                           "else no limit)")
     out = p.add_argument_group("output")
     out.add_argument("--out", type=Path, required=True,
                      help="output folder; replaced as a whole only once everything is written, and only if it "
@@ -82,6 +83,9 @@ def evaluate_parser() -> argparse.ArgumentParser:
     compute = p.add_argument_group("compute")
     compute.add_argument("--batch-size", type=int, default=16, metavar="N",
                          help="examples per forward; all their candidates run together (default: 16)")
+    compute.add_argument("--per-candidate-rows", action="store_true",
+                         help="one row per (prompt, candidate), the reference path; default: one packed row per "
+                              "example, its prompt run once")
     compute.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                          help="auto: cuda when available (default)")
     compute.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
@@ -137,7 +141,8 @@ def main(argv=None):
         out=args.out, model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
         split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
         batch_size=args.batch_size, allow_other_base=args.allow_other_base,
-        device=args.device, dtype=args.dtype, train_split_diagnostics=args.train_split_diagnostics)
+        device=args.device, dtype=args.dtype, train_split_diagnostics=args.train_split_diagnostics,
+        packed=not args.per_candidate_rows)
     print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples): "
           f"accuracy {metrics['accuracy']:.4f} (sum {metrics['accuracy_sum']:.4f}, per-char "
           f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.out}")

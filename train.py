@@ -93,7 +93,10 @@ def parse_args(argv=None):
     g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py)")
     g.add_argument("--max-train-examples", type=COUNT, help="keep only the first N training examples (default: the "
                    "recipe's count for a registered benchmark, e.g. granite 4992 of the 5000 for sciq; smoke runs)")
-    g.add_argument("--max-length", type=COUNT, default=512, help="longest row in tokens; prompts are cut from the left")
+    g.add_argument("--max-length", type=COUNT, default=512,
+                   help="longest prompt + candidate in tokens; prompts are cut from the left, answers never")
+    g.add_argument("--per-candidate-rows", action="store_true", help="one row per (prompt, candidate), the reference "
+                   "path; default: one packed row per example, its prompt run once")
     g = p.add_argument_group("method")
     g.add_argument("--method", choices=["ce", "dual", "tes", "acs"], help="ce = no method head (default: tes)")
     g.add_argument("--objective", choices=["is", "enll"], help="Itakura-Saito or exponential NLL (default: is)")
@@ -160,6 +163,7 @@ def resolve_config(args, model_config) -> dict:
         cfg["dtype"] = "bfloat16" if cfg["device"].startswith("cuda") else "float32"
     if cfg.get("test_checkpoint") is None:  # the paper's OLMoE affinity-tuned group is reported at selected epochs
         cfg["test_checkpoint"] = "selected" if recipe == "olmoe" and cfg["tune_router"] else "last"
+    cfg["packed"] = not cfg.pop("per_candidate_rows")
     cfg.update(recipe=recipe, label=method_label(cfg["method"], cfg["objective"], cfg["tune_router"]),
                pad_token_id=model_config.pad_token_id if model_config.pad_token_id is not None else model_config.eos_token_id,
                world_size=world()[1], torch_version=torch.__version__, model_config=vars(model_config) | {"extra": None})

@@ -6,8 +6,8 @@ atomically (`atomic_directory`): predictions.jsonl, metrics.json, tokens-<split>
 error-prediction-layer<l>.png. `evaluate_run` does the same for train.py at the end of a run, with
 the model it holds. `accuracy_report` turns many metrics.json into the paper's table.
 
-Scoring (paper, "Experimental Configuration"): every candidate is one row of `make_choice_batch`;
-all candidates of `batch_size` examples run in one forward. Examples are sorted by a length proxy
+Scoring (paper, "Experimental Configuration"): all candidates of `batch_size` examples run in one
+forward (`make_choice_batch`). Examples are sorted by a length proxy
 (characters of the question plus the longest choice) to cut padding; outputs keep the input order.
 The paper ranks by mean answer-token log-prob ("accuracy"); sum and per-character rankings are
 reported beside it. "choice_nll" is the mean over examples of the cross-entropy over candidates
@@ -40,11 +40,9 @@ Decisions where neither the paper nor train.py fixes the answer:
 - Decile curves need >= 10 groups in each population and non-constant train group means; else
   they are null with "deciles_skipped" saying why (a fresh tes head predicts one constant).
 
-Not done: scoring the prompt once and the candidates from its KV cache. On ARC-Challenge test it
-would feed about 2.7x fewer tokens (36% of the rows' tokens, counted with the tiny tokenizer), but
-a whole 500-example split is ~1e5 tokens of forward passes, seconds on one GPU; and the first
-answer token is predicted at the last prompt position, so its log-prob and routing would have to
-be spliced in from a left-padded prefill with per-row positions. Not worth that code here.
+Rows are packed (minimoe/scoring.py): one row per example, its prompt once and every candidate
+behind a block-causal mask, the LM head only at answer positions; `packed=False` scores one row per
+candidate, the reference path, with the same scores to rounding.
 """
 from __future__ import annotations
 
@@ -65,8 +63,7 @@ from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, c
                                  metrics_files, plot_error_prediction, population_moments)
 from minimoe.lora import load_adapter
 from minimoe.routing import native_concentration
-from minimoe.scoring import (IGNORE, answer_token_logprobs, by_example, choice_loss, choice_scores,
-                             make_choice_batch, predictions)
+from minimoe.scoring import by_example, choice_loss, choice_scores, forward_choices, make_choice_batch, predictions
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +107,13 @@ def _pad_id(tokenizer) -> int:
 
 @torch.inference_mode()
 def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int = 16, device=None,
-                   diagnostics: bool = True, max_length: int | None = None):
+                   diagnostics: bool = True, max_length: int | None = None, packed: bool = True):
     """Score every candidate of `examples` -> (records, metrics, TokenArrays or None).
 
     records: one dict per example, in input order (the predictions.jsonl lines).
     metrics: n_examples, accuracy (mean-token), accuracy_sum, accuracy_per_char, choice_nll.
-    max_length: longest row in tokens; longer rows lose the prompt's start (make_choice_batch), as in training.
+    max_length: longest prompt + candidate in tokens; longer prompts lose their start (make_choice_batch),
+    as in training. packed: one row per example (default) or one per candidate (the reference path).
     """
     if not examples:
         raise ValueError("evaluate_split: no examples")
@@ -123,7 +121,7 @@ def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int
         raise ValueError(f"evaluate_split: batch_size={batch_size}; expected >= 1")
     device = torch.device(device) if device is not None else model.device
     with eval_mode(model):  # LoRA dropout off, also when a trainer calls this mid-run
-        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length)
+        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed)
 
 
 @contextmanager
@@ -138,7 +136,7 @@ def eval_mode(model):
             m.training = mode
 
 
-def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length):
+def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed):
     k, layers = model.config.num_experts_per_tok, diagnosed_layers(model)
     order = sorted(range(len(examples)), key=lambda i: -_length_proxy(examples[i]))  # longest first: OOM early
     records: list[dict | None] = [None] * len(examples)
@@ -147,12 +145,12 @@ def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_leng
     e_hat: dict[int, list] = {}
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        batch = make_choice_batch([examples[i] for i in idx], tokenizer, _pad_id(tokenizer), max_length).to(device)
-        out = model(batch.input_ids, attention_mask=batch.attention_mask)
-        logp = answer_token_logprobs(out.logits, batch)  # [R, T] fp32
+        batch = make_choice_batch([examples[i] for i in idx], tokenizer, _pad_id(tokenizer), max_length,
+                                  packed=packed).to(device)
+        out, logp = forward_choices(model, batch)  # logp [n] fp32, every candidate's answer tokens
         scores = choice_scores(logp, batch)
         tables = {name: by_example(s, batch).tolist() for name, s in scores.items()}  # [X, C_max]
-        tokens = by_example((batch.targets != IGNORE).sum(-1).float(), batch).tolist()
+        tokens = by_example(batch.n_tokens.float(), batch).tolist()
         chars = by_example(batch.chars.float(), batch).tolist()
         picked = {name: predictions(s, batch).tolist() for name, s in scores.items()}
         nll = choice_loss(scores["mean"], batch, reduction="none").tolist()  # [X]
@@ -168,10 +166,9 @@ def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_leng
         if not diagnostics:
             continue
         mask = batch.supervised_mask.flatten()  # [R*T], the same flattening as Routing's tokens
-        seen["token_ce"].append((-logp.flatten()[mask]).double().cpu().numpy())
-        seen["target"].append(batch.targets.flatten()[mask].cpu().numpy())
-        row_example = torch.tensor(idx, device=device)[batch.example]  # [R] index into `examples`
-        seen["example"].append(row_example[:, None].expand_as(batch.targets).flatten()[mask].cpu().numpy())
+        token_example = torch.tensor(idx, device=device)[batch.example[batch.cand]]  # [n] index into `examples`
+        for name, values in (("token_ce", -logp.double()), ("target", batch.target), ("example", token_example)):
+            seen[name].append(batch.at_supervised(values).flatten()[mask].cpu().numpy())
         for l in layers:
             routing = out.routings[l]
             c = native_concentration(routing.logits[mask], k)  # [n]
@@ -415,16 +412,16 @@ def _train_limit(max_examples, run_config) -> int | None:
 
 
 def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_examples=None,
-                    batch_size: int = 16, max_length: int | None = None) -> dict:
+                    batch_size: int = 16, max_length: int | None = None, packed: bool = True) -> dict:
     """Score, summarise and write `out` atomically (temp folder beside it, swapped in at the end)."""
     split = identity["split"]
     records, metrics, arrays = evaluate_split(model, tokenizer, examples, batch_size=batch_size,
-                                              max_length=max_length)
+                                              max_length=max_length, packed=packed)
     train_arrays = None
     extra = {}
     if train_examples is not None:
         _, train_metrics, train_arrays = evaluate_split(model, tokenizer, train_examples, batch_size=batch_size,
-                                                        max_length=max_length)
+                                                        max_length=max_length, packed=packed)
         extra = {"train_examples": train_metrics["n_examples"], "train_accuracy": train_metrics["accuracy"]}
     label = f"{identity['method']}, {identity['dataset']}: "
     diagnostics, plots = diagnostics_report(arrays, split, train_arrays, label=label)
@@ -459,7 +456,8 @@ def _identity(source: AdapterSource | None, *, model, data, split, net, batch_si
 def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: str | None = None,
                    data: str | None = None, split: str = "test", data_dir=None, max_examples: int | None = None,
                    max_length: int | None = None, batch_size: int = 16, device: str = "auto", dtype: str = "auto",
-                   train_split_diagnostics: bool | None = None, allow_other_base: bool = False) -> dict:
+                   train_split_diagnostics: bool | None = None, allow_other_base: bool = False,
+                   packed: bool = True) -> dict:
     """Load the model (+ adapter), evaluate and write `out`; returns the metrics.json content.
 
     Everything that can fail on bad input (folders, manifests, model, adapter) is checked before the
@@ -494,7 +492,7 @@ def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: s
     identity = _identity(source, model=model, data=data, split=split, net=net, batch_size=batch_size,
                          max_examples=max_examples, max_length=max_length)
     return score_and_write(net, tokenizer, examples, out, identity, train_examples=train_examples,
-                           batch_size=batch_size, max_length=max_length)
+                           batch_size=batch_size, max_length=max_length, packed=packed)
 
 
 def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=None, train_data=None, out=None,
@@ -511,8 +509,10 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=N
         out = run / "eval" / (split if checkpoint in (None, "last") else f"{split}-{checkpoint}")
     check_replaceable(out, "evaluation")
     if model is None:
+        packed = resolve_adapter(run, checkpoint).run_config.get("packed", True)  # the run's row layout
         return run_evaluation(out=out, adapter=run, checkpoint=checkpoint, split=split, batch_size=batch_size,
-                              device=device, dtype=dtype, train_split_diagnostics=train_split_diagnostics)
+                              device=device, dtype=dtype, train_split_diagnostics=train_split_diagnostics,
+                              packed=packed)
     if tokenizer is None:
         raise ValueError("evaluate_run: an in-memory model needs its tokenizer")
     if checkpoint not in (None, "last"):
@@ -529,7 +529,7 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=N
     identity = _identity(source, model=cfg.get("model"), data=run_data, split=split, net=model,
                          batch_size=batch_size, max_examples=None, max_length=cfg.get("max_length"))
     return score_and_write(model, tokenizer, examples, out, identity, train_examples=train_examples,
-                           batch_size=batch_size, max_length=cfg.get("max_length"))
+                           batch_size=batch_size, max_length=cfg.get("max_length"), packed=cfg.get("packed", True))
 
 
 # ----------------------------------------------------------------------------- the accuracy table

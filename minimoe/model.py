@@ -16,6 +16,9 @@ Decisions that matter for parity with `transformers` 4.57 (see shared/reference/
 - Routing is a swappable module (`MoEBlock.router`, see minimoe/routing.py). It sees the
   pre-expert hidden state and the native affinity logits and returns a `Routing`; every layer's
   `Routing` (logits, selected experts, weights, method readouts) is returned with the logits.
+- Packed answer choices (minimoe/scoring.py) pass `segment_ids`: the causal mask also hides other
+  segments than the shared prefix (0) and the query's own, as a bool SDPA mask (every backend). With
+  `logits_at` the LM head runs on the gathered final-normed hidden states only.
 - Experts are stacked 3-D weights `[E, out, in]` run on token blocks sorted by expert, with
   `torch.nn.functional.grouped_mm` where it applies and a plain per-expert loop otherwise
   (`expert_matmul`); both paths are tested equal. Experts are never evaluated densely.
@@ -302,7 +305,7 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, V] in the model dtype
+    logits: torch.Tensor  # [B, T, V] in the model dtype; [n, V] with forward's logits_at
     routings: list[Routing]  # one per layer, tokens flattened as B*T
     aux_loss: torch.Tensor | None = None  # load-balancing loss over all layers (None with a KV cache)
 
@@ -340,7 +343,9 @@ class Model(nn.Module):
 
 
 class MoEForCausalLM(nn.Module):
-    """`model(input_ids, attention_mask=None)` -> CausalLMOutput(logits, routings, aux_loss)."""
+    """`model(input_ids, attention_mask=None)` -> CausalLMOutput(logits, routings, aux_loss).
+
+    `logits_at=` runs the LM head at chosen positions only; `segment_ids=` gives a block-causal mask."""
 
     def __init__(self, config: MoEConfig):
         super().__init__()
@@ -362,8 +367,15 @@ class MoEForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, cache: KVCache | None = None):
-        """input_ids [B, T]; attention_mask [B, S] (1 = real token, covers cached positions too)."""
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache: KVCache | None = None, *,
+                segment_ids=None, logits_at=None):
+        """input_ids [B, T]; attention_mask [B, S] (1 = real token, covers cached positions too).
+
+        segment_ids [B, T]: a block-causal layout (packed answer choices, minimoe/scoring.py): a token of
+        segment s > 0 sees segment 0 and its own segment, causally; segment 0 sees segment 0 only.
+        logits_at: (rows, cols) index tensors, n each: the LM head runs at those positions only and
+        logits are [n, V] (gathered after the final norm, so no [B, T, V] tensor is built).
+        """
         c = self.config
         B, T = input_ids.shape
         start = cache.length if cache is not None else 0
@@ -371,31 +383,45 @@ class MoEForCausalLM(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
-        mask = self._attention_mask(attention_mask, B, T, start, input_ids.device)
+        mask = self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids)
         routings = []
         for layer in self.model.layers:
             h, routing = layer(h, cos, sin, mask, cache)
             routings.append(routing)
         if cache is not None:
             cache.length += T
-        logits = self.lm_head(self.model.norm(h))
-        if c.logits_scaling != 1.0:  # Granite divides, as the reference does (not * 1/s: other bits)
-            logits = logits / c.logits_scaling
+        h = self.model.norm(h)
+        if logits_at is not None:
+            h = h[logits_at]  # [n, D]
         aux = None
         if cache is None:
             real = attention_mask[:, -T:] if attention_mask is not None else None
             aux = load_balancing_loss([r.logits for r in routings], c.num_experts, c.num_experts_per_tok, real)
-        return CausalLMOutput(logits=logits, routings=routings, aux_loss=aux)
+        return CausalLMOutput(logits=self.head(h), routings=routings, aux_loss=aux)
+
+    def head(self, hidden):
+        """Final-normed hidden states [..., D] -> logits [..., V], Granite's logits_scaling included."""
+        logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite divides, as the reference does (not * 1/s: other bits)
+            logits = logits / self.config.logits_scaling
+        return logits
 
     @staticmethod
-    def _attention_mask(attention_mask, B, T, start, device):
-        """None (plain causal, SDPA's fast path) or a bool [B, 1, T, S] mask: causal and not padding."""
-        if attention_mask is None and start == 0:
+    def _attention_mask(attention_mask, B, T, start, device, segment_ids=None):
+        """None (plain causal, SDPA's fast path) or a bool [B, 1, T, S] mask: causal, not padding and,
+        with segment_ids, block-causal. A bool mask works with SDPA on every backend, CUDA included."""
+        if attention_mask is None and segment_ids is None and start == 0:
             return None
         S = start + T
         q_pos = torch.arange(start, S, device=device)[:, None]
         allowed = torch.arange(S, device=device)[None, :] <= q_pos  # [T, S] causal
         allowed = allowed[None, None].expand(B, 1, T, S)
+        if segment_ids is not None:
+            if start != 0 or segment_ids.shape != (B, T):
+                raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)} with {start} cached positions; "
+                                 f"expected {(B, T)} and no KV cache")
+            seg_q, seg_k = segment_ids[:, :, None], segment_ids[:, None, :]  # [B, T, 1], [B, 1, S]
+            allowed = allowed & ((seg_k == 0) | (seg_k == seg_q))[:, None]
         if attention_mask is not None:
             if attention_mask.shape != (B, S):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, S)}")

@@ -1,17 +1,38 @@
-"""Answer-choice scoring: every candidate is one row, `prompt + " " + answer text`, scored by the
-conditional log-probabilities of its answer tokens (paper, Experimental Configuration).
+"""Answer-choice scoring: every candidate is scored by the conditional log-probabilities of its answer
+tokens after the prompt, `prompt + " " + answer text` (paper, Experimental Configuration).
 
-Rows of all candidates of all examples in a batch are right-padded into one [R, T] batch. Position t
-of a row *predicts* token t+1, so the answer tokens' log-probabilities sit at the positions just
-before them (`targets` holds the predicted token there, -100 elsewhere). The same positions carry
-the routing decisions that the TES/ACS objectives supervise: the method term reads the gold row's
-answer positions only (`supervised_mask`) — prompt and padding excluded, the choice this codebase
-makes for "the observed next-token CE of the gold answer's tokens".
+Two row layouts, one meaning (tests hold them equal):
+- packed (the default): one row per example, the prompt once, then every candidate, right-padded.
+  A block-causal mask (`segment_ids`: 0 = prompt, c+1 = candidate c) lets a candidate see the prompt
+  and its own earlier tokens, never another candidate; position ids restart at the prompt's end for
+  each candidate, so a candidate's positions equal those of its own per-candidate row. The prompt
+  runs once instead of once per candidate (it is most of the tokens).
+- per-candidate rows (`packed=False`, the readable reference): one row per (prompt, candidate).
 
-Scores per row: `sum` (total log-prob), `mean` (per answer token; the paper's ranking rule and the
-training task term) and `per_char` (total / characters of the answer text). The prompt is encoded
-with the tokenizer's special tokens, the answer without, and the two id lists are concatenated,
-so a candidate's tokens never depend on the prompt's last word.
+Answer tokens are listed flat, n in all: the hidden state at (`row`, `col`) predicts `target`, the
+token of candidate `cand`. Position t predicts token t+1, so a candidate's first answer token is
+predicted at the prompt's last position; in a packed row that one position predicts the first
+token of *every* candidate. The model runs its LM head only at these n positions (`logits_at`),
+so no [rows, T, V] tensor is built.
+
+Routing supervision (TES/ACS) and the diagnostics read the gold candidate's answer positions only
+(`supervised_mask`): prompt tokens other than its last, padding and the other candidates are
+excluded, the choice this codebase makes for "the observed next-token CE of the gold answer's
+tokens". In both layouts these positions are distinct and hold the same hidden states.
+
+max_length bounds what one candidate sees: prompt + that candidate <= max_length. The prompt of an
+example is cut from the left to max_length minus its longest answer, once for all its candidates
+(answers are never cut), so a packed row holds at most max_length - longest + sum of the answers.
+
+Packing changes two things in training, both written down here and in the README: LoRA dropout
+draws one mask for the prompt, shared by all candidates (per-candidate rows draw one per row);
+and the load-balancing loss counts each prompt token once, not once per candidate. In eval mode
+(no dropout) and without the load-balancing term the two layouts agree to rounding.
+
+Scores per candidate: `sum` (total log-prob), `mean` (per answer token; the paper's ranking rule and
+the training task term) and `per_char` (total / characters of the answer text). The prompt is
+encoded with the tokenizer's special tokens, the answer without, and the two id lists are
+concatenated, so a candidate's tokens never depend on the prompt's last word.
 """
 from __future__ import annotations
 
@@ -22,84 +43,124 @@ import torch.nn.functional as F
 
 from minimoe.data import Example, format_choice, format_prompt
 
-IGNORE = -100
-
 
 @dataclass
 class ChoiceBatch:
-    input_ids: torch.Tensor  # [R, T] right-padded rows, R = candidates of all examples
+    input_ids: torch.Tensor  # [R, T] right-padded rows: one per example (packed) or per candidate
     attention_mask: torch.Tensor  # [R, T] 1 = real token
-    targets: torch.Tensor  # [R, T] the answer token predicted at t (= input_ids[t+1]), IGNORE elsewhere
-    example: torch.Tensor  # [R] index of the row's example in the batch
-    choice: torch.Tensor  # [R] index of the row's candidate within its example
-    chars: torch.Tensor  # [R] characters of the answer text (per-character normalisation)
+    position_ids: torch.Tensor  # [R, T] restart at the prompt's end for each packed candidate
+    segment_ids: torch.Tensor | None  # [R, T] packed: 0 = prompt (and padding), c+1 = candidate c; else None
+    # answer tokens of all candidates, n in all
+    row: torch.Tensor  # [n] the row ...
+    col: torch.Tensor  # [n] ... and position whose hidden state predicts the token
+    target: torch.Tensor  # [n] the answer token
+    cand: torch.Tensor  # [n] its candidate (index into the [C] fields)
+    # candidates of all examples, C in all
+    example: torch.Tensor  # [C] index of the candidate's example in the batch
+    choice: torch.Tensor  # [C] index of the candidate within its example
+    chars: torch.Tensor  # [C] characters of the answer text (per-character normalisation)
+    n_tokens: torch.Tensor  # [C] answer tokens
     gold: torch.Tensor  # [X] gold candidate of each example
 
     def to(self, device):
-        return ChoiceBatch(**{k: v.to(device) for k, v in vars(self).items()})
+        return ChoiceBatch(**{k: v if v is None else v.to(device) for k, v in vars(self).items()})
 
     @property
-    def gold_rows(self) -> torch.Tensor:  # [R] bool
-        return self.choice == self.gold[self.example]
+    def scored_positions(self) -> tuple[torch.Tensor, torch.Tensor]:  # the model's `logits_at`
+        return self.row, self.col
+
+    @property
+    def gold_tokens(self) -> torch.Tensor:  # [n] bool: the token belongs to its example's gold candidate
+        return (self.choice == self.gold[self.example])[self.cand]
 
     @property
     def supervised_mask(self) -> torch.Tensor:  # [R, T] bool: the gold answer's token positions
-        return (self.targets != IGNORE) & self.gold_rows[:, None]
+        return self.at_supervised(torch.ones_like(self.target, dtype=torch.bool))
+
+    def at_supervised(self, values) -> torch.Tensor:
+        """[n] per-token values -> [R, T], the gold tokens' values at their positions, 0 elsewhere.
+
+        Differentiable; the layout of `Routing`'s tokens (rows flattened), for the method term."""
+        g = self.gold_tokens
+        out = values.new_zeros(self.input_ids.shape)
+        return out.index_put((self.row[g], self.col[g]), values[g])
 
 
-def make_choice_batch(examples: list[Example], tokenizer, pad_token_id: int, max_length: int | None = None) -> ChoiceBatch:
+def make_choice_batch(examples: list[Example], tokenizer, pad_token_id: int, max_length: int | None = None,
+                      *, packed: bool = True) -> ChoiceBatch:
     """Tokenise every (prompt, candidate) pair of `examples` into one right-padded batch."""
-    rows, spans, meta = [], [], []
+    rows, positions, segments, tokens, cands = [], [], [], [], []
     for x, ex in enumerate(examples):
         prompt = tokenizer.encode(format_prompt(ex.question))
-        for c, text in enumerate(ex.choices):
-            answer = tokenizer.encode(format_choice(text), add_special_tokens=False)
+        answers = [tokenizer.encode(format_choice(text), add_special_tokens=False) for text in ex.choices]
+        for c, (text, answer) in enumerate(zip(ex.choices, answers)):
             if not answer:
                 raise ValueError(f"example {ex.id}: choice {c} ({text!r}) encodes to no tokens")
-            ids = prompt + answer
-            if max_length is not None and len(ids) > max_length:  # drop the prompt's start, never the answer
-                ids = ids[len(ids) - max_length:]
-            rows.append(ids)
-            spans.append(len(answer))
-            meta.append((x, c, len(text)))
-    T = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), T), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), T), dtype=torch.long)
-    targets = torch.full((len(rows), T), IGNORE, dtype=torch.long)
-    for r, (ids, n) in enumerate(zip(rows, spans)):
-        L = len(ids)
-        input_ids[r, :L] = torch.tensor(ids)
-        attention_mask[r, :L] = 1
-        targets[r, L - n - 1:L - 1] = input_ids[r, L - n:L]
-    x, c, chars = (torch.tensor(v) for v in zip(*meta))
+            cands.append((x, c, len(text), len(answer)))
+        if max_length is not None:
+            keep = max_length - max(map(len, answers))  # drop the prompt's start, never an answer
+            if keep < 1:
+                raise ValueError(f"example {ex.id}: max_length={max_length} leaves no prompt token before its "
+                                 f"longest answer ({max(map(len, answers))} tokens); expected max_length > that")
+            prompt = prompt[-keep:]
+        P = len(prompt)
+        first = len(cands) - len(answers)  # this example's first candidate index
+        if packed:
+            ids, pos, seg, r = list(prompt), list(range(P)), [0] * P, len(rows)
+            for c, answer in enumerate(answers):
+                start = len(ids)  # column of the candidate's first token
+                for j, t in enumerate(answer):  # token j is predicted at the prompt's end (j = 0) or at j-1
+                    tokens.append((r, P - 1 if j == 0 else start + j - 1, t, first + c))
+                ids += answer
+                pos += range(P, P + len(answer))
+                seg += [c + 1] * len(answer)
+            rows.append(ids), positions.append(pos), segments.append(seg)
+        else:
+            for c, answer in enumerate(answers):
+                r = len(rows)
+                tokens += [(r, P - 1 + j, t, first + c) for j, t in enumerate(answer)]
+                rows.append(prompt + answer), positions.append(list(range(P + len(answer))))
+    R, T = len(rows), max(len(r) for r in rows)
+    input_ids = torch.full((R, T), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((R, T), dtype=torch.long)
+    position_ids = torch.zeros((R, T), dtype=torch.long)
+    segment_ids = torch.zeros((R, T), dtype=torch.long) if packed else None
+    for r, ids in enumerate(rows):
+        input_ids[r, :len(ids)] = torch.tensor(ids)
+        attention_mask[r, :len(ids)] = 1
+        position_ids[r, :len(ids)] = torch.tensor(positions[r])
+        if packed:
+            segment_ids[r, :len(ids)] = torch.tensor(segments[r])
+    row, col, target, cand = (torch.tensor(v) for v in zip(*tokens))
+    example, choice, chars, n_tokens = (torch.tensor(v) for v in zip(*cands))
     gold = torch.tensor([ex.answer for ex in examples])
-    return ChoiceBatch(input_ids, attention_mask, targets, x, c, chars, gold)
+    return ChoiceBatch(input_ids, attention_mask, position_ids, segment_ids, row, col, target, cand,
+                       example, choice, chars, n_tokens, gold)
+
+
+def forward_choices(model, batch: ChoiceBatch):
+    """One forward over the batch's rows, LM head at the answer positions -> (output, log-probs [n] fp32)."""
+    out = model(batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                segment_ids=batch.segment_ids, logits_at=batch.scored_positions)
+    return out, answer_token_logprobs(out.logits, batch)
 
 
 def answer_token_logprobs(logits, batch: ChoiceBatch):
-    """logits [R, T, V] -> log p(answer token) [R, T] in fp32, 0 at non-answer positions.
-
-    Only answer positions go through log_softmax, so the [R, T, V] fp32 tensor is never built.
-    """
-    where = batch.targets != IGNORE
-    picked = F.log_softmax(logits[where].float(), dim=-1)  # [n, V]
-    out = torch.zeros(batch.targets.shape, dtype=torch.float32, device=logits.device)
-    out[where] = picked.gather(-1, batch.targets[where][:, None])[:, 0]
-    return out
+    """logits [n, V] at the answer positions -> log p(answer token) [n] in fp32."""
+    return F.log_softmax(logits.float(), dim=-1).gather(-1, batch.target[:, None])[:, 0]
 
 
 def choice_scores(token_logprobs, batch: ChoiceBatch) -> dict[str, torch.Tensor]:
-    """Per row: summed, mean-per-token and per-character answer log-probability, each [R]."""
-    total = token_logprobs.sum(-1)
-    count = (batch.targets != IGNORE).sum(-1)
-    return {"sum": total, "mean": total / count, "per_char": total / batch.chars.clamp(min=1)}
+    """Per candidate: summed, mean-per-token and per-character answer log-probability, each [C]."""
+    total = token_logprobs.new_zeros(batch.choice.shape).index_add(0, batch.cand, token_logprobs)
+    return {"sum": total, "mean": total / batch.n_tokens, "per_char": total / batch.chars.clamp(min=1)}
 
 
-def by_example(row_values, batch: ChoiceBatch) -> torch.Tensor:
-    """[R] row values -> [X, C_max], -inf where an example has fewer candidates."""
+def by_example(values, batch: ChoiceBatch) -> torch.Tensor:
+    """[C] candidate values -> [X, C_max], -inf where an example has fewer candidates."""
     X, C = batch.gold.shape[0], int(batch.choice.max()) + 1
-    table = torch.full((X, C), float("-inf"), dtype=row_values.dtype, device=row_values.device)
-    table[batch.example, batch.choice] = row_values
+    table = torch.full((X, C), float("-inf"), dtype=values.dtype, device=values.device)
+    table[batch.example, batch.choice] = values
     return table
 
 

@@ -8,6 +8,10 @@ Each term is normalised by its count over the *whole* optimizer step — all mic
 gradient accumulation and all data-parallel ranks — so that N processes, or N micro-batches, give
 the gradient of one process with the whole batch (DDP averages gradients, hence the world factor).
 
+Rows are packed (minimoe/scoring.py; `--per-candidate-rows` for the reference layout): each
+example's prompt runs once, so its LoRA dropout mask is shared by the candidates and the
+load-balancing loss counts its tokens once.
+
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
 shuffles with seed + e), and the RNG state is saved with each checkpoint, so `--resume` after a
 kill ends on the same bits as the uninterrupted run on CPU. A mid-epoch checkpoint
@@ -46,7 +50,7 @@ from minimoe.objectives import supervision_loss
 from minimoe.routing import set_router
 from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, latest_checkpoint,
                           read_metrics, remove_orphans, save_state, set_rng_state, truncate_metrics)
-from minimoe.scoring import answer_token_logprobs, choice_loss, choice_scores, make_choice_batch
+from minimoe.scoring import choice_loss, choice_scores, forward_choices, make_choice_batch
 
 # The paper's Experimental Configuration table, one dict per backbone; "tiny" is the offline default.
 # train_examples: {benchmark: count} with "default" for the others; None keeps the whole train split.
@@ -138,19 +142,18 @@ def step_loss(model, batches, cfg, counts, world_size):
         sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
         ctx = model.no_sync() if not sync else torch.enable_grad()
         with ctx, autocast(cfg):
-            out = model(batch.input_ids, attention_mask=batch.attention_mask)
-            logp = answer_token_logprobs(out.logits, batch)  # [R, T]
+            out, logp = forward_choices(model, batch)  # logp [n]: every candidate's answer tokens
             task = choice_loss(choice_scores(logp, batch)["mean"], batch, reduction="sum") / counts["examples"]
             loss = task
             logs["task"] += task.item()
             mask = batch.supervised_mask
             if cfg["method"] in ("tes", "acs") and mask.any():
                 share = mask.sum().item() / counts["tokens"]  # this micro-batch's part of the step's tokens
-                method = supervision_loss(out.routings, -logp, mask, cfg["objective"], eps=cfg["is_eps"],
+                method = supervision_loss(out.routings, batch.at_supervised(-logp), mask, cfg["objective"], eps=cfg["is_eps"],
                                           depth_scaled=cfg["depth_scaled_lambda"]) * share
                 loss = loss + cfg["lambda_"] * method
                 logs["method"] += method.item()
-            if cfg["aux_coef"] > 0:
+            if cfg["aux_coef"] > 0:  # packed rows: each prompt token counts once, not once per candidate
                 aux = out.aux_loss * batch.input_ids.shape[0] / counts["rows"]
                 loss = loss + cfg["aux_coef"] * aux
                 logs["aux"] += aux.item()
@@ -168,7 +171,8 @@ def score_split(model, tokenizer, examples, cfg) -> dict:
     """Validation: length-normalised answer-choice NLL (the selection rule's quantity) and accuracy,
     scored by the same code as evaluate.py, so validation and test numbers are comparable."""
     _, metrics, _ = evaluate_split(model, tokenizer, examples, batch_size=cfg["eval_batch_size"],
-                                   device=cfg["device"], diagnostics=False, max_length=cfg["max_length"])
+                                   device=cfg["device"], diagnostics=False, max_length=cfg["max_length"],
+                                   packed=cfg.get("packed", True))
     return {"choice_nll": metrics["choice_nll"], "accuracy": metrics["accuracy"]}
 
 
@@ -229,7 +233,8 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
             micro = [ids[i:i + cfg["batch_size"]] for i in range(0, len(ids), cfg["batch_size"])]
             # Each rank takes every world_size-th example of each micro-batch.
             batches = [make_choice_batch([data["train"][j] for j in m[rank::world_size]], tokenizer,
-                                         cfg["pad_token_id"], cfg["max_length"]).to(device) for m in micro]
+                                         cfg["pad_token_id"], cfg["max_length"], packed=cfg.get("packed", True)
+                                         ).to(device) for m in micro]
             counts = {"examples": len(ids), "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in batches)),
                       "rows": global_sum(sum(b.input_ids.shape[0] for b in batches))}
             logs = step_loss(ddp, batches, cfg, counts, world_size)
