@@ -132,7 +132,7 @@ def read_gguf(path) -> tuple[dict, dict[str, torch.Tensor], object]:
         except NotImplementedError as e:
             raise UpcycleError(f"{path}: tensor {t.name!r} has type {t.tensor_type.name}, which gguf "
                                f"{_gguf_version()} cannot dequantise ({e})") from e
-        w = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
+        w = torch.from_numpy(np.array(values, dtype=np.float32).reshape(tuple(reversed(t.shape.tolist()))))
         if leaf_is(name, "q_proj"):
             w = unpermute(w, heads)
         elif leaf_is(name, "k_proj"):
