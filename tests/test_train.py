@@ -13,7 +13,7 @@ import train
 from minimoe.tiny import tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE = ["--max-train-examples", "16", "--batch-size", "8", "--epochs", "1", "--no-test-eval", "--quiet"]
+SMOKE = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "1", "--no-test-eval", "--quiet"]
 
 
 def run_train(tmp_path, *flags, name="run"):
