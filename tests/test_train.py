@@ -13,7 +13,7 @@ import train
 from minimoe.tiny import tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
-SMOKE = ["--max-train-examples", "16", "--batch-size", "8", "--epochs", "1", "--no-test-eval", "--quiet"]
+SMOKE = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "1", "--no-test-eval", "--quiet"]
 
 
 def run_train(tmp_path, *flags, name="run"):
@@ -335,8 +335,8 @@ def test_second_process_on_a_locked_run_folder_fails_fast(tmp_path):
 
 def test_resume_accepts_what_does_not_change_the_result(tmp_path):
     """A moved run folder, an explicit --run-name equal to the default, --eval-batch-size, test evaluation on."""
-    flags = ["--data-dir", str(tmp_path / "splits"), "--max-train-examples", "16", "--batch-size", "8", "--quiet",
-             "--method", "tes", "--epochs", "2"]
+    flags = ["--model", "tiny", "--data-dir", str(tmp_path / "splits"), "--max-train-examples", "16",
+             "--batch-size", "8", "--quiet", "--method", "tes", "--epochs", "2"]
     with pytest.raises(SystemExit, match="stopped after epoch 1"):
         train.main(["--out-dir", str(tmp_path / "a"), *flags, "--no-test-eval", "--stop-after-epochs", "1"])
     [run] = (tmp_path / "a").iterdir()
@@ -399,7 +399,7 @@ def test_test_checkpoint_defaults_to_what_the_paper_reports(flags, expected):
                                            (["--test-checkpoint", "both"], {"test", "test-selected"})])
 def test_train_evaluates_the_selected_checkpoint(tmp_path, flags, folders):
     data = small_manifests(tmp_path)
-    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data", str(data), "--method", "ce",
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(data), "--method", "ce",
                 "--batch-size", "8", "--epochs", "1", "--quiet", *flags])
     run = tmp_path / "run"
     assert {p.name for p in (run / "eval").iterdir()} == folders

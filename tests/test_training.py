@@ -97,7 +97,8 @@ def test_train_steps_and_learning_rates_per_step(tmp_path):
     """train.py end to end: 20 examples at 8 per step -> 3 steps per epoch (not 2); the logged learning
     rates are transformers' linear schedule with ceil(0.3 * 6) = 2 warmup steps."""
     run = tmp_path / "run"
-    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"), "--quiet",
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data-dir", str(tmp_path / "splits"),
+                "--quiet",
                 "--no-test-eval", "--method", "ce", "--max-train-examples", "20", "--batch-size", "8",
                 "--epochs", "2", "--warmup", "0.3"])
     steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
@@ -114,7 +115,8 @@ def test_task_loss_scores_candidates_by_mean_answer_log_prob(tmp_path):
     """Step 1's logged task loss (LoRA B = 0, so the base model) equals the candidates' CE computed here
     one row at a time: score = mean log p(answer token | prefix), then softmax over candidates."""
     run = tmp_path / "run"
-    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"), "--quiet",
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data-dir", str(tmp_path / "splits"),
+                "--quiet",
                 "--no-test-eval", "--method", "ce", "--lora-dropout", "0", "--max-train-examples", "8",
                 "--batch-size", "8", "--epochs", "1"])
     logged = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["task"]
