@@ -27,7 +27,7 @@ from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
 from minimoe.data import load_split
 from minimoe.tiny import tiny_checkpoint
-from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_label, train, world
+from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_label, run_name, train, world
 
 
 def parse_args(argv=None):
@@ -83,7 +83,7 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=42)
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="runs", help="parent folder of run folders")
-    g.add_argument("--run-name", help="default: <model>-<data>-<method>-seed<seed>")
+    g.add_argument("--run-name", help="default: <model>-<data>-<method>[-<ablation settings>]-seed<seed>")
     g.add_argument("--resume", action="store_true", help="continue the run folder from its last complete epoch")
     g.add_argument("--eval-batch-size", type=int, default=16)
     g.add_argument("--no-test-eval", action="store_true", help="stop after training and selection")
@@ -142,8 +142,7 @@ def main(argv=None):
     args.model = model_path
     cfg = resolve_config(args, model.config)
     data = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
-    short = Path(cfg["model"]).name
-    run = Path(cfg["out_dir"]) / (cfg.get("run_name") or f"{short}-{Path(cfg['data']).name}-{cfg['label'].replace(' + ', '+').replace(' ', '_')}-seed{cfg['seed']}")
+    run = Path(cfg["out_dir"]) / (cfg.get("run_name") or run_name(cfg))
     if run.exists() and not cfg["resume"]:
         sys.exit(f"train.py: run folder {run} exists; pass --resume to continue it or choose another --run-name")
     if cfg["resume"] and not (run / "config.json").is_file():

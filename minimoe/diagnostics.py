@@ -269,6 +269,14 @@ def _cell(accuracies: list[float], seeds_asked: int) -> str:
     return text
 
 
+def row_label(record: dict) -> str:
+    """The method and its ablation settings off the defaults: "ACS-IS [lambda=0.01, layers=all]"."""
+    settings = record.get("settings") or {}
+    if not settings:
+        return record["method"]
+    return f"{record['method']} [" + ", ".join(f"{k}={v}" for k, v in settings.items()) + "]"
+
+
 def accuracy_table(records: Iterable[dict], *, seeds: Sequence[int] = PAPER_SEEDS) -> str:
     """Markdown: one row per (model, method), one column per dataset, mean ± sample std in %."""
     cells: dict[tuple, dict[tuple, float]] = {}  # (model, method) -> {(dataset, seed): accuracy}
@@ -276,7 +284,7 @@ def accuracy_table(records: Iterable[dict], *, seeds: Sequence[int] = PAPER_SEED
     for r in records:
         if r["seed"] not in seeds:
             continue
-        row, key = (r["model"], r["method"]), (r["dataset"], r["seed"])
+        row, key = (r["model"], row_label(r)), (r["dataset"], r["seed"])
         runs = cells.setdefault(row, {})
         if key in runs:
             raise ValueError(f"duplicate run model={row[0]!r} method={row[1]!r} dataset={key[0]!r} "
