@@ -1,0 +1,142 @@
+"""sweep.py on the tiny checkpoint: a 2x2 grid through train.py subprocesses, a killed cell that
+resumes, the report with a missing cell, GPU scheduling on a fake device list, and the submitit path
+on its local executor. Run names and report keys are checked against the settings that were set."""
+import csv
+import json
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+import sweep
+from minimoe import sweep as sw
+from minimoe.data import load_examples
+from minimoe.diagnostics import accuracy_table
+from minimoe.tiny import tiny_checkpoint
+from minimoe.training import run_name
+
+SMOKE = ["--batch-size", "8", "--epochs", "2", "--quiet"]  # 8 examples: one step per epoch
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A small manifest folder (train 8, val 4, test 4) from the offline ARC-Challenge copy."""
+    folder = tmp_path_factory.mktemp("data") / "arc"
+    folder.mkdir()
+    examples = load_examples("arc_challenge")
+    for split, part in (("train", examples[:8]), ("val", examples[8:12]), ("test", examples[12:16])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(asdict(e)) + "\n" for e in part))
+    return folder
+
+
+def sweep_args(tmp_path, data, *flags):
+    return ["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "CE", "TES-IS",
+            "--seeds", "42", "43", "--out-dir", str(tmp_path), *flags, "--", *SMOKE]
+
+
+def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
+    """2 rows x 2 seeds: one cell killed after epoch 1 of 2 is continued with --resume,
+    one absent cell is reported as missing, then run; the report's numbers are the runs' metrics."""
+    cells = sweep.main(sweep_args(tmp_path, data, "--dry-run"))
+    assert [c.state() for c in cells] == ["missing"] * 4
+    killed, absent = cells[1], cells[3]
+    sw.subprocess.run([sw.sys.executable, str(sw.TRAIN_PY), *killed.train_args(), "--stop-after-epochs", "1"])
+    assert killed.state() == "partial"
+    # Run all but the absent cell: the report marks it.
+    sw.run_local([c for c in cells if c is not absent])
+    text = sw.write_report(cells, tmp_path)
+    assert "(n=1/2)" in text and "1 of 4 runs not finished" in text
+    rows = list(csv.DictReader(open(tmp_path / "report.csv")))
+    assert [r["state"] for r in rows if r["run"] == absent.run.name] == ["missing"]
+    assert json.loads((killed.run / "config.json").read_text())["seed"] == killed.seed
+    assert killed.state() == "done"  # without --resume train.py refuses the existing folder
+    epochs = [json.loads(x)["epoch"] for x in (killed.run / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x)["kind"] == "epoch"]
+    assert epochs == [1, 2]  # continued, not started over
+    # The sweep itself skips the three done cells and runs only the absent one.
+    before = {c.run: (c.run / "eval" / "test" / "metrics.json").stat().st_mtime_ns for c in cells if c is not absent}
+    sweep.main(sweep_args(tmp_path, data))
+    assert [c.state() for c in cells] == ["done"] * 4
+    assert "3 of 4 runs done; running 1" in capsys.readouterr().out
+    assert before == {run: (run / "eval" / "test" / "metrics.json").stat().st_mtime_ns for run in before}
+    table = (tmp_path / "report.md").read_text()
+    # Against the metrics.json files themselves, through the evaluate.py report's independent table.
+    for row in rows:
+        metrics = json.loads((tmp_path / row["run"] / "eval" / "test" / "metrics.json").read_text())
+        assert metrics["settings"] == {}
+    for cell_row in ("CE", "TES-IS"):
+        accs = [json.loads((c.run / "eval" / "test" / "metrics.json").read_text())["accuracy"]
+                for c in cells if c.row == cell_row]
+        expected = accuracy_table([{"model": "m", "method": "x", "dataset": "d", "seed": s, "accuracy": a}
+                                   for s, a in zip((42, 43), accs)], seeds=(42, 43)).splitlines()[-1].split(" | ")[-1]
+        assert f"| {cell_row} | {expected.rstrip(' |')} |" in table
+
+
+def test_run_names_and_report_keys_carry_ablation_settings():
+    base = {"model": "org/granite-x", "data": "arc_challenge", "method": "acs", "objective": "is", "seed": 42}
+    assert run_name(base) == "granite-x-arc_challenge-ACS-IS-seed42"
+    assert run_name({**base, "lambda_": 1e-3, "layers": "final"}) == run_name(base)  # defaults stay out
+    names = {run_name({**base, **s}) for s in ({"lambda_": 1e-2}, {"layers": "all"}, {"transform": "log"},
+                                                {"gamma": 2.0}, {"error_head_lr": 1e-4}, {"depth_scaled_lambda": True},
+                                                {"layers": "all", "depth_scaled_lambda": True}, {})}
+    assert len(names) == 8
+    assert run_name({**base, "lambda_": 1e-2, "layers": "all"}) == "granite-x-arc_challenge-ACS-IS-lambda0.01-layersall-seed42"
+    # Every cell of every preset gets its own folder (grid raises on a collision).
+    for name, preset in sw.PRESETS.items():
+        cells = sw.grid(["org/granite-x", "org/OLMoE-y"], preset.benchmarks, preset.rows, preset.seeds, "runs",
+                        settings=preset.settings)
+        assert cells, name
+    # Two runs differing only in lambda are two report rows, not a "duplicate run".
+    records = [{"model": "m", "method": "ACS-IS", "dataset": "d", "seed": 42, "accuracy": 0.5, "settings": s}
+               for s in ({}, {"lambda": 0.01})]
+    table = accuracy_table(records, seeds=(42,))
+    assert "| ACS-IS |" in table and "| ACS-IS [lambda=0.01] |" in table
+
+
+def test_lambda_table_writes_the_change_from_the_1e3_cell(tmp_path):
+    """Δ = mean(lambda 1e-2) - mean(lambda 1e-3), in points, from hand-written metrics."""
+    cells = sw.grid(["org/granite-x"], ["d"], [("TES-IS", "granite"), ("ACS-IS", "olmoe")], (42, 43), tmp_path,
+                    settings=({}, {"lambda_": 1e-2}))
+    assert {c.row for c in cells} == {"TES-IS"}  # the OLMoE-only row is not run on Granite
+    accs = {(False, 42): 0.60, (False, 43): 0.62, (True, 42): 0.65, (True, 43): 0.66}
+    for c in cells:
+        out = c.run / "eval" / "test"
+        out.mkdir(parents=True)
+        (c.run / "config.json").write_text("{}")
+        (out / "metrics.json").write_text(json.dumps({"accuracy": accs[(bool(c.settings), c.seed)]}))
+    table = sw.write_report(cells, tmp_path)
+    assert "| granite-x | TES-IS [lambda=0.01] | 65.50 ± 0.71 [+4.50] |" in table
+    assert "| granite-x | TES-IS | 61.00 ± 1.41 |" in table
+
+
+def test_devices_run_one_cell_each_at_a_time():
+    """A fake list of two devices: never two cells on one device, both devices used, every cell run once."""
+    cells = sw.grid(["org/olmoe-x"], ["d"], ["CE", "TES-IS", "ACS-IS"], (42, 43), "runs")
+    busy, seen, lock = set(), [], threading.Lock()
+
+    def launch(cell, env):
+        device = env["CUDA_VISIBLE_DEVICES"]
+        with lock:
+            assert device not in busy
+            busy.add(device)
+            seen.append((cell.run, device))
+        time.sleep(0.05)
+        with lock:
+            busy.discard(device)
+        return 0
+
+    codes = sw.run_on_devices(cells, ["0", "1"], launch=launch)
+    assert sorted(codes) == sorted(c.run for c in cells) and set(codes.values()) == {0}
+    assert {d for _, d in seen} == {"0", "1"} and len(seen) == len(cells)
+
+
+def test_submitit_local_executor_runs_one_job_per_cell(tmp_path, data):
+    """submitit's local executor runs the cell's train.py; the job is named after the run folder."""
+    pytest.importorskip("submitit")
+    cells = sw.grid([str(tiny_checkpoint())], [str(data)], ["CE"], (42,), tmp_path, extra=SMOKE)
+    jobs = sw.submit_slurm(cells, cluster="local", wait=True, timeout_min=5)
+    assert [j.result() for j in jobs] == [0]
+    assert cells[0].state() == "done"
+    assert (tmp_path / "submitit" / cells[0].run.name).is_dir()
