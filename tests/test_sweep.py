@@ -32,12 +32,12 @@ def data(tmp_path_factory):
 
 
 def sweep_args(tmp_path, data, *flags):
-    return ["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "CE", "TES-IS",
-            "--seeds", "42", "43", "--out-dir", str(tmp_path), *flags, "--", *SMOKE]
+    return ["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
+            "--set", "gamma=1,2", "--seeds", "42", "43", "--out-dir", str(tmp_path), *flags, "--", *SMOKE]
 
 
 def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
-    """2 rows x 2 seeds: one cell killed after epoch 1 of 2 is continued with --resume,
+    """2 settings (gamma 1 = the default, gamma 2) x 2 seeds: one cell killed after epoch 1 of 2 is continued with --resume,
     one absent cell is reported as missing, then run; the report's numbers are the runs' metrics."""
     cells = sweep.main(sweep_args(tmp_path, data, "--dry-run"))
     assert [c.state() for c in cells] == ["missing"] * 4
@@ -63,12 +63,13 @@ def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
     assert before == {run: (run / "eval" / "test" / "metrics.json").stat().st_mtime_ns for run in before}
     table = (tmp_path / "report.md").read_text()
     # Against the metrics.json files themselves, through the evaluate.py report's independent table.
-    for row in rows:
-        metrics = json.loads((tmp_path / row["run"] / "eval" / "test" / "metrics.json").read_text())
-        assert metrics["settings"] == {}
-    for cell_row in ("CE", "TES-IS"):
+    for c in cells:  # metrics.json's identity carries the setting off the default, the report keys it
+        metrics = json.loads((c.run / "eval" / "test" / "metrics.json").read_text())
+        assert metrics["settings"] == ({"gamma": 2.0} if dict(c.settings)["gamma"] == 2.0 else {})
+    for cell_row, gamma in (("TES-IS", 1.0), ("TES-IS [gamma=2.0]", 2.0)):
         accs = [json.loads((c.run / "eval" / "test" / "metrics.json").read_text())["accuracy"]
-                for c in cells if c.row == cell_row]
+                for c in cells if dict(c.settings)["gamma"] == gamma]
+        # The cell as evaluate.py's report computes it from the same numbers (mean ± sample std in %).
         expected = accuracy_table([{"model": "m", "method": "x", "dataset": "d", "seed": s, "accuracy": a}
                                    for s, a in zip((42, 43), accs)], seeds=(42, 43)).splitlines()[-1].split(" | ")[-1]
         assert f"| {cell_row} | {expected.rstrip(' |')} |" in table
