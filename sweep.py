@@ -79,7 +79,7 @@ def main(argv=None):
             parser.error(f"--rows {row!r}: expected one of {list(ROWS)}")
     cells = grid(models, args.benchmarks or preset.benchmarks, args.rows or preset.rows, args.seeds or preset.seeds,
                  args.out_dir, settings=settings_variants(args.set, parser) if args.set else preset.settings,
-                 recipes=recipes, extra=args.extra)
+                 recipes=recipes, extra=args.extra, train_eval=preset.train_eval)
     if args.dry_run:
         for c in cells:
             print(f"{c.state():8s} {c.run}")
@@ -101,7 +101,7 @@ def main(argv=None):
         if failed:
             print("sweep: failed (run the same command again to continue them):\n  " + "\n  ".join(failed),
                   file=sys.stderr)
-    print(write_report(cells, args.out_dir, preset.columns), end="")
+    print(write_report(cells, args.out_dir, preset.columns, preset.tables), end="")
     print(f"report: {args.out_dir}/report.md, {args.out_dir}/report.csv")
     return cells
 

@@ -304,3 +304,45 @@ def accuracy_table(records: Iterable[dict], *, seeds: Sequence[int] = PAPER_SEED
             row.append(_cell(accs, len(seeds)) if accs else "—")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+# ---- across seeds: the appendix tables and the decile figures from saved token arrays -----------
+
+def mean_sd(values: Sequence[float], digits: int) -> str:
+    """"mean ± sample std" (ddof=1) over seeds; the mean alone for one seed."""
+    text = f"{statistics.fmean(values):.{digits}f}"
+    return text + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+
+
+def token_file_errors(path) -> tuple | None:
+    """One seed's tokens-<split>.npz -> (layer, target, e_hat, token_ce) pooled over its tes layers; None without e_hat."""
+    with np.load(path) as z:
+        layers = sorted(int(k.removeprefix("e_hat_layer")) for k in z.files if k.startswith("e_hat_layer"))
+        if not layers:
+            return None
+        ce, target = z["token_ce"], z["target"]
+        parts = [(np.full(ce.shape, l), target, z[f"e_hat_layer{l}"], ce) for l in layers]
+    return tuple(np.concatenate(p) for p in zip(*parts))
+
+
+def token_file_groups(path) -> Groups | None:
+    errors = token_file_errors(path)
+    return None if errors is None else group_by_layer_token(*errors)
+
+
+def seed_error_figure(train_files, test_files, path, *, title: str, bins: int = 10) -> dict:
+    """fig:arc_error_prediction over seeds: groups averaged across seeds in each population, both
+    standardised with the seed-averaged TRAIN groups' moments; -> group r/rho of each population."""
+    train = average_groups_across_seeds([token_file_groups(f) for f in train_files])
+    test = average_groups_across_seeds([token_file_groups(f) for f in test_files])
+    reference = population_moments(train.predicted, train.observed)
+    curves = [decile_curve(g.predicted, g.observed, reference=reference, bins=bins) for g in (train, test)]
+    plot_error_prediction(*curves, path, title=title)
+    return {"train": group_correlations(train), "test": group_correlations(test)}
+
+
+def final_layer_concentration(path) -> dict:
+    """One seed's tokens-<split>.npz -> concentration_summary of its last diagnosed layer."""
+    with np.load(path) as z:
+        layer = max(int(k.removeprefix("concentration_layer")) for k in z.files if k.startswith("concentration_layer"))
+        return concentration_summary(z[f"concentration_layer{layer}"], z["token_ce"])

@@ -28,11 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from minimoe import diagnostics
 from minimoe.atomic import atomic_file
 from minimoe.diagnostics import PAPER_SEEDS
 from minimoe.training import METHOD_DEFAULTS, ablation_settings, method_label, run_name
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
+EVALUATE_PY = TRAIN_PY.with_name("evaluate.py")
 BENCHMARKS = ("arc_challenge", "openbookqa", "sciq", "medmcqa")
 
 # The accuracy table's nine rows (tab:downstream_accuracy) as train.py flags.
@@ -57,6 +59,8 @@ class Preset:
     benchmarks: tuple = BENCHMARKS
     seeds: tuple = PAPER_SEEDS
     columns: tuple = ("accuracy",)  # "choice_nll" adds the NLL column (TES sensitivity)
+    tables: tuple = ()  # further report tables: "transform", "concentration"
+    train_eval: bool = False  # also evaluate each run on its train split (the concentration table's train rows)
     about: str = ""
 
 
@@ -72,7 +76,7 @@ PRESETS = {
                            settings=({"layers": "all"}, {"layers": "all", "depth_scaled_lambda": True}),
                            about="app:acs_depth_coefficient_scaling: all-layer ACS, fixed vs depth-scaled lambda"),
     "transform": Preset(("TES-IS",), settings=({}, {"transform": "log"}), benchmarks=("arc_challenge",),
-                        seeds=(42, 43, 44), columns=("accuracy", "choice_nll"),
+                        seeds=(42, 43, 44), columns=("accuracy", "choice_nll"), tables=("transform",),
                         about="tab:error_routing_transform_ablation (Granite): started-log vs pure log"),
     "tes-lr": Preset(("TES-IS",), settings=tuple({"error_head_lr": v} for v in (1e-3, 1e-4, 1e-5, 5e-6)),
                      benchmarks=("arc_challenge",), seeds=(42, 43, 44), columns=("accuracy", "choice_nll"),
@@ -80,6 +84,10 @@ PRESETS = {
     "tes-gamma": Preset(("TES-IS",), settings=tuple({"gamma": v} for v in (0.5, 1.0, 2.0)),
                         benchmarks=("arc_challenge",), seeds=(42, 43, 44), columns=("accuracy", "choice_nll"),
                         about="tab:tes_hyperparameter_sensitivity, attenuation panel (Granite)"),
+    "acs-diagnostics": Preset(
+        ("CE + affinity tuning", "ACS-IS + affinity tuning", "ACS-ENLL + affinity tuning"),
+        settings=({"lambda_": 1e-2},), benchmarks=("arc_challenge",), tables=("concentration",), train_eval=True,
+        about="tab:acs_concentration_diagnostics (Granite): C-bar, N_eff, r on train and test"),
 }
 
 FLAG_NAMES = {"lambda_": "--lambda"}  # cfg keys whose train.py flag is not the dashed key
@@ -101,6 +109,7 @@ class Cell:
     out_dir: Path
     recipe: str | None = None
     extra: tuple = ()  # further train.py flags, passed through as they are
+    train_eval: bool = False  # also RUN/eval/train (evaluate.py --split train)
 
     @property
     def cfg(self) -> dict:
@@ -119,13 +128,18 @@ class Cell:
             args += [flag] if value is True else [flag, str(value)]
         return args + list(self.extra) + (["--resume"] if resume else [])
 
-    def state(self) -> str:
+    def trained(self) -> bool:
         run = self.run
-        done = run / "selection.json" if "--no-test-eval" in self.extra else run / "eval" / "test" / "metrics.json"
-        return "done" if done.is_file() else "partial" if (run / "config.json").is_file() else "missing"
+        return (run / "selection.json" if "--no-test-eval" in self.extra else run / "eval" / "test" / "metrics.json").is_file()
+
+    def state(self) -> str:
+        if self.trained() and (not self.train_eval or (self.run / "eval" / "train" / "metrics.json").is_file()):
+            return "done"
+        return "partial" if (self.run / "config.json").is_file() else "missing"
 
 
-def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=None, extra=()) -> list[Cell]:
+def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=None, extra=(),
+         train_eval=False) -> list[Cell]:
     """Every (model, benchmark, row, settings, seed); a (row, recipe) pair keeps only that backbone's models."""
     recipes = recipes or {}
     cells = []
@@ -141,22 +155,31 @@ def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=No
                 for variant in settings:
                     for seed in seeds:
                         cells.append(Cell(model, data, row, tuple(sorted(variant.items())), seed, Path(out_dir),
-                                          recipes.get(model), tuple(extra)))
-    names = [c.run for c in cells]
-    if len(set(names)) != len(names):
-        raise ValueError("two cells share a run folder; the grid lists a cell twice")
-    return cells
+                                          recipes.get(model), tuple(extra), train_eval))
+    unique = list({c.run: c for c in cells}.values())  # settings a row does not read give one run, once
+    return unique
 
 
 # ---- where cells run ------------------------------------------------------------------------------
 
 def train_command(cell: Cell) -> list[str]:
-    return [sys.executable, str(TRAIN_PY), *cell.train_args(resume=cell.state() == "partial")]
+    return [sys.executable, str(TRAIN_PY), *cell.train_args(resume=(cell.run / "config.json").is_file())]
+
+
+def train_eval_command(cell: Cell) -> list[str]:
+    """evaluate.py on the run's train split, cut as the run's training population was."""
+    limit = json.loads((cell.run / "config.json").read_text()).get("max_train_examples")
+    return [sys.executable, str(EVALUATE_PY), "--adapter", str(cell.run), "--split", "train",
+            "--out", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
 
 
 def run_cell(cell: Cell, env: dict | None = None) -> int:
-    """train.py for one cell (continued with --resume when its folder is partial); returns the exit code."""
-    return subprocess.run(train_command(cell), env=env).returncode
+    """train.py for one cell (continued with --resume when its folder exists), then the train-split
+    evaluation when the cell needs it; returns the first non-zero exit code, else 0."""
+    code = 0 if cell.trained() else subprocess.run(train_command(cell), env=env).returncode
+    if code == 0 and cell.train_eval and not (cell.run / "eval" / "train" / "metrics.json").is_file():
+        code = subprocess.run(train_eval_command(cell), env=env).returncode
+    return code
 
 
 def run_local(cells, launch=run_cell) -> dict:
@@ -278,8 +301,93 @@ def _lambda_baseline(row: str) -> str | None:
     return label + (" [" + ", ".join(kept) + "]" if kept else "")
 
 
-def write_report(cells, out_dir, columns=("accuracy",)) -> str:
+def _finished_groups(cells) -> dict:
+    """(model, row, dataset) -> the finished cells, in seed order."""
+    groups: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        if c.trained():
+            groups.setdefault((Path(c.model).name, _row_key(c), c.data), []).append(c)
+    return groups
+
+
+def transform_table(cells) -> str:
+    """tab:error_routing_transform_ablation: pointwise r, test NLL and accuracy are means over seeds;
+    group r and rho are over the layer--token groups averaged across seeds (test split)."""
+    lines = ["| Model | Method | Dataset | Pointwise r | Group r | Group ρ | Test NLL | Accuracy (%) | Seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (model, row, data), members in _finished_groups(cells).items():
+        files = [c.run / "eval" / "test" / "tokens-test.npz" for c in members]
+        errors = [diagnostics.token_file_errors(f) for f in files]
+        if any(e is None for e in errors):
+            continue  # not an error-head run
+        pointwise = statistics.fmean(diagnostics.pearson(e[2], e[3]) for e in errors)
+        groups = diagnostics.group_correlations(diagnostics.average_groups_across_seeds(
+            [diagnostics.group_by_layer_token(*e) for e in errors]))
+        metrics = [_metrics(c) for c in members]
+        nll = statistics.fmean(m["choice_nll"] for m in metrics)
+        acc = statistics.fmean(100.0 * m["accuracy"] for m in metrics)
+        lines.append(f"| {model} | {row} | {Path(data).name} | {pointwise:.4f} | {groups['group_r']:.4f} | "
+                     f"{groups['group_rho']:.4f} | {nll:.4f} | {acc:.2f} | {len(members)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _train_tokens(cell: Cell) -> Path | None:
+    """The train population's token arrays: scored beside test (tes) or by evaluate.py --split train."""
+    for path in (cell.run / "eval" / "test" / "tokens-train.npz", cell.run / "eval" / "train" / "tokens-train.npz"):
+        if path.is_file():
+            return path
+    return None
+
+
+def concentration_table(cells) -> str:
+    """tab:acs_concentration_diagnostics: final diagnosed layer, C-bar, N_eff and r, mean ± sd over seeds."""
+    lines = ["| Model | Method | Dataset | Split | C̄ | N_eff | r | Seeds |", "|---|---|---|---|---|---|---|---|"]
+    for (model, row, data), members in _finished_groups(cells).items():
+        for split in ("train", "test"):
+            files = [_train_tokens(c) if split == "train" else c.run / "eval" / "test" / "tokens-test.npz"
+                     for c in members]
+            files = [f for f in files if f is not None]
+            if not files:
+                lines.append(f"| {model} | {row} | {Path(data).name} | {split} | missing | | | 0 |")
+                continue
+            stats = [diagnostics.final_layer_concentration(f) for f in files]
+            lines.append(f"| {model} | {row} | {Path(data).name} | {split} | "
+                         + " | ".join(diagnostics.mean_sd([s[k] for s in stats], d)
+                                      for k, d in (("C_bar", 4), ("N_eff", 2), ("r", 3)))
+                         + f" | {len(files)} |")
+    return "\n".join(lines) + "\n"
+
+
+def error_figures(cells, folder) -> list[str]:
+    """fig:arc_error_prediction per (model, error-head row, dataset), groups averaged across seeds."""
+    notes = []
+    for (model, row, data), members in _finished_groups(cells).items():
+        train = [_train_tokens(c) for c in members]
+        test = [c.run / "eval" / "test" / "tokens-test.npz" for c in members]
+        if any(f is None for f in train) or any(diagnostics.token_file_errors(f) is None for f in test):
+            continue
+        slug = "-".join([model, Path(data).name, row]).replace(" ", "_").replace("/", "_")
+        path = Path(folder) / f"error-prediction-{slug}.png"
+        try:
+            stats = diagnostics.seed_error_figure(train, test, path, title=f"{row}, {Path(data).name}: train vs test")
+        except ValueError as e:  # too few groups, or constant train predictions
+            notes.append(f"no figure for {row}, {data}: {e}")
+            continue
+        notes.append(f"{path.name}: test group r {stats['test']['group_r']:.4f}, ρ {stats['test']['group_rho']:.4f} "
+                     f"over {stats['test']['groups']} groups, {len(members)} seeds")
+    return notes
+
+
+def write_report(cells, out_dir, columns=("accuracy",), tables=()) -> str:
     table, rows = report(cells, columns)
+    extras = {"transform": ("Error-to-routing transform ablation", transform_table),
+              "concentration": ("Affinity-concentration diagnostics", concentration_table)}
+    for name in tables:
+        title, make = extras[name]
+        table += f"\n## {title}\n\n" + make(cells)
+    figures = error_figures(cells, Path(out_dir) / "figures")
+    if figures:
+        table += "\n## Error-prediction figures (figures/)\n\n" + "".join(f"- {n}\n" for n in figures)
     missing = sum(r["state"] != "done" for r in rows)
     text = table + (f"\n{missing} of {len(rows)} runs not finished; their cells use the seeds that did.\n"
                     if missing else "")

@@ -61,12 +61,18 @@ ABLATION_SETTINGS = {"lambda_": "lambda", "layers": "layers", "transform": "tran
                      "error_head_lr": "ehlr", "depth_scaled_lambda": "depthscaled"}
 
 
+# Settings a method does not read are no part of its identity (CE at lambda 1e-2 is CE).
+ONLY_FOR = {"lambda_": ("tes", "acs"), "depth_scaled_lambda": ("tes", "acs"), "transform": ("tes",),
+            "gamma": ("tes",), "error_head_lr": ("tes",)}
+
+
 def ablation_settings(cfg: dict) -> dict:
     """The settings of ABLATION_SETTINGS that differ from METHOD_DEFAULTS, by short name (e.g. {"lambda": 0.01})."""
     changed = {}
+    method = cfg.get("method") or METHOD_DEFAULTS["method"]
     for key, short in ABLATION_SETTINGS.items():
         value = cfg.get(key)
-        if value is None or value == METHOD_DEFAULTS[key]:
+        if value is None or value == METHOD_DEFAULTS[key] or method not in ONLY_FOR.get(key, (method,)):
             continue
         changed[short] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
     return changed

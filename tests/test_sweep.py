@@ -8,6 +8,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import sweep
@@ -76,19 +77,20 @@ def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
 
 
 def test_run_names_and_report_keys_carry_ablation_settings():
-    base = {"model": "org/granite-x", "data": "arc_challenge", "method": "acs", "objective": "is", "seed": 42}
-    assert run_name(base) == "granite-x-arc_challenge-ACS-IS-seed42"
+    base = {"model": "org/granite-x", "data": "arc_challenge", "method": "tes", "objective": "is", "seed": 42}
+    assert run_name(base) == "granite-x-arc_challenge-TES-IS-seed42"
     assert run_name({**base, "lambda_": 1e-3, "layers": "final"}) == run_name(base)  # defaults stay out
     names = {run_name({**base, **s}) for s in ({"lambda_": 1e-2}, {"layers": "all"}, {"transform": "log"},
                                                 {"gamma": 2.0}, {"error_head_lr": 1e-4}, {"depth_scaled_lambda": True},
                                                 {"layers": "all", "depth_scaled_lambda": True}, {})}
     assert len(names) == 8
-    assert run_name({**base, "lambda_": 1e-2, "layers": "all"}) == "granite-x-arc_challenge-ACS-IS-lambda0.01-layersall-seed42"
-    # Every cell of every preset gets its own folder (grid raises on a collision).
-    for name, preset in sw.PRESETS.items():
-        cells = sw.grid(["org/granite-x", "org/OLMoE-y"], preset.benchmarks, preset.rows, preset.seeds, "runs",
-                        settings=preset.settings)
-        assert cells, name
+    assert run_name({**base, "lambda_": 1e-2, "layers": "all"}) == "granite-x-arc_challenge-TES-IS-lambda0.01-layersall-seed42"
+    # A setting the method does not read is no part of its name: CE at lambda 1e-2 is the CE run.
+    ce = {**base, "method": "ce"}
+    assert run_name({**ce, "lambda_": 1e-2, "gamma": 2.0}) == run_name(ce)
+    cells = sw.grid(["org/granite-x"], ["d"], ["CE", "ACS-IS"], (42,), "runs", settings=({}, {"lambda_": 1e-2}))
+    assert sorted(c.run.name for c in cells) == ["granite-x-d-ACS-IS-lambda0.01-seed42", "granite-x-d-ACS-IS-seed42",
+                                                 "granite-x-d-CE-seed42"]
     # Two runs differing only in lambda are two report rows, not a "duplicate run".
     records = [{"model": "m", "method": "ACS-IS", "dataset": "d", "seed": 42, "accuracy": 0.5, "settings": s}
                for s in ({}, {"lambda": 0.01})]
@@ -134,10 +136,85 @@ def test_devices_run_one_cell_each_at_a_time():
 
 
 def test_submitit_local_executor_runs_one_job_per_cell(tmp_path, data):
-    """submitit's local executor runs the cell's train.py; the job is named after the run folder."""
+    """submitit's local executor runs the cell's train.py and its train-split evaluation (the
+    concentration table's train rows); the job's folder is named after the run folder."""
     pytest.importorskip("submitit")
-    cells = sw.grid([str(tiny_checkpoint())], [str(data)], ["CE"], (42,), tmp_path, extra=SMOKE)
+    cells = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path, extra=SMOKE, train_eval=True)
     jobs = sw.submit_slurm(cells, cluster="local", wait=True, timeout_min=5)
     assert [j.result() for j in jobs] == [0]
     assert cells[0].state() == "done"
     assert (tmp_path / "submitit" / cells[0].run.name).is_dir()
+    train = json.loads((cells[0].run / "eval" / "train" / "metrics.json").read_text())
+    assert train["split"] == "train" and train["n_examples"] == 8  # the run's training population
+    table = sw.concentration_table(cells)
+    with np.load(cells[0].run / "eval" / "train" / "tokens-train.npz") as z:
+        c = z[f"concentration_layer{max(int(k[19:]) for k in z.files if k.startswith('concentration_layer'))}"]
+    assert f"| train | {c.mean():.4f} | {1 / c.mean():.2f} |" in table
+
+
+def write_tokens(path, seed, *, layers=(3,), groups=12, repeats=None, concentration=None):
+    """Synthetic tokens-<split>.npz: e_hat tracks CE per target token, with seed-dependent noise; the
+    occurrences per token differ between seeds, so pooling tokens is not averaging seed means."""
+    rng = np.random.default_rng(seed)
+    target = np.repeat(np.arange(groups), repeats or 2 + seed % 3)
+    ce = rng.gamma(2.0, 1.0, target.size)
+    arrays = {"token_ce": ce, "target": target, "example": np.arange(target.size)}
+    for l in layers:
+        arrays[f"e_hat_layer{l}"] = 0.5 * ce + rng.normal(0, 0.3, ce.size) + 0.1 * target
+        arrays[f"concentration_layer{l}"] = rng.uniform(0.3, 1.0, ce.size) if concentration is None else concentration
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
+    return arrays
+
+
+def fake_cells(tmp_path, seeds, accs, nlls):
+    cells = sw.grid(["org/granite-x"], ["arc"], ["TES-IS"], seeds, tmp_path)
+    for c, acc, nll in zip(cells, accs, nlls):
+        (c.run / "eval" / "test").mkdir(parents=True)
+        (c.run / "config.json").write_text("{}")
+        (c.run / "eval" / "test" / "metrics.json").write_text(json.dumps({"accuracy": acc, "choice_nll": nll}))
+    return cells
+
+
+def test_transform_table_and_figure_average_groups_across_seeds(tmp_path):
+    """Against a direct recount: pointwise r averaged over seeds (np.corrcoef); group r and rho over
+    (layer, token) groups whose per-seed means are averaged across seeds (tie-averaged ranks)."""
+    cells = fake_cells(tmp_path, (42, 43), (0.6, 0.7), (0.9, 1.0))
+    per_seed = []
+    for c in cells:
+        test = write_tokens(c.run / "eval" / "test" / "tokens-test.npz", c.seed, layers=(2, 3))
+        write_tokens(c.run / "eval" / "test" / "tokens-train.npz", c.seed + 100, layers=(2, 3))
+        per_seed.append(test)
+    pointwise = np.mean([np.corrcoef(np.concatenate([a["e_hat_layer2"], a["e_hat_layer3"]]),
+                                     np.tile(a["token_ce"], 2))[0, 1] for a in per_seed])
+    sums = {}
+    for a in per_seed:
+        for l in (2, 3):
+            for t in np.unique(a["target"]):
+                m = a["target"] == t
+                sums.setdefault((l, t), []).append((a[f"e_hat_layer{l}"][m].mean(), a["token_ce"][m].mean()))
+    pred, obs = (np.array([np.mean([v[i] for v in vals]) for vals in sums.values()]) for i in (0, 1))
+    def rank(x):  # ties (observed CE is the same at both layers) share their mean rank
+        xs = np.sort(x)
+        return (np.searchsorted(xs, x, "left") + np.searchsorted(xs, x, "right") + 1) / 2
+    expected = (f"| {pointwise:.4f} | {np.corrcoef(pred, obs)[0, 1]:.4f} | "
+                f"{np.corrcoef(rank(pred), rank(obs))[0, 1]:.4f} | 0.9500 | 65.00 | 2 |")
+    assert expected in sw.transform_table(cells)
+    notes = sw.error_figures(cells, tmp_path / "figures")
+    assert len(notes) == 1 and f"group r {np.corrcoef(pred, obs)[0, 1]:.4f}" in notes[0], notes
+    assert (tmp_path / "figures" / "error-prediction-granite-x-arc-TES-IS.png").stat().st_size > 0
+
+
+def test_concentration_table_is_mean_and_sample_std_over_seeds(tmp_path):
+    cells = fake_cells(tmp_path, (42, 43, 45), (0.5,) * 3, (1.0,) * 3)
+    c_bars = []
+    for i, c in enumerate(cells):
+        conc = np.full(36, 0.2 + 0.1 * i)
+        conc[0] = 0.9  # not constant, so r is defined
+        write_tokens(c.run / "eval" / "test" / "tokens-test.npz", c.seed, repeats=3, concentration=conc)
+        c_bars.append(conc.mean())
+    table = sw.concentration_table(cells)
+    n_eff = [1 / c for c in c_bars]
+    assert (f"| test | {np.mean(c_bars):.4f} ± {np.std(c_bars, ddof=1):.4f} | "
+            f"{np.mean(n_eff):.2f} ± {np.std(n_eff, ddof=1):.2f} |") in table
+    assert "| train | missing |" in table  # no train population was scored
