@@ -96,7 +96,10 @@ def main(argv=None):
             jobs = submit_slurm(todo, **params)
             print(f"sweep: submitted {len(jobs)} jobs; run the same command with --report-only when they end")
             return cells
-        codes = run_on_devices(todo, args.gpus or visible_devices()) if args.gpus is not None else run_local(todo)
+        devices = (args.gpus or visible_devices()) if args.gpus is not None else None
+        if devices == []:
+            parser.error("--gpus: no GPU is visible (CUDA_VISIBLE_DEVICES is empty and torch sees none)")
+        codes = run_on_devices(todo, devices) if devices else run_local(todo)
         failed = [str(run) for run, code in codes.items() if code != 0]
         if failed:
             print("sweep: failed (run the same command again to continue them):\n  " + "\n  ".join(failed),
