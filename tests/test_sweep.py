@@ -5,7 +5,7 @@ import csv
 import json
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -38,30 +38,33 @@ def sweep_args(tmp_path, data, *flags):
 
 
 def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
-    """2 settings (gamma 1 = the default, gamma 2) x 2 seeds: one cell killed after epoch 1 of 2 is continued with --resume,
-    one absent cell is reported as missing, then run; the report's numbers are the runs' metrics."""
+    """2 settings (gamma 1 = the default, gamma 2) x 2 seeds. One cell is killed after epoch 1 of 2,
+    one runs as a job of submitit's local executor (the SLURM path); the report marks the two that
+    have not run. The sweep then continues the killed cell with --resume, starts the missing ones,
+    skips the finished one, and a second sweep runs nothing."""
+    pytest.importorskip("submitit")
     cells = sweep.main(sweep_args(tmp_path, data, "--dry-run"))
     assert [c.state() for c in cells] == ["missing"] * 4
-    killed, absent = cells[1], cells[3]
+    killed, job = cells[1], cells[3]
     sw.subprocess.run([sw.sys.executable, str(sw.TRAIN_PY), *killed.train_args(), "--stop-after-epochs", "1"])
     assert killed.state() == "partial"
-    # Run all but the absent cell: the report marks it.
-    sw.run_local([c for c in cells if c is not absent])
+    assert [j.result() for j in sw.submit_slurm([job], cluster="local", wait=True, timeout_min=5)] == [0]
+    assert job.state() == "done" and (tmp_path / "submitit" / job.run.name).is_dir()  # the job's identity
     text = sw.write_report(cells, tmp_path)
-    assert "(n=1/2)" in text and "1 of 4 runs not finished" in text
+    assert "| TES-IS | missing (0/2) |" in text and "(n=1/2)" in text and "3 of 4 runs not finished" in text
     rows = list(csv.DictReader(open(tmp_path / "report.csv")))
-    assert [r["state"] for r in rows if r["run"] == absent.run.name] == ["missing"]
-    assert json.loads((killed.run / "config.json").read_text())["seed"] == killed.seed
-    assert killed.state() == "done"  # without --resume train.py refuses the existing folder
+    assert [r["state"] for r in rows] == ["missing", "partial", "missing", "done"]
+
+    before = (job.run / "eval" / "test" / "metrics.json").stat().st_mtime_ns
+    sweep.main(sweep_args(tmp_path, data))
+    assert "1 of 4 runs done; running 3" in capsys.readouterr().out
+    assert [c.state() for c in cells] == ["done"] * 4
+    assert (job.run / "eval" / "test" / "metrics.json").stat().st_mtime_ns == before  # skipped
     epochs = [json.loads(x)["epoch"] for x in (killed.run / "metrics.jsonl").read_text().splitlines()
               if json.loads(x)["kind"] == "epoch"]
-    assert epochs == [1, 2]  # continued, not started over
-    # The sweep itself skips the three done cells and runs only the absent one.
-    before = {c.run: (c.run / "eval" / "test" / "metrics.json").stat().st_mtime_ns for c in cells if c is not absent}
+    assert epochs == [1, 2]  # continued with --resume, not started over (train.py refuses an existing folder)
     sweep.main(sweep_args(tmp_path, data))
-    assert [c.state() for c in cells] == ["done"] * 4
-    assert "3 of 4 runs done; running 1" in capsys.readouterr().out
-    assert before == {run: (run / "eval" / "test" / "metrics.json").stat().st_mtime_ns for run in before}
+    assert "running" not in capsys.readouterr().out
     table = (tmp_path / "report.md").read_text()
     # Against the metrics.json files themselves, through the evaluate.py report's independent table.
     for c in cells:  # metrics.json's identity carries the setting off the default, the report keys it
@@ -135,21 +138,19 @@ def test_devices_run_one_cell_each_at_a_time():
     assert {d for _, d in seen} == {"0", "1"} and len(seen) == len(cells)
 
 
-def test_submitit_local_executor_runs_one_job_per_cell(tmp_path, data):
-    """submitit's local executor runs the cell's train.py and its train-split evaluation (the
-    concentration table's train rows); the job's folder is named after the run folder."""
-    pytest.importorskip("submitit")
-    cells = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path, extra=SMOKE, train_eval=True)
-    jobs = sw.submit_slurm(cells, cluster="local", wait=True, timeout_min=5)
-    assert [j.result() for j in jobs] == [0]
-    assert cells[0].state() == "done"
-    assert (tmp_path / "submitit" / cells[0].run.name).is_dir()
-    train = json.loads((cells[0].run / "eval" / "train" / "metrics.json").read_text())
+def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data):
+    """A cell that needs train diagnostics (acs-diagnostics) gets evaluate.py --split train on the
+    run's training population after training; the table's train row is that split's C_t."""
+    cell = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path, extra=SMOKE)[0]
+    assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    cell = replace(cell, train_eval=True)
+    assert cell.state() == "partial"
+    assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    train = json.loads((cell.run / "eval" / "train" / "metrics.json").read_text())
     assert train["split"] == "train" and train["n_examples"] == 8  # the run's training population
-    table = sw.concentration_table(cells)
-    with np.load(cells[0].run / "eval" / "train" / "tokens-train.npz") as z:
+    with np.load(cell.run / "eval" / "train" / "tokens-train.npz") as z:
         c = z[f"concentration_layer{max(int(k[19:]) for k in z.files if k.startswith('concentration_layer'))}"]
-    assert f"| train | {c.mean():.4f} | {1 / c.mean():.2f} |" in table
+    assert f"| train | {c.mean():.4f} | {1 / c.mean():.2f} |" in sw.concentration_table([cell])
 
 
 def write_tokens(path, seed, *, layers=(3,), groups=12, repeats=None, concentration=None):
