@@ -24,7 +24,13 @@ What each function reproduces (labels from the paper's .tex):
   TRAINING population's moments, applied unchanged to test. Legend correlations are over all
   groups, not over the ten plotted points.
 - `collect_metrics` / `accuracy_table`: tab:downstream_accuracy, "mean +- sample std over seeds
-  42, 43, 45", in percent with two decimals.
+  42, 43, 45", in percent with two decimals. A row is (model, method + its ablation settings off
+  the defaults, `row_label`), so the runs of an ablation are separate rows.
+- `token_file_errors` / `seed_error_figure`: the same groups and curves over seeds, read from the
+  saved tokens-<split>.npz of each seed's run (every tes layer pooled by (layer, token)); the
+  curves of both populations are standardised with the seed-averaged TRAIN groups' moments.
+- `final_layer_concentration`: tab:acs_concentration_diagnostics, one seed and split; the sweep
+  report gives its mean +- sample std over seeds (`mean_sd`).
 
 Std conventions: standardisation moments are population moments (ddof=0): they describe the
 training population itself, not an estimate of something beyond it. Every spread reported as
