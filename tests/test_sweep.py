@@ -88,6 +88,12 @@ def test_run_names_and_report_keys_carry_ablation_settings():
                                                 {"layers": "all", "depth_scaled_lambda": True}, {})}
     assert len(names) == 8
     assert run_name({**base, "lambda_": 1e-2, "layers": "all"}) == "granite-x-arc_challenge-TES-IS-lambda0.01-layersall-seed42"
+    # The paper's grid sizes: 2 backbones x 9 rows x 4 benchmarks x 3 seeds; the lambda table's
+    # rows are per backbone (Granite: TES and ACS + affinity tuning; OLMoE: frozen ACS), each at two lambdas.
+    both = ["ibm-granite/granite-3.1-3b-a800m-base", "allenai/OLMoE-1B-7B-0924-SFT"]
+    for preset, size in (("main", 216), ("lambda-1e-2", (4 + 2) * 2 * 4 * 3)):
+        p = sw.PRESETS[preset]
+        assert len(sw.grid(both, p.benchmarks, p.rows, p.seeds, "runs", settings=p.settings)) == size
     # A setting the method does not read is no part of its name: CE at lambda 1e-2 is the CE run.
     ce = {**base, "method": "ce"}
     assert run_name({**ce, "lambda_": 1e-2, "gamma": 2.0}) == run_name(ce)
