@@ -21,6 +21,7 @@ import io
 import json
 import os
 import queue
+import re
 import statistics
 import subprocess
 import sys
@@ -264,7 +265,8 @@ def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
                                                                                         "of": len(members)}
     datasets = list(dict.fromkeys(c.data for c in cells))
     rows = list(dict.fromkeys((m, r) for m, r, _ in summary))
-    head = [f"{d} {'acc' if k == 'accuracy' else 'NLL'}" if len(columns) > 1 else d for d in datasets for k in columns]
+    head = [f"{Path(d).name} {'acc' if k == 'accuracy' else 'NLL'}" if len(columns) > 1 else Path(d).name
+            for d in datasets for k in columns]
     lines = ["| Model | Method | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
     for model, row in rows:
         out = [model, row]
@@ -366,7 +368,7 @@ def error_figures(cells, folder) -> list[str]:
         test = [c.run / "eval" / "test" / "tokens-test.npz" for c in members]
         if any(f is None for f in train) or any(diagnostics.token_file_errors(f) is None for f in test):
             continue
-        slug = "-".join([model, Path(data).name, row]).replace(" ", "_").replace("/", "_")
+        slug = re.sub(r"[^A-Za-z0-9.+=-]+", "_", "-".join([model, Path(data).name, row])).strip("_")
         path = Path(folder) / f"error-prediction-{slug}.png"
         try:
             stats = diagnostics.seed_error_figure(train, test, path, title=f"{row}, {Path(data).name}: train vs test")
