@@ -36,7 +36,8 @@ from minimoe.data import check_disjoint, load_split
 from minimoe.runs import run_lock
 from minimoe.smollm import smollm_checkpoint
 from minimoe.tiny import tiny_checkpoint
-from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, method_label, recipe_train_examples, train, world
+from minimoe.training import (METHOD_DEFAULTS, RECIPES, install_method, method_label, recipe_train_examples, run_name,
+                              train, world)
 
 
 def number(kind, low=None, high=None, *, low_open=False, high_open=False):
@@ -138,7 +139,7 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=42)
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="runs", help="parent folder of run folders")
-    g.add_argument("--run-name", help="default: <model>-<data>-<method>-seed<seed>")
+    g.add_argument("--run-name", help="default: <model>-<data>-<method>[-<ablation settings>]-seed<seed>")
     g.add_argument("--resume", action="store_true", help="continue the run folder from its latest complete checkpoint "
                    "(epoch or --save-every-steps)")
     g.add_argument("--save-every-steps", type=COUNT, metavar="N", help="also checkpoint every N optimizer steps "
@@ -219,8 +220,7 @@ def main(argv=None):
     model = minimoe.from_pretrained(args.model)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
     data = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
-    short = Path(cfg["model"]).name
-    run = Path(cfg["out_dir"]) / (cfg.get("run_name") or f"{short}-{Path(cfg['data']).name}-{cfg['label'].replace(' + ', '+').replace(' ', '_')}-seed{cfg['seed']}")
+    run = Path(cfg["out_dir"]) / (cfg.get("run_name") or run_name(cfg))
     if run.exists() and not cfg["resume"]:
         sys.exit(f"train.py: run folder {run} exists; pass --resume to continue it or choose another --run-name")
     if cfg["resume"] and not (run / "config.json").is_file():

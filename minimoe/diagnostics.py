@@ -24,7 +24,13 @@ What each function reproduces (labels from the paper's .tex):
   TRAINING population's moments, applied unchanged to test. Legend correlations are over all
   groups, not over the ten plotted points.
 - `collect_metrics` / `accuracy_table`: tab:downstream_accuracy, "mean +- sample std over seeds
-  42, 43, 45", in percent with two decimals.
+  42, 43, 45", in percent with two decimals. A row is (model, method + its ablation settings off
+  the defaults, `row_label`), so the runs of an ablation are separate rows.
+- `token_file_errors` / `seed_error_figure`: the same groups and curves over seeds, read from the
+  saved tokens-<split>.npz of each seed's run (every tes layer pooled by (layer, token)); the
+  curves of both populations are standardised with the seed-averaged TRAIN groups' moments.
+- `final_layer_concentration`: tab:acs_concentration_diagnostics, one seed and split; the sweep
+  report gives its mean +- sample std over seeds (`mean_sd`).
 
 Std conventions: standardisation moments are population moments (ddof=0): they describe the
 training population itself, not an estimate of something beyond it. Every spread reported as
@@ -269,6 +275,14 @@ def _cell(accuracies: list[float], seeds_asked: int) -> str:
     return text
 
 
+def row_label(record: dict) -> str:
+    """The method and its ablation settings off the defaults: "ACS-IS [lambda=0.01, layers=all]"."""
+    settings = record.get("settings") or {}
+    if not settings:
+        return record["method"]
+    return f"{record['method']} [" + ", ".join(f"{k}={v}" for k, v in settings.items()) + "]"
+
+
 def accuracy_table(records: Iterable[dict], *, seeds: Sequence[int] = PAPER_SEEDS) -> str:
     """Markdown: one row per (model, method), one column per dataset, mean ± sample std in %."""
     cells: dict[tuple, dict[tuple, float]] = {}  # (model, method) -> {(dataset, seed): accuracy}
@@ -276,7 +290,7 @@ def accuracy_table(records: Iterable[dict], *, seeds: Sequence[int] = PAPER_SEED
     for r in records:
         if r["seed"] not in seeds:
             continue
-        row, key = (r["model"], r["method"]), (r["dataset"], r["seed"])
+        row, key = (r["model"], row_label(r)), (r["dataset"], r["seed"])
         runs = cells.setdefault(row, {})
         if key in runs:
             raise ValueError(f"duplicate run model={row[0]!r} method={row[1]!r} dataset={key[0]!r} "
@@ -296,3 +310,45 @@ def accuracy_table(records: Iterable[dict], *, seeds: Sequence[int] = PAPER_SEED
             row.append(_cell(accs, len(seeds)) if accs else "—")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
+
+
+# ---- across seeds: the appendix tables and the decile figures from saved token arrays -----------
+
+def mean_sd(values: Sequence[float], digits: int) -> str:
+    """"mean ± sample std" (ddof=1) over seeds; the mean alone for one seed."""
+    text = f"{statistics.fmean(values):.{digits}f}"
+    return text + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+
+
+def token_file_errors(path) -> tuple | None:
+    """One seed's tokens-<split>.npz -> (layer, target, e_hat, token_ce) pooled over its tes layers; None without e_hat."""
+    with np.load(path) as z:
+        layers = sorted(int(k.removeprefix("e_hat_layer")) for k in z.files if k.startswith("e_hat_layer"))
+        if not layers:
+            return None
+        ce, target = z["token_ce"], z["target"]
+        parts = [(np.full(ce.shape, l), target, z[f"e_hat_layer{l}"], ce) for l in layers]
+    return tuple(np.concatenate(p) for p in zip(*parts))
+
+
+def token_file_groups(path) -> Groups | None:
+    errors = token_file_errors(path)
+    return None if errors is None else group_by_layer_token(*errors)
+
+
+def seed_error_figure(train_files, test_files, path, *, title: str, bins: int = 10) -> dict:
+    """fig:arc_error_prediction over seeds: groups averaged across seeds in each population, both
+    standardised with the seed-averaged TRAIN groups' moments; -> group r/rho of each population."""
+    train = average_groups_across_seeds([token_file_groups(f) for f in train_files])
+    test = average_groups_across_seeds([token_file_groups(f) for f in test_files])
+    reference = population_moments(train.predicted, train.observed)
+    curves = [decile_curve(g.predicted, g.observed, reference=reference, bins=bins) for g in (train, test)]
+    plot_error_prediction(*curves, path, title=title)
+    return {"train": group_correlations(train), "test": group_correlations(test)}
+
+
+def final_layer_concentration(path) -> dict:
+    """One seed's tokens-<split>.npz -> concentration_summary of its last diagnosed layer."""
+    with np.load(path) as z:
+        layer = max(int(k.removeprefix("concentration_layer")) for k in z.files if k.startswith("concentration_layer"))
+        return concentration_summary(z[f"concentration_layer{layer}"], z["token_ce"])

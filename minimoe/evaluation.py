@@ -442,9 +442,12 @@ def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_ex
 
 
 def _identity(source: AdapterSource | None, *, model, data, split, net, batch_size, max_examples, max_length) -> dict:
-    """metrics.json's keys that say what was evaluated (the report groups by model, method, dataset, seed)."""
+    """metrics.json's keys that say what was evaluated (the report groups by model, method, settings, dataset, seed)."""
+    from minimoe.training import ablation_settings  # training imports this module
     return {"model": str(model), "method": method_label(source), "dataset": dataset_name(data), "data": str(data),
             "seed": source.run_config.get("seed") if source else None, "split": split,
+            # Ablation settings off the row's defaults (lambda, layers, ...): part of the report key.
+            "settings": ablation_settings(source.run_config) if source else {},
             "adapter": str(source.folder) if source else None,
             "run": str(source.run) if source and source.run else None,
             "checkpoint": source.checkpoint if source else None, "epoch": source.epoch if source else None,

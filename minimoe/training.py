@@ -77,6 +77,38 @@ def method_label(method: str, objective: str, tune_router: bool) -> str:
     return base + (" + affinity tuning" if tune_router else "")
 
 
+# Settings that tell an ablation's runs apart, with their short names in run names and report keys.
+ABLATION_SETTINGS = {"lambda_": "lambda", "layers": "layers", "transform": "transform", "gamma": "gamma",
+                     "error_head_lr": "ehlr", "depth_scaled_lambda": "depthscaled"}
+
+
+# Settings a method does not read are no part of its identity (CE at lambda 1e-2 is CE).
+ONLY_FOR = {"lambda_": ("tes", "acs"), "depth_scaled_lambda": ("tes", "acs"), "transform": ("tes",),
+            "gamma": ("tes",), "error_head_lr": ("tes",)}
+
+
+def ablation_settings(cfg: dict) -> dict:
+    """The settings of ABLATION_SETTINGS that differ from METHOD_DEFAULTS, by short name (e.g. {"lambda": 0.01})."""
+    changed = {}
+    method = cfg.get("method") or METHOD_DEFAULTS["method"]
+    for key, short in ABLATION_SETTINGS.items():
+        value = cfg.get(key)
+        if value is None or value == METHOD_DEFAULTS[key] or method not in ONLY_FOR.get(key, (method,)):
+            continue
+        changed[short] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    return changed
+
+
+def run_name(cfg: dict) -> str:
+    """<model>-<data>-<row>[-<setting><value>...]-seed<seed>: every ablation setting off its default is in the name."""
+    label = method_label(cfg.get("method") or METHOD_DEFAULTS["method"], cfg.get("objective") or METHOD_DEFAULTS["objective"],
+                         bool(cfg.get("tune_router")))
+    parts = [Path(str(cfg["model"])).name, Path(str(cfg["data"])).name, label.replace(" + ", "+").replace(" ", "_")]
+    for short, value in ablation_settings(cfg).items():
+        parts.append(short if value is True else f"{short}{value:g}" if isinstance(value, float) else f"{short}{value}")
+    return "-".join([*parts, f"seed{cfg['seed']}"])
+
+
 def install_method(model, cfg: dict):
     """LoRA on the recipe's targets, then the routing method (heads trainable, native gate frozen)."""
     add_lora(model, rank=cfg["lora_rank"], alpha=cfg["lora_alpha"], dropout=cfg["lora_dropout"],

@@ -1,0 +1,406 @@
+"""The paper's grid as train.py run folders: cells, their state, where they run, and the report.
+
+A cell is one (model, benchmark, row, settings, seed); its identity is its run folder,
+out_dir/run_name(cfg), the same name train.py gives it. State comes from the folder alone:
+  done     eval/test/metrics.json exists (or selection.json when --no-test-eval is passed through)
+  partial  config.json exists but the run is not done: it is continued with train.py --resume
+  missing  no config.json: it is started
+so a sweep that is killed and started again skips what finished and continues what did not.
+
+Where cells run (no scheduler of our own):
+  local     one after another, train.py as a subprocess with this interpreter
+  gpus      one cell per listed device at a time, CUDA_VISIBLE_DEVICES=<device> in each child
+  slurm     submitit (pip install -e ".[slurm]"): one job per cell, its logs in out_dir/submitit/<run name>
+
+The report (report.md, report.csv in out_dir) reads whatever has finished and marks the rest.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import queue
+import re
+import statistics
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from minimoe import diagnostics
+from minimoe.atomic import atomic_file
+from minimoe.diagnostics import PAPER_SEEDS
+from minimoe.training import METHOD_DEFAULTS, ablation_settings, method_label, run_name
+
+TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
+EVALUATE_PY = TRAIN_PY.with_name("evaluate.py")
+BENCHMARKS = ("arc_challenge", "openbookqa", "sciq", "medmcqa")
+
+# The accuracy table's nine rows (tab:downstream_accuracy) as train.py flags.
+ROWS = {
+    "CE": dict(method="ce"),
+    "ACS-ENLL": dict(method="acs", objective="enll"),
+    "ACS-IS": dict(method="acs", objective="is"),
+    "CE + affinity tuning": dict(method="ce", tune_router=True),
+    "ACS-ENLL + affinity tuning": dict(method="acs", objective="enll", tune_router=True),
+    "ACS-IS + affinity tuning": dict(method="acs", objective="is", tune_router=True),
+    "Dual Affinity": dict(method="dual"),
+    "TES-ENLL": dict(method="tes", objective="enll"),
+    "TES-IS": dict(method="tes", objective="is"),
+}
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One table of the paper: rows x settings variants, and the models/benchmarks/seeds it reports."""
+    rows: tuple  # names in ROWS; a (name, recipe) pair restricts the row to that backbone
+    settings: tuple = ({},)  # ablation variants, each a dict of train.py settings (lambda_, layers, ...)
+    benchmarks: tuple = BENCHMARKS
+    seeds: tuple = PAPER_SEEDS
+    columns: tuple = ("accuracy",)  # "choice_nll" adds the NLL column (TES sensitivity)
+    tables: tuple = ()  # further report tables: "transform", "concentration"
+    train_eval: bool = False  # also evaluate each run on its train split (the concentration table's train rows)
+    about: str = ""
+
+
+PRESETS = {
+    "main": Preset(tuple(ROWS), about="tab:downstream_accuracy, the nine rows"),
+    "lambda-1e-2": Preset(
+        (("TES-IS", "granite"), ("TES-ENLL", "granite"), ("ACS-IS + affinity tuning", "granite"),
+         ("ACS-ENLL + affinity tuning", "granite"), ("ACS-IS", "olmoe"), ("ACS-ENLL", "olmoe")),
+        settings=({}, {"lambda_": 1e-2}), about="tab:method_coefficient_impact; Δ from the lambda_m = 1e-3 cell"),
+    "depth": Preset(("ACS-ENLL", "ACS-IS"), settings=({}, {"layers": "all"}),
+                    about="tab:supervision_depth: final vs all-layer ACS (OLMoE in the paper)"),
+    "depth-scaled": Preset(("ACS-ENLL", "ACS-IS"),
+                           settings=({"layers": "all"}, {"layers": "all", "depth_scaled_lambda": True}),
+                           about="app:acs_depth_coefficient_scaling: all-layer ACS, fixed vs depth-scaled lambda"),
+    "transform": Preset(("TES-IS",), settings=({}, {"transform": "log"}), benchmarks=("arc_challenge",),
+                        seeds=(42, 43, 44), columns=("accuracy", "choice_nll"), tables=("transform",),
+                        about="tab:error_routing_transform_ablation (Granite): started-log vs pure log"),
+    "tes-lr": Preset(("TES-IS",), settings=tuple({"error_head_lr": v} for v in (1e-3, 1e-4, 1e-5, 5e-6)),
+                     benchmarks=("arc_challenge",), seeds=(42, 43, 44), columns=("accuracy", "choice_nll"),
+                     about="tab:tes_hyperparameter_sensitivity, error-head learning-rate panel (Granite)"),
+    "tes-gamma": Preset(("TES-IS",), settings=tuple({"gamma": v} for v in (0.5, 1.0, 2.0)),
+                        benchmarks=("arc_challenge",), seeds=(42, 43, 44), columns=("accuracy", "choice_nll"),
+                        about="tab:tes_hyperparameter_sensitivity, attenuation panel (Granite)"),
+    "acs-diagnostics": Preset(
+        ("CE + affinity tuning", "ACS-IS + affinity tuning", "ACS-ENLL + affinity tuning"),
+        settings=({"lambda_": 1e-2},), benchmarks=("arc_challenge",), tables=("concentration",), train_eval=True,
+        about="tab:acs_concentration_diagnostics (Granite): C-bar, N_eff, r on train and test"),
+}
+
+FLAG_NAMES = {"lambda_": "--lambda"}  # cfg keys whose train.py flag is not the dashed key
+
+
+def guess_recipe(model: str) -> str | None:
+    """granite/olmoe from a hub id or folder name; None leaves it to train.py (the checkpoint's model_type)."""
+    name = Path(model).name.lower()
+    return "granite" if "granite" in name else "olmoe" if "olmoe" in name else None
+
+
+@dataclass(frozen=True)
+class Cell:
+    model: str
+    data: str
+    row: str
+    settings: tuple  # sorted (key, value) pairs of the ablation settings
+    seed: int
+    out_dir: Path
+    recipe: str | None = None
+    extra: tuple = ()  # further train.py flags, passed through as they are
+    train_eval: bool = False  # also RUN/eval/train (evaluate.py --split train)
+
+    @property
+    def cfg(self) -> dict:
+        return {"model": self.model, "data": self.data, "seed": self.seed, **ROWS[self.row], **dict(self.settings)}
+
+    @property
+    def run(self) -> Path:
+        return self.out_dir / run_name(self.cfg)
+
+    def train_args(self, resume: bool = False) -> list[str]:
+        args = ["--model", self.model, "--data", self.data, "--seed", str(self.seed), "--out-dir", str(self.out_dir)]
+        if self.recipe:
+            args += ["--recipe", self.recipe]
+        for key, value in {**ROWS[self.row], **dict(self.settings)}.items():
+            flag = FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
+            args += [flag] if value is True else [flag, str(value)]
+        return args + list(self.extra) + (["--resume"] if resume else [])
+
+    def trained(self) -> bool:
+        run = self.run
+        return (run / "selection.json" if "--no-test-eval" in self.extra else run / "eval" / "test" / "metrics.json").is_file()
+
+    def state(self) -> str:
+        if self.trained() and (not self.train_eval or (self.run / "eval" / "train" / "metrics.json").is_file()):
+            return "done"
+        return "partial" if (self.run / "config.json").is_file() else "missing"
+
+
+def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=None, extra=(),
+         train_eval=False) -> list[Cell]:
+    """Every (model, benchmark, row, settings, seed); a (row, recipe) pair keeps only that backbone's models."""
+    recipes = recipes or {}
+    cells = []
+    for model in models:
+        recipe = recipes.get(model) or guess_recipe(model)
+        for data in benchmarks:
+            for row in rows:
+                row, only = (row, None) if isinstance(row, str) else row
+                if row not in ROWS:
+                    raise ValueError(f"unknown row {row!r}; expected one of {list(ROWS)}")
+                if only and recipe and only != recipe:
+                    continue
+                for variant in settings:
+                    for seed in seeds:
+                        cells.append(Cell(model, data, row, tuple(sorted(variant.items())), seed, Path(out_dir),
+                                          recipes.get(model), tuple(extra), train_eval))
+    unique = list({c.run: c for c in cells}.values())  # settings a row does not read give one run, once
+    return unique
+
+
+# ---- where cells run ------------------------------------------------------------------------------
+
+def train_command(cell: Cell) -> list[str]:
+    return [sys.executable, str(TRAIN_PY), *cell.train_args(resume=(cell.run / "config.json").is_file())]
+
+
+def train_eval_command(cell: Cell) -> list[str]:
+    """evaluate.py on the run's train split, cut as the run's training population was."""
+    limit = json.loads((cell.run / "config.json").read_text()).get("max_train_examples")
+    return [sys.executable, str(EVALUATE_PY), "--adapter", str(cell.run), "--split", "train",
+            "--out", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
+
+
+def run_cell(cell: Cell, env: dict | None = None) -> int:
+    """train.py for one cell (continued with --resume when its folder exists), then the train-split
+    evaluation when the cell needs it; returns the first non-zero exit code, else 0."""
+    code = 0 if cell.trained() else subprocess.run(train_command(cell), env=env).returncode
+    if code == 0 and cell.train_eval and not (cell.run / "eval" / "train" / "metrics.json").is_file():
+        code = subprocess.run(train_eval_command(cell), env=env).returncode
+    return code
+
+
+def run_local(cells, launch=run_cell) -> dict:
+    return {c.run: launch(c) for c in cells}
+
+
+def run_on_devices(cells, devices, launch=run_cell) -> dict:
+    """One cell per device at a time; each child sees only its device (CUDA_VISIBLE_DEVICES)."""
+    free = queue.Queue()
+    for d in devices:
+        free.put(str(d))
+
+    def one(cell):
+        device = free.get()
+        try:
+            return launch(cell, {**os.environ, "CUDA_VISIBLE_DEVICES": device})
+        finally:
+            free.put(device)
+
+    with ThreadPoolExecutor(max_workers=len(devices)) as pool:
+        return dict(zip([c.run for c in cells], pool.map(one, cells)))
+
+
+def visible_devices() -> list[str]:
+    """CUDA_VISIBLE_DEVICES if set, else every device torch sees."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES"):
+        return os.environ["CUDA_VISIBLE_DEVICES"].split(",")
+    import torch
+    return [str(i) for i in range(torch.cuda.device_count())]
+
+
+def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, **slurm_params) -> list:
+    """One submitit job per cell, named after its run folder; cluster="local"/"debug" runs them here (tests)."""
+    try:
+        import submitit
+    except ImportError:
+        raise SystemExit('sweep: --slurm needs submitit: pip install -e ".[slurm]"') from None
+    jobs = []
+    for cell in cells:
+        executor = submitit.AutoExecutor(folder=cell.out_dir / "submitit" / cell.run.name, cluster=cluster)
+        executor.update_parameters(name=cell.run.name, **slurm_params)
+        jobs.append(executor.submit(run_cell, cell))
+    if wait:
+        for job in jobs:
+            job.result()
+    return jobs
+
+
+# ---- the report -----------------------------------------------------------------------------------
+
+def _metrics(cell: Cell) -> dict | None:
+    path = cell.run / "eval" / "test" / "metrics.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _row_key(cell: Cell) -> str:
+    label = method_label(cell.cfg.get("method"), cell.cfg.get("objective") or METHOD_DEFAULTS["objective"],
+                         bool(cell.cfg.get("tune_router")))
+    settings = ablation_settings(cell.cfg)
+    return label + (" [" + ", ".join(f"{k}={v}" for k, v in settings.items()) + "]" if settings else "")
+
+
+def _mean_sd(values: list[float], digits: int) -> str:
+    text = f"{statistics.fmean(values):.{digits}f}"
+    return text + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+
+
+def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
+    """Markdown table (mean ± sample std over the seeds that finished, n=k/N when some are missing,
+    Δ from the lambda_m = 1e-3 cell for lambda-changed rows) and the per-cell CSV rows."""
+    groups: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        groups.setdefault((Path(c.model).name, _row_key(c), c.data), []).append(c)
+    csv_rows, summary = [], {}
+    for (model, row, data), members in groups.items():
+        found = [(c, m) for c in members if (m := _metrics(c)) is not None]
+        for c in members:
+            m = dict(found).get(c)
+            csv_rows.append({"model": model, "row": row, "dataset": data, "seed": c.seed, "run": c.run.name,
+                             "state": c.state(), **{k: (m or {}).get(k) for k in columns}})
+        summary[(model, row, data)] = {k: [m[k] for _, m in found] for k in columns} | {"n": len(found),
+                                                                                        "of": len(members)}
+    datasets = list(dict.fromkeys(c.data for c in cells))
+    rows = list(dict.fromkeys((m, r) for m, r, _ in summary))
+    head = [f"{Path(d).name} {'acc' if k == 'accuracy' else 'NLL'}" if len(columns) > 1 else Path(d).name
+            for d in datasets for k in columns]
+    lines = ["| Model | Method | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
+    for model, row in rows:
+        out = [model, row]
+        base = _lambda_baseline(row)
+        for d in datasets:
+            s = summary.get((model, row, d))
+            for k in columns:
+                if s is None:
+                    out.append("")
+                elif not s[k]:
+                    out.append(f"missing (0/{s['of']})")
+                else:
+                    scale, digits = (100.0, 2) if k == "accuracy" else (1.0, 4)
+                    text = _mean_sd([scale * v for v in s[k]], digits)
+                    ref = summary.get((model, base, d)) if base else None
+                    if k == "accuracy" and ref and ref[k]:
+                        delta = scale * (statistics.fmean(s[k]) - statistics.fmean(ref[k]))
+                        text += f" [{delta:+.2f}]"
+                    if s["n"] < s["of"]:
+                        text += f" (n={s['n']}/{s['of']})"
+                    out.append(text)
+        lines.append("| " + " | ".join(x.replace("|", "\\|") for x in out) + " |")
+    return "\n".join(lines) + "\n", csv_rows
+
+
+def _lambda_baseline(row: str) -> str | None:
+    """The row with lambda_m at its default for a lambda-changed row: the paper's Δ reference."""
+    if "[" not in row:
+        return None
+    label, settings = row[:-1].split(" [", 1)
+    kept = [s for s in settings.split(", ") if not s.startswith("lambda=")]
+    if len(kept) == len(settings.split(", ")):
+        return None
+    return label + (" [" + ", ".join(kept) + "]" if kept else "")
+
+
+def _finished_groups(cells) -> dict:
+    """(model, row, dataset) -> the finished cells, in seed order."""
+    groups: dict[tuple, list[Cell]] = {}
+    for c in cells:
+        if c.trained():
+            groups.setdefault((Path(c.model).name, _row_key(c), c.data), []).append(c)
+    return groups
+
+
+def transform_table(cells) -> str:
+    """tab:error_routing_transform_ablation: pointwise r, test NLL and accuracy are means over seeds;
+    group r and rho are over the layer--token groups averaged across seeds (test split)."""
+    lines = ["| Model | Method | Dataset | Pointwise r | Group r | Group ρ | Test NLL | Accuracy (%) | Seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (model, row, data), members in _finished_groups(cells).items():
+        files = [c.run / "eval" / "test" / "tokens-test.npz" for c in members]
+        errors = [diagnostics.token_file_errors(f) for f in files]
+        if any(e is None for e in errors):
+            continue  # not an error-head run
+        pointwise = statistics.fmean(diagnostics.pearson(e[2], e[3]) for e in errors)
+        groups = diagnostics.group_correlations(diagnostics.average_groups_across_seeds(
+            [diagnostics.group_by_layer_token(*e) for e in errors]))
+        metrics = [_metrics(c) for c in members]
+        nll = statistics.fmean(m["choice_nll"] for m in metrics)
+        acc = statistics.fmean(100.0 * m["accuracy"] for m in metrics)
+        lines.append(f"| {model} | {row} | {Path(data).name} | {pointwise:.4f} | {groups['group_r']:.4f} | "
+                     f"{groups['group_rho']:.4f} | {nll:.4f} | {acc:.2f} | {len(members)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _train_tokens(cell: Cell) -> Path | None:
+    """The train population's token arrays: scored beside test (tes) or by evaluate.py --split train."""
+    for path in (cell.run / "eval" / "test" / "tokens-train.npz", cell.run / "eval" / "train" / "tokens-train.npz"):
+        if path.is_file():
+            return path
+    return None
+
+
+def concentration_table(cells) -> str:
+    """tab:acs_concentration_diagnostics: final diagnosed layer, C-bar, N_eff and r, mean ± sd over seeds."""
+    lines = ["| Model | Method | Dataset | Split | C̄ | N_eff | r | Seeds |", "|---|---|---|---|---|---|---|---|"]
+    for (model, row, data), members in _finished_groups(cells).items():
+        for split in ("train", "test"):
+            files = [_train_tokens(c) if split == "train" else c.run / "eval" / "test" / "tokens-test.npz"
+                     for c in members]
+            files = [f for f in files if f is not None]
+            if not files:
+                lines.append(f"| {model} | {row} | {Path(data).name} | {split} | missing | | | 0 |")
+                continue
+            stats = [diagnostics.final_layer_concentration(f) for f in files]
+            lines.append(f"| {model} | {row} | {Path(data).name} | {split} | "
+                         + " | ".join(diagnostics.mean_sd([s[k] for s in stats], d)
+                                      for k, d in (("C_bar", 4), ("N_eff", 2), ("r", 3)))
+                         + f" | {len(files)} |")
+    return "\n".join(lines) + "\n"
+
+
+def error_figures(cells, folder) -> list[str]:
+    """fig:arc_error_prediction per (model, error-head row, dataset), groups averaged across seeds."""
+    notes = []
+    for (model, row, data), members in _finished_groups(cells).items():
+        train = [_train_tokens(c) for c in members]
+        test = [c.run / "eval" / "test" / "tokens-test.npz" for c in members]
+        if any(f is None for f in train) or any(diagnostics.token_file_errors(f) is None for f in test):
+            continue
+        slug = re.sub(r"[^A-Za-z0-9.+=-]+", "_", "-".join([model, Path(data).name, row])).strip("_")
+        path = Path(folder) / f"error-prediction-{slug}.png"
+        try:
+            stats = diagnostics.seed_error_figure(train, test, path, title=f"{row}, {Path(data).name}: train vs test")
+        except ValueError as e:  # too few groups, or constant train predictions
+            notes.append(f"no figure for {row}, {data}: {e}")
+            continue
+        notes.append(f"{path.name}: test group r {stats['test']['group_r']:.4f}, ρ {stats['test']['group_rho']:.4f} "
+                     f"over {stats['test']['groups']} groups, {len(members)} seeds")
+    return notes
+
+
+def write_report(cells, out_dir, columns=("accuracy",), tables=()) -> str:
+    table, rows = report(cells, columns)
+    extras = {"transform": ("Error-to-routing transform ablation", transform_table),
+              "concentration": ("Affinity-concentration diagnostics", concentration_table)}
+    for name in tables:
+        title, make = extras[name]
+        table += f"\n## {title}\n\n" + make(cells)
+    figures = error_figures(cells, Path(out_dir) / "figures")
+    if figures:
+        table += "\n## Error-prediction figures (figures/)\n\n" + "".join(f"- {n}\n" for n in figures)
+    missing = sum(r["state"] != "done" for r in rows)
+    text = table + (f"\n{missing} of {len(rows)} runs not finished; their cells use the seeds that did.\n"
+                    if missing else "")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out_dir / "report.md") as tmp:
+        tmp.write_text(text, encoding="utf-8")
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(rows[0]) if rows else ["run"])
+    writer.writeheader()
+    writer.writerows(rows)
+    with atomic_file(out_dir / "report.csv") as tmp:
+        tmp.write_text(buffer.getvalue(), encoding="utf-8")
+    return text

@@ -1,0 +1,113 @@
+"""Run a grid of train.py runs (the paper's tables are presets), resumably, and write its report.
+
+    python sweep.py --preset main --models ibm-granite/granite-3.1-3b-a800m-base allenai/OLMoE-1B-7B-0924-SFT \\
+        --out-dir runs/main -- --data-source hub            # 2 x 9 x 4 x 3 = 216 runs, then runs/main/report.md
+    python sweep.py --preset main --models ... --dry-run  # the cells and their state (done, partial, missing)
+    python sweep.py --preset main --models ... --gpus     # one run per visible GPU
+    python sweep.py --preset main --models ... --slurm --slurm-partition gpu   # one SLURM job per run
+    python sweep.py --preset main --models ... --report-only
+
+Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`).
+Finished runs are skipped, killed ones continued with --resume; see minimoe/sweep.py.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minimoe.sweep import BENCHMARKS, PRESETS, ROWS, grid, run_local, run_on_devices, submit_slurm, \
+    visible_devices, write_report
+
+SETTING_FLAGS = {"lambda": "lambda_", "layers": "layers", "transform": "transform", "gamma": "gamma",
+                 "error-head-lr": "error_head_lr"}
+
+
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("the grid")
+    g.add_argument("--preset", choices=sorted(PRESETS), default="main",
+                   help="; ".join(f"{k}: {v.about}" for k, v in PRESETS.items()))
+    g.add_argument("--models", nargs="+", required=True, metavar="MODEL[=RECIPE]",
+                   help="hub ids or checkpoint folders; =RECIPE names the recipe when the name does not say granite/olmoe")
+    g.add_argument("--benchmarks", nargs="+", help=f"default: the preset's ({' '.join(BENCHMARKS)} for main)")
+    g.add_argument("--rows", nargs="+", metavar="ROW", help=f"default: the preset's; any of {list(ROWS)}")
+    g.add_argument("--seeds", type=int, nargs="+", help="default: the preset's (42 43 45; 42 43 44 for TES tables)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
+                   help=f"replace the preset's settings variants by these values; KEY in {list(SETTING_FLAGS)} "
+                        "(e.g. --set lambda=1e-3,1e-2)")
+    g.add_argument("--out-dir", default="runs/sweep", help="parent of the run folders and of report.md/report.csv")
+    g = p.add_argument_group("where it runs (default: one run after another here)")
+    w = g.add_mutually_exclusive_group()
+    w.add_argument("--gpus", nargs="*", metavar="ID", help="one run per GPU at a time; no IDs = every visible GPU")
+    w.add_argument("--slurm", action="store_true", help="one SLURM job per run through submitit")
+    g.add_argument("--slurm-partition", help="SLURM partition")
+    g.add_argument("--slurm-timeout-min", type=int, default=24 * 60, help="per-job time limit (default 1440)")
+    g.add_argument("--slurm-gpus", type=int, default=1, help="GPUs per job (default 1)")
+    g = p.add_argument_group("what to do")
+    g.add_argument("--dry-run", action="store_true", help="print the cells and their state; run nothing")
+    g.add_argument("--report-only", action="store_true", help="write the report from what has finished")
+    args = p.parse_args(argv)
+    args.extra = extra
+    return args, p
+
+
+def settings_variants(specs, parser) -> tuple:
+    variants = [{}]
+    for spec in specs:
+        key, _, values = spec.partition("=")
+        if key not in SETTING_FLAGS or not values:
+            parser.error(f"--set {spec!r}: expected KEY=V1,V2 with KEY in {list(SETTING_FLAGS)}")
+        cast = str if key in ("layers", "transform") else float
+        variants = [{**v, SETTING_FLAGS[key]: cast(x)} for v in variants for x in values.split(",")]
+    return tuple(variants)
+
+
+def main(argv=None):
+    args, parser = parse_args(argv)
+    preset = PRESETS[args.preset]
+    models, recipes = [], {}
+    for spec in args.models:
+        model, _, recipe = spec.partition("=")
+        models.append(model)
+        if recipe:
+            recipes[model] = recipe
+    for row in args.rows or ():
+        if row not in ROWS:
+            parser.error(f"--rows {row!r}: expected one of {list(ROWS)}")
+    cells = grid(models, args.benchmarks or preset.benchmarks, args.rows or preset.rows, args.seeds or preset.seeds,
+                 args.out_dir, settings=settings_variants(args.set, parser) if args.set else preset.settings,
+                 recipes=recipes, extra=args.extra, train_eval=preset.train_eval)
+    if args.dry_run:
+        for c in cells:
+            print(f"{c.state():8s} {c.run}")
+        states = [c.state() for c in cells]
+        print(f"{len(cells)} runs: " + ", ".join(f"{states.count(s)} {s}" for s in ("done", "partial", "missing")))
+        return cells
+    todo = [c for c in cells if c.state() != "done"]
+    if not args.report_only and todo:
+        print(f"sweep: {len(cells) - len(todo)} of {len(cells)} runs done; running {len(todo)}", flush=True)
+        if args.slurm:
+            params = {"timeout_min": args.slurm_timeout_min, "gpus_per_node": args.slurm_gpus}
+            if args.slurm_partition:
+                params["slurm_partition"] = args.slurm_partition
+            jobs = submit_slurm(todo, **params)
+            print(f"sweep: submitted {len(jobs)} jobs; run the same command with --report-only when they end")
+            return cells
+        devices = (args.gpus or visible_devices()) if args.gpus is not None else None
+        if devices == []:
+            parser.error("--gpus: no GPU is visible (CUDA_VISIBLE_DEVICES is empty and torch sees none)")
+        codes = run_on_devices(todo, devices) if devices else run_local(todo)
+        failed = [str(run) for run, code in codes.items() if code != 0]
+        if failed:
+            print("sweep: failed (run the same command again to continue them):\n  " + "\n  ".join(failed),
+                  file=sys.stderr)
+    print(write_report(cells, args.out_dir, preset.columns, preset.tables), end="")
+    print(f"report: {args.out_dir}/report.md, {args.out_dir}/report.csv")
+    return cells
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""sweep.py on the tiny checkpoint: a 2x2 grid through train.py subprocesses, a killed cell that
+resumes, the report with a missing cell, GPU scheduling on a fake device list, and the submitit path
+on its local executor. Run names and report keys are checked against the settings that were set."""
+import csv
+import json
+import threading
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sweep
+from minimoe import sweep as sw
+from minimoe.data import load_examples
+from minimoe.diagnostics import accuracy_table
+from minimoe.tiny import tiny_checkpoint
+from minimoe.training import run_name
+
+SMOKE = ["--batch-size", "8", "--epochs", "2", "--quiet"]  # 8 examples: one step per epoch
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A small manifest folder (train 8, val 4, test 4) from the offline ARC-Challenge copy."""
+    folder = tmp_path_factory.mktemp("data") / "arc"
+    folder.mkdir()
+    examples = load_examples("arc_challenge")
+    for split, part in (("train", examples[:8]), ("val", examples[8:12]), ("test", examples[12:16])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(asdict(e)) + "\n" for e in part))
+    return folder
+
+
+def sweep_args(tmp_path, data, *flags):
+    return ["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
+            "--set", "gamma=1,2", "--seeds", "42", "43", "--out-dir", str(tmp_path), *flags, "--", *SMOKE]
+
+
+def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
+    """2 settings (gamma 1 = the default, gamma 2) x 2 seeds. One cell is killed after epoch 1 of 2,
+    one runs as a job of submitit's local executor (the SLURM path); the report marks the two that
+    have not run. The sweep then continues the killed cell with --resume, starts the missing ones,
+    skips the finished one, and a second sweep runs nothing."""
+    pytest.importorskip("submitit")
+    cells = sweep.main(sweep_args(tmp_path, data, "--dry-run"))
+    assert [c.state() for c in cells] == ["missing"] * 4
+    killed, job = cells[1], cells[3]
+    sw.subprocess.run([sw.sys.executable, str(sw.TRAIN_PY), *killed.train_args(), "--stop-after-epochs", "1"])
+    assert killed.state() == "partial"
+    assert [j.result() for j in sw.submit_slurm([job], cluster="local", wait=True, timeout_min=5)] == [0]
+    assert job.state() == "done" and (tmp_path / "submitit" / job.run.name).is_dir()  # the job's identity
+    text = sw.write_report(cells, tmp_path)
+    assert "| TES-IS | missing (0/2) |" in text and "(n=1/2)" in text and "3 of 4 runs not finished" in text
+    rows = list(csv.DictReader(open(tmp_path / "report.csv")))
+    assert [r["state"] for r in rows] == ["missing", "partial", "missing", "done"]
+
+    before = (job.run / "eval" / "test" / "metrics.json").stat().st_mtime_ns
+    sweep.main(sweep_args(tmp_path, data))
+    assert "1 of 4 runs done; running 3" in capsys.readouterr().out
+    assert [c.state() for c in cells] == ["done"] * 4
+    assert (job.run / "eval" / "test" / "metrics.json").stat().st_mtime_ns == before  # skipped
+    epochs = [json.loads(x)["epoch"] for x in (killed.run / "metrics.jsonl").read_text().splitlines()
+              if json.loads(x)["kind"] == "epoch"]
+    assert epochs == [1, 2]  # continued with --resume, not started over (train.py refuses an existing folder)
+    sweep.main(sweep_args(tmp_path, data))
+    assert "running" not in capsys.readouterr().out
+    table = (tmp_path / "report.md").read_text()
+    # Against the metrics.json files themselves, through the evaluate.py report's independent table.
+    for c in cells:  # metrics.json's identity carries the setting off the default, the report keys it
+        metrics = json.loads((c.run / "eval" / "test" / "metrics.json").read_text())
+        assert metrics["settings"] == ({"gamma": 2.0} if dict(c.settings)["gamma"] == 2.0 else {})
+    for cell_row, gamma in (("TES-IS", 1.0), ("TES-IS [gamma=2.0]", 2.0)):
+        accs = [json.loads((c.run / "eval" / "test" / "metrics.json").read_text())["accuracy"]
+                for c in cells if dict(c.settings)["gamma"] == gamma]
+        # The cell as evaluate.py's report computes it from the same numbers (mean ± sample std in %).
+        expected = accuracy_table([{"model": "m", "method": "x", "dataset": "d", "seed": s, "accuracy": a}
+                                   for s, a in zip((42, 43), accs)], seeds=(42, 43)).splitlines()[-1].split(" | ")[-1]
+        assert f"| {cell_row} | {expected.rstrip(' |')} |" in table
+
+
+def test_run_names_and_report_keys_carry_ablation_settings():
+    base = {"model": "org/granite-x", "data": "arc_challenge", "method": "tes", "objective": "is", "seed": 42}
+    assert run_name(base) == "granite-x-arc_challenge-TES-IS-seed42"
+    assert run_name({**base, "lambda_": 1e-3, "layers": "final"}) == run_name(base)  # defaults stay out
+    names = {run_name({**base, **s}) for s in ({"lambda_": 1e-2}, {"layers": "all"}, {"transform": "log"},
+                                                {"gamma": 2.0}, {"error_head_lr": 1e-4}, {"depth_scaled_lambda": True},
+                                                {"layers": "all", "depth_scaled_lambda": True}, {})}
+    assert len(names) == 8
+    assert run_name({**base, "lambda_": 1e-2, "layers": "all"}) == "granite-x-arc_challenge-TES-IS-lambda0.01-layersall-seed42"
+    # The paper's grid sizes: 2 backbones x 9 rows x 4 benchmarks x 3 seeds; the lambda table's
+    # rows are per backbone (Granite: TES and ACS + affinity tuning; OLMoE: frozen ACS), each at two lambdas.
+    both = ["ibm-granite/granite-3.1-3b-a800m-base", "allenai/OLMoE-1B-7B-0924-SFT"]
+    for preset, size in (("main", 216), ("lambda-1e-2", (4 + 2) * 2 * 4 * 3)):
+        p = sw.PRESETS[preset]
+        assert len(sw.grid(both, p.benchmarks, p.rows, p.seeds, "runs", settings=p.settings)) == size
+    # A setting the method does not read is no part of its name: CE at lambda 1e-2 is the CE run.
+    ce = {**base, "method": "ce"}
+    assert run_name({**ce, "lambda_": 1e-2, "gamma": 2.0}) == run_name(ce)
+    cells = sw.grid(["org/granite-x"], ["d"], ["CE", "ACS-IS"], (42,), "runs", settings=({}, {"lambda_": 1e-2}))
+    assert sorted(c.run.name for c in cells) == ["granite-x-d-ACS-IS-lambda0.01-seed42", "granite-x-d-ACS-IS-seed42",
+                                                 "granite-x-d-CE-seed42"]
+    # Two runs differing only in lambda are two report rows, not a "duplicate run".
+    records = [{"model": "m", "method": "ACS-IS", "dataset": "d", "seed": 42, "accuracy": 0.5, "settings": s}
+               for s in ({}, {"lambda": 0.01})]
+    table = accuracy_table(records, seeds=(42,))
+    assert "| ACS-IS |" in table and "| ACS-IS [lambda=0.01] |" in table
+
+
+def test_lambda_table_writes_the_change_from_the_1e3_cell(tmp_path):
+    """Δ = mean(lambda 1e-2) - mean(lambda 1e-3), in points, from hand-written metrics."""
+    cells = sw.grid(["org/granite-x"], ["d"], [("TES-IS", "granite"), ("ACS-IS", "olmoe")], (42, 43), tmp_path,
+                    settings=({}, {"lambda_": 1e-2}))
+    assert {c.row for c in cells} == {"TES-IS"}  # the OLMoE-only row is not run on Granite
+    accs = {(False, 42): 0.60, (False, 43): 0.62, (True, 42): 0.65, (True, 43): 0.66}
+    for c in cells:
+        out = c.run / "eval" / "test"
+        out.mkdir(parents=True)
+        (c.run / "config.json").write_text("{}")
+        (out / "metrics.json").write_text(json.dumps({"accuracy": accs[(bool(c.settings), c.seed)]}))
+    table = sw.write_report(cells, tmp_path)
+    assert "| granite-x | TES-IS [lambda=0.01] | 65.50 ± 0.71 [+4.50] |" in table
+    assert "| granite-x | TES-IS | 61.00 ± 1.41 |" in table
+
+
+def test_devices_run_one_cell_each_at_a_time():
+    """A fake list of two devices: never two cells on one device, both devices used, every cell run once."""
+    cells = sw.grid(["org/olmoe-x"], ["d"], ["CE", "TES-IS", "ACS-IS"], (42, 43), "runs")
+    busy, seen, lock = set(), [], threading.Lock()
+
+    def launch(cell, env):
+        device = env["CUDA_VISIBLE_DEVICES"]
+        with lock:
+            assert device not in busy
+            busy.add(device)
+            seen.append((cell.run, device))
+        time.sleep(0.05)
+        with lock:
+            busy.discard(device)
+        return 0
+
+    codes = sw.run_on_devices(cells, ["0", "1"], launch=launch)
+    assert sorted(codes) == sorted(c.run for c in cells) and set(codes.values()) == {0}
+    assert {d for _, d in seen} == {"0", "1"} and len(seen) == len(cells)
+
+
+def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data):
+    """A cell that needs train diagnostics (acs-diagnostics) gets evaluate.py --split train on the
+    run's training population after training; the table's train row is that split's C_t."""
+    cell = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path, extra=SMOKE)[0]
+    assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    cell = replace(cell, train_eval=True)
+    assert cell.state() == "partial"
+    assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    train = json.loads((cell.run / "eval" / "train" / "metrics.json").read_text())
+    assert train["split"] == "train" and train["n_examples"] == 8  # the run's training population
+    with np.load(cell.run / "eval" / "train" / "tokens-train.npz") as z:
+        c = z[f"concentration_layer{max(int(k[19:]) for k in z.files if k.startswith('concentration_layer'))}"]
+    assert f"| train | {c.mean():.4f} | {1 / c.mean():.2f} |" in sw.concentration_table([cell])
+
+
+def write_tokens(path, seed, *, layers=(3,), groups=12, repeats=None, concentration=None):
+    """Synthetic tokens-<split>.npz: e_hat tracks CE per target token, with seed-dependent noise; the
+    occurrences per token differ between seeds, so pooling tokens is not averaging seed means."""
+    rng = np.random.default_rng(seed)
+    target = np.repeat(np.arange(groups), repeats or 2 + seed % 3)
+    ce = rng.gamma(2.0, 1.0, target.size)
+    arrays = {"token_ce": ce, "target": target, "example": np.arange(target.size)}
+    for l in layers:
+        arrays[f"e_hat_layer{l}"] = 0.5 * ce + rng.normal(0, 0.3, ce.size) + 0.1 * target
+        arrays[f"concentration_layer{l}"] = rng.uniform(0.3, 1.0, ce.size) if concentration is None else concentration
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(path, **arrays)
+    return arrays
+
+
+def fake_cells(tmp_path, seeds, accs, nlls):
+    cells = sw.grid(["org/granite-x"], ["arc"], ["TES-IS"], seeds, tmp_path)
+    for c, acc, nll in zip(cells, accs, nlls):
+        (c.run / "eval" / "test").mkdir(parents=True)
+        (c.run / "config.json").write_text("{}")
+        (c.run / "eval" / "test" / "metrics.json").write_text(json.dumps({"accuracy": acc, "choice_nll": nll}))
+    return cells
+
+
+def test_transform_table_and_figure_average_groups_across_seeds(tmp_path):
+    """Against a direct recount: pointwise r averaged over seeds (np.corrcoef); group r and rho over
+    (layer, token) groups whose per-seed means are averaged across seeds (tie-averaged ranks)."""
+    cells = fake_cells(tmp_path, (42, 43), (0.6, 0.7), (0.9, 1.0))
+    per_seed = []
+    for c in cells:
+        test = write_tokens(c.run / "eval" / "test" / "tokens-test.npz", c.seed, layers=(2, 3))
+        write_tokens(c.run / "eval" / "test" / "tokens-train.npz", c.seed + 100, layers=(2, 3))
+        per_seed.append(test)
+    pointwise = np.mean([np.corrcoef(np.concatenate([a["e_hat_layer2"], a["e_hat_layer3"]]),
+                                     np.tile(a["token_ce"], 2))[0, 1] for a in per_seed])
+    sums = {}
+    for a in per_seed:
+        for l in (2, 3):
+            for t in np.unique(a["target"]):
+                m = a["target"] == t
+                sums.setdefault((l, t), []).append((a[f"e_hat_layer{l}"][m].mean(), a["token_ce"][m].mean()))
+    pred, obs = (np.array([np.mean([v[i] for v in vals]) for vals in sums.values()]) for i in (0, 1))
+    def rank(x):  # ties (observed CE is the same at both layers) share their mean rank
+        xs = np.sort(x)
+        return (np.searchsorted(xs, x, "left") + np.searchsorted(xs, x, "right") + 1) / 2
+    expected = (f"| {pointwise:.4f} | {np.corrcoef(pred, obs)[0, 1]:.4f} | "
+                f"{np.corrcoef(rank(pred), rank(obs))[0, 1]:.4f} | 0.9500 | 65.00 | 2 |")
+    assert expected in sw.transform_table(cells)
+    notes = sw.error_figures(cells, tmp_path / "figures")
+    assert len(notes) == 1 and f"group r {np.corrcoef(pred, obs)[0, 1]:.4f}" in notes[0], notes
+    assert (tmp_path / "figures" / "error-prediction-granite-x-arc-TES-IS.png").stat().st_size > 0
+
+
+def test_concentration_table_is_mean_and_sample_std_over_seeds(tmp_path):
+    cells = fake_cells(tmp_path, (42, 43, 45), (0.5,) * 3, (1.0,) * 3)
+    c_bars = []
+    for i, c in enumerate(cells):
+        conc = np.full(36, 0.2 + 0.1 * i)
+        conc[0] = 0.9  # not constant, so r is defined
+        write_tokens(c.run / "eval" / "test" / "tokens-test.npz", c.seed, repeats=3, concentration=conc)
+        c_bars.append(conc.mean())
+    table = sw.concentration_table(cells)
+    n_eff = [1 / c for c in c_bars]
+    assert (f"| test | {np.mean(c_bars):.4f} ± {np.std(c_bars, ddof=1):.4f} | "
+            f"{np.mean(n_eff):.2f} ± {np.std(n_eff, ddof=1):.2f} |") in table
+    assert "| train | missing |" in table  # no train population was scored
