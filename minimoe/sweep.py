@@ -55,7 +55,8 @@ ROWS = {
 @dataclass(frozen=True)
 class Preset:
     """One table of the paper: rows x settings variants, and the models/benchmarks/seeds it reports."""
-    rows: tuple  # names in ROWS; a (name, recipe) pair restricts the row to that backbone
+    rows: tuple  # names in ROWS; (name, recipe) restricts a row to that backbone, (name, recipe, {settings})
+    # also fixes settings for it there (OLMoE's ACS rows at lambda 1e-2 in the layer-scope table)
     settings: tuple = ({},)  # ablation variants, each a dict of train.py settings (lambda_, layers, ...)
     benchmarks: tuple = BENCHMARKS
     seeds: tuple = PAPER_SEEDS
@@ -65,6 +66,7 @@ class Preset:
     about: str = ""
 
 
+TUNED_ACS_GRANITE = (("ACS-ENLL + affinity tuning", "granite"), ("ACS-IS + affinity tuning", "granite"))
 PRESETS = {
     "main": Preset(tuple(ROWS), about="tab:downstream_accuracy, the nine rows"),
     "lambda-1e-2": Preset(
@@ -73,9 +75,26 @@ PRESETS = {
         settings=({}, {"lambda_": 1e-2}), about="tab:method_coefficient_impact; Δ from the lambda_m = 1e-3 cell"),
     "depth": Preset(("ACS-ENLL", "ACS-IS"), settings=({}, {"layers": "all"}),
                     about="tab:supervision_depth: final vs all-layer ACS (OLMoE in the paper)"),
-    "depth-scaled": Preset(("ACS-ENLL", "ACS-IS"),
-                           settings=({"layers": "all"}, {"layers": "all", "depth_scaled_lambda": True}),
-                           about="app:acs_depth_coefficient_scaling: all-layer ACS, fixed vs depth-scaled lambda"),
+    "depth-scaled": Preset(TUNED_ACS_GRANITE, settings=tuple(
+        {"layers": scope, **scaled} for scope in ("last:8", "all") for scaled in ({}, {"depth_scaled_lambda": True})),
+        about="tab:acs_depth_coefficient_scaling (Granite, affinity-tuned ACS): last-8 and all-layer scopes, "
+              "fixed vs depth-scaled lambda"),
+    "excessive-scaling": Preset(TUNED_ACS_GRANITE, settings=tuple(
+        {"layers": scope, "depth_scaled_lambda": True, **ten} for scope in ("last:8", "all")
+        for ten in ({}, {"lambda_": 1e-2})), benchmarks=("arc_challenge",),
+        about="tab:acs_excessive_scaling_control (Granite ARC): depth-scaled lambda vs ten times it"),
+    "layer-scope": Preset(
+        ("CE + affinity tuning", *TUNED_ACS_GRANITE,
+         ("ACS-ENLL + affinity tuning", "olmoe", {"lambda_": 1e-2}), ("ACS-IS + affinity tuning", "olmoe", {"lambda_": 1e-2})),
+        settings=tuple({"layers": scope} for scope in ("final", "first:8", "last:8", "all")),
+        about="tab:affinity_router_layer_ablation: affinity tuning and ACS on the same scope (OLMoE: selected epochs)"),
+    "acs-lambda": Preset(
+        (*TUNED_ACS_GRANITE, ("ACS-ENLL", "olmoe"), ("ACS-IS", "olmoe"), ("ACS-ENLL + affinity tuning", "olmoe"),
+         ("ACS-IS + affinity tuning", "olmoe")), settings=({}, {"lambda_": 1e-2}),
+        about="tab:acs_coefficient_sensitivity: final-layer ACS at lambda 1e-3 and 1e-2"),
+    "acs-screen": Preset((("ACS-IS", "olmoe"), ("ACS-ENLL", "olmoe")),
+                         settings=tuple({"lambda_": v} for v in (1e-4, 1e-3, 1e-2, 1e-1)), benchmarks=("arc_challenge",),
+                         about="tab:olmoe_acs_coefficient_screen (OLMoE ARC, frozen affinity): lambda 1e-4 to 1e-1"),
     "transform": Preset(("TES-IS",), settings=({}, {"transform": "log"}), benchmarks=("arc_challenge",),
                         seeds=(42, 43, 44), columns=("accuracy", "choice_nll"), tables=("transform",),
                         about="tab:error_routing_transform_ablation (Granite): started-log vs pure log"),
@@ -129,9 +148,16 @@ class Cell:
             args += [flag] if value is True else [flag, str(value)]
         return args + list(self.extra) + (["--resume"] if resume else [])
 
+    @property
+    def test_dir(self) -> Path:
+        """RUN/eval/test, or RUN/eval/test-selected where train.py scored the validation-selected epoch
+        instead (its config.json says which: the OLMoE affinity-tuned group by default)."""
+        config = self.run / "config.json"
+        chosen = json.loads(config.read_text()).get("test_checkpoint") if config.is_file() else None
+        return self.run / "eval" / ("test-selected" if chosen == "selected" else "test")
+
     def trained(self) -> bool:
-        run = self.run
-        return (run / "selection.json" if "--no-test-eval" in self.extra else run / "eval" / "test" / "metrics.json").is_file()
+        return (self.run / "selection.json" if "--no-test-eval" in self.extra else self.test_dir / "metrics.json").is_file()
 
     def state(self) -> str:
         if self.trained() and (not self.train_eval or (self.run / "eval" / "train" / "metrics.json").is_file()):
@@ -148,14 +174,14 @@ def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=No
         recipe = recipes.get(model) or guess_recipe(model)
         for data in benchmarks:
             for row in rows:
-                row, only = (row, None) if isinstance(row, str) else row
+                row, only, fixed = (row, None, {}) if isinstance(row, str) else (*row, {})[:3]
                 if row not in ROWS:
                     raise ValueError(f"unknown row {row!r}; expected one of {list(ROWS)}")
                 if only and recipe and only != recipe:
                     continue
                 for variant in settings:
                     for seed in seeds:
-                        cells.append(Cell(model, data, row, tuple(sorted(variant.items())), seed, Path(out_dir),
+                        cells.append(Cell(model, data, row, tuple(sorted({**fixed, **variant}.items())), seed, Path(out_dir),
                                           recipes.get(model), tuple(extra), train_eval))
     unique = list({c.run: c for c in cells}.values())  # settings a row does not read give one run, once
     return unique
@@ -232,7 +258,7 @@ def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, **slu
 # ---- the report -----------------------------------------------------------------------------------
 
 def _metrics(cell: Cell) -> dict | None:
-    path = cell.run / "eval" / "test" / "metrics.json"
+    path = cell.test_dir / "metrics.json"
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -318,7 +344,7 @@ def transform_table(cells) -> str:
     lines = ["| Model | Method | Dataset | Pointwise r | Group r | Group ρ | Test NLL | Accuracy (%) | Seeds |",
              "|---|---|---|---|---|---|---|---|---|"]
     for (model, row, data), members in _finished_groups(cells).items():
-        files = [c.run / "eval" / "test" / "tokens-test.npz" for c in members]
+        files = [c.test_dir / "tokens-test.npz" for c in members]
         errors = [diagnostics.token_file_errors(f) for f in files]
         if any(e is None for e in errors):
             continue  # not an error-head run
@@ -335,7 +361,7 @@ def transform_table(cells) -> str:
 
 def _train_tokens(cell: Cell) -> Path | None:
     """The train population's token arrays: scored beside test (tes) or by evaluate.py --split train."""
-    for path in (cell.run / "eval" / "test" / "tokens-train.npz", cell.run / "eval" / "train" / "tokens-train.npz"):
+    for path in (cell.test_dir / "tokens-train.npz", cell.run / "eval" / "train" / "tokens-train.npz"):
         if path.is_file():
             return path
     return None
@@ -346,7 +372,7 @@ def concentration_table(cells) -> str:
     lines = ["| Model | Method | Dataset | Split | C̄ | N_eff | r | Seeds |", "|---|---|---|---|---|---|---|---|"]
     for (model, row, data), members in _finished_groups(cells).items():
         for split in ("train", "test"):
-            files = [_train_tokens(c) if split == "train" else c.run / "eval" / "test" / "tokens-test.npz"
+            files = [_train_tokens(c) if split == "train" else c.test_dir / "tokens-test.npz"
                      for c in members]
             files = [f for f in files if f is not None]
             if not files:
@@ -365,7 +391,7 @@ def error_figures(cells, folder) -> list[str]:
     notes = []
     for (model, row, data), members in _finished_groups(cells).items():
         train = [_train_tokens(c) for c in members]
-        test = [c.run / "eval" / "test" / "tokens-test.npz" for c in members]
+        test = [c.test_dir / "tokens-test.npz" for c in members]
         if any(f is None for f in train) or any(diagnostics.token_file_errors(f) is None for f in test):
             continue
         slug = re.sub(r"[^A-Za-z0-9.+=-]+", "_", "-".join([model, Path(data).name, row])).strip("_")

@@ -91,9 +91,17 @@ def test_run_names_and_report_keys_carry_ablation_settings():
     # The paper's grid sizes: 2 backbones x 9 rows x 4 benchmarks x 3 seeds; the lambda table's
     # rows are per backbone (Granite: TES and ACS + affinity tuning; OLMoE: frozen ACS), each at two lambdas.
     both = ["ibm-granite/granite-3.1-3b-a800m-base", "allenai/OLMoE-1B-7B-0924-SFT"]
-    for preset, size in (("main", 216), ("lambda-1e-2", (4 + 2) * 2 * 4 * 3)):
+    # The appendix tables: depth-scaled and layer-scope on Granite's affinity-tuned ACS (layer scopes
+    # final, first 8, last 8, all; OLMoE's ACS rows there at lambda 1e-2), the tenfold control and the
+    # OLMoE lambda screen on ARC only.
+    for preset, size in (("main", 216), ("lambda-1e-2", (4 + 2) * 2 * 4 * 3), ("depth-scaled", 2 * 4 * 4 * 3),
+                         ("excessive-scaling", 2 * 4 * 3), ("layer-scope", 2 * 3 * 4 * 4 * 3),
+                         ("acs-lambda", (2 + 4) * 2 * 4 * 3), ("acs-screen", 2 * 4 * 3)):
         p = sw.PRESETS[preset]
         assert len(sw.grid(both, p.benchmarks, p.rows, p.seeds, "runs", settings=p.settings)) == size
+    olmoe_acs = {c.run.name for c in sw.grid(both, ["d"], sw.PRESETS["layer-scope"].rows, (42,), "runs",
+                                           settings=sw.PRESETS["layer-scope"].settings) if "OLMoE" in c.model and "ACS" in c.row}
+    assert len(olmoe_acs) == 8 and all("lambda0.01" in name for name in olmoe_acs)
     # A setting the method does not read is no part of its name: CE at lambda 1e-2 is the CE run.
     ce = {**base, "method": "ce"}
     assert run_name({**ce, "lambda_": 1e-2, "gamma": 2.0}) == run_name(ce)
@@ -225,3 +233,17 @@ def test_concentration_table_is_mean_and_sample_std_over_seeds(tmp_path):
     assert (f"| test | {np.mean(c_bars):.4f} ± {np.std(c_bars, ddof=1):.4f} | "
             f"{np.mean(n_eff):.2f} ± {np.std(n_eff, ddof=1):.2f} |") in table
     assert "| train | missing |" in table  # no train population was scored
+
+
+def test_a_run_scored_at_its_selected_epoch_is_done_and_reported(tmp_path):
+    """train.py scores the OLMoE affinity-tuned group at the validation-selected epoch (eval/test-selected;
+    its config.json says so): the sweep must count that cell done and report that evaluation."""
+    [cell] = sw.grid(["org/olmoe-x"], ["d"], ["CE + affinity tuning"], (42,), tmp_path)
+    (cell.run / "eval" / "test-selected").mkdir(parents=True)
+    (cell.run / "config.json").write_text(json.dumps({"test_checkpoint": "selected"}))
+    assert cell.state() == "partial"
+    record = {"model": "org/olmoe-x", "method": "CE + affinity tuning", "dataset": "d", "seed": 42, "accuracy": 0.5,
+              "choice_nll": 1.0, "settings": {}}
+    (cell.run / "eval" / "test-selected" / "metrics.json").write_text(json.dumps(record))
+    assert cell.state() == "done"
+    assert "50.00" in sw.write_report([cell], tmp_path, ("accuracy",), ())
