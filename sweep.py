@@ -6,6 +6,7 @@
     python sweep.py --preset main --models ... --gpus     # one run per visible GPU
     python sweep.py --preset main --models ... --slurm --slurm-partition gpu   # one SLURM job per run
     python sweep.py --preset main --models ... --report-only
+    python sweep.py --preset study --out-dir runs/study  # the default model: 7 rows x sciq, arc_easy x 3 seeds
 
 Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`).
 Finished runs are skipped, killed ones continued with --resume; see minimoe/sweep.py.
@@ -30,8 +31,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("the grid")
     g.add_argument("--preset", choices=sorted(PRESETS), default="main",
                    help="; ".join(f"{k}: {v.about}" for k, v in PRESETS.items()))
-    g.add_argument("--models", nargs="+", required=True, metavar="MODEL[=RECIPE]",
-                   help="hub ids or checkpoint folders; =RECIPE names the recipe when the name does not say granite/olmoe")
+    g.add_argument("--models", nargs="+", metavar="MODEL[=RECIPE]",
+                   help="hub ids or checkpoint folders; =RECIPE names the recipe when the name does not say "
+                        "granite/olmoe (default: weights/smollm2-135m-moe, train.py's default model, built on first use)")
     g.add_argument("--benchmarks", nargs="+", help=f"default: the preset's ({' '.join(BENCHMARKS)} for main)")
     g.add_argument("--rows", nargs="+", metavar="ROW", help=f"default: the preset's; any of {list(ROWS)}")
     g.add_argument("--seeds", type=int, nargs="+", help="default: the preset's (42 43 45; 42 43 44 for TES tables)")
@@ -69,6 +71,9 @@ def main(argv=None):
     args, parser = parse_args(argv)
     preset = PRESETS[args.preset]
     models, recipes = [], {}
+    if not args.models:
+        from minimoe.smollm import smollm_checkpoint
+        args.models = [str(smollm_checkpoint())]
     for spec in args.models:
         model, _, recipe = spec.partition("=")
         models.append(model)
@@ -79,7 +84,8 @@ def main(argv=None):
             parser.error(f"--rows {row!r}: expected one of {list(ROWS)}")
     cells = grid(models, args.benchmarks or preset.benchmarks, args.rows or preset.rows, args.seeds or preset.seeds,
                  args.out_dir, settings=settings_variants(args.set, parser) if args.set else preset.settings,
-                 recipes=recipes, extra=args.extra, train_eval=preset.train_eval)
+                 recipes=recipes, extra=(*preset.train_args, *args.extra), train_eval=preset.train_eval,
+                 zero_shot=preset.zero_shot)
     if args.dry_run:
         for c in cells:
             print(f"{c.state():8s} {c.run}")

@@ -32,6 +32,7 @@ from pathlib import Path
 from minimoe import diagnostics
 from minimoe.atomic import atomic_file
 from minimoe.diagnostics import PAPER_SEEDS
+from minimoe.runs import read_metrics
 from minimoe.training import METHOD_DEFAULTS, ablation_settings, method_label, run_name
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
@@ -63,6 +64,8 @@ class Preset:
     columns: tuple = ("accuracy",)  # "choice_nll" adds the NLL column (TES sensitivity)
     tables: tuple = ()  # further report tables: "transform", "concentration"
     train_eval: bool = False  # also evaluate each run on its train split (the concentration table's train rows)
+    train_args: tuple = ()  # train.py flags for every run, before the ones after `--` (which win)
+    zero_shot: bool = False  # the first seed's CE run also scores the base model: the table's zero-shot row
     about: str = ""
 
 
@@ -104,6 +107,13 @@ PRESETS = {
     "tes-gamma": Preset(("TES-IS",), settings=tuple({"gamma": v} for v in (0.5, 1.0, 2.0)),
                         benchmarks=("arc_challenge",), seeds=(42, 43, 44), columns=("accuracy", "choice_nll"),
                         about="tab:tes_hyperparameter_sensitivity, attenuation panel (Granite)"),
+    "study": Preset(("CE", "ACS-IS", "ACS-ENLL", "CE + affinity tuning", "Dual Affinity", "TES-IS", "TES-ENLL"),
+                    benchmarks=("sciq", "arc_easy"), zero_shot=True,
+                    # One epoch of 448 examples (all of SciQ's offline train split; ARC-Easy's 2000 cut to
+                    # match) keeps a run to minutes on a CPU; flags after -- override both.
+                    train_args=("--epochs", "1", "--max-train-examples", "448"),
+                    tables=("wall_time",), about="the study on a real model (default: the upcycled SmolLM2): "
+                    "the rows that apply, offline SciQ and ARC-Easy, one epoch, with the zero-shot row"),
     "acs-diagnostics": Preset(
         ("CE + affinity tuning", "ACS-IS + affinity tuning", "ACS-ENLL + affinity tuning"),
         settings=({"lambda_": 1e-2},), benchmarks=("arc_challenge",), tables=("concentration",), train_eval=True,
@@ -130,6 +140,7 @@ class Cell:
     recipe: str | None = None
     extra: tuple = ()  # further train.py flags, passed through as they are
     train_eval: bool = False  # also RUN/eval/train (evaluate.py --split train)
+    zero_shot: bool = False  # also RUN/eval/test-base (train.py --zero-shot: the base model, before training)
 
     @property
     def cfg(self) -> dict:
@@ -146,7 +157,7 @@ class Cell:
         for key, value in {**ROWS[self.row], **dict(self.settings)}.items():
             flag = FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
             args += [flag] if value is True else [flag, str(value)]
-        return args + list(self.extra) + (["--resume"] if resume else [])
+        return args + (["--zero-shot"] if self.zero_shot else []) + list(self.extra) + (["--resume"] if resume else [])
 
     @property
     def test_dir(self) -> Path:
@@ -166,8 +177,10 @@ class Cell:
 
 
 def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=None, extra=(),
-         train_eval=False) -> list[Cell]:
-    """Every (model, benchmark, row, settings, seed); a (row, recipe) pair keeps only that backbone's models."""
+         train_eval=False, zero_shot=False) -> list[Cell]:
+    """Every (model, benchmark, row, settings, seed); a (row, recipe) pair keeps only that backbone's models.
+    zero_shot: the first seed's plain CE run per (model, benchmark) also scores the base model (it is
+    deterministic, so one seed is enough)."""
     recipes = recipes or {}
     cells = []
     for model in models:
@@ -181,8 +194,10 @@ def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=No
                     continue
                 for variant in settings:
                     for seed in seeds:
-                        cells.append(Cell(model, data, row, tuple(sorted({**fixed, **variant}.items())), seed, Path(out_dir),
-                                          recipes.get(model), tuple(extra), train_eval))
+                        chosen = tuple(sorted({**fixed, **variant}.items()))
+                        base = zero_shot and row == "CE" and not chosen and seed == seeds[0]
+                        cells.append(Cell(model, data, row, chosen, seed, Path(out_dir), recipes.get(model),
+                                          tuple(extra), train_eval, base))
     unique = list({c.run: c for c in cells}.values())  # settings a row does not read give one run, once
     return unique
 
@@ -289,8 +304,16 @@ def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
                              "state": c.state(), **{k: (m or {}).get(k) for k in columns}})
         summary[(model, row, data)] = {k: [m[k] for _, m in found] for k in columns} | {"n": len(found),
                                                                                         "of": len(members)}
+    for c in cells:  # the zero-shot row: the base model's scores, where a run made them (--zero-shot)
+        base = c.run / "eval" / "test-base" / "metrics.json"
+        if base.is_file():
+            m = json.loads(base.read_text())
+            s = summary.setdefault((Path(c.model).name, ZERO_SHOT, c.data), {k: [] for k in columns} | {"n": 0, "of": 0})
+            for k in columns:
+                s[k].append(m[k])
+            s["n"] = s["of"] = s["n"] + 1
     datasets = list(dict.fromkeys(c.data for c in cells))
-    rows = list(dict.fromkeys((m, r) for m, r, _ in summary))
+    rows = sorted(dict.fromkeys((m, r) for m, r, _ in summary), key=lambda mr: mr[1] != ZERO_SHOT)  # stable
     head = [f"{Path(d).name} {'acc' if k == 'accuracy' else 'NLL'}" if len(columns) > 1 else Path(d).name
             for d in datasets for k in columns]
     lines = ["| Model | Method | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
@@ -316,6 +339,31 @@ def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
                     out.append(text)
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in out) + " |")
     return "\n".join(lines) + "\n", csv_rows
+
+
+ZERO_SHOT = "zero-shot (base model)"
+
+
+def train_seconds(run: Path) -> float | None:
+    """A run's training wall time from its metrics.jsonl: its steps and validations (None: not recorded)."""
+    try:
+        records = read_metrics(run)
+    except FileNotFoundError:
+        return None
+    times = [r.get("seconds" if r["kind"] == "step" else "val_seconds") for r in records]
+    return None if not times or None in times else sum(times)
+
+
+def wall_time_table(cells) -> str:
+    """Training wall time per run (steps + validation; loading and test scoring not counted), mean ± sd over seeds."""
+    lines = ["| Model | Method | Dataset | Minutes per run | Runs |", "|---|---|---|---|---|"]
+    total = []
+    for (model, row, data), members in _finished_groups(cells).items():
+        minutes = [t / 60 for c in members if (t := train_seconds(c.run)) is not None]
+        total += minutes
+        if minutes:
+            lines.append(f"| {model} | {row} | {Path(data).name} | {_mean_sd(minutes, 1)} | {len(minutes)} |")
+    return "\n".join(lines) + f"\n\nAll runs: {sum(total) / 60:.2f} h of training over {len(total)} runs.\n"
 
 
 def _lambda_baseline(row: str) -> str | None:
@@ -409,7 +457,8 @@ def error_figures(cells, folder) -> list[str]:
 def write_report(cells, out_dir, columns=("accuracy",), tables=()) -> str:
     table, rows = report(cells, columns)
     extras = {"transform": ("Error-to-routing transform ablation", transform_table),
-              "concentration": ("Affinity-concentration diagnostics", concentration_table)}
+              "concentration": ("Affinity-concentration diagnostics", concentration_table),
+              "wall_time": ("Wall time", wall_time_table)}
     for name in tables:
         title, make = extras[name]
         table += f"\n## {title}\n\n" + make(cells)

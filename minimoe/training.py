@@ -276,21 +276,24 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            rate = global_sum(sum(b.attention_mask.sum().item() for b in batches)) / (time.perf_counter() - t0)
+            seconds = time.perf_counter() - t0
+            rate = global_sum(sum(b.attention_mask.sum().item() for b in batches)) / seconds
             loss = logs["task"] + cfg["lambda_"] * logs["method"] + cfg["aux_coef"] * logs["aux"]
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
             if rank == 0:
                 append_metrics(run, {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
-                                     "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate})
+                                     "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate,
+                                     "seconds": seconds})
                 every = cfg.get("save_every_steps")
                 if every and step % every == 0 and s + 1 < steps:  # at the end, the epoch checkpoint
                     save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg["model"])
             if cfg.get("stop_after_steps") == step and step < total:
                 raise SystemExit(f"stopped after step {step} as asked (--stop-after-steps); continue with --resume")
+        t0 = time.perf_counter()
         val = score_split(model, tokenizer, data["val"], cfg)
         if rank == 0:
             append_metrics(run, {"kind": "epoch", "epoch": epoch, "step": step, "val_choice_nll": val["choice_nll"],
-                                 "val_accuracy": val["accuracy"]})
+                                 "val_accuracy": val["accuracy"], "val_seconds": time.perf_counter() - t0})
             save_epoch(run, model, optimizer, scheduler, epoch, step, cfg["model"])
         if dist.is_initialized():
             dist.barrier()

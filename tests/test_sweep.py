@@ -247,3 +247,32 @@ def test_a_run_scored_at_its_selected_epoch_is_done_and_reported(tmp_path):
     (cell.run / "eval" / "test-selected" / "metrics.json").write_text(json.dumps(record))
     assert cell.state() == "done"
     assert "50.00" in sw.write_report([cell], tmp_path, ("accuracy",), ())
+
+
+def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_time(tmp_path, data):
+    """The study preset: its rows, one epoch (its own train.py flag, which flags after -- still override),
+    the first seed's CE run also scores the base model, and the report leads with that zero-shot row
+    (the numbers in eval/test-base) and ends with each run's training wall time from metrics.jsonl."""
+    args = ["--preset", "study", "--models", str(tiny_checkpoint()), "--benchmarks", str(data),
+            "--out-dir", str(tmp_path)]
+    cells = sweep.main([*args, "--dry-run"])
+    assert len(cells) == 7 * 3 and {c.row for c in cells} == set(sw.PRESETS["study"].rows)
+    assert [(c.row, c.seed) for c in cells if c.zero_shot] == [("CE", 42)]
+    assert "--zero-shot" in cells[0].train_args() and "--zero-shot" not in cells[1].train_args()
+    ce = [c for c in cells if c.row in ("CE", "TES-IS") and c.seed == 42]
+    flags = ce[0].train_args()
+    assert flags[flags.index("--epochs") + 1] == "1"
+    sweep.main([*args, "--rows", "CE", "TES-IS", "--seeds", "42", "--", "--batch-size", "8", "--quiet"])
+    assert all(c.state() == "done" for c in ce)
+    assert (ce[0].run / "eval" / "test-base").is_dir() and not (ce[1].run / "eval" / "test-base").exists()
+    assert [json.loads(x)["epoch"] for x in (ce[0].run / "metrics.jsonl").read_text().splitlines()
+            if json.loads(x)["kind"] == "epoch"] == [1]
+    text = (tmp_path / "report.md").read_text()
+    rows = [line.split(" | ")[1] for line in text.splitlines()[2:5]]
+    assert rows == [sw.ZERO_SHOT, "CE", "TES-IS"]  # the zero-shot row first
+    base = json.loads((ce[0].run / "eval" / "test-base" / "metrics.json").read_text())["accuracy"]
+    assert f"| {sw.ZERO_SHOT} | {100 * base:.2f} |" in text
+    records = [json.loads(x) for x in (ce[1].run / "metrics.jsonl").read_text().splitlines()]
+    seconds = sum(r["seconds"] if r["kind"] == "step" else r["val_seconds"] for r in records)
+    assert sw.train_seconds(ce[1].run) == pytest.approx(seconds) and seconds > 0
+    assert f"| TES-IS | {Path(data).name} | {seconds / 60:.1f} | 1 |" in text
