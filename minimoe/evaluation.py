@@ -535,17 +535,18 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=N
                            batch_size=batch_size, max_length=cfg.get("max_length"), packed=cfg.get("packed", True))
 
 
-def evaluate_zero_shot(run, model, tokenizer, examples, cfg: dict, split: str = "test") -> dict:
-    """The base model before training (no LoRA, native routing) into RUN/eval/<split>-base.
+def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test") -> dict:
+    """The base model before training (no LoRA, native routing) into RUN/eval/<split>-base; `cfg` is
+    the run's training.TrainConfig.
 
     Its metrics.json says method "zero-shot" and carries the run's seed, so `evaluate.py report` gives
     the base model its own row beside the trained ones (the same number for every seed).
     """
-    identity = _identity(None, model=cfg["model"], data=cfg["data"], split=split, net=model,
-                         batch_size=cfg["eval_batch_size"], max_examples=None, max_length=cfg["max_length"])
-    identity.update(method="zero-shot", seed=cfg["seed"], run=str(run))
+    identity = _identity(None, model=cfg.model, data=cfg.data, split=split, net=model,
+                         batch_size=cfg.eval_batch_size, max_examples=None, max_length=cfg.max_length)
+    identity.update(method="zero-shot", seed=cfg.seed, run=str(run))
     return score_and_write(model, tokenizer, examples, Path(run) / "eval" / f"{split}-base", identity,
-                           batch_size=cfg["eval_batch_size"], max_length=cfg["max_length"])
+                           batch_size=cfg.eval_batch_size, max_length=cfg.max_length)
 
 
 # ----------------------------------------------------------------------------- the accuracy table

@@ -33,7 +33,7 @@ from minimoe import diagnostics
 from minimoe.atomic import atomic_file
 from minimoe.diagnostics import PAPER_SEEDS
 from minimoe.runs import read_metrics
-from minimoe.training import METHOD_DEFAULTS, ablation_settings, method_label, run_name
+from minimoe.training import TrainConfig, ablation_settings, method_label, run_name
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 EVALUATE_PY = TRAIN_PY.with_name("evaluate.py")
@@ -278,7 +278,7 @@ def _metrics(cell: Cell) -> dict | None:
 
 
 def _row_key(cell: Cell) -> str:
-    label = method_label(cell.cfg.get("method"), cell.cfg.get("objective") or METHOD_DEFAULTS["objective"],
+    label = method_label(cell.cfg.get("method"), cell.cfg.get("objective") or TrainConfig.objective,
                          bool(cell.cfg.get("tune_router")))
     settings = ablation_settings(cell.cfg)
     return label + (" [" + ", ".join(f"{k}={v}" for k, v in settings.items()) + "]" if settings else "")

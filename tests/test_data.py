@@ -325,6 +325,7 @@ def test_data_revision_overrides_the_pin_and_must_match_the_built_splits(fake_hu
     """revision= (train.py --data-revision) reaches the download; splits built at another revision are
     refused rather than reused; offline copies take no revision."""
     import train
+    from conftest import tiny_config
     other = "f" * 40
     data.load_split("medmcqa", "test", data_dir=tmp_path, source="hub", revision=other)
     assert fake_hub[-1]["revision"] == other
@@ -336,7 +337,7 @@ def test_data_revision_overrides_the_pin_and_must_match_the_built_splits(fake_hu
     seen = []
     monkeypatch.setattr(train, "load_split", lambda *a, **kw: seen.append(kw.get("revision")) or [])
     args = train.parse_args(["--data", "sciq", "--data-source", "hub", "--data-revision", other])
-    train.load_data({**vars(args), "data_revision": args.data_revision})
+    train.load_data(train.resolve_config(args, tiny_config("olmoe")))
     assert seen == [other] * 3
 
 

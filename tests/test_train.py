@@ -393,7 +393,7 @@ def small_manifests(tmp_path, n=(16, 4, 6)):
 def test_test_checkpoint_defaults_to_what_the_paper_reports(flags, expected):
     from conftest import tiny_config
     cfg = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
-    assert cfg["test_checkpoint"] == expected
+    assert cfg.test_checkpoint == expected
 
 
 @pytest.mark.parametrize("flags,folders", [(["--recipe", "olmoe", "--tune-router"], {"test-selected"}),
@@ -407,3 +407,58 @@ def test_train_evaluates_the_selected_checkpoint(tmp_path, flags, folders):
     selected = json.loads((run / "eval" / "test-selected" / "metrics.json").read_text())
     assert selected["checkpoint"] == "selected"
     assert selected["epoch"] == json.loads((run / "selection.json").read_text())["selected_epoch"]
+
+
+def option_help(parser) -> dict:
+    """--help's text per option, keyed by its first flag, whitespace collapsed."""
+    entries, current = {}, None
+    for line in parser.format_help().splitlines():
+        if line.startswith("  -"):
+            current = line.split()[0].rstrip(",")
+            entries[current] = line
+        elif current and line.startswith("    "):
+            entries[current] += " " + line
+        else:
+            current = None
+    return {flag: " ".join(text.split()) for flag, text in entries.items()}
+
+
+def test_flags_are_train_config_fields_and_help_shows_their_true_defaults():
+    """One configuration: every flag is a TrainConfig field and back (but what resolve_config derives);
+    a flag's default is its field's, and --help shows it; a recipe field's flag defaults to None and
+    --help names every recipe's value (RECIPES, read here on its own)."""
+    from dataclasses import MISSING, fields
+
+    from minimoe.training import RECIPES, TrainConfig
+    parser = train.parser()
+    defaults, helps = vars(parser.parse_args([])), option_help(parser)
+    config = {f.name: f.default for f in fields(TrainConfig)}
+    assert set(defaults) - set(train.NOT_SETTINGS) == set(config) - {"pad_token_id", "packed", "train_examples"}
+    for name, value in defaults.items():
+        if name not in config:
+            continue
+        text = helps.get("--lambda" if name == "lambda_" else "--" + name.replace("_", "-"), "")  # "": hidden
+        if config[name] is not MISSING:
+            assert value == config[name], name
+            if value is not None and not isinstance(value, bool):
+                assert f"default: {value})" in text, (name, text)
+        else:
+            assert value is None, name
+            shown = {r: ",".join(recipe[name]) if isinstance(recipe[name], list) else str(recipe[name])
+                     for r, recipe in RECIPES.items()}
+            expected = ([f"default: {shown['tiny']}"] if len(set(shown.values())) == 1
+                        else [f"{v} {r}" for r, v in shown.items()])
+            assert all(e in text for e in expected), (name, text)
+
+
+def test_resume_compares_settings_not_how_config_json_spells_them(tmp_path):
+    """--resume refuses a changed setting, naming it; a config.json without the keys of flags not given
+    (as written before TrainConfig, where they are now null) resumes."""
+    run = killed_after_epoch_1(tmp_path)
+    with pytest.raises(SystemExit, match=r"\['lr'\] differ"):
+        run_train(tmp_path, "--method", "tes", "--epochs", "2", "--lr", "1e-3", "--resume", name="killed")
+    config = json.loads((run / "config.json").read_text())
+    assert config["data_revision"] is None and config["lr"] == 2e-3 and config["label"] == "TES-IS"
+    (run / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
+    assert json.loads((run / "selection.json").read_text())["last_epoch"] == 2

@@ -2,6 +2,7 @@
 transformers' Trainer schedule rules, and direct computation of the task loss and selection rule."""
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from minimoe import from_pretrained, load_tokenizer
 from minimoe.data import BENCHMARKS, Example, format_choice, format_prompt, load_split
 from minimoe.lora import trainable_parameters
 from minimoe.tiny import tiny_checkpoint
-from minimoe.training import (METHOD_DEFAULTS, RECIPES, install_method, lr_factor, make_optimizer,
+from minimoe.training import (RECIPES, TrainConfig, install_method, lr_factor, make_optimizer,
                               recipe_train_examples, steps_per_epoch, warmup_steps, write_selection)
 
 # The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
@@ -49,10 +50,10 @@ def test_recipes_are_the_papers_configuration(recipe):
     paper, cfg = PAPER[recipe], resolved(recipe)
     for key in ("lora_rank", "lora_alpha", "lora_dropout", "lr", "batch_size", "grad_accum", "schedule", "warmup",
                 "weight_decay", "clip", "epochs"):
-        assert cfg[key] == paper[key], key
-    assert set(cfg["lora_targets"]) == paper["lora_targets"]
+        assert getattr(cfg, key) == paper[key], key
+    assert set(cfg.lora_targets) == paper["lora_targets"]
     for key, value in PAPER_METHODS.items():
-        assert cfg[key] == value, key
+        assert getattr(cfg, key) == value, key
 
 
 @pytest.mark.parametrize("recipe", PAPER)
@@ -67,7 +68,7 @@ def test_training_examples_and_steps_per_epoch_are_the_papers(recipe, dataset, m
     data = train.load_data(cfg)
     assert len(data["train"]) == PAPER[recipe]["train_examples"][dataset]
     assert steps_per_epoch(len(data["train"]), cfg) == PAPER[recipe]["steps_per_epoch"][dataset]
-    assert cfg["max_train_examples"] == len(data["train"])  # recorded: evaluation's train population is the same
+    assert cfg.max_train_examples == len(data["train"])  # recorded: evaluation's train population is the same
 
 
 def test_partial_last_step_is_kept_and_flags_override_the_recipe_count():
@@ -80,17 +81,17 @@ def test_partial_last_step_is_kept_and_flags_override_the_recipe_count():
 def test_warmup_and_schedule_follow_transformers(recipe, dataset, tmp_path):
     """Warmup steps = transformers' Trainer rule; the factor per step = transformers' scheduler."""
     cfg = resolved(recipe)
-    total = PAPER[recipe]["steps_per_epoch"][dataset] * cfg["epochs"]
-    args = TrainingArguments(output_dir=str(tmp_path), warmup_ratio=cfg["warmup"], report_to=[])
-    warmup = warmup_steps(total, cfg["warmup"])
+    total = PAPER[recipe]["steps_per_epoch"][dataset] * cfg.epochs
+    args = TrainingArguments(output_dir=str(tmp_path), warmup_ratio=cfg.warmup, report_to=[])
+    warmup = warmup_steps(total, cfg.warmup)
     assert warmup == args.get_warmup_steps(total)
     if (recipe, dataset) == ("granite", "arc_challenge"):
         assert warmup == 19  # 0.05 * 375 = 18.75, rounded up
-    make = get_cosine_schedule_with_warmup if cfg["schedule"] == "cosine" else get_linear_schedule_with_warmup
+    make = get_cosine_schedule_with_warmup if cfg.schedule == "cosine" else get_linear_schedule_with_warmup
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     ref = make(opt, warmup, total)
     for step in range(total + 1):
-        assert lr_factor(step, total, warmup, cfg["schedule"]) == pytest.approx(ref.lr_lambdas[0](step), abs=1e-12)
+        assert lr_factor(step, total, warmup, cfg.schedule) == pytest.approx(ref.lr_lambdas[0](step), abs=1e-12)
 
 
 def test_train_steps_and_learning_rates_per_step(tmp_path):
@@ -155,7 +156,7 @@ def test_selection_minimum_validation_nll_ties_to_the_earlier_epoch(tmp_path, nl
 
 
 def method_cfg(recipe="olmoe", **method):
-    return {**RECIPES[recipe], **METHOD_DEFAULTS, **method}
+    return TrainConfig(**RECIPES[recipe], **method)
 
 
 @pytest.mark.parametrize("recipe", PAPER)
@@ -172,7 +173,7 @@ def test_learning_rate_groups(recipe, method, tune, groups):
     lrs = {g["name"]: g["lr"] for g in make_optimizer(model, cfg).param_groups}
     assert lrs == {name: PAPER[recipe]["lr"] if lr is None else lr for name, lr in groups.items()}
     if tune:
-        install_method(model := tiny_model("olmoe"), cfg := {**cfg, "router_lr": 3e-3})
+        install_method(model := tiny_model("olmoe"), cfg := replace(cfg, router_lr=3e-3))
         assert {g["name"]: g["lr"] for g in make_optimizer(model, cfg).param_groups}["router"] == 3e-3
 
 
