@@ -14,10 +14,11 @@ load-balancing loss counts its tokens once.
 
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
 shuffles with seed + e), and the RNG state is saved with each checkpoint, so `--resume` after a
-kill ends on the same bits as the uninterrupted run on CPU. A mid-epoch checkpoint
-(--save-every-steps) resumes by skipping the epoch's first `epoch_step` steps of that same order,
-not by reshuffling. The run folder's rules (lock, log truncation, safe state files, fallback past
-a corrupt checkpoint) are in minimoe/runs.py.
+kill ends on the same bits as the uninterrupted run on CPU (`load_latest` and `restore` put the
+checkpoint back; `train` is the loop). A mid-epoch checkpoint (--save-every-steps) resumes by
+skipping the epoch's first `epoch_step` steps of that same order, not by reshuffling. The run
+folder's rules (lock, log truncation, safe state files, fallback past a corrupt checkpoint) are in
+minimoe/runs.py.
 
 Configuration: `TrainConfig` holds every setting with its default (the paper's method rows; the
 routing options' defaults are routing.METHOD_OPTIONS', the LoRA targets lora.DEFAULT_TARGETS');
@@ -265,6 +266,27 @@ def step_loss(model, batches, cfg: TrainConfig, counts, world_size):
     return logs
 
 
+def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: int) -> list:
+    """One optimizer step's examples -> this rank's micro-batches: every world_size-th example of each."""
+    size = cfg.batch_size
+    return [make_choice_batch(examples[i:i + size][rank::world_size], tokenizer, cfg.pad_token_id, cfg.max_length,
+                              packed=cfg.packed).to(cfg.device) for i in range(0, len(examples), size)]
+
+
+def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, world_size: int) -> dict:
+    """One optimizer step over this rank's micro-batches of the step's `n_examples` (all ranks);
+    returns its loss terms summed over ranks and the gradient norm before clipping."""
+    counts = {"examples": n_examples, "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in batches)),
+              "rows": global_sum(sum(b.input_ids.shape[0] for b in batches))}
+    logs = {k: global_sum(v) for k, v in step_loss(model, batches, cfg, counts, world_size).items()}
+    trainable = [p for g in optimizer.param_groups for p in g["params"]]
+    logs["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip).item()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return logs
+
+
 def autocast(cfg: TrainConfig):
     if cfg.device.startswith("cuda") and cfg.dtype == "bfloat16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -297,54 +319,67 @@ def save_step(run: Path, model, optimizer, scheduler, epoch: int, epoch_step: in
     drop_step_checkpoints(run, keep=step)
 
 
+@dataclass
+class Position:
+    """Where training stands, as a checkpoint's training state records it (minimoe/runs.py)."""
+    epoch: int = 0  # epochs complete
+    epoch_step: int = 0  # steps of the next epoch done: a mid-epoch checkpoint; 0 after an epoch's
+    step: int = 0  # optimizer steps in all: the schedule's position
+
+
+def load_latest(run: Path, model) -> dict | None:
+    """The newest complete checkpoint's adapter and method heads into `model`; returns its training
+    state, None when there is none. Call it before making the optimizer: loading rebuilds the
+    method heads as new parameters."""
+    checkpoint, state = latest_checkpoint(run)
+    if checkpoint:
+        load_adapter(model, checkpoint)
+    return state
+
+
+def restore(run: Path, state: dict | None, optimizer, scheduler, rank: int) -> Position:
+    """Optimizer, scheduler and RNG as `state` (load_latest's; None: the start) left them; returns the
+    position to continue from. Rank 0 removes what a kill left, and the checkpoints and log records
+    past that position, which the resumed run writes again."""
+    start = Position()
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start = Position(state["epoch"], state.get("epoch_step", 0), state["step"])
+        set_rng_state(state["rng"])
+    if rank == 0:
+        remove_orphans(run)
+        drop_later_checkpoints(run, start.epoch, start.step)
+        truncate_metrics(run, start.epoch, start.step)
+    return start
+
+
 def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: bool = False):
     """Fit `model` (LoRA + method already installed) on data["train"]; select on data["val"]."""
     rank, world_size = world()
-    device = cfg.device
-    checkpoint, state = latest_checkpoint(run) if resume else (None, None)
-    start_epoch, skip = (state["epoch"], state.get("epoch_step", 0)) if state else (0, 0)  # epochs, steps done
-    if checkpoint:  # before the optimizer: loading rebuilds the method heads as new parameters
-        load_adapter(model, checkpoint)
+    state = load_latest(run, model) if resume else None  # before the optimizer (see load_latest)
     optimizer = make_optimizer(model, cfg)
     per_step = cfg.batch_size * cfg.grad_accum
     steps = steps_per_epoch(len(data["train"]), cfg)
     total = steps * cfg.epochs
     warmup = warmup_steps(total, cfg.warmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg.schedule))
-    step = 0
-    if state:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step = state["step"]
-        set_rng_state(state["rng"])
-    if resume and rank == 0:  # what a kill left, and the epochs that will run again, go
-        remove_orphans(run)
-        drop_later_checkpoints(run, start_epoch, step)
-        truncate_metrics(run, start_epoch, step)
+    start = restore(run, state, optimizer, scheduler, rank) if resume else Position()
     ddp = model
     if world_size > 1:
-        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[torch.device(device).index] if device.startswith("cuda") else None)
-    trainable = [p for g in optimizer.param_groups for p in g["params"]]
+        device = torch.device(cfg.device)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     model.train()
-    for epoch in range(start_epoch + 1, cfg.epochs + 1):
+    step = start.step
+    for epoch in range(start.epoch + 1, cfg.epochs + 1):
         order = torch.randperm(len(data["train"]), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-        first = skip if epoch == start_epoch + 1 else 0  # a mid-epoch resume skips the steps done, in this order
+        first = start.epoch_step if epoch == start.epoch + 1 else 0  # a mid-epoch resume skips the steps done, in this order
         bar = tqdm(range(first, steps), desc=f"epoch {epoch}/{cfg.epochs}", disable=rank != 0 or cfg.quiet)
         for s in bar:
             t0 = time.perf_counter()
             ids = order[s * per_step:(s + 1) * per_step]
-            micro = [ids[i:i + cfg.batch_size] for i in range(0, len(ids), cfg.batch_size)]
-            # Each rank takes every world_size-th example of each micro-batch.
-            batches = [make_choice_batch([data["train"][j] for j in m[rank::world_size]], tokenizer,
-                                         cfg.pad_token_id, cfg.max_length, packed=cfg.packed).to(device) for m in micro]
-            counts = {"examples": len(ids), "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in batches)),
-                      "rows": global_sum(sum(b.input_ids.shape[0] for b in batches))}
-            logs = step_loss(ddp, batches, cfg, counts, world_size)
-            logs = {k: global_sum(v) for k, v in logs.items()}
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip).item()
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            batches = micro_batches([data["train"][j] for j in ids], tokenizer, cfg, rank, world_size)
+            logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, world_size)
             step += 1
             seconds = time.perf_counter() - t0
             rate = global_sum(sum(b.attention_mask.sum().item() for b in batches)) / seconds
@@ -352,8 +387,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
             if rank == 0:
                 append_metrics(run, {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
-                                     "grad_norm": grad_norm, "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate,
-                                     "seconds": seconds})
+                                     "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, "seconds": seconds})
                 every = cfg.save_every_steps
                 if every and step % every == 0 and s + 1 < steps:  # at the end, the epoch checkpoint
                     save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg.model)
