@@ -71,13 +71,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 TRANSFORMS = ("started-log", "log")
-# Each method's options and their defaults (paper: gamma = tau = 1, mixing weight 0.5).
+# Each method's options and their defaults (paper: gamma = tau = 1, mixing weight 0.5): their one
+# home, which the router constructors below, training.TrainConfig and so train.py's --help read.
 METHOD_OPTIONS = {
     "native": {"tune_router": False},
     "dual": {"tune_router": False, "mix": 0.5},
     "tes": {"tune_router": False, "gamma": 1.0, "tau": 1.0, "transform": "started-log"},
     "acs": {"tune_router": False},
 }
+TES, DUAL = METHOD_OPTIONS["tes"], METHOD_OPTIONS["dual"]
 
 
 @dataclass
@@ -132,7 +134,7 @@ def native_concentration(logits, k: int):
         return concentration(logits, select_topk(logits, k, renormalize=False)[0])
 
 
-def attenuate(logits, e_hat, gamma: float = 1.0, tau: float = 1.0, transform: str = "started-log"):
+def attenuate(logits, e_hat, gamma: float = TES["gamma"], tau: float = TES["tau"], transform: str = TES["transform"]):
     """a - gamma * phi(e_hat) [T, E] (Eq. attenuated_routing_score).
 
     phi = log(1 + e/tau) (Eq. started_log_transform) or the pure-log control log e
@@ -176,7 +178,7 @@ class ConcentrationRouter(NativeRouter):
 class DualAffinityRouter(NativeRouter):
     """Dual Affinity: logits (1 - w) a + w a_copy, with `affinity` a trainable copy of the native gate."""
 
-    def __init__(self, gate: nn.Linear, top_k: int, renormalize: bool, mix: float = 0.5):
+    def __init__(self, gate: nn.Linear, top_k: int, renormalize: bool, mix: float = DUAL["mix"]):
         if not (_number(mix) and 0.0 <= mix <= 1.0):
             raise ValueError(f"dual: mix={mix!r}; expected a mixing weight in [0, 1]")
         super().__init__(top_k, renormalize)
@@ -199,7 +201,8 @@ class TokenErrorRouter(NativeRouter):
     """TES: per-expert error scores e = softplus(W_e h + b_e) attenuate the native logits."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 gamma: float = 1.0, tau: float = 1.0, transform: str = "started-log", device=None, dtype=None):
+                 gamma: float = TES["gamma"], tau: float = TES["tau"], transform: str = TES["transform"],
+                 device=None, dtype=None):
         if not (_number(gamma) and gamma >= 0):
             raise ValueError(f"tes: gamma={gamma!r}; expected a finite attenuation strength >= 0")
         if not (_number(tau) and tau > 0):
