@@ -46,7 +46,12 @@ EXAMPLES = """examples:
 
 def evaluate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
+                                usage="%(prog)s [--model MODEL] [--adapter ADAPTER] --out OUT [options]\n"
+                                      "       %(prog)s report DIR [DIR ...] [--seeds ...] [--split ...] [--out OUT]",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = p.add_subparsers(dest="command", title="commands", prog="evaluate.py",
+                                description="left out: evaluate one model or adapter, with the options below")
+    add_report_command(commands)
     what = p.add_argument_group("what to evaluate")
     what.add_argument("--model", help="base checkpoint: a local folder or a hub id (e.g. allenai/OLMoE-1B-7B-0924-SFT). "
                                       "May be left out when --adapter is a run folder: its config.json names it")
@@ -64,7 +69,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
     data.add_argument("--data", help="benchmark name (arc_challenge, arc_easy, openbookqa, sciq, medmcqa; registered "
                                      "splits are built under --data-dir on first use), a folder of train/val/test.jsonl "
                                      "manifests, or one .jsonl manifest. Default with a run folder: the run's data")
-    data.add_argument("--split", default="test", choices=SPLITS, help="split to score (default: test)")
+    data.add_argument("--split", default="test", choices=SPLITS, help="split to score (default: %(default)s)")
     data.add_argument("--data-dir", type=Path,
                       help=f"where benchmark manifests live (default: the run's, else {DEFAULT_DATA_DIR})")
     data.add_argument("--max-examples", type=int, metavar="N",
@@ -73,44 +78,43 @@ def evaluate_parser() -> argparse.ArgumentParser:
                       help="longest prompt + candidate in tokens, prompts cut from the left (default: the run's, "
                            "else no limit)")
     out = p.add_argument_group("output")
-    out.add_argument("--out", type=Path, required=True,
-                     help="output folder; replaced as a whole only once everything is written, and only if it "
-                          "is empty or an earlier evaluation (a run folder, say, is refused)")
+    # Required here, not by argparse: `report` has an --out of its own, which is optional.
+    out.add_argument("--out", type=Path,
+                     help="output folder (required); replaced as a whole only once everything is written, and only "
+                          "if it is empty or an earlier evaluation (a run folder, say, is refused)")
     diag = p.add_argument_group("routing diagnostics")
     diag.add_argument("--train-split-diagnostics", action=argparse.BooleanOptionalAction, default=None,
                       help="also score the train split, for train-vs-evaluated diagnostics and the train moments "
                            "that standardise the tes decile curves (default: on for tes adapters, off otherwise)")
     compute = p.add_argument_group("compute")
     compute.add_argument("--batch-size", type=int, default=16, metavar="N",
-                         help="examples per forward; all their candidates run together (default: 16)")
+                         help="examples per forward; all their candidates run together (default: %(default)s)")
     compute.add_argument("--per-candidate-rows", action="store_true",
                          help="one row per (prompt, candidate), the reference path; default: one packed row per "
                               "example, its prompt run once")
     compute.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                         help="auto: cuda when available (default)")
+                         help="auto: cuda when available (default: %(default)s)")
     compute.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                          help="model weights and activations; routing math and scores are fp32 either way "
-                              "(default auto: bfloat16 on CUDA, float32 on CPU, as train.py)")
+                              "(auto: bfloat16 on CUDA, float32 on CPU, as train.py; default: %(default)s)")
     return p
 
 
-def report_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="evaluate.py report",
+def add_report_command(commands):
+    p = commands.add_parser(
+        "report", help="the paper's accuracy table from many evaluations (evaluate.py report --help)",
         description="Gather metrics.json files into the paper's accuracy table: one row per (model, method), one "
                     "column per dataset, mean ± sample std in percent over the seeds. Evaluations without a seed "
                     "(base models) or of another split are skipped.")
     p.add_argument("paths", nargs="+", type=Path, metavar="DIR", help="metrics.json files or folders searched recursively")
     p.add_argument("--seeds", type=int, nargs="+", default=list(PAPER_SEEDS),
                    help=f"seeds to include (default: {' '.join(map(str, PAPER_SEEDS))})")
-    p.add_argument("--split", default="test", choices=SPLITS, help="split to tabulate (default: test)")
+    p.add_argument("--split", default="test", choices=SPLITS, help="split to tabulate (default: %(default)s)")
     p.add_argument("--out", type=Path, help="also write the Markdown table here")
-    return p
 
 
-def report(argv) -> str:
+def report(args) -> str:
     from minimoe.evaluation import accuracy_report
-    args = report_parser().parse_args(argv)
     table, notes = accuracy_report(args.paths, seeds=args.seeds, split=args.split)
     for note in notes:
         print(note, file=sys.stderr)
@@ -124,10 +128,17 @@ def report(argv) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if argv[:1] == ["report"]:
-        return report(argv[1:])
     parser = evaluate_parser()
     args = parser.parse_args(argv)
+    if args.command == "report":
+        defaults = vars(parser.parse_args([]))  # an option before `report` would be dropped without a word
+        before = [k for k, v in defaults.items() if k not in ("command", "out", "split") and getattr(args, k) != v]
+        if before:
+            parser.error(f"{', '.join('--' + k.replace('_', '-') for k in before)} before 'report': those options "
+                         f"evaluate one model; report takes its own, after it")
+        return report(args)
+    if args.out is None:
+        parser.error("the following arguments are required: --out")
     if args.model is None and args.adapter is None:
         parser.error("pass --model, or --adapter with a run folder that names its model")
     for flag, value in (("--batch-size", args.batch_size), ("--max-examples", args.max_examples),

@@ -446,3 +446,17 @@ def test_help_names_the_report_command(capsys):
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
     assert "evaluate.py report runs/*/eval/test" in text and "--adapter" in text and "--checkpoint" in text
+
+
+def test_report_is_an_argparse_command(capsys):
+    """--help lists `report` as a command with its own --help; an evaluation option before it is refused,
+    not dropped."""
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--help"])
+    assert exit_info.value.code == 0 and "{report}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["report", "--help"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("usage: evaluate.py report")
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--max-examples", "3", "report", "runs"])
+    assert exit_info.value.code == 2 and "--max-examples before 'report'" in capsys.readouterr().err
