@@ -33,11 +33,10 @@ import minimoe
 from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
 from minimoe.data import check_disjoint, load_split
-from minimoe.runs import run_lock
+from minimoe.runs import method_label, pad_id, pick_device, pick_dtype, run_lock, world
 from minimoe.smollm import smollm_checkpoint
 from minimoe.tiny import tiny_checkpoint
-from minimoe.training import (METHOD_DEFAULTS, RECIPES, install_method, method_label, recipe_train_examples, run_name,
-                              train, world)
+from minimoe.training import METHOD_DEFAULTS, RECIPES, install_method, recipe_train_examples, run_name, train
 
 
 def number(kind, low=None, high=None, *, low_open=False, high_open=False):
@@ -165,16 +164,13 @@ def resolve_config(args, model_config) -> dict:
     cfg.update({k: v for k, v in vars(args).items() if v is not None})
     if isinstance(cfg["lora_targets"], str):
         cfg["lora_targets"] = cfg["lora_targets"].split(",")
-    cuda = torch.cuda.is_available()
-    if cfg["device"] == "auto":
-        cfg["device"] = "cuda" if cuda else "cpu"
-    if cfg["dtype"] == "auto":
-        cfg["dtype"] = "bfloat16" if cfg["device"].startswith("cuda") else "float32"
+    cfg["device"] = str(pick_device(cfg["device"]))
+    cfg["dtype"] = pick_dtype(cfg["dtype"], cfg["device"])
     if cfg.get("test_checkpoint") is None:  # the paper's OLMoE affinity-tuned group is reported at selected epochs
         cfg["test_checkpoint"] = "selected" if recipe == "olmoe" and cfg["tune_router"] else "last"
     cfg["packed"] = not cfg.pop("per_candidate_rows")
     cfg.update(recipe=recipe, label=method_label(cfg["method"], cfg["objective"], cfg["tune_router"]),
-               pad_token_id=model_config.pad_token_id if model_config.pad_token_id is not None else model_config.eos_token_id,
+               pad_token_id=pad_id(model_config),
                world_size=world()[1], torch_version=torch.__version__, model_config=vars(model_config) | {"extra": None})
     return cfg
 

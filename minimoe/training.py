@@ -48,8 +48,9 @@ from minimoe.evaluation import evaluate_split
 from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
 from minimoe.objectives import supervision_loss
 from minimoe.routing import set_router
-from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, latest_checkpoint,
-                          read_metrics, remove_orphans, save_state, set_rng_state, truncate_metrics)
+from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
+                          latest_checkpoint, method_label, read_metrics, remove_orphans, save_state, set_rng_state,
+                          truncate_metrics, world)
 from minimoe.scoring import choice_loss, choice_scores, forward_choices, make_choice_batch
 
 # The paper's Experimental Configuration table, one dict per backbone; "tiny" is the offline default.
@@ -69,12 +70,6 @@ RECIPES = {
 METHOD_DEFAULTS = dict(method="tes", objective="is", lambda_=1e-3, layers="final", tune_router=False, gamma=1.0,
                        tau=1.0, transform="started-log", mix=0.5, error_head_lr=1e-5, copied_head_lr=1e-3,
                        router_lr=None, depth_scaled_lambda=False, aux_coef=0.0, is_eps=1e-8)
-
-
-def method_label(method: str, objective: str, tune_router: bool) -> str:
-    """The paper's row names: CE, Dual Affinity, TES-IS, ACS-ENLL + affinity tuning, ..."""
-    base = {"ce": "CE", "dual": "Dual Affinity"}.get(method) or f"{method.upper()}-{objective.upper()}"
-    return base + (" + affinity tuning" if tune_router else "")
 
 
 # Settings that tell an ablation's runs apart, with their short names in run names and report keys.
@@ -153,18 +148,6 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
         return step / max(1, warmup)
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else max(0.0, 1 - progress)
-
-
-def world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def global_sum(x: float) -> float:
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item()
 
 
 def step_loss(model, batches, cfg, counts, world_size):
