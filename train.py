@@ -40,11 +40,10 @@ from minimoe.atomic import atomic_file
 from minimoe.data import check_disjoint, load_split
 from minimoe.lora import ALIASES, TARGETS
 from minimoe.routing import TRANSFORMS
-from minimoe.runs import run_lock
+from minimoe.runs import method_label, pad_id, pick_device, pick_dtype, run_lock, world
 from minimoe.smollm import smollm_checkpoint
 from minimoe.tiny import tiny_checkpoint
-from minimoe.training import (RECIPES, TrainConfig, install_method, method_label, recipe_train_examples, run_name,
-                              train, world)
+from minimoe.training import RECIPES, TrainConfig, install_method, recipe_train_examples, run_name, train
 
 
 def number(kind, low=None, high=None, *, low_open=False, high_open=False):
@@ -219,13 +218,10 @@ def resolve_config(args, model_config) -> TrainConfig:
     """The recipe's values, overridden by every flag that was given (or has a default of its own)."""
     recipe = args.recipe or {"granitemoe": "granite"}.get(model_config.model_type, "olmoe")
     given = {k: v for k, v in vars(args).items() if v is not None and k not in NOT_SETTINGS}
-    pad = model_config.pad_token_id if model_config.pad_token_id is not None else model_config.eos_token_id
     cfg = TrainConfig(**{**RECIPES[recipe], **given, "recipe": recipe, "packed": not args.per_candidate_rows,
-                         "pad_token_id": pad})
-    if cfg.device == "auto":
-        cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.dtype == "auto":
-        cfg.dtype = "bfloat16" if cfg.device.startswith("cuda") else "float32"
+                         "pad_token_id": pad_id(model_config)})
+    cfg.device = str(pick_device(cfg.device))
+    cfg.dtype = pick_dtype(cfg.dtype, cfg.device)
     return cfg
 
 

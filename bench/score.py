@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimoe.allocator import keep_freed_memory  # noqa: E402
 from minimoe.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
 from minimoe.data import load_split  # noqa: E402
-from minimoe.evaluation import _pad_id, evaluate_split  # noqa: E402
+from minimoe.evaluation import evaluate_split  # noqa: E402
+from minimoe.runs import pad_id  # noqa: E402
 from minimoe.scoring import make_choice_batch  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -61,7 +62,7 @@ def eval_transformers(args, examples, batch_rows: int = 64) -> dict:
     model = GraniteMoeForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
     tok = load_tokenizer(args.model)
     t1 = time.perf_counter()
-    pad = _pad_id(tok)
+    pad = pad_id(tok)
     rows = []  # (ids, answer length, example, choice)
     for x, ex in enumerate(examples):
         b = make_choice_batch([ex], tok, pad, packed=False)
@@ -99,7 +100,7 @@ def train_epoch(args, examples, packed: bool) -> dict:
     install_method(model, cfg)
     optimizer = make_optimizer(model, cfg)
     model.train()
-    per_step, tokens, pad = cfg.batch_size * cfg.grad_accum, 0, _pad_id(tok)
+    per_step, tokens, pad = cfg.batch_size * cfg.grad_accum, 0, pad_id(tok)
     t0 = time.perf_counter()
     for s in range(0, len(examples), per_step):
         ids = examples[s:s + per_step]

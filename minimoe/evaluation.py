@@ -63,6 +63,7 @@ from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, c
                                  metrics_files, plot_error_prediction, population_moments)
 from minimoe.lora import load_adapter
 from minimoe.routing import native_concentration
+from minimoe.runs import AdapterSource, pad_id, pick_device, pick_dtype, read_json, resolve_adapter
 from minimoe.scoring import by_example, choice_loss, choice_scores, forward_choices, make_choice_batch, predictions
 
 log = logging.getLogger(__name__)
@@ -96,13 +97,6 @@ def diagnosed_layers(model) -> list[int]:
 
 def _length_proxy(ex: Example) -> int:
     return len(ex.question) + max(len(c) for c in ex.choices)
-
-
-def _pad_id(tokenizer) -> int:
-    for i in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if i is not None:
-            return i
-    return 0  # padded positions are masked out of attention and scores, so any id serves
 
 
 @torch.inference_mode()
@@ -145,7 +139,7 @@ def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_leng
     e_hat: dict[int, list] = {}
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
-        batch = make_choice_batch([examples[i] for i in idx], tokenizer, _pad_id(tokenizer), max_length,
+        batch = make_choice_batch([examples[i] for i in idx], tokenizer, pad_id(tokenizer), max_length,
                                   packed=packed).to(device)
         out, logp = forward_choices(model, batch)  # logp [n] fp32, every candidate's answer tokens
         scores = choice_scores(logp, batch)
@@ -273,74 +267,6 @@ def json_safe(value):
 
 # ----------------------------------------------------------------------------- what to evaluate
 
-@dataclass
-class AdapterSource:
-    folder: Path  # the adapter folder load_adapter reads
-    run: Path | None  # the run folder it belongs to, if any
-    run_config: dict  # RUN/config.json, {} outside a run
-    checkpoint: str | None  # "last" | "selected" when resolved through selection.json
-    epoch: int | None
-    router: dict | None  # adapter_config.json's router spec
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
-
-
-def resolve_adapter(path, checkpoint: str | None = None) -> AdapterSource:
-    """A run folder (config.json + checkpoints/ + selection.json) or an adapter folder -> AdapterSource.
-
-    A run resolves to checkpoints/epoch-<last_epoch> (checkpoint "last", the paper's primary
-    endpoint) or epoch-<selected_epoch> ("selected", minimum validation choice NLL).
-    """
-    path = Path(path)
-    if not path.is_dir():
-        raise FileNotFoundError(f"--adapter {path}: no such folder; expected a run folder (config.json, "
-                                f"checkpoints/, selection.json) or an adapter folder (adapter_config.json)")
-    if (path / "adapter_config.json").is_file():
-        if checkpoint is not None:
-            raise ValueError(f"--checkpoint {checkpoint} applies to run folders; {path} is a checkpoint folder already")
-        run = path.parent.parent if path.parent.name == "checkpoints" else None
-        run_config = _read_json(run / "config.json") if run and (run / "config.json").is_file() else {}
-        epoch = int(path.name.removeprefix("epoch-")) if run and path.name.removeprefix("epoch-").isdigit() else None
-        return AdapterSource(path, run if run_config else None, run_config, None, epoch,
-                             _read_json(path / "adapter_config.json").get("router"))
-    if not ((path / "config.json").is_file() and (path / "checkpoints").is_dir()):
-        hint = " (it looks like a model checkpoint: pass it as --model)" if (path / "config.json").is_file() else ""
-        raise FileNotFoundError(f"--adapter {path}: neither a run folder (config.json and checkpoints/) nor an "
-                                f"adapter folder (adapter_config.json){hint}")
-    checkpoint = checkpoint or "last"
-    if checkpoint not in ("last", "selected"):
-        raise ValueError(f"--checkpoint {checkpoint!r}; expected 'last' or 'selected'")
-    selection_path = path / "selection.json"
-    if not selection_path.is_file():
-        raise FileNotFoundError(f"{selection_path}: missing, so the run has not finished; pass a checkpoint "
-                                f"folder ({path / 'checkpoints'}/epoch-N) to evaluate it anyway")
-    selection = _read_json(selection_path)
-    key = "last_epoch" if checkpoint == "last" else "selected_epoch"
-    epoch = selection.get(key)
-    if not isinstance(epoch, int) or isinstance(epoch, bool):
-        raise ValueError(f"{selection_path}: {key!r} is {epoch!r}; expected an epoch number")
-    folder = path / "checkpoints" / f"epoch-{epoch}"
-    if not (folder / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no adapter_config.json; {selection_path} names epoch {epoch} ({key})")
-    return AdapterSource(folder, path, _read_json(path / "config.json"), checkpoint, epoch,
-                         _read_json(folder / "adapter_config.json").get("router"))
-
-
-def method_label(source: AdapterSource | None) -> str:
-    """The run's label (e.g. "TES-IS"); outside a run the router method, "CE" for LoRA on native routing."""
-    if source is None:
-        return "native"
-    if source.run_config.get("label"):
-        return source.run_config["label"]
-    method = (source.router or {}).get("method", "native")
-    return "CE" if method == "native" else method.upper()
-
-
 def load_examples_for(data, split: str, data_dir, max_examples: int | None = None) -> list[Example]:
     """A benchmark name (registered manifests under data_dir), a folder of <split>.jsonl manifests (as
     train.py's --data takes), or one .jsonl manifest: named after a split it must match `split`, named
@@ -380,23 +306,6 @@ def dataset_name(data) -> str:
     if str(data).endswith(".jsonl"):
         return path.parent.name if path.stem in SPLITS else path.stem
     return str(data)
-
-
-def pick_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is available")
-    return torch.device(name)
-
-
-def pick_dtype(name: str, device: torch.device) -> str:
-    """auto: bfloat16 on CUDA, float32 on CPU (train.py's rule, so its end-of-run scores agree)."""
-    if name == "auto":
-        return "bfloat16" if device.type == "cuda" else "float32"
-    if name not in DTYPES:
-        raise ValueError(f"--dtype {name!r}; expected auto or one of {list(DTYPES)}")
-    return name
 
 
 def _wants_train_population(flag: bool | None, source: AdapterSource | None, split: str) -> bool:
@@ -444,7 +353,7 @@ def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_ex
 def _identity(source: AdapterSource | None, *, model, data, split, net, batch_size, max_examples, max_length) -> dict:
     """metrics.json's keys that say what was evaluated (the report groups by model, method, settings, dataset, seed)."""
     from minimoe.training import ablation_settings  # training imports this module
-    return {"model": str(model), "method": method_label(source), "dataset": dataset_name(data), "data": str(data),
+    return {"model": str(model), "method": source.label if source else "native", "dataset": dataset_name(data), "data": str(data),
             "seed": source.run_config.get("seed") if source else None, "split": split,
             # Ablation settings off the row's defaults (lambda, layers, ...): part of the report key.
             "settings": ablation_settings(source.run_config) if source else {},
@@ -558,7 +467,7 @@ def accuracy_report(paths, *, seeds=PAPER_SEEDS, split: str = "test") -> tuple[s
     """
     kept, notes = [], []
     for f in metrics_files(paths):
-        record = _read_json(f)
+        record = read_json(f)
         if record.get("seed") is None:
             notes.append(f"skipped {f}: no seed (not a training run)")
         elif record.get("split", split) != split:

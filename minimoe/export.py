@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from minimoe.atomic import atomic_directory
 from minimoe.checkpoint import LAYER_KEYS
-from minimoe.evaluation import resolve_adapter  # a run folder resolves through selection.json
+from minimoe.runs import resolve_adapter  # a run folder resolves through selection.json
 from minimoe.lora import adapter_tensors, fingerprint, refuse_routing_heads
 from minimoe.model import MoEForCausalLM
 

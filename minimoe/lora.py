@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from minimoe.checkpoint import LAYER_KEYS, atomic_directory, save_pretrained
+from minimoe.checkpoint import DTYPES, LAYER_KEYS, atomic_directory, save_pretrained
 from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul
 from minimoe.routing import set_router
 
@@ -60,7 +60,6 @@ FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "
 PARAM_GROUPS = {"lora": (".lora_A", ".lora_B"), "error_head": (".router.error_head",),
                 "copied_head": (".router.affinity",), "router": (".mlp.gate.weight",)}
 CONFIG_FIELDS = ("rank", "alpha", "dropout", "targets", "dtype", "base_model", "fingerprint", "router", "gate_layers")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class LoRAMixin:

@@ -1,4 +1,7 @@
-"""The run folder's rules: one writer at a time, a log that survives kills, state that loads safely.
+"""The run rules that train.py, evaluate.py, export.py and sweep.py share: which device, dtype and pad id
+a run uses, what a run is called, which adapter a run or adapter folder stands for, the process
+group's rank and sums; and the run folder's own: one writer at a time, a log that survives kills,
+state that loads safely.
 
 A run folder (train.py) holds config.json, metrics.jsonl, checkpoints/epoch-N/{adapter files,
 training_state.pt}, selection.json, eval/ and train.lock; with --save-every-steps also one
@@ -34,12 +37,16 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from minimoe.atomic import atomic_file
+from minimoe.checkpoint import DTYPES
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,123 @@ class RunInUse(OSError):
 
 class CorruptFile(ValueError):
     """A run file that cannot be read back (truncated, half written)."""
+
+
+# ----------------------------------------------------------------------------- shared rules
+
+def pick_device(name: str = "auto") -> torch.device:
+    """auto: CUDA when present, else the CPU; a named CUDA device must exist."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> str:
+    """auto: bfloat16 on CUDA, float32 on CPU, in training and evaluation alike, so that a run's
+    end-of-run scores and a later evaluate.py of it agree."""
+    if name == "auto":
+        return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r}; expected auto or one of {list(DTYPES)}")
+    return name
+
+
+def pad_id(config_or_tokenizer) -> int:
+    """The checkpoint's pad id, else its eos id, else 0: padded positions are masked out of attention
+    and scores, so any id serves."""
+    for i in (config_or_tokenizer.pad_token_id, config_or_tokenizer.eos_token_id):
+        if i is not None:
+            return i
+    return 0
+
+
+def method_label(method: str, objective: str | None, tune_router: bool = False) -> str:
+    """The paper's row names: CE, Dual Affinity, TES-IS, ACS-ENLL + affinity tuning, ...; without an
+    objective (an adapter outside a run) the method alone: TES, ACS."""
+    base = {"native": "CE", "ce": "CE", "dual": "Dual Affinity"}.get(method)
+    base = base or (f"{method.upper()}-{objective.upper()}" if objective else method.upper())
+    return base + (" + affinity tuning" if tune_router else "")
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the process group; (0, 1) without one."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def global_sum(x: float) -> float:
+    """x summed over the process group (in float64: token counts stay exact)."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
+
+
+# ----------------------------------------------------------------------------- which adapter
+
+@dataclass
+class AdapterSource:
+    folder: Path  # the adapter folder load_adapter reads
+    run: Path | None  # the run folder it belongs to, if any
+    run_config: dict  # RUN/config.json, {} outside a run
+    checkpoint: str | None  # "last" | "selected" when resolved through selection.json
+    epoch: int | None
+    router: dict | None  # adapter_config.json's router spec
+
+    @property
+    def label(self) -> str:
+        """The run's label (e.g. "TES-IS"); outside a run the router method, "CE" for LoRA on native routing."""
+        return self.run_config.get("label") or method_label((self.router or {}).get("method", "native"), None)
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
+
+
+def resolve_adapter(path, checkpoint: str | None = None) -> AdapterSource:
+    """A run folder (config.json + checkpoints/ + selection.json) or an adapter folder -> AdapterSource.
+
+    A run resolves to checkpoints/epoch-<last_epoch> (checkpoint "last", the paper's primary
+    endpoint) or epoch-<selected_epoch> ("selected", minimum validation choice NLL).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--adapter {path}: no such folder; expected a run folder (config.json, "
+                                f"checkpoints/, selection.json) or an adapter folder (adapter_config.json)")
+    if (path / "adapter_config.json").is_file():
+        if checkpoint is not None:
+            raise ValueError(f"--checkpoint {checkpoint} applies to run folders; {path} is a checkpoint folder already")
+        run = path.parent.parent if path.parent.name == "checkpoints" else None
+        run_config = read_json(run / "config.json") if run and (run / "config.json").is_file() else {}
+        epoch = int(path.name.removeprefix("epoch-")) if run and path.name.removeprefix("epoch-").isdigit() else None
+        return AdapterSource(path, run if run_config else None, run_config, None, epoch,
+                             read_json(path / "adapter_config.json").get("router"))
+    if not ((path / "config.json").is_file() and (path / "checkpoints").is_dir()):
+        hint = " (it looks like a model checkpoint: pass it as --model)" if (path / "config.json").is_file() else ""
+        raise FileNotFoundError(f"--adapter {path}: neither a run folder (config.json and checkpoints/) nor an "
+                                f"adapter folder (adapter_config.json){hint}")
+    checkpoint = checkpoint or "last"
+    if checkpoint not in ("last", "selected"):
+        raise ValueError(f"--checkpoint {checkpoint!r}; expected 'last' or 'selected'")
+    selection_path = path / "selection.json"
+    if not selection_path.is_file():
+        raise FileNotFoundError(f"{selection_path}: missing, so the run has not finished; pass a checkpoint "
+                                f"folder ({path / 'checkpoints'}/epoch-N) to evaluate it anyway")
+    selection = read_json(selection_path)
+    key = "last_epoch" if checkpoint == "last" else "selected_epoch"
+    epoch = selection.get(key)
+    if not isinstance(epoch, int) or isinstance(epoch, bool):
+        raise ValueError(f"{selection_path}: {key!r} is {epoch!r}; expected an epoch number")
+    folder = path / "checkpoints" / f"epoch-{epoch}"
+    if not (folder / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no adapter_config.json; {selection_path} names epoch {epoch} ({key})")
+    return AdapterSource(folder, path, read_json(path / "config.json"), checkpoint, epoch,
+                         read_json(folder / "adapter_config.json").get("router"))
 
 
 # ----------------------------------------------------------------------------- one writer

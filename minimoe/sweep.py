@@ -26,14 +26,14 @@ import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from minimoe import diagnostics
 from minimoe.atomic import atomic_file
 from minimoe.diagnostics import PAPER_SEEDS
-from minimoe.runs import read_metrics
-from minimoe.training import TrainConfig, ablation_settings, method_label, run_name
+from minimoe.runs import method_label, read_metrics
+from minimoe.training import TrainConfig, ablation_settings, run_name
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 EVALUATE_PY = TRAIN_PY.with_name("evaluate.py")

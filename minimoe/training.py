@@ -56,8 +56,9 @@ from minimoe.evaluation import evaluate_split
 from minimoe.lora import DEFAULT_TARGETS, add_lora, load_adapter, save_adapter, trainable_parameters
 from minimoe.objectives import supervision_loss
 from minimoe.routing import METHOD_OPTIONS, set_router
-from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, latest_checkpoint,
-                          read_metrics, remove_orphans, save_state, set_rng_state, truncate_metrics)
+from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
+                          latest_checkpoint, method_label, read_metrics, remove_orphans, save_state, set_rng_state,
+                          truncate_metrics, world)
 from minimoe.scoring import choice_loss, choice_scores, forward_choices, make_choice_batch
 
 # The paper's Experimental Configuration table, one preset per backbone over TrainConfig's defaults;
@@ -146,12 +147,6 @@ class TrainConfig:
             self.test_checkpoint = "selected" if self.recipe == "olmoe" and self.tune_router else "last"
 
 
-def method_label(method: str, objective: str, tune_router: bool) -> str:
-    """The paper's row names: CE, Dual Affinity, TES-IS, ACS-ENLL + affinity tuning, ..."""
-    base = {"ce": "CE", "dual": "Dual Affinity"}.get(method) or f"{method.upper()}-{objective.upper()}"
-    return base + (" + affinity tuning" if tune_router else "")
-
-
 # Settings that tell an ablation's runs apart, with their short names in run names and report keys.
 ABLATION_SETTINGS = {"lambda_": "lambda", "layers": "layers", "transform": "transform", "gamma": "gamma",
                      "error_head_lr": "ehlr", "depth_scaled_lambda": "depthscaled"}
@@ -226,18 +221,6 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
         return step / max(1, warmup)
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else max(0.0, 1 - progress)
-
-
-def world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
-def global_sum(x: float) -> float:
-    if not dist.is_initialized():
-        return x
-    t = torch.tensor([x], dtype=torch.float64)
-    dist.all_reduce(t)
-    return t.item()
 
 
 def step_loss(model, batches, cfg: TrainConfig, counts, world_size):

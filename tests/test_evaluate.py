@@ -17,10 +17,10 @@ import torch
 import evaluate
 from minimoe.checkpoint import from_pretrained, save_pretrained
 from minimoe.data import EOS_TOKEN, PAD_TOKEN, Example, train_tokenizer
-from minimoe.evaluation import (TokenArrays, diagnostics_report, evaluate_split,
-                                json_safe, resolve_adapter)
+from minimoe.evaluation import TokenArrays, diagnostics_report, evaluate_split, json_safe
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.routing import ConcentrationRouter, native_concentration
+from minimoe.runs import resolve_adapter
 
 WORDS = ("red", "blue", "green", "stone", "water", "light", "heavy", "plant", "animal", "energy", "metal", "cloud",
          "river", "sun", "moon", "seed", "leaf", "magnet", "sound", "heat", "ice", "salt", "sugar", "wind")

@@ -1,7 +1,6 @@
 """Tests for minimoe.training against the paper's Experimental Configuration table (written out here),
 transformers' Trainer schedule rules, and direct computation of the task loss and selection rule."""
 import json
-import math
 from dataclasses import replace
 
 import pytest
