@@ -304,14 +304,11 @@ def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
                              "state": c.state(), **{k: (m or {}).get(k) for k in columns}})
         summary[(model, row, data)] = {k: [m[k] for _, m in found] for k in columns} | {"n": len(found),
                                                                                         "of": len(members)}
-    for c in cells:  # the zero-shot row: the base model's scores, where a run made them (--zero-shot)
-        base = c.run / "eval" / "test-base" / "metrics.json"
-        if base.is_file():
+    for c in cells:  # the zero-shot row: the base model's scores, where a run made them (--zero-shot);
+        base = c.run / "eval" / "test-base" / "metrics.json"  # deterministic, so one run's copy serves
+        if base.is_file() and (Path(c.model).name, ZERO_SHOT, c.data) not in summary:
             m = json.loads(base.read_text())
-            s = summary.setdefault((Path(c.model).name, ZERO_SHOT, c.data), {k: [] for k in columns} | {"n": 0, "of": 0})
-            for k in columns:
-                s[k].append(m[k])
-            s["n"] = s["of"] = s["n"] + 1
+            summary[(Path(c.model).name, ZERO_SHOT, c.data)] = {k: [m[k]] for k in columns} | {"n": 1, "of": 1}
     datasets = list(dict.fromkeys(c.data for c in cells))
     rows = sorted(dict.fromkeys((m, r) for m, r, _ in summary), key=lambda mr: mr[1] != ZERO_SHOT)  # stable
     head = [f"{Path(d).name} {'acc' if k == 'accuracy' else 'NLL'}" if len(columns) > 1 else Path(d).name
