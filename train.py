@@ -43,7 +43,8 @@ from minimoe.routing import TRANSFORMS
 from minimoe.runs import method_label, pad_id, pick_device, pick_dtype, run_lock, world
 from minimoe.smollm import smollm_checkpoint
 from minimoe.tiny import tiny_checkpoint
-from minimoe.training import RECIPES, TrainConfig, install_method, recipe_train_examples, run_name, train
+from minimoe.config import RECIPES, TrainConfig, recipe_train_examples, run_name
+from minimoe.training import install_method, train
 
 
 def number(kind, low=None, high=None, *, low_open=False, high_open=False):

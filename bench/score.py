@@ -93,7 +93,8 @@ def eval_transformers(args, examples, batch_rows: int = 64) -> dict:
 
 
 def train_epoch(args, examples, packed: bool) -> dict:
-    from minimoe.training import RECIPES, TrainConfig, install_method, make_optimizer, step_loss
+    from minimoe.config import RECIPES, TrainConfig
+    from minimoe.training import install_method, make_optimizer, step_loss
     torch.manual_seed(0)
     model, tok = from_pretrained(args.model, dtype=torch.float32), load_tokenizer(args.model)
     cfg = TrainConfig(**RECIPES["granite"], method="ce", device="cpu", dtype="float32")

@@ -57,6 +57,7 @@ import torch
 
 from minimoe.atomic import check_replaceable
 from minimoe.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer
+from minimoe.config import ablation_settings
 from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split
 from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, concentration_summary,
                                  decile_curve, error_prediction_summary, group_by_layer_token,
@@ -352,7 +353,6 @@ def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_ex
 
 def _identity(source: AdapterSource | None, *, model, data, split, net, batch_size, max_examples, max_length) -> dict:
     """metrics.json's keys that say what was evaluated (the report groups by model, method, settings, dataset, seed)."""
-    from minimoe.training import ablation_settings  # training imports this module
     return {"model": str(model), "method": source.label if source else "native", "dataset": dataset_name(data), "data": str(data),
             "seed": source.run_config.get("seed") if source else None, "split": split,
             # Ablation settings off the row's defaults (lambda, layers, ...): part of the report key.
@@ -446,7 +446,7 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=N
 
 def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test") -> dict:
     """The base model before training (no LoRA, native routing) into RUN/eval/<split>-base; `cfg` is
-    the run's training.TrainConfig.
+    the run's config.TrainConfig.
 
     Its metrics.json says method "zero-shot" and carries the run's seed, so `evaluate.py report` gives
     the base model its own row beside the trained ones (the same number for every seed).

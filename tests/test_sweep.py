@@ -16,7 +16,7 @@ from minimoe import sweep as sw
 from minimoe.data import load_examples
 from minimoe.diagnostics import accuracy_table
 from minimoe.tiny import tiny_checkpoint
-from minimoe.training import run_name
+from minimoe.config import run_name
 
 SMOKE = ["--batch-size", "8", "--epochs", "2", "--quiet"]  # 8 examples: one step per epoch
 

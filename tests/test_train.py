@@ -431,7 +431,7 @@ def test_flags_are_train_config_fields_and_help_shows_their_true_defaults():
     --help names every recipe's value (RECIPES, read here on its own)."""
     from dataclasses import MISSING, fields
 
-    from minimoe.training import RECIPES, TrainConfig
+    from minimoe.config import RECIPES, TrainConfig
     parser = train.parser()
     defaults, helps = vars(parser.parse_args([])), option_help(parser)
     config = {f.name: f.default for f in fields(TrainConfig)}

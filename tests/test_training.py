@@ -14,8 +14,8 @@ from minimoe import from_pretrained, load_tokenizer
 from minimoe.data import BENCHMARKS, Example, format_choice, format_prompt, load_split
 from minimoe.lora import trainable_parameters
 from minimoe.tiny import tiny_checkpoint
-from minimoe.training import (RECIPES, TrainConfig, install_method, lr_factor, make_optimizer,
-                              recipe_train_examples, steps_per_epoch, warmup_steps, write_selection)
+from minimoe.config import RECIPES, TrainConfig, recipe_train_examples
+from minimoe.training import install_method, lr_factor, make_optimizer, steps_per_epoch, warmup_steps, write_selection
 
 # The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
 PAPER = {
