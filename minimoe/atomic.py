@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -77,7 +77,9 @@ def atomic_directory(path, kind: str = "folder"):
     path = Path(path)
     check_replaceable(path, kind)  # fail before any work
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    # mkdir, not tempfile.mkdtemp: the folder gets the mode of any folder the user makes (umask), not 0700
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    tmp.mkdir()
     try:
         yield tmp
         (tmp / MARKER).write_text(json.dumps({"kind": kind, "written_by": "minimoe.atomic.atomic_directory"}) + "\n")

@@ -318,6 +318,15 @@ def test_atomic_file_replaces_whole_or_not_at_all(tmp_path):
     assert target.read_text() == "new" and sorted(os.listdir(tmp_path)) == ["selection.json"]
 
 
+def test_atomic_directory_has_the_mode_of_a_folder_the_user_makes(tmp_path):
+    """Not tempfile's private 0700: run folders, checkpoints and evaluations are shared on clusters."""
+    from minimoe.atomic import atomic_directory
+    (tmp_path / "plain").mkdir()
+    with atomic_directory(tmp_path / "ours", "evaluation") as tmp:
+        (tmp / "a").write_text("1")
+    assert (tmp_path / "ours").stat().st_mode == (tmp_path / "plain").stat().st_mode
+
+
 def test_atomic_directory_replaces_only_its_own_folders(tmp_path):
     """A folder replaces one it wrote with the same kind (or an empty one); anything else is refused, untouched."""
     from minimoe.atomic import atomic_directory
