@@ -301,10 +301,14 @@ def accuracy_table(records: Iterable[dict], *, seeds: Sequence[int] = PAPER_SEED
     def escape(text) -> str:
         return str(text).replace("|", "\\|")
 
+    # A checkpoint folder's absolute path says nothing the folder name does not (and names the machine);
+    # models are shown by their last path part, in full only where two of them share it.
+    models = {m for m, _ in cells}
+    shown = {m: Path(m).name if sum(Path(o).name == Path(m).name for o in models) == 1 else m for m in models}
     lines = ["| Model | Method | " + " | ".join(map(escape, datasets)) + " |",
              "|---|---|" + "---|" * len(datasets)]
     for (model, method), runs in cells.items():
-        row = [escape(model), escape(method)]
+        row = [escape(shown[model]), escape(method)]
         for dataset in datasets:
             accs = [a for (d, _), a in runs.items() if d == dataset]
             row.append(_cell(accs, len(seeds)) if accs else "—")

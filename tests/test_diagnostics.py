@@ -238,6 +238,14 @@ def test_accuracy_table_gives_mean_and_sample_std_cells_in_first_appearance_orde
     assert len(lines) == 4
 
 
+def test_accuracy_table_shows_a_model_folder_by_name_in_full_only_when_two_share_it():
+    rec = dict(method="CE", dataset="SciQ", seed=42, accuracy=0.5)
+    lines = accuracy_table([dict(rec, model="/home/u/weights/smollm2-moe"), dict(rec, model="ibm/granite")]).splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| smollm2-moe", "| granite"]
+    lines = accuracy_table([dict(rec, model="/a/m"), dict(rec, model="/b/m")]).splitlines()
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| /a/m", "| /b/m"]  # two different models
+
+
 def test_duplicate_runs_raise(tmp_path):
     for name in ("run1", "run2"):
         write_metrics(tmp_path, name, model="olmoe", method="CE", dataset="SciQ", seed=42,
