@@ -35,9 +35,8 @@ import pickle
 import random
 import shutil
 from contextlib import contextmanager
-from pathlib import Path
-
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch

@@ -31,9 +31,9 @@ from pathlib import Path
 
 from minimoe import diagnostics
 from minimoe.atomic import atomic_file
+from minimoe.config import TrainConfig, ablation_settings, run_name
 from minimoe.diagnostics import PAPER_SEEDS
 from minimoe.runs import method_label, read_metrics
-from minimoe.config import TrainConfig, ablation_settings, run_name
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
 EVALUATE_PY = TRAIN_PY.with_name("evaluate.py")
@@ -120,6 +120,7 @@ PRESETS = {
         about="tab:acs_concentration_diagnostics (Granite): C-bar, N_eff, r on train and test"),
 }
 
+ZERO_SHOT = "zero-shot (base model)"  # the report row of the base model's scores (train.py --zero-shot)
 FLAG_NAMES = {"lambda_": "--lambda"}  # cfg keys whose train.py flag is not the dashed key
 
 
@@ -280,13 +281,7 @@ def _metrics(cell: Cell) -> dict | None:
 def _row_key(cell: Cell) -> str:
     label = method_label(cell.cfg.get("method"), cell.cfg.get("objective") or TrainConfig.objective,
                          bool(cell.cfg.get("tune_router")))
-    settings = ablation_settings(cell.cfg)
-    return label + (" [" + ", ".join(f"{k}={v}" for k, v in settings.items()) + "]" if settings else "")
-
-
-def _mean_sd(values: list[float], digits: int) -> str:
-    text = f"{statistics.fmean(values):.{digits}f}"
-    return text + (f" ± {statistics.stdev(values):.{digits}f}" if len(values) > 1 else "")
+    return diagnostics.row_label({"method": label, "settings": ablation_settings(cell.cfg)})
 
 
 def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
@@ -305,10 +300,10 @@ def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
         summary[(model, row, data)] = {k: [m[k] for _, m in found] for k in columns} | {"n": len(found),
                                                                                         "of": len(members)}
     for c in cells:  # the zero-shot row: the base model's scores, where a run made them (--zero-shot);
-        base = c.run / "eval" / "test-base" / "metrics.json"  # deterministic, so one run's copy serves
-        if base.is_file() and (Path(c.model).name, ZERO_SHOT, c.data) not in summary:
+        base, key = c.run / "eval" / "test-base" / "metrics.json", (Path(c.model).name, ZERO_SHOT, c.data)
+        if base.is_file() and key not in summary:  # deterministic, so one run's copy serves
             m = json.loads(base.read_text())
-            summary[(Path(c.model).name, ZERO_SHOT, c.data)] = {k: [m[k]] for k in columns} | {"n": 1, "of": 1}
+            summary[key] = {k: [m[k]] for k in columns} | {"n": 1, "of": 1}
     datasets = list(dict.fromkeys(c.data for c in cells))
     rows = sorted(dict.fromkeys((m, r) for m, r, _ in summary), key=lambda mr: mr[1] != ZERO_SHOT)  # stable
     head = [f"{Path(d).name} {'acc' if k == 'accuracy' else 'NLL'}" if len(columns) > 1 else Path(d).name
@@ -326,7 +321,7 @@ def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
                     out.append(f"missing (0/{s['of']})")
                 else:
                     scale, digits = (100.0, 2) if k == "accuracy" else (1.0, 4)
-                    text = _mean_sd([scale * v for v in s[k]], digits)
+                    text = diagnostics.mean_sd([scale * v for v in s[k]], digits)
                     ref = summary.get((model, base, d)) if base else None
                     if k == "accuracy" and ref and ref[k]:
                         delta = scale * (statistics.fmean(s[k]) - statistics.fmean(ref[k]))
@@ -336,9 +331,6 @@ def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
                     out.append(text)
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in out) + " |")
     return "\n".join(lines) + "\n", csv_rows
-
-
-ZERO_SHOT = "zero-shot (base model)"
 
 
 def train_seconds(run: Path) -> float | None:
@@ -359,7 +351,7 @@ def wall_time_table(cells) -> str:
         minutes = [t / 60 for c in members if (t := train_seconds(c.run)) is not None]
         total += minutes
         if minutes:
-            lines.append(f"| {model} | {row} | {Path(data).name} | {_mean_sd(minutes, 1)} | {len(minutes)} |")
+            lines.append(f"| {model} | {row} | {Path(data).name} | {diagnostics.mean_sd(minutes, 1)} | {len(minutes)} |")
     return "\n".join(lines) + f"\n\nAll runs: {sum(total) / 60:.2f} h of training over {len(total)} runs.\n"
 
 
