@@ -61,9 +61,12 @@ class ChoiceBatch:
     chars: torch.Tensor  # [C] characters of the answer text (per-character normalisation)
     n_tokens: torch.Tensor  # [C] answer tokens
     gold: torch.Tensor  # [X] gold candidate of each example
+    # Training under DDP: a rank whose share of a micro-batch is empty still runs forward and backward
+    # (every rank must join the same gradient all-reduces), on a stand-in batch whose loss counts zero.
+    placeholder: bool = False
 
     def to(self, device):
-        return ChoiceBatch(**{k: v if v is None else v.to(device) for k, v in vars(self).items()})
+        return ChoiceBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})
 
     @property
     def scored_positions(self) -> tuple[torch.Tensor, torch.Tensor]:  # the model's `logits_at`

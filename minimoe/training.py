@@ -51,7 +51,7 @@ from minimoe.routing import METHOD_OPTIONS, set_router
 from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
                           latest_checkpoint, read_metrics, remove_orphans, save_state, set_rng_state,
                           truncate_metrics, world)
-from minimoe.scoring import choice_loss, choice_scores, forward_choices, make_choice_batch
+from minimoe.scoring import ChoiceBatch, choice_loss, choice_scores, forward_choices, make_choice_batch
 
 def install_method(model, cfg: TrainConfig):
     """LoRA on the recipe's targets, then the routing method (heads trainable, native gate frozen)."""
@@ -95,38 +95,46 @@ def step_loss(model, batches, cfg: TrainConfig, counts, world_size):
     for i, batch in enumerate(batches):
         sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
         ctx = model.no_sync() if not sync else torch.enable_grad()
+        weight = 0.0 if batch.placeholder else 1.0  # see micro_batches
         with ctx, autocast(cfg):
             out, logp = forward_choices(model, batch)  # logp [n]: every candidate's answer tokens
-            task = choice_loss(choice_scores(logp, batch)["mean"], batch, reduction="sum") / counts["examples"]
+            task = choice_loss(choice_scores(logp, batch)["mean"], batch, reduction="sum") * weight / counts["examples"]
             loss = task
             logs["task"] += task.item()
             mask = batch.supervised_mask
             if cfg.method in ("tes", "acs") and mask.any():
-                share = mask.sum().item() / counts["tokens"]  # this micro-batch's part of the step's tokens
+                share = weight * mask.sum().item() / counts["tokens"]  # this micro-batch's part of the step's tokens
                 method = supervision_loss(out.routings, batch.at_supervised(-logp), mask, cfg.objective, eps=cfg.is_eps,
                                           depth_scaled=cfg.depth_scaled_lambda) * share
                 loss = loss + cfg.lambda_ * method
                 logs["method"] += method.item()
             if cfg.aux_coef > 0:  # packed rows: each prompt token counts once, not once per candidate
-                aux = out.aux_loss * batch.input_ids.shape[0] / counts["rows"]
+                aux = out.aux_loss * weight * batch.input_ids.shape[0] / counts["rows"]
                 loss = loss + cfg.aux_coef * aux
                 logs["aux"] += aux.item()
             (loss * world_size).backward()  # DDP averages over ranks; the counts are global already
     return logs
 
 
-def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: int) -> list:
-    """One optimizer step's examples -> this rank's micro-batches: every world_size-th example of each."""
+def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: int) -> list[ChoiceBatch]:
+    """One optimizer step's examples -> this rank's micro-batches: every world_size-th example of each.
+    A micro-batch smaller than the world (the epoch's last) leaves some ranks without an example:
+    those get a placeholder, its first example, which step_loss runs with weight zero."""
+    def batch(part, placeholder=False):
+        b = make_choice_batch(part, tokenizer, cfg.pad_token_id, cfg.max_length, packed=cfg.packed).to(cfg.device)
+        b.placeholder = placeholder
+        return b
     size = cfg.batch_size
-    return [make_choice_batch(examples[i:i + size][rank::world_size], tokenizer, cfg.pad_token_id, cfg.max_length,
-                              packed=cfg.packed).to(cfg.device) for i in range(0, len(examples), size)]
+    return [batch(mine) if (mine := examples[i:i + size][rank::world_size]) else batch(examples[i:i + 1], True)
+            for i in range(0, len(examples), size)]
 
 
 def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, world_size: int) -> dict:
     """One optimizer step over this rank's micro-batches of the step's `n_examples` (all ranks);
     returns its loss terms summed over ranks and the gradient norm before clipping."""
-    counts = {"examples": n_examples, "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in batches)),
-              "rows": global_sum(sum(b.input_ids.shape[0] for b in batches))}
+    real = [b for b in batches if not b.placeholder]
+    counts = {"examples": n_examples, "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in real)),
+              "rows": global_sum(sum(b.input_ids.shape[0] for b in real))}
     logs = {k: global_sum(v) for k, v in step_loss(model, batches, cfg, counts, world_size).items()}
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     logs["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip).item()
@@ -231,7 +239,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
             logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, world_size)
             step += 1
             seconds = time.perf_counter() - t0
-            rate = global_sum(sum(b.attention_mask.sum().item() for b in batches)) / seconds
+            rate = global_sum(sum(b.attention_mask.sum().item() for b in batches if not b.placeholder)) / seconds
             loss = logs["task"] + cfg.lambda_ * logs["method"] + cfg.aux_coef * logs["aux"]
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
             if rank == 0:

@@ -134,10 +134,12 @@ def test_corrupt_step_checkpoint_falls_back_to_the_epoch_before(tmp_path, straig
 
 
 def test_two_process_ddp_equals_one_process(tmp_path):
-    """torchrun --nproc_per_node 2 (gloo) with the same global batch gives the one-process adapter."""
+    """torchrun --nproc_per_node 2 (gloo) with the same global batch gives the one-process adapter.
+    17 examples at 8 a step: the last step has one example, so rank 1 runs a placeholder (micro_batches)."""
     tiny_checkpoint()
-    flags = ["--method", "acs", "--lora-dropout", "0", "--data-dir", str(tmp_path / "splits"), *SMOKE]
-    run_train(tmp_path, "--method", "acs", "--lora-dropout", "0", name="one")
+    odd = ["--max-train-examples", "17"]
+    flags = ["--method", "acs", "--lora-dropout", "0", "--data-dir", str(tmp_path / "splits"), *SMOKE, *odd]
+    run_train(tmp_path, "--method", "acs", "--lora-dropout", "0", *odd, name="one")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
                     str(REPO / "train.py"), "--out-dir", str(tmp_path), "--run-name", "two", *flags],
@@ -153,7 +155,7 @@ def test_two_process_ddp_equals_one_process(tmp_path):
     # is ~0 may step differently (bounded by 2 * lr * steps); every other element must agree to 1e-5.
     one, two = adapter(tmp_path / "one", 1), adapter(tmp_path / "two", 1)
     diffs = torch.cat([(two[k] - one[k]).abs().flatten() for k in one])
-    assert diffs.max() <= 2 * 2e-3 * 2
+    assert diffs.max() <= 2 * 2e-3 * len(steps(tmp_path / "one", "loss"))
     assert (diffs > 1e-5).float().mean() <= 0.01
 
 

@@ -15,6 +15,7 @@ from minimoe.data import BENCHMARKS, Example, format_choice, format_prompt, load
 from minimoe.lora import trainable_parameters
 from minimoe.tiny import tiny_checkpoint
 from minimoe.config import RECIPES, TrainConfig, recipe_train_examples
+from minimoe import training
 from minimoe.training import install_method, lr_factor, make_optimizer, steps_per_epoch, warmup_steps, write_selection
 
 # The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
@@ -228,3 +229,29 @@ def test_merged_export_rounds_a_tuned_fp32_gate_to_the_model_dtype(tmp_path):
     key = f"model.layers.{len(model.model.layers) - 1}.mlp.gate.weight"
     assert torch.equal(tensors[key], before.to(torch.bfloat16))
     assert gate.weight.dtype == torch.float32 and torch.equal(gate.weight, before)
+
+
+def test_a_rank_without_examples_runs_a_placeholder_that_counts_zero(tmp_path):
+    """5 examples, micro-batches of 4, two ranks: the second micro-batch (example 4) has nothing for rank 1.
+    Rank 1 must still run a forward/backward (DDP all-reduces every backward), and that pass must add
+    nothing: the step's terms and gradients are those of its real micro-batches alone."""
+    tokenizer = load_tokenizer(tiny_checkpoint())
+    examples = load_split("arc_challenge", "train", data_dir=tmp_path / "splits")[:5]
+    cfg = replace(method_cfg("tiny", method="tes"), lora_dropout=0.0, batch_size=4, pad_token_id=0, device="cpu")
+    rank0, rank1 = (training.micro_batches(examples, tokenizer, cfg, rank, 2) for rank in (0, 1))
+    assert [b.placeholder for b in rank0] == [False, False] and [b.placeholder for b in rank1] == [False, True]
+    assert rank0[1].gold.shape == (1,) and torch.equal(rank1[1].input_ids, rank0[1].input_ids)  # example 4 twice
+
+    model = from_pretrained(tiny_checkpoint())
+    training.install_method(model, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    counts = {"examples": 2, "tokens": rank1[0].supervised_mask.sum().item(), "rows": rank1[0].input_ids.shape[0]}
+
+    def run(batches):
+        model.zero_grad(set_to_none=True)
+        logs = training.step_loss(model, batches, cfg, counts, world_size=1)
+        return logs, [p.grad.clone() for p in params]
+    (alone, grads), (with_placeholder, grads_with) = run(rank1[:1]), run(rank1)
+    assert with_placeholder == alone and alone["method"] != 0
+    for g, h in zip(grads, grads_with):
+        assert torch.equal(g, h)
