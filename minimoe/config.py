@@ -23,24 +23,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from minimoe.data import DEFAULT_DATA_DIR
-from minimoe.lora import DEFAULT_TARGETS
+from minimoe.lora import ALPHA, DEFAULT_TARGETS, DROPOUT, RANK
 from minimoe.routing import METHOD_OPTIONS
 from minimoe.runs import method_label
 
+
+def paper_lora(family: str) -> dict:
+    """The paper's LoRA (lora.RANK, ALPHA, DROPOUT) on the family's own targets (lora.DEFAULT_TARGETS)."""
+    return dict(lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT, lora_targets=list(DEFAULT_TARGETS[family]))
+
+
 # The paper's Experimental Configuration table, one preset per backbone over TrainConfig's defaults;
-# "tiny" is the offline default. train_examples: {benchmark: count} with "default" for the others;
-# None keeps the whole train split. LoRA targets are the family's own (lora.DEFAULT_TARGETS).
+# "tiny" is `--model tiny`'s (smoke runs, tests). train_examples: {benchmark: count} with "default" for
+# the others; None keeps the whole train split.
 RECIPES = {
-    "granite": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=list(DEFAULT_TARGETS["granitemoe"]),
-                    lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine", warmup=0.05, weight_decay=0.0,
-                    clip=1.0, epochs=3, train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 4992}),
-    "olmoe": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=list(DEFAULT_TARGETS["olmoe"]),
-                  lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0.0,
-                  clip=1.0, epochs=3, train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 5000}),
-    # Random tiny weights learn nothing at 2e-5: a larger step so the default run visibly trains.
-    "tiny": dict(lora_rank=8, lora_alpha=8.0, lora_dropout=0.05, lora_targets=list(DEFAULT_TARGETS["olmoe"]),
-                 lr=2e-3, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0.0,
-                 clip=1.0, epochs=2, train_examples=None),
+    "granite": dict(**paper_lora("granitemoe"), lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine", warmup=0.05,
+                    weight_decay=0.0, clip=1.0, epochs=3,
+                    train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 4992}),
+    "olmoe": dict(**paper_lora("olmoe"), lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03,
+                  weight_decay=0.0, clip=1.0, epochs=3,
+                  train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 5000}),
+    # Random tiny weights learn nothing at 2e-5: a larger step so the smoke run visibly trains.
+    "tiny": dict(**paper_lora("olmoe"), lr=2e-3, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03,
+                 weight_decay=0.0, clip=1.0, epochs=2, train_examples=None),
 }
 
 

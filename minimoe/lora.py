@@ -159,7 +159,11 @@ def lora_modules(model: nn.Module) -> dict[str, LoRAMixin]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRAMixin)}
 
 
-def add_lora(model: MoEForCausalLM, rank: int = 8, alpha: float = 8, dropout: float = 0.05, targets=None,
+# The paper's LoRA for both backbones (Experimental Configuration table): add_lora's defaults and every recipe's.
+RANK, ALPHA, DROPOUT = 8, 8.0, 0.05
+
+
+def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, dropout: float = DROPOUT, targets=None,
              dtype=torch.float32) -> MoEForCausalLM:
     """Put LoRA on `targets` of every layer (None: the family's default) and freeze everything else
     but the method heads and the native gates that `set_router(..., tune_router=True)` unfroze."""
