@@ -27,7 +27,7 @@ import os
 import random
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -233,20 +233,25 @@ def run_record(cfg: TrainConfig, model_config, data: dict) -> dict:
             "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()}}
 
 
-def load_data(cfg: TrainConfig) -> dict:
+def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
+    """The run's splits, and `cfg` with what loading resolved, for config.json: the recipe's training
+    count (evaluation then rebuilds the same training population) and, for hub data, the folder of
+    the manifests written (evaluate.py reads those back as they are)."""
+    resolved = {}
     if Path(cfg.data).is_dir():
         data = {s: load_split(Path(cfg.data) / f"{s}.jsonl") for s in ("train", "val", "test")}
     else:
         data = {s: load_split(cfg.data, s, data_dir=cfg.data_dir, seed=42, source=cfg.data_source,
                               revision=cfg.data_revision) for s in ("train", "val", "test")}
         if not cfg.max_train_examples:  # the paper's count for this backbone and benchmark (None: all)
-            cfg.max_train_examples = recipe_train_examples(cfg, cfg.data)
-        if cfg.data_source == "hub":  # evaluate.py then reads these manifests back as they are
-            cfg.data = str(Path(cfg.data_dir) / cfg.data)
+            resolved["max_train_examples"] = recipe_train_examples(cfg, cfg.data)
+        if cfg.data_source == "hub":
+            resolved["data"] = str(Path(cfg.data_dir) / cfg.data)
+    cfg = replace(cfg, **resolved)
     check_disjoint(data, cfg.data)  # a test example seen in training would inflate every score
     if cfg.max_train_examples:
         data["train"] = data["train"][:cfg.max_train_examples]
-    return data
+    return data, cfg
 
 
 # Settings that do not change the trained result: --resume may differ in these (a moved run folder,
@@ -273,7 +278,7 @@ def main(argv=None):
     tokenizer = minimoe.load_tokenizer(args.model)
     model = minimoe.from_pretrained(args.model)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
-    data = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
+    data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))
     if run.exists() and not args.resume:
         sys.exit(f"train.py: run folder {run} exists; pass --resume to continue it or choose another --run-name")

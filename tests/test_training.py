@@ -65,7 +65,7 @@ def test_training_examples_and_steps_per_epoch_are_the_papers(recipe, dataset, m
                         lambda name, split, **kw: [Example(f"{name}:{split}:{i}", f"q {split} {i}", ["a", "b"], 0, {})
                                                    for i in range(sizes[split])])
     cfg = resolved(recipe, "--data", dataset)
-    data = train.load_data(cfg)
+    data, cfg = train.load_data(cfg)
     assert len(data["train"]) == PAPER[recipe]["train_examples"][dataset]
     assert steps_per_epoch(len(data["train"]), cfg) == PAPER[recipe]["steps_per_epoch"][dataset]
     assert cfg.max_train_examples == len(data["train"])  # recorded: evaluation's train population is the same
