@@ -100,7 +100,8 @@ def main(argv=None):
             if args.slurm_partition:
                 params["slurm_partition"] = args.slurm_partition
             jobs = submit_slurm(todo, **params)
-            print(f"sweep: submitted {len(jobs)} jobs; run the same command with --report-only when they end")
+            print(f"sweep: submitted {len(jobs)} jobs; run the same command with --report-only when they end "
+                  "(again without it to resubmit the runs whose jobs failed)")
             return cells
         devices = (args.gpus or visible_devices()) if args.gpus is not None else None
         if devices == []:

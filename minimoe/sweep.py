@@ -254,17 +254,39 @@ def visible_devices() -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
+# SLURM states of a job that has yet to run or is running: its cell is not submitted again.
+SLURM_ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "RESIZING", "SUSPENDED"}
+
+
+def queued_job(cell, cluster: str) -> str | None:
+    """The id of this cell's last SLURM job if SLURM still holds it (sacct, through submitit), so that
+    running the same --slurm command twice does not queue every unfinished run twice."""
+    record = cell.out_dir / "submitit" / cell.run.name / "job_id"
+    if cluster != "slurm" or not record.is_file():
+        return None
+    from submitit.slurm.slurm import SlurmJob
+    job_id = record.read_text().strip()
+    return job_id if SlurmJob(record.parent, job_id).state in SLURM_ACTIVE else None
+
+
 def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, **slurm_params) -> list:
-    """One submitit job per cell, named after its run folder; cluster="local"/"debug" runs them here (tests)."""
+    """One submitit job per cell, named after its run folder, unless SLURM still holds the cell's
+    last job (`queued_job`); cluster="local"/"debug" runs them here (tests)."""
     try:
         import submitit
     except ImportError:
         raise SystemExit('sweep: --slurm needs submitit: pip install -e ".[slurm]"') from None
     jobs = []
     for cell in cells:
-        executor = submitit.AutoExecutor(folder=cell.out_dir / "submitit" / cell.run.name, cluster=cluster)
+        folder = cell.out_dir / "submitit" / cell.run.name
+        executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
+        if held := queued_job(cell, executor.cluster):
+            print(f"sweep: {cell.run.name} is queued or running as SLURM job {held}; not submitted again")
+            continue
         executor.update_parameters(name=cell.run.name, **slurm_params)
         jobs.append(executor.submit(run_cell, cell))
+        with atomic_file(folder / "job_id") as tmp:
+            tmp.write_text(str(jobs[-1].job_id))
     if wait:
         for job in jobs:
             job.result()

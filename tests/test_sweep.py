@@ -7,6 +7,7 @@ import threading
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -36,6 +37,40 @@ def sweep_args(tmp_path, data, *flags):
     return ["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
             "--set", "gamma=1,2", "--seeds", "42", "43", "--out-dir", str(tmp_path), *flags, "--", *SMOKE]
 
+
+
+def test_slurm_does_not_submit_again_a_cell_whose_job_slurm_still_holds(tmp_path, data, monkeypatch, capsys):
+    """A second --slurm sweep: the cell whose last job is PENDING is skipped, the one whose job FAILED
+    is submitted again and its new job id recorded. sacct is faked: submitit's SlurmJob gives the state."""
+    submitit = pytest.importorskip("submitit")
+    import submitit.slurm.slurm
+    cells = sweep.main(sweep_args(tmp_path, data, "--dry-run"))[:2]
+    states = {"11": "PENDING", "12": "FAILED"}
+    for cell, job_id in zip(cells, states):
+        (tmp_path / "submitit" / cell.run.name).mkdir(parents=True)
+        (tmp_path / "submitit" / cell.run.name / "job_id").write_text(job_id)
+    monkeypatch.setattr(submitit.slurm.slurm, "SlurmJob", lambda folder, job_id: SimpleNamespace(state=states[job_id]))
+    assert sw.queued_job(cells[0], "slurm") == "11" and sw.queued_job(cells[1], "slurm") is None
+    assert sw.queued_job(cells[0], "local") is None  # no queue to ask outside SLURM
+
+    submitted = []
+
+    class Executor:  # submitit.AutoExecutor on a SLURM cluster, without the cluster
+        cluster = "slurm"
+
+        def __init__(self, folder, cluster=None):
+            pass
+
+        def update_parameters(self, **params):
+            pass
+
+        def submit(self, fn, cell):
+            submitted.append(cell)
+            return SimpleNamespace(job_id="13")
+    monkeypatch.setattr(submitit, "AutoExecutor", Executor)
+    assert len(sw.submit_slurm(cells)) == 1 and submitted == [cells[1]]
+    assert f"{cells[0].run.name} is queued or running as SLURM job 11" in capsys.readouterr().out
+    assert (tmp_path / "submitit" / cells[1].run.name / "job_id").read_text() == "13"
 
 def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
     """2 settings (gamma 1 = the default, gamma 2) x 2 seeds. One cell is killed after epoch 1 of 2,
