@@ -161,6 +161,11 @@ class Cell:
         return args + (["--zero-shot"] if self.zero_shot else []) + list(self.extra) + (["--resume"] if resume else [])
 
     @property
+    def slurm_dir(self) -> Path:
+        """OUT/submitit/RUN: its SLURM jobs' logs and the last one's id (`submit_slurm`)."""
+        return self.out_dir / "submitit" / self.run.name
+
+    @property
     def test_dir(self) -> Path:
         """RUN/eval/test, or RUN/eval/test-selected where train.py scored the validation-selected epoch
         instead (its config.json says which: the OLMoE affinity-tuned group by default)."""
@@ -261,7 +266,7 @@ SLURM_ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "
 def queued_job(cell, cluster: str) -> str | None:
     """The id of this cell's last SLURM job if SLURM still holds it (sacct, through submitit), so that
     running the same --slurm command twice does not queue every unfinished run twice."""
-    record = cell.out_dir / "submitit" / cell.run.name / "job_id"
+    record = cell.slurm_dir / "job_id"
     if cluster != "slurm" or not record.is_file():
         return None
     from submitit.slurm.slurm import SlurmJob
@@ -278,14 +283,13 @@ def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, **slu
         raise SystemExit('sweep: --slurm needs submitit: pip install -e ".[slurm]"') from None
     jobs = []
     for cell in cells:
-        folder = cell.out_dir / "submitit" / cell.run.name
-        executor = submitit.AutoExecutor(folder=folder, cluster=cluster)
+        executor = submitit.AutoExecutor(folder=cell.slurm_dir, cluster=cluster)
         if held := queued_job(cell, executor.cluster):
             print(f"sweep: {cell.run.name} is queued or running as SLURM job {held}; not submitted again")
             continue
         executor.update_parameters(name=cell.run.name, **slurm_params)
         jobs.append(executor.submit(run_cell, cell))
-        with atomic_file(folder / "job_id") as tmp:
+        with atomic_file(cell.slurm_dir / "job_id") as tmp:
             tmp.write_text(str(jobs[-1].job_id))
     if wait:
         for job in jobs:

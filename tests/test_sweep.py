@@ -38,7 +38,6 @@ def sweep_args(tmp_path, data, *flags):
             "--set", "gamma=1,2", "--seeds", "42", "43", "--out-dir", str(tmp_path), *flags, "--", *SMOKE]
 
 
-
 def test_slurm_does_not_submit_again_a_cell_whose_job_slurm_still_holds(tmp_path, data, monkeypatch, capsys):
     """A second --slurm sweep: the cell whose last job is PENDING is skipped, the one whose job FAILED
     is submitted again and its new job id recorded. sacct is faked: submitit's SlurmJob gives the state."""
@@ -71,6 +70,7 @@ def test_slurm_does_not_submit_again_a_cell_whose_job_slurm_still_holds(tmp_path
     assert len(sw.submit_slurm(cells)) == 1 and submitted == [cells[1]]
     assert f"{cells[0].run.name} is queued or running as SLURM job 11" in capsys.readouterr().out
     assert (tmp_path / "submitit" / cells[1].run.name / "job_id").read_text() == "13"
+
 
 def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
     """2 settings (gamma 1 = the default, gamma 2) x 2 seeds. One cell is killed after epoch 1 of 2,
