@@ -2,6 +2,7 @@
 transformers' Trainer schedule rules, and direct computation of the task loss and selection rule."""
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,3 +256,41 @@ def test_a_rank_without_examples_runs_a_placeholder_that_counts_zero(tmp_path):
     assert with_placeholder == alone and alone["method"] != 0
     for g, h in zip(grads, grads_with):
         assert torch.equal(g, h)
+
+
+
+def manifest_folder(tmp_path, train_examples, val=2, test=2) -> Path:
+    """A manifest folder: `train_examples` as train.jsonl, and the next offline ARC-Challenge examples after
+    the first 40 as a small val and test (fast validation)."""
+    from dataclasses import asdict
+
+    from minimoe.data import load_examples
+    pool = load_examples("arc_challenge")[40:]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for split, rows in (("train", train_examples), ("val", pool[:val]), ("test", pool[val:val + test])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(asdict(ex)) + "\n" for ex in rows))
+    return folder
+
+
+def test_epoch_e_shuffles_the_training_examples_with_seed_plus_e(tmp_path, monkeypatch):
+    """The documented data order, step by step: epoch e takes torch.randperm(n) drawn with seed + e, in
+    consecutive slices of batch_size * grad_accum (the last one partial), recorded from the loop itself."""
+    from minimoe.data import load_examples
+    examples = load_examples("arc_challenge")[:10]
+    seen = []
+    real = training.micro_batches
+
+    def spy(batch, *args):
+        seen.append([ex.id for ex in batch])
+        return real(batch, *args)
+    monkeypatch.setattr(training, "micro_batches", spy)
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(manifest_folder(tmp_path, examples)),
+                "--quiet", "--no-test-eval", "--method", "ce", "--batch-size", "2", "--grad-accum", "2", "--epochs", "3",
+                "--seed", "5"])
+    expected = []
+    for epoch in (1, 2, 3):
+        order = torch.randperm(10, generator=torch.Generator().manual_seed(5 + epoch)).tolist()
+        expected += [[examples[i].id for i in order[s:s + 4]] for s in (0, 4, 8)]
+    assert seen == expected
+    assert len({tuple(seen[3 * e]) for e in range(3)}) == 3  # the epochs' orders differ
