@@ -159,6 +159,27 @@ def test_two_process_ddp_equals_one_process(tmp_path):
     assert (diffs > 1e-5).float().mean() <= 0.01
 
 
+def test_two_process_ddp_gives_the_aux_term_of_one_batch(tmp_path):
+    """The load-balancing term under torchrun --nproc_per_node 2 (gloo) equals the one-process batch's,
+    not twice it. The Switch loss is a product of means over a batch's tokens, so ranks agree with one
+    batch exactly only where each holds the batch's mix: here 8 copies of one example (any shuffle)."""
+    tiny_checkpoint()
+    from dataclasses import replace
+    data = manifests(tmp_path, train=lambda pool: [replace(pool[0], id=f"copy-{i}") for i in range(8)],
+                     val=lambda pool: pool[20:22], test=lambda pool: pool[22:24])
+    flags = ["--method", "ce", "--aux-coef", "0.5", "--lora-dropout", "0", "--data", str(data), "--data-dir",
+             str(tmp_path / "splits"), *SMOKE]
+    train.main(["--out-dir", str(tmp_path), "--run-name", "one", *flags])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29518",
+                    str(REPO / "train.py"), "--out-dir", str(tmp_path), "--run-name", "two", *flags],
+                   check=True, cwd=REPO, env=env, capture_output=True, timeout=600)
+    one, two = ([r for r in records(tmp_path / name) if r["kind"] == "step"] for name in ("one", "two"))
+    assert len(one) == len(two) == 1 and one[0]["aux"] > 0
+    for key in ("aux", "loss", "grad_norm"):
+        assert two[0][key] == pytest.approx(one[0][key], rel=1e-5), key
+
+
 def test_unknown_dataset_fails_before_any_run_folder(tmp_path):
     with pytest.raises(ValueError, match="unknown dataset"):
         run_train(tmp_path, "--data", "not_a_benchmark")
