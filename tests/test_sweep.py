@@ -34,7 +34,7 @@ def data(tmp_path_factory):
 
 
 def sweep_args(tmp_path, data, *flags):
-    return ["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
+    return ["--preset", "main", "--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
             "--set", "gamma=1,2", "--seeds", "42", "43", "--out-dir", str(tmp_path), *flags, "--", *SMOKE]
 
 
@@ -63,7 +63,7 @@ def test_slurm_does_not_submit_again_a_cell_whose_job_slurm_still_holds(tmp_path
         def update_parameters(self, **params):
             pass
 
-        def submit(self, fn, cell):
+        def submit(self, fn, cell, *args):  # run_cell's further arguments: env, nproc
             submitted.append(cell)
             return SimpleNamespace(job_id="13")
     monkeypatch.setattr(submitit, "AutoExecutor", Executor)
