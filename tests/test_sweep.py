@@ -187,17 +187,31 @@ def test_devices_run_one_cell_each_at_a_time():
     assert {d for _, d in seen} == {"0", "1"} and len(seen) == len(cells)
 
 
-def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data):
+def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data, monkeypatch):
     """A cell that needs train diagnostics (acs-diagnostics) gets evaluate.py --split train on the
-    run's training population after training; the table's train row is that split's C_t."""
-    cell = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path, extra=SMOKE)[0]
+    run's training population after training: with --max-train-examples 5 of the 8, exactly the 5
+    examples train.py kept (the first 5), not the uncut split. The table's train row is that split's
+    C_t. A finished phase is never run again: the cell, trained and tested, runs evaluate.py alone
+    (not train.py --resume, which would score test again), and once done, nothing."""
+    cell = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path,
+                   extra=(*SMOKE, "--max-train-examples", "5"))[0]
     assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    finished = {p: p.stat().st_mtime_ns for p in (cell.run / "eval" / "test" / "metrics.json", cell.run / "metrics.jsonl",
+                                                  cell.run / "selection.json")}
+    commands, real_run = [], sw.subprocess.run
+    monkeypatch.setattr(sw.subprocess, "run", lambda command, **kw: commands.append(command) or real_run(command, **kw))
     cell = replace(cell, train_eval=True)
     assert cell.state() == "partial"
     assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    assert [Path(c[1]).name for c in commands] == ["evaluate.py"]
+    assert sw.run_cell(cell) == 0 and len(commands) == 1
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished
     train = json.loads((cell.run / "eval" / "train" / "metrics.json").read_text())
-    assert train["split"] == "train" and train["n_examples"] == 8  # the run's training population
+    trained = [json.loads(line)["id"] for line in (data / "train.jsonl").read_text().splitlines()[:5]]
+    assert train["split"] == "train" and train["n_examples"] == 5  # the run's training population
+    assert [r["id"] for r in map(json.loads, (cell.run / "eval" / "train" / "predictions.jsonl").read_text().splitlines())] == trained
     with np.load(cell.run / "eval" / "train" / "tokens-train.npz") as z:
+        assert sorted(set(z["example"].tolist())) == list(range(5))
         c = z[f"concentration_layer{max(int(k[19:]) for k in z.files if k.startswith('concentration_layer'))}"]
     assert f"| train | {c.mean():.4f} | {1 / c.mean():.2f} |" in sw.concentration_table([cell])
 
