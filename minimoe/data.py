@@ -67,7 +67,11 @@ class Example:
     question: str
     choices: list[str]
     answer: int  # index into choices
-    source: dict  # {"dataset": HF dataset id, "partition": "train"|"validation"|"test", "source_id": str}
+    source: dict  # {"dataset": HF dataset id, "partition": "train"|"validation"|"test", "source_id": str}; {}: none
+    prompt: str | None = None  # the whole prompt (own data with --prompt-template); None: format_prompt(question)
+
+    def prompt_text(self) -> str:
+        return format_prompt(self.question) if self.prompt is None else self.prompt
 
 
 @dataclass(frozen=True)
@@ -314,8 +318,7 @@ def build_splits(name: str, out_dir, *, seed: int = 42, sizes: dict[str, int] | 
     out_dir.mkdir(parents=True, exist_ok=True)
     digests = {}
     for split, exs in splits.items():
-        data = "".join(json.dumps(asdict(ex), sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n"
-                       for ex in exs).encode("utf-8")
+        data = "".join(example_json(ex) + "\n" for ex in exs).encode("utf-8")
         _write_atomic(out_dir / f"{split}.jsonl", data)
         digests[split] = hashlib.sha256(data).hexdigest()
     report = SplitReport(name, source, origin, seed, sizes, {s: len(e) for s, e in splits.items()},
@@ -326,33 +329,49 @@ def build_splits(name: str, out_dir, *, seed: int = 42, sizes: dict[str, int] | 
     return report
 
 
+def example_json(ex: Example) -> str:
+    """One manifest line: sorted keys, compact, UTF-8; no "prompt" key where the paper's prompt applies."""
+    record = {k: v for k, v in asdict(ex).items() if not (k == "prompt" and v is None)}
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def check_example(ex: Example, where: str) -> None:
+    """What makes an example unusable (filter_examples drops these from benchmarks; elsewhere they are errors)."""
+    if not ex.id or not ex.question:
+        raise ValueError(f"{where}: empty 'id' or 'question'; expected non-empty strings")
+    if len(ex.choices) < 2 or not all(isinstance(c, str) and c for c in ex.choices):
+        raise ValueError(f"{where}: 'choices' is {ex.choices!r}; expected at least two non-empty strings")
+    if not 0 <= ex.answer < len(ex.choices):
+        raise ValueError(f"{where}: 'answer' is {ex.answer}; expected an index in [0, {len(ex.choices)})")
+    if len(set(ex.choices)) < len(ex.choices):
+        raise ValueError(f"{where}: 'choices' {ex.choices!r} repeat a choice; expected distinct choices "
+                         f"(the gold answer would be ambiguous)")
+
+
 def _parse_line(line: str, where: str) -> Example:
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg}); expected one JSON object per line") from None
-    expected = {"id": str, "question": str, "choices": list, "answer": int, "source": dict}
-    if not isinstance(d, dict) or set(d) != set(expected):
+    required = {"id": str, "question": str, "choices": list, "answer": int}
+    optional = {"source": dict, "prompt": str}  # a null optional key is left out (asdict of an Example writes them)
+    if isinstance(d, dict):
+        d = {k: v for k, v in d.items() if not (k in optional and v is None)}
+    if not isinstance(d, dict) or not set(required) <= set(d) <= set(required) | set(optional):
         got = sorted(d) if isinstance(d, dict) else type(d).__name__
-        raise ValueError(f"{where}: got keys {got}; expected exactly {sorted(expected)}")
-    for key, typ in expected.items():
-        if not isinstance(d[key], typ) or isinstance(d[key], bool):
+        raise ValueError(f"{where}: got keys {got}; expected exactly {sorted(required)} and optionally "
+                         f"{sorted(optional)}")
+    for key, typ in {**required, **optional}.items():
+        if key in d and (not isinstance(d[key], typ) or isinstance(d[key], bool)):
             raise ValueError(f"{where}: {key!r} is {type(d[key]).__name__}; expected {typ.__name__}")
-    if not d["id"] or not d["question"]:
-        raise ValueError(f"{where}: empty 'id' or 'question'; expected non-empty strings")
-    if len(d["choices"]) < 2 or not all(isinstance(c, str) and c for c in d["choices"]):
-        raise ValueError(f"{where}: 'choices' is {d['choices']!r}; expected at least two non-empty strings")
-    if not 0 <= d["answer"] < len(d["choices"]):
-        raise ValueError(f"{where}: 'answer' is {d['answer']}; expected an index in [0, {len(d['choices'])})")
-    if len(set(d["choices"])) < len(d["choices"]):
-        raise ValueError(f"{where}: 'choices' {d['choices']!r} repeat a choice; expected distinct choices "
-                         f"(the gold answer would be ambiguous)")
-    return Example(**d)
+    ex = Example(**{"source": {}, **d})
+    check_example(ex, where)
+    return ex
 
 
-def check_disjoint(splits: dict[str, list[Example]], where="the data") -> None:
+def check_disjoint(splits: dict[str, list[Example]], where="the data", rows: dict | None = None) -> None:
     """Refuse an example that sits in two splits: the same id, or the same question and choice set
-    (filter_examples' duplicate key)."""
+    (filter_examples' duplicate key). `rows` ({(split, id): file and row}) adds where both are."""
     seen: dict = {}
     for split, examples in splits.items():
         for ex in examples:
@@ -360,7 +379,8 @@ def check_disjoint(splits: dict[str, list[Example]], where="the data") -> None:
                 other = seen.setdefault(key, (split, ex.id))
                 if other[0] != split:
                     what = f"id {ex.id!r}" if key[0] == "id" else f"question and choices ({other[1]!r} and {ex.id!r})"
-                    raise ValueError(f"{where}: {other[0]} and {split} share {what}; expected disjoint splits, "
+                    at = f" ({rows[other]} and {rows[split, ex.id]})" if rows else ""
+                    raise ValueError(f"{where}: {other[0]} and {split} share {what}{at}; expected disjoint splits, "
                                      f"or the test score would count examples seen in training")
 
 
