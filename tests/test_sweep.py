@@ -297,7 +297,7 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
     assert {c.row for c in cells if c.settings == (("layers", "all"),)} == {"ACS-IS", "Dual Affinity", "TES-IS"}
     assert [(c.row, c.seed) for c in cells if c.zero_shot] == [("CE", 42)]
     assert "--zero-shot" in cells[0].train_args() and "--zero-shot" not in cells[1].train_args()
-    ce = [c for c in cells if c.row in ("CE", "TES-IS") and c.seed == 42]
+    ce = [c for c in cells if c.row in ("CE", "TES-IS") and not c.settings and c.seed == 42]
     flags = ce[0].train_args()
     assert flags[flags.index("--epochs") + 1] == "1"
     sweep.main([*args, "--rows", "CE", "TES-IS", "--seeds", "42", "--", "--batch-size", "8", "--quiet"])
