@@ -362,8 +362,8 @@ def main(argv=None):
     tokenizer = minimoe.load_tokenizer(args.model)
     model = minimoe.from_pretrained(args.model)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
+    run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
-    run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))
     if run.exists() and not args.resume:
         sys.exit(f"train.py: run folder {run} exists; pass --resume to continue it or choose another --run-name")
     if args.resume and not (run / "config.json").is_file():
