@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
+import evaluate
 import sweep
 from minimoe import sweep as sw
 from minimoe.data import load_examples
@@ -330,6 +331,12 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
     seconds = sum(r["seconds"] if r["kind"] == "step" else r["val_seconds"] for r in records)
     assert sw.train_seconds(ce[1].run) == pytest.approx(seconds) and seconds > 0
     assert f"| TES-IS | {Path(data).name} | {seconds / 60:.1f} | 1 |" in text
+    # evaluate.py compare reads the runs' own predictions.jsonl (train.py's format), run folders as given.
+    result = evaluate.main(["compare", str(ce[0].run), str(ce[1].run)])
+    predicted = [[json.loads(x)["prediction"] for x in (c.run / "eval" / "test" / "predictions.jsonl").read_text()
+                  .splitlines()] for c in ce]
+    assert result["seeds"] == [42] and (result["a"], result["b"]) == ("CE", "TES-IS")
+    assert result["differing_predictions"] == sum(a != b for a, b in zip(*predicted)) and result["questions"] == 4
 
 
 def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path):
