@@ -65,7 +65,7 @@ def test_slurm_does_not_submit_again_a_cell_whose_job_slurm_still_holds(tmp_path
         def update_parameters(self, **params):
             pass
 
-        def submit(self, fn, cell):
+        def submit(self, fn, cell, *args):  # run_cell's further arguments: env, nproc
             submitted.append(cell)
             return SimpleNamespace(job_id="13")
     monkeypatch.setattr(submitit, "AutoExecutor", Executor)
