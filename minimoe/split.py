@@ -70,7 +70,7 @@ class SplitSettings:
     num_experts: int = 16
     top_k: int = 8
     shared: int = 384  # N neurons in every expert (the most important ones); 0: none
-    fit_tokens: int = 16384  # fitting tokens, as rows of seq_len
+    fit_tokens: int = 8192  # fitting tokens, as rows of seq_len
     seq_len: int = 256
     router_std: float = 1.0  # per-token std of the router logits across experts; 0: a zero router
     repair: bool = True  # refit the down projections by least squares given the router's selection
