@@ -318,7 +318,7 @@ def test_train_population_of_a_cut_run_is_exactly_its_trained_examples(toy, tmp_
     run = tmp_path / "run"
     assert trained == {ex.id for ex in toy["splits"]["train"][:7]}
     test_ids = [ex.id for ex in toy["splits"]["test"]]
-    out = evaluate.main(["--adapter", str(run), "--out", str(tmp_path / "again"), "--batch-size", "8"])
+    out = evaluate.main(["--adapter", str(run), "--out-dir", str(tmp_path / "again"), "--eval-batch-size", "8"])
     at_end = json.loads((run / "eval" / "test" / "metrics.json").read_text())
     assert [sorted(ids) for ids in scored] == [sorted(test_ids), sorted(trained)] * 2  # train.py's, evaluate.py's
     for metrics, folder in ((at_end, run / "eval" / "test"), (out, tmp_path / "again")):
