@@ -127,16 +127,14 @@ def neuron_activations(gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def balanced_assign(sim: torch.Tensor, size: int) -> torch.Tensor:
     """sim [R, E] -> group of each row [R]: the most similar (row, group) pairs first, at most `size` per group."""
     R, E = sim.shape
-    group = torch.full((R,), -1, dtype=torch.long)
-    room = [size] * E
-    left = R
+    group, room, left = [-1] * R, [size] * E, R  # python lists: this loop visits up to R * E pairs
     for flat in sim.flatten().argsort(descending=True, stable=True).tolist():
         r, e = divmod(flat, E)
         if group[r] < 0 and room[e] > 0:
             group[r], room[e], left = e, room[e] - 1, left - 1
             if left == 0:
                 break
-    return group
+    return torch.tensor(group)
 
 
 def balanced_groups(features: torch.Tensor, num_groups: int, iters: int, generator) -> torch.Tensor:
