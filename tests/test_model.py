@@ -202,6 +202,39 @@ def test_experts_run_only_on_routed_rows(monkeypatch):
     assert seen and all(n == T * K for n in seen)
 
 
+def test_rounded_expert_blocks_equal_exact_blocks(family, monkeypatch):
+    """Dispatch(block=8): every expert block is a multiple of 8 rows, the stand-in rows have combine
+    weight 0, and logits and gradients (experts, router gate, embeddings) equal exact blocks'."""
+    from tests.conftest import tiny_model
+    experts = torch.tensor([[1, 4], [1, 6], [6, 1]])
+    d = mm.Dispatch(experts, num_experts=8, block=8)
+    assert d.counts.tolist() == [0, 8, 0, 0, 8, 0, 8, 0] and d.padding == 18
+    weights = torch.tensor([[.6, .4], [.7, .3], [.2, .8]])
+    real = d.order < experts.numel()
+    assert torch.equal(d.row_weights(weights)[real, 0], weights.flatten()[d.order[real]])
+    assert not d.row_weights(weights)[~real].any() and not d.token[~real].any()
+    model = tiny_model(family)
+    ids, _ = batch()
+    outs = []
+    for block in (1, 8):
+        monkeypatch.setattr(mm, "expert_block", lambda x, rows, E: block)
+        model.zero_grad()
+        logits = model(ids).logits
+        logits.square().mean().backward()
+        layer = model.model.layers[0].mlp
+        outs.append([logits.detach(), layer.experts.gate_up_proj.weight.grad, layer.gate.weight.grad,
+                     model.model.embed_tokens.weight.grad])
+    for exact, rounded in zip(*outs):
+        torch.testing.assert_close(rounded, exact, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_expert_blocks_are_rounded_on_cpu_only_with_enough_rows():
+    x = torch.zeros(64, 8)
+    assert mm.expert_block(x, 128, 8) == 1  # fp32: MKL, no per-shape kernels
+    assert mm.expert_block(x.bfloat16(), 128, 8) == mm.EXPERT_BLOCK
+    assert mm.expert_block(x.bfloat16(), 2, 8) == 1  # a decoding step keeps its two rows
+
+
 def test_every_layer_returns_its_routing(family):
     """Each layer exposes native logits [T,E], its top-K experts [T,K] and weights; Granite weights sum to 1."""
     from tests.conftest import tiny_model
