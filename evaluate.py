@@ -141,9 +141,9 @@ def add_compare_command(commands):
 
 def compare(args) -> dict:
     from minimoe.atomic import atomic_file
-    from minimoe.compare import compare_paths, comparison_table
+    from minimoe.compare import compare_paths, pair_table
     result = compare_paths(args.pairs)
-    print(comparison_table(result), end="")
+    print(pair_table(result), end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(args.out) as tmp:

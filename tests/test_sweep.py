@@ -389,7 +389,7 @@ def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path
     assert saved[3]["result"]["per_seed"][1]["a"] == str(dual_all_43.test_dir)
     # Evaluations of other questions are named, not compared.
     tes = next(c for c in cells if (c.row, c.settings, c.seed) == ("TES-IS", (), 43))
-    write_evaluation(tes.run / "eval" / "other", ids[:30], gold[:30], gold[:30], np.ones(30), seed=43)
+    write_evaluation(tes.run / "eval" / "other", ids[:30], gold[:30], gold[:30], np.ones(30), seed=43, method="TES-IS")
     (tes.run / "eval" / "test").rename(tes.run / "eval" / "old")
     (tes.run / "eval" / "other").rename(tes.run / "eval" / "test")
     text = sw.comparison_table(sw.group_comparisons(cells))
