@@ -391,13 +391,21 @@ def main(argv=None):
         install_method(model, cfg)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable()
-        train(model, tokenizer, data, cfg, run, resume=args.resume)
+        steps_run = train(model, tokenizer, data, cfg, run, resume=args.resume)
+
+        def scored(folder: str) -> bool:
+            """Scored in full by an earlier call that finished training (a resume after a kill): not again."""
+            path = run / "eval" / folder / "metrics.json"
+            done = not steps_run and path.is_file() and json.loads(path.read_text()).get("n_examples") == len(data["test"])
+            if done:
+                print(f"test evaluation in {run / 'eval' / folder} already done; not run again")
+            return done
         if rank == 0 and not cfg.no_test_eval:
             from minimoe.evaluation import evaluate_run
-            if cfg.test_checkpoint in ("last", "both"):  # the in-memory model is the last epoch
+            if cfg.test_checkpoint in ("last", "both") and not scored("test"):  # the in-memory model is the last epoch
                 metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"])
                 print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
-            if cfg.test_checkpoint in ("selected", "both"):
+            if cfg.test_checkpoint in ("selected", "both") and not scored("test-selected"):
                 del model  # the selected epoch is loaded afresh from the run folder
                 metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg.eval_batch_size,
                                        device=cfg.device, dtype=cfg.dtype)

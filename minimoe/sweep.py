@@ -180,7 +180,13 @@ class Cell:
         return compare.test_evaluation(self.run)
 
     def trained(self) -> bool:
-        return (self.run / "selection.json" if "--no-test-eval" in self.extra else self.test_dir / "metrics.json").is_file()
+        """Trained and tested: every test evaluation train.py makes for it (--test-checkpoint both: two)."""
+        if "--no-test-eval" in self.extra:
+            return (self.run / "selection.json").is_file()
+        config = self.run / "config.json"
+        both = config.is_file() and json.loads(config.read_text()).get("test_checkpoint") == "both"
+        folders = ("test", "test-selected") if both else (self.test_dir.name,)
+        return all((self.run / "eval" / f / "metrics.json").is_file() for f in folders)
 
     def state(self) -> str:
         if self.trained() and (not self.train_eval or (self.run / "eval" / "train" / "metrics.json").is_file()):

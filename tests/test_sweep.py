@@ -302,6 +302,19 @@ def test_a_run_scored_at_its_selected_epoch_is_done_and_reported(tmp_path):
     assert "50.00" in sw.write_report([cell], tmp_path, ("accuracy",), ())
 
 
+def test_a_run_asked_for_both_test_evaluations_is_done_only_with_both(tmp_path):
+    """--test-checkpoint both: a cell killed after the last epoch's evaluation, before the selected one's,
+    is partial (the sweep resumes it and train.py scores the missing one), not done without it."""
+    [cell] = sw.grid(["org/olmoe-x"], ["d"], ["CE"], (42,), tmp_path)
+    (cell.run / "config.json").parent.mkdir(parents=True)
+    (cell.run / "config.json").write_text(json.dumps({"test_checkpoint": "both"}))
+    for folder, state in (("test", "partial"), ("test-selected", "done")):
+        (cell.run / "eval" / folder).mkdir(parents=True)
+        (cell.run / "eval" / folder / "metrics.json").write_text(json.dumps({"accuracy": 0.5}))
+        assert cell.state() == state, folder
+    assert cell.test_dir == cell.run / "eval" / "test"  # the reported one: the last epoch's, as the paper's rows
+
+
 def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_time(tmp_path, data):
     """The study preset: its rows, one epoch (its own train.py flag, which flags after -- still override),
     the first seed's CE run also scores the base model, and the report leads with that zero-shot row
