@@ -40,6 +40,7 @@ import torch.distributed as dist
 import minimoe
 from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
+from minimoe.cli import device
 from minimoe.data import SPLITS, check_disjoint, load_split
 from minimoe.lora import ALIASES, TARGETS
 from minimoe.routing import TRANSFORMS
@@ -123,7 +124,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default: from the checkpoint's model_type; 'tiny' for --model tiny); the flags below override it")
     g.add_argument("--dtype", default=D.dtype, choices=["auto", "float32", "bfloat16"],
                    help="base weights' dtype; auto = bfloat16 (with autocast) on CUDA, float32 on CPU (default: %(default)s)")
-    g.add_argument("--device", default=D.device, help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
+    g.add_argument("--device", default=D.device, type=device,
+                   help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
     g = p.add_argument_group("data")
     g.add_argument("--data", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa; or your own: a JSONL or "

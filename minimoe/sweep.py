@@ -234,7 +234,7 @@ def train_eval_command(cell: Cell) -> list[str]:
     """evaluate.py on the run's train split, cut as the run's training population was."""
     limit = json.loads((cell.run / "config.json").read_text()).get("max_train_examples")
     return [sys.executable, str(EVALUATE_PY), "--adapter", str(cell.run), "--split", "train",
-            "--out", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
+            "--out-dir", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
 
 
 def run_cell(cell: Cell, env: dict | None = None, nproc: int = 1) -> int:

@@ -36,7 +36,7 @@ def data(tmp_path_factory):
 
 
 def sweep_args(tmp_path, data, *flags):
-    return ["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
+    return ["--preset", "main", "--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
             "--set", "gamma=1,2", "--seeds", "42", "43", "--out-dir", str(tmp_path), *flags, "--", *SMOKE]
 
 
