@@ -5,8 +5,9 @@
     python sweep.py --preset main --models ... --dry-run  # the cells and their state (done, partial, missing)
     python sweep.py --preset main --models ... --gpus     # one run per visible GPU
     python sweep.py --preset main --models ... --slurm --slurm-partition gpu   # one SLURM job per run
+    python sweep.py --preset main --models ... --slurm --slurm-gpus 4 --slurm-param account=proj --slurm-param qos=high
     python sweep.py --preset main --models ... --report-only
-    python sweep.py --preset study --out-dir runs/study  # the default model: 7 rows x sciq, arc_easy x 3 seeds
+    python sweep.py --preset study --out-dir runs/study  # the default model: 12 rows x sciq, arc_easy x 3 seeds
 
 Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`).
 Finished runs are skipped, killed ones continued with --resume; see minimoe/sweep.py.
@@ -29,8 +30,9 @@ def parse_args(argv=None):
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("the grid")
-    g.add_argument("--preset", choices=sorted(PRESETS), default="main",
-                   help="; ".join(f"{k}: {v.about}" for k, v in PRESETS.items()))
+    g.add_argument("--preset", choices=sorted(PRESETS),
+                   help="the grid to run (left out: the presets are listed and nothing runs); "
+                        + "; ".join(f"{k}: {v.about}" for k, v in PRESETS.items()))
     g.add_argument("--models", nargs="+", metavar="MODEL[=RECIPE]",
                    help="hub ids or checkpoint folders; =RECIPE names the recipe when the name does not say "
                         "granite/olmoe (default: weights/smollm2-135m-moe, train.py's default model, built on first use)")
@@ -40,20 +42,42 @@ def parse_args(argv=None):
     g.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
                    help=f"replace the preset's settings variants by these values; KEY in {list(SETTING_FLAGS)} "
                         "(e.g. --set lambda=1e-3,1e-2)")
-    g.add_argument("--out-dir", default="runs/sweep", help="parent of the run folders and of report.md/report.csv")
+    g.add_argument("--out-dir", default="runs/sweep", help="parent of the run folders and of report.md/report.csv "
+                   "(default: %(default)s)")
     g = p.add_argument_group("where it runs (default: one run after another here)")
     w = g.add_mutually_exclusive_group()
     w.add_argument("--gpus", nargs="*", metavar="ID", help="one run per GPU at a time; no IDs = every visible GPU")
     w.add_argument("--slurm", action="store_true", help="one SLURM job per run through submitit")
     g.add_argument("--slurm-partition", help="SLURM partition")
     g.add_argument("--slurm-timeout-min", type=int, default=24 * 60, help="per-job time limit (default 1440)")
-    g.add_argument("--slurm-gpus", type=int, default=1, help="GPUs per job (default 1)")
+    g.add_argument("--slurm-gpus", type=int, default=1, help="GPUs per job; above 1 the run is data-parallel, "
+                   "train.py under torchrun --nproc-per-node N (default 1)")
+    g.add_argument("--slurm-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further sbatch setting, repeatable: account, qos, mem, constraint, or any other of "
+                        "submitit's slurm_* parameters (e.g. --slurm-param account=proj --slurm-param mem=64G)")
     g = p.add_argument_group("what to do")
     g.add_argument("--dry-run", action="store_true", help="print the cells and their state; run nothing")
     g.add_argument("--report-only", action="store_true", help="write the report from what has finished")
     args = p.parse_args(argv)
     args.extra = extra
     return args, p
+
+
+def slurm_params(specs, parser) -> dict:
+    """--slurm-param account=proj mem=64G -> {"slurm_account": "proj", "slurm_mem": "64G"}; submitit's own
+    SLURM executor says which names exist."""
+    try:
+        from submitit.slurm.slurm import SlurmExecutor
+    except ImportError:
+        parser.error('--slurm needs submitit: pip install -e ".[slurm]"')
+    params = {}
+    for spec in specs:
+        key, eq, value = spec.partition("=")
+        if not eq or not value or key not in SlurmExecutor._valid_parameters():
+            parser.error(f"--slurm-param {spec!r}: expected KEY=VALUE with KEY one of submitit's SLURM parameters "
+                         f"(account, qos, mem, constraint, ...: {sorted(SlurmExecutor._valid_parameters())})")
+        params[f"slurm_{key}"] = int(value) if value.isdigit() else value
+    return params
 
 
 def settings_variants(specs, parser) -> tuple:
@@ -69,6 +93,11 @@ def settings_variants(specs, parser) -> tuple:
 
 def main(argv=None):
     args, parser = parse_args(argv)
+    if args.preset is None:  # a bare `python sweep.py` must not start a 108-run grid
+        print("sweep.py: choose a grid with --preset NAME (python sweep.py --help for the rest):")
+        for name, preset in PRESETS.items():
+            print(f"  {name:18s} {preset.about}")
+        return []
     preset = PRESETS[args.preset]
     models, recipes = [], {}
     if not args.models:
@@ -96,10 +125,11 @@ def main(argv=None):
     if not args.report_only and todo:
         print(f"sweep: {len(cells) - len(todo)} of {len(cells)} runs done; running {len(todo)}", flush=True)
         if args.slurm:
-            params = {"timeout_min": args.slurm_timeout_min, "gpus_per_node": args.slurm_gpus}
+            params = {"timeout_min": args.slurm_timeout_min, "gpus_per_node": args.slurm_gpus,
+                      **slurm_params(args.slurm_param, parser)}
             if args.slurm_partition:
                 params["slurm_partition"] = args.slurm_partition
-            jobs = submit_slurm(todo, **params)
+            jobs = submit_slurm(todo, nproc=args.slurm_gpus, **params)
             print(f"sweep: submitted {len(jobs)} jobs; run the same command with --report-only when they end "
                   "(again without it to resubmit the runs whose jobs failed)")
             return cells

@@ -90,12 +90,13 @@ def native_bf16(capabilities: dict) -> bool:
 
 def pick_dtype(name: str, device: torch.device, capabilities: dict | None = None) -> str:
     """auto: bfloat16 on CUDA and on a CPU with native bf16 matrix instructions (`native_bf16`),
-    float32 on other CPUs; in training and evaluation alike, so that a run's end-of-run scores and a
+    float32 on other CPUs and devices; in training and evaluation alike, so that a run's end-of-run scores and a
     later evaluate.py of it agree. `capabilities` defaults to this machine's."""
     if name == "auto":
-        if torch.device(device).type == "cuda":
-            return "bfloat16"
-        return "bfloat16" if native_bf16(cpu_capabilities() if capabilities is None else capabilities) else "float32"
+        kind = torch.device(device).type
+        if kind == "cpu":
+            return "bfloat16" if native_bf16(cpu_capabilities() if capabilities is None else capabilities) else "float32"
+        return "bfloat16" if kind == "cuda" else "float32"
     if name not in DTYPES:
         raise ValueError(f"--dtype {name!r}; expected auto or one of {list(DTYPES)}")
     return name

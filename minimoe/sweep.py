@@ -12,7 +12,9 @@ Where cells run (no scheduler of our own):
   gpus      one cell per listed device at a time, CUDA_VISIBLE_DEVICES=<device> in each child
   slurm     submitit (pip install -e ".[slurm]"): one job per cell, its logs in out_dir/submitit/<run name>
 
-The report (report.md, report.csv in out_dir) reads whatever has finished and marks the rest.
+The report (report.md, report.csv in out_dir) reads whatever has finished and marks the rest. Presets
+with the paper's groups add the paired comparisons of each method with its control (`group_comparisons`,
+minimoe/compare.py's statistics), their numbers also in comparisons.json.
 """
 from __future__ import annotations
 
@@ -26,10 +28,10 @@ import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from minimoe import diagnostics
+from minimoe import compare, diagnostics
 from minimoe.atomic import atomic_file
 from minimoe.config import TrainConfig, ablation_settings, run_name
 from minimoe.diagnostics import PAPER_SEEDS
@@ -69,9 +71,11 @@ class Preset:
     about: str = ""
 
 
+ALL_LAYERS = {"layers": "all"}
 TUNED_ACS_GRANITE = (("ACS-ENLL + affinity tuning", "granite"), ("ACS-IS + affinity tuning", "granite"))
 PRESETS = {
-    "main": Preset(tuple(ROWS), about="tab:downstream_accuracy, the nine rows"),
+    "main": Preset(tuple(ROWS), tables=("comparisons",),
+                   about="tab:downstream_accuracy, the nine rows, and the paired comparisons within its groups"),
     "lambda-1e-2": Preset(
         (("TES-IS", "granite"), ("TES-ENLL", "granite"), ("ACS-IS + affinity tuning", "granite"),
          ("ACS-ENLL + affinity tuning", "granite"), ("ACS-IS", "olmoe"), ("ACS-ENLL", "olmoe")),
@@ -89,7 +93,7 @@ PRESETS = {
     "layer-scope": Preset(
         ("CE + affinity tuning", *TUNED_ACS_GRANITE,
          ("ACS-ENLL + affinity tuning", "olmoe", {"lambda_": 1e-2}), ("ACS-IS + affinity tuning", "olmoe", {"lambda_": 1e-2})),
-        settings=tuple({"layers": scope} for scope in ("final", "first:8", "last:8", "all")),
+        settings=tuple({"layers": scope} for scope in ("final", "first:8", "last:8", "all")), tables=("comparisons",),
         about="tab:affinity_router_layer_ablation: affinity tuning and ACS on the same scope (OLMoE: selected epochs)"),
     "acs-lambda": Preset(
         (*TUNED_ACS_GRANITE, ("ACS-ENLL", "olmoe"), ("ACS-IS", "olmoe"), ("ACS-ENLL + affinity tuning", "olmoe"),
@@ -107,13 +111,17 @@ PRESETS = {
     "tes-gamma": Preset(("TES-IS",), settings=tuple({"gamma": v} for v in (0.5, 1.0, 2.0)),
                         benchmarks=("arc_challenge",), seeds=(42, 43, 44), columns=("accuracy", "choice_nll"),
                         about="tab:tes_hyperparameter_sensitivity, attenuation panel (Granite)"),
-    "study": Preset(("CE", "ACS-IS", "ACS-ENLL", "CE + affinity tuning", "Dual Affinity", "TES-IS", "TES-ENLL"),
-                    benchmarks=("sciq", "arc_easy"), zero_shot=True,
-                    # One epoch of 448 examples (all of SciQ's offline train split; ARC-Easy's 2000 cut to
-                    # match) keeps a run to minutes on a CPU; flags after -- override both.
-                    train_args=("--epochs", "1", "--max-train-examples", "448"),
-                    tables=("wall_time",), about="the study on a real model (default: the upcycled SmolLM2): "
-                    "the rows that apply, offline SciQ and ARC-Easy, one epoch, with the zero-shot row"),
+    "study": Preset(
+        ("CE", "ACS-ENLL", "ACS-IS", ("ACS-IS", None, ALL_LAYERS), "CE + affinity tuning", "ACS-ENLL + affinity tuning",
+         "ACS-IS + affinity tuning", "Dual Affinity", ("Dual Affinity", None, ALL_LAYERS), "TES-ENLL", "TES-IS",
+         ("TES-IS", None, ALL_LAYERS)),
+        benchmarks=("sciq", "arc_easy"), zero_shot=True,
+        # One epoch of 448 examples (all of SciQ's offline train split; ARC-Easy's 2000 cut to
+        # match) keeps a run to minutes on a CPU; flags after -- override both.
+        train_args=("--epochs", "1", "--max-train-examples", "448"),
+        tables=("comparisons", "wall_time"), about="the study on a real model (default: train.py's default model): "
+        "the nine rows, final layer supervised, plus all-layer ACS-IS, TES-IS and their Dual Affinity control, "
+        "offline SciQ and ARC-Easy, one epoch, with the zero-shot row and the paired group comparisons"),
     "acs-diagnostics": Preset(
         ("CE + affinity tuning", "ACS-IS + affinity tuning", "ACS-ENLL + affinity tuning"),
         settings=({"lambda_": 1e-2},), benchmarks=("arc_challenge",), tables=("concentration",), train_eval=True,
@@ -167,14 +175,18 @@ class Cell:
 
     @property
     def test_dir(self) -> Path:
-        """RUN/eval/test, or RUN/eval/test-selected where train.py scored the validation-selected epoch
-        instead (its config.json says which: the OLMoE affinity-tuned group by default)."""
-        config = self.run / "config.json"
-        chosen = json.loads(config.read_text()).get("test_checkpoint") if config.is_file() else None
-        return self.run / "eval" / ("test-selected" if chosen == "selected" else "test")
+        """The evaluation the report reads (compare.test_evaluation): RUN/eval/test, or
+        RUN/eval/test-selected where train.py scored the validation-selected epoch instead."""
+        return compare.test_evaluation(self.run)
 
     def trained(self) -> bool:
-        return (self.run / "selection.json" if "--no-test-eval" in self.extra else self.test_dir / "metrics.json").is_file()
+        """Trained and tested: every test evaluation train.py makes for it (--test-checkpoint both: two)."""
+        if "--no-test-eval" in self.extra:
+            return (self.run / "selection.json").is_file()
+        config = self.run / "config.json"
+        both = config.is_file() and json.loads(config.read_text()).get("test_checkpoint") == "both"
+        folders = ("test", "test-selected") if both else (self.test_dir.name,)
+        return all((self.run / "eval" / f / "metrics.json").is_file() for f in folders)
 
     def state(self) -> str:
         if self.trained() and (not self.train_eval or (self.run / "eval" / "train" / "metrics.json").is_file()):
@@ -210,21 +222,26 @@ def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=No
 
 # ---- where cells run ------------------------------------------------------------------------------
 
-def train_command(cell: Cell) -> list[str]:
-    return [sys.executable, str(TRAIN_PY), *cell.train_args(resume=(cell.run / "config.json").is_file())]
+def train_command(cell: Cell, nproc: int = 1) -> list[str]:
+    """train.py for the cell; with nproc > 1 under torchrun on this node (--standalone: a free port of its own)."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return [*launcher, str(TRAIN_PY), *cell.train_args(resume=(cell.run / "config.json").is_file())]
 
 
 def train_eval_command(cell: Cell) -> list[str]:
     """evaluate.py on the run's train split, cut as the run's training population was."""
     limit = json.loads((cell.run / "config.json").read_text()).get("max_train_examples")
     return [sys.executable, str(EVALUATE_PY), "--adapter", str(cell.run), "--split", "train",
-            "--out", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
+            "--out-dir", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
 
 
-def run_cell(cell: Cell, env: dict | None = None) -> int:
-    """train.py for one cell (continued with --resume when its folder exists), then the train-split
-    evaluation when the cell needs it; returns the first non-zero exit code, else 0."""
-    code = 0 if cell.trained() else subprocess.run(train_command(cell), env=env).returncode
+def run_cell(cell: Cell, env: dict | None = None, nproc: int = 1) -> int:
+    """train.py for one cell (continued with --resume when its folder exists; nproc > 1: data-parallel
+    under torchrun), then the train-split evaluation when the cell needs it; returns the first non-zero
+    exit code, else 0."""
+    code = 0 if cell.trained() else subprocess.run(train_command(cell, nproc), env=env).returncode
     if code == 0 and cell.train_eval and not (cell.run / "eval" / "train" / "metrics.json").is_file():
         code = subprocess.run(train_eval_command(cell), env=env).returncode
     return code
@@ -274,9 +291,14 @@ def queued_job(cell, cluster: str) -> str | None:
     return job_id if SlurmJob(record.parent, job_id).state in SLURM_ACTIVE else None
 
 
-def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, **slurm_params) -> list:
+def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, nproc: int = 1, **slurm_params) -> list:
     """One submitit job per cell, named after its run folder, unless SLURM still holds the cell's
-    last job (`queued_job`); cluster="local"/"debug" runs them here (tests)."""
+    last job (`queued_job`); cluster="local"/"debug" runs them here (tests). nproc > 1: the job's one
+    task runs train.py under torchrun with that many processes (one per GPU of the node).
+
+    Why torchrun in one task rather than submitit's tasks_per_node: train.py's DDP is written and
+    tested for torchrun's environment, a job stays one task whose exit code, logs and resume are the
+    cell's (as with one GPU), and the train-split evaluation after training runs once, not per rank."""
     try:
         import submitit
     except ImportError:
@@ -288,7 +310,7 @@ def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, **slu
             print(f"sweep: {cell.run.name} is queued or running as SLURM job {held}; not submitted again")
             continue
         executor.update_parameters(name=cell.run.name, **slurm_params)
-        jobs.append(executor.submit(run_cell, cell))
+        jobs.append(executor.submit(run_cell, cell, None, nproc))
         with atomic_file(cell.slurm_dir / "job_id") as tmp:
             tmp.write_text(str(jobs[-1].job_id))
     if wait:
@@ -449,6 +471,84 @@ def concentration_table(cells) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The paper's parameter-matched groups (tab:downstream_accuracy): each method row and its control.
+CONTROLS = {"ACS-ENLL": "CE", "ACS-IS": "CE",
+            "ACS-ENLL + affinity tuning": "CE + affinity tuning", "ACS-IS + affinity tuning": "CE + affinity tuning",
+            "TES-ENLL": "Dual Affinity", "TES-IS": "Dual Affinity"}
+
+
+COMPARISONS_TITLE = "Paired comparisons within parameter-matched groups"
+COMPARISONS_ABOUT = (f"Method minus control, paired by question and seed (evaluate.py compare, minimoe/compare.py): "
+                     f"accuracy in points with a {100 * compare.LEVEL:g}% paired bootstrap interval over questions "
+                     f"and seeds ({compare.BOOTSTRAP_RESAMPLES} resamples, seed {compare.BOOTSTRAP_SEED}); the exact "
+                     f"McNemar p of each seed; the mean answer-choice NLL difference; the questions whose predicted "
+                     f"answer differs from the control's.")
+
+
+def control_of(cell: Cell, by_run: dict) -> Cell | None:
+    """The cell's control in the grid: its group's control row with the same settings (the run it
+    names; a setting the control does not read, lambda say, names the plain control run), else the
+    control row at its default settings (CE for all-layer ACS: CE has no router head to place)."""
+    if cell.row not in CONTROLS:
+        return None
+    for settings in (cell.settings, ()):
+        control = by_run.get(replace(cell, row=CONTROLS[cell.row], settings=settings, zero_shot=False).run)
+        if control is not None:
+            return control
+    return None
+
+
+def group_comparisons(cells) -> list[dict]:
+    """Each method row against its control (`control_of`), per model and benchmark, paired by seed over
+    the seeds where both finished -> one record per (model, benchmark, method): its control, the seed
+    pairs done ("pairs" of "of"), and compare.compare_pairs' "result" (accuracy difference with its
+    paired bootstrap interval, McNemar p per seed, choice-NLL difference, differing predictions), or
+    the "error" that kept them from being compared (evaluations of other questions, say)."""
+    by_run = {c.run: c for c in cells}
+    groups: dict[tuple, list] = {}  # (model, data, control row key, method row key) -> [(control, method) cells]
+    for cell in cells:
+        control = control_of(cell, by_run)
+        if control is not None:
+            key = (Path(cell.model).name, Path(cell.data).name, _row_key(control), _row_key(cell))
+            groups.setdefault(key, []).append((control, cell))
+    records = []
+    for (model, data, control_row, row), pairs in groups.items():
+        done = [(a, b) for a, b in pairs if a.trained() and b.trained()]
+        record = {"model": model, "dataset": data, "control": control_row, "method": row,
+                  "pairs": len(done), "of": len(pairs)}
+        if done:
+            try:
+                record["result"] = compare.compare_pairs([(compare.read_predictions(a.test_dir),
+                                                           compare.read_predictions(b.test_dir)) for a, b in done])
+            except (OSError, ValueError) as e:
+                record["error"] = str(e)
+        records.append(record)
+    return records
+
+
+def comparison_table(records) -> str:
+    """Markdown of `group_comparisons`: one line per method, then the pairs that could not be compared."""
+    lines = ["| Model | Dataset | Control | Method | Seeds | Accuracy diff. (points) [95% CI] | McNemar p per seed "
+             "| Choice NLL diff. [95% CI] | Predictions differing per seed |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for r in records:
+        head = f"| {r['model']} | {r['dataset']} | {r['control']} | {r['method']} | "
+        if "error" in r:
+            lines.append(head + "not compared (below) | | | | |")
+            notes.append(f"- {r['method']} vs {r['control']}, {r['dataset']}: {r['error']}")
+            continue
+        if "result" not in r:
+            lines.append(head + f"missing (0/{r['of']}) | | | | |")
+            continue
+        result, per_seed = r["result"], r["result"]["per_seed"]
+        seeds = ", ".join(str(s["seed"]) for s in per_seed) + (f" (n={r['pairs']}/{r['of']})" if r["pairs"] < r["of"] else "")
+        lines.append(head + f"{seeds} | {compare.interval_text(result['accuracy_difference'], result['accuracy_interval'], 2)} | "
+                     + ", ".join(compare.p_text(s["mcnemar"]["p"]) for s in per_seed) + " | "
+                     + compare.interval_text(result["choice_nll_difference"], result["choice_nll_interval"], 4) + " | "
+                     + ", ".join(str(s["differing_predictions"]) for s in per_seed) + f" of {result['questions']} |")
+    return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
+
+
 def error_figures(cells, folder) -> list[str]:
     """fig:arc_error_prediction per (model, error-head row, dataset), groups averaged across seeds."""
     notes = []
@@ -475,6 +575,13 @@ def write_report(cells, out_dir, columns=("accuracy",), tables=()) -> str:
               "concentration": ("Affinity-concentration diagnostics", concentration_table),
               "wall_time": ("Wall time", wall_time_table)}
     for name in tables:
+        if name == "comparisons":  # the table, and every number of it in comparisons.json
+            comparisons = group_comparisons(cells)
+            table += f"\n## {COMPARISONS_TITLE}\n\n{COMPARISONS_ABOUT}\n\n" + comparison_table(comparisons)
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            with atomic_file(Path(out_dir) / "comparisons.json") as tmp:
+                tmp.write_text(json.dumps(comparisons, indent=2) + "\n", encoding="utf-8")
+            continue
         title, make = extras[name]
         table += f"\n## {title}\n\n" + make(cells)
     figures = error_figures(cells, Path(out_dir) / "figures")

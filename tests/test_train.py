@@ -159,6 +159,27 @@ def test_two_process_ddp_equals_one_process(tmp_path):
     assert (diffs > 1e-5).float().mean() <= 0.01
 
 
+def test_two_process_ddp_gives_the_aux_term_of_one_batch(tmp_path):
+    """The load-balancing term under torchrun --nproc_per_node 2 (gloo) equals the one-process batch's,
+    not twice it. The Switch loss is a product of means over a batch's tokens, so ranks agree with one
+    batch exactly only where each holds the batch's mix: here 8 copies of one example (any shuffle)."""
+    tiny_checkpoint()
+    from dataclasses import replace
+    data = manifests(tmp_path, train=lambda pool: [replace(pool[0], id=f"copy-{i}") for i in range(8)],
+                     val=lambda pool: pool[20:22], test=lambda pool: pool[22:24])
+    flags = ["--method", "ce", "--aux-coef", "0.5", "--lora-dropout", "0", "--data", str(data), "--data-dir",
+             str(tmp_path / "splits"), *SMOKE]
+    train.main(["--out-dir", str(tmp_path), "--run-name", "one", *flags])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29518",
+                    str(REPO / "train.py"), "--out-dir", str(tmp_path), "--run-name", "two", *flags],
+                   check=True, cwd=REPO, env=env, capture_output=True, timeout=600)
+    one, two = ([r for r in records(tmp_path / name) if r["kind"] == "step"] for name in ("one", "two"))
+    assert len(one) == len(two) == 1 and one[0]["aux"] > 0
+    for key in ("aux", "loss", "grad_norm"):
+        assert two[0][key] == pytest.approx(one[0][key], rel=1e-5), key
+
+
 def test_unknown_dataset_fails_before_any_run_folder(tmp_path):
     with pytest.raises(ValueError, match="unknown dataset"):
         run_train(tmp_path, "--data", "not_a_benchmark")
@@ -251,6 +272,51 @@ TIMINGS = ("tokens_per_s", "seconds", "val_seconds")  # wall-clock fields: never
 
 def records(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resume_does_not_score_the_base_model_again(tmp_path, monkeypatch):
+    """--zero-shot scores the base model before training; a run killed after that, resumed, keeps
+    eval/test-base as it is and does not run it again (it is the same number, at the cost of a test pass)."""
+    from minimoe import evaluation
+    data = manifests(tmp_path, train=lambda pool: pool[:16], val=lambda pool: pool[16:20], test=lambda pool: pool[20:26])
+    flags = ["--data", str(data), "--method", "ce", "--epochs", "2", "--zero-shot"]
+    with pytest.raises(SystemExit, match="stopped after epoch 1"):
+        run_train(tmp_path, *flags, "--stop-after-epochs", "1", name="killed")
+    base = tmp_path / "killed" / "eval" / "test-base" / "metrics.json"
+    written = base.stat().st_mtime_ns
+
+    def again(*args, **kwargs):
+        raise AssertionError("the base model was scored again on resume")
+    monkeypatch.setattr(evaluation, "evaluate_zero_shot", again)
+    run_train(tmp_path, *flags, "--resume", name="killed")
+    assert base.stat().st_mtime_ns == written
+    assert json.loads((tmp_path / "killed" / "selection.json").read_text())["last_epoch"] == 2
+
+
+def test_resume_after_a_kill_between_the_test_evaluations_runs_only_the_missing_one(tmp_path, monkeypatch):
+    """--test-checkpoint both, killed while scoring the selected epoch: the resumed run scores that one
+    and leaves the last epoch's finished evaluation as it is."""
+    from minimoe import evaluation
+    data = manifests(tmp_path, train=lambda pool: pool[:8], val=lambda pool: pool[16:20], test=lambda pool: pool[20:26])
+    flags = ["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(data), "--method", "ce",
+             "--batch-size", "8", "--epochs", "1", "--quiet", "--test-checkpoint", "both"]
+    calls, real = [], evaluation.evaluate_run
+
+    def evaluate_run(run, split="test", *, checkpoint=None, **kw):
+        calls.append(checkpoint)
+        if checkpoint == "selected" and len(calls) == 2:
+            raise SystemExit("killed while scoring the selected epoch")
+        return real(run, split, checkpoint=checkpoint, **kw)
+    monkeypatch.setattr(evaluation, "evaluate_run", evaluate_run)
+    with pytest.raises(SystemExit, match="killed while scoring"):
+        train.main(flags)
+    eval_dir = tmp_path / "run" / "eval"
+    assert calls == [None, "selected"] and {p.name for p in eval_dir.iterdir()} == {"test"}
+    written = (eval_dir / "test" / "metrics.json").stat().st_mtime_ns
+    train.main([*flags, "--resume"])
+    assert calls == [None, "selected", "selected"]
+    assert (eval_dir / "test" / "metrics.json").stat().st_mtime_ns == written
+    assert (eval_dir / "test-selected" / "metrics.json").is_file()
 
 
 def test_pickled_payload_in_training_state_is_not_run(tmp_path):
@@ -466,3 +532,48 @@ def test_resume_compares_settings_not_how_config_json_spells_them(tmp_path):
     (run / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
     assert json.loads((run / "selection.json").read_text())["last_epoch"] == 2
+
+
+# ---- relaunch and resume from what a run wrote --------------------------------------------------------
+
+def test_resume_with_nothing_but_the_run_folder_ends_where_the_uninterrupted_run_does(tmp_path):
+    """`--resume RUN` alone reads every setting from RUN/config.json; the result is bit-identical."""
+    straight = run_train(tmp_path, "--method", "tes", "--epochs", "2", "--lora-rank", "4", name="straight")
+    with pytest.raises(SystemExit, match="stopped after epoch 1"):
+        run_train(tmp_path, "--method", "tes", "--epochs", "2", "--lora-rank", "4", "--stop-after-epochs", "1",
+                  name="killed")
+    run = tmp_path / "killed"
+    train.main(["--resume", str(run)])
+    for key, value in adapter(straight, 2).items():
+        assert torch.equal(value, adapter(run, 2)[key]), key
+    assert json.loads((run / "config.json").read_text())["lora_rank"] == 4
+
+
+def test_relaunch_from_config_json_repeats_the_run_and_flags_beside_it_override(tmp_path):
+    first = run_train(tmp_path, "--method", "acs", "--lambda", "0.01", "--layers", "0,1", "--per-candidate-rows",
+                      name="first")
+    train.main(["--config", str(first / "config.json"), "--out-dir", str(tmp_path / "again")])
+    again = tmp_path / "again" / "first"  # the recorded --run-name, under another parent
+    for key, value in adapter(first, 1).items():
+        assert torch.equal(value, adapter(again, 1)[key]), key
+    settings = lambda run: {k: v for k, v in json.loads((run / "config.json").read_text()).items() if k != "out_dir"}
+    assert settings(again) == settings(first)
+    train.main(["--config", str(first / "config.json"), "--run-name", "changed", "--lr", "1e-3", "--no-test-eval"])
+    changed = settings(tmp_path / "changed")
+    assert changed["lr"] == 1e-3 and {k: v for k, v in changed.items() if k not in ("lr", "run_name")} == {
+        k: v for k, v in settings(first).items() if k not in ("lr", "run_name")}
+
+
+def test_yaml_settings_file_starts_a_run_and_unknown_keys_are_named(tmp_path):
+    (tmp_path / "mine.yaml").write_text("model: tiny\nmethod: ce\nlora_targets: [q, v]\nmax_train_examples: 8\n"
+                                        "batch_size: 8\nepochs: 1\nno_test_eval: true\nquiet: true\n")
+    train.main(["--config", str(tmp_path / "mine.yaml"), "--out-dir", str(tmp_path), "--run-name", "y",
+                "--data-dir", str(tmp_path / "splits")])
+    cfg = json.loads((tmp_path / "y" / "config.json").read_text())
+    assert (cfg["method"], cfg["lora_targets"], cfg["max_train_examples"]) == ("ce", ["q", "v"], 8)
+    (tmp_path / "bad.json").write_text(json.dumps({"model": "tiny", "learning_rate": 1e-3}))
+    with pytest.raises(ValueError, match="'learning_rate' is not a setting"):
+        train.main(["--config", str(tmp_path / "bad.json"), "--out-dir", str(tmp_path), "--run-name", "bad"])
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        train.main(["--resume", str(tmp_path / "nothing-here")])
+    assert not (tmp_path / "bad").exists()
