@@ -2,12 +2,15 @@
 
     python train.py                                   # default: SmolLM2-135M upcycled to 4 experts, SciQ, TES-IS
     python train.py --model tiny                      # offline smoke run: random tiny OLMoE, ARC-Challenge
+    python train.py --config runs/RUN/config.json --seed 43 # a run's settings again, one of them changed
+    python train.py --resume runs/RUN                 # continue a killed run with its recorded settings
     python train.py --model ibm-granite/granite-3.1-3b-a800m-base --recipe granite \\
         --data arc_challenge --method tes --objective is --seed 42
     torchrun --nproc_per_node 2 train.py ...          # data-parallel, same result as one process
 
-Every setting is a field of minimoe/training.py's TrainConfig: its default, or the recipe's
-(RECIPES, per backbone), unless a flag gives it; --help shows both kinds of default.
+Every setting is a field of minimoe/config.py's TrainConfig: its default, or the recipe's
+(RECIPES, per backbone), unless a flag or a --config file gives it (flags win over the file);
+--help shows both kinds of default.
 
 A run folder (runs/<name>/) holds config.json (every setting, plus the method's label and the
 model's config), metrics.jsonl, one checkpoint per epoch (adapter + method heads +
@@ -194,8 +197,11 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default=D.out_dir, help="parent folder of run folders (default: %(default)s)")
     g.add_argument("--run-name", help="default: <model>-<data>-<method>[-<ablation settings>]-seed<seed>")
-    g.add_argument("--resume", action="store_true", help="continue the run folder from its latest complete checkpoint "
-                   "(epoch or --save-every-steps)")
+    g.add_argument("--config", metavar="FILE", help="start from the settings in FILE: a run's config.json, or any JSON "
+                   "or YAML mapping of TrainConfig fields (minimoe/config.py); flags given beside it override them")
+    g.add_argument("--resume", nargs="?", const=True, metavar="RUN", help="continue a run from its latest complete "
+                   "checkpoint (epoch or --save-every-steps): `--resume RUN` alone reads every setting from "
+                   "RUN/config.json; bare --resume continues the folder the other flags name")
     g.add_argument("--save-every-steps", type=COUNT, metavar="N", help="also checkpoint every N optimizer steps "
                    "inside an epoch (RUN/checkpoints/step-<global step>; only the latest is kept) for --resume")
     g.add_argument("--eval-batch-size", type=COUNT, default=D.eval_batch_size,
@@ -217,12 +223,73 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Keys of a settings file that are no flag: what config.json records for its readers, values derived
+# from the checkpoint and the recipe, and the simulated kills of the resume tests (a relaunch runs whole).
+NOT_READ_FROM_FILE = ("label", "world_size", "torch_version", "model_config", "data_sizes", "pad_token_id",
+                      "train_examples", "stop_after_epochs", "stop_after_steps")
+
+
+def read_settings(path: Path) -> dict:
+    """A JSON or YAML mapping of TrainConfig fields (a run's config.json is one)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such settings file; expected a run's config.json or a JSON/YAML file of "
+                                f"TrainConfig fields")
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+        try:
+            settings = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML ({e})") from None
+    else:
+        settings = read_run_config(path)
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}: holds a {type(settings).__name__}; expected a mapping of TrainConfig fields")
+    return settings
+
+
+def settings_as_flags(settings: dict, where: Path) -> list[str]:
+    """The flags that give these settings, so that a file's values pass the same checks as typed flags."""
+    actions = {a.dest: a for a in parser()._actions if a.option_strings}
+    flags = []
+    for key, value in settings.items():
+        if key in NOT_READ_FROM_FILE or value is None:
+            continue
+        if key == "packed":
+            flags += [] if value else ["--per-candidate-rows"]
+            continue
+        if key not in actions or key in ("config", "resume", "help"):
+            raise ValueError(f"{where}: {key!r} is not a setting; expected TrainConfig fields (minimoe/config.py)")
+        option = actions[key].option_strings[0]
+        if isinstance(actions[key], argparse.BooleanOptionalAction):
+            flags.append(option if value else "--no-" + option[2:])
+        elif actions[key].nargs == 0:  # store_true: a False is the default already
+            flags += [option] if value else []
+        else:
+            flags += [option, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return flags
+
+
 def parse_args(argv=None):
-    return parser().parse_args(argv)
+    """The flags, after a --config file's settings or, for `--resume RUN`, the run's own; flags typed win."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    resume_run = None if args.resume in (None, True) else Path(args.resume)
+    if resume_run is None and args.config is None:
+        args.resume = args.resume is not None
+        return args
+    if resume_run is not None and args.config is not None:
+        raise ValueError("--resume RUN reads the settings of RUN/config.json; pass no --config with it")
+    path = resume_run / "config.json" if resume_run is not None else Path(args.config)
+    if resume_run is not None and not path.is_file():
+        raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by train.py")
+    where = [] if resume_run is None else ["--out-dir", str(resume_run.parent), "--run-name", resume_run.name]
+    args = parser().parse_args([*settings_as_flags(read_settings(path), path), *argv, *where])
+    args.resume = args.resume is not None
+    return args
 
 
 # Flags that are no setting of the run: what to do with its folder, and the row layout's spelling.
-NOT_SETTINGS = ("resume", "per_candidate_rows")
+NOT_SETTINGS = ("resume", "config", "per_candidate_rows")
 
 
 def resolve_config(args, model_config) -> TrainConfig:
