@@ -226,7 +226,7 @@ def parser() -> argparse.ArgumentParser:
 # Keys of a settings file that are no flag: what config.json records for its readers, values derived
 # from the checkpoint and the recipe, and the simulated kills of the resume tests (a relaunch runs whole).
 NOT_READ_FROM_FILE = ("label", "world_size", "torch_version", "model_config", "data_sizes", "pad_token_id",
-                      "train_examples", "stop_after_epochs", "stop_after_steps")
+                      "train_examples", "stop_after_epochs", "stop_after_steps", "provenance", "earlier_provenance")
 
 
 def read_settings(path: Path) -> dict:
