@@ -456,7 +456,7 @@ def test_report_is_an_argparse_command(capsys):
     not dropped."""
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["--help"])
-    assert exit_info.value.code == 0 and "{report}" in capsys.readouterr().out
+    assert exit_info.value.code == 0 and "{report,plot}" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["report", "--help"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("usage: evaluate.py report")
