@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from scipy.stats import binomtest
 
+import evaluate
 import sweep
 from minimoe import sweep as sw
 from minimoe.data import load_examples
@@ -63,7 +65,7 @@ def test_slurm_does_not_submit_again_a_cell_whose_job_slurm_still_holds(tmp_path
         def update_parameters(self, **params):
             pass
 
-        def submit(self, fn, cell):
+        def submit(self, fn, cell, *args):  # run_cell's further arguments: env, nproc
             submitted.append(cell)
             return SimpleNamespace(job_id="13")
     monkeypatch.setattr(submitit, "AutoExecutor", Executor)
@@ -189,17 +191,31 @@ def test_devices_run_one_cell_each_at_a_time():
     assert {d for _, d in seen} == {"0", "1"} and len(seen) == len(cells)
 
 
-def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data):
+def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data, monkeypatch):
     """A cell that needs train diagnostics (acs-diagnostics) gets evaluate.py --split train on the
-    run's training population after training; the table's train row is that split's C_t."""
-    cell = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path, extra=SMOKE)[0]
+    run's training population after training: with --max-train-examples 5 of the 8, exactly the 5
+    examples train.py kept (the first 5), not the uncut split. The table's train row is that split's
+    C_t. A finished phase is never run again: the cell, trained and tested, runs evaluate.py alone
+    (not train.py --resume, which would score test again), and once done, nothing."""
+    cell = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path,
+                   extra=(*SMOKE, "--max-train-examples", "5"))[0]
     assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    finished = {p: p.stat().st_mtime_ns for p in (cell.run / "eval" / "test" / "metrics.json", cell.run / "metrics.jsonl",
+                                                  cell.run / "selection.json")}
+    commands, real_run = [], sw.subprocess.run
+    monkeypatch.setattr(sw.subprocess, "run", lambda command, **kw: commands.append(command) or real_run(command, **kw))
     cell = replace(cell, train_eval=True)
     assert cell.state() == "partial"
     assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    assert [Path(c[1]).name for c in commands] == ["evaluate.py"]
+    assert sw.run_cell(cell) == 0 and len(commands) == 1
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished
     train = json.loads((cell.run / "eval" / "train" / "metrics.json").read_text())
-    assert train["split"] == "train" and train["n_examples"] == 8  # the run's training population
+    trained = [json.loads(line)["id"] for line in (data / "train.jsonl").read_text().splitlines()[:5]]
+    assert train["split"] == "train" and train["n_examples"] == 5  # the run's training population
+    assert [r["id"] for r in map(json.loads, (cell.run / "eval" / "train" / "predictions.jsonl").read_text().splitlines())] == trained
     with np.load(cell.run / "eval" / "train" / "tokens-train.npz") as z:
+        assert sorted(set(z["example"].tolist())) == list(range(5))
         c = z[f"concentration_layer{max(int(k[19:]) for k in z.files if k.startswith('concentration_layer'))}"]
     assert f"| train | {c.mean():.4f} | {1 / c.mean():.2f} |" in sw.concentration_table([cell])
 
@@ -293,10 +309,12 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
     args = ["--preset", "study", "--models", str(tiny_checkpoint()), "--benchmarks", str(data),
             "--out-dir", str(tmp_path)]
     cells = sweep.main([*args, "--dry-run"])
-    assert len(cells) == 7 * 3 and {c.row for c in cells} == set(sw.PRESETS["study"].rows)
+    # The nine rows, and all-layer ACS-IS, TES-IS and TES-IS's control Dual Affinity: 12 x 3 seeds.
+    assert len(cells) == 12 * 3 and {c.row for c in cells} == set(sw.ROWS)
+    assert {c.row for c in cells if c.settings == (("layers", "all"),)} == {"ACS-IS", "Dual Affinity", "TES-IS"}
     assert [(c.row, c.seed) for c in cells if c.zero_shot] == [("CE", 42)]
     assert "--zero-shot" in cells[0].train_args() and "--zero-shot" not in cells[1].train_args()
-    ce = [c for c in cells if c.row in ("CE", "TES-IS") and c.seed == 42]
+    ce = [c for c in cells if c.row in ("CE", "TES-IS") and not c.settings and c.seed == 42]
     flags = ce[0].train_args()
     assert flags[flags.index("--epochs") + 1] == "1"
     sweep.main([*args, "--rows", "CE", "TES-IS", "--seeds", "42", "--", "--batch-size", "8", "--quiet"])
@@ -313,6 +331,64 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
     seconds = sum(r["seconds"] if r["kind"] == "step" else r["val_seconds"] for r in records)
     assert sw.train_seconds(ce[1].run) == pytest.approx(seconds) and seconds > 0
     assert f"| TES-IS | {Path(data).name} | {seconds / 60:.1f} | 1 |" in text
+    # evaluate.py compare reads the runs' own predictions.jsonl (train.py's format), run folders as given.
+    result = evaluate.main(["compare", str(ce[0].run), str(ce[1].run)])
+    predicted = [[json.loads(x)["prediction"] for x in (c.run / "eval" / "test" / "predictions.jsonl").read_text()
+                  .splitlines()] for c in ce]
+    assert result["seeds"] == [42] and (result["a"], result["b"]) == ("CE", "TES-IS")
+    assert result["differing_predictions"] == sum(a != b for a, b in zip(*predicted)) and result["questions"] == 4
+
+
+def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path):
+    """Group comparisons on hand-made evaluations: all-layer ACS-IS against CE (no all-layer CE in the
+    grid), all-layer TES-IS against all-layer Dual Affinity, paired by seed over the seeds where both
+    finished; every number against a recount (scipy's binomial test, the bootstrap redrawn by hand)."""
+    from test_compare import reference_bootstrap, write_evaluation
+    rows = ["CE", "ACS-IS", ("ACS-IS", None, sw.ALL_LAYERS), "Dual Affinity", ("Dual Affinity", None, sw.ALL_LAYERS),
+            "TES-IS", ("TES-IS", None, sw.ALL_LAYERS)]
+    cells = sw.grid(["org/granite-x"], ["d"], rows, (42, 43), tmp_path)
+    rng = np.random.default_rng(0)
+    ids, gold = [f"q{i}" for i in range(40)], rng.integers(0, 3, 40)
+    written = {}
+    for c in cells:
+        if (c.row, c.settings, c.seed) in (("CE", (), 43), ("ACS-IS", (), 42)):
+            continue  # not finished: no seed where both CE and ACS-IS did, all-layer ACS-IS on seed 42 alone
+        pred = np.where(rng.random(40) < 0.6, gold, rng.integers(0, 3, 40))
+        nll = rng.gamma(2.0, 0.5, 40)
+        (c.run).mkdir(parents=True)
+        (c.run / "config.json").write_text("{}")
+        write_evaluation(c.run / "eval" / "test", ids, gold, pred, nll, seed=c.seed, method=c.row)
+        written[(c.row, c.settings, c.seed)] = (pred, nll)
+    report = sw.write_report(cells, tmp_path, tables=("comparisons",))
+    lines = [l for l in report[report.index(sw.COMPARISONS_TITLE):].splitlines() if l.startswith("| ")][1:]
+    assert [line.split(" | ")[2:4] for line in lines[:4]] == [
+        ["CE", "ACS-IS"], ["CE", "ACS-IS [layers=all]"], ["Dual Affinity", "TES-IS"],
+        ["Dual Affinity [layers=all]", "TES-IS [layers=all]"]]
+    all_layers = (("layers", "all"),)
+
+    def expected(control, method, seeds):
+        a, b = ([written[(*row, seed)] for seed in seeds] for row in (control, method))  # [(pred, nll)] per seed
+        ca, cb = (np.stack([pred == gold for pred, _ in side]) for side in (a, b))  # [S, Q] right or wrong
+        dacc, dnll = cb.astype(float) - ca, np.stack([nb - na for (_, na), (_, nb) in zip(a, b)])
+        lo, hi = 100 * reference_bootstrap(dacc, 10_000)
+        nlo, nhi = reference_bootstrap(dnll, 10_000)
+        ps = [binomtest(int(np.sum(~x & y)), int(np.sum(x != y)), 0.5).pvalue if np.any(x != y) else 1.0
+              for x, y in zip(ca, cb)]
+        differing = [int(np.sum(pa != pb)) for (pa, _), (pb, _) in zip(a, b)]
+        return (f"{100 * dacc.mean():+.2f} [{lo:+.2f}, {hi:+.2f}] | " + ", ".join(f"{p:.3g}" for p in ps)
+                + f" | {dnll.mean():+.4f} [{nlo:+.4f}, {nhi:+.4f}] | " + ", ".join(map(str, differing)) + " of 40 |")
+
+    assert lines[0].endswith(" | CE | ACS-IS | missing (0/2) | | | | |")
+    assert lines[1].endswith(" | 42 (n=1/2) | " + expected(("CE", ()), ("ACS-IS", all_layers), (42,)))
+    assert lines[3].endswith(" | 42, 43 | " + expected(("Dual Affinity", all_layers), ("TES-IS", all_layers), (42, 43)))
+    # Evaluations of other questions are named, not compared.
+    tes = next(c for c in cells if (c.row, c.settings, c.seed) == ("TES-IS", (), 43))
+    write_evaluation(tes.run / "eval" / "other", ids[:30], gold[:30], gold[:30], np.ones(30), seed=43)
+    (tes.run / "eval" / "test").rename(tes.run / "eval" / "old")
+    (tes.run / "eval" / "other").rename(tes.run / "eval" / "test")
+    text, notes = sw.comparison_table(cells)
+    assert "| Dual Affinity | TES-IS | not compared (below) |" in text
+    assert len(notes) == 1 and "different questions" in notes[0]
 
 
 def test_slurm_params_reach_submitit_by_its_names(tmp_path, data, monkeypatch):
