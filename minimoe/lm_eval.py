@@ -73,7 +73,7 @@ class MiniMoELM(LM):
         self.pad = pad_id(config)
         self.prefix_token = config.bos_token_id if config.bos_token_id is not None else config.eos_token_id
         self.max_length = int(max_length or config.max_position_embeddings)
-        self.batch_size = int(str(batch_size).split(":")[0]) if str(batch_size) != "auto" else 8
+        self.batch_size = 8 if str(batch_size).startswith("auto") else int(batch_size)  # no auto-sizing: 8
         self._device = torch_device
 
     def tok_encode(self, text: str) -> list[int]:
