@@ -4,7 +4,7 @@ A folder is replaced only if it is ours: `atomic_directory` writes a marker file
 the folder's kind: "evaluation", "adapter", "checkpoint", ...) into every folder it creates, and
 replaces an existing folder only if it carries the marker of the same kind, or is empty. Anything
 else (a run folder, `runs/`, a downloaded checkpoint, an adapter where an evaluation should go) is
-refused with FileExistsError, so a mistyped --out never deletes what minimoe did not write there.
+refused with FileExistsError, so a mistyped --out-dir never deletes what minimoe did not write there.
 """
 from __future__ import annotations
 

@@ -67,7 +67,7 @@ def test_hub_id_trains_from_the_default_cache_offline_and_config_json_records_wh
 def test_model_revision_selects_the_snapshot_and_an_unknown_one_is_one_line(tmp_path, hf_home):
     out = tmp_path / "eval"
     common = ["--model", REPO_ID, "--data", "arc_challenge", "--data-dir", str(tmp_path / "splits"),
-              "--max-examples", "4", "--split", "val", "--out", str(out)]
+              "--max-examples", "4", "--split", "val", "--out-dir", str(out)]
     done = cli("evaluate.py", *common, "--model-revision", SHA, hf_home=hf_home, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     weights = json.loads((out / "metrics.json").read_text())["provenance"]["weights"]
@@ -80,7 +80,7 @@ def test_model_revision_selects_the_snapshot_and_an_unknown_one_is_one_line(tmp_
 def test_local_folder_records_the_sha256_of_its_weight_files(tmp_path):
     folder = tiny_checkpoint()
     done = cli("evaluate.py", "--model", str(folder), "--data", "arc_challenge", "--data-dir", str(tmp_path / "splits"),
-               "--max-examples", "4", "--split", "val", "--out", str(tmp_path / "eval"), hf_home=tmp_path, cwd=tmp_path)
+               "--max-examples", "4", "--split", "val", "--out-dir", str(tmp_path / "eval"), hf_home=tmp_path, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     weights = json.loads((tmp_path / "eval" / "metrics.json").read_text())["provenance"]["weights"]
     files = sorted(folder.glob("*.safetensors"))

@@ -36,7 +36,7 @@ def data(tmp_path_factory):
 
 
 def sweep_args(tmp_path, data, *flags):
-    return ["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
+    return ["--preset", "main", "--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
             "--set", "gamma=1,2", "--seeds", "42", "43", "--out-dir", str(tmp_path), *flags, "--", *SMOKE]
 
 
@@ -302,6 +302,19 @@ def test_a_run_scored_at_its_selected_epoch_is_done_and_reported(tmp_path):
     assert "50.00" in sw.write_report([cell], tmp_path, ("accuracy",), ())
 
 
+def test_a_run_asked_for_both_test_evaluations_is_done_only_with_both(tmp_path):
+    """--test-checkpoint both: a cell killed after the last epoch's evaluation, before the selected one's,
+    is partial (the sweep resumes it and train.py scores the missing one), not done without it."""
+    [cell] = sw.grid(["org/olmoe-x"], ["d"], ["CE"], (42,), tmp_path)
+    (cell.run / "config.json").parent.mkdir(parents=True)
+    (cell.run / "config.json").write_text(json.dumps({"test_checkpoint": "both"}))
+    for folder, state in (("test", "partial"), ("test-selected", "done")):
+        (cell.run / "eval" / folder).mkdir(parents=True)
+        (cell.run / "eval" / folder / "metrics.json").write_text(json.dumps({"accuracy": 0.5}))
+        assert cell.state() == state, folder
+    assert cell.test_dir == cell.run / "eval" / "test"  # the reported one: the last epoch's, as the paper's rows
+
+
 def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_time(tmp_path, data):
     """The study preset: its rows, one epoch (its own train.py flag, which flags after -- still override),
     the first seed's CE run also scores the base model, and the report leads with that zero-shot row
@@ -381,14 +394,20 @@ def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path
     assert lines[0].endswith(" | CE | ACS-IS | missing (0/2) | | | | |")
     assert lines[1].endswith(" | 42 (n=1/2) | " + expected(("CE", ()), ("ACS-IS", all_layers), (42,)))
     assert lines[3].endswith(" | 42, 43 | " + expected(("Dual Affinity", all_layers), ("TES-IS", all_layers), (42, 43)))
+    saved = json.loads((tmp_path / "comparisons.json").read_text())  # the table's numbers, in full
+    assert [(r["control"], r["method"], r["pairs"], r["of"]) for r in saved] == [
+        ("CE", "ACS-IS", 0, 2), ("CE", "ACS-IS [layers=all]", 1, 2), ("Dual Affinity", "TES-IS", 2, 2),
+        ("Dual Affinity [layers=all]", "TES-IS [layers=all]", 2, 2)]
+    dual_all_43 = next(c for c in cells if (c.row, c.settings, c.seed) == ("Dual Affinity", all_layers, 43))
+    assert saved[3]["result"]["per_seed"][1]["a"] == str(dual_all_43.test_dir)
     # Evaluations of other questions are named, not compared.
     tes = next(c for c in cells if (c.row, c.settings, c.seed) == ("TES-IS", (), 43))
-    write_evaluation(tes.run / "eval" / "other", ids[:30], gold[:30], gold[:30], np.ones(30), seed=43)
+    write_evaluation(tes.run / "eval" / "other", ids[:30], gold[:30], gold[:30], np.ones(30), seed=43, method="TES-IS")
     (tes.run / "eval" / "test").rename(tes.run / "eval" / "old")
     (tes.run / "eval" / "other").rename(tes.run / "eval" / "test")
-    text, notes = sw.comparison_table(cells)
+    text = sw.comparison_table(sw.group_comparisons(cells))
     assert "| Dual Affinity | TES-IS | not compared (below) |" in text
-    assert len(notes) == 1 and "different questions" in notes[0]
+    assert text.count("different questions") == 1 and "- TES-IS vs Dual Affinity, d: " in text
 
 
 def test_slurm_params_reach_submitit_by_its_names(tmp_path, data, monkeypatch):
