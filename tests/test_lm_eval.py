@@ -69,7 +69,7 @@ def evaluate(model, model_args, task_dir):
 
 
 def test_local_task_scores_as_lm_evals_hf_model(sharp, task_dir):
-    ours = evaluate("minimoe", f"pretrained={sharp}", task_dir)
+    ours = evaluate("minimoe", f"pretrained={sharp},dtype=float32", task_dir)
     theirs = evaluate("hf", f"pretrained={sharp},dtype=float32,device=cpu", task_dir)
     a, b = ours["results"]["minimoe_local_mcqa"], theirs["results"]["minimoe_local_mcqa"]
     assert (a["acc,none"], a["acc_norm,none"]) == (b["acc,none"], b["acc_norm,none"])
@@ -80,7 +80,7 @@ def test_local_task_scores_as_lm_evals_hf_model(sharp, task_dir):
 
 def test_rolling_and_generation_equal_the_hf_model(sharp):
     from lm_eval.models.huggingface import HFLM
-    ours = MiniMoELM(pretrained=str(sharp), batch_size=2)
+    ours = MiniMoELM(pretrained=str(sharp), dtype="float32", batch_size=2)
     theirs = HFLM(pretrained=str(sharp), dtype="float32", device="cpu", batch_size=2)
     texts = ["The sky is blue because light scatters.", "Water boils at one hundred degrees", " x"]
     rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
@@ -102,8 +102,8 @@ def test_tes_adapter_scores_each_request_as_a_plain_forward(sharp, tmp_path):
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=g) * 0.3)
     save_adapter(model, tmp_path / "adapter", base_model=str(sharp))
-    ours = MiniMoELM(adapter=str(tmp_path / "adapter"), batch_size=3)
-    base = MiniMoELM(pretrained=str(sharp), batch_size=3)
+    ours = MiniMoELM(adapter=str(tmp_path / "adapter"), dtype="float32", batch_size=3)
+    base = MiniMoELM(pretrained=str(sharp), dtype="float32", batch_size=3)
     context = "Question: Which gas do plants take in?\nAnswer:"
     requests = [Instance("loglikelihood", {}, (context, f" {c}"), i)
                 for i, c in enumerate(["carbon dioxide", "oxygen", "nitrogen gas"])]
