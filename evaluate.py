@@ -108,7 +108,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                          help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     compute.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                          help="model weights and activations; routing math and scores are fp32 either way "
-                              "(auto: bfloat16 on CUDA, float32 on CPU, as train.py; default: %(default)s)")
+                              "(auto: bfloat16 on CUDA and on CPUs with native bf16 matrix instructions, else float32, as "
+                              "train.py; default: %(default)s)")
     return p
 
 
@@ -144,9 +145,9 @@ def add_compare_command(commands):
 
 def compare(args) -> dict:
     from minimoe.atomic import atomic_file
-    from minimoe.compare import compare_paths, comparison_table
+    from minimoe.compare import compare_paths, pair_table
     result = compare_paths(args.pairs)
-    print(comparison_table(result), end="")
+    print(pair_table(result), end="")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_file(args.out) as tmp:
