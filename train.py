@@ -123,7 +123,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--recipe", choices=sorted(RECIPES), help="the paper's configuration for this backbone "
                    "(default: from the checkpoint's model_type; 'tiny' for --model tiny); the flags below override it")
     g.add_argument("--dtype", default=D.dtype, choices=["auto", "float32", "bfloat16"],
-                   help="base weights' dtype; auto = bfloat16 (with autocast) on CUDA, float32 on CPU (default: %(default)s)")
+                   help="base weights' dtype; auto = bfloat16 on CUDA (with autocast) and on a CPU with native bf16 "
+                   "matrix instructions (AVX512-BF16, AMX), else float32 (default: %(default)s)")
     g.add_argument("--device", default=D.device, type=device,
                    help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
@@ -362,7 +363,9 @@ def main(argv=None):
         args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
     tokenizer = minimoe.load_tokenizer(args.model)
-    model = minimoe.from_pretrained(args.model)  # checks the checkpoint before any run folder exists
+    # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
+    dtype = pick_dtype(args.dtype, pick_device(args.device))
+    model = minimoe.from_pretrained(args.model, dtype=dtype)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists

@@ -58,7 +58,7 @@ class TrainConfig:
     # model
     model: str | None = None  # hub id or checkpoint folder; None: train.py's default model
     recipe: str | None = None  # the RECIPES preset; train.py takes it from the checkpoint's model_type
-    dtype: str = "auto"  # base weights; auto: bfloat16 (with autocast) on CUDA, float32 on CPU
+    dtype: str = "auto"  # base weights; auto: bfloat16 on CUDA and on CPUs with bf16 matmuls (runs.pick_dtype)
     device: str = "auto"  # auto: cuda when present
     gradient_checkpointing: bool = False  # recompute each block in backward: memory for time
     pad_token_id: int | None = None  # fills short rows: the checkpoint's pad id, else its eos id

@@ -35,7 +35,8 @@ Decisions where neither the paper nor train.py fixes the answer:
 - Identity keys: "method" is the run's label; outside a run it is the adapter's router method
   ("TES", ...; "CE" for LoRA on native routing), or "native" without an adapter, and "seed" is
   null. "dataset" is the benchmark name, or the name of the folder holding the manifests.
-- Model dtype "auto" is train.py's rule (bf16 on CUDA, fp32 on CPU); max_length and data default
+- Model dtype "auto" is train.py's rule (runs.pick_dtype: bf16 on CUDA and on
+  CPUs with native bf16 matrix instructions, else fp32); max_length and data default
   to the run's. The train population is the run's train split cut to its max_train_examples.
 - Decile curves need >= 10 groups in each population and non-constant train group means; else
   they are null with "deciles_skipped" saying why (a fresh tes head predicts one constant).
