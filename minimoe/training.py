@@ -46,7 +46,7 @@ from minimoe.atomic import atomic_file
 from minimoe.config import TrainConfig
 from minimoe.evaluation import diagnosed_layers, evaluate_split
 from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
-from minimoe.objectives import supervision_loss
+from minimoe.objectives import load_balancing_loss, supervision_loss
 from minimoe.routing import METHOD_OPTIONS, set_router
 from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
                           latest_checkpoint, read_json, read_metrics, remove_orphans, save_state, set_rng_state,
@@ -113,7 +113,8 @@ def step_loss(model, batches, cfg: TrainConfig, counts, world_size, stats: Routi
                 loss = loss + cfg.lambda_ * method
                 logs["method"] += method.item()
             if cfg.aux_coef > 0:  # packed rows: each prompt token counts once, not once per candidate
-                aux = out.aux_loss * weight * batch.input_ids.shape[0] / counts["rows"]
+                aux = load_balancing_loss(out.routings, batch.attention_mask)
+                aux = aux * weight * batch.input_ids.shape[0] / counts["rows"]
                 loss = loss + cfg.aux_coef * aux
                 logs["aux"] += aux.item()
             (loss * world_size).backward()  # DDP averages over ranks; the counts are global already
