@@ -63,7 +63,7 @@ from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split
 from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, concentration_summary,
                                  decile_curve, error_prediction_summary, group_by_layer_token,
                                  metrics_files, plot_error_prediction, population_moments)
-from minimoe.lora import load_adapter
+from minimoe.adapters import load_adapter
 from minimoe.routing import native_concentration
 from minimoe.runs import AdapterSource, pad_id, pick_device, pick_dtype, read_json, resolve_adapter
 from minimoe.scoring import by_example, choice_loss, choice_scores, forward_choices, make_choice_batch, predictions

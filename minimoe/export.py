@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from minimoe.atomic import atomic_directory
 from minimoe.checkpoint import LAYER_KEYS
 from minimoe.runs import resolve_adapter  # a run folder resolves through selection.json
-from minimoe.lora import adapter_tensors, fingerprint, refuse_routing_heads
+from minimoe.adapters import adapter_tensors, fingerprint, refuse_routing_heads
 from minimoe.model import MoEForCausalLM
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys

@@ -9,7 +9,8 @@ from conftest import tiny_model
 from export import main
 from minimoe.checkpoint import save_pretrained
 from minimoe.export import export_peft
-from minimoe.lora import add_lora, export_merged, save_adapter
+from minimoe.adapters import export_merged, save_adapter
+from minimoe.lora import add_lora
 from minimoe.routing import set_router
 
 # (family, method, tune_router): CE and ACS, with and without affinity tuning, across both families
