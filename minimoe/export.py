@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from minimoe.atomic import atomic_directory
 from minimoe.checkpoint import LAYER_KEYS, from_pretrained, resolve_checkpoint
 from minimoe.runs import resolve_adapter  # a run folder resolves through selection.json
-from minimoe.lora import adapter_tensors, export_merged, fingerprint, load_adapter, refuse_routing_heads
+from minimoe.adapters import adapter_tensors, export_merged, fingerprint, load_adapter, refuse_routing_heads
 from minimoe.model import MoEForCausalLM
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys
@@ -132,7 +132,7 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
     """Load the adapter's base model, apply the adapter and write the merged checkpoint (official layout,
     the base's dtype and tokenizer files) to out_dir, as `export.py RUN OUT --merged` does.
 
-    TES and Dual Affinity are refused before anything loads (lora.export_merged says why).
+    TES and Dual Affinity are refused before anything loads (adapters.export_merged says why).
     base_model: the base checkpoint to merge into; default the one the adapter records (a run's
     model at its --model-revision); load_adapter still checks that the weights are the trained-on ones.
     """

@@ -39,9 +39,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from minimoe.adapters import load_adapter
 from minimoe.checkpoint import DTYPES, from_pretrained, load_tokenizer, resolve_checkpoint
 from minimoe.generate import generate
-from minimoe.lora import load_adapter
 from minimoe.runs import pad_id, pick_device, pick_dtype, read_json, resolve_adapter
 from minimoe.scoring import forward_choices, pack_choices
 

@@ -11,10 +11,11 @@ pytest.importorskip("transformers")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from minimoe.adapters import save_adapter  # noqa: E402
 from minimoe.checkpoint import from_pretrained, save_pretrained  # noqa: E402
 from minimoe.data import load_split  # noqa: E402
 from minimoe.lm_eval import MiniMoELM  # noqa: E402
-from minimoe.lora import add_lora, save_adapter  # noqa: E402
+from minimoe.lora import add_lora  # noqa: E402
 from minimoe.routing import set_router  # noqa: E402
 from minimoe.tiny import tiny_checkpoint  # noqa: E402
 

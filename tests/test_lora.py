@@ -1,4 +1,4 @@
-"""Tests for minimoe.lora: each test names the equation, reference implementation or bad input it checks."""
+"""Tests for minimoe.lora and minimoe.adapters: each test names the equation, reference implementation or bad input it checks."""
 import json
 
 import pytest
@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 import minimoe.model as M
 import minimoe.routing
 from minimoe.checkpoint import checkpoint_tensors, save_pretrained
-from minimoe.lora import (add_lora, export_merged, load_adapter, lora_modules, merge_lora, save_adapter,
-                          trainable_parameters, unmerge_lora)
+from minimoe.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
+from minimoe.lora import add_lora, lora_modules, merge_lora, unmerge_lora
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.objectives import load_balancing_loss
 
