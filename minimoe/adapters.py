@@ -9,8 +9,12 @@ The format is unchanged since the first adapters; one written before "base_weigh
 without that check.
 
 Decisions:
-- `load_adapter` installs the router spec, then LoRA, then checks and copies the tensors, strictly
-  (an unknown, missing or misshapen tensor names itself).
+- `load_adapter` installs LoRA, then the router spec (the order of training's `install_method`),
+  then checks and copies the tensors, strictly (an unknown, missing or misshapen tensor names itself).
+- Which native gates an adapter carries ("gate_layers") is what the router spec tunes
+  (`routing.tuned_layers`), never read back from requires_grad. An adapter written before that
+  with tuned gates and no router spec loads as native routing with those gates tuned, which is
+  what it was.
 - `export_merged` refuses TES and Dual Affinity: the merged checkpoint has no place for their
   method heads, so it would route natively and not reproduce minimoe's own evaluation. It puts the
   exact original weights back afterwards instead of unmerging (a bf16 round trip may round).
@@ -30,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from minimoe.checkpoint import DTYPES, atomic_directory, write_checkpoint
 from minimoe.lora import add_lora, lora_modules
 from minimoe.model import MoEForCausalLM
-from minimoe.routing import set_router
+from minimoe.routing import set_router, tuned_layers
 
 FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
                "num_experts_per_tok", "intermediate_size")
@@ -82,16 +86,28 @@ def adapter_tensors(model: MoEForCausalLM, gate_layers) -> dict[str, torch.Tenso
             if k.endswith((".lora_A", ".lora_B")) or ".mlp.router." in k or k in gates}
 
 
+def gate_layers(model: MoEForCausalLM) -> list[int]:
+    """The layers whose native gate an adapter carries: those `router_spec` tunes. A gate unfrozen
+    by hand is refused rather than dropped from the file."""
+    tuned = tuned_layers(model.router_spec)
+    untracked = [i for i, layer in enumerate(model.model.layers)
+                 if layer.mlp.gate.weight.requires_grad and i not in tuned]
+    if untracked:
+        raise ValueError(f"the native gate of layer(s) {untracked} trains, but the router spec does not tune it; "
+                         f"tune gates with set_router(model, method, layers, tune_router=True)")
+    return tuned
+
+
 def save_adapter(model: MoEForCausalLM, path, *, base_model: str):
     """Write adapter.safetensors and adapter_config.json to `path`, atomically."""
     spec = model.lora_spec
     if spec is None:
         raise ValueError("save_adapter: the model has no LoRA; call add_lora first")
-    gate_layers = [i for i, layer in enumerate(model.model.layers) if layer.mlp.gate.weight.requires_grad]
-    tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_tensors(model, gate_layers).items()}
+    gates = gate_layers(model)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_tensors(model, gates).items()}
     config = dict(spec, base_model=str(base_model),
                   fingerprint=fingerprint(model.config) | {"base_weights": base_weights_digest(model)},
-                  router=model.router_spec, gate_layers=gate_layers)
+                  router=model.router_spec, gate_layers=gates)
     with atomic_directory(path, "adapter") as tmp:
         save_file(tensors, str(tmp / "adapter.safetensors"), metadata={"format": "pt"})
         with open(tmp / "adapter_config.json", "w") as f:
@@ -131,8 +147,12 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False)
         raise ValueError(f"{path}: adapter was trained on {config['base_model']!r}, whose weights differ from this "
                          f"model's (base_weights digest {digest}, expected {expected}); pass "
                          f"--allow-other-base (allow_other_base=True) to apply it anyway")
-    if config.get("router") is not None:
-        set_router(model, **config["router"])
+    router = config["router"]
+    if router is None and config["gate_layers"]:  # tuned by hand before set_router recorded it: native routing
+        router = {"method": "native", "layers": config["gate_layers"], "tune_router": True}
+    if tuned_layers(router) != config["gate_layers"]:
+        raise ValueError(f"{path / 'adapter_config.json'}: gate_layers {config['gate_layers']} are not the layers "
+                         f"its router spec tunes ({tuned_layers(router)})")
     spec = {k: config[k] for k in ("rank", "alpha", "dropout", "targets", "dtype")}
     if model.lora_spec is None:
         add_lora(model, spec["rank"], spec["alpha"], spec["dropout"], spec["targets"], DTYPES[spec["dtype"]])
@@ -141,8 +161,8 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False)
             raise ValueError(f"{path}: the model's LoRA has {k} = {model.lora_spec[k]!r}; the adapter has {v!r}")
     if any(m.merged for m in lora_modules(model).values()):
         raise ValueError(f"{path}: the model's LoRA is merged; unmerge_lora before loading an adapter")
-    for i in config["gate_layers"]:
-        model.model.layers[i].mlp.gate.weight.requires_grad_(True)
+    if router is not None:  # after LoRA, as training installs them (training.install_method)
+        set_router(model, **router)
     want = adapter_tensors(model, config["gate_layers"])
     file = path / "adapter.safetensors"
     try:

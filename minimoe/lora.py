@@ -3,8 +3,10 @@
 `add_lora(model)` replaces the targeted modules in place. A LoRA module keeps the base module's
 parameter names (`...q_proj.weight`, `...experts.gate_up_proj.weight`), so checkpoint I/O is
 unchanged, and adds `lora_A`, `lora_B` beside them: y = W x + (alpha / r) B A dropout(x).
-Only LoRA parameters, the method heads under `.mlp.router.` and the native gates that
-`set_router(..., tune_router=True)` unfroze ("+ affinity tuning") train; the rest is frozen.
+add_lora freezes the base model and trains LoRA. What trains of routing (the method heads, and
+the gates that `set_router(..., tune_router=True)` tunes) is routing's rule,
+`routing.set_routing_trainable`, which add_lora applies last: LoRA and the router may be
+installed in either order.
 
 Decisions:
 - Targets: "q", "k", "v", "o" and the two expert banks "gate_up", "down" ("experts": both). The
@@ -39,6 +41,7 @@ import torch.nn.functional as F
 
 from minimoe.checkpoint import LAYER_KEYS
 from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul
+from minimoe.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
            "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
@@ -149,8 +152,8 @@ RANK, ALPHA, DROPOUT = 8, 8.0, 0.05
 
 def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, dropout: float = DROPOUT, targets=None,
              dtype=torch.float32) -> MoEForCausalLM:
-    """Put LoRA on `targets` of every layer (None: the family's default) and freeze everything else
-    but the method heads and the native gates that `set_router(..., tune_router=True)` unfroze."""
+    """Put LoRA on `targets` of every layer (None: the family's default) and freeze the base model;
+    routing's parameters then train as `model.router_spec` says (`routing.set_routing_trainable`)."""
     config = model.config
     if not isinstance(rank, int) or rank <= 0:
         raise ValueError(f"add_lora: rank must be a positive int, got {rank!r}")
@@ -159,11 +162,7 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
     if lora_modules(model):
         raise ValueError("add_lora: the model already has LoRA modules")
     targets = resolve_targets(DEFAULT_TARGETS[config.model_type] if targets is None else targets)
-    for name, p in model.named_parameters():
-        p.requires_grad_(".mlp.router." in name)  # method heads keep training
-    router = model.router_spec or {}
-    for i in router.get("layers", []) if router.get("tune_router") else []:
-        model.model.layers[i].mlp.gate.weight.requires_grad_(True)  # set_router's "+ affinity tuning"
+    model.requires_grad_(False)  # the base; LoRA's parameters below are new and train
     for i, layer in enumerate(model.model.layers):
         for t in targets:
             parent_name, _, leaf = TARGETS[t].rpartition(".")
@@ -177,6 +176,7 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
             setattr(parent, leaf, lora.train(base.training))  # an eval model keeps its dropout off
     model.lora_spec = dict(rank=rank, alpha=alpha, dropout=dropout, targets=targets,
                            dtype=str(dtype).removeprefix("torch."))
+    set_routing_trainable(model)  # heads and tuned gates train whether set_router came first or comes next
     return model
 
 
