@@ -110,7 +110,8 @@ def add_report_command(commands):
     p.add_argument("--seeds", type=int, nargs="+", default=list(PAPER_SEEDS),
                    help=f"seeds to include (default: {' '.join(map(str, PAPER_SEEDS))})")
     p.add_argument("--split", default="test", choices=SPLITS, help="split to tabulate (default: %(default)s)")
-    p.add_argument("--out", type=Path, help="also write the Markdown table here")
+    p.add_argument("--out", type=Path, help="also write the Markdown table here; an existing file is replaced only "
+                                            "if evaluate.py wrote it and it is unchanged since")
 
 
 def report(args) -> str:
@@ -120,8 +121,8 @@ def report(args) -> str:
         print(note, file=sys.stderr)
     print(table, end="")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table, encoding="utf-8")
+        from minimoe.atomic import write_owned_file
+        write_owned_file(args.out, table)  # replaces only a report it wrote before, never README.md
     return table
 
 

@@ -25,7 +25,10 @@ def main(argv=None):
     p.add_argument("--base-model", help="base_model_name_or_path to write (default: the model the adapter was "
                                         "trained on, as recorded with it)")
     args = p.parse_args(argv)
-    out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
+    try:
+        out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
+    except (OSError, ValueError, KeyError) as e:  # bad input, a refused OUT, a full disk: one line naming the file
+        p.exit(2, f"export.py: error: {e}\n")
     print(f"peft adapter: {out}")
 
 

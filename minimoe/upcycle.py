@@ -34,7 +34,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from minimoe.atomic import atomic_directory
+from minimoe.atomic import atomic_directory, check_replaceable
 from minimoe.checkpoint import checkpoint_layout, write_checkpoint
 from minimoe.model import MoEConfig, MoEForCausalLM
 
@@ -261,14 +261,20 @@ def upcycle(source, out_dir, *, num_experts: int = 4, top_k: int = 2, seed: int 
         raise UpcycleError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
     if noise < 0:
         raise UpcycleError(f"noise {noise} must be >= 0")
-    if str(source).endswith(".gguf"):
-        if not Path(source).is_file():
-            raise FileNotFoundError(f"{source}: no such GGUF file")
-        llama, dense, tokenizer = read_gguf(source)
-        dtype = dtype or torch.float32
-    else:
-        llama, dense, tokenizer = read_llama_folder(source)
-        dtype = dtype or getattr(torch, llama.get("torch_dtype") or "float32")
+    check_replaceable(out_dir, "model")  # before the work: never over an export, a run or foreign files
+    try:
+        if str(source).endswith(".gguf"):
+            if not Path(source).is_file():
+                raise FileNotFoundError(f"{source}: no such GGUF file")
+            llama, dense, tokenizer = read_gguf(source)
+            dtype = dtype or torch.float32
+        else:
+            llama, dense, tokenizer = read_llama_folder(source)
+            dtype = dtype or getattr(torch, llama.get("torch_dtype") or "float32")
+    except (UpcycleError, FileNotFoundError):
+        raise
+    except (OSError, ValueError, KeyError, IndexError) as e:  # a corrupt file, as the reader library reports it
+        raise UpcycleError(f"{source}: cannot be read ({type(e).__name__}: {e})") from e
     config = moe_config(llama, num_experts, top_k, dtype)
     tensors = upcycle_tensors(config, dense, seed=seed, noise=noise, dtype=dtype)
     with torch.device("meta"):
@@ -281,7 +287,7 @@ def upcycle(source, out_dir, *, num_experts: int = 4, top_k: int = 2, seed: int 
         model.get_submodule(module)._parameters[leaf] = nn.Parameter(value, requires_grad=False)
     model.tie_weights()
     out_dir = Path(out_dir)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, "model") as tmp:
         write_checkpoint(model, tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
     return out_dir
@@ -302,7 +308,7 @@ def main(argv=None):
     try:
         out = upcycle(args.source, args.out, num_experts=args.experts, top_k=args.top_k, seed=args.seed,
                       noise=args.noise, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    except (UpcycleError, FileNotFoundError) as e:
+    except (OSError, ValueError, KeyError) as e:  # UpcycleError is a ValueError; each names the file
         p.exit(2, f"upcycle: error: {e}\n")
     print(f"upcycled {args.source} -> {out} ({args.experts} experts, top-{args.top_k})")
 
