@@ -86,7 +86,8 @@ def check_replaceable(path, kind: str) -> None:
         written = written_kind(path)
         if written == kind:
             return
-        what = (f"holds {KINDS.get(written, repr(written))}, not {KINDS[kind]}" if written
+        what = (f"holds minimoe's {written!r} output, not {kind!r} ({KINDS.get(written, 'a kind unknown here')}, "
+                f"not {KINDS[kind]})" if written
                 else f"was not written by minimoe (no {MARKER} marker)")
         raise FileExistsError(f"{path}: exists and {what}; refusing to replace it. Choose another path, or "
                               f"remove it yourself")
