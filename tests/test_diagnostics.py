@@ -20,8 +20,10 @@ from minimoe.diagnostics import (
     pearson,
     plot_error_prediction,
     population_moments,
+    seed_error_figure,
     spearman,
 )
+from minimoe import diagnostics
 
 
 def reference_pearson(x, y):
@@ -183,6 +185,27 @@ def test_decile_default_reference_is_the_population_itself_with_ddof0():
     assert curve["obs_mean"].mean() == pytest.approx(0.0)  # own moments centre the population
 
 
+def test_deciles_bin_by_predicted_error_where_the_observed_order_disagrees():
+    """Bins follow the predicted order, not the observed one (which would flatter calibration): here
+    the two orders disagree, and the bins are written out by hand."""
+    pred = [0.8, 0.1, 0.5, 0.3, 0.9, 0.2, 0.7, 0.4]
+    obs = [1.0, 5.0, 2.0, 8.0, 0.5, 3.0, 6.0, 4.0]
+    # Predicted order: groups 1 (0.1), 5, 3, 7, 2, 6, 0, 4 (0.9). Binned by obs they would be 4, 0, 2, 5, ...
+    hand_bins = {4: [[1, 5], [3, 7], [2, 6], [0, 4]], 3: [[1, 5, 3], [7, 2, 6], [0, 4]]}
+    reference = (0.5, 0.25, 4.0, 2.0)  # (pred_mean, pred_std, obs_mean, obs_std) of some train set
+    for bins, groups in hand_bins.items():
+        curve = decile_curve(pred, obs, reference=reference, bins=bins)
+        assert curve["counts"].tolist() == [len(g) for g in groups]
+        z_pred = [[(pred[i] - 0.5) / 0.25 for i in g] for g in groups]
+        z_obs = [[(obs[i] - 4.0) / 2.0 for i in g] for g in groups]
+        np.testing.assert_allclose(curve["pred_mean"], [statistics.fmean(z) for z in z_pred])
+        np.testing.assert_allclose(curve["obs_mean"], [statistics.fmean(z) for z in z_obs])
+        np.testing.assert_allclose(curve["obs_se"], [statistics.stdev(z) / math.sqrt(len(z)) for z in z_obs])
+        np.testing.assert_allclose(curve["pred_se"], [statistics.stdev(z) / math.sqrt(len(z)) for z in z_pred])
+    # Four bins, raw units: observed means 4, 6, 4, 0.75 (not monotone); binned by obs: 0.75, 2.5, 4.5, 7.
+    assert decile_curve(pred, obs, reference=(0.0, 1.0, 0.0, 1.0), bins=4)["obs_mean"].tolist() == [4.0, 6.0, 4.0, 0.75]
+
+
 def test_decile_curve_rejects_more_bins_than_groups():
     with pytest.raises(ValueError, match="cannot fill"):
         decile_curve([1.0, 2.0], [1.0, 2.0], bins=3)
@@ -199,6 +222,75 @@ def test_plot_writes_a_png_atomically(tmp_path):
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
     assert [p.name for p in out.parent.iterdir()] == ["arc.png"]  # no temp file left behind
+
+
+def write_seed_tokens(path, rng, *, shift=(0.0, 0.0), layers=(2, 3), tokens=10):
+    """A tokens-<split>.npz as evaluate.py writes it: every tes layer's e_hat beside the shared token CE;
+    occurrences per token vary, so per-seed group means are not pooled token means. -> its arrays."""
+    target = np.repeat(np.arange(tokens), rng.integers(1, 4, tokens))
+    ce = rng.gamma(2.0, 1.0, target.size) + shift[1]
+    arrays = {"token_ce": ce, "target": target}
+    for l in layers:
+        arrays[f"e_hat_layer{l}"] = 0.5 * ce + rng.normal(0.0, 0.4, ce.size) + 0.05 * l * target + shift[0]
+    np.savez(path, **arrays)
+    return arrays
+
+
+def hand_seed_average(per_seed):
+    """(layer, token) -> (mean e_hat, mean CE) over each seed's occurrences, then the plain mean over seeds."""
+    means = {}
+    for arrays in per_seed:
+        layers = [int(k.removeprefix("e_hat_layer")) for k in arrays if k.startswith("e_hat_layer")]
+        for l in layers:
+            for t in sorted(set(arrays["target"].tolist())):
+                at = [i for i, x in enumerate(arrays["target"].tolist()) if x == t]
+                means.setdefault((l, t), []).append((statistics.fmean(arrays[f"e_hat_layer{l}"][i] for i in at),
+                                                     statistics.fmean(arrays["token_ce"][i] for i in at)))
+    return {key: tuple(statistics.fmean(v[j] for v in vals) for j in (0, 1)) for key, vals in means.items()}
+
+
+def test_seed_figure_standardises_both_populations_with_the_train_groups_moments(tmp_path, monkeypatch):
+    """fig:arc_error_prediction over two seeds, with test shifted from train (e_hat +1, CE +3): the
+    plotted curves are the seed-averaged groups binned by predicted error, both standardised with the
+    TRAIN groups' population moments, recomputed here in plain Python. With the test groups' own
+    moments the shift would vanish from the figure."""
+    rng = np.random.default_rng(7)
+    train_files, test_files, train, test = [], [], [], []
+    for seed in (42, 43):
+        train_files.append(tmp_path / f"train-{seed}.npz")
+        test_files.append(tmp_path / f"test-{seed}.npz")
+        train.append(write_seed_tokens(train_files[-1], rng))
+        test.append(write_seed_tokens(test_files[-1], rng, shift=(1.0, 3.0)))
+    plotted = {}
+    real_plot = diagnostics.plot_error_prediction
+
+    def spy(train_curve, test_curve, path, **kw):  # the curves exactly as they are drawn
+        plotted.update(train=train_curve, test=test_curve)
+        return real_plot(train_curve, test_curve, path, **kw)
+    monkeypatch.setattr(diagnostics, "plot_error_prediction", spy)
+    stats = seed_error_figure(train_files, test_files, tmp_path / "fig.png", title="ARC")
+    assert (tmp_path / "fig.png").read_bytes().startswith(b"\x89PNG")
+
+    train_groups, test_groups = hand_seed_average(train), hand_seed_average(test)
+    assert len(train_groups) == len(test_groups) == 20  # 2 layers x 10 tokens: bins of two
+    pred_values = [p for p, _ in train_groups.values()]
+    obs_values = [o for _, o in train_groups.values()]
+    pred_mu, pred_sd = statistics.fmean(pred_values), statistics.pstdev(pred_values)
+    obs_mu, obs_sd = statistics.fmean(obs_values), statistics.pstdev(obs_values)
+    for name, groups in (("train", train_groups), ("test", test_groups)):
+        ranked = sorted(groups.values(), key=lambda po: po[0])  # by predicted error
+        bins = [ranked[i:i + 2] for i in range(0, 20, 2)]
+        curve = plotted[name]
+        np.testing.assert_allclose(curve["pred_mean"], [statistics.fmean((p - pred_mu) / pred_sd for p, _ in b)
+                                                        for b in bins], rtol=1e-12, err_msg=name)
+        np.testing.assert_allclose(curve["obs_mean"], [statistics.fmean((o - obs_mu) / obs_sd for _, o in b)
+                                                       for b in bins], rtol=1e-12, err_msg=name)
+        np.testing.assert_allclose(curve["obs_se"], [statistics.stdev([(o - obs_mu) / obs_sd for _, o in b]) / math.sqrt(2)
+                                                     for b in bins], rtol=1e-12, err_msg=name)
+        pred, obs = zip(*groups.values())
+        assert stats[name]["group_r"] == pytest.approx(reference_pearson(pred, obs), abs=1e-12)
+    # The shift shows: the test curve sits (3 / obs_sd) train standard deviations above the train one.
+    assert plotted["test"]["obs_mean"].mean() - plotted["train"]["obs_mean"].mean() > 1.0
 
 
 # ---- accuracy report ----------------------------------------------------------------------------

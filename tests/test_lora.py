@@ -268,6 +268,75 @@ def test_olmoe_fused_bank_lora_equals_peft_per_expert_lora(tmp_path):
     assert rel_err(got, want) <= 2e-5
 
 
+def test_train_mode_step_with_dropout_equals_peft_under_the_same_masks(tmp_path):
+    """LoRA dropout acts on the adapter's input (peft: B(A(dropout(x)))), not on its output. A train-mode
+    step at dropout 0.3 on q/k/v/o of OLMoE: seeded alike, both draw the same masks in the same order
+    (q, k, v, o of each layer), so logits and every LoRA gradient equal peft's on transformers' model."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    model = tiny("olmoe")
+    save_pretrained(model, tmp_path / "base")
+    add_lora(model, rank=4, alpha=12, dropout=0.3, targets=["q", "k", "v", "o"])
+    randomize_lora(model, std=0.1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="eager",
+                                                           dtype=torch.float32)
+    hf = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=12, lora_dropout=0.3,
+                                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    theirs = dict(hf.named_parameters())
+    pairs = {}  # our LoRA parameter -> peft's
+    for i, layer in enumerate(model.model.layers):
+        for p in "qkvo":
+            lin = layer.self_attn.get_submodule(f"{p}_proj")
+            for ab in "AB":
+                pairs[(i, p, ab)] = (getattr(lin, f"lora_{ab}"),
+                                     theirs[f"base_model.model.model.layers.{i}.self_attn.{p}_proj.lora_{ab}.default.weight"])
+    with torch.no_grad():
+        for ours, peft_param in pairs.values():
+            peft_param.copy_(ours)
+    model.train()
+    hf.train()
+    x = ids(5, B=2, T=24)
+    results = []
+    for net in (model, hf):
+        torch.manual_seed(11)  # the same dropout masks
+        logits = net(x).logits
+        logits.square().mean().backward()
+        results.append(logits.detach())
+    with torch.no_grad():
+        eval_logits = model.eval()(x).logits
+    assert rel_err(eval_logits, results[1]) > 1e-2  # dropout acted, so the comparison has teeth
+    assert rel_err(results[0], results[1]) <= 2e-5
+    for key, (ours, peft_param) in pairs.items():
+        assert rel_err(ours.grad, peft_param.grad) <= 1e-4, key
+
+
+@pytest.mark.parametrize("bank", ["gate_up_proj", "down_proj"])
+def test_expert_lora_dropout_masks_the_rows_entering_A(bank):
+    """The grouped expert banks in train mode: y = W_e x + scale * B_e A_e (m * x / (1 - p)), with m the
+    Bernoulli mask that the same seed draws over the sorted rows [N, in], recomputed here per row."""
+    model = add_lora(tiny("olmoe"), alpha=12, dropout=0.4, targets=["experts"]).train()
+    randomize_lora(model, std=0.2)
+    experts = model.model.layers[0].mlp.experts
+    lora = getattr(experts, bank)
+    rows = [1, 1, 4, 6, 6, 6]
+    x = torch.randn(len(rows), lora.weight.shape[-1], generator=torch.Generator().manual_seed(4))
+    dispatch = M.Dispatch(torch.tensor([[e] for e in rows]), num_experts=8)
+    torch.manual_seed(9)
+    with torch.no_grad():
+        got = lora(x, dispatch)
+    torch.manual_seed(9)
+    keep = F.dropout(torch.ones_like(x), p=0.4, training=True)  # the same draw: m / (1 - p)
+    assert 0 < (keep == 0).float().mean() < 1
+    r = lora.lora_B.shape[-1]
+    blocks = lora.lora_A.shape[1] // r
+    out_block = lora.weight.shape[1] // blocks
+    for row, e in enumerate(rows):
+        a = (x[row] * keep[row]) @ lora.lora_A[e].T  # [blocks * r]
+        delta = torch.cat([lora.lora_B[e, b * out_block:(b + 1) * out_block] @ a[b * r:(b + 1) * r] for b in range(blocks)])
+        want = x[row] @ lora.weight[e].T + lora.scale * delta
+        torch.testing.assert_close(got[row], want.detach(), rtol=1e-5, atol=1e-6, msg=f"row {row}")
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_merged_loads_in_transformers_with_our_merged_logits(family, tmp_path):
     """export_merged writes W + scale * B A in the official layout; the model itself is left unchanged."""

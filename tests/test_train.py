@@ -159,6 +159,27 @@ def test_two_process_ddp_equals_one_process(tmp_path):
     assert (diffs > 1e-5).float().mean() <= 0.01
 
 
+def test_two_process_ddp_gives_the_aux_term_of_one_batch(tmp_path):
+    """The load-balancing term under torchrun --nproc_per_node 2 (gloo) equals the one-process batch's,
+    not twice it. The Switch loss is a product of means over a batch's tokens, so ranks agree with one
+    batch exactly only where each holds the batch's mix: here 8 copies of one example (any shuffle)."""
+    tiny_checkpoint()
+    from dataclasses import replace
+    data = manifests(tmp_path, train=lambda pool: [replace(pool[0], id=f"copy-{i}") for i in range(8)],
+                     val=lambda pool: pool[20:22], test=lambda pool: pool[22:24])
+    flags = ["--method", "ce", "--aux-coef", "0.5", "--lora-dropout", "0", "--data", str(data), "--data-dir",
+             str(tmp_path / "splits"), *SMOKE]
+    train.main(["--out-dir", str(tmp_path), "--run-name", "one", *flags])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29518",
+                    str(REPO / "train.py"), "--out-dir", str(tmp_path), "--run-name", "two", *flags],
+                   check=True, cwd=REPO, env=env, capture_output=True, timeout=600)
+    one, two = ([r for r in records(tmp_path / name) if r["kind"] == "step"] for name in ("one", "two"))
+    assert len(one) == len(two) == 1 and one[0]["aux"] > 0
+    for key in ("aux", "loss", "grad_norm"):
+        assert two[0][key] == pytest.approx(one[0][key], rel=1e-5), key
+
+
 def test_unknown_dataset_fails_before_any_run_folder(tmp_path):
     with pytest.raises(ValueError, match="unknown dataset"):
         run_train(tmp_path, "--data", "not_a_benchmark")
@@ -466,3 +487,48 @@ def test_resume_compares_settings_not_how_config_json_spells_them(tmp_path):
     (run / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
     run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
     assert json.loads((run / "selection.json").read_text())["last_epoch"] == 2
+
+
+# ---- relaunch and resume from what a run wrote --------------------------------------------------------
+
+def test_resume_with_nothing_but_the_run_folder_ends_where_the_uninterrupted_run_does(tmp_path):
+    """`--resume RUN` alone reads every setting from RUN/config.json; the result is bit-identical."""
+    straight = run_train(tmp_path, "--method", "tes", "--epochs", "2", "--lora-rank", "4", name="straight")
+    with pytest.raises(SystemExit, match="stopped after epoch 1"):
+        run_train(tmp_path, "--method", "tes", "--epochs", "2", "--lora-rank", "4", "--stop-after-epochs", "1",
+                  name="killed")
+    run = tmp_path / "killed"
+    train.main(["--resume", str(run)])
+    for key, value in adapter(straight, 2).items():
+        assert torch.equal(value, adapter(run, 2)[key]), key
+    assert json.loads((run / "config.json").read_text())["lora_rank"] == 4
+
+
+def test_relaunch_from_config_json_repeats_the_run_and_flags_beside_it_override(tmp_path):
+    first = run_train(tmp_path, "--method", "acs", "--lambda", "0.01", "--layers", "0,1", "--per-candidate-rows",
+                      name="first")
+    train.main(["--config", str(first / "config.json"), "--out-dir", str(tmp_path / "again")])
+    again = tmp_path / "again" / "first"  # the recorded --run-name, under another parent
+    for key, value in adapter(first, 1).items():
+        assert torch.equal(value, adapter(again, 1)[key]), key
+    settings = lambda run: {k: v for k, v in json.loads((run / "config.json").read_text()).items() if k != "out_dir"}
+    assert settings(again) == settings(first)
+    train.main(["--config", str(first / "config.json"), "--run-name", "changed", "--lr", "1e-3", "--no-test-eval"])
+    changed = settings(tmp_path / "changed")
+    assert changed["lr"] == 1e-3 and {k: v for k, v in changed.items() if k not in ("lr", "run_name")} == {
+        k: v for k, v in settings(first).items() if k not in ("lr", "run_name")}
+
+
+def test_yaml_settings_file_starts_a_run_and_unknown_keys_are_named(tmp_path):
+    (tmp_path / "mine.yaml").write_text("model: tiny\nmethod: ce\nlora_targets: [q, v]\nmax_train_examples: 8\n"
+                                        "batch_size: 8\nepochs: 1\nno_test_eval: true\nquiet: true\n")
+    train.main(["--config", str(tmp_path / "mine.yaml"), "--out-dir", str(tmp_path), "--run-name", "y",
+                "--data-dir", str(tmp_path / "splits")])
+    cfg = json.loads((tmp_path / "y" / "config.json").read_text())
+    assert (cfg["method"], cfg["lora_targets"], cfg["max_train_examples"]) == ("ce", ["q", "v"], 8)
+    (tmp_path / "bad.json").write_text(json.dumps({"model": "tiny", "learning_rate": 1e-3}))
+    with pytest.raises(ValueError, match="'learning_rate' is not a setting"):
+        train.main(["--config", str(tmp_path / "bad.json"), "--out-dir", str(tmp_path), "--run-name", "bad"])
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        train.main(["--resume", str(tmp_path / "nothing-here")])
+    assert not (tmp_path / "bad").exists()

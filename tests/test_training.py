@@ -2,6 +2,7 @@
 transformers' Trainer schedule rules, and direct computation of the task loss and selection rule."""
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,3 +256,76 @@ def test_a_rank_without_examples_runs_a_placeholder_that_counts_zero(tmp_path):
     assert with_placeholder == alone and alone["method"] != 0
     for g, h in zip(grads, grads_with):
         assert torch.equal(g, h)
+
+
+
+def manifest_folder(tmp_path, train_examples, val=2, test=2) -> Path:
+    """A manifest folder: `train_examples` as train.jsonl, and the next offline ARC-Challenge examples after
+    the first 40 as a small val and test (fast validation)."""
+    from dataclasses import asdict
+
+    from minimoe.data import load_examples
+    pool = load_examples("arc_challenge")[40:]
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for split, rows in (("train", train_examples), ("val", pool[:val]), ("test", pool[val:val + test])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(asdict(ex)) + "\n" for ex in rows))
+    return folder
+
+
+def test_epoch_e_shuffles_the_training_examples_with_seed_plus_e(tmp_path, monkeypatch):
+    """The documented data order, step by step: epoch e takes torch.randperm(n) drawn with seed + e, in
+    consecutive slices of batch_size * grad_accum (the last one partial), recorded from the loop itself."""
+    from minimoe.data import load_examples
+    examples = load_examples("arc_challenge")[:10]
+    seen = []
+    real = training.micro_batches
+
+    def spy(batch, *args):
+        seen.append([ex.id for ex in batch])
+        return real(batch, *args)
+    monkeypatch.setattr(training, "micro_batches", spy)
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(manifest_folder(tmp_path, examples)),
+                "--quiet", "--no-test-eval", "--method", "ce", "--batch-size", "2", "--grad-accum", "2", "--epochs", "3",
+                "--seed", "5"])
+    expected = []
+    for epoch in (1, 2, 3):
+        order = torch.randperm(10, generator=torch.Generator().manual_seed(5 + epoch)).tolist()
+        expected += [[examples[i].id for i in order[s:s + 4]] for s in (0, 4, 8)]
+    assert seen == expected
+    assert len({tuple(seen[3 * e]) for e in range(3)}) == 3  # the epochs' orders differ
+
+
+def test_two_micro_batches_give_the_aux_and_method_terms_of_one_full_batch():
+    """--grad-accum 2 = one batch for every term, the load-balancing one included. The Switch loss is a
+    product of means, so this holds exactly where each micro-batch holds the same mix as the full
+    batch: [a, a, b, b] twice. Its value is then the full batch's (= each half's), not twice it."""
+    from minimoe.data import load_examples
+    tokenizer = load_tokenizer(tiny_checkpoint())
+    a, b = load_examples("arc_challenge")[:2]
+    examples = [replace(ex, id=f"{ex.id}-{i}") for i, ex in enumerate([a, a, b, b, a, a, b, b])]
+    results = []
+    for batch_size, accum in ((8, 1), (4, 2)):
+        cfg = replace(method_cfg("tiny", method="acs"), lora_dropout=0.0, aux_coef=0.5, batch_size=batch_size,
+                      grad_accum=accum, pad_token_id=0, device="cpu", clip=1e9)
+        torch.manual_seed(0)
+        model = from_pretrained(tiny_checkpoint())
+        install_method(model, cfg)
+        model.train()
+        batches = training.micro_batches(examples, tokenizer, cfg, 0, 1)
+        assert len(batches) == accum
+        if accum == 1:  # the full batch's own load-balancing loss, as the model computes it (= transformers')
+            with torch.no_grad():
+                full_batch_aux = training.forward_choices(model, batches[0])[0].aux_loss.item()
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        before = {n: p.detach().clone() for n, p in params.items()}
+        optimizer = torch.optim.SGD(params.values(), lr=1.0)  # the update is minus the step's gradient
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        logs = training.optimizer_step(model, batches, len(examples), optimizer, scheduler, cfg, world_size=1)
+        results.append((logs, {n: before[n] - p.detach() for n, p in params.items()}))
+    (full, full_grads), (accumulated, accumulated_grads) = results
+    assert full["aux"] == pytest.approx(full_batch_aux, rel=1e-6) and full["method"] > 0
+    for key in ("task", "method", "aux", "grad_norm"):
+        assert accumulated[key] == pytest.approx(full[key], rel=1e-5), key
+    for name in full_grads:
+        torch.testing.assert_close(accumulated_grads[name], full_grads[name], rtol=1e-4, atol=1e-7, msg=name)

@@ -1,0 +1,121 @@
+"""Your own data (minimoe/userdata.py): a CSV and a `datasets` folder with field maps through train.py and
+evaluate.py, the carve of missing splits, and each kind of bad row refused by name with nothing written."""
+import csv
+import json
+
+import pytest
+
+import evaluate
+import train
+from minimoe.data import load_split
+from minimoe.userdata import build_user_data
+
+SMOKE = ["--model", "tiny", "--batch-size", "8", "--epochs", "1", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """Four-choice ARC-Challenge examples, the independent source of the rows we write in other layouts."""
+    examples = load_split("arc_challenge", "train", data_dir=tmp_path_factory.mktemp("splits"))
+    return [ex for ex in examples if len(ex.choices) == 4][:60]
+
+
+def write_csv(path, examples, answer_as_text=lambda i: i % 2 == 0):
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["qid", "stem", "A", "B", "C", "D", "key"])
+        for i, ex in enumerate(examples):
+            key = ex.choices[ex.answer] if answer_as_text(i) else str(ex.answer)
+            w.writerow([ex.id, ex.question, *ex.choices, key])
+    return path
+
+
+def manifest(folder, split):
+    return [json.loads(line) for line in (folder / f"{split}.jsonl").read_text().splitlines()]
+
+
+def train_and_evaluate(tmp_path, *flags):
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"),
+                *SMOKE, *flags])
+    run = tmp_path / "run"
+    metrics = evaluate.main(["--adapter", str(run), "--out", str(tmp_path / "eval")])
+    return run, json.loads((run / "config.json").read_text()), metrics
+
+
+def test_csv_with_a_field_map_trains_and_evaluates(tmp_path, pool):
+    """Answers as text and as index both resolve to the source's answer; val and test are carved from train."""
+    data = write_csv(tmp_path / "mine.csv", pool)
+    run, cfg, metrics = train_and_evaluate(tmp_path, "--data", str(data),
+                                           "--field-map", "id=qid,question=stem,choices=A+B+C+D,answer=key")
+    folder = tmp_path / "splits" / cfg["data"].split("/")[-1]
+    assert cfg["data"] == str(folder) and cfg["field_map"] is None and folder.name.startswith("mine-")
+    rows = {r["id"]: r for s in ("train", "val", "test") for r in manifest(folder, s)}
+    assert sorted(rows) == sorted(ex.id for ex in pool)
+    for ex in pool:
+        assert (rows[ex.id]["question"], rows[ex.id]["choices"], rows[ex.id]["answer"]) == (
+            ex.question, ex.choices, ex.answer)
+    report = json.loads((folder / "splits.json").read_text())
+    assert report["carved"]["counts"] == {"test": 6, "val": 6} and report["given"] == ["train"]
+    assert report["counts"] == {"train": 48, "val": 6, "test": 6}
+    assert metrics["n_examples"] == 6 and (run / "eval" / "test" / "metrics.json").is_file()
+
+
+def test_datasets_folder_with_a_field_map_and_a_prompt_template(tmp_path, pool):
+    datasets = pytest.importorskip("datasets")
+    as_rows = lambda exs: [{"q": ex.question, "opts": ex.choices, "label": ex.answer, "topic": "science"}
+                           for ex in exs]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(as_rows(pool[:40])),
+                          "validation": datasets.Dataset.from_list(as_rows(pool[40:50])),
+                          "test": datasets.Dataset.from_list(as_rows(pool[50:60]))}).save_to_disk(tmp_path / "hf")
+    template = "Topic: {topic}\nQ: {question}\nA:"
+    run, cfg, metrics = train_and_evaluate(tmp_path, "--data", str(tmp_path / "hf"), "--prompt-template", template,
+                                           "--field-map", "question=q,choices=opts,answer=label")
+    test = manifest(tmp_path / "splits" / cfg["data"].split("/")[-1], "test")
+    assert [(r["question"], r["choices"], r["answer"]) for r in test] == [
+        (ex.question, ex.choices, ex.answer) for ex in pool[50:60]]
+    assert [r["prompt"] for r in test] == [f"Topic: science\nQ: {ex.question}\nA:" for ex in pool[50:60]]
+    assert [r["id"] for r in test] == [f"test:{i}" for i in range(10)]
+    assert metrics["n_examples"] == 10 and cfg["prompt_template"] is None
+
+
+def test_the_carve_is_deterministic_and_disjoint(tmp_path, pool):
+    data = write_csv(tmp_path / "mine.csv", pool)
+    flags = dict(field_map="id=qid,question=stem,choices=A+B+C+D,answer=key")
+    first, again = (build_user_data(str(data), tmp_path / d, **flags) for d in ("a", "b"))
+    assert first.name == again.name
+    for split in ("train", "val", "test"):
+        assert (first / f"{split}.jsonl").read_bytes() == (again / f"{split}.jsonl").read_bytes()
+    train_ids = [r["id"] for r in manifest(first, "train")]
+    assert train_ids == [ex.id for ex in pool if ex.id in set(train_ids)]  # train keeps the file's order
+    held = {r["id"] for s in ("val", "test") for r in manifest(first, s)}
+    assert len(held) == 12 and not held & set(train_ids)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda rows: rows[3].__setitem__(0, rows[1][0]), "mine.csv:5: id .* repeats .*mine.csv:3"),
+    (lambda rows: rows[4].__setitem__(6, "7"), r"mine.csv:6: 'answer' is 7; expected an index in \[0, 4\)"),
+    (lambda rows: rows[2].__setitem__(3, " "), "mine.csv:4: 'choices' is .*; expected at least two non-empty"),
+    (lambda rows: rows[5].__setitem__(6, "no such choice"), "mine.csv:7: answer 'no such choice' is neither"),
+])
+def test_bad_rows_are_named_and_nothing_is_written(tmp_path, pool, change, message):
+    data = write_csv(tmp_path / "mine.csv", pool[:30])
+    with open(data, newline="") as f:
+        rows = list(csv.reader(f))
+    header, body = rows[0], rows[1:]
+    change(body)
+    with open(data, "w", newline="") as f:
+        csv.writer(f).writerows([header, *body])
+    with pytest.raises(ValueError, match=message):
+        train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"), *SMOKE,
+                    "--data", str(data), "--field-map", "id=qid,question=stem,choices=A+B+C+D,answer=key"])
+    assert not (tmp_path / "run").exists() and not (tmp_path / "splits").exists()
+
+
+def test_overlap_between_given_splits_is_refused(tmp_path, pool):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    write_csv(folder / "train.csv", pool[:20])
+    write_csv(folder / "test.csv", pool[15:25])
+    with pytest.raises(ValueError, match=f"train and test share id '{pool[15].id}' .*train.csv:17 and .*test.csv:2"):
+        build_user_data(str(folder), tmp_path / "splits", field_map="id=qid,question=stem,choices=A+B+C+D,answer=key")
+    assert not (tmp_path / "splits").exists()
