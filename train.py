@@ -319,7 +319,10 @@ def settings_differ(argv: list[str], record: dict) -> list[str]:
         return ["recipe"]
     given = {k: v for k, v in vars(args).items() if v is not None and k not in NOT_SETTINGS}
     want = asdict(TrainConfig(**{**RECIPES[recipe], **given, "recipe": recipe, "packed": not args.per_candidate_rows}))
-    if want["data"] and not Path(want["data"]).is_dir():
+    if is_user_data(want["data"]) and not all((Path(want["data"]) / f"{s}.jsonl").is_file() for s in SPLITS):
+        skip_user = ("data", "field_map", "prompt_template", "data_revision")  # resolved by building its manifests
+        want = {k: v for k, v in want.items() if k not in skip_user}
+    elif want["data"] and not Path(want["data"]).is_dir():
         if want["max_train_examples"] is None:
             want["max_train_examples"] = recipe_train_examples(TrainConfig(**{**want}), want["data"])
         if want["data_source"] == "hub":
