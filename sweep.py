@@ -5,6 +5,7 @@
     python sweep.py --preset main --models ... --dry-run  # the cells and their state (done, partial, missing)
     python sweep.py --preset main --models ... --gpus     # one run per visible GPU
     python sweep.py --preset main --models ... --slurm --slurm-partition gpu   # one SLURM job per run
+    python sweep.py --preset main --models ... --slurm --slurm-gpus 4 --slurm-param account=proj --slurm-param qos=high
     python sweep.py --preset main --models ... --report-only
     python sweep.py --preset study --out-dir runs/study  # the default model: 7 rows x sciq, arc_easy x 3 seeds
 
@@ -51,7 +52,11 @@ def parse_args(argv=None):
     w.add_argument("--slurm", action="store_true", help="one SLURM job per run through submitit")
     g.add_argument("--slurm-partition", help="SLURM partition")
     g.add_argument("--slurm-timeout-min", type=int, default=24 * 60, help="per-job time limit (default 1440)")
-    g.add_argument("--slurm-gpus", type=int, default=1, help="GPUs per job (default 1)")
+    g.add_argument("--slurm-gpus", type=int, default=1, help="GPUs per job; above 1 the run is data-parallel, "
+                   "train.py under torchrun --nproc-per-node N (default 1)")
+    g.add_argument("--slurm-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further sbatch setting, repeatable: account, qos, mem, constraint, or any other of "
+                        "submitit's slurm_* parameters (e.g. --slurm-param account=proj --slurm-param mem=64G)")
     g = p.add_argument_group("what to do")
     g.add_argument("--dry-run", action="store_true", help="print the cells and their state; run nothing")
     g.add_argument("--report-only", action="store_true", help="write the report from what has finished")
@@ -60,6 +65,23 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.extra = extra
     return args, p
+
+
+def slurm_params(specs, parser) -> dict:
+    """--slurm-param account=proj mem=64G -> {"slurm_account": "proj", "slurm_mem": "64G"}; submitit's own
+    SLURM executor says which names exist."""
+    try:
+        from submitit.slurm.slurm import SlurmExecutor
+    except ImportError:
+        parser.error('--slurm needs submitit: pip install -e ".[slurm]"')
+    params = {}
+    for spec in specs:
+        key, eq, value = spec.partition("=")
+        if not eq or not value or key not in SlurmExecutor._valid_parameters():
+            parser.error(f"--slurm-param {spec!r}: expected KEY=VALUE with KEY one of submitit's SLURM parameters "
+                         f"(account, qos, mem, constraint, ...: {sorted(SlurmExecutor._valid_parameters())})")
+        params[f"slurm_{key}"] = int(value) if value.isdigit() else value
+    return params
 
 
 def settings_variants(specs, parser) -> tuple:
@@ -125,10 +147,11 @@ def main(argv=None):
     if not args.report_only and todo:
         print(f"sweep: {len(cells) - len(todo)} of {len(cells)} runs done; running {len(todo)}", flush=True)
         if args.slurm:
-            params = {"timeout_min": args.slurm_timeout_min, "gpus_per_node": args.slurm_gpus}
+            params = {"timeout_min": args.slurm_timeout_min, "gpus_per_node": args.slurm_gpus,
+                      **slurm_params(args.slurm_param, parser)}
             if args.slurm_partition:
                 params["slurm_partition"] = args.slurm_partition
-            jobs = submit_slurm(todo, **params)
+            jobs = submit_slurm(todo, nproc=args.slurm_gpus, **params)
             print(f"sweep: submitted {len(jobs)} jobs; run the same command with --report-only when they end "
                   "(again without it to resubmit the runs whose jobs failed)")
             return cells

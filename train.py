@@ -396,11 +396,11 @@ def main(argv=None):
     tokenizer = minimoe.load_tokenizer(args.model)
     model = minimoe.from_pretrained(args.model)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
+    run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     for split, examples in data.items():  # every setting is checked before the run folder is written
         check_max_length(examples, tokenizer, cfg.max_length, f"--max-length, {cfg.data} {split}")
     check_install(model.config, cfg, cfg.device)  # LoRA targets, layers, method options, memory: on meta
-    run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))
     if args.resume and args.rerun:
         sys.exit("train.py: --resume and --rerun: pass one (continue the run, or start it again)")
     if args.resume and not (run / "config.json").is_file():

@@ -250,8 +250,12 @@ def claim_out_dir(out_dir) -> None:
 
 # ---- where cells run ------------------------------------------------------------------------------
 
-def train_command(cell: Cell) -> list[str]:
-    return [sys.executable, str(TRAIN_PY), *cell.train_args(resume=(cell.run / "config.json").is_file())]
+def train_command(cell: Cell, nproc: int = 1) -> list[str]:
+    """train.py for the cell; with nproc > 1 under torchrun on this node (--standalone: a free port of its own)."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return [*launcher, str(TRAIN_PY), *cell.train_args(resume=(cell.run / "config.json").is_file())]
 
 
 def train_eval_command(cell: Cell) -> list[str]:
@@ -261,10 +265,11 @@ def train_eval_command(cell: Cell) -> list[str]:
             "--out", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
 
 
-def run_cell(cell: Cell, env: dict | None = None) -> int:
-    """train.py for one cell (continued with --resume when its folder exists), then the train-split
-    evaluation when the cell needs it; returns the first non-zero exit code, else 0."""
-    code = 0 if cell.trained() else subprocess.run(train_command(cell), env=env).returncode
+def run_cell(cell: Cell, env: dict | None = None, nproc: int = 1) -> int:
+    """train.py for one cell (continued with --resume when its folder exists; nproc > 1: data-parallel
+    under torchrun), then the train-split evaluation when the cell needs it; returns the first non-zero
+    exit code, else 0."""
+    code = 0 if cell.trained() else subprocess.run(train_command(cell, nproc), env=env).returncode
     if code == 0 and cell.train_eval and not (cell.run / "eval" / "train" / "metrics.json").is_file():
         code = subprocess.run(train_eval_command(cell), env=env).returncode
     return code
@@ -314,9 +319,14 @@ def queued_job(cell, cluster: str) -> str | None:
     return job_id if SlurmJob(record.parent, job_id).state in SLURM_ACTIVE else None
 
 
-def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, **slurm_params) -> list:
+def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, nproc: int = 1, **slurm_params) -> list:
     """One submitit job per cell, named after its run folder, unless SLURM still holds the cell's
-    last job (`queued_job`); cluster="local"/"debug" runs them here (tests)."""
+    last job (`queued_job`); cluster="local"/"debug" runs them here (tests). nproc > 1: the job's one
+    task runs train.py under torchrun with that many processes (one per GPU of the node).
+
+    Why torchrun in one task rather than submitit's tasks_per_node: train.py's DDP is written and
+    tested for torchrun's environment, a job stays one task whose exit code, logs and resume are the
+    cell's (as with one GPU), and the train-split evaluation after training runs once, not per rank."""
     try:
         import submitit
     except ImportError:
@@ -328,7 +338,7 @@ def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, **slu
             print(f"sweep: {cell.run.name} is queued or running as SLURM job {held}; not submitted again")
             continue
         executor.update_parameters(name=cell.run.name, **slurm_params)
-        jobs.append(executor.submit(run_cell, cell))
+        jobs.append(executor.submit(run_cell, cell, None, nproc))
         with atomic_file(cell.slurm_dir / "job_id") as tmp:
             tmp.write_text(str(jobs[-1].job_id))
     if wait:

@@ -295,6 +295,39 @@ def test_tes_run_folder_gives_error_prediction_diagnostics_and_plot(toy, tmp_pat
     assert (in_run.run, in_run.epoch, in_run.run_config["label"]) == (run, 1, "TES-IS")
 
 
+def test_train_population_of_a_cut_run_is_exactly_its_trained_examples(toy, tmp_path, monkeypatch):
+    """A TES run cut by --max-train-examples 7 (of 30): the train-side diagnostics, at the end of
+    train.py and from evaluate.py --adapter RUN, score exactly the examples the loop trained on
+    (recorded from the loop), not the uncut split."""
+    import train
+    from minimoe import evaluation, training
+    trained, scored = set(), []
+    real_batches, real_evaluate = training.micro_batches, evaluation.evaluate_split
+
+    def record_trained(examples, *args):
+        trained.update(ex.id for ex in examples)
+        return real_batches(examples, *args)
+
+    def record_scored(model, tokenizer, examples, **kw):
+        scored.append([ex.id for ex in examples])
+        return real_evaluate(model, tokenizer, examples, **kw)
+    monkeypatch.setattr(training, "micro_batches", record_trained)
+    monkeypatch.setattr(evaluation, "evaluate_split", record_scored)
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(toy["data"]),
+                "--method", "tes", "--max-train-examples", "7", "--batch-size", "4", "--epochs", "1", "--quiet"])
+    run = tmp_path / "run"
+    assert trained == {ex.id for ex in toy["splits"]["train"][:7]}
+    test_ids = [ex.id for ex in toy["splits"]["test"]]
+    out = evaluate.main(["--adapter", str(run), "--out", str(tmp_path / "again"), "--batch-size", "8"])
+    at_end = json.loads((run / "eval" / "test" / "metrics.json").read_text())
+    assert [sorted(ids) for ids in scored] == [sorted(test_ids), sorted(trained)] * 2  # train.py's, evaluate.py's
+    for metrics, folder in ((at_end, run / "eval" / "test"), (out, tmp_path / "again")):
+        assert metrics["diagnostics"]["populations"] == ["train", "test"]
+        assert metrics["diagnostics"]["train_examples"] == 7
+        with np.load(folder / "tokens-train.npz") as z:
+            assert sorted(set(z["example"].tolist())) == list(range(7))
+
+
 # ---- report ----------------------------------------------------------------------------------------
 
 def test_report_table_mean_and_sample_std(tmp_path, capsys):

@@ -74,7 +74,7 @@ def test_slurm_does_not_submit_again_a_cell_whose_job_slurm_still_holds(tmp_path
 
 def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
     """2 settings (gamma 1 = the default, gamma 2) x 2 seeds. One cell is killed after epoch 1 of 2,
-    one runs as a job of submitit's local executor (the SLURM path); the report marks the two that
+    one runs as a two-process job of submitit's local executor (the SLURM path with --slurm-gpus 2); the report marks the two that
     have not run. The sweep then continues the killed cell with --resume, starts the missing ones,
     skips the finished one, and a second sweep runs nothing."""
     pytest.importorskip("submitit")
@@ -83,8 +83,10 @@ def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
     killed, job = cells[1], cells[3]
     sw.subprocess.run([sw.sys.executable, str(sw.TRAIN_PY), *killed.train_args(), "--stop-after-epochs", "1"])
     assert killed.state() == "partial"
-    assert [j.result() for j in sw.submit_slurm([job], cluster="local", wait=True, timeout_min=5)] == [0]
+    # the job as --slurm-gpus 2 runs it: two data-parallel processes under torchrun (gloo on CPU)
+    assert [j.result() for j in sw.submit_slurm([job], cluster="local", wait=True, timeout_min=5, nproc=2)] == [0]
     assert job.state() == "done" and (tmp_path / "submitit" / job.run.name).is_dir()  # the job's identity
+    assert json.loads((job.run / "config.json").read_text())["world_size"] == 2
     text = sw.write_report(cells, tmp_path)
     assert "| TES-IS | missing (0/2) |" in text and "(n=1/2)" in text and "3 of 4 runs not finished" in text
     rows = list(csv.DictReader(open(tmp_path / "report.csv")))
@@ -187,17 +189,31 @@ def test_devices_run_one_cell_each_at_a_time():
     assert {d for _, d in seen} == {"0", "1"} and len(seen) == len(cells)
 
 
-def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data):
+def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data, monkeypatch):
     """A cell that needs train diagnostics (acs-diagnostics) gets evaluate.py --split train on the
-    run's training population after training; the table's train row is that split's C_t."""
-    cell = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path, extra=SMOKE)[0]
+    run's training population after training: with --max-train-examples 5 of the 8, exactly the 5
+    examples train.py kept (the first 5), not the uncut split. The table's train row is that split's
+    C_t. A finished phase is never run again: the cell, trained and tested, runs evaluate.py alone
+    (not train.py --resume, which would score test again), and once done, nothing."""
+    cell = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path,
+                   extra=(*SMOKE, "--max-train-examples", "5"))[0]
     assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    finished = {p: p.stat().st_mtime_ns for p in (cell.run / "eval" / "test" / "metrics.json", cell.run / "metrics.jsonl",
+                                                  cell.run / "selection.json")}
+    commands, real_run = [], sw.subprocess.run
+    monkeypatch.setattr(sw.subprocess, "run", lambda command, **kw: commands.append(command) or real_run(command, **kw))
     cell = replace(cell, train_eval=True)
     assert cell.state() == "partial"
     assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    assert [Path(c[1]).name for c in commands] == ["evaluate.py"]
+    assert sw.run_cell(cell) == 0 and len(commands) == 1
+    assert {p: p.stat().st_mtime_ns for p in finished} == finished
     train = json.loads((cell.run / "eval" / "train" / "metrics.json").read_text())
-    assert train["split"] == "train" and train["n_examples"] == 8  # the run's training population
+    trained = [json.loads(line)["id"] for line in (data / "train.jsonl").read_text().splitlines()[:5]]
+    assert train["split"] == "train" and train["n_examples"] == 5  # the run's training population
+    assert [r["id"] for r in map(json.loads, (cell.run / "eval" / "train" / "predictions.jsonl").read_text().splitlines())] == trained
     with np.load(cell.run / "eval" / "train" / "tokens-train.npz") as z:
+        assert sorted(set(z["example"].tolist())) == list(range(5))
         c = z[f"concentration_layer{max(int(k[19:]) for k in z.files if k.startswith('concentration_layer'))}"]
     assert f"| train | {c.mean():.4f} | {1 / c.mean():.2f} |" in sw.concentration_table([cell])
 
@@ -311,3 +327,17 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
     seconds = sum(r["seconds"] if r["kind"] == "step" else r["val_seconds"] for r in records)
     assert sw.train_seconds(ce[1].run) == pytest.approx(seconds) and seconds > 0
     assert f"| TES-IS | {Path(data).name} | {seconds / 60:.1f} | 1 |" in text
+
+
+def test_slurm_params_reach_submitit_by_its_names(tmp_path, data, monkeypatch):
+    """--slurm-param account=... qos=... mem=... constraint=... become submitit's slurm_* parameters,
+    --slurm-gpus 4 the GPUs per node and torchrun's process count; an unknown key is refused by name."""
+    pytest.importorskip("submitit")
+    seen = {}
+    monkeypatch.setattr(sweep, "submit_slurm", lambda cells, **kw: seen.update(kw) or [])
+    sweep.main(sweep_args(tmp_path, data, "--slurm", "--slurm-gpus", "4", "--slurm-param", "account=proj",
+                          "--slurm-param", "qos=high", "--slurm-param", "mem=64G", "--slurm-param", "constraint=a100"))
+    assert seen == {"nproc": 4, "gpus_per_node": 4, "timeout_min": 1440, "slurm_account": "proj",
+                    "slurm_qos": "high", "slurm_mem": "64G", "slurm_constraint": "a100"}
+    with pytest.raises(SystemExit):
+        sweep.main(sweep_args(tmp_path, data, "--slurm", "--slurm-param", "acount=proj"))

@@ -274,6 +274,25 @@ def records(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def test_resume_does_not_score_the_base_model_again(tmp_path, monkeypatch):
+    """--zero-shot scores the base model before training; a run killed after that, resumed, keeps
+    eval/test-base as it is and does not run it again (it is the same number, at the cost of a test pass)."""
+    from minimoe import evaluation
+    data = manifests(tmp_path, train=lambda pool: pool[:16], val=lambda pool: pool[16:20], test=lambda pool: pool[20:26])
+    flags = ["--data", str(data), "--method", "ce", "--epochs", "2", "--zero-shot"]
+    with pytest.raises(SystemExit, match="stopped after epoch 1"):
+        run_train(tmp_path, *flags, "--stop-after-epochs", "1", name="killed")
+    base = tmp_path / "killed" / "eval" / "test-base" / "metrics.json"
+    written = base.stat().st_mtime_ns
+
+    def again(*args, **kwargs):
+        raise AssertionError("the base model was scored again on resume")
+    monkeypatch.setattr(evaluation, "evaluate_zero_shot", again)
+    run_train(tmp_path, *flags, "--resume", name="killed")
+    assert base.stat().st_mtime_ns == written
+    assert json.loads((tmp_path / "killed" / "selection.json").read_text())["last_epoch"] == 2
+
+
 def test_pickled_payload_in_training_state_is_not_run(tmp_path):
     """training_state.pt loads with weights_only=True: a file whose unpickling would make a folder is refused."""
     run = killed_after_epoch_1(tmp_path)
