@@ -13,6 +13,10 @@ The paper's accuracy table, mean ± sample std over seeds, from every metrics.js
 
     python evaluate.py report runs/*/eval/test --seeds 42 43 45 --out table.md
 
+Two methods on the same questions, one pair of runs (or evaluation folders) per seed, B against A:
+
+    python evaluate.py compare runs/m-sciq-CE-seed42 runs/m-sciq-TES-IS-seed42 runs/m-sciq-CE-seed43 runs/m-sciq-TES-IS-seed43
+
 Outputs in --out (written to a temp folder beside it, then swapped in whole; an existing --out must be
 an earlier evaluation, recognised by its .minimoe-written marker, or empty: anything else is refused):
   predictions.jsonl   one line per example: gold, predictions and per-candidate log-probabilities
@@ -25,6 +29,7 @@ See minimoe/evaluation.py for what each number is and the paper equation it foll
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from pathlib import Path
@@ -41,17 +46,21 @@ EXAMPLES = """examples:
     python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --out runs/olmoe-native-arc
   the accuracy table (mean ± sample std over seeds) of many evaluations:
     python evaluate.py report runs/*/eval/test --seeds 42 43 45 --out table.md   (more: python evaluate.py report --help)
+  B against A on the same questions, one pair per seed (accuracy difference with a bootstrap interval, McNemar p):
+    python evaluate.py compare runs/CE-seed42 runs/TES-IS-seed42 runs/CE-seed43 runs/TES-IS-seed43 --out cmp.json
 """
 
 
 def evaluate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
                                 usage="%(prog)s [--model MODEL] [--adapter ADAPTER] --out OUT [options]\n"
-                                      "       %(prog)s report DIR [DIR ...] [--seeds ...] [--split ...] [--out OUT]",
+                                      "       %(prog)s report DIR [DIR ...] [--seeds ...] [--split ...] [--out OUT]\n"
+                                      "       %(prog)s compare A B [A B ...] [--out OUT.json]",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = p.add_subparsers(dest="command", title="commands", prog="evaluate.py",
                                 description="left out: evaluate one model or adapter, with the options below")
     add_report_command(commands)
+    add_compare_command(commands)
     what = p.add_argument_group("what to evaluate")
     what.add_argument("--model", help="base checkpoint: a local folder or a hub id (e.g. allenai/OLMoE-1B-7B-0924-SFT). "
                                       "May be left out when --adapter is a run folder: its config.json names it")
@@ -114,6 +123,35 @@ def add_report_command(commands):
                                             "if evaluate.py wrote it and it is unchanged since")
 
 
+def add_compare_command(commands):
+    p = commands.add_parser(
+        "compare", help="B against A on the same questions: accuracy difference, McNemar p (evaluate.py compare --help)",
+        description="Compare method B with control A, paired by question (and by seed, one pair per seed): the "
+                    "accuracy difference B - A with a 95% interval from a paired bootstrap over questions and "
+                    "seeds (fixed resampling seed), the exact McNemar p per seed (scipy's binomial test on the "
+                    "discordant questions), the mean choice-NLL difference and how many questions' predictions "
+                    "differ. A run folder stands for the evaluation its report uses (RUN/eval/test, or "
+                    "RUN/eval/test-selected where the run was scored at its selected epoch); evaluations of "
+                    "different questions are refused. See minimoe/compare.py.",
+        epilog="example: python evaluate.py compare runs/m-sciq-CE-seed42 runs/m-sciq-ACS-IS-seed42 "
+               "runs/m-sciq-CE-seed43 runs/m-sciq-ACS-IS-seed43 --out ce-vs-acs.json")
+    p.add_argument("pairs", nargs="+", type=Path, metavar="A B",
+                   help="run or evaluation folders, in pairs: control A then method B, one pair per seed")
+    p.add_argument("--out", type=Path, help="also write the numbers as JSON here")
+
+
+def compare(args) -> dict:
+    from minimoe.atomic import atomic_file
+    from minimoe.compare import compare_paths, comparison_table
+    result = compare_paths(args.pairs)
+    print(comparison_table(result), end="")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(args.out) as tmp:
+            tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    return result
+
+
 def report(args) -> str:
     from minimoe.evaluation import accuracy_report
     table, notes = accuracy_report(args.paths, seeds=args.seeds, split=args.split)
@@ -131,13 +169,17 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = evaluate_parser()
     args = parser.parse_args(argv)
-    if args.command == "report":
-        defaults = vars(parser.parse_args([]))  # an option before `report` would be dropped without a word
-        before = [k for k, v in defaults.items() if k not in ("command", "out", "split") and getattr(args, k) != v]
+    if args.command in ("report", "compare"):
+        defaults = vars(parser.parse_args([]))  # an option before the command would be dropped without a word
+        own = {"command", "out", "split"} if args.command == "report" else {"command", "out"}
+        before = [k for k, v in defaults.items() if k not in own and getattr(args, k) != v]
         if before:
-            parser.error(f"{', '.join('--' + k.replace('_', '-') for k in before)} before 'report': those options "
-                         f"evaluate one model; report takes its own, after it")
-        return report(args)
+            parser.error(f"{', '.join('--' + k.replace('_', '-') for k in before)} before '{args.command}': those "
+                         f"options evaluate one model; {args.command} takes its own, after it")
+        if args.command == "compare" and len(args.pairs) % 2:
+            parser.error(f"compare: expected pairs A B [A B ...] (control, then method, one pair per seed), "
+                         f"got {len(args.pairs)} folders")
+        return report(args) if args.command == "report" else compare(args)
     if args.out is None:
         parser.error("the following arguments are required: --out")
     if args.model is None and args.adapter is None:

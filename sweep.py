@@ -7,7 +7,7 @@
     python sweep.py --preset main --models ... --slurm --slurm-partition gpu   # one SLURM job per run
     python sweep.py --preset main --models ... --slurm --slurm-gpus 4 --slurm-param account=proj --slurm-param qos=high
     python sweep.py --preset main --models ... --report-only
-    python sweep.py --preset study --out-dir runs/study  # the default model: 7 rows x sciq, arc_easy x 3 seeds
+    python sweep.py --preset study --out-dir runs/study  # the default model: 12 rows x sciq, arc_easy x 3 seeds
 
 Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`).
 Finished runs are skipped, killed ones continued with --resume; see minimoe/sweep.py. A run whose

@@ -33,10 +33,10 @@ import statistics
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from minimoe import diagnostics
+from minimoe import compare, diagnostics
 from minimoe.atomic import KINDS, atomic_file, check_owned_file, mark, write_owned_file, written_kind
 from minimoe.config import TrainConfig, ablation_settings, run_name
 from minimoe.diagnostics import PAPER_SEEDS, partial_reason
@@ -76,9 +76,11 @@ class Preset:
     about: str = ""
 
 
+ALL_LAYERS = {"layers": "all"}
 TUNED_ACS_GRANITE = (("ACS-ENLL + affinity tuning", "granite"), ("ACS-IS + affinity tuning", "granite"))
 PRESETS = {
-    "main": Preset(tuple(ROWS), about="tab:downstream_accuracy, the nine rows"),
+    "main": Preset(tuple(ROWS), tables=("comparisons",),
+                   about="tab:downstream_accuracy, the nine rows, and the paired comparisons within its groups"),
     "lambda-1e-2": Preset(
         (("TES-IS", "granite"), ("TES-ENLL", "granite"), ("ACS-IS + affinity tuning", "granite"),
          ("ACS-ENLL + affinity tuning", "granite"), ("ACS-IS", "olmoe"), ("ACS-ENLL", "olmoe")),
@@ -96,7 +98,7 @@ PRESETS = {
     "layer-scope": Preset(
         ("CE + affinity tuning", *TUNED_ACS_GRANITE,
          ("ACS-ENLL + affinity tuning", "olmoe", {"lambda_": 1e-2}), ("ACS-IS + affinity tuning", "olmoe", {"lambda_": 1e-2})),
-        settings=tuple({"layers": scope} for scope in ("final", "first:8", "last:8", "all")),
+        settings=tuple({"layers": scope} for scope in ("final", "first:8", "last:8", "all")), tables=("comparisons",),
         about="tab:affinity_router_layer_ablation: affinity tuning and ACS on the same scope (OLMoE: selected epochs)"),
     "acs-lambda": Preset(
         (*TUNED_ACS_GRANITE, ("ACS-ENLL", "olmoe"), ("ACS-IS", "olmoe"), ("ACS-ENLL + affinity tuning", "olmoe"),
@@ -114,13 +116,17 @@ PRESETS = {
     "tes-gamma": Preset(("TES-IS",), settings=tuple({"gamma": v} for v in (0.5, 1.0, 2.0)),
                         benchmarks=("arc_challenge",), seeds=(42, 43, 44), columns=("accuracy", "choice_nll"),
                         about="tab:tes_hyperparameter_sensitivity, attenuation panel (Granite)"),
-    "study": Preset(("CE", "ACS-IS", "ACS-ENLL", "CE + affinity tuning", "Dual Affinity", "TES-IS", "TES-ENLL"),
-                    benchmarks=("sciq", "arc_easy"), zero_shot=True,
-                    # One epoch of 448 examples (all of SciQ's offline train split; ARC-Easy's 2000 cut to
-                    # match) keeps a run to minutes on a CPU; flags after -- override both.
-                    train_args=("--epochs", "1", "--max-train-examples", "448"),
-                    tables=("wall_time",), about="the study on a real model (default: the upcycled SmolLM2): "
-                    "the rows that apply, offline SciQ and ARC-Easy, one epoch, with the zero-shot row"),
+    "study": Preset(
+        ("CE", "ACS-ENLL", "ACS-IS", ("ACS-IS", None, ALL_LAYERS), "CE + affinity tuning", "ACS-ENLL + affinity tuning",
+         "ACS-IS + affinity tuning", "Dual Affinity", ("Dual Affinity", None, ALL_LAYERS), "TES-ENLL", "TES-IS",
+         ("TES-IS", None, ALL_LAYERS)),
+        benchmarks=("sciq", "arc_easy"), zero_shot=True,
+        # One epoch of 448 examples (all of SciQ's offline train split; ARC-Easy's 2000 cut to
+        # match) keeps a run to minutes on a CPU; flags after -- override both.
+        train_args=("--epochs", "1", "--max-train-examples", "448"),
+        tables=("comparisons", "wall_time"), about="the study on a real model (default: train.py's default model): "
+        "the nine rows, final layer supervised, plus all-layer ACS-IS, TES-IS and their Dual Affinity control, "
+        "offline SciQ and ARC-Easy, one epoch, with the zero-shot row and the paired group comparisons"),
     "acs-diagnostics": Preset(
         ("CE + affinity tuning", "ACS-IS + affinity tuning", "ACS-ENLL + affinity tuning"),
         settings=({"lambda_": 1e-2},), benchmarks=("arc_challenge",), tables=("concentration",), train_eval=True,
@@ -174,11 +180,9 @@ class Cell:
 
     @property
     def test_dir(self) -> Path:
-        """RUN/eval/test, or RUN/eval/test-selected where train.py scored the validation-selected epoch
-        instead (its config.json says which: the OLMoE affinity-tuned group by default)."""
-        config = self.run / "config.json"
-        chosen = json.loads(config.read_text()).get("test_checkpoint") if config.is_file() else None
-        return self.run / "eval" / ("test-selected" if chosen == "selected" else "test")
+        """The evaluation the report reads (compare.test_evaluation): RUN/eval/test, or
+        RUN/eval/test-selected where train.py scored the validation-selected epoch instead."""
+        return compare.test_evaluation(self.run)
 
     def trained(self) -> bool:
         return (self.run / "selection.json" if "--no-test-eval" in self.extra else self.test_dir / "metrics.json").is_file()
@@ -512,6 +516,72 @@ def concentration_table(cells) -> str:
     return "\n".join(lines) + "\n"
 
 
+# The paper's parameter-matched groups (tab:downstream_accuracy): each method row and its control.
+CONTROLS = {"ACS-ENLL": "CE", "ACS-IS": "CE",
+            "ACS-ENLL + affinity tuning": "CE + affinity tuning", "ACS-IS + affinity tuning": "CE + affinity tuning",
+            "TES-ENLL": "Dual Affinity", "TES-IS": "Dual Affinity"}
+
+
+COMPARISONS_TITLE = "Paired comparisons within parameter-matched groups"
+COMPARISONS_ABOUT = (f"Method minus control, paired by question and seed (evaluate.py compare, minimoe/compare.py): "
+                     f"accuracy in points with a {100 * compare.LEVEL:g}% paired bootstrap interval over questions "
+                     f"and seeds ({compare.BOOTSTRAP_RESAMPLES} resamples, seed {compare.BOOTSTRAP_SEED}); the exact "
+                     f"McNemar p of each seed; the mean answer-choice NLL difference; the questions whose predicted "
+                     f"answer differs from the control's.")
+
+
+def control_of(cell: Cell, by_run: dict) -> Cell | None:
+    """The cell's control in the grid: its group's control row with the same settings (the run it
+    names; a setting the control does not read, lambda say, names the plain control run), else the
+    control row at its default settings (CE for all-layer ACS: CE has no router head to place)."""
+    if cell.row not in CONTROLS:
+        return None
+    for settings in (cell.settings, ()):
+        control = by_run.get(replace(cell, row=CONTROLS[cell.row], settings=settings, zero_shot=False).run)
+        if control is not None:
+            return control
+    return None
+
+
+def comparison_table(cells) -> tuple[str, list[str]]:
+    """Each method row against its control (`control_of`), per model and benchmark, paired by seed over
+    the seeds where both finished: compare.compare_pairs' accuracy difference (points, 95% paired
+    bootstrap over questions and seeds), exact McNemar p per seed, choice-NLL difference and the
+    questions whose prediction differs. -> (Markdown, notes on pairs that could not be compared)."""
+    by_run = {c.run: c for c in cells}
+    groups: dict[tuple, list] = {}  # (model, data, control row key, method row key) -> [(control, method) cells]
+    for cell in cells:
+        control = control_of(cell, by_run)
+        if control is not None:
+            key = (Path(cell.model).name, cell.data, _row_key(control), _row_key(cell))
+            groups.setdefault(key, []).append((control, cell))
+    lines = ["| Model | Dataset | Control | Method | Seeds | Accuracy diff. (points) [95% CI] | McNemar p per seed "
+             "| Choice NLL diff. [95% CI] | Predictions differing per seed |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for (model, data, control_row, row), pairs in groups.items():
+        done = [(a, b) for a, b in pairs if _metrics(a) is not None and _metrics(b) is not None]  # whole splits
+        head = f"| {model} | {Path(data).name} | {control_row} | {row} | "
+        if not done:
+            lines.append(head + f"missing (0/{len(pairs)}) | | | | |")
+            continue
+        try:
+            result = compare.compare_pairs([(compare.read_predictions(a.test_dir), compare.read_predictions(b.test_dir))
+                                            for a, b in done])
+        except (OSError, ValueError) as e:
+            lines.append(head + "not compared (below) | | | | |")
+            notes.append(f"{row} vs {control_row}, {Path(data).name}: {e}")
+            continue
+        seeds = ", ".join(str(s["seed"]) for s in result["per_seed"])
+        if len(done) < len(pairs):
+            seeds += f" (n={len(done)}/{len(pairs)})"
+        per_seed = result["per_seed"]
+        lines.append(head + f"{seeds} | {compare.interval_text(result['accuracy_difference'], result['accuracy_interval'], 2)} | "
+                     + ", ".join(compare.p_text(s["mcnemar"]["p"]) for s in per_seed) + " | "
+                     + compare.interval_text(result["choice_nll_difference"], result["choice_nll_interval"], 4) + " | "
+                     + ", ".join(str(s["differing_predictions"]) for s in per_seed) + f" of {result['questions']} |")
+    return "\n".join(lines) + "\n", notes
+
+
 def error_figures(cells, folder) -> list[str]:
     """fig:arc_error_prediction per (model, error-head row, dataset), groups averaged across seeds."""
     notes = []
@@ -538,6 +608,11 @@ def write_report(cells, out_dir, columns=("accuracy",), tables=()) -> str:
               "concentration": ("Affinity-concentration diagnostics", concentration_table),
               "wall_time": ("Wall time", wall_time_table)}
     for name in tables:
+        if name == "comparisons":
+            text, notes = comparison_table(cells)
+            table += (f"\n## {COMPARISONS_TITLE}\n\n{COMPARISONS_ABOUT}\n\n" + text
+                      + "".join(f"\n- {n}" for n in notes) + ("\n" if notes else ""))
+            continue
         title, make = extras[name]
         table += f"\n## {title}\n\n" + make(cells)
     figures = error_figures(cells, Path(out_dir) / "figures")

@@ -482,14 +482,17 @@ def test_help_names_the_report_command(capsys):
 
 
 def test_report_is_an_argparse_command(capsys):
-    """--help lists `report` as a command with its own --help; an evaluation option before it is refused,
-    not dropped."""
+    """--help lists `report` and `compare` as commands with their own --help; an evaluation option before
+    one is refused, not dropped."""
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["--help"])
-    assert exit_info.value.code == 0 and "{report}" in capsys.readouterr().out
+    assert exit_info.value.code == 0 and "{report,compare}" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["report", "--help"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("usage: evaluate.py report")
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["--max-examples", "3", "report", "runs"])
     assert exit_info.value.code == 2 and "--max-examples before 'report'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(["--split", "val", "compare", "runs/a", "runs/b"])
+    assert exit_info.value.code == 2 and "--split before 'compare'" in capsys.readouterr().err

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from scipy.stats import binomtest
 
 import sweep
 from minimoe import sweep as sw
@@ -307,10 +308,12 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
     args = ["--preset", "study", "--models", str(tiny_checkpoint()), "--benchmarks", str(data),
             "--out-dir", str(tmp_path)]
     cells = sweep.main([*args, "--dry-run"])
-    assert len(cells) == 7 * 3 and {c.row for c in cells} == set(sw.PRESETS["study"].rows)
+    # The nine rows, and all-layer ACS-IS, TES-IS and TES-IS's control Dual Affinity: 12 x 3 seeds.
+    assert len(cells) == 12 * 3 and {c.row for c in cells} == set(sw.ROWS)
+    assert {c.row for c in cells if c.settings == (("layers", "all"),)} == {"ACS-IS", "Dual Affinity", "TES-IS"}
     assert [(c.row, c.seed) for c in cells if c.zero_shot] == [("CE", 42)]
     assert "--zero-shot" in cells[0].train_args() and "--zero-shot" not in cells[1].train_args()
-    ce = [c for c in cells if c.row in ("CE", "TES-IS") and c.seed == 42]
+    ce = [c for c in cells if c.row in ("CE", "TES-IS") and not c.settings and c.seed == 42]
     flags = ce[0].train_args()
     assert flags[flags.index("--epochs") + 1] == "1"
     sweep.main([*args, "--rows", "CE", "TES-IS", "--seeds", "42", "--", "--batch-size", "8", "--quiet"])
@@ -327,6 +330,58 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
     seconds = sum(r["seconds"] if r["kind"] == "step" else r["val_seconds"] for r in records)
     assert sw.train_seconds(ce[1].run) == pytest.approx(seconds) and seconds > 0
     assert f"| TES-IS | {Path(data).name} | {seconds / 60:.1f} | 1 |" in text
+
+
+def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path):
+    """Group comparisons on hand-made evaluations: all-layer ACS-IS against CE (no all-layer CE in the
+    grid), all-layer TES-IS against all-layer Dual Affinity, paired by seed over the seeds where both
+    finished; every number against a recount (scipy's binomial test, the bootstrap redrawn by hand)."""
+    from test_compare import reference_bootstrap, write_evaluation
+    rows = ["CE", "ACS-IS", ("ACS-IS", None, sw.ALL_LAYERS), "Dual Affinity", ("Dual Affinity", None, sw.ALL_LAYERS),
+            "TES-IS", ("TES-IS", None, sw.ALL_LAYERS)]
+    cells = sw.grid(["org/granite-x"], ["d"], rows, (42, 43), tmp_path)
+    rng = np.random.default_rng(0)
+    ids, gold = [f"q{i}" for i in range(40)], rng.integers(0, 3, 40)
+    written = {}
+    for c in cells:
+        if (c.row, c.settings, c.seed) in (("CE", (), 43), ("ACS-IS", (), 42)):
+            continue  # not finished: no seed where both CE and ACS-IS did, all-layer ACS-IS on seed 42 alone
+        pred = np.where(rng.random(40) < 0.6, gold, rng.integers(0, 3, 40))
+        nll = rng.gamma(2.0, 0.5, 40)
+        (c.run).mkdir(parents=True)
+        (c.run / "config.json").write_text("{}")
+        write_evaluation(c.run / "eval" / "test", ids, gold, pred, nll, seed=c.seed, method=c.row)
+        written[(c.row, c.settings, c.seed)] = (pred, nll)
+    report = sw.write_report(cells, tmp_path, tables=("comparisons",))
+    lines = [l for l in report[report.index(sw.COMPARISONS_TITLE):].splitlines() if l.startswith("| ")][1:]
+    assert [line.split(" | ")[2:4] for line in lines[:4]] == [
+        ["CE", "ACS-IS"], ["CE", "ACS-IS [layers=all]"], ["Dual Affinity", "TES-IS"],
+        ["Dual Affinity [layers=all]", "TES-IS [layers=all]"]]
+    all_layers = (("layers", "all"),)
+
+    def expected(control, method, seeds):
+        a, b = ([written[(*row, seed)] for seed in seeds] for row in (control, method))  # [(pred, nll)] per seed
+        ca, cb = (np.stack([pred == gold for pred, _ in side]) for side in (a, b))  # [S, Q] right or wrong
+        dacc, dnll = cb.astype(float) - ca, np.stack([nb - na for (_, na), (_, nb) in zip(a, b)])
+        lo, hi = 100 * reference_bootstrap(dacc, 10_000)
+        nlo, nhi = reference_bootstrap(dnll, 10_000)
+        ps = [binomtest(int(np.sum(~x & y)), int(np.sum(x != y)), 0.5).pvalue if np.any(x != y) else 1.0
+              for x, y in zip(ca, cb)]
+        differing = [int(np.sum(pa != pb)) for (pa, _), (pb, _) in zip(a, b)]
+        return (f"{100 * dacc.mean():+.2f} [{lo:+.2f}, {hi:+.2f}] | " + ", ".join(f"{p:.3g}" for p in ps)
+                + f" | {dnll.mean():+.4f} [{nlo:+.4f}, {nhi:+.4f}] | " + ", ".join(map(str, differing)) + " of 40 |")
+
+    assert lines[0].endswith(" | CE | ACS-IS | missing (0/2) | | | | |")
+    assert lines[1].endswith(" | 42 (n=1/2) | " + expected(("CE", ()), ("ACS-IS", all_layers), (42,)))
+    assert lines[3].endswith(" | 42, 43 | " + expected(("Dual Affinity", all_layers), ("TES-IS", all_layers), (42, 43)))
+    # Evaluations of other questions are named, not compared.
+    tes = next(c for c in cells if (c.row, c.settings, c.seed) == ("TES-IS", (), 43))
+    write_evaluation(tes.run / "eval" / "other", ids[:30], gold[:30], gold[:30], np.ones(30), seed=43)
+    (tes.run / "eval" / "test").rename(tes.run / "eval" / "old")
+    (tes.run / "eval" / "other").rename(tes.run / "eval" / "test")
+    text, notes = sw.comparison_table(cells)
+    assert "| Dual Affinity | TES-IS | not compared (below) |" in text
+    assert len(notes) == 1 and "different questions" in notes[0]
 
 
 def test_slurm_params_reach_submitit_by_its_names(tmp_path, data, monkeypatch):
