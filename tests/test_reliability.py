@@ -222,7 +222,8 @@ def test_every_setting_is_checked_before_the_run_folder_exists(tmp_path, data, f
 
 def test_a_start_that_fails_after_the_folder_exists_removes_it(tmp_path, data, monkeypatch):
     """Issue 20 item 6: a failure after the run folder was created (a full disk, say) and before any
-    training output removes the folder it created; one with training output is kept."""
+    training output removes the folder it created, so the corrected command runs; --rerun then starts
+    the finished run again and keeps the old one aside."""
     flags = ["--model", "tiny", "--data", str(data), "--out-dir", str(tmp_path), "--run-name", "r", *SMOKE,
              "--no-test-eval"]
 
@@ -235,6 +236,11 @@ def test_a_start_that_fails_after_the_folder_exists_removes_it(tmp_path, data, m
     monkeypatch.undo()
     train.main(flags)  # the corrected rerun
     assert (tmp_path / "r" / "selection.json").is_file()
+    with pytest.raises(SystemExit, match="exists; pass --resume to continue it, --rerun to start it again"):
+        train.main(flags)
+    train.main([*flags, "--rerun"])  # a new run in the folder; the finished one is kept aside, whole
+    kept, = tmp_path.glob("r.replaced-*")
+    assert (kept / "selection.json").is_file() and (tmp_path / "r" / "selection.json").is_file()
 
 
 def test_a_sweep_with_a_failed_run_exits_non_zero_and_bad_set_values_fail_first(tmp_path, data, capsys):
