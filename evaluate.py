@@ -3,11 +3,11 @@
 Example (a finished run: the model and dataset come from RUN/config.json, the adapter from
 RUN/checkpoints/epoch-<last_epoch>, the paper's primary endpoint):
 
-    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --split test --out runs/granite-arc-TES-IS-seed42/eval/test
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --split test --out-dir runs/granite-arc-TES-IS-seed42/eval/test
 
 The base model alone (routing diagnostics of its final layer):
 
-    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --out runs/olmoe-native-arc
+    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --out-dir runs/olmoe-native-arc
 
 The paper's accuracy table, mean ± sample std over seeds, from every metrics.json under the folders:
 
@@ -17,7 +17,7 @@ Two methods on the same questions, one pair of runs (or evaluation folders) per 
 
     python evaluate.py compare runs/m-sciq-CE-seed42 runs/m-sciq-TES-IS-seed42 runs/m-sciq-CE-seed43 runs/m-sciq-TES-IS-seed43
 
-Outputs in --out (written to a temp folder beside it, then swapped in whole; an existing --out must be
+Outputs in --out-dir (written to a temp folder beside it, then swapped in whole; an existing --out-dir must be
 an earlier evaluation, recognised by its .minimoe-written marker, or empty: anything else is refused):
   predictions.jsonl   one line per example: gold, predictions and per-candidate log-probabilities
   metrics.json        accuracy (mean-token, the paper's), accuracy_sum, accuracy_per_char, choice_nll,
@@ -34,16 +34,17 @@ import logging
 import sys
 from pathlib import Path
 
+from minimoe.cli import device, old_name
 from minimoe.data import DEFAULT_DATA_DIR, SPLITS
 from minimoe.diagnostics import PAPER_SEEDS
 
 EXAMPLES = """examples:
   a finished run (model and data from RUN/config.json; adapter of the last epoch):
-    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --out runs/granite-arc-TES-IS-seed42/eval/test
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --out-dir runs/granite-arc-TES-IS-seed42/eval/test
   its validation-NLL-selected epoch instead:
-    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --checkpoint selected --out runs/granite-arc-TES-IS-seed42/eval/test-selected
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --checkpoint selected --out-dir runs/granite-arc-TES-IS-seed42/eval/test-selected
   a base model, 50 examples, on a GPU in bf16:
-    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --out runs/olmoe-native-arc
+    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --out-dir runs/olmoe-native-arc
   the accuracy table (mean ± sample std over seeds) of many evaluations:
     python evaluate.py report runs/*/eval/test --seeds 42 43 45 --out table.md   (more: python evaluate.py report --help)
   B against A on the same questions, one pair per seed (accuracy difference with a bootstrap interval, McNemar p):
@@ -53,7 +54,7 @@ EXAMPLES = """examples:
 
 def evaluate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
-                                usage="%(prog)s [--model MODEL] [--adapter ADAPTER] --out OUT [options]\n"
+                                usage="%(prog)s [--model MODEL] [--adapter ADAPTER] --out-dir OUT [options]\n"
                                       "       %(prog)s report DIR [DIR ...] [--seeds ...] [--split ...] [--out OUT]\n"
                                       "       %(prog)s compare A B [A B ...] [--out OUT.json]",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,22 +88,24 @@ def evaluate_parser() -> argparse.ArgumentParser:
                       help="longest prompt + candidate in tokens, prompts cut from the left (default: the run's, "
                            "else no limit)")
     out = p.add_argument_group("output")
-    # Required here, not by argparse: `report` has an --out of its own, which is optional.
-    out.add_argument("--out", type=Path,
+    # Required here, not by argparse: `report` takes none.
+    out.add_argument("--out-dir", type=Path,
                      help="output folder (required); replaced as a whole only once everything is written, and only "
                           "if it is empty or an earlier evaluation (a run folder, say, is refused)")
+    old_name(out, "--out", "--out-dir", type=Path)
     diag = p.add_argument_group("routing diagnostics")
     diag.add_argument("--train-split-diagnostics", action=argparse.BooleanOptionalAction, default=None,
                       help="also score the train split, for train-vs-evaluated diagnostics and the train moments "
                            "that standardise the tes decile curves (default: on for tes adapters, off otherwise)")
     compute = p.add_argument_group("compute")
-    compute.add_argument("--batch-size", type=int, default=16, metavar="N",
+    compute.add_argument("--eval-batch-size", type=int, default=16, metavar="N",
                          help="examples per forward; all their candidates run together (default: %(default)s)")
+    old_name(compute, "--batch-size", "--eval-batch-size", type=int, metavar="N")
     compute.add_argument("--per-candidate-rows", action="store_true",
                          help="one row per (prompt, candidate), the reference path; default: one packed row per "
                               "example, its prompt run once")
-    compute.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
-                         help="auto: cuda when available (default: %(default)s)")
+    compute.add_argument("--device", default="auto", type=device,
+                         help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     compute.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                          help="model weights and activations; routing math and scores are fp32 either way "
                               "(auto: bfloat16 on CUDA, float32 on CPU, as train.py; default: %(default)s)")
@@ -137,30 +140,33 @@ def add_compare_command(commands):
                "runs/m-sciq-CE-seed43 runs/m-sciq-ACS-IS-seed43 --out ce-vs-acs.json")
     p.add_argument("pairs", nargs="+", type=Path, metavar="A B",
                    help="run or evaluation folders, in pairs: control A then method B, one pair per seed")
-    p.add_argument("--out", type=Path, help="also write the numbers as JSON here")
+    p.add_argument("--out", type=Path, help="also write the numbers as JSON here; an existing file is replaced only "
+                                            "if evaluate.py wrote it and it is unchanged since")
 
 
 def compare(args) -> dict:
-    from minimoe.atomic import atomic_file
+    from minimoe.atomic import check_owned_file, write_owned_file
     from minimoe.compare import compare_paths, comparison_table
+    if args.out is not None:
+        check_owned_file(args.out)  # before the work: never a file evaluate.py did not write
     result = compare_paths(args.pairs)
     print(comparison_table(result), end="")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(args.out) as tmp:
-            tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_owned_file(args.out, json.dumps(result, indent=2) + "\n")
     return result
 
 
 def report(args) -> str:
+    from minimoe.atomic import check_owned_file, write_owned_file
     from minimoe.evaluation import accuracy_report
+    if args.out is not None:
+        check_owned_file(args.out)  # before the work: replaces only a report it wrote before, never README.md
     table, notes = accuracy_report(args.paths, seeds=args.seeds, split=args.split)
     for note in notes:
         print(note, file=sys.stderr)
     print(table, end="")
     if args.out is not None:
-        from minimoe.atomic import write_owned_file
-        write_owned_file(args.out, table)  # replaces only a report it wrote before, never README.md
+        write_owned_file(args.out, table)
     return table
 
 
@@ -180,11 +186,11 @@ def main(argv=None):
             parser.error(f"compare: expected pairs A B [A B ...] (control, then method, one pair per seed), "
                          f"got {len(args.pairs)} folders")
         return report(args) if args.command == "report" else compare(args)
-    if args.out is None:
-        parser.error("the following arguments are required: --out")
+    if args.out_dir is None:
+        parser.error("the following arguments are required: --out-dir")
     if args.model is None and args.adapter is None:
         parser.error("pass --model, or --adapter with a run folder that names its model")
-    for flag, value in (("--batch-size", args.batch_size), ("--max-examples", args.max_examples),
+    for flag, value in (("--eval-batch-size", args.eval_batch_size), ("--max-examples", args.max_examples),
                         ("--max-length", args.max_length)):
         if value is not None and value < 1:
             parser.error(f"argument {flag}: {value}: expected an integer >= 1")
@@ -192,20 +198,20 @@ def main(argv=None):
     from minimoe.evaluation import run_evaluation  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     metrics = run_evaluation(
-        out=args.out, model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
+        out=args.out_dir, model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
         split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
-        batch_size=args.batch_size, allow_other_base=args.allow_other_base,
+        batch_size=args.eval_batch_size, allow_other_base=args.allow_other_base,
         device=args.device, dtype=args.dtype, train_split_diagnostics=args.train_split_diagnostics,
         packed=not args.per_candidate_rows)
     print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples): "
           f"accuracy {metrics['accuracy']:.4f} (sum {metrics['accuracy_sum']:.4f}, per-char "
-          f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.out}")
+          f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.out_dir}")
     return metrics
 
 
 if __name__ == "__main__":
     try:
         main()
-    except (OSError, ValueError, KeyError) as e:  # bad input, a refused --out, a full disk: the message names the file
+    except (OSError, ValueError, KeyError) as e:  # bad input, a refused --out-dir, a full disk: the message names the file
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         sys.exit(2)

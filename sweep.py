@@ -34,8 +34,9 @@ def parse_args(argv=None):
     argv = argv[:argv.index("--")] if "--" in argv else argv
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("the grid")
-    g.add_argument("--preset", choices=sorted(PRESETS), default="main",
-                   help="; ".join(f"{k}: {v.about}" for k, v in PRESETS.items()))
+    g.add_argument("--preset", choices=sorted(PRESETS),
+                   help="the grid to run (left out: the presets are listed and nothing runs); "
+                        + "; ".join(f"{k}: {v.about}" for k, v in PRESETS.items()))
     g.add_argument("--models", nargs="+", metavar="MODEL[=RECIPE]",
                    help="hub ids or checkpoint folders; =RECIPE names the recipe when the name does not say "
                         "granite/olmoe (default: weights/smollm2-135m-moe, train.py's default model, built on first use)")
@@ -45,7 +46,8 @@ def parse_args(argv=None):
     g.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
                    help=f"replace the preset's settings variants by these values; KEY in {list(SETTING_FLAGS)} "
                         "(e.g. --set lambda=1e-3,1e-2)")
-    g.add_argument("--out-dir", default="runs/sweep", help="parent of the run folders and of report.md/report.csv")
+    g.add_argument("--out-dir", default="runs/sweep", help="parent of the run folders and of report.md/report.csv "
+                   "(default: %(default)s)")
     g = p.add_argument_group("where it runs (default: one run after another here)")
     w = g.add_mutually_exclusive_group()
     w.add_argument("--gpus", nargs="*", metavar="ID", help="one run per GPU at a time; no IDs = every visible GPU")
@@ -107,6 +109,11 @@ def settings_variants(specs, parser) -> tuple:
 
 def main(argv=None):
     args, parser = parse_args(argv)
+    if args.preset is None:  # a bare `python sweep.py` must not start a 108-run grid
+        print("sweep.py: choose a grid with --preset NAME (python sweep.py --help for the rest):")
+        for name, preset in PRESETS.items():
+            print(f"  {name:18s} {preset.about}")
+        return []
     preset = PRESETS[args.preset]
     models, recipes = [], {}
     if not args.models:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 import minimoe
 from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
+from minimoe.cli import device
 from minimoe.data import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.lora import ALIASES, TARGETS
 from minimoe.routing import TRANSFORMS
@@ -126,7 +127,8 @@ def parser() -> argparse.ArgumentParser:
                    "(default: from the checkpoint's model_type; 'tiny' for --model tiny); the flags below override it")
     g.add_argument("--dtype", default=D.dtype, choices=["auto", "float32", "bfloat16"],
                    help="base weights' dtype; auto = bfloat16 (with autocast) on CUDA, float32 on CPU (default: %(default)s)")
-    g.add_argument("--device", default=D.device, help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
+    g.add_argument("--device", default=D.device, type=device,
+                   help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
     g = p.add_argument_group("data")
     g.add_argument("--data", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa; or your own: a JSONL or "
@@ -454,13 +456,21 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int):
     install_method(model, cfg)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    train(model, tokenizer, data, cfg, run, resume=args.resume)
+    steps_run = train(model, tokenizer, data, cfg, run, resume=args.resume)
+
+    def scored(folder: str) -> bool:
+        """Scored in full by an earlier call that finished training (a resume after a kill): not again."""
+        path = run / "eval" / folder / "metrics.json"
+        done = not steps_run and path.is_file() and json.loads(path.read_text()).get("n_examples") == len(data["test"])
+        if done:
+            print(f"test evaluation in {run / 'eval' / folder} already done; not run again")
+        return done
     if rank == 0 and not cfg.no_test_eval:
         from minimoe.evaluation import evaluate_run
-        if cfg.test_checkpoint in ("last", "both"):  # the in-memory model is the last epoch
+        if cfg.test_checkpoint in ("last", "both") and not scored("test"):  # the in-memory model is the last epoch
             metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"])
             print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
-        if cfg.test_checkpoint in ("selected", "both"):
+        if cfg.test_checkpoint in ("selected", "both") and not scored("test-selected"):
             del model  # the selected epoch is loaded afresh from the run folder
             metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg.eval_batch_size,
                                    device=cfg.device, dtype=cfg.dtype)

@@ -4,7 +4,7 @@ A folder is replaced only if it is ours and of the same kind: every folder minim
 marker file (MARKER) holding its kind, one of KINDS, and `atomic_directory` replaces an existing
 folder only if it carries the marker of the same kind, or is empty. Anything else (a run folder,
 `runs/`, a downloaded or upcycled model, a peft export where an evaluation should go) is refused
-with FileExistsError before any work, so a mistyped output path never deletes what it should not.
+with FileExistsError before any work, so a mistyped --out-dir never deletes what it should not.
 Markers of older versions ("checkpoint"; "folder", written by export and upcycling alike) are read
 as the kind their files show.
 

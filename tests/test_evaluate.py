@@ -90,8 +90,8 @@ def test_scores_match_transformers_unbatched(toy, family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     folder, out = toy["models"][family], tmp_path / "out"
-    evaluate.main(["--model", str(folder), "--data", str(toy["data"] / "test.jsonl"), "--out", str(out),
-                   "--batch-size", "4", "--max-examples", "5"])
+    evaluate.main(["--model", str(folder), "--data", str(toy["data"] / "test.jsonl"), "--out-dir", str(out),
+                   "--eval-batch-size", "4", "--max-examples", "5"])
     records = read_jsonl(out / "predictions.jsonl")
     ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=torch.float32).eval()
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -116,7 +116,7 @@ def test_cli_writes_consistent_outputs(toy, tmp_path):
     model; diagnostics of its final layer over exactly the gold answers' tokens."""
     out = tmp_path / "eval"
     evaluate.main(["--model", str(toy["models"]["olmoe"]), "--data", str(toy["data"] / "test.jsonl"),
-                   "--out", str(out), "--batch-size", "5"])
+                   "--out-dir", str(out), "--eval-batch-size", "5"])
     assert sorted(p.name for p in out.iterdir()) == [".minimoe-written", "metrics.json", "predictions.jsonl",
                                                      "tokens-test.npz"]
     metrics, records = json.loads((out / "metrics.json").read_text()), read_jsonl(out / "predictions.jsonl")
@@ -262,7 +262,7 @@ def test_tes_run_folder_gives_error_prediction_diagnostics_and_plot(toy, tmp_pat
     """--adapter RUN alone: model and data from config.json, the last epoch's adapter, the run's label
     and seed; tes readouts give e_hat statistics on test and on the automatically scored train split."""
     run, out = tes_run(toy, tmp_path / "run"), tmp_path / "eval"
-    metrics = evaluate.main(["--adapter", str(run), "--out", str(out), "--batch-size", "8"])
+    metrics = evaluate.main(["--adapter", str(run), "--out-dir", str(out), "--eval-batch-size", "8"])
     assert (metrics["model"], metrics["method"], metrics["seed"], metrics["epoch"], metrics["checkpoint"]) == (
         str(toy["models"]["olmoe"]), "TES-IS", 43, 2, "last")
     assert metrics["adapter"] == str(run / "checkpoints" / "epoch-2") and metrics["router"]["method"] == "tes"
@@ -318,7 +318,7 @@ def test_train_population_of_a_cut_run_is_exactly_its_trained_examples(toy, tmp_
     run = tmp_path / "run"
     assert trained == {ex.id for ex in toy["splits"]["train"][:7]}
     test_ids = [ex.id for ex in toy["splits"]["test"]]
-    out = evaluate.main(["--adapter", str(run), "--out", str(tmp_path / "again"), "--batch-size", "8"])
+    out = evaluate.main(["--adapter", str(run), "--out-dir", str(tmp_path / "again"), "--eval-batch-size", "8"])
     at_end = json.loads((run / "eval" / "test" / "metrics.json").read_text())
     assert [sorted(ids) for ids in scored] == [sorted(test_ids), sorted(trained)] * 2  # train.py's, evaluate.py's
     for metrics, folder in ((at_end, run / "eval" / "test"), (out, tmp_path / "again")):
@@ -408,13 +408,13 @@ def test_bad_input_raises_before_any_output(toy, tmp_path, case):
     argv, error, message = bad_case(case, toy, tmp_path)
     out = tmp_path / "out" / "eval"
     with pytest.raises(error, match=message):
-        evaluate.main(argv + ["--out", str(out), "--max-examples", "4"])
+        evaluate.main(argv + ["--out-dir", str(out), "--max-examples", "4"])
     assert no_leftovers(out)
 
 
 def test_other_base_weights_only_with_the_override(toy, tmp_path):
     argv, _, _ = bad_case("adapter of other weights with the same shapes", toy, tmp_path)
-    metrics = evaluate.main(argv + ["--out", str(tmp_path / "eval"), "--max-examples", "4", "--allow-other-base"])
+    metrics = evaluate.main(argv + ["--out-dir", str(tmp_path / "eval"), "--max-examples", "4", "--allow-other-base"])
     assert metrics["n_examples"] == 4
 
 
@@ -430,10 +430,10 @@ def test_out_never_replaces_what_evaluate_did_not_write(toy, tmp_path, target):
     out = {"run": run, "runs": tmp_path / "runs", "adapter": run / "checkpoints" / "epoch-2"}[target]
     before = tree(tmp_path)
     with pytest.raises(FileExistsError, match=f"{out}: exists and"):
-        evaluate.main(["--adapter", str(run), "--out", str(out), "--max-examples", "2"])
+        evaluate.main(["--adapter", str(run), "--out-dir", str(out), "--max-examples", "2"])
     assert tree(tmp_path) == before
-    evaluate.main(["--adapter", str(run), "--out", str(run / "eval"), "--max-examples", "2"])
-    evaluate.main(["--adapter", str(run), "--out", str(run / "eval"), "--max-examples", "3"])
+    evaluate.main(["--adapter", str(run), "--out-dir", str(run / "eval"), "--max-examples", "2"])
+    evaluate.main(["--adapter", str(run), "--out-dir", str(run / "eval"), "--max-examples", "3"])
     assert json.loads((run / "eval" / "metrics.json").read_text())["n_examples"] == 3
 
 
@@ -443,16 +443,16 @@ def test_cli_refusal_is_one_line_and_nonzero(toy, tmp_path):
     run = tes_run(toy, tmp_path / "run")
     before = tree(run)
     repo = Path(evaluate.__file__).resolve().parent
-    out = subprocess.run([sys.executable, str(repo / "evaluate.py"), "--adapter", str(run), "--out", str(run)],
+    out = subprocess.run([sys.executable, str(repo / "evaluate.py"), "--adapter", str(run), "--out-dir", str(run)],
                          capture_output=True, text=True, cwd=repo, timeout=300)
     assert out.returncode != 0 and out.stderr.startswith(f"evaluate.py: error: {run}: exists and was not written by")
     assert len(out.stderr.strip().splitlines()) == 1 and tree(run) == before
 
 
-@pytest.mark.parametrize("flag", ["--batch-size", "--max-examples", "--max-length"])
+@pytest.mark.parametrize("flag", ["--eval-batch-size", "--max-examples", "--max-length"])
 def test_bad_number_is_refused_before_any_output(toy, tmp_path, capsys, flag):
     with pytest.raises(SystemExit) as exit_info:
-        evaluate.main(["--model", str(toy["models"]["olmoe"]), "--out", str(tmp_path / "eval"), flag, "0"])
+        evaluate.main(["--model", str(toy["models"]["olmoe"]), "--out-dir", str(tmp_path / "eval"), flag, "0"])
     assert exit_info.value.code == 2 and f"argument {flag}: 0: expected an integer >= 1" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
@@ -460,7 +460,7 @@ def test_bad_number_is_refused_before_any_output(toy, tmp_path, capsys, flag):
 def test_failed_write_keeps_the_previous_output(toy, tmp_path, monkeypatch):
     """A failure while writing removes the temp folder; the previous complete output stays as it was."""
     out = tmp_path / "eval"
-    argv = ["--model", str(toy["models"]["olmoe"]), "--data", str(toy["data"] / "test.jsonl"), "--out", str(out)]
+    argv = ["--model", str(toy["models"]["olmoe"]), "--data", str(toy["data"] / "test.jsonl"), "--out-dir", str(out)]
     evaluate.main(argv + ["--max-examples", "3"])
     before = {p.name: p.read_bytes() for p in out.iterdir()}
 

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
+import evaluate
 import sweep
 from minimoe import sweep as sw
 from minimoe.data import load_examples
@@ -35,7 +36,7 @@ def data(tmp_path_factory):
 
 
 def sweep_args(tmp_path, data, *flags):
-    return ["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
+    return ["--preset", "main", "--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "TES-IS",
             "--set", "gamma=1,2", "--seeds", "42", "43", "--out-dir", str(tmp_path), *flags, "--", *SMOKE]
 
 
@@ -64,7 +65,7 @@ def test_slurm_does_not_submit_again_a_cell_whose_job_slurm_still_holds(tmp_path
         def update_parameters(self, **params):
             pass
 
-        def submit(self, fn, cell):
+        def submit(self, fn, cell, *args):  # run_cell's further arguments: env, nproc
             submitted.append(cell)
             return SimpleNamespace(job_id="13")
     monkeypatch.setattr(submitit, "AutoExecutor", Executor)
@@ -301,6 +302,19 @@ def test_a_run_scored_at_its_selected_epoch_is_done_and_reported(tmp_path):
     assert "50.00" in sw.write_report([cell], tmp_path, ("accuracy",), ())
 
 
+def test_a_run_asked_for_both_test_evaluations_is_done_only_with_both(tmp_path):
+    """--test-checkpoint both: a cell killed after the last epoch's evaluation, before the selected one's,
+    is partial (the sweep resumes it and train.py scores the missing one), not done without it."""
+    [cell] = sw.grid(["org/olmoe-x"], ["d"], ["CE"], (42,), tmp_path)
+    (cell.run / "config.json").parent.mkdir(parents=True)
+    (cell.run / "config.json").write_text(json.dumps({"test_checkpoint": "both"}))
+    for folder, state in (("test", "partial"), ("test-selected", "done")):
+        (cell.run / "eval" / folder).mkdir(parents=True)
+        (cell.run / "eval" / folder / "metrics.json").write_text(json.dumps({"accuracy": 0.5}))
+        assert cell.state() == state, folder
+    assert cell.test_dir == cell.run / "eval" / "test"  # the reported one: the last epoch's, as the paper's rows
+
+
 def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_time(tmp_path, data):
     """The study preset: its rows, one epoch (its own train.py flag, which flags after -- still override),
     the first seed's CE run also scores the base model, and the report leads with that zero-shot row
@@ -330,6 +344,12 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
     seconds = sum(r["seconds"] if r["kind"] == "step" else r["val_seconds"] for r in records)
     assert sw.train_seconds(ce[1].run) == pytest.approx(seconds) and seconds > 0
     assert f"| TES-IS | {Path(data).name} | {seconds / 60:.1f} | 1 |" in text
+    # evaluate.py compare reads the runs' own predictions.jsonl (train.py's format), run folders as given.
+    result = evaluate.main(["compare", str(ce[0].run), str(ce[1].run)])
+    predicted = [[json.loads(x)["prediction"] for x in (c.run / "eval" / "test" / "predictions.jsonl").read_text()
+                  .splitlines()] for c in ce]
+    assert result["seeds"] == [42] and (result["a"], result["b"]) == ("CE", "TES-IS")
+    assert result["differing_predictions"] == sum(a != b for a, b in zip(*predicted)) and result["questions"] == 4
 
 
 def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path):

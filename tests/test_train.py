@@ -293,6 +293,32 @@ def test_resume_does_not_score_the_base_model_again(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "killed" / "selection.json").read_text())["last_epoch"] == 2
 
 
+def test_resume_after_a_kill_between_the_test_evaluations_runs_only_the_missing_one(tmp_path, monkeypatch):
+    """--test-checkpoint both, killed while scoring the selected epoch: the resumed run scores that one
+    and leaves the last epoch's finished evaluation as it is."""
+    from minimoe import evaluation
+    data = manifests(tmp_path, train=lambda pool: pool[:8], val=lambda pool: pool[16:20], test=lambda pool: pool[20:26])
+    flags = ["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(data), "--method", "ce",
+             "--batch-size", "8", "--epochs", "1", "--quiet", "--test-checkpoint", "both"]
+    calls, real = [], evaluation.evaluate_run
+
+    def evaluate_run(run, split="test", *, checkpoint=None, **kw):
+        calls.append(checkpoint)
+        if checkpoint == "selected" and len(calls) == 2:
+            raise SystemExit("killed while scoring the selected epoch")
+        return real(run, split, checkpoint=checkpoint, **kw)
+    monkeypatch.setattr(evaluation, "evaluate_run", evaluate_run)
+    with pytest.raises(SystemExit, match="killed while scoring"):
+        train.main(flags)
+    eval_dir = tmp_path / "run" / "eval"
+    assert calls == [None, "selected"] and {p.name for p in eval_dir.iterdir()} == {"test"}
+    written = (eval_dir / "test" / "metrics.json").stat().st_mtime_ns
+    train.main([*flags, "--resume"])
+    assert calls == [None, "selected", "selected"]
+    assert (eval_dir / "test" / "metrics.json").stat().st_mtime_ns == written
+    assert (eval_dir / "test-selected" / "metrics.json").is_file()
+
+
 def test_pickled_payload_in_training_state_is_not_run(tmp_path):
     """training_state.pt loads with weights_only=True: a file whose unpickling would make a folder is refused."""
     run = killed_after_epoch_1(tmp_path)

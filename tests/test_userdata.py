@@ -38,7 +38,7 @@ def train_and_evaluate(tmp_path, *flags):
     train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"),
                 *SMOKE, *flags])
     run = tmp_path / "run"
-    metrics = evaluate.main(["--adapter", str(run), "--out", str(tmp_path / "eval")])
+    metrics = evaluate.main(["--adapter", str(run), "--out-dir", str(tmp_path / "eval")])
     return run, json.loads((run / "config.json").read_text()), metrics
 
 

@@ -1,0 +1,76 @@
+"""The command lines together: console commands, device strings, old flag names, a bare sweep.py."""
+import configparser
+import shutil
+import subprocess
+import sys
+from importlib.metadata import PackageNotFoundError, distribution
+from pathlib import Path
+
+import pytest
+
+import evaluate
+import sweep
+import train
+
+REPO = Path(__file__).resolve().parents[1]
+COMMANDS = {"minimoe-train": "train.py", "minimoe-eval": "evaluate.py", "minimoe-sweep": "sweep.py",
+            "minimoe-export": "export.py", "minimoe-upcycle": "python -m minimoe.upcycle"}  # what --help names
+
+
+def declared_commands() -> dict:
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    lines = [line.split("=", 1) for line in cfg["options.entry_points"]["console_scripts"].splitlines() if line]
+    return {name.strip(): target.strip() for name, target in lines}
+
+
+def test_console_commands_are_declared_and_installed():
+    """setup.cfg declares the five; each target imports; where the package is installed with its entry
+    points (pip install -e ., as CI does), each command is on PATH and `--help` prints that script's help."""
+    declared = declared_commands()
+    assert set(declared) == set(COMMANDS)
+    for target in declared.values():
+        module, attr = target.split(":")
+        assert callable(getattr(__import__(module, fromlist=[attr]), attr)), target
+    try:
+        installed = {ep.name for ep in distribution("minimoe").entry_points if ep.group == "console_scripts"}
+    except PackageNotFoundError:
+        pytest.skip("minimoe is not installed (pip install -e .)")
+    assert set(COMMANDS) <= installed
+    runs = {name: subprocess.Popen([shutil.which(name) or str(Path(sys.executable).parent / name), "--help"],
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in COMMANDS}
+    for name, proc in runs.items():  # started together: each imports torch
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (name, err[-500:])
+        assert out.startswith(f"usage: {COMMANDS[name]} "), (name, out[:80])
+
+
+@pytest.mark.parametrize("text, ok", [("cuda:1", True), ("cuda", True), ("cpu", True), ("auto", True),
+                                      ("gpu", False), ("cuda:x", False)])
+def test_device_strings_are_accepted_alike(text, ok, capsys):
+    for parse in (lambda: train.parse_args(["--device", text]),
+                  lambda: evaluate.evaluate_parser().parse_args(["--device", text])):
+        if ok:
+            assert parse().device == text
+        else:
+            with pytest.raises(SystemExit):
+                parse()
+            assert "expected auto, cpu, cuda, cuda:N or mps" in capsys.readouterr().err
+
+
+def test_old_flag_names_set_the_new_ones_and_warn(capsys):
+    parser = evaluate.evaluate_parser()
+    new = parser.parse_args(["--eval-batch-size", "4", "--out-dir", "x"])
+    old = parser.parse_args(["--batch-size", "4", "--out", "x"])
+    assert "evaluate.py: warning: --batch-size is now --eval-batch-size" in capsys.readouterr().err
+    assert (old.eval_batch_size, old.out_dir) == (new.eval_batch_size, new.out_dir) == (4, Path("x"))
+    assert "--batch-size" not in parser.format_help() and "--eval-batch-size" in parser.format_help()
+    assert parser.parse_args(["report", "runs", "--out", "t.md"]).out == Path("t.md")  # report's own: a file
+
+
+def test_bare_sweep_lists_the_presets_and_runs_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert sweep.main([]) == []
+    out = capsys.readouterr().out
+    assert "--preset" in out and all(name in out for name in sweep.PRESETS)
+    assert not (tmp_path / "runs").exists()
