@@ -45,8 +45,8 @@ def data(tmp_path_factory):
 
 
 def sweep_args(out, data, *flags, extra=SMOKE):
-    return ["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "CE", "--seeds", "42",
-            "--out-dir", str(out), *flags, "--", *extra]
+    return ["--preset", "main", "--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "CE",
+            "--seeds", "42", "--out-dir", str(out), *flags, "--", *extra]
 
 
 @pytest.fixture(scope="module")
