@@ -360,7 +360,8 @@ def _identity(source: AdapterSource | None, *, model, data, split, net, batch_si
               split_record: dict) -> dict:
     """metrics.json's keys that say what was evaluated (the report groups by model, method, settings, dataset,
     seed; it counts only evaluations of the whole split, `diagnostics.partial_reason`)."""
-    return {**split_record, "model": str(model), "method": source.label if source else "native", "dataset": dataset_name(data), "data": str(data),
+    return {**split_record, "model": str(model), "method": source.label if source else "native",
+            "dataset": dataset_name(data), "data": str(data),
             "seed": source.run_config.get("seed") if source else None, "split": split,
             # Ablation settings off the row's defaults (lambda, layers, ...): part of the report key.
             "settings": ablation_settings(source.run_config) if source else {},
@@ -495,5 +496,6 @@ def accuracy_report(paths, *, seeds=PAPER_SEEDS, split: str = "test") -> tuple[s
                          f"{[str(p) for p in paths]}" + ("; partial: " + " ".join(partial) if partial else ""))
     table = accuracy_table(collect_metrics(kept), seeds=seeds)
     if partial:
-        table += "\nNot counted, partial evaluations (score the whole split to count them):\n" + "\n".join(partial) + "\n"
+        table += ("\nNot counted, partial evaluations (score the whole split to count them):\n"
+                  + "\n".join(partial) + "\n")
     return table, notes
