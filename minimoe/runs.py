@@ -73,11 +73,30 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> str:
-    """auto: bfloat16 on CUDA, float32 on CPU, in training and evaluation alike, so that a run's
-    end-of-run scores and a later evaluate.py of it agree."""
+def cpu_capabilities() -> dict:
+    """The processor's instruction sets as torch's cpuinfo reports them ({} where this torch cannot say)."""
+    if hasattr(torch.cpu, "get_capabilities"):  # torch >= 2.9
+        return dict(torch.cpu.get_capabilities())
+    probes = {"avx512_bf16": "_is_avx512_bf16_supported", "amx_bf16": "_is_amx_tile_supported"}  # older torch
+    return {name: getattr(torch._C._cpu, probe)() for name, probe in probes.items() if hasattr(torch._C._cpu, probe)}
+
+
+def native_bf16(capabilities: dict) -> bool:
+    """Whether a CPU with these capabilities (`cpu_capabilities()`) multiplies bf16 matrices natively:
+    AVX512-BF16 or AMX-BF16, where oneDNN's bf16 GEMMs run at about twice the fp32 rate. Elsewhere a
+    bf16 matmul is emulated through fp32 and slower than fp32 itself."""
+    return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
+
+
+def pick_dtype(name: str, device: torch.device, capabilities: dict | None = None) -> str:
+    """auto: bfloat16 on CUDA and on a CPU with native bf16 matrix instructions (`native_bf16`),
+    float32 on other CPUs and devices; in training and evaluation alike, so that a run's end-of-run scores and a
+    later evaluate.py of it agree. `capabilities` defaults to this machine's."""
     if name == "auto":
-        return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+        kind = torch.device(device).type
+        if kind == "cpu":
+            return "bfloat16" if native_bf16(cpu_capabilities() if capabilities is None else capabilities) else "float32"
+        return "bfloat16" if kind == "cuda" else "float32"
     if name not in DTYPES:
         raise ValueError(f"--dtype {name!r}; expected auto or one of {list(DTYPES)}")
     return name

@@ -18,8 +18,10 @@ Where cells run (no scheduler of our own):
 
 The report (report.md, report.csv in out_dir) reads whatever has finished and marks the rest; an
 evaluation that did not score the whole split the run declares (evaluate.py --max-examples, or an
-edited manifest) is not counted, and is listed. out_dir carries the "sweep" kind's marker; report.md
-and report.csv are replaced only if the sweep wrote them (atomic.write_owned_file).
+edited manifest) is not counted, and is listed. Presets with the paper's groups add the paired
+comparisons of each method with its control (`group_comparisons`, minimoe/compare.py's statistics),
+their numbers also in comparisons.json. out_dir carries the "sweep" kind's marker; the report files
+are replaced only if the sweep wrote them (atomic.write_owned_file).
 """
 from __future__ import annotations
 
@@ -243,6 +245,9 @@ def train_module():
     return train
 
 
+REPORT_FILES = ("report.md", "report.csv", "comparisons.json")  # what write_report writes into out_dir
+
+
 def claim_out_dir(out_dir) -> None:
     """Make out_dir a sweep folder (atomic.MARKER "sweep"), refusing one of another kind, and refuse
     report files there that the sweep did not write; before any cell runs."""
@@ -251,7 +256,7 @@ def claim_out_dir(out_dir) -> None:
     if kind not in (None, "sweep"):
         raise FileExistsError(f"--out-dir {out_dir}: holds {KINDS.get(kind, repr(kind))}, not a sweep; choose "
                               f"another --out-dir")
-    for name in ("report.md", "report.csv"):
+    for name in REPORT_FILES:
         check_owned_file(out_dir / name)
     if kind is None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -549,43 +554,55 @@ def control_of(cell: Cell, by_run: dict) -> Cell | None:
     return None
 
 
-def comparison_table(cells) -> tuple[str, list[str]]:
+def group_comparisons(cells) -> list[dict]:
     """Each method row against its control (`control_of`), per model and benchmark, paired by seed over
-    the seeds where both finished: compare.compare_pairs' accuracy difference (points, 95% paired
-    bootstrap over questions and seeds), exact McNemar p per seed, choice-NLL difference and the
-    questions whose prediction differs. -> (Markdown, notes on pairs that could not be compared)."""
+    the seeds where both finished -> one record per (model, benchmark, method): its control, the seed
+    pairs done ("pairs" of "of"), and compare.compare_pairs' "result" (accuracy difference with its
+    paired bootstrap interval, McNemar p per seed, choice-NLL difference, differing predictions), or
+    the "error" that kept them from being compared (evaluations of other questions, say)."""
     by_run = {c.run: c for c in cells}
     groups: dict[tuple, list] = {}  # (model, data, control row key, method row key) -> [(control, method) cells]
     for cell in cells:
         control = control_of(cell, by_run)
         if control is not None:
-            key = (Path(cell.model).name, cell.data, _row_key(control), _row_key(cell))
+            key = (Path(cell.model).name, Path(cell.data).name, _row_key(control), _row_key(cell))
             groups.setdefault(key, []).append((control, cell))
+    records = []
+    for (model, data, control_row, row), pairs in groups.items():
+        done = [(a, b) for a, b in pairs if _metrics(a) is not None and _metrics(b) is not None]  # whole splits
+        record = {"model": model, "dataset": data, "control": control_row, "method": row,
+                  "pairs": len(done), "of": len(pairs)}
+        if done:
+            try:
+                record["result"] = compare.compare_pairs([(compare.read_predictions(a.test_dir),
+                                                           compare.read_predictions(b.test_dir)) for a, b in done])
+            except (OSError, ValueError) as e:
+                record["error"] = str(e)
+        records.append(record)
+    return records
+
+
+def comparison_table(records) -> str:
+    """Markdown of `group_comparisons`: one line per method, then the pairs that could not be compared."""
     lines = ["| Model | Dataset | Control | Method | Seeds | Accuracy diff. (points) [95% CI] | McNemar p per seed "
              "| Choice NLL diff. [95% CI] | Predictions differing per seed |", "|---|---|---|---|---|---|---|---|---|"]
     notes = []
-    for (model, data, control_row, row), pairs in groups.items():
-        done = [(a, b) for a, b in pairs if _metrics(a) is not None and _metrics(b) is not None]  # whole splits
-        head = f"| {model} | {Path(data).name} | {control_row} | {row} | "
-        if not done:
-            lines.append(head + f"missing (0/{len(pairs)}) | | | | |")
-            continue
-        try:
-            result = compare.compare_pairs([(compare.read_predictions(a.test_dir), compare.read_predictions(b.test_dir))
-                                            for a, b in done])
-        except (OSError, ValueError) as e:
+    for r in records:
+        head = f"| {r['model']} | {r['dataset']} | {r['control']} | {r['method']} | "
+        if "error" in r:
             lines.append(head + "not compared (below) | | | | |")
-            notes.append(f"{row} vs {control_row}, {Path(data).name}: {e}")
+            notes.append(f"- {r['method']} vs {r['control']}, {r['dataset']}: {r['error']}")
             continue
-        seeds = ", ".join(str(s["seed"]) for s in result["per_seed"])
-        if len(done) < len(pairs):
-            seeds += f" (n={len(done)}/{len(pairs)})"
-        per_seed = result["per_seed"]
+        if "result" not in r:
+            lines.append(head + f"missing (0/{r['of']}) | | | | |")
+            continue
+        result, per_seed = r["result"], r["result"]["per_seed"]
+        seeds = ", ".join(str(s["seed"]) for s in per_seed) + (f" (n={r['pairs']}/{r['of']})" if r["pairs"] < r["of"] else "")
         lines.append(head + f"{seeds} | {compare.interval_text(result['accuracy_difference'], result['accuracy_interval'], 2)} | "
                      + ", ".join(compare.p_text(s["mcnemar"]["p"]) for s in per_seed) + " | "
                      + compare.interval_text(result["choice_nll_difference"], result["choice_nll_interval"], 4) + " | "
                      + ", ".join(str(s["differing_predictions"]) for s in per_seed) + f" of {result['questions']} |")
-    return "\n".join(lines) + "\n", notes
+    return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def error_figures(cells, folder) -> list[str]:
@@ -609,15 +626,16 @@ def error_figures(cells, folder) -> list[str]:
 
 
 def write_report(cells, out_dir, columns=("accuracy",), tables=()) -> str:
+    claim_out_dir(out_dir)  # before any file: never a report file the sweep did not write
     table, rows = report(cells, columns)
     extras = {"transform": ("Error-to-routing transform ablation", transform_table),
               "concentration": ("Affinity-concentration diagnostics", concentration_table),
               "wall_time": ("Wall time", wall_time_table)}
     for name in tables:
-        if name == "comparisons":
-            text, notes = comparison_table(cells)
-            table += (f"\n## {COMPARISONS_TITLE}\n\n{COMPARISONS_ABOUT}\n\n" + text
-                      + "".join(f"\n- {n}" for n in notes) + ("\n" if notes else ""))
+        if name == "comparisons":  # the table, and every number of it in comparisons.json
+            comparisons = group_comparisons(cells)
+            table += f"\n## {COMPARISONS_TITLE}\n\n{COMPARISONS_ABOUT}\n\n" + comparison_table(comparisons)
+            write_owned_file(Path(out_dir) / "comparisons.json", json.dumps(comparisons, indent=2) + "\n")
             continue
         title, make = extras[name]
         table += f"\n## {title}\n\n" + make(cells)
@@ -631,7 +649,6 @@ def write_report(cells, out_dir, columns=("accuracy",), tables=()) -> str:
     if partial:
         text += "\nNot counted (evaluate them on the whole split to count them):\n" + "\n".join(partial) + "\n"
     out_dir = Path(out_dir)
-    claim_out_dir(out_dir)
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]) if rows else ["run"])
     writer.writeheader()

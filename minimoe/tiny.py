@@ -42,7 +42,7 @@ def build_tiny_checkpoint(folder, *, seed: int = 0, vocab_size: int = 2048) -> P
 
 def tiny_checkpoint() -> Path:
     """weights/tiny-olmoe, built on first use."""
-    root = Path(default_weights_dir() or "weights")
+    root = Path(default_weights_dir())
     folder = root / TINY_NAME
     if not (folder / "config.json").is_file():
         build_tiny_checkpoint(folder)

@@ -2,8 +2,13 @@
 
     python -m minimoe.upcycle HuggingFaceTB/SmolLM2-135M-Instruct weights/smollm2-moe --experts 4 --top-k 2
     python -m minimoe.upcycle SmolLM2-135M-Instruct.Q4_1.gguf weights/smollm2-135m-moe
+    python -m minimoe.upcycle SmolLM2-135M-Instruct.Q4_1.gguf weights/smollm2-split --mode split   # 16 experts, top-8
 
 Sources: a folder (or hub id) in the `LlamaForCausalLM` safetensors layout, or a llama.cpp `.gguf` file.
+
+--mode split divides the neurons among the experts instead and fits a router, so that the choice of
+experts matters (minimoe/split.py); what follows describes the default copy mode, which split mode
+also uses for everything but the MLPs.
 
 Why the result is exact: every expert is a copy of the dense MLP (gate rows then up rows into
 `input_linear[e]`, down into `output_linear[e]`), and Granite renormalises the top-K weights to sum
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -252,15 +258,22 @@ def upcycle_tensors(config: MoEConfig, dense: dict[str, torch.Tensor], *, seed: 
 
 
 def upcycle(source, out_dir, *, num_experts: int = 4, top_k: int = 2, seed: int = 0, noise: float = 0.0,
-            dtype: torch.dtype | None = None) -> Path:
+            dtype: torch.dtype | None = None, mode: str = "copy", split: dict | None = None) -> Path:
     """Write a Granite-MoE checkpoint (config.json, model.safetensors, tokenizer.json) into `out_dir`, atomically.
 
-    dtype None keeps the source's: fp32 for GGUF (dequantised), the config's torch_dtype for safetensors.
+    mode "copy": E copies of each MLP (exact). mode "split": the neurons divided among E experts with a
+    fitted router (minimoe/split.py); `split` holds SplitSettings fields beyond experts, top-k and seed,
+    and the folder also gets split.json. dtype None keeps the source's: fp32 for GGUF (dequantised), the
+    config's torch_dtype for safetensors.
     """
+    if mode not in ("copy", "split"):
+        raise UpcycleError(f"mode {mode!r}; expected 'copy' or 'split'")
     if not 1 <= top_k <= num_experts:
         raise UpcycleError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
-    if noise < 0:
-        raise UpcycleError(f"noise {noise} must be >= 0")
+    if noise < 0 or (noise and mode == "split"):
+        raise UpcycleError(f"noise {noise} must be >= 0, and 0 in split mode (its experts differ already)")
+    if split and mode != "split":
+        raise UpcycleError(f"split settings {sorted(split)} given with mode {mode!r}; expected mode 'split'")
     check_replaceable(out_dir, "model")  # before the work: never over an export, a run or foreign files
     try:
         if str(source).endswith(".gguf"):
@@ -275,8 +288,35 @@ def upcycle(source, out_dir, *, num_experts: int = 4, top_k: int = 2, seed: int 
         raise
     except (OSError, ValueError, KeyError, IndexError) as e:  # a corrupt file, as the reader library reports it
         raise UpcycleError(f"{source}: cannot be read ({type(e).__name__}: {e})") from e
-    config = moe_config(llama, num_experts, top_k, dtype)
-    tensors = upcycle_tensors(config, dense, seed=seed, noise=noise, dtype=dtype)
+    record = None
+    if mode == "copy":
+        config = moe_config(llama, num_experts, top_k, dtype)
+        model = assemble(config, upcycle_tensors(config, dense, seed=seed, noise=noise, dtype=dtype))
+    else:  # split in fp32 from the one-expert copy (the dense model), then cast
+        from minimoe import split as splitting
+        settings = splitting.SplitSettings(num_experts=num_experts, top_k=top_k, seed=seed, **(split or {}))
+        splitting.check_settings(settings, llama["intermediate_size"])
+        t0 = time.perf_counter()
+        config = moe_config(llama, 1, 1, torch.float32)
+        one = assemble(config, upcycle_tensors(config, dense, seed=seed, noise=0.0, dtype=torch.float32))
+        docs = [d for d in splitting.prose_documents() if not splitting.held_out(d[0])]
+        ids = splitting.token_rows(tokenizer, docs, settings.fit_tokens, settings.seq_len, settings.seed,
+                                   llama.get("eos_token_id"))
+        model, stats = splitting.split_model(one, ids, settings)
+        model = model.to(dtype)
+        model.config.torch_dtype = str(dtype).removeprefix("torch.")
+        record = splitting.record(settings, stats, time.perf_counter() - t0)
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir, "model") as tmp:
+        write_checkpoint(model, tmp)
+        tokenizer.save(str(tmp / "tokenizer.json"))
+        if record is not None:
+            (tmp / "split.json").write_text(json.dumps(record, indent=1) + "\n")
+    return out_dir
+
+
+def assemble(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> MoEForCausalLM:
+    """Our parameter names -> a model holding exactly those tensors (no random init)."""
     with torch.device("meta"):
         model = MoEForCausalLM(config)
     for name, value in tensors.items():
@@ -286,31 +326,51 @@ def upcycle(source, out_dir, *, num_experts: int = 4, top_k: int = 2, seed: int 
                                f"{tuple(model.get_parameter(name).shape)}")
         model.get_submodule(module)._parameters[leaf] = nn.Parameter(value, requires_grad=False)
     model.tie_weights()
-    out_dir = Path(out_dir)
-    with atomic_directory(out_dir, "model") as tmp:
-        write_checkpoint(model, tmp)
-        tokenizer.save(str(tmp / "tokenizer.json"))
-    return out_dir
+    return model
 
 
 def main(argv=None):
+    from minimoe.allocator import keep_freed_memory
+    from minimoe.split import SplitError, SplitSettings
+    d = SplitSettings()
     p = argparse.ArgumentParser(prog="python -m minimoe.upcycle", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="a .gguf file, or a LlamaForCausalLM safetensors folder or hub id")
     p.add_argument("out", help="output checkpoint folder (replaced whole, atomically)")
-    p.add_argument("--experts", type=int, default=4, help="experts per layer, each a copy of the dense MLP (default 4)")
-    p.add_argument("--top-k", type=int, default=2, help="experts run per token (default 2)")
-    p.add_argument("--seed", type=int, default=0, help="router init seed (default 0)")
-    p.add_argument("--noise", type=float, default=0.0,
-                   help="symmetry-breaking noise, relative to each matrix's std (default 0: exact upcycling)")
+    p.add_argument("--mode", choices=["copy", "split"], default="copy",
+                   help="copy: every expert is the dense MLP (exact); split: the neurons divided among the experts "
+                        "with a fitted router (minimoe/split.py) (default copy)")
+    p.add_argument("--experts", type=int, help="experts per layer (default 4 copy, 16 split)")
+    p.add_argument("--top-k", type=int, help="experts run per token (default 2 copy, 8 split)")
+    p.add_argument("--seed", type=int, default=0, help="router init seed (copy), clustering and text order (split) "
+                                                       "(default 0)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], help="saved dtype (default: the source's)")
+    copy = p.add_argument_group("copy mode")
+    copy.add_argument("--noise", type=float, default=0.0,
+                      help="symmetry-breaking noise, relative to each matrix's std (default 0: exact upcycling)")
+    split = p.add_argument_group("split mode")
+    split.add_argument("--shared", type=int, default=d.shared, help="neurons in every expert, the most important "
+                       "(default %(default)s; experts must divide intermediate_size - shared)")
+    split.add_argument("--fit-tokens", type=int, default=d.fit_tokens,
+                       help="tokens of fitting prose (default %(default)s)")
+    split.add_argument("--router-std", type=float, default=d.router_std,
+                       help="per-token std of the router logits across experts; 0: a zero router "
+                            "(default %(default)s)")
+    split.add_argument("--no-repair", dest="repair", action="store_false",
+                       help="keep the dense down projections (scaled) instead of refitting them")
     args = p.parse_args(argv)
+    keep_freed_memory()
+    split_mode = args.mode == "split"
+    experts = args.experts or (d.num_experts if split_mode else 4)
+    top_k = args.top_k or (d.top_k if split_mode else 2)
+    options = {"shared": args.shared, "fit_tokens": args.fit_tokens, "router_std": args.router_std,
+               "repair": args.repair} if split_mode else None
     try:
-        out = upcycle(args.source, args.out, num_experts=args.experts, top_k=args.top_k, seed=args.seed,
-                      noise=args.noise, dtype=getattr(torch, args.dtype) if args.dtype else None)
-    except (OSError, ValueError, KeyError) as e:  # UpcycleError is a ValueError; each names the file
+        out = upcycle(args.source, args.out, num_experts=experts, top_k=top_k, seed=args.seed, noise=args.noise,
+                      dtype=getattr(torch, args.dtype) if args.dtype else None, mode=args.mode, split=options)
+    except (OSError, ValueError, KeyError) as e:  # UpcycleError and SplitError are ValueErrors; each names the file
         p.exit(2, f"upcycle: error: {e}\n")
-    print(f"upcycled {args.source} -> {out} ({args.experts} experts, top-{args.top_k})")
+    print(f"upcycled ({args.mode}) {args.source} -> {out} ({experts} experts, top-{top_k})")
 
 
 if __name__ == "__main__":

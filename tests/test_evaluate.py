@@ -286,8 +286,11 @@ def test_tes_run_folder_gives_error_prediction_diagnostics_and_plot(toy, tmp_pat
     from minimoe.lora import load_adapter
     model = load_adapter(from_pretrained(toy["models"]["olmoe"]), run / "checkpoints" / "epoch-2")
     in_memory = evaluate_run(run, model=model, tokenizer=load_tokenizer(toy["models"]["olmoe"]), batch_size=8)
+    # provenance: the loading process's for evaluate.py, the training process's (config.json) in memory
+    assert in_memory.pop("provenance") is None and metrics.pop("provenance")["weights"]["source"] == "local"
     assert in_memory == metrics
-    assert json.loads((run / "eval" / "test" / "metrics.json").read_text()) == metrics
+    written = json.loads((run / "eval" / "test" / "metrics.json").read_text())
+    assert written.pop("provenance") is None and written == metrics
 
     selected = resolve_adapter(run, "selected")
     assert (selected.folder, selected.epoch, selected.router["method"]) == (run / "checkpoints" / "epoch-1", 1, "tes")
@@ -482,11 +485,11 @@ def test_help_names_the_report_command(capsys):
 
 
 def test_report_is_an_argparse_command(capsys):
-    """--help lists `report` and `compare` as commands with their own --help; an evaluation option before
+    """--help lists `report`, `compare` and `plot` as commands with their own --help; an evaluation option before
     one is refused, not dropped."""
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["--help"])
-    assert exit_info.value.code == 0 and "{report,compare}" in capsys.readouterr().out
+    assert exit_info.value.code == 0 and "{report,compare,plot}" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["report", "--help"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("usage: evaluate.py report")
