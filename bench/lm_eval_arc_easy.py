@@ -42,7 +42,7 @@ metric_list:
     higher_is_better: true
 """)
 for model in sys.argv[2:]:
-    args = f"pretrained={folder}" + (",dtype=float32,device=cpu" if model == "hf" else "")
+    args = f"pretrained={folder},dtype=float32" + (",device=cpu" if model == "hf" else "")
     t0 = time.perf_counter()
     out = lm_eval.simple_evaluate(model=model, model_args=args, tasks=["arc_easy_offline"],
                                   task_manager=TaskManager(include_path=str(root)), batch_size=16)

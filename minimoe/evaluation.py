@@ -57,6 +57,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from minimoe.adapters import load_adapter
 from minimoe.atomic import check_replaceable
 from minimoe.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer, resolve_checkpoint
 from minimoe.config import ablation_settings
@@ -64,7 +65,6 @@ from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split, split_sh
 from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, concentration_summary,
                                  decile_curve, error_prediction_summary, group_by_layer_token,
                                  metrics_files, partial_reason, plot_error_prediction, population_moments)
-from minimoe.lora import load_adapter
 from minimoe.provenance import provenance
 from minimoe.routing import native_concentration
 from minimoe.runs import AdapterSource, pad_id, pick_device, pick_dtype, read_json, resolve_adapter

@@ -30,6 +30,8 @@ Decisions (matching lm-eval's `hf` model, which the tests compare against on the
 """
 from __future__ import annotations
 
+import logging
+
 import lm_eval.models  # noqa: F401  lm-eval's own table first: get_model() skips it once the registry is not empty
 import torch
 from lm_eval.api.model import LM
@@ -37,11 +39,13 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from minimoe.adapters import load_adapter
 from minimoe.checkpoint import DTYPES, from_pretrained, load_tokenizer, resolve_checkpoint
 from minimoe.generate import generate
-from minimoe.lora import load_adapter
 from minimoe.runs import pad_id, pick_device, pick_dtype, read_json, resolve_adapter
 from minimoe.scoring import forward_choices, pack_choices
+
+log = logging.getLogger(__name__)
 
 
 def _flag(value) -> bool:
@@ -62,6 +66,9 @@ class MiniMoELM(LM):
             raise ValueError("model_args: pass pretrained=FOLDER_OR_HUB_ID (or adapter=RUN, whose config.json names it)")
         if revision is None and str(pretrained) == run_config.get("model"):
             revision = run_config.get("model_revision")
+        if str(device).startswith("cuda") and not torch.cuda.is_available():  # lm-eval's CLI passes cuda:0 by default
+            log.warning("device %s: no CUDA device is available; running on the CPU (as lm-eval's hf model does)", device)
+            device = "cpu"
         torch_device = pick_device(device)
         folder = resolve_checkpoint(pretrained, run_config.get("cache_dir"), revision)
         self.model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, torch_device)], device=torch_device)

@@ -43,10 +43,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from minimoe.adapters import load_adapter, save_adapter, trainable_parameters
 from minimoe.atomic import atomic_file
 from minimoe.config import TrainConfig
 from minimoe.evaluation import diagnosed_layers, evaluate_split
-from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
+from minimoe.lora import add_lora
 from minimoe.objectives import load_balancing_loss, supervision_loss
 from minimoe.routing import METHOD_OPTIONS, set_router
 from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,

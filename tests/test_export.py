@@ -10,7 +10,8 @@ from conftest import tiny_model
 from export import main
 from minimoe.checkpoint import save_pretrained
 from minimoe.export import export_peft
-from minimoe.lora import add_lora, export_merged, save_adapter
+from minimoe.adapters import export_merged, save_adapter
+from minimoe.lora import add_lora
 from minimoe.routing import set_router
 from minimoe.tiny import tiny_checkpoint
 

@@ -11,10 +11,11 @@ pytest.importorskip("transformers")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
+from minimoe.adapters import save_adapter  # noqa: E402
 from minimoe.checkpoint import from_pretrained, save_pretrained  # noqa: E402
 from minimoe.data import load_split  # noqa: E402
 from minimoe.lm_eval import MiniMoELM  # noqa: E402
-from minimoe.lora import add_lora, save_adapter  # noqa: E402
+from minimoe.lora import add_lora  # noqa: E402
 from minimoe.routing import set_router  # noqa: E402
 from minimoe.tiny import tiny_checkpoint  # noqa: E402
 
@@ -118,3 +119,9 @@ def test_tes_adapter_scores_each_request_as_a_plain_forward(sharp, tmp_path):
         want.append(sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(cont)))
     assert got == pytest.approx(want, abs=1e-4)
     assert max(abs(a - b) for a, (b, _) in zip(got, base.loglikelihood(requests))) > 1e-2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where CUDA is missing")
+def test_the_cli_default_device_falls_back_to_the_cpu_without_cuda(sharp):
+    """lm-eval's CLI passes device=cuda:0 unless told otherwise; as its hf model, we then run on the CPU."""
+    assert MiniMoELM(pretrained=str(sharp), device="cuda:0").model.device.type == "cpu"

@@ -13,7 +13,7 @@ import train
 from conftest import tiny_config, tiny_model
 from minimoe import from_pretrained, load_tokenizer
 from minimoe.data import BENCHMARKS, Example, format_choice, format_prompt, load_split
-from minimoe.lora import trainable_parameters
+from minimoe.adapters import trainable_parameters
 from minimoe.objectives import load_balancing_loss
 from minimoe.tiny import tiny_checkpoint
 from minimoe.config import RECIPES, TrainConfig, recipe_train_examples
@@ -218,7 +218,7 @@ def test_merged_export_rounds_a_tuned_fp32_gate_to_the_model_dtype(tmp_path):
     keeps its fp32 gate afterwards."""
     from safetensors.torch import load_file
 
-    from minimoe.lora import export_merged
+    from minimoe.adapters import export_merged
     model = tiny_model("olmoe").to(torch.bfloat16)
     install_method(model, method_cfg(method="ce", tune_router=True))
     gate = model.model.layers[-1].mlp.gate
