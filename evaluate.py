@@ -133,7 +133,8 @@ def add_report_command(commands):
     p.add_argument("--seeds", type=int, nargs="+", default=list(PAPER_SEEDS),
                    help=f"seeds to include (default: {' '.join(map(str, PAPER_SEEDS))})")
     p.add_argument("--split", default="test", choices=SPLITS, help="split to tabulate (default: %(default)s)")
-    p.add_argument("--out", type=Path, help="also write the Markdown table here")
+    p.add_argument("--out", type=Path, help="also write the Markdown table here; an existing file is replaced only "
+                                            "if evaluate.py wrote it and it is unchanged since")
 
 
 def add_compare_command(commands):
@@ -150,18 +151,19 @@ def add_compare_command(commands):
                "runs/m-sciq-CE-seed43 runs/m-sciq-ACS-IS-seed43 --out ce-vs-acs.json")
     p.add_argument("pairs", nargs="+", type=Path, metavar="A B",
                    help="run or evaluation folders, in pairs: control A then method B, one pair per seed")
-    p.add_argument("--out", type=Path, help="also write the numbers as JSON here")
+    p.add_argument("--out", type=Path, help="also write the numbers as JSON here; an existing file is replaced only "
+                                            "if evaluate.py wrote it and it is unchanged since")
 
 
 def compare(args) -> dict:
-    from minimoe.atomic import atomic_file
+    from minimoe.atomic import check_owned_file, write_owned_file
     from minimoe.compare import compare_paths, pair_table
+    if args.out is not None:
+        check_owned_file(args.out)  # before the work: never a file evaluate.py did not write
     result = compare_paths(args.pairs)
     print(pair_table(result), end="")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(args.out) as tmp:
-            tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_owned_file(args.out, json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -175,14 +177,16 @@ def add_plot_command(commands):
 
 
 def report(args) -> str:
+    from minimoe.atomic import check_owned_file, write_owned_file
     from minimoe.evaluation import accuracy_report
+    if args.out is not None:
+        check_owned_file(args.out)  # before the work: replaces only a report it wrote before, never README.md
     table, notes = accuracy_report(args.paths, seeds=args.seeds, split=args.split)
     for note in notes:
         print(note, file=sys.stderr)
     print(table, end="")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table, encoding="utf-8")
+        write_owned_file(args.out, table)
     return table
 
 

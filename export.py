@@ -32,12 +32,15 @@ def main(argv=None):
     p.add_argument("--base-model", help="base_model_name_or_path to write, or with --merged the base checkpoint to "
                                         "merge into (default: the model the adapter was trained on, as recorded with it)")
     args = p.parse_args(argv)
-    if args.merged:
-        out = export_merged_adapter(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
-        print(f"merged checkpoint: {out}")
-    else:
-        out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
-        print(f"peft adapter: {out}")
+    try:
+        if args.merged:
+            out = export_merged_adapter(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
+            print(f"merged checkpoint: {out}")
+        else:
+            out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
+            print(f"peft adapter: {out}")
+    except (OSError, ValueError, KeyError) as e:  # bad input, a refused OUT, a full disk: one line naming the file
+        p.exit(2, f"export.py: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@
 The default run's model (weights/smollm2-135m-moe, built on first use) with its method (TES-IS,
 recipe granite: LoRA r8 on q, k, v and the experts), as train.py installs it. "train step" is one
 micro-batch of 8 SciQ train examples, forward and backward, plus AdamW's step; "scoring batch" is
-one evaluate_split batch of 16 test examples (packed rows, diagnostics on). Each is run twice
-before the profiled run, so that the allocator's heap and oneDNN's kernel cache are warm.
+one evaluate_split batch of 16 test examples (packed rows, diagnostics on). Each is run --warmup
+times (2) before the profiled run, so that the allocator's heap and oneDNN's kernel cache are warm.
 The tables (self CPU time per op, its share of the profiled total) go to stdout and
 bench/results/profile-default.md.
 """
@@ -42,7 +42,7 @@ def top_ops(prof, n: int) -> tuple[float, list[tuple[str, float, int]]]:
     return total, [(e.key, e.self_cpu_time_total / 1e6, e.count) for e in events[:n]]
 
 
-def profiled(fn, warmup: int = 2):
+def profiled(fn, warmup: int):
     for _ in range(warmup):
         fn()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -62,6 +62,7 @@ def main(argv=None):
     p.add_argument("--model", help="default: the default run's model, weights/smollm2-135m-moe")
     p.add_argument("--dtypes", default="bfloat16,float32", help="comma list (default: %(default)s)")
     p.add_argument("--top", type=int, default=10, help="ops per table (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=2, help="unprofiled runs first (default: %(default)s)")
     p.add_argument("--data-dir", default="runs/splits", help="where the SciQ split manifests are built")
     args = p.parse_args(argv)
     keep_freed_memory()  # as train.py does
@@ -86,12 +87,13 @@ def main(argv=None):
             optimizer.zero_grad(set_to_none=True)
 
         out.append(table(f"{dtype}, train step (8 examples, {int(batch.attention_mask.sum())} tokens)",
-                         profiled(train_step), args.top))
+                         profiled(train_step, args.warmup), args.top))
+        print(out[-1], flush=True)
         out.append(table(f"{dtype}, scoring batch (16 examples)",
-                         profiled(lambda: evaluate_split(model, tok, test, batch_size=16)), args.top))
+                         profiled(lambda: evaluate_split(model, tok, test, batch_size=16), args.warmup), args.top))
+        print(out[-1], flush=True)
         del model, optimizer
     text = "\n\n".join(out) + "\n"
-    print(text)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "profile-default.md").write_text(text)
 

@@ -220,7 +220,7 @@ def export_merged(model: MoEForCausalLM, path, *, copy_files=()):
                 originals[f"model.layers.{i}.mlp.gate"] = layer.mlp.gate.weight.data
                 layer.mlp.gate.weight.data = layer.mlp.gate.weight.data.to(model.dtype)
     try:
-        with atomic_directory(path, "checkpoint") as tmp:
+        with atomic_directory(path, "merged-model") as tmp:
             write_checkpoint(model, tmp)
             for file in map(Path, copy_files):
                 shutil.copyfile(file, tmp / file.name)

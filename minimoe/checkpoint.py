@@ -319,7 +319,7 @@ def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model: MoEForCausalLM, path, *, max_shard_bytes: int = 5 * 2**30):
     """Write config.json and safetensors in the official layout (sharded past max_shard_bytes), atomically."""
-    with atomic_directory(path, "checkpoint") as tmp:
+    with atomic_directory(path, "model") as tmp:
         write_checkpoint(model, tmp, max_shard_bytes=max_shard_bytes)
 
 

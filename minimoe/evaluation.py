@@ -61,10 +61,10 @@ from minimoe.adapters import load_adapter
 from minimoe.atomic import check_replaceable
 from minimoe.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer, resolve_checkpoint
 from minimoe.config import ablation_settings
-from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split
+from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split, split_sha256
 from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, concentration_summary,
                                  decile_curve, error_prediction_summary, group_by_layer_token,
-                                 metrics_files, plot_error_prediction, population_moments)
+                                 metrics_files, partial_reason, plot_error_prediction, population_moments)
 from minimoe.provenance import provenance
 from minimoe.routing import native_concentration
 from minimoe.runs import AdapterSource, pad_id, pick_device, pick_dtype, read_json, resolve_adapter
@@ -274,6 +274,11 @@ def json_safe(value):
 
 # ----------------------------------------------------------------------------- what to evaluate
 
+def split_record(data, split: str, data_dir, examples: list[Example]) -> dict:
+    """metrics.json's record of the split scored: its manifest's sha256 and its size, all of it."""
+    return {"split_sha256": split_sha256(data, split, data_dir), "split_examples": len(examples)}
+
+
 def load_examples_for(data, split: str, data_dir, max_examples: int | None = None) -> list[Example]:
     """A benchmark name (registered manifests under data_dir), a folder of <split>.jsonl manifests (as
     train.py's --data takes), or one .jsonl manifest: named after a split it must match `split`, named
@@ -360,9 +365,12 @@ def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_ex
     return result
 
 
-def _identity(source: AdapterSource | None, *, model, data, split, net, batch_size, max_examples, max_length) -> dict:
-    """metrics.json's keys that say what was evaluated (the report groups by model, method, settings, dataset, seed)."""
-    return {"model": str(model), "method": source.label if source else "native", "dataset": dataset_name(data), "data": str(data),
+def _identity(source: AdapterSource | None, *, model, data, split, net, batch_size, max_examples, max_length,
+              split_record: dict) -> dict:
+    """metrics.json's keys that say what was evaluated (the report groups by model, method, settings, dataset,
+    seed; it counts only evaluations of the whole split, `diagnostics.partial_reason`)."""
+    return {**split_record, "model": str(model), "method": source.label if source else "native",
+            "dataset": dataset_name(data), "data": str(data),
             "seed": source.run_config.get("seed") if source else None, "split": split,
             # Ablation settings off the row's defaults (lambda, layers, ...): part of the report key.
             "settings": ablation_settings(source.run_config) if source else {},
@@ -404,6 +412,7 @@ def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: s
     max_length = max_length or run_config.get("max_length")
     torch_device = pick_device(device)
     dtype = pick_dtype(dtype, torch_device)
+    whole = load_examples_for(data, split, data_dir)
     examples = load_examples_for(data, split, data_dir, max_examples)
     train_examples = None
     if _wants_train_population(train_split_diagnostics, source, split):
@@ -415,7 +424,8 @@ def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: s
     if source is not None:
         load_adapter(net, source.folder, allow_other_base=allow_other_base)
     identity = _identity(source, model=model, data=data, split=split, net=net, batch_size=batch_size,
-                         max_examples=max_examples, max_length=max_length)
+                         max_examples=max_examples, max_length=max_length,
+                         split_record=split_record(data, split, data_dir, whole))
     identity["provenance"] = provenance(model, folder, revision=model_revision, device=torch_device)
     return score_and_write(net, tokenizer, examples, out, identity, train_examples=train_examples,
                            batch_size=batch_size, max_length=max_length, packed=packed, quiet=quiet)
@@ -453,7 +463,8 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=N
         train_examples = train_data if train_data is not None else load_examples_for(
             train_data_for(run_data), "train", data_dir, _train_limit(None, cfg))
     identity = _identity(source, model=cfg.get("model"), data=run_data, split=split, net=model,
-                         batch_size=batch_size, max_examples=None, max_length=cfg.get("max_length"))
+                         batch_size=batch_size, max_examples=None, max_length=cfg.get("max_length"),
+                         split_record=split_record(run_data, split, data_dir, examples))
     identity["provenance"] = cfg.get("provenance")  # the process that trained the model in memory (config.json)
     return score_and_write(model, tokenizer, examples, out, identity, train_examples=train_examples,
                            batch_size=batch_size, max_length=cfg.get("max_length"), packed=cfg.get("packed", True),
@@ -468,7 +479,8 @@ def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test"
     the base model its own row beside the trained ones (the same number for every seed).
     """
     identity = _identity(None, model=cfg.model, data=cfg.data, split=split, net=model,
-                         batch_size=cfg.eval_batch_size, max_examples=None, max_length=cfg.max_length)
+                         batch_size=cfg.eval_batch_size, max_examples=None, max_length=cfg.max_length,
+                         split_record=split_record(cfg.data, split, cfg.data_dir, examples))
     identity.update(method="zero-shot", seed=cfg.seed, run=str(run))
     return score_and_write(model, tokenizer, examples, Path(run) / "eval" / f"{split}-base", identity,
                            batch_size=cfg.eval_batch_size, max_length=cfg.max_length, quiet=cfg.quiet)
@@ -479,17 +491,27 @@ def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test"
 def accuracy_report(paths, *, seeds=PAPER_SEEDS, split: str = "test") -> tuple[str, list[str]]:
     """metrics.json files (or folders searched recursively) -> (Markdown table, notes on skipped files).
 
-    Evaluations without a seed (a base model: no run) and of other splits are skipped, not errors.
+    Evaluations without a seed (a base model: no run) and of other splits are skipped, not errors;
+    so are partial evaluations (`diagnostics.partial_reason`), each listed under the table.
     """
-    kept, notes = [], []
+    kept, notes, partial = [], [], []
     for f in metrics_files(paths):
         record = read_json(f)
-        if record.get("seed") is None:
+        run_config = Path(record["run"]) / "config.json" if record.get("run") else None
+        why = partial_reason(record, read_json(run_config) if run_config and run_config.is_file() else None)
+        if why:
+            partial.append(f"- {f}: {why}")
+        elif record.get("seed") is None:
             notes.append(f"skipped {f}: no seed (not a training run)")
         elif record.get("split", split) != split:
             notes.append(f"skipped {f}: split {record.get('split')!r}, not {split!r}")
         else:
             kept.append(f)
     if not kept:
-        raise ValueError(f"no metrics.json with a seed and split {split!r} under {[str(p) for p in paths]}")
-    return accuracy_table(collect_metrics(kept), seeds=seeds), notes
+        raise ValueError(f"no metrics.json of a whole split with a seed and split {split!r} under "
+                         f"{[str(p) for p in paths]}" + ("; partial: " + " ".join(partial) if partial else ""))
+    table = accuracy_table(collect_metrics(kept), seeds=seeds)
+    if partial:
+        table += ("\nNot counted, partial evaluations (score the whole split to count them):\n"
+                  + "\n".join(partial) + "\n")
+    return table, notes

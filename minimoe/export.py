@@ -117,7 +117,7 @@ def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_
         "init_lora_weights": True, "inference_mode": True,
     }
     out_dir = Path(out_dir)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, "peft-adapter") as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n", encoding="utf-8")

@@ -40,7 +40,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.checkpoint import LAYER_KEYS
-from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul
+from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul, scaled
 from minimoe.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -70,8 +70,8 @@ class LoRAMixin:
         return x.to(dtype), self.lora_A.to(dtype), self.lora_B.to(dtype)
 
     def add_delta(self, y, delta):
-        """y + scale * delta, rounded once to y's dtype."""
-        return (y + self.scale * delta).to(y.dtype)
+        """y + scale * delta, rounded once to y's dtype; no multiply at scale 1 (alpha = r, the paper's)."""
+        return (y + scaled(delta, self.scale)).to(y.dtype)
 
     def delta_weight(self):
         """scale * B A in fp32, shaped like the base weight, with OLMoE's gate/up blocks kept apart."""

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from minimoe.atomic import atomic_file
+from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
 from minimoe.checkpoint import DTYPES
 
 log = logging.getLogger(__name__)
@@ -202,10 +202,20 @@ def resolve_adapter(path, checkpoint: str | None = None) -> AdapterSource:
 
 @contextmanager
 def run_lock(run: Path):
-    """Hold the run folder's exclusive lock inside the block (creating the folder if needed)."""
-    run.mkdir(parents=True, exist_ok=True)
+    """Hold the run folder's exclusive lock inside the block. `run` must be a run folder already
+    (atomic.MARKER of kind "run"): the lock is never written anywhere else. The lock file is opened
+    without following a symlink (O_NOFOLLOW), so a link planted there cannot make us write elsewhere."""
+    if written_kind(run) != "run":
+        raise FileNotFoundError(f"{run}: not a train.py run folder (no {MARKER} of kind 'run'); refusing to "
+                                f"write {LOCK} there")
     path = run / LOCK
-    with open(path, "a+") as f:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if path.is_symlink():
+            raise OSError(f"{path}: is a symbolic link; refusing to follow it (remove it, then run again)") from None
+        raise OSError(f"{path}: cannot open the run's lock ({e.strerror or e})") from None
+    with os.fdopen(fd, "r+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -213,14 +223,75 @@ def run_lock(run: Path):
             holder = f.read().strip() or "unknown"
             raise RunInUse(f"{run}: in use by process {holder} (it holds {path}); wait for it to end or stop it, "
                            f"or choose another --run-name") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+        except OSError as e:
+            raise OSError(f"{path}: could not write the lock holder's pid ({e.strerror or e}); check free disk "
+                          f"space") from e
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def is_run_record(config: Path) -> bool:
+    """A config.json that train.py wrote (a run's record, not a model's config)."""
+    try:
+        record = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "model_config" in record and "label" in record
+
+
+def is_run_folder(run: Path) -> bool:
+    """A folder marked as a run, or one an older version wrote without the marker (its config.json a run's)."""
+    kind = written_kind(run)
+    return kind == "run" or (kind is None and is_run_record(run / "config.json"))
+
+
+def claim_run_folder(run: Path, *, resume: bool) -> bool:
+    """Make `run` a run folder (atomic.MARKER of kind "run") before anything is written into it; returns
+    True when this call created it. A new run needs an absent folder; --resume needs a run folder
+    (one that an older version wrote without the marker is recognised by its config.json)."""
+    if not resume:
+        try:
+            run.mkdir(parents=True)
+        except FileExistsError:
+            raise FileExistsError(f"{run}: exists; pass --resume to continue it, --rerun to start it again, or "
+                                  f"choose another --run-name") from None
+        try:
+            mark(run, "run")
+        except OSError:
+            run.rmdir()
+            raise
+        return True
+    if not is_run_folder(run):
+        kind = written_kind(run)
+        what = KINDS.get(kind, repr(kind)) if kind else "not a train.py run folder (no config.json of a run)"
+        raise FileNotFoundError(f"{run}: {what}; refusing to treat it as a run folder")
+    if written_kind(run) is None:
+        mark(run, "run")  # a run folder of an older version
+    return False
+
+
+def has_training_output(run: Path) -> bool:
+    """Anything a failed start must not delete: a checkpoint, a training record or a test score
+    (the base model's zero-shot score, remade by any rerun, does not count)."""
+    metrics = run / METRICS
+    evals = [p.name for p in (run / "eval").iterdir() if not p.name.startswith(".")] if (run / "eval").is_dir() else []
+    return (any((run / "checkpoints").iterdir()) if (run / "checkpoints").is_dir() else False) or (
+        metrics.is_file() and metrics.stat().st_size > 0) or any(not name.endswith("-base") for name in evals)
+
+
+def set_aside(run: Path) -> Path:
+    """Move a run folder out of the way of a rerun: to <run>.replaced-<UTC time>, kept whole."""
+    from datetime import datetime, timezone
+    aside = run.with_name(f"{run.name}.replaced-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%fZ}")
+    os.replace(run, aside)
+    return aside
 
 
 def remove_orphans(run: Path) -> list[Path]:

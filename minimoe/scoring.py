@@ -89,6 +89,16 @@ class ChoiceBatch:
         return out.index_put((self.row[g], self.col[g]), values[g])
 
 
+def check_max_length(examples: list[Example], tokenizer, max_length: int, where: str):
+    """Refuse a max_length that leaves no prompt token before some example's longest answer (the
+    error make_choice_batch would raise mid-run), naming the first such example."""
+    for ex in examples:
+        longest = max(len(tokenizer.encode(format_choice(text), add_special_tokens=False)) for text in ex.choices)
+        if max_length <= longest:
+            raise ValueError(f"{where}: example {ex.id}: max_length={max_length} leaves no prompt token before its "
+                             f"longest answer ({longest} tokens); expected max_length > {longest}")
+
+
 def make_choice_batch(examples: list[Example], tokenizer, pad_token_id: int, max_length: int | None = None,
                       *, packed: bool = True) -> ChoiceBatch:
     """Tokenise every (prompt, candidate) pair of `examples` into one right-padded batch."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,26 @@ def install_method(model, cfg: TrainConfig):
     method = "native" if cfg.method == "ce" else cfg.method
     options = {name: getattr(cfg, name) for name in METHOD_OPTIONS[method]}  # those this method takes
     set_router(model, method, layers=cfg.layers, **options)
+
+
+def check_install(model_config, cfg: TrainConfig, device: str):
+    """install_method on a copy of the model on the meta device (no memory, no weights): a bad LoRA
+    target, layer scope or method option fails here, before any run folder exists; so does an
+    adapter whose fp32 weights, gradients and AdamW moments (16 bytes a parameter) exceed the
+    device's memory."""
+    from minimoe.model import MoEForCausalLM
+    with torch.device("meta"):
+        dry = MoEForCausalLM(model_config)
+        install_method(dry, cfg)
+    need = 16 * sum(p.numel() for p in dry.parameters() if p.requires_grad)
+    if torch.device(device).type == "cuda":
+        have = torch.cuda.mem_get_info(torch.device(device))[1]
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"the trainable parameters (LoRA rank {cfg.lora_rank} on {cfg.lora_targets}, method heads) "
+                         f"need {need / 2**30:.1f} GiB with their gradients and optimizer state; {device} has "
+                         f"{have / 2**30:.1f} GiB in all. Lower --lora-rank or --lora-targets")
 
 
 def steps_per_epoch(n_examples: int, cfg: TrainConfig) -> int:
@@ -135,10 +156,32 @@ def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: 
             for i in range(0, len(examples), size)]
 
 
-def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, world_size: int) -> dict:
-    """One optimizer step over this rank's micro-batches of the step's `n_examples` (all ranks);
-    returns its loss terms summed over ranks, the gradient norm before clipping, and per-layer routing
-    statistics (minimoe/tracking.py)."""
+class NonFiniteTraining(ValueError):
+    """A step's loss or gradient is not finite, or its clipped update is all zeros: training stops."""
+
+
+def check_step(logs: dict, trainable, step: int):
+    """Stop before the optimizer applies a step that cannot train: a non-finite loss term or gradient
+    norm (clipping would turn it into a NaN or an all-zero update), or a clipped gradient that is
+    exactly zero everywhere (an update that changes nothing, e.g. a norm so large that clipping
+    underflows). `step` is the global step being taken; the error names it and the bad terms."""
+    bad = {k: v for k, v in logs.items() if isinstance(v, float) and not math.isfinite(v)}  # not "routing"
+    if bad:
+        raise NonFiniteTraining(f"step {step}: non-finite {', '.join(f'{k}={v}' for k, v in bad.items())}; "
+                                f"training stopped before applying it (check lambda, tau, is_eps, aux_coef, "
+                                f"lora_alpha, lr: a value that large or small overflows)")
+    grads = [p.grad for p in trainable if p.grad is not None]
+    if not grads or torch.stack([g.abs().max().float() for g in grads]).max().item() == 0:  # one device sync
+        raise NonFiniteTraining(f"step {step}: the clipped update is all zeros (gradient norm {logs['grad_norm']:g} "
+                                f"before clipping); training stopped rather than take steps that change nothing")
+
+
+def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, world_size: int,
+                   step: int = 0) -> dict:
+    """Optimizer step number `step` over this rank's micro-batches of the step's `n_examples` (all
+    ranks); returns its loss terms summed over ranks, the gradient norm before clipping, and per-layer
+    routing statistics (minimoe/tracking.py). A step that cannot train raises NonFiniteTraining before
+    it is applied (`check_step`)."""
     real = [b for b in batches if not b.placeholder]
     counts = {"examples": n_examples, "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in real)),
               "rows": global_sum(sum(b.input_ids.shape[0] for b in real))}
@@ -148,6 +191,7 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
     logs["routing"] = stats.summary(has_e_hat=cfg.method == "tes")  # this rank's micro-batches (tracking.py)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     logs["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip).item()
+    check_step(logs, trainable, step)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -252,8 +296,8 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
             t0 = time.perf_counter()
             ids = order[s * per_step:(s + 1) * per_step]
             batches = micro_batches([data["train"][j] for j in ids], tokenizer, cfg, rank, world_size)
-            logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, world_size)
             step += 1
+            logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, world_size, step)
             seconds = time.perf_counter() - t0
             rate = global_sum(sum(b.attention_mask.sum().item() for b in batches if not b.placeholder)) / seconds
             loss = logs["task"] + cfg.lambda_ * logs["method"] + cfg.aux_coef * logs["aux"]
@@ -289,10 +333,13 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
 def write_selection(run: Path) -> dict:
     """The paper's rule, fixed before any test evaluation: minimum validation choice NLL, ties to the earlier epoch."""
     epochs = [r for r in read_metrics(run) if r["kind"] == "epoch"]
+    if bad := [r["epoch"] for r in epochs if not math.isfinite(r["val_choice_nll"])]:
+        raise NonFiniteTraining(f"{run / 'metrics.jsonl'}: validation choice NLL is not finite at epoch(s) {bad}; "
+                                f"no epoch can be selected, so selection.json is not written")
     best = min(epochs, key=lambda r: (r["val_choice_nll"], r["epoch"]))
     selection = {"selected_epoch": best["epoch"], "last_epoch": max(r["epoch"] for r in epochs),
                  "rule": "minimum length-normalised validation answer-choice NLL; ties to the earlier epoch",
                  "val_choice_nll": {str(r["epoch"]): r["val_choice_nll"] for r in epochs}}
     with atomic_file(run / "selection.json") as tmp:
-        tmp.write_text(json.dumps(selection, indent=2))
+        tmp.write_text(json.dumps(selection, indent=2, allow_nan=False))
     return selection

@@ -120,9 +120,11 @@ def test_merged_export_cli_loads_in_transformers_with_our_logits(family, method,
     assert rel_err(got, want) <= 2e-5
 
 
-def test_merged_export_cli_refuses_tes_before_loading_anything(tmp_path):
+def test_merged_export_cli_refuses_tes_before_loading_anything(tmp_path, capsys):
     model = trained("granitemoe", "tes", False)
     save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "no-such-base"))
-    with pytest.raises(ValueError, match="export.py --merged: refused for method 'tes'"):
+    with pytest.raises(SystemExit) as exit_:  # one line, status 2, no traceback
         main([str(tmp_path / "adapter"), str(tmp_path / "merged"), "--merged"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("export.py: error: export.py --merged: refused for method 'tes'")
     assert not (tmp_path / "merged").exists()
