@@ -171,7 +171,7 @@ def check_step(logs: dict, trainable, step: int):
                                 f"training stopped before applying it (check lambda, tau, is_eps, aux_coef, "
                                 f"lora_alpha, lr: a value that large or small overflows)")
     grads = [p.grad for p in trainable if p.grad is not None]
-    if not grads or max(g.abs().max().item() for g in grads) == 0:
+    if not grads or torch.stack([g.abs().max().float() for g in grads]).max().item() == 0:  # one device sync
         raise NonFiniteTraining(f"step {step}: the clipped update is all zeros (gradient norm {logs['grad_norm']:g} "
                                 f"before clipping); training stopped rather than take steps that change nothing")
 
