@@ -45,6 +45,8 @@ EXAMPLES = """examples:
     python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --checkpoint selected --out-dir runs/granite-arc-TES-IS-seed42/eval/test-selected
   a base model, 50 examples, on a GPU in bf16:
     python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --out-dir runs/olmoe-native-arc
+  training curves of several runs on one figure:
+    python evaluate.py plot runs/run-a runs/run-b --out curves.png
   the accuracy table (mean ± sample std over seeds) of many evaluations:
     python evaluate.py report runs/*/eval/test --seeds 42 43 45 --out table.md   (more: python evaluate.py report --help)
   B against A on the same questions, one pair per seed (accuracy difference with a bootstrap interval, McNemar p):
@@ -56,15 +58,22 @@ def evaluate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
                                 usage="%(prog)s [--model MODEL] [--adapter ADAPTER] --out-dir OUT [options]\n"
                                       "       %(prog)s report DIR [DIR ...] [--seeds ...] [--split ...] [--out OUT]\n"
-                                      "       %(prog)s compare A B [A B ...] [--out OUT.json]",
+                                      "       %(prog)s compare A B [A B ...] [--out OUT.json]\n"
+                                      "       %(prog)s plot RUN [RUN ...] --out PNG",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = p.add_subparsers(dest="command", title="commands", prog="evaluate.py",
                                 description="left out: evaluate one model or adapter, with the options below")
     add_report_command(commands)
     add_compare_command(commands)
+    add_plot_command(commands)
     what = p.add_argument_group("what to evaluate")
     what.add_argument("--model", help="base checkpoint: a local folder or a hub id (e.g. allenai/OLMoE-1B-7B-0924-SFT). "
                                       "May be left out when --adapter is a run folder: its config.json names it")
+    what.add_argument("--model-revision", metavar="REV",
+                      help="hub branch, tag or commit of the model (default: the run's, else main; metrics.json "
+                           "records the commit it resolved to)")
+    what.add_argument("--cache-dir", help="where hub models download (default: $MINIMOE_WEIGHTS if set, else the "
+                                          "standard Hugging Face cache)")
     what.add_argument("--adapter", type=Path,
                       help="a run folder written by train.py (config.json, checkpoints/, selection.json) or one "
                            "adapter folder (adapter.safetensors + adapter_config.json, e.g. RUN/checkpoints/epoch-2). "
@@ -93,6 +102,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
                      help="output folder (required); replaced as a whole only once everything is written, and only "
                           "if it is empty or an earlier evaluation (a run folder, say, is refused)")
     old_name(out, "--out", "--out-dir", type=Path)
+    out.add_argument("--quiet", action="store_true", help="no progress bars")
     diag = p.add_argument_group("routing diagnostics")
     diag.add_argument("--train-split-diagnostics", action=argparse.BooleanOptionalAction, default=None,
                       help="also score the train split, for train-vs-evaluated diagnostics and the train moments "
@@ -108,7 +118,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                          help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     compute.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                          help="model weights and activations; routing math and scores are fp32 either way "
-                              "(auto: bfloat16 on CUDA, float32 on CPU, as train.py; default: %(default)s)")
+                              "(auto: bfloat16 on CUDA and on CPUs with native bf16 matrix instructions, else float32, as "
+                              "train.py; default: %(default)s)")
     return p
 
 
@@ -122,7 +133,8 @@ def add_report_command(commands):
     p.add_argument("--seeds", type=int, nargs="+", default=list(PAPER_SEEDS),
                    help=f"seeds to include (default: {' '.join(map(str, PAPER_SEEDS))})")
     p.add_argument("--split", default="test", choices=SPLITS, help="split to tabulate (default: %(default)s)")
-    p.add_argument("--out", type=Path, help="also write the Markdown table here")
+    p.add_argument("--out", type=Path, help="also write the Markdown table here; an existing file is replaced only "
+                                            "if evaluate.py wrote it and it is unchanged since")
 
 
 def add_compare_command(commands):
@@ -139,30 +151,42 @@ def add_compare_command(commands):
                "runs/m-sciq-CE-seed43 runs/m-sciq-ACS-IS-seed43 --out ce-vs-acs.json")
     p.add_argument("pairs", nargs="+", type=Path, metavar="A B",
                    help="run or evaluation folders, in pairs: control A then method B, one pair per seed")
-    p.add_argument("--out", type=Path, help="also write the numbers as JSON here")
+    p.add_argument("--out", type=Path, help="also write the numbers as JSON here; an existing file is replaced only "
+                                            "if evaluate.py wrote it and it is unchanged since")
 
 
 def compare(args) -> dict:
-    from minimoe.atomic import atomic_file
-    from minimoe.compare import compare_paths, comparison_table
-    result = compare_paths(args.pairs)
-    print(comparison_table(result), end="")
+    from minimoe.atomic import check_owned_file, write_owned_file
+    from minimoe.compare import compare_paths, pair_table
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(args.out) as tmp:
-            tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        check_owned_file(args.out)  # before the work: never a file evaluate.py did not write
+    result = compare_paths(args.pairs)
+    print(pair_table(result), end="")
+    if args.out is not None:
+        write_owned_file(args.out, json.dumps(result, indent=2) + "\n")
     return result
 
 
+def add_plot_command(commands):
+    p = commands.add_parser(
+        "plot", help="training curves of one or more runs on one figure (evaluate.py plot --help)",
+        description="Draw the training curves in RUN/metrics.jsonl (total loss, task and method terms, load-balancing "
+                    "loss, learning rate, validation choice NLL) against the optimizer step, one colour per run.")
+    p.add_argument("runs", nargs="+", type=Path, metavar="RUN", help="run folders written by train.py")
+    p.add_argument("--out", type=Path, required=True, help="the PNG to write")
+
+
 def report(args) -> str:
+    from minimoe.atomic import check_owned_file, write_owned_file
     from minimoe.evaluation import accuracy_report
+    if args.out is not None:
+        check_owned_file(args.out)  # before the work: replaces only a report it wrote before, never README.md
     table, notes = accuracy_report(args.paths, seeds=args.seeds, split=args.split)
     for note in notes:
         print(note, file=sys.stderr)
     print(table, end="")
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(table, encoding="utf-8")
+        write_owned_file(args.out, table)
     return table
 
 
@@ -171,16 +195,20 @@ def main(argv=None):
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = evaluate_parser()
     args = parser.parse_args(argv)
-    if args.command in ("report", "compare"):
+    if args.command in ("report", "compare", "plot"):
         defaults = vars(parser.parse_args([]))  # an option before the command would be dropped without a word
         own = {"command", "out", "split"} if args.command == "report" else {"command", "out"}
-        before = [k for k, v in defaults.items() if k not in own and getattr(args, k) != v]
+        before = [k for k, v in defaults.items() if k not in own and getattr(args, k, v) != v]
         if before:
             parser.error(f"{', '.join('--' + k.replace('_', '-') for k in before)} before '{args.command}': those "
                          f"options evaluate one model; {args.command} takes its own, after it")
         if args.command == "compare" and len(args.pairs) % 2:
             parser.error(f"compare: expected pairs A B [A B ...] (control, then method, one pair per seed), "
                          f"got {len(args.pairs)} folders")
+        if args.command == "plot":
+            from minimoe.tracking import plot_training_curves
+            print(f"training curves: {plot_training_curves(args.runs, args.out)}")
+            return None
         return report(args) if args.command == "report" else compare(args)
     if args.out_dir is None:
         parser.error("the following arguments are required: --out-dir")
@@ -198,7 +226,8 @@ def main(argv=None):
         split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
         batch_size=args.eval_batch_size, allow_other_base=args.allow_other_base,
         device=args.device, dtype=args.dtype, train_split_diagnostics=args.train_split_diagnostics,
-        packed=not args.per_candidate_rows)
+        packed=not args.per_candidate_rows, model_revision=args.model_revision, cache_dir=args.cache_dir,
+        quiet=args.quiet)
     print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples): "
           f"accuracy {metrics['accuracy']:.4f} (sum {metrics['accuracy_sum']:.4f}, per-char "
           f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.out_dir}")

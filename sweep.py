@@ -10,15 +10,19 @@
     python sweep.py --preset study --out-dir runs/study  # the default model: 12 rows x sciq, arc_easy x 3 seeds
 
 Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`).
-Finished runs are skipped, killed ones continued with --resume; see minimoe/sweep.py.
+Finished runs are skipped, killed ones continued with --resume; see minimoe/sweep.py. A run whose
+settings differ from its cell's (other flags after `--`, say) is refused, with the settings named,
+unless --rerun: then it is moved aside (<run>.replaced-<UTC time>) and run again. The sweep exits 1
+when a run failed, and 2 on bad flags.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from minimoe.sweep import BENCHMARKS, PRESETS, ROWS, grid, run_local, run_on_devices, submit_slurm, \
-    visible_devices, write_report
+from minimoe.runs import set_aside
+from minimoe.sweep import BENCHMARKS, PRESETS, ROWS, claim_out_dir, grid, run_local, run_on_devices, submit_slurm, \
+    train_module, visible_devices, write_report
 
 SETTING_FLAGS = {"lambda": "lambda_", "layers": "layers", "transform": "transform", "gamma": "gamma",
                  "error-head-lr": "error_head_lr"}
@@ -58,6 +62,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("what to do")
     g.add_argument("--dry-run", action="store_true", help="print the cells and their state; run nothing")
     g.add_argument("--report-only", action="store_true", help="write the report from what has finished")
+    g.add_argument("--rerun", action="store_true", help="runs whose settings differ from their cell's (refused "
+                   "otherwise) are moved aside to <run>.replaced-<UTC time> and run again")
     args = p.parse_args(argv)
     args.extra = extra
     return args, p
@@ -81,11 +87,21 @@ def slurm_params(specs, parser) -> dict:
 
 
 def settings_variants(specs, parser) -> tuple:
+    """--set KEY=V1,V2 ... -> every combination; each value checked as train.py's flag checks it, up front."""
     variants = [{}]
+    flags = {a.dest: a for a in train_module().parser()._actions}
     for spec in specs:
         key, _, values = spec.partition("=")
         if key not in SETTING_FLAGS or not values:
             parser.error(f"--set {spec!r}: expected KEY=V1,V2 with KEY in {list(SETTING_FLAGS)}")
+        action = flags[SETTING_FLAGS[key]]
+        for x in values.split(","):
+            try:
+                parsed = action.type(x) if action.type else x
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                parser.error(f"--set {key}={x}: {e}")
+            if action.choices and parsed not in action.choices:
+                parser.error(f"--set {key}={x}: expected one of {list(action.choices)}")
         cast = str if key in ("layers", "transform") else float
         variants = [{**v, SETTING_FLAGS[key]: cast(x)} for v in variants for x in values.split(",")]
     return tuple(variants)
@@ -115,12 +131,25 @@ def main(argv=None):
                  args.out_dir, settings=settings_variants(args.set, parser) if args.set else preset.settings,
                  recipes=recipes, extra=(*preset.train_args, *args.extra), train_eval=preset.train_eval,
                  zero_shot=preset.zero_shot)
+    changed = {c: diff for c in cells if (diff := c.changed())}
     if args.dry_run:
         for c in cells:
-            print(f"{c.state():8s} {c.run}")
-        states = [c.state() for c in cells]
-        print(f"{len(cells)} runs: " + ", ".join(f"{states.count(s)} {s}" for s in ("done", "partial", "missing")))
+            print(f"{'changed' if c in changed else c.state():8s} {c.run}")
+        states = ["changed" if c in changed else c.state() for c in cells]
+        print(f"{len(cells)} runs: " + ", ".join(f"{states.count(s)} {s}" for s in ("done", "partial", "missing",
+                                                                                     "changed")))
         return cells
+    if changed and (args.report_only or not args.rerun):
+        lines = [f"  {c.run}: {', '.join(diff)}" for c, diff in changed.items()]
+        sys.exit(f"sweep: {len(changed)} run(s) were made with other settings than their cells' (the flags after --, "
+                 f"or the code's defaults, changed); refusing to reuse or report them:\n" + "\n".join(lines)
+                 + "\nPass --rerun to set them aside and run them again, or use another --out-dir")
+    try:
+        claim_out_dir(args.out_dir)  # before any run: never a folder of another kind, never a report we did not write
+    except FileExistsError as e:
+        sys.exit(f"sweep: {e}")
+    for c in changed:
+        print(f"sweep: --rerun: {c.run.name} had other settings ({', '.join(changed[c])}); kept in {set_aside(c.run)}")
     todo = [c for c in cells if c.state() != "done"]
     if not args.report_only and todo:
         print(f"sweep: {len(cells) - len(todo)} of {len(cells)} runs done; running {len(todo)}", flush=True)
@@ -138,11 +167,13 @@ def main(argv=None):
             parser.error("--gpus: no GPU is visible (CUDA_VISIBLE_DEVICES is empty and torch sees none)")
         codes = run_on_devices(todo, devices) if devices else run_local(todo)
         failed = [str(run) for run, code in codes.items() if code != 0]
-        if failed:
-            print("sweep: failed (run the same command again to continue them):\n  " + "\n  ".join(failed),
-                  file=sys.stderr)
+    else:
+        failed = []
     print(write_report(cells, args.out_dir, preset.columns, preset.tables), end="")
     print(f"report: {args.out_dir}/report.md, {args.out_dir}/report.csv")
+    if failed:
+        sys.exit(f"sweep: {len(failed)} of {len(todo)} runs failed (their errors are above; run the same command "
+                 f"again to continue them):\n  " + "\n  ".join(failed))
     return cells
 
 

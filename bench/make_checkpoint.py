@@ -88,7 +88,7 @@ def make(family: str, out: Path, *, layers: int | None = None, max_shard_bytes: 
     config = config or common.shape(family, layers)
     groups = shard(disk_tensors(config), dtype, max_shard_bytes)
     generator = torch.Generator().manual_seed(seed)
-    with atomic_directory(out, "checkpoint") as tmp:
+    with atomic_directory(out, "model") as tmp:
         weight_map, total = {}, 0
         for i, entries in enumerate(groups, 1):
             name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"

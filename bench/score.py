@@ -47,7 +47,7 @@ def peak_mib() -> float:
 
 def eval_minimoe(args, examples, packed: bool) -> dict:
     t0 = time.perf_counter()
-    model, tok = from_pretrained(args.model, dtype=torch.float32), load_tokenizer(args.model)
+    model, tok = from_pretrained(args.model, dtype=args.dtype), load_tokenizer(args.model)
     t1 = time.perf_counter()
     records, metrics, _ = evaluate_split(model, tok, examples, batch_size=16, packed=packed)
     t2 = time.perf_counter()
@@ -59,7 +59,7 @@ def eval_minimoe(args, examples, packed: bool) -> dict:
 def eval_transformers(args, examples, batch_rows: int = 64) -> dict:
     from transformers import GraniteMoeForCausalLM
     t0 = time.perf_counter()
-    model = GraniteMoeForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32).eval()
+    model = GraniteMoeForCausalLM.from_pretrained(args.model, torch_dtype=getattr(torch, args.dtype)).eval()
     tok = load_tokenizer(args.model)
     t1 = time.perf_counter()
     pad = pad_id(tok)
@@ -96,8 +96,8 @@ def train_epoch(args, examples, packed: bool) -> dict:
     from minimoe.config import RECIPES, TrainConfig
     from minimoe.training import install_method, make_optimizer, step_loss
     torch.manual_seed(0)
-    model, tok = from_pretrained(args.model, dtype=torch.float32), load_tokenizer(args.model)
-    cfg = TrainConfig(**RECIPES["granite"], method="ce", device="cpu", dtype="float32")
+    model, tok = from_pretrained(args.model, dtype=args.dtype), load_tokenizer(args.model)
+    cfg = TrainConfig(**RECIPES["granite"], method="ce", device="cpu", dtype=args.dtype)
     install_method(model, cfg)
     optimizer = make_optimizer(model, cfg)
     model.train()
@@ -136,7 +136,7 @@ def run_part(args):
 
 def spawn(args, part: str) -> dict:
     cmd = [sys.executable, __file__, "--model", args.model, "--part", part, "--data-dir", args.data_dir,
-           "--threads", str(args.threads), "--max-examples", str(args.max_examples),
+           "--threads", str(args.threads), "--dtype", args.dtype, "--max-examples", str(args.max_examples),
            "--max-train-examples", str(args.max_train_examples)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
@@ -166,12 +166,14 @@ def main(argv=None):
     p.add_argument("--max-train-examples", type=int, default=448, help="SciQ train examples per epoch (default 448)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds per comparison")
     p.add_argument("--threads", type=int, default=2, help="torch threads in every measured process")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="both sides' weights (default: %(default)s, as the issue 11 measurement ran)")
     p.add_argument("--skip", default="", help="comma list of: eval, train")
     p.add_argument("--part", choices=sorted(PARTS), help=argparse.SUPPRESS)  # one measurement, in a subprocess
     args = p.parse_args(argv)
     if args.part:
         return run_part(args)
-    lines = [f"model {Path(args.model).name}, CPU threads {args.threads}, {args.rounds} interleaved round(s); "
+    lines = [f"model {Path(args.model).name}, {args.dtype}, CPU threads {args.threads}, {args.rounds} interleaved round(s); "
              "median (min-max)", ""]
     result = {}
     if "eval" not in args.skip:

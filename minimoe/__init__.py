@@ -2,7 +2,8 @@
 from minimoe.checkpoint import from_pretrained, load_tokenizer, save_pretrained
 from minimoe.export import export_peft
 from minimoe.generate import generate
-from minimoe.lora import add_lora, export_merged, load_adapter, merge_lora, save_adapter, trainable_parameters, unmerge_lora
+from minimoe.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
+from minimoe.lora import add_lora, merge_lora, unmerge_lora
 from minimoe.model import CausalLMOutput, KVCache, MoEConfig, MoEForCausalLM
 from minimoe.routing import Routing, set_router
 

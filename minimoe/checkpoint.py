@@ -119,18 +119,26 @@ def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str]:
 
 # ----------------------------------------------------------------------------- loading
 
-def default_weights_dir() -> str | None:
-    """$MINIMOE_WEIGHTS, else the repository's weights/ folder, else huggingface_hub's own cache."""
-    if os.environ.get("MINIMOE_WEIGHTS"):
-        return os.environ["MINIMOE_WEIGHTS"]
-    repo_weights = Path(__file__).resolve().parents[1] / "weights"
-    return str(repo_weights) if repo_weights.is_dir() else None
+def default_weights_dir() -> str:
+    """Where minimoe writes the checkpoints it builds (the default model, the tiny one): $MINIMOE_WEIGHTS,
+    else the repository's weights/ folder."""
+    return os.environ.get("MINIMOE_WEIGHTS") or str(Path(__file__).resolve().parents[1] / "weights")
+
+
+def hub_cache_dir(cache_dir=None) -> str | None:
+    """Where hub ids download: `cache_dir`, else $MINIMOE_WEIGHTS, else None, which is huggingface_hub's own
+    cache ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub), so a model already cached for
+    transformers is not downloaded again."""
+    return cache_dir or os.environ.get("MINIMOE_WEIGHTS") or None
 
 
 def resolve_checkpoint(name_or_path, cache_dir=None, revision=None) -> Path:
-    """A local folder as it is, or a hub repo id downloaded (config, safetensors, tokenizer only)."""
+    """A local folder as it is, or a hub repo id downloaded (config, safetensors, tokenizer only) into
+    hub_cache_dir(cache_dir); the folder returned is then the snapshot, named by its commit sha."""
     path = Path(name_or_path)
     if path.is_dir():
+        if revision is not None:
+            raise ValueError(f"{name_or_path}: a revision ({revision}) applies to hub ids only, not to a local folder")
         return path
     name = str(name_or_path)
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
@@ -138,11 +146,12 @@ def resolve_checkpoint(name_or_path, cache_dir=None, revision=None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
     try:
-        return Path(snapshot_download(name, revision=revision, cache_dir=cache_dir or default_weights_dir(),
+        return Path(snapshot_download(name, revision=revision, cache_dir=hub_cache_dir(cache_dir),
                                       allow_patterns=HUB_FILES))
     except LocalEntryNotFoundError as e:
-        raise FileNotFoundError(f"{name}: not in the local cache and the hub cannot be reached "
-                                f"(HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {e}") from e
+        raise FileNotFoundError(f"{name}@{revision or 'main'}: not in the local cache "
+                                f"({hub_cache_dir(cache_dir) or 'the Hugging Face default'}) and the hub cannot be "
+                                f"reached (HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {e}") from e
 
 
 def _weight_files(folder: Path) -> dict[str, list[str]]:
@@ -310,7 +319,7 @@ def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model: MoEForCausalLM, path, *, max_shard_bytes: int = 5 * 2**30):
     """Write config.json and safetensors in the official layout (sharded past max_shard_bytes), atomically."""
-    with atomic_directory(path, "checkpoint") as tmp:
+    with atomic_directory(path, "model") as tmp:
         write_checkpoint(model, tmp, max_shard_bytes=max_shard_bytes)
 
 

@@ -197,6 +197,14 @@ def compare_pairs(pairs: list[tuple[Predictions, Predictions]], **bootstrap) -> 
     folders = [p.folder.resolve() for pair in pairs for p in pair]
     if len(set(folders)) != len(folders):
         raise ValueError("compare: an evaluation is given twice")
+    seeds = [a.seed if a.seed is not None else b.seed for a, b in pairs]
+    if any(s is not None and seeds.count(s) > 1 for s in seeds):
+        raise ValueError(f"compare: seeds {seeds}: each pair must be another seed (a seed twice counts its questions twice)")
+    for side, name in ((0, "A"), (1, "B")):
+        labels = {pair[side].label for pair in pairs if "method" in pair[side].metrics}
+        if len(labels) > 1:
+            raise ValueError(f"compare: the {name} side mixes methods ({', '.join(sorted(labels))}); every pair "
+                             f"must be the same two methods, control A first")
     aligned = check_same_questions([p for pair in pairs for p in pair])
     a_side, b_side = aligned[0::2], aligned[1::2]
     correct_a = np.stack([a.correct for a in a_side]).astype(np.float64)  # [S, Q]
@@ -245,7 +253,7 @@ def p_text(p: float) -> str:
     return f"{p:.3g}"
 
 
-def comparison_table(result: dict) -> str:
+def pair_table(result: dict) -> str:
     """Markdown: one line per seed, then the pooled line with the bootstrap intervals."""
     lines = [f"B = {result['b']} vs A = {result['a']}: {result['dataset'] or '?'} {result['split'] or ''}, "
              f"{result['questions']} questions; differences are B - A, intervals {100 * result['bootstrap']['level']:g}% "

@@ -57,8 +57,10 @@ class TrainConfig:
     plus values recorded for the run's readers (train.py `run_record`)."""
     # model
     model: str | None = None  # hub id or checkpoint folder; None: train.py's default model
+    model_revision: str | None = None  # hub branch, tag or commit of `model`; None: main
+    cache_dir: str | None = None  # where hub models download; None: $MINIMOE_WEIGHTS, else the Hugging Face cache
     recipe: str | None = None  # the RECIPES preset; train.py takes it from the checkpoint's model_type
-    dtype: str = "auto"  # base weights; auto: bfloat16 (with autocast) on CUDA, float32 on CPU
+    dtype: str = "auto"  # base weights; auto: bfloat16 on CUDA and on CPUs with bf16 matmuls (runs.pick_dtype)
     device: str = "auto"  # auto: cuda when present
     gradient_checkpointing: bool = False  # recompute each block in backward: memory for time
     pad_token_id: int | None = None  # fills short rows: the checkpoint's pad id, else its eos id
@@ -114,6 +116,7 @@ class TrainConfig:
     stop_after_epochs: int | None = None  # simulates a kill (resume tests)
     stop_after_steps: int | None = None  # likewise, after a global step
     quiet: bool = False  # no progress bars
+    report_to: str = "none"  # also log metrics.jsonl's lines to tensorboard | wandb (minimoe/tracking.py)
 
     def __post_init__(self):
         if self.test_checkpoint is None:  # the paper's OLMoE affinity-tuned group is reported at selected epochs

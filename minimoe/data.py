@@ -369,13 +369,21 @@ def _parse_line(line: str, where: str) -> Example:
     return ex
 
 
+def normalise(text: str) -> str:
+    """The overlap check's view of a text: case folded, runs of whitespace as one space, ends stripped,
+    so that copies differing only in spacing or case count as the same example."""
+    return " ".join(text.casefold().split())
+
+
 def check_disjoint(splits: dict[str, list[Example]], where="the data", rows: dict | None = None) -> None:
     """Refuse an example that sits in two splits: the same id, or the same question and choice set
-    (filter_examples' duplicate key). `rows` ({(split, id): file and row}) adds where both are."""
+    (filter_examples' duplicate key), compared as normalised text (`normalise`). `rows`
+    ({(split, id): file and row}) adds where both are."""
     seen: dict = {}
     for split, examples in splits.items():
         for ex in examples:
-            for key in (("id", ex.id), ("content", ex.question, tuple(sorted(ex.choices)))):
+            content = ("content", normalise(ex.question), tuple(sorted(map(normalise, ex.choices))))
+            for key in (("id", ex.id), content):
                 other = seen.setdefault(key, (split, ex.id))
                 if other[0] != split:
                     what = f"id {ex.id!r}" if key[0] == "id" else f"question and choices ({other[1]!r} and {ex.id!r})"
@@ -384,13 +392,19 @@ def check_disjoint(splits: dict[str, list[Example]], where="the data", rows: dic
                                      f"or the test score would count examples seen in training")
 
 
-def read_manifest(path) -> list[Example]:
-    """Strictly parse a .jsonl manifest; every error names the file, the line and what was expected."""
+def read_manifest(path, sha256: str | None = None) -> list[Example]:
+    """Strictly parse a .jsonl manifest; every error names the file, the line and what was expected.
+    `sha256`: the digest the file must have (a registered split's, from its splits.json)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: manifest not found; build it with build_splits() or load_split(<name>)")
+    raw = path.read_bytes()
+    if sha256 is not None and hashlib.sha256(raw).hexdigest() != sha256:
+        raise ValueError(f"{path}: its sha256 {hashlib.sha256(raw).hexdigest()} is not the {sha256} that "
+                         f"{path.parent / 'splits.json'} records; the registered split was changed after it was "
+                         f"built. Restore it, or remove {path.parent} to build it again")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not UTF-8 ({e.reason} at byte {e.start}); expected UTF-8 JSON lines") from None
     if not text.strip():
@@ -424,14 +438,29 @@ def load_split(name_or_manifest, split: str | None = None, *, data_dir=DEFAULT_D
     report = out_dir / "splits.json"
     if not report.is_file():
         build_splits(name, out_dir, seed=seed, source=source, revision=revision)
-    else:  # never hand back splits built under other settings
-        built = json.loads(report.read_text(encoding="utf-8"))
-        want = (seed, source, _revision(name, source, revision))
-        if (built.get("seed"), built.get("source"), built.get("revision")) != want:
-            raise ValueError(f"{report}: built with seed={built.get('seed')} source={built.get('source')!r} "
-                             f"revision={built.get('revision')!r}; expected seed={want[0]} source={want[1]!r} "
-                             f"revision={want[2]!r} (use another data_dir)")
-    return read_manifest(out_dir / f"{split}.jsonl")
+    built = json.loads(report.read_text(encoding="utf-8"))
+    want = (seed, source, _revision(name, source, revision))  # never hand back splits built under other settings
+    if (built.get("seed"), built.get("source"), built.get("revision")) != want:
+        raise ValueError(f"{report}: built with seed={built.get('seed')} source={built.get('source')!r} "
+                         f"revision={built.get('revision')!r}; expected seed={want[0]} source={want[1]!r} "
+                         f"revision={want[2]!r} (use another data_dir)")
+    return read_manifest(out_dir / f"{split}.jsonl", sha256=(built.get("sha256") or {}).get(split))
+
+
+def manifest_path(data, split: str, data_dir=DEFAULT_DATA_DIR) -> Path:
+    """The file a split is read from: <folder>/<split>.jsonl, a .jsonl manifest as given, or a
+    registered benchmark's data_dir/<name>/<split>.jsonl."""
+    path = Path(data)
+    if path.is_dir():
+        return path / f"{split}.jsonl"
+    if str(data).endswith(".jsonl"):
+        return path
+    return Path(data_dir) / str(data) / f"{split}.jsonl"
+
+
+def split_sha256(data, split: str, data_dir=DEFAULT_DATA_DIR) -> str:
+    """sha256 of the manifest a split is read from (`manifest_path`)."""
+    return hashlib.sha256(manifest_path(data, split, data_dir).read_bytes()).hexdigest()
 
 
 # ---- prompt and tokenizer ----

@@ -283,6 +283,27 @@ def row_label(record: dict) -> str:
     return f"{record['method']} [" + ", ".join(f"{k}={v}" for k, v in settings.items()) + "]"
 
 
+def partial_reason(record: dict, run_config: dict | None = None) -> str | None:
+    """Why an evaluation (metrics.json) does not score the full split its run declares, None if it does.
+
+    With the run's config.json: its example count for the split (train: as the run cut it) and the
+    sha256 of the manifest it read. Without one: the split file's own count. Records of older
+    versions lack these keys; a --max-examples cut is then taken as partial."""
+    split, n = record.get("split"), record.get("n_examples")
+    declared = ((run_config or {}).get("data_sizes") or {}).get(split)
+    digest = ((run_config or {}).get("data_sha256") or {}).get(split)
+    if declared is not None and n is not None and n != declared:
+        return f"scored {n} of the run's {declared} {split} examples"
+    if digest and record.get("split_sha256") and record["split_sha256"] != digest:
+        return f"scored a {split} split whose sha256 is not the run's (the manifest changed since training)"
+    total = record.get("split_examples")
+    if declared is None and total is not None and n is not None and n < total:
+        return f"scored {n} of the {total} examples of the {split} split"
+    if declared is None and total is None and record.get("max_examples") is not None:
+        return f"cut to --max-examples {record['max_examples']}"
+    return None
+
+
 def accuracy_table(records: Iterable[dict], *, seeds: Sequence[int] = PAPER_SEEDS) -> str:
     """Markdown: one row per (model, method), one column per dataset, mean ± sample std in %."""
     cells: dict[tuple, dict[tuple, float]] = {}  # (model, method) -> {(dataset, seed): accuracy}

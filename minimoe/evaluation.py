@@ -35,7 +35,8 @@ Decisions where neither the paper nor train.py fixes the answer:
 - Identity keys: "method" is the run's label; outside a run it is the adapter's router method
   ("TES", ...; "CE" for LoRA on native routing), or "native" without an adapter, and "seed" is
   null. "dataset" is the benchmark name, or the name of the folder holding the manifests.
-- Model dtype "auto" is train.py's rule (bf16 on CUDA, fp32 on CPU); max_length and data default
+- Model dtype "auto" is train.py's rule (runs.pick_dtype: bf16 on CUDA and on
+  CPUs with native bf16 matrix instructions, else fp32); max_length and data default
   to the run's. The train population is the run's train split cut to its max_train_examples.
 - Decile curves need >= 10 groups in each population and non-constant train group means; else
   they are null with "deciles_skipped" saying why (a fresh tes head predicts one constant).
@@ -54,15 +55,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
+from minimoe.adapters import load_adapter
 from minimoe.atomic import check_replaceable
-from minimoe.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer
+from minimoe.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer, resolve_checkpoint
 from minimoe.config import ablation_settings
-from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split
+from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split, split_sha256
 from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, concentration_summary,
                                  decile_curve, error_prediction_summary, group_by_layer_token,
-                                 metrics_files, plot_error_prediction, population_moments)
-from minimoe.lora import load_adapter
+                                 metrics_files, partial_reason, plot_error_prediction, population_moments)
+from minimoe.provenance import provenance
 from minimoe.routing import native_concentration
 from minimoe.runs import AdapterSource, pad_id, pick_device, pick_dtype, read_json, resolve_adapter
 from minimoe.scoring import by_example, choice_loss, choice_scores, forward_choices, make_choice_batch, predictions
@@ -102,13 +105,15 @@ def _length_proxy(ex: Example) -> int:
 
 @torch.inference_mode()
 def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int = 16, device=None,
-                   diagnostics: bool = True, max_length: int | None = None, packed: bool = True):
+                   diagnostics: bool = True, max_length: int | None = None, packed: bool = True,
+                   progress: str | None = None):
     """Score every candidate of `examples` -> (records, metrics, TokenArrays or None).
 
     records: one dict per example, in input order (the predictions.jsonl lines).
     metrics: n_examples, accuracy (mean-token), accuracy_sum, accuracy_per_char, choice_nll.
     max_length: longest prompt + candidate in tokens; longer prompts lose their start (make_choice_batch),
     as in training. packed: one row per example (default) or one per candidate (the reference path).
+    progress: a tqdm bar over the batches with this description; None: no bar.
     """
     if not examples:
         raise ValueError("evaluate_split: no examples")
@@ -116,7 +121,7 @@ def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int
         raise ValueError(f"evaluate_split: batch_size={batch_size}; expected >= 1")
     device = torch.device(device) if device is not None else model.device
     with eval_mode(model):  # LoRA dropout off, also when a trainer calls this mid-run
-        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed)
+        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress)
 
 
 @contextmanager
@@ -131,14 +136,15 @@ def eval_mode(model):
             m.training = mode
 
 
-def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed):
+def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress=None):
     k, layers = model.config.num_experts_per_tok, diagnosed_layers(model)
     order = sorted(range(len(examples)), key=lambda i: -_length_proxy(examples[i]))  # longest first: OOM early
     records: list[dict | None] = [None] * len(examples)
     seen = {"token_ce": [], "target": [], "example": []}
     conc: dict[int, list] = {l: [] for l in layers}
     e_hat: dict[int, list] = {}
-    for start in range(0, len(order), batch_size):
+    starts = range(0, len(order), batch_size)
+    for start in tqdm(starts, desc=progress, unit="batch", disable=progress is None, leave=False):
         idx = order[start:start + batch_size]
         batch = make_choice_batch([examples[i] for i in idx], tokenizer, pad_id(tokenizer), max_length,
                                   packed=packed).to(device)
@@ -268,6 +274,11 @@ def json_safe(value):
 
 # ----------------------------------------------------------------------------- what to evaluate
 
+def split_record(data, split: str, data_dir, examples: list[Example]) -> dict:
+    """metrics.json's record of the split scored: its manifest's sha256 and its size, all of it."""
+    return {"split_sha256": split_sha256(data, split, data_dir), "split_examples": len(examples)}
+
+
 def load_examples_for(data, split: str, data_dir, max_examples: int | None = None) -> list[Example]:
     """A benchmark name (registered manifests under data_dir), a folder of <split>.jsonl manifests (as
     train.py's --data takes), or one .jsonl manifest: named after a split it must match `split`, named
@@ -322,16 +333,19 @@ def _train_limit(max_examples, run_config) -> int | None:
 
 
 def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_examples=None,
-                    batch_size: int = 16, max_length: int | None = None, packed: bool = True) -> dict:
+                    batch_size: int = 16, max_length: int | None = None, packed: bool = True,
+                    quiet: bool = False) -> dict:
     """Score, summarise and write `out` atomically (temp folder beside it, swapped in at the end)."""
     split = identity["split"]
     records, metrics, arrays = evaluate_split(model, tokenizer, examples, batch_size=batch_size,
-                                              max_length=max_length, packed=packed)
+                                              max_length=max_length, packed=packed,
+                                              progress=None if quiet else f"scoring {split}")
     train_arrays = None
     extra = {}
     if train_examples is not None:
         _, train_metrics, train_arrays = evaluate_split(model, tokenizer, train_examples, batch_size=batch_size,
-                                                        max_length=max_length, packed=packed)
+                                                        max_length=max_length, packed=packed,
+                                                        progress=None if quiet else "scoring train")
         extra = {"train_examples": train_metrics["n_examples"], "train_accuracy": train_metrics["accuracy"]}
     label = f"{identity['method']}, {identity['dataset']}: "
     diagnostics, plots = diagnostics_report(arrays, split, train_arrays, label=label)
@@ -351,9 +365,12 @@ def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_ex
     return result
 
 
-def _identity(source: AdapterSource | None, *, model, data, split, net, batch_size, max_examples, max_length) -> dict:
-    """metrics.json's keys that say what was evaluated (the report groups by model, method, settings, dataset, seed)."""
-    return {"model": str(model), "method": source.label if source else "native", "dataset": dataset_name(data), "data": str(data),
+def _identity(source: AdapterSource | None, *, model, data, split, net, batch_size, max_examples, max_length,
+              split_record: dict) -> dict:
+    """metrics.json's keys that say what was evaluated (the report groups by model, method, settings, dataset,
+    seed; it counts only evaluations of the whole split, `diagnostics.partial_reason`)."""
+    return {**split_record, "model": str(model), "method": source.label if source else "native",
+            "dataset": dataset_name(data), "data": str(data),
             "seed": source.run_config.get("seed") if source else None, "split": split,
             # Ablation settings off the row's defaults (lambda, layers, ...): part of the report key.
             "settings": ablation_settings(source.run_config) if source else {},
@@ -369,7 +386,7 @@ def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: s
                    data: str | None = None, split: str = "test", data_dir=None, max_examples: int | None = None,
                    max_length: int | None = None, batch_size: int = 16, device: str = "auto", dtype: str = "auto",
                    train_split_diagnostics: bool | None = None, allow_other_base: bool = False,
-                   packed: bool = True) -> dict:
+                   packed: bool = True, model_revision: str | None = None, cache_dir=None, quiet: bool = False) -> dict:
     """Load the model (+ adapter), evaluate and write `out`; returns the metrics.json content.
 
     Everything that can fail on bad input (folders, manifests, model, adapter) is checked before the
@@ -385,6 +402,9 @@ def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: s
     if run_config.get("model") and str(run_config["model"]) != str(model):
         log.warning("--model %s differs from the run's model %s; the adapter's fingerprint check still applies",
                     model, run_config["model"])
+    if model == run_config.get("model"):  # the run's own base: at the revision it trained on
+        model_revision = model_revision or run_config.get("model_revision")
+        cache_dir = cache_dir or run_config.get("cache_dir")
     data = data or run_config.get("dataset") or run_config.get("data")
     if data is None:
         raise ValueError("no data: pass --data, or an --adapter run folder whose config.json names its data")
@@ -392,24 +412,28 @@ def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: s
     max_length = max_length or run_config.get("max_length")
     torch_device = pick_device(device)
     dtype = pick_dtype(dtype, torch_device)
+    whole = load_examples_for(data, split, data_dir)
     examples = load_examples_for(data, split, data_dir, max_examples)
     train_examples = None
     if _wants_train_population(train_split_diagnostics, source, split):
         train_examples = load_examples_for(train_data_for(data), "train", data_dir, _train_limit(max_examples, run_config))
 
-    net = from_pretrained(model, dtype=DTYPES[dtype], device=torch_device)
-    tokenizer = load_tokenizer(model)
+    folder = resolve_checkpoint(model, cache_dir, model_revision)  # a hub id: its snapshot, named by its commit
+    net = from_pretrained(folder, dtype=DTYPES[dtype], device=torch_device)
+    tokenizer = load_tokenizer(folder)
     if source is not None:
         load_adapter(net, source.folder, allow_other_base=allow_other_base)
     identity = _identity(source, model=model, data=data, split=split, net=net, batch_size=batch_size,
-                         max_examples=max_examples, max_length=max_length)
+                         max_examples=max_examples, max_length=max_length,
+                         split_record=split_record(data, split, data_dir, whole))
+    identity["provenance"] = provenance(model, folder, revision=model_revision, device=torch_device)
     return score_and_write(net, tokenizer, examples, out, identity, train_examples=train_examples,
-                           batch_size=batch_size, max_length=max_length, packed=packed)
+                           batch_size=batch_size, max_length=max_length, packed=packed, quiet=quiet)
 
 
 def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=None, train_data=None, out=None,
                  checkpoint: str | None = None, batch_size: int = 16, train_split_diagnostics: bool | None = None,
-                 device: str = "auto", dtype: str = "auto") -> dict:
+                 device: str = "auto", dtype: str = "auto", quiet: bool = False) -> dict:
     """Evaluate a finished run into RUN/eval/<split> (RUN/eval/<split>-selected for checkpoint="selected").
 
     With `model` (and `tokenizer`): the in-memory model as train.py ends with it, i.e. the last epoch,
@@ -424,7 +448,7 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=N
         packed = resolve_adapter(run, checkpoint).run_config.get("packed", True)  # the run's row layout
         return run_evaluation(out=out, adapter=run, checkpoint=checkpoint, split=split, batch_size=batch_size,
                               device=device, dtype=dtype, train_split_diagnostics=train_split_diagnostics,
-                              packed=packed)
+                              packed=packed, quiet=quiet)
     if tokenizer is None:
         raise ValueError("evaluate_run: an in-memory model needs its tokenizer")
     if checkpoint not in (None, "last"):
@@ -439,9 +463,12 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=N
         train_examples = train_data if train_data is not None else load_examples_for(
             train_data_for(run_data), "train", data_dir, _train_limit(None, cfg))
     identity = _identity(source, model=cfg.get("model"), data=run_data, split=split, net=model,
-                         batch_size=batch_size, max_examples=None, max_length=cfg.get("max_length"))
+                         batch_size=batch_size, max_examples=None, max_length=cfg.get("max_length"),
+                         split_record=split_record(run_data, split, data_dir, examples))
+    identity["provenance"] = cfg.get("provenance")  # the process that trained the model in memory (config.json)
     return score_and_write(model, tokenizer, examples, out, identity, train_examples=train_examples,
-                           batch_size=batch_size, max_length=cfg.get("max_length"), packed=cfg.get("packed", True))
+                           batch_size=batch_size, max_length=cfg.get("max_length"), packed=cfg.get("packed", True),
+                           quiet=quiet)
 
 
 def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test") -> dict:
@@ -452,10 +479,11 @@ def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test"
     the base model its own row beside the trained ones (the same number for every seed).
     """
     identity = _identity(None, model=cfg.model, data=cfg.data, split=split, net=model,
-                         batch_size=cfg.eval_batch_size, max_examples=None, max_length=cfg.max_length)
+                         batch_size=cfg.eval_batch_size, max_examples=None, max_length=cfg.max_length,
+                         split_record=split_record(cfg.data, split, cfg.data_dir, examples))
     identity.update(method="zero-shot", seed=cfg.seed, run=str(run))
     return score_and_write(model, tokenizer, examples, Path(run) / "eval" / f"{split}-base", identity,
-                           batch_size=cfg.eval_batch_size, max_length=cfg.max_length)
+                           batch_size=cfg.eval_batch_size, max_length=cfg.max_length, quiet=cfg.quiet)
 
 
 # ----------------------------------------------------------------------------- the accuracy table
@@ -463,17 +491,27 @@ def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test"
 def accuracy_report(paths, *, seeds=PAPER_SEEDS, split: str = "test") -> tuple[str, list[str]]:
     """metrics.json files (or folders searched recursively) -> (Markdown table, notes on skipped files).
 
-    Evaluations without a seed (a base model: no run) and of other splits are skipped, not errors.
+    Evaluations without a seed (a base model: no run) and of other splits are skipped, not errors;
+    so are partial evaluations (`diagnostics.partial_reason`), each listed under the table.
     """
-    kept, notes = [], []
+    kept, notes, partial = [], [], []
     for f in metrics_files(paths):
         record = read_json(f)
-        if record.get("seed") is None:
+        run_config = Path(record["run"]) / "config.json" if record.get("run") else None
+        why = partial_reason(record, read_json(run_config) if run_config and run_config.is_file() else None)
+        if why:
+            partial.append(f"- {f}: {why}")
+        elif record.get("seed") is None:
             notes.append(f"skipped {f}: no seed (not a training run)")
         elif record.get("split", split) != split:
             notes.append(f"skipped {f}: split {record.get('split')!r}, not {split!r}")
         else:
             kept.append(f)
     if not kept:
-        raise ValueError(f"no metrics.json with a seed and split {split!r} under {[str(p) for p in paths]}")
-    return accuracy_table(collect_metrics(kept), seeds=seeds), notes
+        raise ValueError(f"no metrics.json of a whole split with a seed and split {split!r} under "
+                         f"{[str(p) for p in paths]}" + ("; partial: " + " ".join(partial) if partial else ""))
+    table = accuracy_table(collect_metrics(kept), seeds=seeds)
+    if partial:
+        table += ("\nNot counted, partial evaluations (score the whole split to count them):\n"
+                  + "\n".join(partial) + "\n")
+    return table, notes

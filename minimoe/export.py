@@ -31,9 +31,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.checkpoint import LAYER_KEYS
+from minimoe.checkpoint import LAYER_KEYS, from_pretrained, resolve_checkpoint
 from minimoe.runs import resolve_adapter  # a run folder resolves through selection.json
-from minimoe.lora import adapter_tensors, fingerprint, refuse_routing_heads
+from minimoe.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
+                              refuse_routing_heads)
 from minimoe.model import MoEForCausalLM
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys
@@ -45,10 +46,10 @@ def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[s
         model = adapter_or_run
         if model.lora_spec is None:
             raise ValueError("export_peft: the model has no LoRA; call add_lora (or load_adapter) first")
-        gate_layers = [i for i, layer in enumerate(model.model.layers) if layer.mlp.gate.weight.requires_grad]
+        gates = gate_layers(model)
         config = dict(model.lora_spec, fingerprint=fingerprint(model.config), base_model=None,
-                      router=model.router_spec, gate_layers=gate_layers)
-        return config, {k: v.detach().cpu() for k, v in adapter_tensors(model, gate_layers).items()}
+                      router=model.router_spec, gate_layers=gates)
+        return config, {k: v.detach().cpu() for k, v in adapter_tensors(model, gates).items()}
     folder = resolve_adapter(adapter_or_run, checkpoint).folder
     config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
     return config, load_file(str(folder / "adapter.safetensors"))
@@ -116,8 +117,35 @@ def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_
         "init_lora_weights": True, "inference_mode": True,
     }
     out_dir = Path(out_dir)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, "peft-adapter") as tmp:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n", encoding="utf-8")
     return out_dir
+
+
+# The base's files that a merged checkpoint carries over, so that it loads alone (AutoTokenizer included).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_model: str | None = None,
+                          cache_dir=None) -> Path:
+    """Load the adapter's base model, apply the adapter and write the merged checkpoint (official layout,
+    the base's dtype and tokenizer files) to out_dir, as `export.py RUN OUT --merged` does.
+
+    TES and Dual Affinity are refused before anything loads (adapters.export_merged says why).
+    base_model: the base checkpoint to merge into; default the one the adapter records (a run's
+    model at its --model-revision); load_adapter still checks that the weights are the trained-on ones.
+    """
+    source = resolve_adapter(adapter_or_run, checkpoint)
+    refuse_routing_heads(source.router, "export.py --merged")
+    config = json.loads((source.folder / "adapter_config.json").read_text(encoding="utf-8"))
+    base = base_model or config.get("base_model")
+    if not base:
+        raise ValueError(f"{source.folder}: the base model is not recorded with this adapter; pass --base-model")
+    revision = source.run_config.get("model_revision") if base == source.run_config.get("model") else None
+    folder = resolve_checkpoint(base, cache_dir or source.run_config.get("cache_dir"), revision)
+    model = load_adapter(from_pretrained(folder), source.folder)
+    tokenizer = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    export_merged(model, out_dir, copy_files=tokenizer)
+    return Path(out_dir)

@@ -184,21 +184,57 @@ class Attention(nn.Module):
 # ----------------------------------------------------------------------------- routed experts
 
 class Dispatch:
-    """Token rows sorted by expert, so that each expert runs on one contiguous block."""
+    """Token rows sorted by expert, so that each expert runs on one contiguous block.
 
-    def __init__(self, experts, num_experts: int):  # experts [T, K]
-        flat = experts.flatten()  # [N]
-        self.order = flat.argsort(stable=True)  # sorted row -> flat (token, slot) index
-        self.token = self.order // experts.shape[1]  # sorted row -> token
+    block > 1 rounds every expert's block up to a multiple of `block` rows with stand-in rows: copies
+    of token 0 whose combine weight is 0, so they add exact zeros to its output and its gradient.
+    oneDNN's bf16 GEMMs on CPU compile and cache a kernel per matrix shape (about 1 MB each, and a
+    compile costs a few small GEMMs); exact block sizes would give one shape per row count seen, up
+    to 2 x 1024 cached kernels. Rounded, the blocks take a few dozen shapes (bench/RESULTS.md).
+    """
+
+    def __init__(self, experts, num_experts: int, block: int = 1):  # experts [T, K]
+        flat = experts.flatten()  # [N] the expert of each (token, slot)
         self.counts = torch.bincount(flat, minlength=num_experts)  # [E] rows per expert
+        self.padding = 0
+        if block > 1:
+            pad = (-self.counts) % block  # [E] stand-in rows, appended after the N real ones
+            flat = torch.cat([flat, torch.arange(num_experts, device=flat.device).repeat_interleave(pad)])
+            self.counts, self.padding = self.counts + pad, int(pad.sum())
+        N = experts.numel()
+        self.order = flat.argsort(stable=True)  # sorted row -> (token, slot) index; >= N: a stand-in
+        self.token = torch.where(self.order < N, self.order // experts.shape[1], 0)  # sorted row -> token
         self.offsets = self.counts.cumsum(0).to(torch.int32)  # [E] block ends, grouped_mm's int32 offs
         self._counts_list = None
+
+    def row_weights(self, weights):  # weights [T, K] -> [rows, 1]: each sorted row's combine weight
+        flat = weights.flatten()
+        if self.padding:
+            flat = torch.cat([flat, flat.new_zeros(self.padding)])
+        return flat[self.order, None]
+
+    def combine(self, y, T: int, K: int):
+        """Sorted rows y [rows, D] -> [T, D], each token's K rows summed. Rows go back to (token, slot)
+        order by a plain copy, then sum over K: a scatter-add into [T, D] (index_add_) is serial on
+        CPU and took 4-7% of a bf16 step in the profile (bench/RESULTS.md)."""
+        unsorted = y.new_empty(T * K + self.padding, y.shape[-1]).index_copy_(0, self.order, y)
+        return unsorted[:T * K].view(T, K, -1).sum(1)
 
     @property
     def counts_list(self) -> list[int]:  # the loop path needs python ints (one host sync)
         if self._counts_list is None:
             self._counts_list = self.counts.tolist()
         return self._counts_list
+
+
+# Row rounding of expert blocks where oneDNN compiles a kernel per shape: bf16/fp16 on CPU (Dispatch).
+# Only where the experts get >= EXPERT_BLOCK rows on average: a decoding step would pay 16x its rows.
+EXPERT_BLOCK = 16
+
+
+def expert_block(x, rows: int, num_experts: int) -> int:
+    low_precision_cpu = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+    return EXPERT_BLOCK if low_precision_cpu and rows >= num_experts * EXPERT_BLOCK else 1
 
 
 USE_GROUPED_MM = hasattr(F, "grouped_mm")  # tests switch this off to compare against the loop
@@ -246,12 +282,13 @@ class Experts(nn.Module):
         self.down_proj = GroupedLinear(E, D, I)
 
     def forward(self, x, experts, weights):  # x [T, D], experts/weights [T, K] -> [T, D]
-        dispatch = Dispatch(experts, self.gate_up_proj.weight.shape[0])
+        E = self.gate_up_proj.weight.shape[0]
+        dispatch = Dispatch(experts, E, expert_block(x, experts.numel(), E))
         h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]
         gate, up = h.chunk(2, dim=-1)
         y = self.down_proj(F.silu(gate) * up, dispatch)  # [N, D]
-        y = y * weights.flatten()[dispatch.order, None].to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, dispatch.token, y)
+        y = y * dispatch.row_weights(weights).to(y.dtype)
+        return dispatch.combine(y, *experts.shape)
 
 
 class MoEBlock(nn.Module):
@@ -306,26 +343,7 @@ class DecoderLayer(nn.Module):
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, V] in the model dtype; [n, V] with forward's logits_at
-    routings: list[Routing]  # one per layer, tokens flattened as B*T
-    aux_loss: torch.Tensor | None = None  # load-balancing loss over all layers (None with a KV cache)
-
-
-def load_balancing_loss(router_logits, num_experts: int, top_k: int, attention_mask=None):
-    """transformers' Switch-style loss: E * sum_e f_e * P_e over all layers' tokens pooled.
-
-    router_logits: list of [B*T, E] per layer. f_e = share of the K slots that chose e, P_e = mean
-    router probability of e; with a padding mask both means run over real tokens only.
-    """
-    logits = torch.cat(router_logits)  # [L*B*T, E]
-    probs = logits.float().softmax(-1)
-    chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, num_experts).float()  # [L*B*T, K, E]
-    if attention_mask is None:
-        f, p = chosen.mean(0), probs.mean(0)  # f [K, E], p [E]
-    else:
-        real = attention_mask.to(probs.dtype).flatten().repeat(len(router_logits))[:, None]  # [L*B*T, 1]
-        f = (chosen * real[:, :, None]).sum(0) / real.sum()
-        p = (probs * real).sum(0) / real.sum()
-    return (f * p).sum() * num_experts
+    routings: list[Routing]  # one per layer, tokens flattened as B*T (objectives.load_balancing_loss reads them)
 
 
 class Model(nn.Module):
@@ -343,7 +361,7 @@ class Model(nn.Module):
 
 
 class MoEForCausalLM(nn.Module):
-    """`model(input_ids, attention_mask=None)` -> CausalLMOutput(logits, routings, aux_loss).
+    """`model(input_ids, attention_mask=None)` -> CausalLMOutput(logits, routings).
 
     `logits_at=` runs the LM head at chosen positions only; `segment_ids=` gives a block-causal mask."""
 
@@ -393,11 +411,7 @@ class MoEForCausalLM(nn.Module):
         h = self.model.norm(h)
         if logits_at is not None:
             h = h[logits_at]  # [n, D]
-        aux = None
-        if cache is None:
-            real = attention_mask[:, -T:] if attention_mask is not None else None
-            aux = load_balancing_loss([r.logits for r in routings], c.num_experts, c.num_experts_per_tok, real)
-        return CausalLMOutput(logits=self.head(h), routings=routings, aux_loss=aux)
+        return CausalLMOutput(logits=self.head(h), routings=routings)
 
     def head(self, hidden):
         """Final-normed hidden states [..., D] -> logits [..., V], Granite's logits_scaling included."""

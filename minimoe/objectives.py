@@ -4,6 +4,9 @@
 - `exponential_nll`: Eq. token_enll_loss, L/e + log e.
 - `supervision_loss`: Eq. averaged_training_losses, the mean over supervised layers and tokens.
   The total objective (Eq. total_loss) is the trainer's: CE + lambda_m * this + lambda_aux * aux.
+- `load_balancing_loss`: L_aux, the families' Switch-style loss (transformers' load_balancing_loss_func)
+  from the model output's routings. The model's forward never computes it: the trainer asks for it
+  only when its coefficient is non-zero, so evaluation and aux_coef = 0 pay nothing.
 
 Decisions where the paper is silent, and why:
 - The observed CE is never detached: IS and ENLL differ exactly in the gradient they send through it
@@ -20,6 +23,7 @@ Decisions where the paper is silent, and why:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 OBJECTIVES = ("is", "enll")
 
@@ -70,3 +74,24 @@ def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: fl
         per_token = itakura_saito(p, observed, eps) if objective == "is" else exponential_nll(p, observed)
         total = total + per_token.mean()
     return total if depth_scaled else total / len(preds)
+
+
+def load_balancing_loss(routings, attention_mask=None):
+    """transformers' Switch-style loss: E * sum_e f_e * P_e over all layers' tokens pooled -> scalar.
+
+    routings: the model output's list; each `Routing.logits` [B*T, E] is the native a_t, and K is
+    its `experts.shape[-1]` (every policy executes the family's top-K). f_e = share of the K slots
+    of the native top-K that chose e, P_e = mean native probability of e; with attention_mask [B, T]
+    both means run over real tokens only.
+    """
+    logits = torch.cat([r.logits for r in routings])  # [L*B*T, E]
+    E, K = logits.shape[-1], routings[0].experts.shape[-1]
+    probs = logits.float().softmax(-1)
+    chosen = F.one_hot(probs.topk(K, dim=-1).indices, E).float()  # [L*B*T, K, E]
+    if attention_mask is None:
+        f, p = chosen.mean(0), probs.mean(0)  # f [K, E], p [E]
+    else:
+        real = attention_mask.to(probs.dtype).flatten().repeat(len(routings))[:, None]  # [L*B*T, 1]
+        f = (chosen * real[:, :, None]).sum(0) / real.sum()
+        p = (probs * real).sum(0) / real.sum()
+    return (f * p).sum() * E

@@ -67,7 +67,8 @@ def sha256_file(path) -> str:
 
 
 def cache_folder() -> Path:
-    root = os.environ.get("MINIMOE_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "minimoe"
+    cache_home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    root = os.environ.get("MINIMOE_CACHE") or cache_home / "minimoe"
     return Path(root) / f"{PACKAGE}-{VERSION}"
 
 

@@ -263,13 +263,30 @@ def _build(method: str, opts: dict, gate: nn.Linear, config):
     return ConcentrationRouter(K, renorm) if method == "acs" else NativeRouter(K, renorm)
 
 
+def tuned_layers(router_spec: dict | None) -> list[int]:
+    """The layers whose native gate trains ("+ affinity tuning"), as `router_spec` records them."""
+    spec = router_spec or {}
+    return list(spec["layers"]) if spec.get("tune_router") else []
+
+
+def set_routing_trainable(model):
+    """Routing's share of what trains, read from `model.router_spec` alone: every method head
+    (`.mlp.router.*`) and the native gates of `tuned_layers`; every other gate is frozen. set_router
+    and add_lora both end with it, so the order in which they are called does not matter."""
+    tuned = tuned_layers(model.router_spec)
+    for i, layer in enumerate(model.model.layers):
+        layer.mlp.router.requires_grad_(True)
+        layer.mlp.gate.weight.requires_grad_(i in tuned)
+
+
 def set_router(model, method: str = "native", layers="final", **options):
     """Install `method`'s policy on the layers in scope and record `model.router_spec`.
 
     `set_router(model, **model.router_spec)` rebuilds the same structure (an adapter loader's
     route). New heads are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it
-    is in scope and tune_router=True ("+ affinity tuning"), and then it is moved to fp32. Install
-    after moving the model to its dtype. Layers out of scope get the native policy.
+    is in scope and tune_router=True ("+ affinity tuning"), and then it is moved to fp32
+    (`set_routing_trainable`, `tuned_layers`). Install after moving the model to its dtype. Layers
+    out of scope get the native policy.
     """
     if method not in METHOD_OPTIONS:
         raise ValueError(f"set_router: unknown method {method!r}; expected one of {list(METHOD_OPTIONS)}")
@@ -289,11 +306,11 @@ def set_router(model, method: str = "native", layers="final", **options):
     # Build every router first, so that a bad option leaves the model untouched.
     routers = [_build(method, opts, mlp.gate, c) if i in scope else NativeRouter(c.num_experts_per_tok, c.norm_topk_prob)
                for i, mlp in enumerate(blocks)]
+    model.router_spec = {"method": method, "layers": scope, **opts}
+    tuned = tuned_layers(model.router_spec)
     for i, (mlp, router) in enumerate(zip(blocks, routers)):
         mlp.router = router
-        tuned = i in scope and opts["tune_router"]
-        if tuned and mlp.gate.weight.dtype != torch.float32:  # trained in fp32, cast at use (model.py)
+        if i in tuned and mlp.gate.weight.dtype != torch.float32:  # trained in fp32, cast at use (model.py)
             mlp.gate.weight = nn.Parameter(mlp.gate.weight.detach().float())
-        mlp.gate.weight.requires_grad_(tuned)
-    model.router_spec = {"method": method, "layers": scope, **opts}
+    set_routing_trainable(model)
     return model

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from minimoe.atomic import atomic_file
+from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
 from minimoe.checkpoint import DTYPES
 
 log = logging.getLogger(__name__)
@@ -73,11 +73,30 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def pick_dtype(name: str, device: torch.device) -> str:
-    """auto: bfloat16 on CUDA, float32 on CPU, in training and evaluation alike, so that a run's
-    end-of-run scores and a later evaluate.py of it agree."""
+def cpu_capabilities() -> dict:
+    """The processor's instruction sets as torch's cpuinfo reports them ({} where this torch cannot say)."""
+    if hasattr(torch.cpu, "get_capabilities"):  # torch >= 2.9
+        return dict(torch.cpu.get_capabilities())
+    probes = {"avx512_bf16": "_is_avx512_bf16_supported", "amx_bf16": "_is_amx_tile_supported"}  # older torch
+    return {name: getattr(torch._C._cpu, probe)() for name, probe in probes.items() if hasattr(torch._C._cpu, probe)}
+
+
+def native_bf16(capabilities: dict) -> bool:
+    """Whether a CPU with these capabilities (`cpu_capabilities()`) multiplies bf16 matrices natively:
+    AVX512-BF16 or AMX-BF16, where oneDNN's bf16 GEMMs run at about twice the fp32 rate. Elsewhere a
+    bf16 matmul is emulated through fp32 and slower than fp32 itself."""
+    return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
+
+
+def pick_dtype(name: str, device: torch.device, capabilities: dict | None = None) -> str:
+    """auto: bfloat16 on CUDA and on a CPU with native bf16 matrix instructions (`native_bf16`),
+    float32 on other CPUs and devices; in training and evaluation alike, so that a run's end-of-run scores and a
+    later evaluate.py of it agree. `capabilities` defaults to this machine's."""
     if name == "auto":
-        return "bfloat16" if torch.device(device).type == "cuda" else "float32"
+        kind = torch.device(device).type
+        if kind == "cpu":
+            return "bfloat16" if native_bf16(cpu_capabilities() if capabilities is None else capabilities) else "float32"
+        return "bfloat16" if kind == "cuda" else "float32"
     if name not in DTYPES:
         raise ValueError(f"--dtype {name!r}; expected auto or one of {list(DTYPES)}")
     return name
@@ -183,10 +202,20 @@ def resolve_adapter(path, checkpoint: str | None = None) -> AdapterSource:
 
 @contextmanager
 def run_lock(run: Path):
-    """Hold the run folder's exclusive lock inside the block (creating the folder if needed)."""
-    run.mkdir(parents=True, exist_ok=True)
+    """Hold the run folder's exclusive lock inside the block. `run` must be a run folder already
+    (atomic.MARKER of kind "run"): the lock is never written anywhere else. The lock file is opened
+    without following a symlink (O_NOFOLLOW), so a link planted there cannot make us write elsewhere."""
+    if written_kind(run) != "run":
+        raise FileNotFoundError(f"{run}: not a train.py run folder (no {MARKER} of kind 'run'); refusing to "
+                                f"write {LOCK} there")
     path = run / LOCK
-    with open(path, "a+") as f:
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if path.is_symlink():
+            raise OSError(f"{path}: is a symbolic link; refusing to follow it (remove it, then run again)") from None
+        raise OSError(f"{path}: cannot open the run's lock ({e.strerror or e})") from None
+    with os.fdopen(fd, "r+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -194,14 +223,75 @@ def run_lock(run: Path):
             holder = f.read().strip() or "unknown"
             raise RunInUse(f"{run}: in use by process {holder} (it holds {path}); wait for it to end or stop it, "
                            f"or choose another --run-name") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(f"{os.getpid()}\n")
+            f.flush()
+        except OSError as e:
+            raise OSError(f"{path}: could not write the lock holder's pid ({e.strerror or e}); check free disk "
+                          f"space") from e
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def is_run_record(config: Path) -> bool:
+    """A config.json that train.py wrote (a run's record, not a model's config)."""
+    try:
+        record = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and "model_config" in record and "label" in record
+
+
+def is_run_folder(run: Path) -> bool:
+    """A folder marked as a run, or one an older version wrote without the marker (its config.json a run's)."""
+    kind = written_kind(run)
+    return kind == "run" or (kind is None and is_run_record(run / "config.json"))
+
+
+def claim_run_folder(run: Path, *, resume: bool) -> bool:
+    """Make `run` a run folder (atomic.MARKER of kind "run") before anything is written into it; returns
+    True when this call created it. A new run needs an absent folder; --resume needs a run folder
+    (one that an older version wrote without the marker is recognised by its config.json)."""
+    if not resume:
+        try:
+            run.mkdir(parents=True)
+        except FileExistsError:
+            raise FileExistsError(f"{run}: exists; pass --resume to continue it, --rerun to start it again, or "
+                                  f"choose another --run-name") from None
+        try:
+            mark(run, "run")
+        except OSError:
+            run.rmdir()
+            raise
+        return True
+    if not is_run_folder(run):
+        kind = written_kind(run)
+        what = KINDS.get(kind, repr(kind)) if kind else "not a train.py run folder (no config.json of a run)"
+        raise FileNotFoundError(f"{run}: {what}; refusing to treat it as a run folder")
+    if written_kind(run) is None:
+        mark(run, "run")  # a run folder of an older version
+    return False
+
+
+def has_training_output(run: Path) -> bool:
+    """Anything a failed start must not delete: a checkpoint, a training record or a test score
+    (the base model's zero-shot score, remade by any rerun, does not count)."""
+    metrics = run / METRICS
+    evals = [p.name for p in (run / "eval").iterdir() if not p.name.startswith(".")] if (run / "eval").is_dir() else []
+    return (any((run / "checkpoints").iterdir()) if (run / "checkpoints").is_dir() else False) or (
+        metrics.is_file() and metrics.stat().st_size > 0) or any(not name.endswith("-base") for name in evals)
+
+
+def set_aside(run: Path) -> Path:
+    """Move a run folder out of the way of a rerun: to <run>.replaced-<UTC time>, kept whole."""
+    from datetime import datetime, timezone
+    aside = run.with_name(f"{run.name}.replaced-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%fZ}")
+    os.replace(run, aside)
+    return aside
 
 
 def remove_orphans(run: Path) -> list[Path]:

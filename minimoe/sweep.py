@@ -6,13 +6,22 @@ out_dir/run_name(cfg), the same name train.py gives it. State comes from the fol
   partial  config.json exists but the run is not done: it is continued with train.py --resume
   missing  no config.json: it is started
 so a sweep that is killed and started again skips what finished and continues what did not.
+A cell's run counts as the cell only while its settings are the cell's: `changed` compares the
+settings train.py would resolve from the cell's flags (those after `--` included) with the run's
+config.json, and sweep.py refuses to skip, resume or report a run whose settings differ (--rerun
+sets such runs aside, as <run>.replaced-<time>, and runs them again).
 
 Where cells run (no scheduler of our own):
   local     one after another, train.py as a subprocess with this interpreter
   gpus      one cell per listed device at a time, CUDA_VISIBLE_DEVICES=<device> in each child
   slurm     submitit (pip install -e ".[slurm]"): one job per cell, its logs in out_dir/submitit/<run name>
 
-The report (report.md, report.csv in out_dir) reads whatever has finished and marks the rest.
+The report (report.md, report.csv in out_dir) reads whatever has finished and marks the rest; an
+evaluation that did not score the whole split the run declares (evaluate.py --max-examples, or an
+edited manifest) is not counted, and is listed. Presets with the paper's groups add the paired
+comparisons of each method with its control (`group_comparisons`, minimoe/compare.py's statistics),
+their numbers also in comparisons.json. out_dir carries the "sweep" kind's marker; the report files
+are replaced only if the sweep wrote them (atomic.write_owned_file).
 """
 from __future__ import annotations
 
@@ -30,9 +39,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from minimoe import compare, diagnostics
-from minimoe.atomic import atomic_file
+from minimoe.atomic import KINDS, atomic_file, check_owned_file, mark, write_owned_file, written_kind
 from minimoe.config import TrainConfig, ablation_settings, run_name
-from minimoe.diagnostics import PAPER_SEEDS
+from minimoe.diagnostics import PAPER_SEEDS, partial_reason
 from minimoe.runs import method_label, read_metrics
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
@@ -186,6 +195,16 @@ class Cell:
         folders = ("test", "test-selected") if both else (self.test_dir.name,)
         return all((self.run / "eval" / f / "metrics.json").is_file() for f in folders)
 
+    def record(self) -> dict | None:
+        """The run's config.json, None before it exists."""
+        config = self.run / "config.json"
+        return json.loads(config.read_text()) if config.is_file() else None
+
+    def changed(self) -> list[str]:
+        """The settings of the run's config.json that differ from what this cell's flags give ([] if none, or no run)."""
+        record = self.record()
+        return [] if record is None else train_module().settings_differ(self.train_args(), record)
+
     def state(self) -> str:
         if self.trained() and (not self.train_eval or (self.run / "eval" / "train" / "metrics.json").is_file()):
             return "done"
@@ -216,6 +235,32 @@ def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=No
                                           tuple(extra), train_eval, base))
     unique = list({c.run: c for c in cells}.values())  # settings a row does not read give one run, once
     return unique
+
+
+def train_module():
+    """train.py as a module: its flags and their resolution are the one source of a cell's settings."""
+    if "train" not in sys.modules and str(TRAIN_PY.parent) not in sys.path:
+        sys.path.insert(0, str(TRAIN_PY.parent))
+    import train
+    return train
+
+
+REPORT_FILES = ("report.md", "report.csv", "comparisons.json")  # what write_report writes into out_dir
+
+
+def claim_out_dir(out_dir) -> None:
+    """Make out_dir a sweep folder (atomic.MARKER "sweep"), refusing one of another kind, and refuse
+    report files there that the sweep did not write; before any cell runs."""
+    out_dir = Path(out_dir)
+    kind = written_kind(out_dir) if out_dir.is_dir() else None
+    if kind not in (None, "sweep"):
+        raise FileExistsError(f"--out-dir {out_dir}: holds {KINDS.get(kind, repr(kind))}, not a sweep; choose "
+                              f"another --out-dir")
+    for name in REPORT_FILES:
+        check_owned_file(out_dir / name)
+    if kind is None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        mark(out_dir, "sweep")
 
 
 # ---- where cells run ------------------------------------------------------------------------------
@@ -319,9 +364,22 @@ def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, nproc
 
 # ---- the report -----------------------------------------------------------------------------------
 
+def _partial(path: Path, cell: Cell) -> str | None:
+    """Why an evaluation of the cell's run does not count (`diagnostics.partial_reason`), None if it does."""
+    return partial_reason(json.loads(path.read_text()), cell.record())
+
+
 def _metrics(cell: Cell) -> dict | None:
+    """The cell's test metrics, None when missing or partial (not the whole split the run declares)."""
     path = cell.test_dir / "metrics.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return json.loads(path.read_text()) if path.is_file() and not _partial(path, cell) else None
+
+
+def _state(cell: Cell) -> str:
+    """The report's state: the cell's, with a partial test evaluation called so."""
+    path = cell.test_dir / "metrics.json"
+    why = _partial(path, cell) if path.is_file() else None
+    return f"partial evaluation ({why})" if why else cell.state()
 
 
 def _row_key(cell: Cell) -> str:
@@ -342,12 +400,12 @@ def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
         for c in members:
             m = dict(found).get(c)
             csv_rows.append({"model": model, "row": row, "dataset": data, "seed": c.seed, "run": c.run.name,
-                             "state": c.state(), **{k: (m or {}).get(k) for k in columns}})
+                             "state": _state(c), **{k: (m or {}).get(k) for k in columns}})
         summary[(model, row, data)] = {k: [m[k] for _, m in found] for k in columns} | {"n": len(found),
                                                                                         "of": len(members)}
     for c in cells:  # the zero-shot row: the base model's scores, where a run made them (--zero-shot);
         base, key = c.run / "eval" / "test-base" / "metrics.json", (Path(c.model).name, ZERO_SHOT, c.data)
-        if base.is_file() and key not in summary:  # deterministic, so one run's copy serves
+        if base.is_file() and key not in summary and not _partial(base, c):  # deterministic: one run's copy serves
             m = json.loads(base.read_text())
             summary[key] = {k: [m[k]] for k in columns} | {"n": 1, "of": 1}
     datasets = list(dict.fromkeys(c.data for c in cells))
@@ -416,7 +474,7 @@ def _finished_groups(cells) -> dict:
     """(model, row, dataset) -> the finished cells, in seed order."""
     groups: dict[tuple, list[Cell]] = {}
     for c in cells:
-        if c.trained():
+        if c.trained() and _metrics(c) is not None:
             groups.setdefault((Path(c.model).name, _row_key(c), c.data), []).append(c)
     return groups
 
@@ -496,43 +554,55 @@ def control_of(cell: Cell, by_run: dict) -> Cell | None:
     return None
 
 
-def comparison_table(cells) -> tuple[str, list[str]]:
+def group_comparisons(cells) -> list[dict]:
     """Each method row against its control (`control_of`), per model and benchmark, paired by seed over
-    the seeds where both finished: compare.compare_pairs' accuracy difference (points, 95% paired
-    bootstrap over questions and seeds), exact McNemar p per seed, choice-NLL difference and the
-    questions whose prediction differs. -> (Markdown, notes on pairs that could not be compared)."""
+    the seeds where both finished -> one record per (model, benchmark, method): its control, the seed
+    pairs done ("pairs" of "of"), and compare.compare_pairs' "result" (accuracy difference with its
+    paired bootstrap interval, McNemar p per seed, choice-NLL difference, differing predictions), or
+    the "error" that kept them from being compared (evaluations of other questions, say)."""
     by_run = {c.run: c for c in cells}
     groups: dict[tuple, list] = {}  # (model, data, control row key, method row key) -> [(control, method) cells]
     for cell in cells:
         control = control_of(cell, by_run)
         if control is not None:
-            key = (Path(cell.model).name, cell.data, _row_key(control), _row_key(cell))
+            key = (Path(cell.model).name, Path(cell.data).name, _row_key(control), _row_key(cell))
             groups.setdefault(key, []).append((control, cell))
+    records = []
+    for (model, data, control_row, row), pairs in groups.items():
+        done = [(a, b) for a, b in pairs if _metrics(a) is not None and _metrics(b) is not None]  # whole splits
+        record = {"model": model, "dataset": data, "control": control_row, "method": row,
+                  "pairs": len(done), "of": len(pairs)}
+        if done:
+            try:
+                record["result"] = compare.compare_pairs([(compare.read_predictions(a.test_dir),
+                                                           compare.read_predictions(b.test_dir)) for a, b in done])
+            except (OSError, ValueError) as e:
+                record["error"] = str(e)
+        records.append(record)
+    return records
+
+
+def comparison_table(records) -> str:
+    """Markdown of `group_comparisons`: one line per method, then the pairs that could not be compared."""
     lines = ["| Model | Dataset | Control | Method | Seeds | Accuracy diff. (points) [95% CI] | McNemar p per seed "
              "| Choice NLL diff. [95% CI] | Predictions differing per seed |", "|---|---|---|---|---|---|---|---|---|"]
     notes = []
-    for (model, data, control_row, row), pairs in groups.items():
-        done = [(a, b) for a, b in pairs if a.trained() and b.trained()]
-        head = f"| {model} | {Path(data).name} | {control_row} | {row} | "
-        if not done:
-            lines.append(head + f"missing (0/{len(pairs)}) | | | | |")
-            continue
-        try:
-            result = compare.compare_pairs([(compare.read_predictions(a.test_dir), compare.read_predictions(b.test_dir))
-                                            for a, b in done])
-        except (OSError, ValueError) as e:
+    for r in records:
+        head = f"| {r['model']} | {r['dataset']} | {r['control']} | {r['method']} | "
+        if "error" in r:
             lines.append(head + "not compared (below) | | | | |")
-            notes.append(f"{row} vs {control_row}, {Path(data).name}: {e}")
+            notes.append(f"- {r['method']} vs {r['control']}, {r['dataset']}: {r['error']}")
             continue
-        seeds = ", ".join(str(s["seed"]) for s in result["per_seed"])
-        if len(done) < len(pairs):
-            seeds += f" (n={len(done)}/{len(pairs)})"
-        per_seed = result["per_seed"]
+        if "result" not in r:
+            lines.append(head + f"missing (0/{r['of']}) | | | | |")
+            continue
+        result, per_seed = r["result"], r["result"]["per_seed"]
+        seeds = ", ".join(str(s["seed"]) for s in per_seed) + (f" (n={r['pairs']}/{r['of']})" if r["pairs"] < r["of"] else "")
         lines.append(head + f"{seeds} | {compare.interval_text(result['accuracy_difference'], result['accuracy_interval'], 2)} | "
                      + ", ".join(compare.p_text(s["mcnemar"]["p"]) for s in per_seed) + " | "
                      + compare.interval_text(result["choice_nll_difference"], result["choice_nll_interval"], 4) + " | "
                      + ", ".join(str(s["differing_predictions"]) for s in per_seed) + f" of {result['questions']} |")
-    return "\n".join(lines) + "\n", notes
+    return "\n".join(lines) + "\n" + ("\n" + "\n".join(notes) + "\n" if notes else "")
 
 
 def error_figures(cells, folder) -> list[str]:
@@ -556,15 +626,16 @@ def error_figures(cells, folder) -> list[str]:
 
 
 def write_report(cells, out_dir, columns=("accuracy",), tables=()) -> str:
+    claim_out_dir(out_dir)  # before any file: never a report file the sweep did not write
     table, rows = report(cells, columns)
     extras = {"transform": ("Error-to-routing transform ablation", transform_table),
               "concentration": ("Affinity-concentration diagnostics", concentration_table),
               "wall_time": ("Wall time", wall_time_table)}
     for name in tables:
-        if name == "comparisons":
-            text, notes = comparison_table(cells)
-            table += (f"\n## {COMPARISONS_TITLE}\n\n{COMPARISONS_ABOUT}\n\n" + text
-                      + "".join(f"\n- {n}" for n in notes) + ("\n" if notes else ""))
+        if name == "comparisons":  # the table, and every number of it in comparisons.json
+            comparisons = group_comparisons(cells)
+            table += f"\n## {COMPARISONS_TITLE}\n\n{COMPARISONS_ABOUT}\n\n" + comparison_table(comparisons)
+            write_owned_file(Path(out_dir) / "comparisons.json", json.dumps(comparisons, indent=2) + "\n")
             continue
         title, make = extras[name]
         table += f"\n## {title}\n\n" + make(cells)
@@ -574,14 +645,14 @@ def write_report(cells, out_dir, columns=("accuracy",), tables=()) -> str:
     missing = sum(r["state"] != "done" for r in rows)
     text = table + (f"\n{missing} of {len(rows)} runs not finished; their cells use the seeds that did.\n"
                     if missing else "")
+    partial = [f"- {r['run']}: {r['state']}" for r in rows if r["state"].startswith("partial evaluation")]
+    if partial:
+        text += "\nNot counted (evaluate them on the whole split to count them):\n" + "\n".join(partial) + "\n"
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with atomic_file(out_dir / "report.md") as tmp:
-        tmp.write_text(text, encoding="utf-8")
     buffer = io.StringIO()
     writer = csv.DictWriter(buffer, fieldnames=list(rows[0]) if rows else ["run"])
     writer.writeheader()
     writer.writerows(rows)
-    with atomic_file(out_dir / "report.csv") as tmp:
-        tmp.write_text(buffer.getvalue(), encoding="utf-8")
+    write_owned_file(out_dir / "report.md", text)
+    write_owned_file(out_dir / "report.csv", buffer.getvalue())
     return text

@@ -34,7 +34,7 @@ def build_tiny_checkpoint(folder, *, seed: int = 0, vocab_size: int = 2048) -> P
     vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # rows padded to a multiple of 64, as the releases do
     config = tiny_config(vocab, tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN))
     model = init_weights(MoEForCausalLM(config), generator=torch.Generator().manual_seed(seed))
-    with atomic_directory(folder, "checkpoint") as tmp:
+    with atomic_directory(folder, "model") as tmp:
         write_checkpoint(model, tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
     return folder
@@ -42,7 +42,7 @@ def build_tiny_checkpoint(folder, *, seed: int = 0, vocab_size: int = 2048) -> P
 
 def tiny_checkpoint() -> Path:
     """weights/tiny-olmoe, built on first use."""
-    root = Path(default_weights_dir() or "weights")
+    root = Path(default_weights_dir())
     folder = root / TINY_NAME
     if not (folder / "config.json").is_file():
         build_tiny_checkpoint(folder)

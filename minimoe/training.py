@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,16 +43,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from minimoe.adapters import load_adapter, save_adapter, trainable_parameters
 from minimoe.atomic import atomic_file
 from minimoe.config import TrainConfig
-from minimoe.evaluation import evaluate_split
-from minimoe.lora import add_lora, load_adapter, save_adapter, trainable_parameters
-from minimoe.objectives import supervision_loss
+from minimoe.evaluation import diagnosed_layers, evaluate_split
+from minimoe.lora import add_lora
+from minimoe.objectives import load_balancing_loss, supervision_loss
 from minimoe.routing import METHOD_OPTIONS, set_router
 from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
-                          latest_checkpoint, read_metrics, remove_orphans, save_state, set_rng_state,
+                          latest_checkpoint, read_json, read_metrics, remove_orphans, save_state, set_rng_state,
                           truncate_metrics, world)
 from minimoe.scoring import ChoiceBatch, choice_loss, choice_scores, forward_choices, make_choice_batch
+from minimoe.tracking import RoutingStats, Tracker
 
 def install_method(model, cfg: TrainConfig):
     """LoRA on the recipe's targets, then the routing method (heads trainable, native gate frozen)."""
@@ -59,6 +62,26 @@ def install_method(model, cfg: TrainConfig):
     method = "native" if cfg.method == "ce" else cfg.method
     options = {name: getattr(cfg, name) for name in METHOD_OPTIONS[method]}  # those this method takes
     set_router(model, method, layers=cfg.layers, **options)
+
+
+def check_install(model_config, cfg: TrainConfig, device: str):
+    """install_method on a copy of the model on the meta device (no memory, no weights): a bad LoRA
+    target, layer scope or method option fails here, before any run folder exists; so does an
+    adapter whose fp32 weights, gradients and AdamW moments (16 bytes a parameter) exceed the
+    device's memory."""
+    from minimoe.model import MoEForCausalLM
+    with torch.device("meta"):
+        dry = MoEForCausalLM(model_config)
+        install_method(dry, cfg)
+    need = 16 * sum(p.numel() for p in dry.parameters() if p.requires_grad)
+    if torch.device(device).type == "cuda":
+        have = torch.cuda.mem_get_info(torch.device(device))[1]
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"the trainable parameters (LoRA rank {cfg.lora_rank} on {cfg.lora_targets}, method heads) "
+                         f"need {need / 2**30:.1f} GiB with their gradients and optimizer state; {device} has "
+                         f"{have / 2**30:.1f} GiB in all. Lower --lora-rank or --lora-targets")
 
 
 def steps_per_epoch(n_examples: int, cfg: TrainConfig) -> int:
@@ -89,8 +112,9 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else max(0.0, 1 - progress)
 
 
-def step_loss(model, batches, cfg: TrainConfig, counts, world_size):
-    """Forward + backward of one micro-batch list's terms; returns the step's logged terms."""
+def step_loss(model, batches, cfg: TrainConfig, counts, world_size, stats: RoutingStats | None = None):
+    """Forward + backward of one micro-batch list's terms; returns the step's logged terms (and adds
+    each real micro-batch's routing to `stats`)."""
     logs = {"task": 0.0, "method": 0.0, "aux": 0.0}
     for i, batch in enumerate(batches):
         sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
@@ -98,6 +122,8 @@ def step_loss(model, batches, cfg: TrainConfig, counts, world_size):
         weight = 0.0 if batch.placeholder else 1.0  # see micro_batches
         with ctx, autocast(cfg):
             out, logp = forward_choices(model, batch)  # logp [n]: every candidate's answer tokens
+            if stats is not None and not batch.placeholder:
+                stats.add(out.routings, batch, batch.at_supervised(-logp.detach()))
             task = choice_loss(choice_scores(logp, batch)["mean"], batch, reduction="sum") * weight / counts["examples"]
             loss = task
             logs["task"] += task.item()
@@ -109,7 +135,8 @@ def step_loss(model, batches, cfg: TrainConfig, counts, world_size):
                 loss = loss + cfg.lambda_ * method
                 logs["method"] += method.item()
             if cfg.aux_coef > 0:  # packed rows: each prompt token counts once, not once per candidate
-                aux = out.aux_loss * weight * batch.input_ids.shape[0] / counts["rows"]
+                aux = load_balancing_loss(out.routings, batch.attention_mask)
+                aux = aux * weight * batch.input_ids.shape[0] / counts["rows"]
                 loss = loss + cfg.aux_coef * aux
                 logs["aux"] += aux.item()
             (loss * world_size).backward()  # DDP averages over ranks; the counts are global already
@@ -129,15 +156,42 @@ def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: 
             for i in range(0, len(examples), size)]
 
 
-def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, world_size: int) -> dict:
-    """One optimizer step over this rank's micro-batches of the step's `n_examples` (all ranks);
-    returns its loss terms summed over ranks and the gradient norm before clipping."""
+class NonFiniteTraining(ValueError):
+    """A step's loss or gradient is not finite, or its clipped update is all zeros: training stops."""
+
+
+def check_step(logs: dict, trainable, step: int):
+    """Stop before the optimizer applies a step that cannot train: a non-finite loss term or gradient
+    norm (clipping would turn it into a NaN or an all-zero update), or a clipped gradient that is
+    exactly zero everywhere (an update that changes nothing, e.g. a norm so large that clipping
+    underflows). `step` is the global step being taken; the error names it and the bad terms."""
+    bad = {k: v for k, v in logs.items() if isinstance(v, float) and not math.isfinite(v)}  # not "routing"
+    if bad:
+        raise NonFiniteTraining(f"step {step}: non-finite {', '.join(f'{k}={v}' for k, v in bad.items())}; "
+                                f"training stopped before applying it (check lambda, tau, is_eps, aux_coef, "
+                                f"lora_alpha, lr: a value that large or small overflows)")
+    grads = [p.grad for p in trainable if p.grad is not None]
+    if not grads or torch.stack([g.abs().max().float() for g in grads]).max().item() == 0:  # one device sync
+        raise NonFiniteTraining(f"step {step}: the clipped update is all zeros (gradient norm {logs['grad_norm']:g} "
+                                f"before clipping); training stopped rather than take steps that change nothing")
+
+
+def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, world_size: int,
+                   step: int = 0) -> dict:
+    """Optimizer step number `step` over this rank's micro-batches of the step's `n_examples` (all
+    ranks); returns its loss terms summed over ranks, the gradient norm before clipping, and per-layer
+    routing statistics (minimoe/tracking.py). A step that cannot train raises NonFiniteTraining before
+    it is applied (`check_step`)."""
     real = [b for b in batches if not b.placeholder]
     counts = {"examples": n_examples, "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in real)),
               "rows": global_sum(sum(b.input_ids.shape[0] for b in real))}
-    logs = {k: global_sum(v) for k, v in step_loss(model, batches, cfg, counts, world_size).items()}
+    core = getattr(model, "module", model)  # under DDP, the model it wraps
+    stats = RoutingStats(diagnosed_layers(core), core.config.num_experts, core.config.num_experts_per_tok)
+    logs = {k: global_sum(v) for k, v in step_loss(model, batches, cfg, counts, world_size, stats).items()}
+    logs["routing"] = stats.summary(has_e_hat=cfg.method == "tes")  # this rank's micro-batches (tracking.py)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     logs["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip).item()
+    check_step(logs, trainable, step)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
@@ -153,8 +207,10 @@ def autocast(cfg: TrainConfig):
 def score_split(model, tokenizer, examples, cfg: TrainConfig) -> dict:
     """Validation: length-normalised answer-choice NLL (the selection rule's quantity) and accuracy,
     scored by the same code as evaluate.py, so validation and test numbers are comparable."""
+    quiet = cfg.quiet or world()[0] != 0
     _, metrics, _ = evaluate_split(model, tokenizer, examples, batch_size=cfg.eval_batch_size, device=cfg.device,
-                                   diagnostics=False, max_length=cfg.max_length, packed=cfg.packed)
+                                   diagnostics=False, max_length=cfg.max_length, packed=cfg.packed,
+                                   progress=None if quiet else "validation")
     return {"choice_nll": metrics["choice_nll"], "accuracy": metrics["accuracy"]}
 
 
@@ -228,6 +284,9 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
         device = torch.device(cfg.device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     model.train()
+    # every metrics.jsonl line also goes to --report-to; each is flushed as logged, so a crash loses none
+    tracker = Tracker(cfg.report_to if rank == 0 else "none", run, read_json(run / "config.json") if rank == 0 else {},
+                      first_step=start.step)
     step = start.step
     for epoch in range(start.epoch + 1, cfg.epochs + 1):
         order = torch.randperm(len(data["train"]), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
@@ -237,15 +296,17 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
             t0 = time.perf_counter()
             ids = order[s * per_step:(s + 1) * per_step]
             batches = micro_batches([data["train"][j] for j in ids], tokenizer, cfg, rank, world_size)
-            logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, world_size)
             step += 1
+            logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, world_size, step)
             seconds = time.perf_counter() - t0
             rate = global_sum(sum(b.attention_mask.sum().item() for b in batches if not b.placeholder)) / seconds
             loss = logs["task"] + cfg.lambda_ * logs["method"] + cfg.aux_coef * logs["aux"]
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
             if rank == 0:
-                append_metrics(run, {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
-                                     "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, "seconds": seconds})
+                record = {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
+                          "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, "seconds": seconds}
+                append_metrics(run, record)
+                tracker.log(record)
                 every = cfg.save_every_steps
                 if every and step % every == 0 and s + 1 < steps:  # at the end, the epoch checkpoint
                     save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg.model)
@@ -254,13 +315,16 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
         t0 = time.perf_counter()
         val = score_split(model, tokenizer, data["val"], cfg)
         if rank == 0:
-            append_metrics(run, {"kind": "epoch", "epoch": epoch, "step": step, "val_choice_nll": val["choice_nll"],
-                                 "val_accuracy": val["accuracy"], "val_seconds": time.perf_counter() - t0})
+            record = {"kind": "epoch", "epoch": epoch, "step": step, "val_choice_nll": val["choice_nll"],
+                      "val_accuracy": val["accuracy"], "val_seconds": time.perf_counter() - t0}
+            append_metrics(run, record)
+            tracker.log(record)
             save_epoch(run, model, optimizer, scheduler, epoch, step, cfg.model)
         if dist.is_initialized():
             dist.barrier()
         if cfg.stop_after_epochs and epoch >= cfg.stop_after_epochs and epoch < cfg.epochs:
             raise SystemExit(f"stopped after epoch {epoch} as asked (--stop-after-epochs); continue with --resume")
+    tracker.close()
     if rank == 0:
         write_selection(run)
     return step - start.step
@@ -269,10 +333,13 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
 def write_selection(run: Path) -> dict:
     """The paper's rule, fixed before any test evaluation: minimum validation choice NLL, ties to the earlier epoch."""
     epochs = [r for r in read_metrics(run) if r["kind"] == "epoch"]
+    if bad := [r["epoch"] for r in epochs if not math.isfinite(r["val_choice_nll"])]:
+        raise NonFiniteTraining(f"{run / 'metrics.jsonl'}: validation choice NLL is not finite at epoch(s) {bad}; "
+                                f"no epoch can be selected, so selection.json is not written")
     best = min(epochs, key=lambda r: (r["val_choice_nll"], r["epoch"]))
     selection = {"selected_epoch": best["epoch"], "last_epoch": max(r["epoch"] for r in epochs),
                  "rule": "minimum length-normalised validation answer-choice NLL; ties to the earlier epoch",
                  "val_choice_nll": {str(r["epoch"]): r["val_choice_nll"] for r in epochs}}
     with atomic_file(run / "selection.json") as tmp:
-        tmp.write_text(json.dumps(selection, indent=2))
+        tmp.write_text(json.dumps(selection, indent=2, allow_nan=False))
     return selection

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from minimoe.atomic import atomic_directory
+from minimoe.atomic import atomic_directory, check_replaceable
 from minimoe.checkpoint import checkpoint_layout, write_checkpoint
 from minimoe.model import MoEConfig, MoEForCausalLM
 
@@ -274,14 +274,20 @@ def upcycle(source, out_dir, *, num_experts: int = 4, top_k: int = 2, seed: int 
         raise UpcycleError(f"noise {noise} must be >= 0, and 0 in split mode (its experts differ already)")
     if split and mode != "split":
         raise UpcycleError(f"split settings {sorted(split)} given with mode {mode!r}; expected mode 'split'")
-    if str(source).endswith(".gguf"):
-        if not Path(source).is_file():
-            raise FileNotFoundError(f"{source}: no such GGUF file")
-        llama, dense, tokenizer = read_gguf(source)
-        dtype = dtype or torch.float32
-    else:
-        llama, dense, tokenizer = read_llama_folder(source)
-        dtype = dtype or getattr(torch, llama.get("torch_dtype") or "float32")
+    check_replaceable(out_dir, "model")  # before the work: never over an export, a run or foreign files
+    try:
+        if str(source).endswith(".gguf"):
+            if not Path(source).is_file():
+                raise FileNotFoundError(f"{source}: no such GGUF file")
+            llama, dense, tokenizer = read_gguf(source)
+            dtype = dtype or torch.float32
+        else:
+            llama, dense, tokenizer = read_llama_folder(source)
+            dtype = dtype or getattr(torch, llama.get("torch_dtype") or "float32")
+    except (UpcycleError, FileNotFoundError):
+        raise
+    except (OSError, ValueError, KeyError, IndexError) as e:  # a corrupt file, as the reader library reports it
+        raise UpcycleError(f"{source}: cannot be read ({type(e).__name__}: {e})") from e
     record = None
     if mode == "copy":
         config = moe_config(llama, num_experts, top_k, dtype)
@@ -301,7 +307,7 @@ def upcycle(source, out_dir, *, num_experts: int = 4, top_k: int = 2, seed: int 
         model.config.torch_dtype = str(dtype).removeprefix("torch.")
         record = splitting.record(settings, stats, time.perf_counter() - t0)
     out_dir = Path(out_dir)
-    with atomic_directory(out_dir) as tmp:
+    with atomic_directory(out_dir, "model") as tmp:
         write_checkpoint(model, tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
         if record is not None:
@@ -362,7 +368,7 @@ def main(argv=None):
     try:
         out = upcycle(args.source, args.out, num_experts=experts, top_k=top_k, seed=args.seed, noise=args.noise,
                       dtype=getattr(torch, args.dtype) if args.dtype else None, mode=args.mode, split=options)
-    except (UpcycleError, SplitError, FileNotFoundError) as e:
+    except (OSError, ValueError, KeyError) as e:  # UpcycleError and SplitError are ValueErrors; each names the file
         p.exit(2, f"upcycle: error: {e}\n")
     print(f"upcycled ({args.mode}) {args.source} -> {out} ({experts} experts, top-{top_k})")
 

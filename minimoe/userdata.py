@@ -111,8 +111,13 @@ def read_rows(data: str, revision: str | None = None) -> tuple[dict[str, list[tu
     else:
         if not path.is_dir():
             from huggingface_hub import snapshot_download
-            path = Path(snapshot_download(data, repo_type="dataset", revision=revision,
-                                          allow_patterns=["*.parquet", "*.jsonl", "*.csv"]))
+            from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+            try:
+                path = Path(snapshot_download(data, repo_type="dataset", revision=revision,
+                                              allow_patterns=["*.parquet", "*.jsonl", "*.csv"]))
+            except (LocalEntryNotFoundError, HfHubHTTPError) as e:
+                raise FileNotFoundError(f"--data {data}: no such file or folder, and as a hub dataset at "
+                                        f"{revision or 'main'}: {e}") from None
             commit = path.name
         files = {}
         for f in sorted(p for p in path.rglob("*") if p.suffix in (".parquet", ".jsonl", ".csv")):

@@ -46,6 +46,15 @@ def no_default_model_download(monkeypatch):
     monkeypatch.setattr(train, "smollm_checkpoint", refuse)
 
 
+@pytest.fixture(autouse=True)
+def cpu_without_native_bf16(monkeypatch):
+    """--dtype auto reads the processor (runs.pick_dtype): bfloat16 where it has bf16 matrix
+    instructions. Tests see a CPU without them, so that auto means float32 on every machine that runs
+    them; tests of the bf16 path ask for bfloat16 by name."""
+    import minimoe.runs
+    monkeypatch.setattr(minimoe.runs, "cpu_capabilities", lambda: {})
+
+
 @pytest.fixture(params=["granitemoe", "olmoe"])
 def family(request):
     return request.param

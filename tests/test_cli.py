@@ -26,7 +26,7 @@ def declared_commands() -> dict:
 
 def test_console_commands_are_declared_and_installed():
     """setup.cfg declares the five; each target imports; where the package is installed with its entry
-    points (pip install -e ., as CI does), each command is on PATH and `--help` prints that script's help."""
+    points (pip install -e ., as CI does), each command is on PATH, and `--help` prints the script's help."""
     declared = declared_commands()
     assert set(declared) == set(COMMANDS)
     for target in declared.values():
@@ -37,9 +37,12 @@ def test_console_commands_are_declared_and_installed():
     except PackageNotFoundError:
         pytest.skip("minimoe is not installed (pip install -e .)")
     assert set(COMMANDS) <= installed
-    runs = {name: subprocess.Popen([shutil.which(name) or str(Path(sys.executable).parent / name), "--help"],
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in COMMANDS}
-    for name, proc in runs.items():  # started together: each imports torch
+    paths = {name: shutil.which(name) or str(Path(sys.executable).parent / name) for name in COMMANDS}
+    assert all(Path(path).is_file() for path in paths.values()), paths
+    # Run two, one of each kind of target (a script through minimoe.cli, a module's main); each imports torch.
+    runs = {name: subprocess.Popen([paths[name], "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name in ("minimoe-train", "minimoe-upcycle")}
+    for name, proc in runs.items():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, (name, err[-500:])
         assert out.startswith(f"usage: {COMMANDS[name]} "), (name, out[:80])

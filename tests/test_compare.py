@@ -151,6 +151,11 @@ def test_refuses_evaluations_of_other_questions_and_mismatched_pairs(tmp_path, c
         compare.compare_paths([a42, b43])
     with pytest.raises(ValueError, match="given twice"):
         compare.compare_paths([a42, b42, a42, b42])
+    with pytest.raises(ValueError, match="another seed"):
+        compare.compare_paths([a42, b42, write_evaluation(tmp_path / "A-again", ids, gold, pa, na, seed=42),
+                               write_evaluation(tmp_path / "B-again", ids, gold, pb, nb, seed=42, method="ACS-IS")])
+    with pytest.raises(ValueError, match="B side mixes methods"):
+        compare.compare_paths([a42, b42, a43, write_evaluation(tmp_path / "TES", ids, gold, pb, nb, seed=43, method="TES-IS")])
     twice = write_evaluation(tmp_path / "twice", ids[:2] + ids[:1], gold[:3], pb[:3], nb[:3])
     with pytest.raises(ValueError, match="appears twice"):
         compare.compare_paths([a42, twice])

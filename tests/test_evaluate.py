@@ -240,7 +240,8 @@ def tes_run(toy, run: Path, seed: int = 43) -> Path:
     """A run folder as train.py writes it: a tes adapter per epoch (different weights), selection.json."""
     pytest.importorskip("minimoe.lora", reason="needs minimoe.lora.add_lora/save_adapter")
     routing = pytest.importorskip("minimoe.routing", reason="needs minimoe.routing.set_router")
-    from minimoe.lora import add_lora, save_adapter
+    from minimoe.adapters import save_adapter
+    from minimoe.lora import add_lora
     folder = toy["models"]["olmoe"]
     for epoch in (1, 2):
         model = add_lora(from_pretrained(folder), rank=4)
@@ -283,11 +284,14 @@ def test_tes_run_folder_gives_error_prediction_diagnostics_and_plot(toy, tmp_pat
     # train.py's route: the model it holds (here: rebuilt from the last epoch) gives the same file.
     from minimoe.checkpoint import load_tokenizer
     from minimoe.evaluation import evaluate_run
-    from minimoe.lora import load_adapter
+    from minimoe.adapters import load_adapter
     model = load_adapter(from_pretrained(toy["models"]["olmoe"]), run / "checkpoints" / "epoch-2")
     in_memory = evaluate_run(run, model=model, tokenizer=load_tokenizer(toy["models"]["olmoe"]), batch_size=8)
+    # provenance: the loading process's for evaluate.py, the training process's (config.json) in memory
+    assert in_memory.pop("provenance") is None and metrics.pop("provenance")["weights"]["source"] == "local"
     assert in_memory == metrics
-    assert json.loads((run / "eval" / "test" / "metrics.json").read_text()) == metrics
+    written = json.loads((run / "eval" / "test" / "metrics.json").read_text())
+    assert written.pop("provenance") is None and written == metrics
 
     selected = resolve_adapter(run, "selected")
     assert (selected.folder, selected.epoch, selected.router["method"]) == (run / "checkpoints" / "epoch-1", 1, "tes")
@@ -356,7 +360,8 @@ def test_report_table_mean_and_sample_std(tmp_path, capsys):
 # ---- bad input -------------------------------------------------------------------------------------
 
 def other_base_adapter(tmp_path) -> Path:
-    from minimoe.lora import add_lora, save_adapter
+    from minimoe.adapters import save_adapter
+    from minimoe.lora import add_lora
     config = MoEConfig(model_type="olmoe", vocab_size=304, hidden_size=64, intermediate_size=32,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
                        num_experts_per_tok=2)
@@ -380,11 +385,12 @@ def bad_case(case, toy, tmp_path) -> tuple[list, type, str]:
     if case == "missing adapter":
         return model + ["--data", test, "--adapter", str(tmp_path / "nope")], FileNotFoundError, "no such folder"
     if case == "adapter of another base model":
-        pytest.importorskip("minimoe.lora", reason="needs minimoe.lora.load_adapter")
+        pytest.importorskip("minimoe.adapters", reason="needs minimoe.adapters.load_adapter")
         return (model + ["--data", test, "--adapter", str(other_base_adapter(tmp_path))], ValueError,
                 "some/other-model.*hidden_size")
     if case == "adapter of other weights with the same shapes":
-        from minimoe.lora import add_lora, save_adapter
+        from minimoe.adapters import save_adapter
+        from minimoe.lora import add_lora
         other = init_weights(MoEForCausalLM(from_pretrained(toy["models"]["olmoe"]).config), std=0.2,
                              generator=torch.Generator().manual_seed(1))  # the toy model is seed 0
         save_adapter(add_lora(other, rank=4), tmp_path / "seed1-adapter", base_model="toy-seed1")
@@ -482,11 +488,11 @@ def test_help_names_the_report_command(capsys):
 
 
 def test_report_is_an_argparse_command(capsys):
-    """--help lists `report` and `compare` as commands with their own --help; an evaluation option before
+    """--help lists `report`, `compare` and `plot` as commands with their own --help; an evaluation option before
     one is refused, not dropped."""
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["--help"])
-    assert exit_info.value.code == 0 and "{report,compare}" in capsys.readouterr().out
+    assert exit_info.value.code == 0 and "{report,compare,plot}" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["report", "--help"])
     assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("usage: evaluate.py report")

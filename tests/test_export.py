@@ -1,5 +1,6 @@
 """Tests for minimoe.export: peft + transformers (the test-only oracle) load an exported adapter with our logits."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -9,8 +10,10 @@ from conftest import tiny_model
 from export import main
 from minimoe.checkpoint import save_pretrained
 from minimoe.export import export_peft
-from minimoe.lora import add_lora, export_merged, save_adapter
+from minimoe.adapters import export_merged, save_adapter
+from minimoe.lora import add_lora
 from minimoe.routing import set_router
+from minimoe.tiny import tiny_checkpoint
 
 # (family, method, tune_router): CE and ACS, with and without affinity tuning, across both families
 CASES = [("granitemoe", "native", False), ("granitemoe", "acs", True), ("olmoe", "native", True), ("olmoe", "acs", False)]
@@ -93,3 +96,35 @@ def test_tes_and_dual_are_refused_by_both_exports(method, tmp_path):
     with pytest.raises(ValueError, match=f"export_merged: refused for method '{method}'.*routing function"):
         export_merged(model, tmp_path / "merged")
     assert not (tmp_path / "peft").exists() and not (tmp_path / "merged").exists()
+
+
+@pytest.mark.parametrize("family,method,tune_router", [CASES[1], CASES[2]])
+def test_merged_export_cli_loads_in_transformers_with_our_logits(family, method, tune_router, tmp_path):
+    """`export.py RUN OUT --merged`: the base the run records, its adapter merged in; transformers alone
+    loads the folder (tokenizer files included) and gives our logits with the adapter."""
+    transformers = pytest.importorskip("transformers")
+    model = trained(family, method, tune_router)
+    save_pretrained(tiny_model(family), tmp_path / "base")
+    shutil.copyfile(tiny_checkpoint() / "tokenizer.json", tmp_path / "base" / "tokenizer.json")
+    run = tmp_path / "run"
+    save_adapter(model, run / "checkpoints" / "epoch-1", base_model=str(tmp_path / "base"))
+    (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "base")}))
+    (run / "selection.json").write_text(json.dumps({"last_epoch": 1, "selected_epoch": 1}))
+    main([str(run), str(tmp_path / "merged"), "--merged"])
+    assert (tmp_path / "merged" / "tokenizer.json").read_bytes() == (tmp_path / "base" / "tokenizer.json").read_bytes()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got, before = model(ids()).logits, hf(ids()).logits, base(ids()).logits
+    assert rel_err(before, want) > 1e-2  # the adapter matters
+    assert rel_err(got, want) <= 2e-5
+
+
+def test_merged_export_cli_refuses_tes_before_loading_anything(tmp_path, capsys):
+    model = trained("granitemoe", "tes", False)
+    save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "no-such-base"))
+    with pytest.raises(SystemExit) as exit_:  # one line, status 2, no traceback
+        main([str(tmp_path / "adapter"), str(tmp_path / "merged"), "--merged"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith("export.py: error: export.py --merged: refused for method 'tes'")
+    assert not (tmp_path / "merged").exists()

@@ -1,4 +1,4 @@
-"""Tests for minimoe.lora: each test names the equation, reference implementation or bad input it checks."""
+"""Tests for minimoe.lora and minimoe.adapters: each test names the equation, reference implementation or bad input it checks."""
 import json
 
 import pytest
@@ -9,9 +9,11 @@ from safetensors.torch import load_file, save_file
 import minimoe.model as M
 import minimoe.routing
 from minimoe.checkpoint import checkpoint_tensors, save_pretrained
-from minimoe.lora import (add_lora, export_merged, load_adapter, lora_modules, merge_lora, save_adapter,
-                          trainable_parameters, unmerge_lora)
+from minimoe.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
+from minimoe.lora import add_lora, lora_modules, merge_lora, unmerge_lora
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.routing import set_router
+from minimoe.objectives import load_balancing_loss
 
 FAMILIES = ["granitemoe", "olmoe"]
 GRANITE = dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -212,7 +214,7 @@ def test_gradient_checkpointing_gives_the_same_lora_grads(dropout):
         model.gradient_checkpointing_enable(checkpointing)
         torch.manual_seed(7)
         out = model(ids())
-        (out.logits.square().mean() + out.aux_loss).backward()
+        (out.logits.square().mean() + load_balancing_loss(out.routings)).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-5, atol=1e-7, msg=n)
@@ -361,8 +363,8 @@ def test_adapter_round_trip_on_a_fresh_base_gives_identical_logits(family, tmp_p
     """save_adapter + load_adapter into a fresh base model restores LoRA and a tuned native gate exactly."""
     model = add_lora(tiny(family), rank=4, alpha=16, targets=["q", "k", "v", "experts"])
     randomize_lora(model)
+    set_router(model, "native", layers="final", tune_router=True)  # "affinity tuning" on the final layer
     gate = model.model.layers[1].mlp.gate.weight
-    gate.requires_grad_(True)  # "affinity tuning" on the final layer
     with torch.no_grad():
         gate.add_(0.1)
     want = model(ids()).logits
@@ -370,7 +372,7 @@ def test_adapter_round_trip_on_a_fresh_base_gives_identical_logits(family, tmp_p
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["rank"] == 4 and config["alpha"] == 16 and config["base_model"] == "tiny-base"
     assert config["targets"] == ["q", "k", "v", "gate_up", "down"] and config["gate_layers"] == [1]
-    assert config["fingerprint"]["num_experts"] == 8 and config["router"] is None
+    assert config["fingerprint"]["num_experts"] == 8 and config["router"] == model.router_spec
     keys = set(load_file(str(tmp_path / "adapter" / "adapter.safetensors")))
     assert "model.layers.1.mlp.gate.weight" in keys and "model.layers.0.mlp.gate.weight" not in keys
 
@@ -378,6 +380,51 @@ def test_adapter_round_trip_on_a_fresh_base_gives_identical_logits(family, tmp_p
     assert torch.equal(fresh(ids()).logits, want)
     assert {n for n, p in fresh.named_parameters() if p.requires_grad} == \
            {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_an_adapter_with_tuned_gates_and_no_router_spec_loads_as_native_routing(tmp_path):
+    """Adapters written before the router spec recorded tuned gates (a gate unfrozen by hand, router
+    None) still load: native routing with those gates tuned, the same logits and trainable set."""
+    model = add_lora(tiny("olmoe"), rank=4)
+    randomize_lora(model)
+    set_router(model, "native", layers=[0], tune_router=True)
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.weight.add_(0.1)
+    save_adapter(model, tmp_path / "adapter", base_model="tiny-base")
+    file = tmp_path / "adapter" / "adapter_config.json"
+    config = json.loads(file.read_text())
+    file.write_text(json.dumps(config | {"router": None}))  # as such an adapter was written
+    fresh = load_adapter(tiny("olmoe"), tmp_path / "adapter")
+    assert torch.equal(fresh(ids()).logits, model(ids()).logits)
+    assert {n for n, p in fresh.named_parameters() if p.requires_grad} == \
+           {n for n, p in model.named_parameters() if p.requires_grad}
+    file.write_text(json.dumps(config | {"gate_layers": [1]}))  # disagrees with its router spec
+    with pytest.raises(ValueError, match=r"gate_layers \[1\] are not the layers its router spec tunes \(\[0\]\)"):
+        load_adapter(tiny("olmoe"), tmp_path / "adapter")
+
+
+def test_a_gate_unfrozen_by_hand_is_refused_not_dropped(tmp_path):
+    """Which gates an adapter carries is the router spec's; a gate trained outside it would be lost."""
+    model = add_lora(tiny("olmoe"), rank=4)
+    model.model.layers[1].mlp.gate.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"layer\(s\) \[1\] trains, but the router spec does not tune it"):
+        save_adapter(model, tmp_path / "adapter", base_model="tiny-base")
+    assert not (tmp_path / "adapter").exists()
+
+
+@pytest.mark.parametrize("method", ["tes", "dual", "acs"])
+def test_lora_and_router_train_the_same_whichever_is_installed_first(method):
+    """add_lora owns LoRA and set_router the heads and tuned gates: the order changes nothing."""
+    trainable = []
+    for lora_first in (True, False):
+        model = tiny("granitemoe")
+        steps = [lambda m: add_lora(m, rank=4), lambda m: set_router(m, method, layers="last:1", tune_router=True)]
+        for step in steps if lora_first else steps[::-1]:
+            step(model)
+        trainable.append({n: p.dtype for n, p in model.named_parameters() if p.requires_grad})
+    assert trainable[0] == trainable[1]
+    assert "model.layers.1.mlp.gate.weight" in trainable[0] and "model.layers.0.mlp.gate.weight" not in trainable[0]
+    assert any(".mlp.router." in n for n in trainable[0]) == (method != "acs")
 
 
 @pytest.mark.skipif(not hasattr(minimoe.routing, "set_router"),

@@ -12,6 +12,8 @@ import transformers
 import minimoe
 import minimoe.model as mm
 from minimoe.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
+from minimoe.objectives import load_balancing_loss
+from minimoe.scoring import forward_choices, make_choice_batch
 from tests.conftest import tiny_config
 
 FP32_TOL = 2e-5  # max |ours - ref| / max |ref| on the logits
@@ -86,6 +88,51 @@ def test_bf16_error_no_worse_than_reference_bf16(family, tmp_path):
     assert rel_err(ours_bf16, exact, mask) <= 2 * rel_err(ref_bf16, exact, mask)
 
 
+def test_bf16_packed_answer_logprobs_no_worse_than_reference_bf16(family, tmp_path):
+    """The CPU bf16 scoring path (packed rows, block-causal mask, LM head at the answer positions, fp32
+    log-softmax): its answer-token log-probs are within 2x of transformers' own bf16 error, both
+    against transformers in fp32 on plain per-candidate rows."""
+    from tests.test_scoring import CharTokenizer, examples
+    ref, path = reference_model(family, tmp_path)
+    tok, pad = CharTokenizer(), ref.config.pad_token_id
+    packed = make_choice_batch(examples(), tok, pad)
+    rows = make_choice_batch(examples(), tok, pad, packed=False)
+    assert torch.equal(packed.target, rows.target)  # the same answer tokens in the same order
+
+    def reference_logprobs(model):  # [n] per-candidate rows, the full head, no packing
+        logits = model(rows.input_ids, attention_mask=rows.attention_mask).logits[rows.row, rows.col].float()
+        return logits.log_softmax(-1).gather(-1, rows.target[:, None])[:, 0]
+    with torch.no_grad():
+        exact = reference_logprobs(ref)
+        ref_bf16 = reference_logprobs(ref.to(torch.bfloat16))
+        ours_bf16 = forward_choices(minimoe.from_pretrained(path, dtype=torch.bfloat16), packed)[1]
+    assert ours_bf16.dtype == torch.float32  # the log-softmax runs in fp32
+    err = lambda x: ((x - exact).abs().max() / exact.abs().max()).item()
+    assert 0 < err(ours_bf16) <= 2 * err(ref_bf16)
+
+
+def test_bf16_gradients_no_worse_than_reference_bf16(family, tmp_path):
+    """The CPU bf16 training path's gradients: per weight, our bf16 error against transformers' fp32
+    gradient is within 2x of transformers' own bf16 error (the worst weight of each model compared)."""
+    ref, path = reference_model(family, tmp_path)
+    ids, mask = batch()
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+
+    def grads(model):
+        model.train().zero_grad(set_to_none=True)
+        logits = model(input_ids=ids, attention_mask=mask).logits
+        F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
+        return {n: p.grad.float().clone() for n, p in model.named_parameters()}
+    exact = grads(ref)
+    ref_bf16 = grads(ref.to(torch.bfloat16))
+    ours = minimoe.from_pretrained(path, dtype=torch.bfloat16)
+    ours_bf16 = to_disk_layout(ours.config, {n: g for n, g in grads(ours).items()})
+
+    def worst(got):
+        return max(((got[k] - want).abs().max() / want.abs().max().clamp(min=1e-8)).item() for k, want in exact.items())
+    assert 0 < worst(ours_bf16) <= 2 * worst(ref_bf16)
+
+
 def test_gradients_match_transformers(family, tmp_path):
     """d(next-token CE)/d(every weight) equals the reference's, mapped by checkpoint name (fp32)."""
     ref, path = reference_model(family, tmp_path)
@@ -156,6 +203,39 @@ def test_experts_run_only_on_routed_rows(monkeypatch):
     assert seen and all(n == T * K for n in seen)
 
 
+def test_rounded_expert_blocks_equal_exact_blocks(family, monkeypatch):
+    """Dispatch(block=8): every expert block is a multiple of 8 rows, the stand-in rows have combine
+    weight 0, and logits and gradients (experts, router gate, embeddings) equal exact blocks'."""
+    from tests.conftest import tiny_model
+    experts = torch.tensor([[1, 4], [1, 6], [6, 1]])
+    d = mm.Dispatch(experts, num_experts=8, block=8)
+    assert d.counts.tolist() == [0, 8, 0, 0, 8, 0, 8, 0] and d.padding == 18
+    weights = torch.tensor([[.6, .4], [.7, .3], [.2, .8]])
+    real = d.order < experts.numel()
+    assert torch.equal(d.row_weights(weights)[real, 0], weights.flatten()[d.order[real]])
+    assert not d.row_weights(weights)[~real].any() and not d.token[~real].any()
+    model = tiny_model(family)
+    ids, _ = batch()
+    outs = []
+    for block in (1, 8):
+        monkeypatch.setattr(mm, "expert_block", lambda x, rows, E: block)
+        model.zero_grad()
+        logits = model(ids).logits
+        logits.square().mean().backward()
+        layer = model.model.layers[0].mlp
+        outs.append([logits.detach(), layer.experts.gate_up_proj.weight.grad, layer.gate.weight.grad,
+                     model.model.embed_tokens.weight.grad])
+    for exact, rounded in zip(*outs):
+        torch.testing.assert_close(rounded, exact, rtol=1e-5, atol=1e-6)
+
+
+def test_bf16_expert_blocks_are_rounded_on_cpu_only_with_enough_rows():
+    x = torch.zeros(64, 8)
+    assert mm.expert_block(x, 128, 8) == 1  # fp32: MKL, no per-shape kernels
+    assert mm.expert_block(x.bfloat16(), 128, 8) == mm.EXPERT_BLOCK
+    assert mm.expert_block(x.bfloat16(), 2, 8) == 1  # a decoding step keeps its two rows
+
+
 def test_every_layer_returns_its_routing(family):
     """Each layer exposes native logits [T,E], its top-K experts [T,K] and weights; Granite weights sum to 1."""
     from tests.conftest import tiny_model
@@ -180,7 +260,7 @@ def test_aux_loss_matches_transformers(family, tmp_path):
     ids, mask = batch()
     with torch.no_grad():
         want = ref(ids, attention_mask=mask, output_router_logits=True).aux_loss
-        got = ours(ids, attention_mask=mask).aux_loss
+        got = load_balancing_loss(ours(ids, attention_mask=mask).routings, mask)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

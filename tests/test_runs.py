@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimoe.runs import AdapterSource, method_label, pad_id, pick_device, pick_dtype
+from minimoe.runs import AdapterSource, cpu_capabilities, method_label, native_bf16, pad_id, pick_device, pick_dtype
 
 
 @pytest.mark.parametrize("method, objective, tune, label", [
@@ -34,7 +34,7 @@ def test_pad_id_falls_back_to_eos_then_zero():
 def test_auto_device_and_dtype():
     cuda = torch.cuda.is_available()
     assert pick_device("auto").type == ("cuda" if cuda else "cpu")
-    assert pick_dtype("auto", torch.device("cpu")) == "float32"
+    assert pick_dtype("auto", torch.device("cpu")) == "float32"  # conftest: tests see a CPU without bf16
     assert pick_dtype("auto", "cuda:1") == "bfloat16"
     assert pick_dtype("bfloat16", "cpu") == "bfloat16"
     with pytest.raises(ValueError, match="--dtype 'fp8'; expected auto or one of"):
@@ -42,3 +42,27 @@ def test_auto_device_and_dtype():
     if not cuda:
         with pytest.raises(ValueError, match="--device cuda:1: no CUDA device"):
             pick_device("cuda:1")
+
+
+# torch's cpuinfo names (torch.cpu.get_capabilities) of three real processors, cut to what matters.
+ZEN4 = {"avx2": True, "avx512_f": True, "avx512_bf16": True, "amx_bf16": False}  # AMD EPYC 9004
+SAPPHIRE_RAPIDS = {"avx2": True, "avx512_f": True, "avx512_bf16": True, "amx_tile": True, "amx_bf16": True}
+ICE_LAKE = {"avx2": True, "avx512_f": True, "avx512_bf16": False, "amx_bf16": False}  # AVX-512 without BF16
+ZEN3 = {"avx2": True}
+
+
+@pytest.mark.parametrize("capabilities, native", [(ZEN4, True), (SAPPHIRE_RAPIDS, True), ({"amx_bf16": True}, True),
+                                                  (ICE_LAKE, False), (ZEN3, False), ({}, False)])
+def test_auto_dtype_on_cpu_is_bf16_only_with_native_bf16_matmuls(capabilities, native):
+    """AVX512-BF16 or AMX-BF16 -> bfloat16; plain AVX-512 or AVX2 (bf16 emulated through fp32) -> float32."""
+    assert native_bf16(capabilities) is native
+    assert pick_dtype("auto", "cpu", capabilities) == ("bfloat16" if native else "float32")
+    assert pick_dtype("auto", "cuda", capabilities) == "bfloat16"  # CUDA's rule does not read the CPU
+    assert pick_dtype("float32", "cpu", capabilities) == "float32"  # an explicit dtype is kept
+
+
+def test_cpu_capabilities_are_torchs_cpuinfo():
+    caps = cpu_capabilities()
+    assert isinstance(caps, dict) and isinstance(native_bf16(caps), bool)
+    if hasattr(torch.cpu, "get_capabilities"):
+        assert caps == dict(torch.cpu.get_capabilities())

@@ -394,14 +394,20 @@ def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path
     assert lines[0].endswith(" | CE | ACS-IS | missing (0/2) | | | | |")
     assert lines[1].endswith(" | 42 (n=1/2) | " + expected(("CE", ()), ("ACS-IS", all_layers), (42,)))
     assert lines[3].endswith(" | 42, 43 | " + expected(("Dual Affinity", all_layers), ("TES-IS", all_layers), (42, 43)))
+    saved = json.loads((tmp_path / "comparisons.json").read_text())  # the table's numbers, in full
+    assert [(r["control"], r["method"], r["pairs"], r["of"]) for r in saved] == [
+        ("CE", "ACS-IS", 0, 2), ("CE", "ACS-IS [layers=all]", 1, 2), ("Dual Affinity", "TES-IS", 2, 2),
+        ("Dual Affinity [layers=all]", "TES-IS [layers=all]", 2, 2)]
+    dual_all_43 = next(c for c in cells if (c.row, c.settings, c.seed) == ("Dual Affinity", all_layers, 43))
+    assert saved[3]["result"]["per_seed"][1]["a"] == str(dual_all_43.test_dir)
     # Evaluations of other questions are named, not compared.
     tes = next(c for c in cells if (c.row, c.settings, c.seed) == ("TES-IS", (), 43))
-    write_evaluation(tes.run / "eval" / "other", ids[:30], gold[:30], gold[:30], np.ones(30), seed=43)
+    write_evaluation(tes.run / "eval" / "other", ids[:30], gold[:30], gold[:30], np.ones(30), seed=43, method="TES-IS")
     (tes.run / "eval" / "test").rename(tes.run / "eval" / "old")
     (tes.run / "eval" / "other").rename(tes.run / "eval" / "test")
-    text, notes = sw.comparison_table(cells)
+    text = sw.comparison_table(sw.group_comparisons(cells))
     assert "| Dual Affinity | TES-IS | not compared (below) |" in text
-    assert len(notes) == 1 and "different questions" in notes[0]
+    assert text.count("different questions") == 1 and "- TES-IS vs Dual Affinity, d: " in text
 
 
 def test_slurm_params_reach_submitit_by_its_names(tmp_path, data, monkeypatch):

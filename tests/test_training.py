@@ -13,7 +13,8 @@ import train
 from conftest import tiny_config, tiny_model
 from minimoe import from_pretrained, load_tokenizer
 from minimoe.data import BENCHMARKS, Example, format_choice, format_prompt, load_split
-from minimoe.lora import trainable_parameters
+from minimoe.adapters import trainable_parameters
+from minimoe.objectives import load_balancing_loss
 from minimoe.tiny import tiny_checkpoint
 from minimoe.config import RECIPES, TrainConfig, recipe_train_examples
 from minimoe import training
@@ -217,7 +218,7 @@ def test_merged_export_rounds_a_tuned_fp32_gate_to_the_model_dtype(tmp_path):
     keeps its fp32 gate afterwards."""
     from safetensors.torch import load_file
 
-    from minimoe.lora import export_merged
+    from minimoe.adapters import export_merged
     model = tiny_model("olmoe").to(torch.bfloat16)
     install_method(model, method_cfg(method="ce", tune_router=True))
     gate = model.model.layers[-1].mlp.gate
@@ -314,9 +315,10 @@ def test_two_micro_batches_give_the_aux_and_method_terms_of_one_full_batch():
         model.train()
         batches = training.micro_batches(examples, tokenizer, cfg, 0, 1)
         assert len(batches) == accum
-        if accum == 1:  # the full batch's own load-balancing loss, as the model computes it (= transformers')
+        if accum == 1:  # the full batch's own load-balancing loss (= transformers', tests/test_model.py)
             with torch.no_grad():
-                full_batch_aux = training.forward_choices(model, batches[0])[0].aux_loss.item()
+                out = training.forward_choices(model, batches[0])[0]
+                full_batch_aux = load_balancing_loss(out.routings, batches[0].attention_mask).item()
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         before = {n: p.detach().clone() for n, p in params.items()}
         optimizer = torch.optim.SGD(params.values(), lr=1.0)  # the update is minus the step's gradient

@@ -119,3 +119,27 @@ def test_overlap_between_given_splits_is_refused(tmp_path, pool):
     with pytest.raises(ValueError, match=f"train and test share id '{pool[15].id}' .*train.csv:17 and .*test.csv:2"):
         build_user_data(str(folder), tmp_path / "splits", field_map="id=qid,question=stem,choices=A+B+C+D,answer=key")
     assert not (tmp_path / "splits").exists()
+
+
+def test_hub_dataset_id_is_read_at_its_revision(tmp_path, pool, monkeypatch):
+    """A hub id with --data-revision: the snapshot of that commit (a local cache standing in for the Hub,
+    HF_HUB_OFFLINE), split by file name, parquet read; splits.json records the commit read."""
+    import huggingface_hub.constants
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = tmp_path / "hub" / "datasets--someone--mcq" / "snapshots" / commit / "data"
+    snapshot.mkdir(parents=True)
+    rows = lambda exs: pa.Table.from_pylist([{"q": ex.question, "opts": ex.choices, "gold": ex.choices[ex.answer]}
+                                             for ex in exs])
+    pq.write_table(rows(pool[:30]), snapshot / "train-00000-of-00001.parquet")
+    pq.write_table(rows(pool[30:40]), snapshot / "test-00000-of-00001.parquet")
+    folder = build_user_data("someone/mcq", tmp_path / "splits", revision=commit,
+                             field_map="question=q,choices=opts,answer=gold")
+    report = json.loads((folder / "splits.json").read_text())
+    assert (report["commit"], report["given"], report["counts"]) == (commit, ["test", "train"],
+                                                                    {"train": 27, "val": 3, "test": 10})
+    assert [(r["question"], r["answer"]) for r in manifest(folder, "test")] == [
+        (ex.question, ex.answer) for ex in pool[30:40]]

@@ -1,0 +1,92 @@
+"""The default run's training epoch, this tree against another checkout of minimoe, interleaved.
+
+    git worktree add /tmp/minimoe-before eff8984       # or any other commit
+    python bench/default_run.py --before /tmp/minimoe-before --rounds 3
+    python bench/default_run.py --before /tmp/minimoe-before --flags "--dtype float32"   # both sides fp32
+
+Each round runs `train.py` (the default model, SciQ, TES-IS, one epoch; `--no-test-eval
+--no-zero-shot` unless --flags says otherwise) once in each tree, in an order that rotates, each a
+fresh process with the same environment; a slow spell of the shared machine then hits both sides of
+a round's ratio alike. Per process: the epoch (the sum of metrics.jsonl's step seconds), the
+validation after it, the whole process, and its peak RSS (the child's own, from wait4). The other
+tree must have weights/smollm2-135m-moe too (a symlink to this tree's will do). The table goes to
+stdout and bench/results/default-run.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def one_run(tree: Path, flags: list[str]) -> dict:
+    """train.py in `tree`, in a fresh process and a fresh run folder -> its timings and peak RSS."""
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "train.py", "--out-dir", out, "--run-name", "run", "--quiet", *flags]
+        env = dict(os.environ, PYTHONPATH=str(tree))
+        t0 = time.perf_counter()
+        child = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output = child.stdout.read()
+        _, status, usage = os.wait4(child.pid, 0)
+        wall = time.perf_counter() - t0
+        if os.waitstatus_to_exitcode(status):
+            raise SystemExit(f"{tree}: train.py failed:\n{output[-3000:]}")
+        records = [json.loads(line) for line in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["kind"] == "step"]
+    epoch = [r for r in records if r["kind"] == "epoch"]
+    return {"epoch_s": sum(r["seconds"] for r in steps), "val_s": sum(r["val_seconds"] for r in epoch),
+            "process_s": wall, "peak_rss_gib": usage.ru_maxrss / 2**20, "steps": len(steps),
+            "val_choice_nll": epoch[-1]["val_choice_nll"], "val_accuracy": epoch[-1]["val_accuracy"]}
+
+
+def spread(values, digits=1) -> str:
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--before", required=True, help="another minimoe checkout (e.g. a worktree at the old commit)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
+    p.add_argument("--flags", default="--no-test-eval --no-zero-shot",
+                   help="train.py flags for both sides (default: %(default)r)")
+    p.add_argument("--after-flags", default="", help="extra train.py flags for this tree only")
+    args = p.parse_args(argv)
+    sides = {"before": (Path(args.before).resolve(), shlex.split(args.flags)),
+             "after": (ROOT, shlex.split(args.flags) + shlex.split(args.after_flags))}
+    runs = {name: [] for name in sides}
+    names = list(sides)
+    for r in range(args.rounds):
+        for name in names[r % 2:] + names[:r % 2]:
+            runs[name].append(one_run(*sides[name]))
+            print(f"round {r + 1} {name}: " + json.dumps(runs[name][-1]), file=sys.stderr, flush=True)
+    ratio = [b["epoch_s"] / a["epoch_s"] for a, b in zip(runs["after"], runs["before"])]
+    lines = [f"train.py {args.flags} {args.after_flags and '(after: + ' + args.after_flags + ')'}; "
+             f"{args.rounds} interleaved rounds, median [min-max]; load average at the end "
+             f"{os.getloadavg()[0]:.1f}", "",
+             "| tree | epoch s | validation s | process s | peak RSS GiB | val choice NLL | val accuracy |",
+             "|---|---|---|---|---|---|---|"]
+    for name, (tree, _) in sides.items():
+        rs = runs[name]
+        lines.append(f"| {name} ({tree.name}) | {spread([x['epoch_s'] for x in rs])} | {spread([x['val_s'] for x in rs])} | "
+                     f"{spread([x['process_s'] for x in rs])} | {spread([x['peak_rss_gib'] for x in rs], 2)} | "
+                     f"{rs[0]['val_choice_nll']:.4f} | {rs[0]['val_accuracy']:.3f} |")
+    lines += ["", f"epoch speed-up (before / after, per round): {spread(ratio, 2)}x"]
+    table = "\n".join(lines)
+    print(table)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "default-run.md").write_text(table + "\n")
+    (RESULTS / "default-run.json").write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    main()

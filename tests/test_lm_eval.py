@@ -1,0 +1,127 @@
+"""minimoe.lm_eval against lm-evaluation-harness's own `hf` model on transformers, offline: a task defined
+here on local JSONL files, the same tiny checkpoint folder; and TES through an adapter against a plain
+forward of each context + continuation."""
+import json
+
+import pytest
+import torch
+
+lm_eval = pytest.importorskip("lm_eval")
+pytest.importorskip("transformers")
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from minimoe.adapters import save_adapter  # noqa: E402
+from minimoe.checkpoint import from_pretrained, save_pretrained  # noqa: E402
+from minimoe.data import load_split  # noqa: E402
+from minimoe.lm_eval import MiniMoELM  # noqa: E402
+from minimoe.lora import add_lora  # noqa: E402
+from minimoe.routing import set_router  # noqa: E402
+from minimoe.tiny import tiny_checkpoint  # noqa: E402
+
+TASK = """task: minimoe_local_mcqa
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+@pytest.fixture(scope="module")
+def sharp(tmp_path_factory):
+    """The tiny OLMoE with its weights scaled up, so that log-likelihoods spread and rankings mean something;
+    saved with its tokenizer, so lm-eval's hf model (AutoTokenizer) loads the same folder."""
+    folder = tmp_path_factory.mktemp("sharp")
+    model = from_pretrained(tiny_checkpoint())
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    save_pretrained(model, folder)
+    (folder / "tokenizer.json").write_bytes((tiny_checkpoint() / "tokenizer.json").read_bytes())
+    return folder
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("task")
+    examples = load_split("arc_challenge", "val", data_dir=root / "splits", seed=42)[:24]
+    with open(root / "test.jsonl", "w") as f:
+        for ex in examples:
+            f.write(json.dumps({"question": ex.question, "choices": list(ex.choices), "answer": ex.answer}) + "\n")
+    (root / "task.yaml").write_text(TASK.format(data=root / "test.jsonl"))
+    return root
+
+
+def evaluate(model, model_args, task_dir):
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["minimoe_local_mcqa"],
+                                   task_manager=TaskManager(include_path=str(task_dir)), batch_size=4,
+                                   log_samples=True, random_seed=0)
+
+
+def test_local_task_scores_as_lm_evals_hf_model(sharp, task_dir):
+    ours = evaluate("minimoe", f"pretrained={sharp},dtype=float32", task_dir)
+    theirs = evaluate("hf", f"pretrained={sharp},dtype=float32,device=cpu", task_dir)
+    a, b = ours["results"]["minimoe_local_mcqa"], theirs["results"]["minimoe_local_mcqa"]
+    assert (a["acc,none"], a["acc_norm,none"]) == (b["acc,none"], b["acc_norm,none"])
+    ll = lambda result: [r[0] for s in result["samples"]["minimoe_local_mcqa"] for r in s["filtered_resps"]]
+    assert ll(ours) == pytest.approx(ll(theirs), abs=1e-4)
+    assert len(set(round(x, 3) for x in ll(ours))) > len(ll(ours)) // 2  # spread, not a constant
+
+
+def test_rolling_and_generation_equal_the_hf_model(sharp):
+    from lm_eval.models.huggingface import HFLM
+    ours = MiniMoELM(pretrained=str(sharp), dtype="float32", batch_size=2)
+    theirs = HFLM(pretrained=str(sharp), dtype="float32", device="cpu", batch_size=2)
+    texts = ["The sky is blue because light scatters.", "Water boils at one hundred degrees", " x"]
+    rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
+    assert ours.loglikelihood_rolling(rolling) == pytest.approx(theirs.loglikelihood_rolling(rolling), abs=1e-3)
+    generation = [Instance("generate_until", {}, (t, {"until": ["."], "max_gen_toks": 8, "do_sample": False}), i)
+                  for i, t in enumerate(texts)]
+    assert ours.generate_until(generation) == theirs.generate_until(generation)
+
+
+def test_tes_adapter_scores_each_request_as_a_plain_forward(sharp, tmp_path):
+    """A TES model (no transformers counterpart): the packed rows' log-likelihoods equal a forward of each
+    context + continuation alone, and differ from the base model's (the head is used)."""
+    model = from_pretrained(sharp)
+    set_router(model, "tes", layers="all")
+    add_lora(model, rank=4)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+    save_adapter(model, tmp_path / "adapter", base_model=str(sharp))
+    ours = MiniMoELM(adapter=str(tmp_path / "adapter"), dtype="float32", batch_size=3)
+    base = MiniMoELM(pretrained=str(sharp), dtype="float32", batch_size=3)
+    context = "Question: Which gas do plants take in?\nAnswer:"
+    requests = [Instance("loglikelihood", {}, (context, f" {c}"), i)
+                for i, c in enumerate(["carbon dioxide", "oxygen", "nitrogen gas"])]
+    requests.append(Instance("loglikelihood", {}, ("Another context:", " yes"), 3))
+    got = [ll for ll, _ in ours.loglikelihood(requests)]
+    model.eval()
+    want = []
+    for request in requests:
+        ctx, cont = ours._encode_pair(*request.args)
+        with torch.no_grad():
+            logp = model(torch.tensor([ctx + cont])).logits[0].float().log_softmax(-1)
+        want.append(sum(logp[len(ctx) - 1 + j, t].item() for j, t in enumerate(cont)))
+    assert got == pytest.approx(want, abs=1e-4)
+    assert max(abs(a - b) for a, (b, _) in zip(got, base.loglikelihood(requests))) > 1e-2
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the fallback where CUDA is missing")
+def test_the_cli_default_device_falls_back_to_the_cpu_without_cuda(sharp):
+    """lm-eval's CLI passes device=cuda:0 unless told otherwise; as its hf model, we then run on the CPU."""
+    assert MiniMoELM(pretrained=str(sharp), device="cuda:0").model.device.type == "cpu"

@@ -1,0 +1,91 @@
+"""minimoe.tracking: routing statistics against evaluate.py's diagnostics, TensorBoard event files that
+tensorboard's own reader loads, and the training-curve plot."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import evaluate
+import train
+from minimoe.data import load_split
+from minimoe.evaluation import evaluate_split
+from minimoe.checkpoint import from_pretrained, load_tokenizer
+from minimoe.routing import set_router
+from minimoe.runs import pad_id
+from minimoe.scoring import forward_choices, make_choice_batch
+from minimoe.tiny import tiny_checkpoint
+from minimoe.tracking import RoutingStats
+
+SMOKE = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "2", "--no-test-eval",
+         "--quiet"]
+
+
+def test_routing_stats_equal_a_direct_count_and_the_evaluation_diagnostics(tmp_path):
+    """Expert load = a per-token count of the executed experts over real tokens; mean C_t, e_hat and token
+    loss at the gold answer tokens = the means of evaluate_split's per-token arrays (its own code path)."""
+    model = from_pretrained(tiny_checkpoint()).eval()
+    set_router(model, "tes", layers="all")
+    with torch.no_grad():  # a non-constant error head, so e_hat varies per token
+        for layer in model.model.layers:
+            layer.mlp.router.error_head.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+    tokenizer = load_tokenizer(tiny_checkpoint())
+    examples = load_split("arc_challenge", "val", data_dir=tmp_path, seed=42)[:6]
+    batch = make_choice_batch(examples, tokenizer, pad_id(tokenizer))
+    cfg = model.config
+    stats = RoutingStats(list(range(cfg.num_hidden_layers)), cfg.num_experts, cfg.num_experts_per_tok)
+    with torch.no_grad():
+        out, logp = forward_choices(model, batch)
+        stats.add(out.routings, batch, batch.at_supervised(-logp))
+    summary = stats.summary(has_e_hat=True)
+    _, _, arrays = evaluate_split(model, tokenizer, examples, batch_size=len(examples))
+    real = batch.attention_mask.flatten().tolist()
+    for l in range(cfg.num_hidden_layers):
+        counts = [0] * cfg.num_experts
+        for t, chosen in enumerate(out.routings[l].experts.tolist()):
+            if real[t]:
+                for e in chosen:
+                    counts[e] += 1
+        assert summary[f"layer{l}"]["load"] == pytest.approx([c / sum(counts) for c in counts], abs=1e-6)
+        assert summary[f"layer{l}"]["c_t"] == pytest.approx(arrays.concentration[l].mean(), rel=1e-5)
+        assert summary[f"layer{l}"]["e_hat"] == pytest.approx(arrays.e_hat[l].mean(), rel=1e-5)
+        assert summary[f"layer{l}"]["token_loss"] == pytest.approx(arrays.token_ce.mean(), rel=1e-5)
+    assert np.std(arrays.e_hat[0]) > 1e-3  # the comparison is not between constants
+
+
+def test_tensorboard_event_files_hold_every_metrics_line(tmp_path):
+    event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"), *SMOKE,
+                "--method", "tes", "--report-to", "tensorboard"])
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    reader = event_accumulator.EventAccumulator(str(run / "tensorboard"))
+    reader.Reload()
+    last = "layer3"  # the tiny model's final layer: TES's default scope
+    expected = {f"train/{k}" for k in ("loss", "task", "method", "aux", "grad_norm", "lr", "tokens_per_s", "seconds")}
+    expected |= {"val/choice_nll", "val/accuracy", "val/seconds"}
+    expected |= {f"routing/{last}/{k}" for k in ("c_t", "e_hat", "token_loss")}
+    expected |= {f"routing/{last}/load/expert{e}" for e in range(8)}
+    assert set(reader.Tags()["scalars"]) == expected
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [e.step for e in reader.Scalars("train/loss")] == [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [e.value for e in reader.Scalars("train/loss")] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
+    assert [e.value for e in reader.Scalars(f"routing/{last}/e_hat")] == pytest.approx(
+        [r["routing"][last]["e_hat"] for r in steps], rel=1e-6)
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [e.step for e in reader.Scalars("val/choice_nll")] == [r["step"] for r in epochs] == [2, 4]
+    assert [e.value for e in reader.Scalars("val/choice_nll")] == pytest.approx([r["val_choice_nll"] for r in epochs],
+                                                                                rel=1e-6)
+    loads = [sum(r["routing"][last]["load"]) for r in steps]
+    assert loads == pytest.approx([1.0] * len(steps), abs=1e-5)
+
+
+def test_plot_draws_several_runs_on_one_png(tmp_path, capsys):
+    for name, method in (("a", "ce"), ("b", "acs")):
+        train.main(["--out-dir", str(tmp_path), "--run-name", name, "--data-dir", str(tmp_path / "splits"), *SMOKE,
+                    "--method", method])
+    evaluate.main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "fig" / "curves.png")])
+    png = tmp_path / "fig" / "curves.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):
+        evaluate.main(["plot", str(tmp_path / "splits"), "--out", str(tmp_path / "x.png")])
