@@ -72,7 +72,7 @@ class SplitSettings:
     shared: int = 384  # N neurons in every expert (the most important ones); 0: none
     fit_tokens: int = 8192  # fitting tokens, as rows of seq_len
     seq_len: int = 256
-    router_std: float = 1.0  # per-token std of the router logits across experts; 0: a zero router
+    router_std: float = 0.1  # per-token std of the router logits across experts (0.1: weights near 1/K); 0: zero router
     repair: bool = True  # refit the down projections by least squares given the router's selection
     ridge: float = 1e-3  # relative ridge of both least-squares fits (times the mean diagonal of the Gram)
     kmeans_iters: int = 8
@@ -127,16 +127,14 @@ def neuron_activations(gate_up: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def balanced_assign(sim: torch.Tensor, size: int) -> torch.Tensor:
     """sim [R, E] -> group of each row [R]: the most similar (row, group) pairs first, at most `size` per group."""
     R, E = sim.shape
-    group = torch.full((R,), -1, dtype=torch.long)
-    room = [size] * E
-    left = R
+    group, room, left = [-1] * R, [size] * E, R  # python lists: this loop visits up to R * E pairs
     for flat in sim.flatten().argsort(descending=True, stable=True).tolist():
         r, e = divmod(flat, E)
         if group[r] < 0 and room[e] > 0:
             group[r], room[e], left = e, room[e] - 1, left - 1
             if left == 0:
                 break
-    return group
+    return torch.tensor(group)
 
 
 def balanced_groups(features: torch.Tensor, num_groups: int, iters: int, generator) -> torch.Tensor:
