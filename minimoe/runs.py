@@ -88,13 +88,23 @@ def native_bf16(capabilities: dict) -> bool:
     return bool(capabilities.get("avx512_bf16") or capabilities.get("amx_bf16"))
 
 
+CPU_DTYPE_VARIABLE = "MINIMOE_CPU_DTYPE"  # what auto means on a CPU, for every process a command starts
+
+
 def pick_dtype(name: str, device: torch.device, capabilities: dict | None = None) -> str:
     """auto: bfloat16 on CUDA and on a CPU with native bf16 matrix instructions (`native_bf16`),
     float32 on other CPUs and devices; in training and evaluation alike, so that a run's end-of-run scores and a
-    later evaluate.py of it agree. `capabilities` defaults to this machine's."""
+    later evaluate.py of it agree. `capabilities` defaults to this machine's. $MINIMOE_CPU_DTYPE
+    (float32 or bfloat16) sets auto's CPU choice instead: an environment variable reaches the
+    processes that sweep.py and torchrun start, where a flag would have to be repeated."""
     if name == "auto":
         kind = torch.device(device).type
         if kind == "cpu":
+            forced = os.environ.get(CPU_DTYPE_VARIABLE)
+            if forced:
+                if forced not in ("float32", "bfloat16"):
+                    raise ValueError(f"${CPU_DTYPE_VARIABLE}={forced!r}; expected float32 or bfloat16")
+                return forced
             return "bfloat16" if native_bf16(cpu_capabilities() if capabilities is None else capabilities) else "float32"
         return "bfloat16" if kind == "cuda" else "float32"
     if name not in DTYPES:

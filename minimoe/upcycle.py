@@ -310,9 +310,19 @@ def upcycle(source, out_dir, *, num_experts: int = 4, top_k: int = 2, seed: int 
     with atomic_directory(out_dir, "model") as tmp:
         write_checkpoint(model, tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tokenizer, llama), indent=1) + "\n")
         if record is not None:
             (tmp / "split.json").write_text(json.dumps(record, indent=1) + "\n")
     return out_dir
+
+
+def tokenizer_config(tokenizer, llama: dict) -> dict:
+    """transformers' AutoTokenizer reads tokenizer.json only through a tokenizer_config.json naming the fast
+    class: without one it looks for GPT-2's vocab.json for a Granite folder and fails (lm-eval's hf model,
+    a merged export served by transformers). minimoe itself reads tokenizer.json alone."""
+    names = {key: tokenizer.id_to_token(llama[f"{key}_id"]) for key in ("bos_token", "eos_token", "pad_token")
+             if llama.get(f"{key}_id") is not None}
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **names}
 
 
 def assemble(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> MoEForCausalLM:

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimoe.runs import AdapterSource, cpu_capabilities, method_label, native_bf16, pad_id, pick_device, pick_dtype
+from minimoe.runs import CPU_DTYPE_VARIABLE, AdapterSource, cpu_capabilities, method_label, native_bf16, pad_id, pick_device, pick_dtype
 
 
 @pytest.mark.parametrize("method, objective, tune, label", [
@@ -53,12 +53,26 @@ ZEN3 = {"avx2": True}
 
 @pytest.mark.parametrize("capabilities, native", [(ZEN4, True), (SAPPHIRE_RAPIDS, True), ({"amx_bf16": True}, True),
                                                   (ICE_LAKE, False), (ZEN3, False), ({}, False)])
-def test_auto_dtype_on_cpu_is_bf16_only_with_native_bf16_matmuls(capabilities, native):
+def test_auto_dtype_on_cpu_is_bf16_only_with_native_bf16_matmuls(capabilities, native, monkeypatch):
     """AVX512-BF16 or AMX-BF16 -> bfloat16; plain AVX-512 or AVX2 (bf16 emulated through fp32) -> float32."""
+    monkeypatch.delenv(CPU_DTYPE_VARIABLE)  # conftest's pin for the processes tests start
     assert native_bf16(capabilities) is native
     assert pick_dtype("auto", "cpu", capabilities) == ("bfloat16" if native else "float32")
     assert pick_dtype("auto", "cuda", capabilities) == "bfloat16"  # CUDA's rule does not read the CPU
     assert pick_dtype("float32", "cpu", capabilities) == "float32"  # an explicit dtype is kept
+
+
+def test_cpu_dtype_variable_sets_what_auto_means_on_a_cpu_only(monkeypatch):
+    """$MINIMOE_CPU_DTYPE overrides the processor's answer for auto on a CPU, in both directions; an
+    explicit --dtype and CUDA's rule do not read it; a value other than float32/bfloat16 is refused."""
+    for forced in ("float32", "bfloat16"):
+        monkeypatch.setenv(CPU_DTYPE_VARIABLE, forced)
+        assert pick_dtype("auto", "cpu", ZEN4) == pick_dtype("auto", "cpu", ZEN3) == forced
+        assert pick_dtype("float32", "cpu", ZEN4) == "float32"
+        assert pick_dtype("auto", "cuda", ZEN3) == "bfloat16"
+    monkeypatch.setenv(CPU_DTYPE_VARIABLE, "fp16")
+    with pytest.raises(ValueError, match=r"MINIMOE_CPU_DTYPE='fp16'; expected float32 or bfloat16"):
+        pick_dtype("auto", "cpu", ZEN4)
 
 
 def test_cpu_capabilities_are_torchs_cpuinfo():

@@ -179,6 +179,12 @@ def test_gguf_tokenizer_matches_transformers(tmp_path, bpe):
     for text in (TEXT, TEXT.lower(), "  leading spaces, <|im_start|>user\nHallo Welt!<|endoftext|>"):
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
     assert ours.decode(ours.encode(TEXT), skip_special_tokens=False) == TEXT
+    # transformers reads the written folder's tokenizer too (lm-eval's hf model, merged exports), with our ids
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "moe")
+    for text in (TEXT, "  leading spaces, <|im_start|>user\nHallo Welt!<|endoftext|>"):
+        assert theirs.encode(text, add_special_tokens=False) == ours.encode(text)
+    eos = json.loads((tmp_path / "moe" / "config.json").read_text())["eos_token_id"]
+    assert eos is None or theirs.eos_token_id == eos
 
 
 def test_gguf_smollm_pre_tokenizer_splits_digits(tmp_path, bpe):
