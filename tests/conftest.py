@@ -3,9 +3,13 @@
 Dimensions are multiples of 8 so that the grouped_mm path applies in fp32 and bf16; weights are
 scaled up from the default init (std 0.2) so that numerical differences show in the logits.
 """
+import json
+from dataclasses import asdict
+
 import pytest
 import torch
 
+from minimoe.data import load_examples
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
 
 FAMILY_SWITCHES = {
@@ -60,3 +64,14 @@ def cpu_without_native_bf16(monkeypatch):
 @pytest.fixture(params=["granitemoe", "olmoe"])
 def family(request):
     return request.param
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """The sweep and reliability tests' data: a small manifest folder (train 8, val 4, test 4) from the offline ARC-Challenge copy."""
+    folder = tmp_path_factory.mktemp("data") / "arc"
+    folder.mkdir()
+    examples = load_examples("arc_challenge")
+    for split, part in (("train", examples[:8]), ("val", examples[8:12]), ("test", examples[12:16])):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(asdict(e)) + "\n" for e in part))
+    return folder

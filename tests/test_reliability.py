@@ -33,17 +33,6 @@ REPO = Path(__file__).resolve().parents[1]
 SMOKE = ["--batch-size", "8", "--epochs", "1", "--quiet"]  # 8 train examples: one step
 
 
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """A manifest folder (train 8, val 4, test 4) from the offline ARC-Challenge copy."""
-    folder = tmp_path_factory.mktemp("data") / "arc"
-    folder.mkdir()
-    examples = load_examples("arc_challenge")
-    for split, part in (("train", examples[:8]), ("val", examples[8:12]), ("test", examples[12:16])):
-        (folder / f"{split}.jsonl").write_text("".join(json.dumps(asdict(e)) + "\n" for e in part))
-    return folder
-
-
 def sweep_args(out, data, *flags, extra=SMOKE):
     return ["--preset", "main", "--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "CE",
             "--seeds", "42", "--out-dir", str(out), *flags, "--", *extra]

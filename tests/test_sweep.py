@@ -5,7 +5,7 @@ import csv
 import json
 import threading
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,23 +16,11 @@ from scipy.stats import binomtest
 import evaluate
 import sweep
 from minimoe import sweep as sw
-from minimoe.data import load_examples
 from minimoe.diagnostics import accuracy_table
 from minimoe.tiny import tiny_checkpoint
 from minimoe.config import run_name
 
 SMOKE = ["--batch-size", "8", "--epochs", "2", "--quiet"]  # 8 examples: one step per epoch
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """A small manifest folder (train 8, val 4, test 4) from the offline ARC-Challenge copy."""
-    folder = tmp_path_factory.mktemp("data") / "arc"
-    folder.mkdir()
-    examples = load_examples("arc_challenge")
-    for split, part in (("train", examples[:8]), ("val", examples[8:12]), ("test", examples[12:16])):
-        (folder / f"{split}.jsonl").write_text("".join(json.dumps(asdict(e)) + "\n" for e in part))
-    return folder
 
 
 def sweep_args(tmp_path, data, *flags):
