@@ -4,6 +4,7 @@ Console commands (setup.cfg's entry points, installed with the package):
     minimoe-train   = python train.py        minimoe-sweep  = python sweep.py
     minimoe-eval    = python evaluate.py     minimoe-export = python export.py
     minimoe-upcycle = python -m minimoe.upcycle
+    minimoe-lm-eval = python -m minimoe.lm_eval (lm-eval's CLI with the model "minimoe"; the lmeval extra)
 Each runs the script beside the package as `python <script>` would (same __main__, same exit codes), so
 the scripts stay the one source of each CLI. That needs the source checkout the README installs from
 (`pip install -e .`); a wheel built without the scripts says so.
@@ -75,3 +76,13 @@ def sweep():
 
 def export():
     _run_script("export.py")
+
+
+def lm_eval():
+    try:
+        from minimoe.lm_eval import main
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "lm_eval":
+            raise
+        sys.exit('minimoe-lm-eval: lm-evaluation-harness is not installed; pip install -e ".[lmeval]"')
+    main()
