@@ -58,9 +58,11 @@ def compare(a: dict, b: dict) -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
-    p.add_argument("backends", nargs="*", choices=["minimoe", "hf"])
+    p.add_argument("backends", nargs="*", metavar="BACKEND", help="minimoe and/or hf; none: write the task, compare")
     p.add_argument("--limit", type=int, default=None, help="lm-eval's limit: the first N questions")
     args = p.parse_args()
+    if set(args.backends) - {"minimoe", "hf"}:  # (argparse's choices reject an empty nargs="*" list)
+        p.error(f"backends {args.backends}: expected minimoe and/or hf")
     task_dir = write_mcqa_task(args.out / "task", TASK, load_split("arc_easy", "test", data_dir=args.out / "splits", seed=42))
     for backend in args.backends:
         if backend == "minimoe":
