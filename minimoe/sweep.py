@@ -45,7 +45,6 @@ from minimoe.diagnostics import PAPER_SEEDS, partial_reason
 from minimoe.runs import method_label, read_metrics
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
-EVALUATE_PY = TRAIN_PY.with_name("evaluate.py")
 BENCHMARKS = ("arc_challenge", "openbookqa", "sciq", "medmcqa")
 
 # The accuracy table's nine rows (tab:downstream_accuracy) as train.py flags.
@@ -276,7 +275,7 @@ def train_command(cell: Cell, nproc: int = 1) -> list[str]:
 def train_eval_command(cell: Cell) -> list[str]:
     """evaluate.py on the run's train split, cut as the run's training population was."""
     limit = json.loads((cell.run / "config.json").read_text()).get("max_train_examples")
-    return [sys.executable, str(EVALUATE_PY), "--adapter", str(cell.run), "--split", "train",
+    return [sys.executable, "-m", "minimoe.cli.evaluate", "--adapter", str(cell.run), "--split", "train",
             "--out-dir", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
 
 

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_model
-from export import main
+from minimoe.cli.export import main
 from minimoe.checkpoint import save_pretrained
 from minimoe.export import export_peft
 from minimoe.adapters import export_merged, save_adapter

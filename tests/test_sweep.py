@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-import evaluate
-import sweep
+from minimoe.cli import evaluate, sweep
 from minimoe import sweep as sw
 from minimoe.diagnostics import accuracy_table
 from minimoe.tiny import tiny_checkpoint
@@ -195,7 +194,7 @@ def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data, mo
     cell = replace(cell, train_eval=True)
     assert cell.state() == "partial"
     assert sw.run_cell(cell) == 0 and cell.state() == "done"
-    assert [Path(c[1]).name for c in commands] == ["evaluate.py"]
+    assert [c[1:3] for c in commands] == [["-m", "minimoe.cli.evaluate"]]  # evaluate.py's command, alone
     assert sw.run_cell(cell) == 0 and len(commands) == 1
     assert {p: p.stat().st_mtime_ns for p in finished} == finished
     train = json.loads((cell.run / "eval" / "train" / "metrics.json").read_text())

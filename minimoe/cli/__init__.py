@@ -1,12 +1,20 @@
-"""What the command lines share: the console commands, device strings, and old flag names kept for a release.
+"""The command lines: one module per command, and what they share (device strings, old flag names, errors).
 
-Console commands (setup.cfg's entry points, installed with the package):
-    minimoe-train   = python train.py        minimoe-sweep  = python sweep.py
-    minimoe-eval    = python evaluate.py     minimoe-export = python export.py
-    minimoe-upcycle = python -m minimoe.upcycle
-Each runs the script beside the package as `python <script>` would (same __main__, same exit codes), so
-the scripts stay the one source of each CLI. That needs the source checkout the README installs from
-(`pip install -e .`); a wheel built without the scripts says so.
+    command          script                  code                      console form
+    minimoe-train    python train.py         train.py (checkout)       minimoe.cli:train (runs the script)
+    minimoe-eval     python evaluate.py      minimoe/cli/evaluate.py   minimoe.cli.evaluate:command
+    minimoe-sweep    python sweep.py         minimoe/cli/sweep.py      minimoe.cli.sweep:command
+    minimoe-export   python export.py        minimoe/cli/export.py     minimoe.cli.export:command
+    minimoe-upcycle  python -m minimoe.upcycle  minimoe/upcycle.py     minimoe.upcycle:main
+Each command module is named after its script and holds the whole CLI: its parser, `main(argv=None)`,
+which returns what it made (metrics, cells) and raises on bad input, for tests and for code that calls
+it, and `command()`, the console entry point (setup.cfg) and the script's `__main__`: `main` with bad
+input turned into one line `<script>: error: ...` and an exit status (`run_command`). The scripts at
+the top of the checkout are three-line shims, so `python evaluate.py` and `minimoe-eval` are one
+program, and the console commands work from any install, a wheel included. The commands keep their
+script's name as `prog` (`usage: evaluate.py ...`), the name the README and the errors use.
+train.py moves the same way (minimoe/cli/train.py with main and command; `minimoe.cli:train` and
+`_run_script` go then). upcycle is a library module whose CLI is small enough to stay beside it.
 
 One name per concept across the scripts (the old spellings are hidden aliases that warn, for one release):
     --eval-batch-size  examples per forward in scoring      (evaluate.py's --batch-size)
@@ -22,7 +30,7 @@ import runpy
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (train.py)
 DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
@@ -51,6 +59,17 @@ def old_name(group, old: str, new: str, **kwargs) -> None:
     group.add_argument(old, action=OldName, new=new, dest=new.lstrip("-").replace("-", "_"), **kwargs)
 
 
+def run_command(main, prog: str, status: int = 2) -> None:
+    """`main()` as a console command: bad input (OSError, ValueError, KeyError, whose messages name the file or
+    flag) ends in one line `prog: error: ...` and exit `status`, no traceback; and what main returns never
+    reaches sys.exit (a console script exits with its function's value: a dict would print and exit 1)."""
+    try:
+        main()
+    except (OSError, ValueError, KeyError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(status)
+
+
 def _run_script(name: str) -> None:
     script = ROOT / name
     if not script.is_file():
@@ -62,16 +81,5 @@ def _run_script(name: str) -> None:
 
 
 def train():
+    """minimoe-train: train.py of the checkout, until it moves into minimoe/cli/ like the others."""
     _run_script("train.py")
-
-
-def evaluate():
-    _run_script("evaluate.py")
-
-
-def sweep():
-    _run_script("sweep.py")
-
-
-def export():
-    _run_script("export.py")

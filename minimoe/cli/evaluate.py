@@ -34,7 +34,7 @@ import logging
 import sys
 from pathlib import Path
 
-from minimoe.cli import device, old_name
+from minimoe.cli import device, old_name, run_command
 from minimoe.data import DEFAULT_DATA_DIR, SPLITS
 from minimoe.diagnostics import PAPER_SEEDS
 
@@ -234,9 +234,11 @@ def main(argv=None):
     return metrics
 
 
+def command():
+    """minimoe-eval, and python evaluate.py: bad input, a refused --out-dir, a full disk end in one line naming
+    the file, exit status 2."""
+    run_command(main, "evaluate.py")
+
+
 if __name__ == "__main__":
-    try:
-        main()
-    except (OSError, ValueError, KeyError) as e:  # bad input, a refused --out-dir, a full disk: the message names the file
-        print(f"evaluate.py: error: {e}", file=sys.stderr)
-        sys.exit(2)
+    command()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 
+from minimoe.cli import run_command
 from minimoe.export import export_merged_adapter, export_peft
 
 
@@ -43,5 +44,10 @@ def main(argv=None):
         p.exit(2, f"export.py: error: {e}\n")
 
 
+def command():
+    """minimoe-export, and python export.py (main already ends bad input in one line, exit status 2)."""
+    run_command(main, "export.py")
+
+
 if __name__ == "__main__":
-    main()
+    command()

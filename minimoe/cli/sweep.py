@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from minimoe.cli import run_command
 from minimoe.runs import set_aside
 from minimoe.sweep import BENCHMARKS, PRESETS, ROWS, claim_out_dir, grid, run_local, run_on_devices, submit_slurm, \
     train_module, visible_devices, write_report
@@ -177,5 +178,10 @@ def main(argv=None):
     return cells
 
 
+def command():
+    """minimoe-sweep, and python sweep.py: bad input ends in one line naming the file, exit status 2."""
+    run_command(main, "sweep.py")
+
+
 if __name__ == "__main__":
-    main()
+    command()
