@@ -222,7 +222,7 @@ def main(argv=None):
     from minimoe.evaluation import run_evaluation  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     metrics = run_evaluation(
-        out=args.out_dir, model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
+        out=args.out_dir, base_model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
         split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
         batch_size=args.eval_batch_size, allow_other_base=args.allow_other_base,
         device=args.device, dtype=args.dtype, train_split_diagnostics=args.train_split_diagnostics,
