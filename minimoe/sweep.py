@@ -40,7 +40,7 @@ from pathlib import Path
 
 from minimoe import compare, diagnostics
 from minimoe.atomic import KINDS, atomic_file, check_owned_file, mark, write_owned_file, written_kind
-from minimoe.config import TrainConfig, ablation_settings, run_name
+from minimoe.config import TrainConfig, ablation_settings, flag_name, run_name
 from minimoe.diagnostics import PAPER_SEEDS, partial_reason
 from minimoe.eval_folder import METRICS, eval_dir, test_evaluation, tokens_file
 from minimoe.runs import method_label, read_metrics
@@ -136,7 +136,6 @@ PRESETS = {
 }
 
 ZERO_SHOT = "zero-shot (base model)"  # the report row of the base model's scores (train.py --zero-shot)
-FLAG_NAMES = {"lambda_": "--lambda"}  # cfg keys whose train.py flag is not the dashed key
 
 
 def guess_recipe(model: str) -> str | None:
@@ -171,7 +170,7 @@ class Cell:
         if self.recipe:
             args += ["--recipe", self.recipe]
         for key, value in {**ROWS[self.row], **dict(self.settings)}.items():
-            flag = FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
+            flag = flag_name(key)
             args += [flag] if value is True else [flag, str(value)]
         return args + (["--zero-shot"] if self.zero_shot else []) + list(self.extra) + (["--resume"] if resume else [])
 

@@ -21,12 +21,13 @@ import argparse
 import sys
 
 from minimoe.cli import run_command
+from minimoe.config import ABLATION_SETTINGS, TrainConfig, flag_name
 from minimoe.runs import set_aside
 from minimoe.sweep import BENCHMARKS, PRESETS, ROWS, claim_out_dir, grid, run_local, run_on_devices, submit_slurm, \
     train_module, visible_devices, write_report
 
-SETTING_FLAGS = {"lambda": "lambda_", "layers": "layers", "transform": "transform", "gamma": "gamma",
-                 "error-head-lr": "error_head_lr"}
+# --set's keys: the ablation settings that take a value, by their train.py flag (--set lambda=... sets lambda_).
+SETTING_FLAGS = {flag_name(key)[2:]: key for key in ABLATION_SETTINGS if not isinstance(getattr(TrainConfig, key), bool)}
 
 
 def parse_args(argv=None):
@@ -103,7 +104,7 @@ def settings_variants(specs, parser) -> tuple:
                 parser.error(f"--set {key}={x}: {e}")
             if action.choices and parsed not in action.choices:
                 parser.error(f"--set {key}={x}: expected one of {list(action.choices)}")
-        cast = str if key in ("layers", "transform") else float
+        cast = type(getattr(TrainConfig, SETTING_FLAGS[key]))  # float, or str for layers and transform
         variants = [{**v, SETTING_FLAGS[key]: cast(x)} for v in variants for x in values.split(",")]
     return tuple(variants)
 
