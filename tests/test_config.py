@@ -4,8 +4,9 @@ import pytest
 
 import train
 from conftest import tiny_config
-from minimoe.config import recipe_train_examples, run_name
+from minimoe.config import ABLATION_SETTINGS, flag_name, recipe_train_examples, run_name
 from minimoe.data import BENCHMARKS, Example
+from minimoe.sweep import ROWS
 from minimoe.training import steps_per_epoch
 
 # The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
@@ -80,3 +81,11 @@ def test_run_names_carry_ablation_settings_off_their_defaults():
     # A setting the method does not read is no part of its name: CE at lambda 1e-2 is the CE run.
     ce = {**base, "method": "ce"}
     assert run_name({**ce, "lambda_": 1e-2, "gamma": 2.0}) == run_name(ce)
+
+
+def test_flag_name_is_train_pys_flag_for_every_setting_a_sweep_cell_passes():
+    """A cell passes its row's and its ablation settings' fields as train.py flags (flag_name): each must
+    be the flag train.py's parser takes for that field, lambda_ included."""
+    options = {option: action.dest for action in train.parser()._actions for option in action.option_strings}
+    fields = {*ABLATION_SETTINGS, *(key for row in ROWS.values() for key in row)}
+    assert {flag_name(key): key for key in fields}.items() <= options.items()
