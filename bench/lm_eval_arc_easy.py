@@ -41,18 +41,21 @@ def run(backend: str, task_dir: Path, limit: int | None) -> dict:
             "loglikelihoods": [[resp[0] for resp in s["filtered_resps"]] for s in samples]}
 
 
-def compare(a: dict, b: dict) -> str:
+def compare(a: dict, b: dict, choices: list[list[str]]) -> str:
     if (a["n"], a["limit"]) != (b["n"], b["limit"]):
         raise SystemExit(f"not the same questions: {a['backend']} n={a['n']} limit={a['limit']}, "
                          f"{b['backend']} n={b['n']} limit={b['limit']}")
     pairs = [(x, y) for qa, qb in zip(a["loglikelihoods"], b["loglikelihoods"]) for x, y in zip(qa, qb)]
     diffs = [abs(x - y) for x, y in pairs]
     argmax = lambda q: max(range(len(q)), key=q.__getitem__)
+    per_char = lambda q, texts: [ll / len(" " + t) for ll, t in zip(q, texts)]  # acc_norm's rule
     flips = sum(argmax(qa) != argmax(qb) for qa, qb in zip(a["loglikelihoods"], b["loglikelihoods"]))
+    norm_flips = sum(argmax(per_char(qa, t)) != argmax(per_char(qb, t))
+                     for qa, qb, t in zip(a["loglikelihoods"], b["loglikelihoods"], choices))
     same = "equal" if (a["acc"], a["acc_norm"]) == (b["acc"], b["acc_norm"]) else "NOT equal"
     return (f"{a['backend']} vs {b['backend']}: {a['n']} questions, {len(pairs)} answers; acc and acc_norm {same}; "
             f"log-likelihoods: max |difference| {max(diffs):.2e}, {sum(d > TOLERANCE for d in diffs)} above "
-            f"{TOLERANCE:g}; questions whose acc choice differs: {flips}")
+            f"{TOLERANCE:g}; questions whose choice differs: {flips} (acc), {norm_flips} (acc_norm)")
 
 
 def main():
@@ -63,7 +66,8 @@ def main():
     args = p.parse_args()
     if set(args.backends) - {"minimoe", "hf"}:  # (argparse's choices reject an empty nargs="*" list)
         p.error(f"backends {args.backends}: expected minimoe and/or hf")
-    task_dir = write_mcqa_task(args.out / "task", TASK, load_split("arc_easy", "test", data_dir=args.out / "splits", seed=42))
+    examples = load_split("arc_easy", "test", data_dir=args.out / "splits", seed=42)
+    task_dir = write_mcqa_task(args.out / "task", TASK, examples)
     for backend in args.backends:
         if backend == "minimoe":
             import minimoe.lm_eval  # noqa: F401  registers "minimoe"
@@ -74,7 +78,7 @@ def main():
               f"{result['acc_norm']:.4f} ± {result['acc_norm_stderr']:.4f} ({result['seconds']} s)", flush=True)
     files = [args.out / f"{b}.json" for b in ("minimoe", "hf")]
     if all(f.is_file() for f in files):
-        print(compare(*(json.loads(f.read_text()) for f in files)))
+        print(compare(*(json.loads(f.read_text()) for f in files), [ex.choices for ex in examples]))
 
 
 if __name__ == "__main__":
