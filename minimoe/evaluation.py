@@ -2,8 +2,8 @@
 
 `evaluate_split` scores an in-memory model on a list of examples. `run_evaluation` (evaluate.py)
 resolves a run or checkpoint folder, loads model and adapter, scores, and writes the output folder
-atomically (`atomic_directory`): predictions.jsonl, metrics.json, tokens-<split>.npz and, for tes,
-error-prediction-layer<l>.png. `evaluate_run` does the same for train.py at the end of a run, with
+atomically (`atomic_directory`): predictions.jsonl, metrics.json, tokens-<split>.npz and, for a method
+that predicts the error, error-prediction-layer<l>.png. `evaluate_run` does the same for train.py at the end of a run, with
 the model it holds. `accuracy_report` turns many metrics.json into the paper's table.
 
 Scoring (paper, "Experimental Configuration"): all candidates of `batch_size` examples run in one
@@ -15,17 +15,18 @@ scored by their mean token log-prob: the length-normalised answer-choice NLL tha
 selects checkpoints by.
 
 Routing diagnostics are read at the gold answer's token positions (`ChoiceBatch.supervised_mask`),
-the tokens that TES/ACS training supervises; token CE there is the observed next-token CE.
+the tokens that supervised methods' training supervises; token CE there is the observed next-token CE.
 - Every method, per diagnosed layer (the router spec's layers; the final layer without a spec):
   C_t from the native logits over the native top-K (Eq. diagnostic_token_concentration), computed
   here from `Routing.logits` (`routing.native_concentration`) so that it is the same statistic under
   every policy; C_bar, N_eff = 1/C_bar and the token-level Pearson r(C_t, CE_t) (Eq.
   diagnostic_split_concentration, diagnostic_concentration_loss_correlation; undefined -> NaN ->
   null in JSON).
-- tes layers also: pointwise r(e_hat_t, CE_t), group Pearson/Spearman over (layer, target token id)
+- layers whose method predicts the error (routing.Method.predicts_error; its prediction is e_hat)
+  also: pointwise r(e_hat_t, CE_t), group Pearson/Spearman over (layer, target token id)
   groups, and equal-count decile curves of train and evaluated populations, both standardised with
   the train groups' moments (subsec:error_prediction_analysis), drawn as in fig:arc_error_prediction.
-  With more than one tes layer, a "pooled" entry groups all of them by (layer, token) as the paper.
+  With more than one such layer, a "pooled" entry groups all of them by (layer, token) as the paper.
   One run is one seed: averaging group means across seeds is left to `average_groups_across_seeds`
   on the saved token arrays.
 
@@ -33,13 +34,13 @@ Decisions where neither the paper nor train.py fixes the answer:
 - A run folder resolves only through selection.json (last_epoch / selected_epoch); a run without
   one has not finished and is refused, rather than guessing its latest epoch.
 - Identity keys: "method" is the run's label; outside a run it is the adapter's router method
-  ("TES", ...; "CE" for LoRA on native routing), or "native" without an adapter, and "seed" is
+  (its record's label; "CE" for LoRA on native routing), or "native" without an adapter, and "seed" is
   null. "dataset" is the benchmark name, or the name of the folder holding the manifests.
 - Model dtype "auto" is train.py's rule (runs.pick_dtype: bf16 on CUDA and on
   CPUs with native bf16 matrix instructions, else fp32); max_length and data default
   to the run's. The train population is the run's train split cut to its max_train_examples.
 - Decile curves need >= 10 groups in each population and non-constant train group means; else
-  they are null with "deciles_skipped" saying why (a fresh tes head predicts one constant).
+  they are null with "deciles_skipped" saying why (a fresh error head predicts one constant).
 
 Rows are packed (minimoe/scoring.py): one row per example, its prompt once and every candidate
 behind a block-causal mask, the LM head only at answer positions; `packed=False` scores one row per
@@ -66,7 +67,7 @@ from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, c
                                  decile_curve, error_prediction_summary, group_by_layer_token,
                                  metrics_files, partial_reason, plot_error_prediction, population_moments)
 from minimoe.provenance import provenance
-from minimoe.routing import native_concentration
+from minimoe.routing import method_of, native_concentration
 from minimoe.runs import AdapterSource, pad_id, pick_device, pick_dtype, read_json, resolve_adapter
 from minimoe.scoring import by_example, choice_loss, choice_scores, forward_choices, make_choice_batch, predictions
 
@@ -85,7 +86,7 @@ class TokenArrays:
     target: np.ndarray  # [n] the target token id (with the layer, the group key)
     example: np.ndarray  # [n] index of the token's example in the evaluated list
     concentration: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n] C_t
-    e_hat: dict[int, np.ndarray] = field(default_factory=dict)  # tes layer -> [n] aggregate prediction
+    e_hat: dict[int, np.ndarray] = field(default_factory=dict)  # error-predicting layer -> [n] aggregate prediction e_hat
 
     def save(self, path):
         arrays = {"token_ce": self.token_ce, "target": self.target, "example": self.example}
@@ -138,6 +139,8 @@ def eval_mode(model):
 
 def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress=None):
     k, layers = model.config.num_experts_per_tok, diagnosed_layers(model)
+    method = method_of(model.router_spec)
+    errors = method is not None and method.predicts_error  # its Routing.prediction is e_hat
     order = sorted(range(len(examples)), key=lambda i: -_length_proxy(examples[i]))  # longest first: OOM early
     records: list[dict | None] = [None] * len(examples)
     seen = {"token_ce": [], "target": [], "example": []}
@@ -174,8 +177,8 @@ def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_leng
             routing = out.routings[l]
             c = native_concentration(routing.logits[mask], k)  # [n]
             conc[l].append(c.clamp_max(1.0).double().cpu().numpy())  # a sum of squares can round past 1
-            if routing.e_hat is not None:
-                e_hat.setdefault(l, []).append(routing.e_hat[mask].double().cpu().numpy())
+            if errors and routing.prediction is not None:
+                e_hat.setdefault(l, []).append(routing.prediction[mask].double().cpu().numpy())
     metrics = {"n_examples": len(examples)}
     for name, key in NORMALISATIONS.items():
         field_name = "prediction" if name == "mean" else f"prediction_{name}"
@@ -246,16 +249,16 @@ def diagnostics_report(evaluated: TokenArrays, split: str, train: TokenArrays | 
                 plots[entry["plot"]] = plot
         layers[str(l)] = entry
     report = {"positions": "gold answer tokens", "populations": list(populations), "layers": layers}
-    tes_layers = sorted(evaluated.e_hat)
-    if len(tes_layers) > 1:  # the paper's groups: (layer, token) over every supervised layer
+    error_layers = sorted(evaluated.e_hat)
+    if len(error_layers) > 1:  # the paper's groups: (layer, token) over every supervised layer
         pooled = {name: tuple(np.concatenate(parts) for parts in zip(*(
-                      (np.full(a.token_ce.shape, l), a.target, a.e_hat[l], a.token_ce) for l in tes_layers)))
+                      (np.full(a.token_ce.shape, l), a.target, a.e_hat[l], a.token_ce) for l in error_layers)))
                   for name, a in populations.items()}
-        stats, plot = error_prediction_stats(pooled, f"{label}layers {tes_layers}: train vs {split}")
+        stats, plot = error_prediction_stats(pooled, f"{label}layers {error_layers}: train vs {split}")
         if plot is not None:
             stats["plot"] = "error-prediction-pooled.png"
             plots[stats["plot"]] = plot
-        report["pooled"] = {"layers": tes_layers, **stats}
+        report["pooled"] = {"layers": error_layers, **stats}
     return report, plots
 
 
@@ -323,7 +326,8 @@ def dataset_name(data) -> str:
 def _wants_train_population(flag: bool | None, source: AdapterSource | None, split: str) -> bool:
     if split == "train":
         return False  # the evaluated split is the train population
-    return flag if flag is not None else (source is not None and (source.router or {}).get("method") == "tes")
+    method = method_of(source.router) if source is not None else None
+    return flag if flag is not None else (method is not None and method.predicts_error)
 
 
 def _train_limit(max_examples, run_config) -> int | None:
@@ -391,7 +395,7 @@ def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: s
 
     Everything that can fail on bad input (folders, manifests, model, adapter) is checked before the
     output folder is created. Left out, model/data/data_dir/max_length come from a run's config.json.
-    train_split_diagnostics=None scores the train split for tes adapters only.
+    train_split_diagnostics=None scores the train split for adapters whose method predicts the error only.
     """
     check_replaceable(out, "evaluation")  # never replace a run, runs/ or an adapter; fail before any work
     source = resolve_adapter(adapter, checkpoint) if adapter is not None else None
