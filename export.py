@@ -1,47 +1,5 @@
-"""Export a train.py run's adapter in peft's format (adapter_config.json + adapter_model.safetensors),
-or with --merged as a plain checkpoint with the adapter merged into the base weights.
-
-    python export.py runs/olmoe-arc_challenge-ACS-IS-seed42 exported/olmoe-arc-acs
-    python export.py runs/<run> OUT --checkpoint selected --base-model allenai/OLMoE-1B-7B-0924-SFT
-    python export.py runs/<run> OUT --merged      # config.json, model*.safetensors, tokenizer files
-
-Then, with peft and transformers installed:
-    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), OUT)
-or, for --merged, with transformers alone (or any server that loads the base model):
-    model = AutoModelForCausalLM.from_pretrained(OUT)
-CE and ACS runs export, with or without affinity tuning; TES and Dual Affinity are refused (their heads
-change the routing function). See minimoe/export.py for the layout.
-"""
-from __future__ import annotations
-
-import argparse
-
-from minimoe.export import export_merged_adapter, export_peft
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("adapter", help="a run folder written by train.py, or one adapter folder (RUN/checkpoints/epoch-N)")
-    p.add_argument("out", help="output folder for adapter_config.json + adapter_model.safetensors, or with --merged "
-                               "the merged checkpoint (replaced whole)")
-    p.add_argument("--merged", action="store_true", help="write the base model with the adapter merged in (official "
-                   "layout, the base's dtype and tokenizer files) instead of a peft adapter")
-    p.add_argument("--checkpoint", choices=("last", "selected"),
-                   help="for a run folder: 'last' (default, the paper's endpoint) or 'selected' (minimum validation NLL)")
-    p.add_argument("--base-model", help="base_model_name_or_path to write, or with --merged the base checkpoint to "
-                                        "merge into (default: the model the adapter was trained on, as recorded with it)")
-    args = p.parse_args(argv)
-    try:
-        if args.merged:
-            out = export_merged_adapter(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
-            print(f"merged checkpoint: {out}")
-        else:
-            out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
-            print(f"peft adapter: {out}")
-    except (OSError, ValueError, KeyError) as e:  # bad input, a refused OUT, a full disk: one line naming the file
-        p.exit(2, f"export.py: error: {e}\n")
-
+"""python export.py ... is minimoe-export ...: the code is minimoe/cli/export.py (python export.py --help)."""
+from minimoe.cli.export import command
 
 if __name__ == "__main__":
-    main()
+    command()

@@ -44,6 +44,7 @@ from minimoe.atomic import atomic_file
 from minimoe.checkpoint import resolve_checkpoint
 from minimoe.cli import device
 from minimoe.data import SPLITS, check_disjoint, load_split, split_sha256
+from minimoe.eval_folder import METRICS, eval_dir
 from minimoe.lora import ALIASES, TARGETS
 from minimoe.provenance import provenance
 from minimoe.routing import ALIASES, METHODS, TRANSFORMS, import_method_module, lookup_method
@@ -517,7 +518,7 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, fo
             record["earlier_provenance"] = [*before.get("earlier_provenance", []), before.get("provenance")]
         with atomic_file(run / "config.json") as tmp:
             tmp.write_text(json.dumps(record, indent=2, default=str))
-        if cfg.zero_shot and not (run / "eval" / "test-base" / "metrics.json").is_file():
+        if cfg.zero_shot and not (eval_dir(run, checkpoint="base") / METRICS).is_file():
             from minimoe.evaluation import evaluate_zero_shot  # before LoRA and the method exist
             base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
             print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
@@ -526,20 +527,21 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, fo
         model.gradient_checkpointing_enable()
     steps_run = train(model, tokenizer, data, cfg, run, resume=args.resume)
 
-    def scored(folder: str) -> bool:
+    def scored(checkpoint: str) -> bool:
         """Scored in full by an earlier call that finished training (a resume after a kill): not again."""
-        path = run / "eval" / folder / "metrics.json"
+        folder = eval_dir(run, "test", checkpoint)
+        path = folder / METRICS
         done = not steps_run and path.is_file() and json.loads(path.read_text()).get("n_examples") == len(data["test"])
         if done:
-            print(f"test evaluation in {run / 'eval' / folder} already done; not run again")
+            print(f"test evaluation in {folder} already done; not run again")
         return done
     if rank == 0 and not cfg.no_test_eval:
         from minimoe.evaluation import evaluate_run
-        if cfg.test_checkpoint in ("last", "both") and not scored("test"):  # the in-memory model is the last epoch
+        if cfg.test_checkpoint in ("last", "both") and not scored("last"):  # the in-memory model is the last epoch
             metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"],
                                    quiet=cfg.quiet)
             print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
-        if cfg.test_checkpoint in ("selected", "both") and not scored("test-selected"):
+        if cfg.test_checkpoint in ("selected", "both") and not scored("selected"):
             del model  # the selected epoch is loaded afresh from the run folder
             metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg.eval_batch_size,
                                    device=cfg.device, dtype=cfg.dtype, quiet=cfg.quiet)

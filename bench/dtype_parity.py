@@ -14,15 +14,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from scipy.stats import binomtest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minimoe.eval_folder import PREDICTIONS, eval_dir  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def read_predictions(folder: Path) -> dict[str, dict]:
-    lines = (folder / "predictions.jsonl").read_text(encoding="utf-8").splitlines()
+    lines = (folder / PREDICTIONS).read_text(encoding="utf-8").splitlines()
     return {r["id"]: r for r in map(json.loads, lines)}
 
 
@@ -46,9 +50,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     lines = ["| evaluation | examples | same answer | accuracy fp32 | accuracy bf16 | right only in fp32 / only in bf16 "
              "| exact McNemar p | bar (>= 98%, p >= 0.05) |", "|---|---|---|---|---|---|---|---|"]
-    for name in ("test-base", "test"):
-        folders = [run / "eval" / name for run in (args.fp32_run, args.bf16_run)]
-        if not all((f / "predictions.jsonl").is_file() for f in folders):
+    for checkpoint in ("base", "last"):
+        folders = [eval_dir(run, "test", checkpoint) for run in (args.fp32_run, args.bf16_run)]
+        name = folders[0].name
+        if not all((f / PREDICTIONS).is_file() for f in folders):
             continue
         c = compare(*map(read_predictions, folders))
         lines.append(f"| {name} | {c['n']} | {c['agreement']:.1%} | {c['accuracy_a']:.3f} | {c['accuracy_b']:.3f} | "

@@ -33,12 +33,12 @@ import numpy as np
 from scipy.stats import binomtest
 
 from minimoe.diagnostics import row_label
+from minimoe.eval_folder import METRICS, PREDICTIONS, test_evaluation
 
 BOOTSTRAP_SEED = 2024  # fixed: the same inputs give the same interval in every report
 BOOTSTRAP_RESAMPLES = 10_000
 LEVEL = 0.95
 BLOCK = 1000  # resamples whose draw counts are held at once ([BLOCK, Q] floats)
-PREDICTIONS = "predictions.jsonl"
 
 
 # ---- statistics ---------------------------------------------------------------------------------
@@ -115,19 +115,11 @@ class Predictions:
                            self.choice_nll[order], self.metrics)
 
 
-def test_evaluation(run) -> Path:
-    """RUN/eval/test, or RUN/eval/test-selected where the run's config.json says train.py scored the
-    validation-selected epoch instead (test_checkpoint "selected": the OLMoE affinity-tuned group)."""
-    config = Path(run) / "config.json"
-    chosen = json.loads(config.read_text(encoding="utf-8")).get("test_checkpoint") if config.is_file() else None
-    return Path(run) / "eval" / ("test-selected" if chosen == "selected" else "test")
-
-
 def reported_evaluation(path) -> Path:
     """The evaluation folder that a report reads for `path`: an evaluation folder (predictions.jsonl)
     as it is, a run folder (config.json) through `test_evaluation`."""
     path = Path(path)
-    if path.is_file() and path.name in (PREDICTIONS, "metrics.json"):
+    if path.is_file() and path.name in (PREDICTIONS, METRICS):
         path = path.parent
     if (path / PREDICTIONS).is_file():
         return path
@@ -159,7 +151,7 @@ def read_predictions(path) -> Predictions:
         raise ValueError(f"{file}: no predictions")
     if len(set(ids)) != len(ids):
         raise ValueError(f"{file}: a question id appears twice")
-    metrics_file = folder / "metrics.json"
+    metrics_file = folder / METRICS
     metrics = json.loads(metrics_file.read_text(encoding="utf-8")) if metrics_file.is_file() else {}
     return Predictions(folder, ids, np.array(gold), np.array(prediction), np.array(nll, dtype=np.float64), metrics)
 

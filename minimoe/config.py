@@ -133,9 +133,16 @@ class TrainConfig:
             self.test_checkpoint = "selected" if self.recipe == "olmoe" and self.tune_router else "last"
 
 
-# Settings that tell an ablation's runs apart, with their short names in run names and report keys.
+# Settings that tell an ablation's runs apart, with their short names in run names and report keys. The
+# one table of them: sweep.py's --set takes those with a value by their train.py flag (flag_name).
 ABLATION_SETTINGS = {"lambda_": "lambda", "layers": "layers", "transform": "transform", "gamma": "gamma",
                      "error_head_lr": "ehlr", "depth_scaled_lambda": "depthscaled"}
+
+
+def flag_name(key: str) -> str:
+    """A TrainConfig field's train.py flag: error_head_lr -> --error-head-lr, lambda_ -> --lambda (the
+    underscore only dodges Python's keyword)."""
+    return "--" + key.rstrip("_").replace("_", "-")
 
 
 # Settings that only a supervised method reads (routing.Method.prediction set).

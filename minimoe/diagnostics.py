@@ -49,9 +49,9 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 
 from minimoe.atomic import atomic_file
+from minimoe.eval_folder import METRICS
 
 PAPER_SEEDS = (42, 43, 45)  # the seeds of the paper's accuracy tables
-METRICS_FILENAME = "metrics.json"
 REQUIRED_METRICS_KEYS = ("model", "method", "dataset", "seed", "accuracy")
 
 
@@ -235,9 +235,9 @@ def metrics_files(paths: Iterable) -> list[Path]:
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(p.rglob(METRICS_FILENAME))
+            found = sorted(p.rglob(METRICS))
             if not found:
-                raise FileNotFoundError(f"no {METRICS_FILENAME} under {p}")
+                raise FileNotFoundError(f"no {METRICS} under {p}")
             files.extend(found)
         elif p.is_file():
             files.append(p)

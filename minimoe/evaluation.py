@@ -1,10 +1,12 @@
 """Evaluation: answer-choice accuracy of a checkpoint (+ adapter) on one split, and routing diagnostics.
 
-`evaluate_split` scores an in-memory model on a list of examples. `run_evaluation` (evaluate.py)
-resolves a run or checkpoint folder, loads model and adapter, scores, and writes the output folder
-atomically (`atomic_directory`): predictions.jsonl, metrics.json, tokens-<split>.npz and, for a method
-that predicts the error, error-prediction-layer<l>.png. `evaluate_run` does the same for train.py at the end of a run, with
-the model it holds. `accuracy_report` turns many metrics.json into the paper's table.
+`evaluate_split` scores an in-memory model on a list of examples. `run_evaluation` is the one
+entry that resolves what to evaluate (a run or adapter folder, its base model and data, the train
+population), loads model and adapter unless it is handed a model in memory, scores, and writes
+the output folder atomically (`atomic_directory`; its files: minimoe/eval_folder.py; error-prediction
+plots for a method that predicts the error).
+`evaluate_run` (train.py's test scoring, into RUN/eval/<split>) and `evaluate_zero_shot` (the base
+model, RUN/eval/<split>-base) call it. `accuracy_report` turns many metrics.json into the paper's table.
 
 Scoring (paper, "Experimental Configuration"): all candidates of `batch_size` examples run in one
 forward (`make_choice_batch`). Examples are sorted by a length proxy
@@ -66,6 +68,7 @@ from minimoe.data import DEFAULT_DATA_DIR, SPLITS, Example, load_split, split_sh
 from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, concentration_summary,
                                  decile_curve, error_prediction_summary, group_by_layer_token,
                                  metrics_files, partial_reason, plot_error_prediction, population_moments)
+from minimoe.eval_folder import METRICS, PREDICTIONS, eval_dir, plot_file, tokens_file
 from minimoe.provenance import provenance
 from minimoe.routing import method_of, native_concentration
 from minimoe.runs import AdapterSource, pad_id, pick_device, pick_dtype, read_json, resolve_adapter
@@ -245,7 +248,7 @@ def diagnostics_report(evaluated: TokenArrays, split: str, train: TokenArrays | 
             if "reference_moments" in stats:
                 entry["reference_moments"] = stats["reference_moments"]
             if plot is not None:
-                entry["plot"] = f"error-prediction-layer{l}.png"
+                entry["plot"] = plot_file(l)
                 plots[entry["plot"]] = plot
         layers[str(l)] = entry
     report = {"positions": "gold answer tokens", "populations": list(populations), "layers": layers}
@@ -256,7 +259,7 @@ def diagnostics_report(evaluated: TokenArrays, split: str, train: TokenArrays | 
                   for name, a in populations.items()}
         stats, plot = error_prediction_stats(pooled, f"{label}layers {error_layers}: train vs {split}")
         if plot is not None:
-            stats["plot"] = "error-prediction-pooled.png"
+            stats["plot"] = plot_file(None)
             plots[stats["plot"]] = plot
         report["pooled"] = {"layers": error_layers, **stats}
     return report, plots
@@ -285,7 +288,7 @@ def split_record(data, split: str, data_dir, examples: list[Example]) -> dict:
 def load_examples_for(data, split: str, data_dir, max_examples: int | None = None) -> list[Example]:
     """A benchmark name (registered manifests under data_dir), a folder of <split>.jsonl manifests (as
     train.py's --data takes), or one .jsonl manifest: named after a split it must match `split`, named
-    otherwise it is taken as `split`."""
+    otherwise it is taken as `split`. max_examples: the first N only."""
     path = Path(data)
     if path.is_dir():
         examples = load_split(path / f"{split}.jsonl")
@@ -293,11 +296,16 @@ def load_examples_for(data, split: str, data_dir, max_examples: int | None = Non
         examples = load_split(path, split if path.stem in SPLITS else None)
     else:
         examples = load_split(str(data), split, data_dir=data_dir)
-    if max_examples is not None:
-        if max_examples < 1:
-            raise ValueError(f"--max-examples {max_examples}; expected >= 1")
-        examples = examples[:max_examples]
-    return examples
+    return first(examples, max_examples)
+
+
+def first(examples: list[Example], max_examples: int | None) -> list[Example]:
+    """The first max_examples (all of them for None): --max-examples."""
+    if max_examples is None:
+        return examples
+    if max_examples < 1:
+        raise ValueError(f"--max-examples {max_examples}; expected >= 1")
+    return examples[:max_examples]
 
 
 def train_data_for(data) -> str:
@@ -355,25 +363,25 @@ def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_ex
     diagnostics, plots = diagnostics_report(arrays, split, train_arrays, label=label)
     result = json_safe({**identity, **metrics, "diagnostics": {**diagnostics, **extra}})
     with atomic_directory(out, "evaluation") as tmp:
-        with open(tmp / "predictions.jsonl", "w", encoding="utf-8") as f:
+        with open(tmp / PREDICTIONS, "w", encoding="utf-8") as f:
             for r in records:
                 f.write(json.dumps(json_safe(r), ensure_ascii=False, allow_nan=False) + "\n")
-        arrays.save(tmp / f"tokens-{split}.npz")
+        arrays.save(tmp / tokens_file(split))
         if train_arrays is not None:
-            train_arrays.save(tmp / "tokens-train.npz")
+            train_arrays.save(tmp / tokens_file("train"))
         for name, (train_curve, test_curve, title) in plots.items():
             plot_error_prediction(train_curve, test_curve, tmp / name, title=title)
-        with open(tmp / "metrics.json", "w", encoding="utf-8") as f:
+        with open(tmp / METRICS, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2, allow_nan=False)
             f.write("\n")
     return result
 
 
-def _identity(source: AdapterSource | None, *, model, data, split, net, batch_size, max_examples, max_length,
+def _identity(source: AdapterSource | None, *, base_model, model, data, split, batch_size, max_examples, max_length,
               split_record: dict) -> dict:
     """metrics.json's keys that say what was evaluated (the report groups by model, method, settings, dataset,
     seed; it counts only evaluations of the whole split, `diagnostics.partial_reason`)."""
-    return {**split_record, "model": str(model), "method": source.label if source else "native",
+    return {**split_record, "model": str(base_model), "method": source.label if source else "native",
             "dataset": dataset_name(data), "data": str(data),
             "seed": source.run_config.get("seed") if source else None, "split": split,
             # Ablation settings off the row's defaults (lambda, layers, ...): part of the report key.
@@ -381,98 +389,94 @@ def _identity(source: AdapterSource | None, *, model, data, split, net, batch_si
             "adapter": str(source.folder) if source else None,
             "run": str(source.run) if source and source.run else None,
             "checkpoint": source.checkpoint if source else None, "epoch": source.epoch if source else None,
-            "router": net.router_spec,
-            "dtype": str(net.dtype).removeprefix("torch."), "device": net.device.type,
+            "router": model.router_spec,
+            "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type,
             "batch_size": batch_size, "max_examples": max_examples, "max_length": max_length}
 
 
-def run_evaluation(*, out, model: str | None = None, adapter=None, checkpoint: str | None = None,
+def run_evaluation(*, out, base_model: str | None = None, adapter=None, checkpoint: str | None = None,
                    data: str | None = None, split: str = "test", data_dir=None, max_examples: int | None = None,
                    max_length: int | None = None, batch_size: int = 16, device: str = "auto", dtype: str = "auto",
                    train_split_diagnostics: bool | None = None, allow_other_base: bool = False,
-                   packed: bool = True, model_revision: str | None = None, cache_dir=None, quiet: bool = False) -> dict:
-    """Load the model (+ adapter), evaluate and write `out`; returns the metrics.json content.
+                   packed: bool | None = None, model_revision: str | None = None, cache_dir=None, quiet: bool = False,
+                   model=None, tokenizer=None, examples: list[Example] | None = None,
+                   train_examples: list[Example] | None = None, identity: dict | None = None) -> dict:
+    """Evaluate one split and write `out`; returns the metrics.json content. The one entry: evaluate.py,
+    `evaluate_run` (train.py's test scoring) and `evaluate_zero_shot` come through here.
 
+    What is scored: `base_model` (a folder or hub id) with the `adapter` (a run folder, at its `checkpoint`,
+    or an adapter folder) loaded onto it; or `model` with its `tokenizer`, already in memory (train.py's,
+    trained: `adapter` then names its run, for the identity keys, and nothing is loaded). Left out,
+    base_model, data, data_dir, max_length and packed are the run's (config.json; packed else True).
+    examples / train_examples: the split and the train population already in memory (train.py's), read
+    from `data` otherwise. train_split_diagnostics=None scores the train population only for adapters
+    whose method predicts the error.
+    identity: metrics.json keys set over the resolved ones (the zero-shot row's method).
     Everything that can fail on bad input (folders, manifests, model, adapter) is checked before the
-    output folder is created. Left out, model/data/data_dir/max_length come from a run's config.json.
-    train_split_diagnostics=None scores the train split for adapters whose method predicts the error only.
+    output folder is created.
     """
     check_replaceable(out, "evaluation")  # never replace a run, runs/ or an adapter; fail before any work
+    if model is not None and tokenizer is None:
+        raise ValueError("an in-memory model needs its tokenizer")
     source = resolve_adapter(adapter, checkpoint) if adapter is not None else None
     run_config = source.run_config if source else {}
-    model = model or run_config.get("model")
-    if model is None:
+    base_model = base_model or run_config.get("model")
+    if base_model is None:
         raise ValueError("no model: pass --model, or an --adapter run folder whose config.json names it")
-    if run_config.get("model") and str(run_config["model"]) != str(model):
+    if run_config.get("model") and str(run_config["model"]) != str(base_model):
         log.warning("--model %s differs from the run's model %s; the adapter's fingerprint check still applies",
-                    model, run_config["model"])
-    if model == run_config.get("model"):  # the run's own base: at the revision it trained on
+                    base_model, run_config["model"])
+    if base_model == run_config.get("model"):  # the run's own base: at the revision it trained on
         model_revision = model_revision or run_config.get("model_revision")
         cache_dir = cache_dir or run_config.get("cache_dir")
-    data = data or run_config.get("dataset") or run_config.get("data")
+    data = data or run_config.get("data")
     if data is None:
         raise ValueError("no data: pass --data, or an --adapter run folder whose config.json names its data")
     data_dir = data_dir or run_config.get("data_dir") or DEFAULT_DATA_DIR
     max_length = max_length or run_config.get("max_length")
-    torch_device = pick_device(device)
-    dtype = pick_dtype(dtype, torch_device)
-    whole = load_examples_for(data, split, data_dir)
-    examples = load_examples_for(data, split, data_dir, max_examples)
-    train_examples = None
-    if _wants_train_population(train_split_diagnostics, source, split):
+    packed = run_config.get("packed", True) if packed is None else packed  # the run's row layout
+    if examples is None:
+        examples = load_examples_for(data, split, data_dir)
+    record = split_record(data, split, data_dir, examples)  # the whole split, before --max-examples cuts it
+    examples = first(examples, max_examples)
+    if not _wants_train_population(train_split_diagnostics, source, split):
+        train_examples = None
+    elif train_examples is None:
         train_examples = load_examples_for(train_data_for(data), "train", data_dir, _train_limit(max_examples, run_config))
 
-    folder = resolve_checkpoint(model, cache_dir, model_revision)  # a hub id: its snapshot, named by its commit
-    net = from_pretrained(folder, dtype=DTYPES[dtype], device=torch_device)
-    tokenizer = load_tokenizer(folder)
-    if source is not None:
-        load_adapter(net, source.folder, allow_other_base=allow_other_base)
-    identity = _identity(source, model=model, data=data, split=split, net=net, batch_size=batch_size,
-                         max_examples=max_examples, max_length=max_length,
-                         split_record=split_record(data, split, data_dir, whole))
-    identity["provenance"] = provenance(model, folder, revision=model_revision, device=torch_device)
-    return score_and_write(net, tokenizer, examples, out, identity, train_examples=train_examples,
+    if model is None:
+        torch_device = pick_device(device)
+        folder = resolve_checkpoint(base_model, cache_dir, model_revision)  # a hub id: its snapshot, named by its commit
+        model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, torch_device)], device=torch_device)
+        tokenizer = load_tokenizer(folder)
+        if source is not None:
+            load_adapter(model, source.folder, allow_other_base=allow_other_base)
+        made_by = provenance(base_model, folder, revision=model_revision, device=torch_device)
+    else:
+        made_by = run_config.get("provenance")  # the process that trained the model in memory (config.json)
+    keys = _identity(source, base_model=base_model, model=model, data=data, split=split, batch_size=batch_size,
+                     max_examples=max_examples, max_length=max_length, split_record=record)
+    keys = {**keys, "provenance": made_by, **(identity or {})}
+    return score_and_write(model, tokenizer, examples, out, keys, train_examples=train_examples,
                            batch_size=batch_size, max_length=max_length, packed=packed, quiet=quiet)
 
 
 def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=None, train_data=None, out=None,
                  checkpoint: str | None = None, batch_size: int = 16, train_split_diagnostics: bool | None = None,
                  device: str = "auto", dtype: str = "auto", quiet: bool = False) -> dict:
-    """Evaluate a finished run into RUN/eval/<split> (RUN/eval/<split>-selected for checkpoint="selected").
+    """`run_evaluation` of a finished run into RUN/eval/<split> (RUN/eval/<split>-selected for checkpoint="selected").
 
     With `model` (and `tokenizer`): the in-memory model as train.py ends with it, i.e. the last epoch,
     on `data` (examples; default: the run's split) and, for the train population, `train_data`.
     Without: the checkpoint is loaded from the run folder, as `python evaluate.py --adapter RUN` does.
     """
-    run = Path(run)
-    if out is None:
-        out = run / "eval" / (split if checkpoint in (None, "last") else f"{split}-{checkpoint}")
-    check_replaceable(out, "evaluation")
-    if model is None:
-        packed = resolve_adapter(run, checkpoint).run_config.get("packed", True)  # the run's row layout
-        return run_evaluation(out=out, adapter=run, checkpoint=checkpoint, split=split, batch_size=batch_size,
-                              device=device, dtype=dtype, train_split_diagnostics=train_split_diagnostics,
-                              packed=packed, quiet=quiet)
-    if tokenizer is None:
-        raise ValueError("evaluate_run: an in-memory model needs its tokenizer")
-    if checkpoint not in (None, "last"):
+    if model is not None and checkpoint not in (None, "last"):
         raise ValueError(f"evaluate_run: checkpoint={checkpoint!r} with an in-memory model, which holds the last "
                          f"epoch; leave model=None to load the {checkpoint} checkpoint from {run}")
-    source = resolve_adapter(run, "last")
-    cfg = source.run_config
-    run_data, data_dir = cfg.get("dataset") or cfg.get("data"), cfg.get("data_dir") or DEFAULT_DATA_DIR
-    examples = data if data is not None else load_examples_for(run_data, split, data_dir)
-    train_examples = None
-    if _wants_train_population(train_split_diagnostics, source, split):
-        train_examples = train_data if train_data is not None else load_examples_for(
-            train_data_for(run_data), "train", data_dir, _train_limit(None, cfg))
-    identity = _identity(source, model=cfg.get("model"), data=run_data, split=split, net=model,
-                         batch_size=batch_size, max_examples=None, max_length=cfg.get("max_length"),
-                         split_record=split_record(run_data, split, data_dir, examples))
-    identity["provenance"] = cfg.get("provenance")  # the process that trained the model in memory (config.json)
-    return score_and_write(model, tokenizer, examples, out, identity, train_examples=train_examples,
-                           batch_size=batch_size, max_length=cfg.get("max_length"), packed=cfg.get("packed", True),
-                           quiet=quiet)
+    return run_evaluation(out=eval_dir(run, split, checkpoint) if out is None else out, adapter=run,
+                          checkpoint=checkpoint, split=split, batch_size=batch_size, device=device, dtype=dtype,
+                          train_split_diagnostics=train_split_diagnostics, quiet=quiet, model=model,
+                          tokenizer=tokenizer, examples=data, train_examples=train_data)
 
 
 def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test") -> dict:
@@ -482,12 +486,10 @@ def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test"
     Its metrics.json says method "zero-shot" and carries the run's seed, so `evaluate.py report` gives
     the base model its own row beside the trained ones (the same number for every seed).
     """
-    identity = _identity(None, model=cfg.model, data=cfg.data, split=split, net=model,
-                         batch_size=cfg.eval_batch_size, max_examples=None, max_length=cfg.max_length,
-                         split_record=split_record(cfg.data, split, cfg.data_dir, examples))
-    identity.update(method="zero-shot", seed=cfg.seed, run=str(run))
-    return score_and_write(model, tokenizer, examples, Path(run) / "eval" / f"{split}-base", identity,
-                           batch_size=cfg.eval_batch_size, max_length=cfg.max_length, quiet=cfg.quiet)
+    return run_evaluation(out=eval_dir(run, split, "base"), base_model=cfg.model, data=cfg.data, split=split,
+                          data_dir=cfg.data_dir, max_length=cfg.max_length, batch_size=cfg.eval_batch_size,
+                          quiet=cfg.quiet, model=model, tokenizer=tokenizer, examples=examples,
+                          identity={"method": "zero-shot", "seed": cfg.seed, "run": str(run)})
 
 
 # ----------------------------------------------------------------------------- the accuracy table

@@ -46,6 +46,7 @@ from safetensors.torch import load_file
 
 from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
 from minimoe.checkpoint import DTYPES
+from minimoe.eval_folder import EVAL, is_base
 from minimoe.routing import lookup_method
 
 log = logging.getLogger(__name__)
@@ -295,9 +296,9 @@ def has_training_output(run: Path) -> bool:
     """Anything a failed start must not delete: a checkpoint, a training record or a test score
     (the base model's zero-shot score, remade by any rerun, does not count)."""
     metrics = run / METRICS
-    evals = [p.name for p in (run / "eval").iterdir() if not p.name.startswith(".")] if (run / "eval").is_dir() else []
+    evals = [p for p in (run / EVAL).iterdir() if not p.name.startswith(".")] if (run / EVAL).is_dir() else []
     return (any((run / "checkpoints").iterdir()) if (run / "checkpoints").is_dir() else False) or (
-        metrics.is_file() and metrics.stat().st_size > 0) or any(not name.endswith("-base") for name in evals)
+        metrics.is_file() and metrics.stat().st_size > 0) or any(not is_base(folder) for folder in evals)
 
 
 def set_aside(run: Path) -> Path:

@@ -40,12 +40,12 @@ from pathlib import Path
 
 from minimoe import compare, diagnostics
 from minimoe.atomic import KINDS, atomic_file, check_owned_file, mark, write_owned_file, written_kind
-from minimoe.config import TrainConfig, ablation_settings, run_name
+from minimoe.config import TrainConfig, ablation_settings, flag_name, run_name
 from minimoe.diagnostics import PAPER_SEEDS, partial_reason
+from minimoe.eval_folder import METRICS, eval_dir, test_evaluation, tokens_file
 from minimoe.runs import method_label, read_metrics
 
 TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
-EVALUATE_PY = TRAIN_PY.with_name("evaluate.py")
 BENCHMARKS = ("arc_challenge", "openbookqa", "sciq", "medmcqa")
 
 # The accuracy table's nine rows (tab:downstream_accuracy) as train.py flags.
@@ -136,7 +136,6 @@ PRESETS = {
 }
 
 ZERO_SHOT = "zero-shot (base model)"  # the report row of the base model's scores (train.py --zero-shot)
-FLAG_NAMES = {"lambda_": "--lambda"}  # cfg keys whose train.py flag is not the dashed key
 
 
 def guess_recipe(model: str) -> str | None:
@@ -171,7 +170,7 @@ class Cell:
         if self.recipe:
             args += ["--recipe", self.recipe]
         for key, value in {**ROWS[self.row], **dict(self.settings)}.items():
-            flag = FLAG_NAMES.get(key, "--" + key.replace("_", "-"))
+            flag = flag_name(key)
             args += [flag] if value is True else [flag, str(value)]
         return args + (["--zero-shot"] if self.zero_shot else []) + list(self.extra) + (["--resume"] if resume else [])
 
@@ -182,9 +181,9 @@ class Cell:
 
     @property
     def test_dir(self) -> Path:
-        """The evaluation the report reads (compare.test_evaluation): RUN/eval/test, or
+        """The evaluation the report reads (eval_folder.test_evaluation): RUN/eval/test, or
         RUN/eval/test-selected where train.py scored the validation-selected epoch instead."""
-        return compare.test_evaluation(self.run)
+        return test_evaluation(self.run)
 
     def trained(self) -> bool:
         """Trained and tested: every test evaluation train.py makes for it (--test-checkpoint both: two)."""
@@ -192,8 +191,8 @@ class Cell:
             return (self.run / "selection.json").is_file()
         config = self.run / "config.json"
         both = config.is_file() and json.loads(config.read_text()).get("test_checkpoint") == "both"
-        folders = ("test", "test-selected") if both else (self.test_dir.name,)
-        return all((self.run / "eval" / f / "metrics.json").is_file() for f in folders)
+        folders = (eval_dir(self.run), eval_dir(self.run, checkpoint="selected")) if both else (self.test_dir,)
+        return all((f / METRICS).is_file() for f in folders)
 
     def record(self) -> dict | None:
         """The run's config.json, None before it exists."""
@@ -206,7 +205,7 @@ class Cell:
         return [] if record is None else train_module().settings_differ(self.train_args(), record)
 
     def state(self) -> str:
-        if self.trained() and (not self.train_eval or (self.run / "eval" / "train" / "metrics.json").is_file()):
+        if self.trained() and (not self.train_eval or (eval_dir(self.run, "train") / METRICS).is_file()):
             return "done"
         return "partial" if (self.run / "config.json").is_file() else "missing"
 
@@ -276,8 +275,8 @@ def train_command(cell: Cell, nproc: int = 1) -> list[str]:
 def train_eval_command(cell: Cell) -> list[str]:
     """evaluate.py on the run's train split, cut as the run's training population was."""
     limit = json.loads((cell.run / "config.json").read_text()).get("max_train_examples")
-    return [sys.executable, str(EVALUATE_PY), "--adapter", str(cell.run), "--split", "train",
-            "--out-dir", str(cell.run / "eval" / "train"), *(["--max-examples", str(limit)] if limit else [])]
+    return [sys.executable, "-m", "minimoe.cli.evaluate", "--adapter", str(cell.run), "--split", "train",
+            "--out-dir", str(eval_dir(cell.run, "train")), *(["--max-examples", str(limit)] if limit else [])]
 
 
 def run_cell(cell: Cell, env: dict | None = None, nproc: int = 1) -> int:
@@ -285,7 +284,7 @@ def run_cell(cell: Cell, env: dict | None = None, nproc: int = 1) -> int:
     under torchrun), then the train-split evaluation when the cell needs it; returns the first non-zero
     exit code, else 0."""
     code = 0 if cell.trained() else subprocess.run(train_command(cell, nproc), env=env).returncode
-    if code == 0 and cell.train_eval and not (cell.run / "eval" / "train" / "metrics.json").is_file():
+    if code == 0 and cell.train_eval and not (eval_dir(cell.run, "train") / METRICS).is_file():
         code = subprocess.run(train_eval_command(cell), env=env).returncode
     return code
 
@@ -371,13 +370,13 @@ def _partial(path: Path, cell: Cell) -> str | None:
 
 def _metrics(cell: Cell) -> dict | None:
     """The cell's test metrics, None when missing or partial (not the whole split the run declares)."""
-    path = cell.test_dir / "metrics.json"
+    path = cell.test_dir / METRICS
     return json.loads(path.read_text()) if path.is_file() and not _partial(path, cell) else None
 
 
 def _state(cell: Cell) -> str:
     """The report's state: the cell's, with a partial test evaluation called so."""
-    path = cell.test_dir / "metrics.json"
+    path = cell.test_dir / METRICS
     why = _partial(path, cell) if path.is_file() else None
     return f"partial evaluation ({why})" if why else cell.state()
 
@@ -404,7 +403,7 @@ def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
         summary[(model, row, data)] = {k: [m[k] for _, m in found] for k in columns} | {"n": len(found),
                                                                                         "of": len(members)}
     for c in cells:  # the zero-shot row: the base model's scores, where a run made them (--zero-shot);
-        base, key = c.run / "eval" / "test-base" / "metrics.json", (Path(c.model).name, ZERO_SHOT, c.data)
+        base, key = eval_dir(c.run, checkpoint="base") / METRICS, (Path(c.model).name, ZERO_SHOT, c.data)
         if base.is_file() and key not in summary and not _partial(base, c):  # deterministic: one run's copy serves
             m = json.loads(base.read_text())
             summary[key] = {k: [m[k]] for k in columns} | {"n": 1, "of": 1}
@@ -485,7 +484,7 @@ def transform_table(cells) -> str:
     lines = ["| Model | Method | Dataset | Pointwise r | Group r | Group ρ | Test NLL | Accuracy (%) | Seeds |",
              "|---|---|---|---|---|---|---|---|---|"]
     for (model, row, data), members in _finished_groups(cells).items():
-        files = [c.test_dir / "tokens-test.npz" for c in members]
+        files = [c.test_dir / tokens_file("test") for c in members]
         errors = [diagnostics.token_file_errors(f) for f in files]
         if any(e is None for e in errors):
             continue  # not an error-head run
@@ -502,7 +501,7 @@ def transform_table(cells) -> str:
 
 def _train_tokens(cell: Cell) -> Path | None:
     """The train population's token arrays: scored beside test (tes) or by evaluate.py --split train."""
-    for path in (cell.test_dir / "tokens-train.npz", cell.run / "eval" / "train" / "tokens-train.npz"):
+    for path in (cell.test_dir / tokens_file("train"), eval_dir(cell.run, "train") / tokens_file("train")):
         if path.is_file():
             return path
     return None
@@ -513,7 +512,7 @@ def concentration_table(cells) -> str:
     lines = ["| Model | Method | Dataset | Split | C̄ | N_eff | r | Seeds |", "|---|---|---|---|---|---|---|---|"]
     for (model, row, data), members in _finished_groups(cells).items():
         for split in ("train", "test"):
-            files = [_train_tokens(c) if split == "train" else c.test_dir / "tokens-test.npz"
+            files = [_train_tokens(c) if split == "train" else c.test_dir / tokens_file("test")
                      for c in members]
             files = [f for f in files if f is not None]
             if not files:
@@ -610,7 +609,7 @@ def error_figures(cells, folder) -> list[str]:
     notes = []
     for (model, row, data), members in _finished_groups(cells).items():
         train = [_train_tokens(c) for c in members]
-        test = [c.test_dir / "tokens-test.npz" for c in members]
+        test = [c.test_dir / tokens_file("test") for c in members]
         if any(f is None for f in train) or any(diagnostics.token_file_errors(f) is None for f in test):
             continue
         slug = re.sub(r"[^A-Za-z0-9.+=-]+", "_", "-".join([model, Path(data).name, row])).strip("_")

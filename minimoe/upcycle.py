@@ -358,23 +358,27 @@ def main(argv=None):
     copy = p.add_argument_group("copy mode")
     copy.add_argument("--noise", type=float, default=0.0,
                       help="symmetry-breaking noise, relative to each matrix's std (default 0: exact upcycling)")
-    split = p.add_argument_group("split mode")
-    split.add_argument("--shared", type=int, default=d.shared, help="neurons in every expert, the most important "
-                       "(default %(default)s; experts must divide intermediate_size - shared)")
-    split.add_argument("--fit-tokens", type=int, default=d.fit_tokens,
-                       help="tokens of fitting prose (default %(default)s)")
-    split.add_argument("--router-std", type=float, default=d.router_std,
-                       help="per-token std of the router logits across experts; 0: a zero router "
-                            "(default %(default)s)")
-    split.add_argument("--no-repair", dest="repair", action="store_false",
+    split = p.add_argument_group("split mode")  # defaults None: a split flag given in copy mode is refused
+    split.add_argument("--shared", type=int, help="neurons in every expert, the most important "
+                       f"(default {d.shared}; experts must divide intermediate_size - shared)")
+    split.add_argument("--fit-tokens", type=int, help=f"tokens of fitting prose (default {d.fit_tokens})")
+    split.add_argument("--router-std", type=float, help="per-token std of the router logits across experts; "
+                       f"0: a zero router (default {d.router_std})")
+    split.add_argument("--no-repair", dest="repair", action="store_false", default=None,
                        help="keep the dense down projections (scaled) instead of refitting them")
     args = p.parse_args(argv)
-    keep_freed_memory()
+    split_flags = {"shared": args.shared, "fit_tokens": args.fit_tokens, "router_std": args.router_std,
+                   "repair": args.repair}
     split_mode = args.mode == "split"
+    if not split_mode and any(v is not None for v in split_flags.values()):
+        given = [f"--{k.replace('_', '-')}" if k != "repair" else "--no-repair"
+                 for k, v in split_flags.items() if v is not None]
+        p.error(f"{', '.join(given)} only apply with --mode split (mode is copy)")
+    keep_freed_memory()
     experts = args.experts or (d.num_experts if split_mode else 4)
     top_k = args.top_k or (d.top_k if split_mode else 2)
-    options = {"shared": args.shared, "fit_tokens": args.fit_tokens, "router_std": args.router_std,
-               "repair": args.repair} if split_mode else None
+    defaults = {"shared": d.shared, "fit_tokens": d.fit_tokens, "router_std": d.router_std, "repair": d.repair}
+    options = {k: defaults[k] if v is None else v for k, v in split_flags.items()} if split_mode else None
     try:
         out = upcycle(args.source, args.out, num_experts=experts, top_k=top_k, seed=args.seed, noise=args.noise,
                       dtype=getattr(torch, args.dtype) if args.dtype else None, mode=args.mode, split=options)

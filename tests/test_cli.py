@@ -1,5 +1,6 @@
 """The command lines together: console commands, device strings, old flag names, a bare sweep.py."""
 import configparser
+import os
 import shutil
 import subprocess
 import sys
@@ -8,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-import evaluate
-import sweep
+from minimoe.cli import evaluate, sweep
 import train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,6 +46,40 @@ def test_console_commands_are_declared_and_installed():
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, (name, err[-500:])
         assert out.startswith(f"usage: {COMMANDS[name]} "), (name, out[:80])
+
+
+IN_PACKAGE = {"minimoe-eval": "evaluate", "minimoe-sweep": "sweep", "minimoe-export": "export"}  # -> minimoe/cli/
+
+
+def test_console_commands_run_from_a_wheel_without_the_checkout(tmp_path):
+    """The commands are the package's functions, not the checkout's scripts: setup.cfg points each at
+    minimoe.cli.<script>:command, and a wheel built from the package alone (setup.cfg, README, minimoe/;
+    no top-level scripts) installs them into an empty folder (pip, no dependencies: seconds). There,
+    from a folder outside any checkout, `minimoe-eval --help` and `minimoe-export --help` print their
+    usage and a bare `minimoe-sweep` lists the presets with exit status 0 (a console script exits with
+    its function's return value: a returned list would print and exit 1)."""
+    declared = declared_commands()
+    assert {name: declared[name] for name in IN_PACKAGE} == {
+        name: f"minimoe.cli.{module}:command" for name, module in IN_PACKAGE.items()}
+    source, target, elsewhere = tmp_path / "src", tmp_path / "site", tmp_path / "elsewhere"
+    shutil.copytree(REPO / "minimoe", source / "minimoe", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-compile",
+                    "--target", str(target), str(source)], check=True, capture_output=True)
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}  # this wheel's minimoe, before the editable install's
+    calls = {"minimoe-eval": ["--help"], "minimoe-export": ["--help"], "minimoe-sweep": []}
+    runs = {name: subprocess.Popen([str(target / "bin" / name), *args], cwd=elsewhere, env=env, text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, args in calls.items()}
+    out = {}
+    for name, proc in runs.items():
+        out[name], err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (name, err[-800:])
+    assert out["minimoe-eval"].startswith("usage: evaluate.py ") and "report" in out["minimoe-eval"]
+    assert out["minimoe-export"].startswith("usage: export.py ")
+    assert "--preset" in out["minimoe-sweep"] and all(name in out["minimoe-sweep"] for name in sweep.PRESETS)
+    assert not (elsewhere / "runs").exists()
 
 
 @pytest.mark.parametrize("text, ok", [("cuda:1", True), ("cuda", True), ("cpu", True), ("auto", True),

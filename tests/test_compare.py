@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from scipy.stats import binomtest
 
-import evaluate
+from minimoe.cli import evaluate
 from minimoe import compare
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import evaluate
+from minimoe.cli import evaluate
 from minimoe.checkpoint import from_pretrained, save_pretrained
 from minimoe.data import EOS_TOKEN, PAD_TOKEN, Example, train_tokenizer
 from minimoe.evaluation import TokenArrays, diagnostics_report, evaluate_split, json_safe

@@ -7,13 +7,15 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_model
-from export import main
+from minimoe.cli.export import main
 from minimoe.checkpoint import save_pretrained
+from minimoe.config import RECIPES, TrainConfig
 from minimoe.export import export_peft
 from minimoe.adapters import export_merged, save_adapter
 from minimoe.lora import add_lora
 from minimoe.routing import set_router
 from minimoe.tiny import tiny_checkpoint
+from minimoe.training import install_method
 
 # (family, method, tune_router): CE and ACS, with and without affinity tuning, across both families
 CASES = [("granitemoe", "native", False), ("granitemoe", "acs", True), ("olmoe", "native", True), ("olmoe", "acs", False)]
@@ -128,3 +130,20 @@ def test_merged_export_cli_refuses_tes_before_loading_anything(tmp_path, capsys)
     assert exit_.value.code == 2
     assert capsys.readouterr().err.startswith("export.py: error: export.py --merged: refused for method 'tes'")
     assert not (tmp_path / "merged").exists()
+
+
+def test_merged_export_rounds_a_tuned_fp32_gate_to_the_model_dtype(tmp_path):
+    """The official layout has one dtype: a tuned gate is written rounded to bf16 once, and the model
+    keeps its fp32 gate afterwards."""
+    model = tiny_model("olmoe").to(torch.bfloat16)
+    install_method(model, TrainConfig(**RECIPES["olmoe"], method="ce", tune_router=True))
+    gate = model.model.layers[-1].mlp.gate
+    with torch.no_grad():
+        gate.weight.add_(1e-4)  # a trained gate that bf16 cannot hold exactly
+    before = gate.weight.detach().clone()
+    export_merged(model, tmp_path / "merged")
+    tensors = load_file(tmp_path / "merged" / "model.safetensors")
+    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
+    key = f"model.layers.{len(model.model.layers) - 1}.mlp.gate.weight"
+    assert torch.equal(tensors[key], before.to(torch.bfloat16))
+    assert gate.weight.dtype == torch.float32 and torch.equal(gate.weight, before)

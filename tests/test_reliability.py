@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import evaluate
-import sweep
+from minimoe.cli import evaluate, sweep
 import train
 from minimoe import sweep as sw
 from minimoe.atomic import MARKER, atomic_directory

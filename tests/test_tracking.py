@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-import evaluate
+from minimoe.cli import evaluate
 import train
 from minimoe.data import load_split
 from minimoe.evaluation import evaluate_split

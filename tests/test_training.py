@@ -1,5 +1,5 @@
-"""Tests for minimoe.training against the paper's Experimental Configuration table (written out here),
-transformers' Trainer schedule rules, and direct computation of the task loss and selection rule."""
+"""Tests for minimoe.training: transformers' Trainer schedule rules over the paper's recipes (tests/test_config.py
+writes its table out), and direct computation of the task loss, the selection rule and the learning-rate groups."""
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -10,74 +10,16 @@ import torch.nn.functional as F
 from transformers import TrainingArguments, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 import train
-from conftest import tiny_config, tiny_model
+from conftest import tiny_model
+from test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
-from minimoe.data import BENCHMARKS, Example, format_choice, format_prompt, load_split
+from minimoe.data import format_choice, format_prompt, load_split
 from minimoe.adapters import trainable_parameters
 from minimoe.objectives import load_balancing_loss
 from minimoe.tiny import tiny_checkpoint
-from minimoe.config import RECIPES, TrainConfig, recipe_train_examples
+from minimoe.config import RECIPES, TrainConfig
 from minimoe import training
-from minimoe.training import install_method, lr_factor, make_optimizer, steps_per_epoch, warmup_steps, write_selection
-
-# The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
-PAPER = {
-    "granite": dict(train_examples={"arc_challenge": 2000, "openbookqa": 4992, "sciq": 4992, "medmcqa": 4992},
-                    steps_per_epoch={"arc_challenge": 125, "openbookqa": 312, "sciq": 312, "medmcqa": 312},
-                    lora_rank=8, lora_alpha=8, lora_dropout=0.05, lora_targets={"q", "k", "v", "experts"},
-                    lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine", warmup=0.05, weight_decay=0,
-                    clip=1, epochs=3),
-    "olmoe": dict(train_examples={"arc_challenge": 2000, "openbookqa": 5000, "sciq": 5000, "medmcqa": 5000},
-                  steps_per_epoch={"arc_challenge": 250, "openbookqa": 625, "sciq": 625, "medmcqa": 625},
-                  lora_rank=8, lora_alpha=8, lora_dropout=0.05, lora_targets={"q", "k", "v", "o", "experts"},
-                  lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0,
-                  clip=1, epochs=3),
-}
-# Method rows: lambda_m 1e-3, error-head LR 1e-5, copied-head LR 1e-3, mixing 0.5, started log with
-# gamma = tau = 1, final sparse layer, native router frozen, auxiliary loss 0, IS floor 1e-8.
-PAPER_METHODS = dict(lambda_=1e-3, error_head_lr=1e-5, copied_head_lr=1e-3, mix=0.5, transform="started-log",
-                     gamma=1, tau=1, layers="final", tune_router=False, aux_coef=0, is_eps=1e-8)
-
-
-def model_config(recipe):
-    return tiny_config("granitemoe" if recipe == "granite" else "olmoe")
-
-
-def resolved(recipe, *flags):
-    return train.resolve_config(train.parse_args(["--recipe", recipe, *flags]), model_config(recipe))
-
-
-@pytest.mark.parametrize("recipe", PAPER)
-def test_recipes_are_the_papers_configuration(recipe):
-    paper, cfg = PAPER[recipe], resolved(recipe)
-    for key in ("lora_rank", "lora_alpha", "lora_dropout", "lr", "batch_size", "grad_accum", "schedule", "warmup",
-                "weight_decay", "clip", "epochs"):
-        assert getattr(cfg, key) == paper[key], key
-    assert set(cfg.lora_targets) == paper["lora_targets"]
-    for key, value in PAPER_METHODS.items():
-        assert getattr(cfg, key) == value, key
-
-
-@pytest.mark.parametrize("recipe", PAPER)
-@pytest.mark.parametrize("dataset", ["arc_challenge", "openbookqa", "sciq", "medmcqa"])
-def test_training_examples_and_steps_per_epoch_are_the_papers(recipe, dataset, monkeypatch):
-    """Through train.py's own path: registered split (shared by the backbones) -> recipe cut -> steps."""
-    sizes = {"train": BENCHMARKS[dataset].train_size, "val": 50, "test": 500}
-    monkeypatch.setattr(train, "load_split",
-                        lambda name, split, **kw: [Example(f"{name}:{split}:{i}", f"q {split} {i}", ["a", "b"], 0, {})
-                                                   for i in range(sizes[split])])
-    cfg = resolved(recipe, "--data", dataset)
-    data, cfg = train.load_data(cfg)
-    assert len(data["train"]) == PAPER[recipe]["train_examples"][dataset]
-    assert steps_per_epoch(len(data["train"]), cfg) == PAPER[recipe]["steps_per_epoch"][dataset]
-    assert cfg.max_train_examples == len(data["train"])  # recorded: evaluation's train population is the same
-
-
-def test_partial_last_step_is_kept_and_flags_override_the_recipe_count():
-    cfg = resolved("granite")
-    assert steps_per_epoch(5000, cfg) == 313  # 312 full steps of 16 and one of 8: every example once
-    assert recipe_train_examples(resolved("tiny"), "sciq") is None
-
+from minimoe.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 
 @pytest.mark.parametrize("recipe,dataset", [(r, d) for r in PAPER for d in ("arc_challenge", "sciq")])
 def test_warmup_and_schedule_follow_transformers(recipe, dataset, tmp_path):
@@ -211,26 +153,6 @@ def test_fp32_heads_and_tuned_gate_keep_bf16_logits_bitwise_at_init(family):
         model = tiny_model(family).to(torch.bfloat16)
         install_method(model, method_cfg(method=method, tune_router=tune, layers="all"))
         assert torch.equal(model(ids).logits, ref), (method, tune)
-
-
-def test_merged_export_rounds_a_tuned_fp32_gate_to_the_model_dtype(tmp_path):
-    """The official layout has one dtype: a tuned gate is written rounded to bf16 once, and the model
-    keeps its fp32 gate afterwards."""
-    from safetensors.torch import load_file
-
-    from minimoe.adapters import export_merged
-    model = tiny_model("olmoe").to(torch.bfloat16)
-    install_method(model, method_cfg(method="ce", tune_router=True))
-    gate = model.model.layers[-1].mlp.gate
-    with torch.no_grad():
-        gate.weight.add_(1e-4)  # a trained gate that bf16 cannot hold exactly
-    before = gate.weight.detach().clone()
-    export_merged(model, tmp_path / "merged")
-    tensors = load_file(tmp_path / "merged" / "model.safetensors")
-    assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
-    key = f"model.layers.{len(model.model.layers) - 1}.mlp.gate.weight"
-    assert torch.equal(tensors[key], before.to(torch.bfloat16))
-    assert gate.weight.dtype == torch.float32 and torch.equal(gate.weight, before)
 
 
 def test_a_rank_without_examples_runs_a_placeholder_that_counts_zero(tmp_path):

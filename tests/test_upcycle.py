@@ -265,3 +265,13 @@ def test_bad_gguf_sources_raise(tmp_path, bpe, case, match):
     with pytest.raises(UpcycleError, match=match):
         upcycle(path, tmp_path / "moe")
     assert not (tmp_path / "moe").exists()
+
+
+@pytest.mark.parametrize("flags", [["--shared", "8"], ["--fit-tokens", "64"], ["--router-std", "0"], ["--no-repair"]])
+def test_split_flags_are_refused_in_copy_mode(tmp_path, capsys, flags):
+    from minimoe.upcycle import main
+    with pytest.raises(SystemExit) as e:  # before the source is read: nothing is written
+        main([str(tmp_path / "missing.gguf"), str(tmp_path / "out"), *flags])
+    assert e.value.code == 2
+    assert f"{flags[0]} only apply with --mode split" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

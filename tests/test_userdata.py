@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-import evaluate
+from minimoe.cli import evaluate
 import train
 from minimoe.data import load_split
 from minimoe.userdata import build_user_data

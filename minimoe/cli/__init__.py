@@ -1,0 +1,85 @@
+"""The command lines: one module per command, and what they share (device strings, old flag names, errors).
+
+    command          script                  code                      console form
+    minimoe-train    python train.py         train.py (checkout)       minimoe.cli:train (runs the script)
+    minimoe-eval     python evaluate.py      minimoe/cli/evaluate.py   minimoe.cli.evaluate:command
+    minimoe-sweep    python sweep.py         minimoe/cli/sweep.py      minimoe.cli.sweep:command
+    minimoe-export   python export.py        minimoe/cli/export.py     minimoe.cli.export:command
+    minimoe-upcycle  python -m minimoe.upcycle  minimoe/upcycle.py     minimoe.upcycle:main
+Each command module is named after its script and holds the whole CLI: its parser, `main(argv=None)`,
+which returns what it made (metrics, cells) and raises on bad input, for tests and for code that calls
+it, and `command()`, the console entry point (setup.cfg) and the script's `__main__`: `main` with bad
+input turned into one line `<script>: error: ...` and an exit status (`run_command`). The scripts at
+the top of the checkout are three-line shims, so `python evaluate.py` and `minimoe-eval` are one
+program, and the console commands work from any install, a wheel included. The commands keep their
+script's name as `prog` (`usage: evaluate.py ...`), the name the README and the errors use.
+train.py moves the same way (minimoe/cli/train.py with main and command; `minimoe.cli:train` and
+`_run_script` go then). upcycle is a library module whose CLI is small enough to stay beside it.
+
+One name per concept across the scripts (the old spellings are hidden aliases that warn, for one release):
+    --eval-batch-size  examples per forward in scoring      (evaluate.py's --batch-size)
+    --out-dir          the folder a command writes into     (evaluate.py's --out; `report --out` is a file)
+    --max-train-examples / --max-examples stay apart: the first N training examples of a run, and the
+    first N examples of the split that evaluate.py scores.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (train.py)
+DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def device(text: str) -> str:
+    """--device, alike in every script: auto (cuda when present), cpu, cuda, cuda:N, mps."""
+    if not DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected auto, cpu, cuda, cuda:N or mps")
+    return text
+
+
+class OldName(argparse.Action):
+    """A flag's previous name: sets the new one's value and warns that the old one goes."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is now {self.new}; the old name goes in the next release",
+              file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def old_name(group, old: str, new: str, **kwargs) -> None:
+    """Accept `old` as a hidden alias of the option `new` (same dest, type and metavar)."""
+    group.add_argument(old, action=OldName, new=new, dest=new.lstrip("-").replace("-", "_"), **kwargs)
+
+
+def run_command(main, prog: str, status: int = 2) -> None:
+    """`main()` as a console command: bad input (OSError, ValueError, KeyError, whose messages name the file or
+    flag) ends in one line `prog: error: ...` and exit `status`, no traceback; and what main returns never
+    reaches sys.exit (a console script exits with its function's value: a dict would print and exit 1)."""
+    try:
+        main()
+    except (OSError, ValueError, KeyError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.exit(status)
+
+
+def _run_script(name: str) -> None:
+    script = ROOT / name
+    if not script.is_file():
+        sys.exit(f"minimoe: {script} not found; the console commands run the scripts of a source checkout "
+                 f"(git clone, then pip install -e .)")
+    sys.argv[0] = str(script)
+    sys.path.insert(0, str(ROOT))
+    runpy.run_path(str(script), run_name="__main__")
+
+
+def train():
+    """minimoe-train: train.py of the checkout, until it moves into minimoe/cli/ like the others."""
+    _run_script("train.py")

@@ -1,0 +1,188 @@
+"""Run a grid of train.py runs (the paper's tables are presets), resumably, and write its report.
+
+    python sweep.py --preset main --models ibm-granite/granite-3.1-3b-a800m-base allenai/OLMoE-1B-7B-0924-SFT \\
+        --out-dir runs/main -- --data-source hub            # 2 x 9 x 4 x 3 = 216 runs, then runs/main/report.md
+    python sweep.py --preset main --models ... --dry-run  # the cells and their state (done, partial, missing)
+    python sweep.py --preset main --models ... --gpus     # one run per visible GPU
+    python sweep.py --preset main --models ... --slurm --slurm-partition gpu   # one SLURM job per run
+    python sweep.py --preset main --models ... --slurm --slurm-gpus 4 --slurm-param account=proj --slurm-param qos=high
+    python sweep.py --preset main --models ... --report-only
+    python sweep.py --preset study --out-dir runs/study  # the default model: 12 rows x sciq, arc_easy x 3 seeds
+
+Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`).
+Finished runs are skipped, killed ones continued with --resume; see minimoe/sweep.py. A run whose
+settings differ from its cell's (other flags after `--`, say) is refused, with the settings named,
+unless --rerun: then it is moved aside (<run>.replaced-<UTC time>) and run again. The sweep exits 1
+when a run failed, and 2 on bad flags.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from minimoe.cli import run_command
+from minimoe.config import ABLATION_SETTINGS, TrainConfig, flag_name
+from minimoe.runs import set_aside
+from minimoe.sweep import BENCHMARKS, PRESETS, ROWS, claim_out_dir, grid, run_local, run_on_devices, submit_slurm, \
+    train_module, visible_devices, write_report
+
+# --set's keys: the ablation settings that take a value, by their train.py flag (--set lambda=... sets lambda_).
+SETTING_FLAGS = {flag_name(key)[2:]: key for key in ABLATION_SETTINGS if not isinstance(getattr(TrainConfig, key), bool)}
+
+
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("the grid")
+    g.add_argument("--preset", choices=sorted(PRESETS),
+                   help="the grid to run (left out: the presets are listed and nothing runs); "
+                        + "; ".join(f"{k}: {v.about}" for k, v in PRESETS.items()))
+    g.add_argument("--models", nargs="+", metavar="MODEL[=RECIPE]",
+                   help="hub ids or checkpoint folders; =RECIPE names the recipe when the name does not say "
+                        "granite/olmoe (default: weights/smollm2-135m-moe, train.py's default model, built on first use)")
+    g.add_argument("--benchmarks", nargs="+", help=f"default: the preset's ({' '.join(BENCHMARKS)} for main)")
+    g.add_argument("--rows", nargs="+", metavar="ROW", help=f"default: the preset's; any of {list(ROWS)}")
+    g.add_argument("--seeds", type=int, nargs="+", help="default: the preset's (42 43 45; 42 43 44 for TES tables)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
+                   help=f"replace the preset's settings variants by these values; KEY in {list(SETTING_FLAGS)} "
+                        "(e.g. --set lambda=1e-3,1e-2)")
+    g.add_argument("--out-dir", default="runs/sweep", help="parent of the run folders and of report.md/report.csv "
+                   "(default: %(default)s)")
+    g = p.add_argument_group("where it runs (default: one run after another here)")
+    w = g.add_mutually_exclusive_group()
+    w.add_argument("--gpus", nargs="*", metavar="ID", help="one run per GPU at a time; no IDs = every visible GPU")
+    w.add_argument("--slurm", action="store_true", help="one SLURM job per run through submitit")
+    g.add_argument("--slurm-partition", help="SLURM partition")
+    g.add_argument("--slurm-timeout-min", type=int, default=24 * 60, help="per-job time limit (default 1440)")
+    g.add_argument("--slurm-gpus", type=int, default=1, help="GPUs per job; above 1 the run is data-parallel, "
+                   "train.py under torchrun --nproc-per-node N (default 1)")
+    g.add_argument("--slurm-param", action="append", default=[], metavar="KEY=VALUE",
+                   help="a further sbatch setting, repeatable: account, qos, mem, constraint, or any other of "
+                        "submitit's slurm_* parameters (e.g. --slurm-param account=proj --slurm-param mem=64G)")
+    g = p.add_argument_group("what to do")
+    g.add_argument("--dry-run", action="store_true", help="print the cells and their state; run nothing")
+    g.add_argument("--report-only", action="store_true", help="write the report from what has finished")
+    g.add_argument("--rerun", action="store_true", help="runs whose settings differ from their cell's (refused "
+                   "otherwise) are moved aside to <run>.replaced-<UTC time> and run again")
+    args = p.parse_args(argv)
+    args.extra = extra
+    return args, p
+
+
+def slurm_params(specs, parser) -> dict:
+    """--slurm-param account=proj mem=64G -> {"slurm_account": "proj", "slurm_mem": "64G"}; submitit's own
+    SLURM executor says which names exist."""
+    try:
+        from submitit.slurm.slurm import SlurmExecutor
+    except ImportError:
+        parser.error('--slurm needs submitit: pip install -e ".[slurm]"')
+    params = {}
+    for spec in specs:
+        key, eq, value = spec.partition("=")
+        if not eq or not value or key not in SlurmExecutor._valid_parameters():
+            parser.error(f"--slurm-param {spec!r}: expected KEY=VALUE with KEY one of submitit's SLURM parameters "
+                         f"(account, qos, mem, constraint, ...: {sorted(SlurmExecutor._valid_parameters())})")
+        params[f"slurm_{key}"] = int(value) if value.isdigit() else value
+    return params
+
+
+def settings_variants(specs, parser) -> tuple:
+    """--set KEY=V1,V2 ... -> every combination; each value checked as train.py's flag checks it, up front."""
+    variants = [{}]
+    flags = {a.dest: a for a in train_module().parser()._actions}
+    for spec in specs:
+        key, _, values = spec.partition("=")
+        if key not in SETTING_FLAGS or not values:
+            parser.error(f"--set {spec!r}: expected KEY=V1,V2 with KEY in {list(SETTING_FLAGS)}")
+        action = flags[SETTING_FLAGS[key]]
+        for x in values.split(","):
+            try:
+                parsed = action.type(x) if action.type else x
+            except (argparse.ArgumentTypeError, ValueError) as e:
+                parser.error(f"--set {key}={x}: {e}")
+            if action.choices and parsed not in action.choices:
+                parser.error(f"--set {key}={x}: expected one of {list(action.choices)}")
+        cast = type(getattr(TrainConfig, SETTING_FLAGS[key]))  # float, or str for layers and transform
+        variants = [{**v, SETTING_FLAGS[key]: cast(x)} for v in variants for x in values.split(",")]
+    return tuple(variants)
+
+
+def main(argv=None):
+    args, parser = parse_args(argv)
+    if args.preset is None:  # a bare `python sweep.py` must not start a 108-run grid
+        print("sweep.py: choose a grid with --preset NAME (python sweep.py --help for the rest):")
+        for name, preset in PRESETS.items():
+            print(f"  {name:18s} {preset.about}")
+        return []
+    preset = PRESETS[args.preset]
+    models, recipes = [], {}
+    if not args.models:
+        from minimoe.smollm import smollm_checkpoint
+        args.models = [str(smollm_checkpoint())]
+    for spec in args.models:
+        model, _, recipe = spec.partition("=")
+        models.append(model)
+        if recipe:
+            recipes[model] = recipe
+    for row in args.rows or ():
+        if row not in ROWS:
+            parser.error(f"--rows {row!r}: expected one of {list(ROWS)}")
+    cells = grid(models, args.benchmarks or preset.benchmarks, args.rows or preset.rows, args.seeds or preset.seeds,
+                 args.out_dir, settings=settings_variants(args.set, parser) if args.set else preset.settings,
+                 recipes=recipes, extra=(*preset.train_args, *args.extra), train_eval=preset.train_eval,
+                 zero_shot=preset.zero_shot)
+    changed = {c: diff for c in cells if (diff := c.changed())}
+    if args.dry_run:
+        for c in cells:
+            print(f"{'changed' if c in changed else c.state():8s} {c.run}")
+        states = ["changed" if c in changed else c.state() for c in cells]
+        print(f"{len(cells)} runs: " + ", ".join(f"{states.count(s)} {s}" for s in ("done", "partial", "missing",
+                                                                                     "changed")))
+        return cells
+    if changed and (args.report_only or not args.rerun):
+        lines = [f"  {c.run}: {', '.join(diff)}" for c, diff in changed.items()]
+        sys.exit(f"sweep: {len(changed)} run(s) were made with other settings than their cells' (the flags after --, "
+                 f"or the code's defaults, changed); refusing to reuse or report them:\n" + "\n".join(lines)
+                 + "\nPass --rerun to set them aside and run them again, or use another --out-dir")
+    try:
+        claim_out_dir(args.out_dir)  # before any run: never a folder of another kind, never a report we did not write
+    except FileExistsError as e:
+        sys.exit(f"sweep: {e}")
+    for c in changed:
+        print(f"sweep: --rerun: {c.run.name} had other settings ({', '.join(changed[c])}); kept in {set_aside(c.run)}")
+    todo = [c for c in cells if c.state() != "done"]
+    if not args.report_only and todo:
+        print(f"sweep: {len(cells) - len(todo)} of {len(cells)} runs done; running {len(todo)}", flush=True)
+        if args.slurm:
+            params = {"timeout_min": args.slurm_timeout_min, "gpus_per_node": args.slurm_gpus,
+                      **slurm_params(args.slurm_param, parser)}
+            if args.slurm_partition:
+                params["slurm_partition"] = args.slurm_partition
+            jobs = submit_slurm(todo, nproc=args.slurm_gpus, **params)
+            print(f"sweep: submitted {len(jobs)} jobs; run the same command with --report-only when they end "
+                  "(again without it to resubmit the runs whose jobs failed)")
+            return cells
+        devices = (args.gpus or visible_devices()) if args.gpus is not None else None
+        if devices == []:
+            parser.error("--gpus: no GPU is visible (CUDA_VISIBLE_DEVICES is empty and torch sees none)")
+        codes = run_on_devices(todo, devices) if devices else run_local(todo)
+        failed = [str(run) for run, code in codes.items() if code != 0]
+    else:
+        failed = []
+    print(write_report(cells, args.out_dir, preset.columns, preset.tables), end="")
+    print(f"report: {args.out_dir}/report.md, {args.out_dir}/report.csv")
+    if failed:
+        sys.exit(f"sweep: {len(failed)} of {len(todo)} runs failed (their errors are above; run the same command "
+                 f"again to continue them):\n  " + "\n  ".join(failed))
+    return cells
+
+
+def command():
+    """minimoe-sweep, and python sweep.py: bad input ends in one line naming the file, exit status 2."""
+    run_command(main, "sweep.py")
+
+
+if __name__ == "__main__":
+    command()

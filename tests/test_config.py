@@ -1,0 +1,91 @@
+"""minimoe.config against the paper's Experimental Configuration table (written out here): the recipes,
+the training examples and steps per epoch they give through train.py, and run names."""
+import pytest
+
+import train
+from conftest import tiny_config
+from minimoe.config import ABLATION_SETTINGS, flag_name, recipe_train_examples, run_name
+from minimoe.data import BENCHMARKS, Example
+from minimoe.sweep import ROWS
+from minimoe.training import steps_per_epoch
+
+# The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
+PAPER = {
+    "granite": dict(train_examples={"arc_challenge": 2000, "openbookqa": 4992, "sciq": 4992, "medmcqa": 4992},
+                    steps_per_epoch={"arc_challenge": 125, "openbookqa": 312, "sciq": 312, "medmcqa": 312},
+                    lora_rank=8, lora_alpha=8, lora_dropout=0.05, lora_targets={"q", "k", "v", "experts"},
+                    lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine", warmup=0.05, weight_decay=0,
+                    clip=1, epochs=3),
+    "olmoe": dict(train_examples={"arc_challenge": 2000, "openbookqa": 5000, "sciq": 5000, "medmcqa": 5000},
+                  steps_per_epoch={"arc_challenge": 250, "openbookqa": 625, "sciq": 625, "medmcqa": 625},
+                  lora_rank=8, lora_alpha=8, lora_dropout=0.05, lora_targets={"q", "k", "v", "o", "experts"},
+                  lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03, weight_decay=0,
+                  clip=1, epochs=3),
+}
+# Method rows: lambda_m 1e-3, error-head LR 1e-5, copied-head LR 1e-3, mixing 0.5, started log with
+# gamma = tau = 1, final sparse layer, native router frozen, auxiliary loss 0, IS floor 1e-8.
+PAPER_METHODS = dict(lambda_=1e-3, error_head_lr=1e-5, copied_head_lr=1e-3, mix=0.5, transform="started-log",
+                     gamma=1, tau=1, layers="final", tune_router=False, aux_coef=0, is_eps=1e-8)
+
+
+def model_config(recipe):
+    return tiny_config("granitemoe" if recipe == "granite" else "olmoe")
+
+
+def resolved(recipe, *flags):
+    return train.resolve_config(train.parse_args(["--recipe", recipe, *flags]), model_config(recipe))
+
+
+@pytest.mark.parametrize("recipe", PAPER)
+def test_recipes_are_the_papers_configuration(recipe):
+    paper, cfg = PAPER[recipe], resolved(recipe)
+    for key in ("lora_rank", "lora_alpha", "lora_dropout", "lr", "batch_size", "grad_accum", "schedule", "warmup",
+                "weight_decay", "clip", "epochs"):
+        assert getattr(cfg, key) == paper[key], key
+    assert set(cfg.lora_targets) == paper["lora_targets"]
+    for key, value in PAPER_METHODS.items():
+        assert getattr(cfg, key) == value, key
+
+
+@pytest.mark.parametrize("recipe", PAPER)
+@pytest.mark.parametrize("dataset", ["arc_challenge", "openbookqa", "sciq", "medmcqa"])
+def test_training_examples_and_steps_per_epoch_are_the_papers(recipe, dataset, monkeypatch):
+    """Through train.py's own path: registered split (shared by the backbones) -> recipe cut -> steps."""
+    sizes = {"train": BENCHMARKS[dataset].train_size, "val": 50, "test": 500}
+    monkeypatch.setattr(train, "load_split",
+                        lambda name, split, **kw: [Example(f"{name}:{split}:{i}", f"q {split} {i}", ["a", "b"], 0, {})
+                                                   for i in range(sizes[split])])
+    cfg = resolved(recipe, "--data", dataset)
+    data, cfg = train.load_data(cfg)
+    assert len(data["train"]) == PAPER[recipe]["train_examples"][dataset]
+    assert steps_per_epoch(len(data["train"]), cfg) == PAPER[recipe]["steps_per_epoch"][dataset]
+    assert cfg.max_train_examples == len(data["train"])  # recorded: evaluation's train population is the same
+
+
+def test_partial_last_step_is_kept_and_flags_override_the_recipe_count():
+    cfg = resolved("granite")
+    assert steps_per_epoch(5000, cfg) == 313  # 312 full steps of 16 and one of 8: every example once
+    assert recipe_train_examples(resolved("tiny"), "sciq") is None
+
+
+
+def test_run_names_carry_ablation_settings_off_their_defaults():
+    base = {"model": "org/granite-x", "data": "arc_challenge", "method": "tes", "objective": "is", "seed": 42}
+    assert run_name(base) == "granite-x-arc_challenge-TES-IS-seed42"
+    assert run_name({**base, "lambda_": 1e-3, "layers": "final"}) == run_name(base)  # defaults stay out
+    names = {run_name({**base, **s}) for s in ({"lambda_": 1e-2}, {"layers": "all"}, {"transform": "log"},
+                                                {"gamma": 2.0}, {"error_head_lr": 1e-4}, {"depth_scaled_lambda": True},
+                                                {"layers": "all", "depth_scaled_lambda": True}, {})}
+    assert len(names) == 8
+    assert run_name({**base, "lambda_": 1e-2, "layers": "all"}) == "granite-x-arc_challenge-TES-IS-lambda0.01-layersall-seed42"
+    # A setting the method does not read is no part of its name: CE at lambda 1e-2 is the CE run.
+    ce = {**base, "method": "ce"}
+    assert run_name({**ce, "lambda_": 1e-2, "gamma": 2.0}) == run_name(ce)
+
+
+def test_flag_name_is_train_pys_flag_for_every_setting_a_sweep_cell_passes():
+    """A cell passes its row's and its ablation settings' fields as train.py flags (flag_name): each must
+    be the flag train.py's parser takes for that field, lambda_ included."""
+    options = {option: action.dest for action in train.parser()._actions for option in action.option_strings}
+    fields = {*ABLATION_SETTINGS, *(key for row in ROWS.values() for key in row)}
+    assert {flag_name(key): key for key in fields}.items() <= options.items()
