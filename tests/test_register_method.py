@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import evaluate
 import train
+from minimoe.cli import evaluate
 from minimoe.routing import Method, NativeRouter, lookup_method, register_method
 
 REPO = Path(__file__).resolve().parents[1]
