@@ -538,7 +538,7 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, fo
     if rank == 0 and not cfg.no_test_eval:
         from minimoe.evaluation import evaluate_run
         if cfg.test_checkpoint in ("last", "both") and not scored("last"):  # the in-memory model is the last epoch
-            metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"],
+            metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, examples=data["test"],
                                    quiet=cfg.quiet)
             print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
         if cfg.test_checkpoint in ("selected", "both") and not scored("selected"):

@@ -442,11 +442,12 @@ def run_evaluation(*, out, base_model: str | None = None, adapter=None, checkpoi
     if not _wants_train_population(train_split_diagnostics, source, split):
         train_examples = None
     elif train_examples is None:
-        train_examples = load_examples_for(train_data_for(data), "train", data_dir, _train_limit(max_examples, run_config))
+        train_examples = load_examples_for(train_data_for(data), "train", data_dir,
+                                           _train_limit(max_examples, run_config))
 
     if model is None:
         torch_device = pick_device(device)
-        folder = resolve_checkpoint(base_model, cache_dir, model_revision)  # a hub id: its snapshot, named by its commit
+        folder = resolve_checkpoint(base_model, cache_dir, model_revision)  # a hub id: its snapshot at a commit
         model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, torch_device)], device=torch_device)
         tokenizer = load_tokenizer(folder)
         if source is not None:
@@ -461,13 +462,14 @@ def run_evaluation(*, out, base_model: str | None = None, adapter=None, checkpoi
                            batch_size=batch_size, max_length=max_length, packed=packed, quiet=quiet)
 
 
-def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=None, train_data=None, out=None,
-                 checkpoint: str | None = None, batch_size: int = 16, train_split_diagnostics: bool | None = None,
-                 device: str = "auto", dtype: str = "auto", quiet: bool = False) -> dict:
+def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, examples=None, train_examples=None,
+                 out=None, checkpoint: str | None = None, batch_size: int = 16,
+                 train_split_diagnostics: bool | None = None, device: str = "auto", dtype: str = "auto",
+                 quiet: bool = False) -> dict:
     """`run_evaluation` of a finished run into RUN/eval/<split> (RUN/eval/<split>-selected for checkpoint="selected").
 
     With `model` (and `tokenizer`): the in-memory model as train.py ends with it, i.e. the last epoch,
-    on `data` (examples; default: the run's split) and, for the train population, `train_data`.
+    on `examples` (default: the run's split, read again) and, for the train population, `train_examples`.
     Without: the checkpoint is loaded from the run folder, as `python evaluate.py --adapter RUN` does.
     """
     if model is not None and checkpoint not in (None, "last"):
@@ -476,7 +478,7 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=N
     return run_evaluation(out=eval_dir(run, split, checkpoint) if out is None else out, adapter=run,
                           checkpoint=checkpoint, split=split, batch_size=batch_size, device=device, dtype=dtype,
                           train_split_diagnostics=train_split_diagnostics, quiet=quiet, model=model,
-                          tokenizer=tokenizer, examples=data, train_examples=train_data)
+                          tokenizer=tokenizer, examples=examples, train_examples=train_examples)
 
 
 def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test") -> dict:
