@@ -47,7 +47,7 @@ from minimoe.data import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.eval_folder import METRICS, eval_dir
 from minimoe.lora import ALIASES, TARGETS
 from minimoe.provenance import provenance
-from minimoe.routing import TRANSFORMS
+from minimoe.routing import ALIASES, METHODS, TRANSFORMS, import_method_module, lookup_method
 from minimoe.runs import (claim_run_folder, has_training_output, is_run_folder, method_label, pad_id, pick_device,
                           pick_dtype, run_lock, set_aside, world)
 from minimoe.scoring import check_max_length
@@ -93,6 +93,30 @@ def layer_scope(text: str):
         raise argparse.ArgumentTypeError(f"{text!r}: expected final, all, first:N, last:N (N >= 1), or layer "
                                          f"indices >= 0 such as 3 or 0,3,5")
     return layers
+
+
+def method_option(text: str):
+    """--method-option NAME=VALUE -> (NAME, VALUE), VALUE read as JSON (2, 0.5, true, "x") else kept as text."""
+    name, eq, value = text.partition("=")
+    if not eq or not name.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=VALUE, e.g. temperature=0.5")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
+
+
+def read_by(setting: str) -> str:
+    """'tes' for --gamma: the methods whose record reads the setting (routing.METHODS)."""
+    return ", ".join(m.name for m in METHODS.values() if setting in m.settings)
+
+
+def method_help() -> str:
+    """--method's help from routing.METHODS: each name with its row label."""
+    names = ", ".join(f"{m.name} ({m.label})" for m in METHODS.values())
+    aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
+    return (f"routing method: {names}; {aliases}; one of your own with --method-module (README: Adding a "
+            f"routing method) (default: %(default)s)")
 
 
 def show(value) -> str:
@@ -161,8 +185,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--per-candidate-rows", action="store_true", help="one row per (prompt, candidate), the reference "
                    "path; default: one packed row per example, its prompt run once")
     g = p.add_argument_group("method")
-    g.add_argument("--method", default=D.method, choices=["ce", "dual", "tes", "acs"],
-                   help="ce = no method head (default: %(default)s)")
+    g.add_argument("--method", default=D.method, help=method_help())
+    g.add_argument("--method-module", metavar="FILE|MODULE", help="a .py file or importable module that registers "
+                   "--method with minimoe.register_method (recorded in config.json and the adapters)")
+    g.add_argument("--method-option", dest="method_options", action="append", type=method_option,
+                   metavar="NAME=VALUE", help="an option (or head learning rate) of a --method-module method; "
+                   "repeat for several (default: its record's)")
     g.add_argument("--objective", default=D.objective, choices=["is", "enll"],
                    help="Itakura-Saito or exponential NLL (default: %(default)s)")
     g.add_argument("--lambda", dest="lambda_", metavar="LAMBDA", type=NONNEGATIVE, default=D.lambda_,
@@ -171,16 +199,18 @@ def parser() -> argparse.ArgumentParser:
                    help="supervised MoE layers: final | all | first:N | last:N | 3 | 0,3,5 (default: %(default)s)")
     g.add_argument("--tune-router", action="store_true", default=D.tune_router,
                    help="unfreeze the native router in scope")
-    g.add_argument("--gamma", type=NONNEGATIVE, default=D.gamma, help="TES attenuation strength (default: %(default)s)")
-    g.add_argument("--tau", type=POSITIVE, default=D.tau, help="TES started-log reference scale (default: %(default)s)")
-    g.add_argument("--transform", choices=list(TRANSFORMS), default=D.transform,
-                   help="TES error-to-routing transform; log is the paper's control (default: %(default)s)")
+    g.add_argument("--gamma", type=NONNEGATIVE, default=D.gamma,
+                   help=f"{read_by('gamma')}: attenuation strength (default: %(default)s)")
+    g.add_argument("--tau", type=POSITIVE, default=D.tau,
+                   help=f"{read_by('tau')}: started-log reference scale (default: %(default)s)")
+    g.add_argument("--transform", choices=list(TRANSFORMS), default=D.transform, help=f"{read_by('transform')}: "
+                   "error-to-routing transform; log is the paper's control (default: %(default)s)")
     g.add_argument("--mix", type=FRACTION, default=D.mix,
-                   help="Dual Affinity mixing weight of the copied head (default: %(default)s)")
+                   help=f"{read_by('mix')}: mixing weight of the copied head (default: %(default)s)")
     g.add_argument("--error-head-lr", type=POSITIVE, default=D.error_head_lr,
-                   help="TES error-head learning rate (default: %(default)s)")
+                   help=f"{read_by('error_head_lr')}: error-head learning rate (default: %(default)s)")
     g.add_argument("--copied-head-lr", type=POSITIVE, default=D.copied_head_lr,
-                   help="Dual Affinity copied-head learning rate (default: %(default)s)")
+                   help=f"{read_by('copied_head_lr')}: copied-head learning rate (default: %(default)s)")
     g.add_argument("--router-lr", type=POSITIVE, help="native router learning rate with --tune-router (default: --lr)")
     g.add_argument("--depth-scaled-lambda", action="store_true", default=D.depth_scaled_lambda,
                    help="multiply lambda by the number of supervised layers")
@@ -278,7 +308,9 @@ def settings_as_flags(settings: dict, where: Path) -> list[str]:
                 continue
             raise ValueError(f"{where}: {key!r} is not a setting; expected TrainConfig fields (minimoe/config.py)")
         option = actions[key].option_strings[0]
-        if isinstance(actions[key], argparse.BooleanOptionalAction):
+        if isinstance(value, dict):  # --method-option, once per option
+            flags += [x for name, v in value.items() for x in (option, f"{name}={json.dumps(v)}")]
+        elif isinstance(actions[key], argparse.BooleanOptionalAction):
             flags.append(option if value else "--no-" + option[2:])
         elif actions[key].nargs == 0:  # store_true: a False is the default already
             flags += [option] if value else []
@@ -294,7 +326,7 @@ def parse_args(argv=None):
     resume_run = None if args.resume in (None, True) else Path(args.resume)
     if resume_run is None and args.config is None:
         args.resume = args.resume is not None
-        return args
+        return resolve_method(args)
     if resume_run is not None and args.config is not None:
         raise ValueError("--resume RUN reads the settings of RUN/config.json; pass no --config with it")
     path = resume_run / "config.json" if resume_run is not None else Path(args.config)
@@ -304,6 +336,20 @@ def parse_args(argv=None):
     where = [] if resume_run is None else ["--out-dir", str(resume_run.parent), "--run-name", resume_run.name]
     args = parser().parse_args([*settings_as_flags(read_settings(path), path), *argv, *where])
     args.resume = args.resume is not None
+    return resolve_method(args)
+
+
+def resolve_method(args):
+    """--method as routing.METHODS names it ("ce" is native: the one place it is translated), after
+    importing --method-module (a file is recorded by its absolute path, so that --resume and evaluate.py
+    find it from any folder); --method-option's pairs become a dict."""
+    if args.method_module and args.method_module.endswith(".py"):
+        args.method_module = str(Path(args.method_module).resolve())
+    if args.method_module:  # always, so that a missing file fails even when the name is registered already
+        import_method_module(args.method_module)
+    method = lookup_method(args.method, args.method_module)
+    args.method = method.name
+    args.method_options = dict(args.method_options or []) or None  # checked against the method by check_install
     return args
 
 
@@ -353,7 +399,7 @@ def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict
     """config.json: every setting, what the run's readers (evaluate.py, sweep.py, --resume) look up (among
     them each split's size, train as cut, and the sha256 of the manifest it was read from), and what
     produced it (`origin`: minimoe.provenance)."""
-    return {**asdict(cfg), "label": method_label(cfg.method, cfg.objective, cfg.tune_router),
+    return {**asdict(cfg), "label": method_label(cfg.method, cfg.objective, cfg.tune_router, cfg.method_module),
             "world_size": world()[1], "torch_version": torch.__version__,
             "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()},
             "data_sha256": {s: split_sha256(cfg.data, s, cfg.data_dir) for s in data}, "provenance": origin}
@@ -492,7 +538,7 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, fo
     if rank == 0 and not cfg.no_test_eval:
         from minimoe.evaluation import evaluate_run
         if cfg.test_checkpoint in ("last", "both") and not scored("last"):  # the in-memory model is the last epoch
-            metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, data=data["test"],
+            metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, examples=data["test"],
                                    quiet=cfg.quiet)
             print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
         if cfg.test_checkpoint in ("selected", "both") and not scored("selected"):
@@ -510,6 +556,8 @@ RECORDED_LATER = ("data_sha256",)
 def changed_settings(before: dict, now: dict) -> list[str]:
     """The settings that change the trained result and differ from the run's config.json."""
     now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
+    if "method" in before:  # an older config.json may say "ce" for native (routing.ALIASES)
+        before = {**before, "method": ALIASES.get(before["method"], before["method"])}
     return sorted(k for k in before.keys() | now.keys() if k not in RESUME_MAY_DIFFER and before.get(k) != now.get(k)
                   and not (k in RECORDED_LATER and k not in before))
 

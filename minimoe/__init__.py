@@ -5,9 +5,10 @@ from minimoe.generate import generate
 from minimoe.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
 from minimoe.lora import add_lora, merge_lora, unmerge_lora
 from minimoe.model import CausalLMOutput, KVCache, MoEConfig, MoEForCausalLM
-from minimoe.routing import Routing, set_router
+from minimoe.routing import METHODS, Method, Routing, register_method, set_router
 
 __all__ = ["from_pretrained", "load_tokenizer", "save_pretrained", "generate",
            "CausalLMOutput", "KVCache", "MoEConfig", "MoEForCausalLM", "Routing", "set_router",
+           "Method", "METHODS", "register_method",
            "add_lora", "merge_lora", "unmerge_lora", "save_adapter", "load_adapter", "export_merged",
            "trainable_parameters", "export_peft"]

@@ -15,9 +15,12 @@ Decisions:
   (`routing.tuned_layers`), never read back from requires_grad. An adapter written before that
   with tuned gates and no router spec loads as native routing with those gates tuned, which is
   what it was.
-- `export_merged` refuses TES and Dual Affinity: the merged checkpoint has no place for their
-  method heads, so it would route natively and not reproduce minimoe's own evaluation. It puts the
-  exact original weights back afterwards instead of unmerging (a bf16 round trip may round).
+- `export_merged` refuses a method whose record says it does not route natively
+  (`Method.not_exportable`): the merged checkpoint has no place for its heads, so it would route
+  natively and not reproduce minimoe's own evaluation. It puts the exact original weights back
+  afterwards instead of unmerging (a bf16 round trip may round).
+- The optimizer's groups are LoRA, each head of the model's method (`Method.heads`, one group per
+  learning-rate option) and the tuned native gates, in that order.
 """
 from __future__ import annotations
 
@@ -34,26 +37,33 @@ from safetensors.torch import load_file, save_file
 from minimoe.checkpoint import DTYPES, atomic_directory, write_checkpoint
 from minimoe.lora import add_lora, lora_modules
 from minimoe.model import MoEForCausalLM
-from minimoe.routing import set_router, tuned_layers
+from minimoe.routing import method_of, set_router, tuned_layers
 
 FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
                "num_experts_per_tok", "intermediate_size")
-# Training-loop parameter groups: the first group whose pattern a trainable parameter's name contains.
-PARAM_GROUPS = {"lora": (".lora_A", ".lora_B"), "error_head": (".router.error_head",),
-                "copied_head": (".router.affinity",), "router": (".mlp.gate.weight",)}
 CONFIG_FIELDS = ("rank", "alpha", "dropout", "targets", "dtype", "base_model", "fingerprint", "router", "gate_layers")
 
 
+def param_groups(router_spec: dict | None) -> dict[str, tuple[str, ...]]:
+    """Optimizer group -> the name patterns of its parameters: LoRA, the method's heads (each named after
+    its learning-rate option less "_lr": error_head, copied_head), the tuned native gates ("router")."""
+    method = method_of(router_spec)
+    heads = {lr.removesuffix("_lr"): (f".mlp.router.{head}.",)  # the name + "." matches a parameter head too
+             for head, (lr, _) in (method.heads if method else {}).items()}
+    return {"lora": (".lora_A", ".lora_B"), **heads, "router": (".mlp.gate.weight",)}
+
+
 def trainable_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Trainable (name, parameter) pairs by group (PARAM_GROUPS), for the optimizer's param groups."""
-    groups = {g: [] for g in PARAM_GROUPS}
+    """Trainable (name, parameter) pairs by group (`param_groups`), for the optimizer's param groups."""
+    patterns = param_groups(getattr(model, "router_spec", None))
+    groups = {g: [] for g in patterns}
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        group = next((g for g, pats in PARAM_GROUPS.items() if any(s in name for s in pats)), None)
+        group = next((g for g, pats in patterns.items() if any(s in name + "." for s in pats)), None)
         if group is None:
-            raise ValueError(f"parameter {name!r} trains but matches no group of {dict(PARAM_GROUPS)}; "
-                             "freeze it or give it a group")
+            raise ValueError(f"parameter {name!r} trains but matches no group of {patterns}; freeze it, or "
+                             "list its module in its method's heads (routing.Method)")
         groups[group].append((name, p))
     return groups
 
@@ -184,28 +194,21 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False)
     return model
 
 
-# Methods whose routing function no checkpoint or peft adapter can express, and why.
-ROUTING_HEADS = {
-    "tes": "TES attenuates the native logits with its learned error head (a - gamma * phi(e_hat))",
-    "dual": "Dual Affinity mixes the native logits with a trained copy of the gate",
-}
-
-
 def refuse_routing_heads(router_spec: dict | None, what: str):
     """Raise if `router_spec` names a method whose routing a plain MoE (or a peft adapter) cannot express."""
-    method = (router_spec or {}).get("method")
-    if method in ROUTING_HEADS:
-        raise ValueError(f"{what}: refused for method {method!r}: {ROUTING_HEADS[method]}, which changes the "
+    method = method_of(router_spec)
+    if method is not None and method.not_exportable:
+        raise ValueError(f"{what}: refused for method {method.name!r}: {method.not_exportable}, which changes the "
                          "routing function itself; the official architecture (and so peft, transformers and vLLM) "
                          "has no place for it. Evaluate or serve it with minimoe (evaluate.py, load_adapter)")
 
 
 def export_merged(model: MoEForCausalLM, path, *, copy_files=()):
     """Save the merged base weights in the official layout, with `copy_files` (e.g. the base's
-    tokenizer files) beside them; refused for TES and Dual Affinity.
+    tokenizer files) beside them; refused for a method that does not route natively (refuse_routing_heads).
 
-    A merge keeps LoRA and tuned native gates but has no place for method heads, so a TES or Dual
-    model would silently route natively once reloaded. The model is left as it was: the unmerged
+    A merge keeps LoRA and tuned native gates but has no place for method heads, so such a model
+    would silently route natively once reloaded. The model is left as it was: the unmerged
     weights are put back exactly, not by subtraction.
     """
     refuse_routing_heads(getattr(model, "router_spec", None), "export_merged")

@@ -2,7 +2,9 @@
 that tell runs apart.
 
 Configuration: `TrainConfig` holds every setting with its default (the paper's method rows; the
-routing options' defaults are routing.METHOD_OPTIONS', the LoRA targets lora.DEFAULT_TARGETS');
+built-in methods' options and head learning rates are fields whose defaults are their records' in
+routing.METHODS, the LoRA targets lora.DEFAULT_TARGETS'); a method registered from your own file
+takes its options through `method_options` (train.py --method-option), defaults from its record;
 `RECIPES` are per-backbone presets of the fields that have none (LoRA, optimisation); train.py's
 flags override both, and its --help shows these defaults.
 
@@ -24,8 +26,13 @@ from pathlib import Path
 
 from minimoe.data import DEFAULT_DATA_DIR
 from minimoe.lora import ALPHA, DEFAULT_TARGETS, DROPOUT, RANK
-from minimoe.routing import METHOD_OPTIONS
+from minimoe.routing import METHODS, Method, lookup_method
 from minimoe.runs import method_label
+
+
+def method_default(name: str):
+    """A built-in method setting's default, from the record of the method that reads it (routing.METHODS)."""
+    return next(m.settings[name] for m in METHODS.values() if name in m.settings)
 
 
 def paper_lora(family: str) -> dict:
@@ -75,17 +82,20 @@ class TrainConfig:
     max_length: int = 512  # prompt + candidate tokens; prompts are cut from the left, answers never
     packed: bool = True  # one row per example, its prompt run once; False: a row per candidate (reference)
     # method
-    method: str = "tes"  # ce (no method head) | dual | tes | acs
-    objective: str = "is"  # is (Itakura-Saito) | enll (exponential NLL) for tes and acs
+    method: str = "tes"  # a name of routing.METHODS (train.py --help lists them)
+    method_module: str | None = None  # the .py file or module that registers `method`; None: a built-in one
+    method_options: dict | None = None  # --method-option: options of a method that has no field here
+    objective: str = "is"  # is (Itakura-Saito) | enll (exponential NLL) for a supervised method
     lambda_: float = 1e-3  # method coefficient lambda_m in the total loss
     layers: str | list[int] = "final"  # supervised MoE layers (routing.resolve_layers)
-    tune_router: bool = METHOD_OPTIONS["native"]["tune_router"]  # unfreeze the gate in scope: "+ affinity tuning"
-    gamma: float = METHOD_OPTIONS["tes"]["gamma"]  # TES attenuation strength
-    tau: float = METHOD_OPTIONS["tes"]["tau"]  # TES started-log reference scale
-    transform: str = METHOD_OPTIONS["tes"]["transform"]  # TES error-to-routing transform; "log" is the paper's control
-    mix: float = METHOD_OPTIONS["dual"]["mix"]  # Dual Affinity: weight of the trained copy's logits
-    error_head_lr: float = 1e-5  # TES error head (the paper's rate)
-    copied_head_lr: float = 1e-3  # Dual Affinity's copy of the gate (the paper's rate)
+    tune_router: bool = False  # unfreeze the gate in scope: "+ affinity tuning", any method
+    # the built-in methods' options and head learning rates (routing.METHODS: which method reads which)
+    gamma: float = method_default("gamma")  # attenuation strength
+    tau: float = method_default("tau")  # started-log reference scale
+    transform: str = method_default("transform")  # error-to-routing transform; "log" is the paper's control
+    mix: float = method_default("mix")  # weight of the trained copy's logits
+    error_head_lr: float = method_default("error_head_lr")  # the error head (the paper's rate)
+    copied_head_lr: float = method_default("copied_head_lr")  # the copy of the gate (the paper's rate)
     router_lr: float | None = None  # a tuned native gate; None: lr (the paper gives it no rate of its own)
     depth_scaled_lambda: bool = False  # lambda times the number of supervised layers
     aux_coef: float = 0.0  # load-balancing loss; the paper trains without it
@@ -135,21 +145,31 @@ def flag_name(key: str) -> str:
     return "--" + key.rstrip("_").replace("_", "-")
 
 
-# Settings a method does not read are no part of its identity (CE at lambda 1e-2 is CE).
-ONLY_FOR = {"lambda_": ("tes", "acs"), "depth_scaled_lambda": ("tes", "acs"), "transform": ("tes",),
-            "gamma": ("tes",), "error_head_lr": ("tes",)}
+# Settings that only a supervised method reads (routing.Method.prediction set).
+SUPERVISION_SETTINGS = ("objective", "lambda_", "depth_scaled_lambda", "is_eps")
+
+
+def reads(record: Method, setting: str) -> bool:
+    """Whether `method` reads `setting`: a setting a method does not read is no part of its identity (CE
+    at lambda 1e-2 is CE). Supervision settings are the supervised methods'; a method option or head
+    learning rate (routing.Method.settings) is its methods'; every other setting, every method's."""
+    if setting in SUPERVISION_SETTINGS:
+        return record.prediction is not None
+    return setting in record.settings or not any(setting in m.settings for m in METHODS.values())
 
 
 def ablation_settings(cfg: dict) -> dict:
     """The settings of ABLATION_SETTINGS off their TrainConfig default, by short name (e.g. {"lambda": 0.01}).
-    `cfg` is a dict of settings: a run's config.json, or a sweep cell's flags."""
+    `cfg` is a dict of settings: a run's config.json, or a sweep cell's flags. A method registered from
+    your own file adds its `method_options` that are off their defaults, under their own names."""
     changed = {}
-    method = cfg.get("method") or TrainConfig.method
+    method = lookup_method(cfg.get("method") or TrainConfig.method, cfg.get("method_module"))
     for key, short in ABLATION_SETTINGS.items():
         value = cfg.get(key)
-        if value is None or value == getattr(TrainConfig, key) or method not in ONLY_FOR.get(key, (method,)):
+        if value is None or value == getattr(TrainConfig, key) or not reads(method, key):
             continue
         changed[short] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+    changed |= {k: v for k, v in (cfg.get("method_options") or {}).items() if v != method.settings.get(k)}
     return changed
 
 
@@ -157,7 +177,7 @@ def run_name(cfg: dict) -> str:
     """<model>-<data>-<row>[-<setting><value>...]-seed<seed>: every ablation setting off its default is in the name.
     `cfg` as for ablation_settings, so that a sweep names a run before it exists."""
     label = method_label(cfg.get("method") or TrainConfig.method, cfg.get("objective") or TrainConfig.objective,
-                         bool(cfg.get("tune_router")))
+                         bool(cfg.get("tune_router")), cfg.get("method_module"))
     parts = [Path(str(cfg["model"])).name, Path(str(cfg["data"])).name, label.replace(" + ", "+").replace(" ", "_")]
     for short, value in ablation_settings(cfg).items():
         parts.append(short if value is True else f"{short}{value:g}" if isinstance(value, float) else f"{short}{value}")

@@ -27,7 +27,7 @@ What each function reproduces (labels from the paper's .tex):
   42, 43, 45", in percent with two decimals. A row is (model, method + its ablation settings off
   the defaults, `row_label`), so the runs of an ablation are separate rows.
 - `token_file_errors` / `seed_error_figure`: the same groups and curves over seeds, read from the
-  saved tokens-<split>.npz of each seed's run (every tes layer pooled by (layer, token)); the
+  saved tokens-<split>.npz of each seed's run (every error-predicting layer pooled by (layer, token)); the
   curves of both populations are standardised with the seed-averaged TRAIN groups' moments.
 - `final_layer_concentration`: tab:acs_concentration_diagnostics, one seed and split; the sweep
   report gives its mean +- sample std over seeds (`mean_sd`).
@@ -346,7 +346,7 @@ def mean_sd(values: Sequence[float], digits: int) -> str:
 
 
 def token_file_errors(path) -> tuple | None:
-    """One seed's tokens-<split>.npz -> (layer, target, e_hat, token_ce) pooled over its tes layers; None without e_hat."""
+    """One seed's tokens-<split>.npz -> (layer, target, e_hat, token_ce) pooled over its error-predicting layers; None without e_hat."""
     with np.load(path) as z:
         layers = sorted(int(k.removeprefix("e_hat_layer")) for k in z.files if k.startswith("e_hat_layer"))
         if not layers:

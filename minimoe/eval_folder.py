@@ -7,7 +7,7 @@ and in each one (evaluation.score_and_write):
     metrics.json                the numbers, identity keys and "diagnostics"
     predictions.jsonl           one line per example
     tokens-<split>.npz          per gold-answer-token arrays (tokens-train.npz too, with train diagnostics)
-    error-prediction-layer<l>.png, error-prediction-pooled.png   tes decile curves
+    error-prediction-layer<l>.png, error-prediction-pooled.png   an error-predicting method's decile curves
 Every writer and reader of these names (evaluation, compare, sweep, runs, train.py) takes them from
 here, so the layout can change in one place. No torch: compare.py and the report read it.
 """
@@ -39,7 +39,7 @@ def tokens_file(split: str) -> str:
 
 
 def plot_file(layer: int | None) -> str:
-    """A tes layer's decile plot; None: the plot of every tes layer pooled."""
+    """An error-predicting layer's decile plot; None: the plot of every such layer pooled."""
     return "error-prediction-pooled.png" if layer is None else f"error-prediction-layer{layer}.png"
 
 

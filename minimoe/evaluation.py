@@ -3,7 +3,8 @@
 `evaluate_split` scores an in-memory model on a list of examples. `run_evaluation` is the one
 entry that resolves what to evaluate (a run or adapter folder, its base model and data, the train
 population), loads model and adapter unless it is handed a model in memory, scores, and writes
-the output folder atomically (`atomic_directory`; its files: minimoe/eval_folder.py).
+the output folder atomically (`atomic_directory`; its files: minimoe/eval_folder.py; error-prediction
+plots for a method that predicts the error).
 `evaluate_run` (train.py's test scoring, into RUN/eval/<split>) and `evaluate_zero_shot` (the base
 model, RUN/eval/<split>-base) call it. `accuracy_report` turns many metrics.json into the paper's table.
 
@@ -16,17 +17,18 @@ scored by their mean token log-prob: the length-normalised answer-choice NLL tha
 selects checkpoints by.
 
 Routing diagnostics are read at the gold answer's token positions (`ChoiceBatch.supervised_mask`),
-the tokens that TES/ACS training supervises; token CE there is the observed next-token CE.
+the tokens that supervised methods' training supervises; token CE there is the observed next-token CE.
 - Every method, per diagnosed layer (the router spec's layers; the final layer without a spec):
   C_t from the native logits over the native top-K (Eq. diagnostic_token_concentration), computed
   here from `Routing.logits` (`routing.native_concentration`) so that it is the same statistic under
   every policy; C_bar, N_eff = 1/C_bar and the token-level Pearson r(C_t, CE_t) (Eq.
   diagnostic_split_concentration, diagnostic_concentration_loss_correlation; undefined -> NaN ->
   null in JSON).
-- tes layers also: pointwise r(e_hat_t, CE_t), group Pearson/Spearman over (layer, target token id)
+- layers whose method predicts the error (routing.Method.predicts_error; its prediction is e_hat)
+  also: pointwise r(e_hat_t, CE_t), group Pearson/Spearman over (layer, target token id)
   groups, and equal-count decile curves of train and evaluated populations, both standardised with
   the train groups' moments (subsec:error_prediction_analysis), drawn as in fig:arc_error_prediction.
-  With more than one tes layer, a "pooled" entry groups all of them by (layer, token) as the paper.
+  With more than one such layer, a "pooled" entry groups all of them by (layer, token) as the paper.
   One run is one seed: averaging group means across seeds is left to `average_groups_across_seeds`
   on the saved token arrays.
 
@@ -34,13 +36,13 @@ Decisions where neither the paper nor train.py fixes the answer:
 - A run folder resolves only through selection.json (last_epoch / selected_epoch); a run without
   one has not finished and is refused, rather than guessing its latest epoch.
 - Identity keys: "method" is the run's label; outside a run it is the adapter's router method
-  ("TES", ...; "CE" for LoRA on native routing), or "native" without an adapter, and "seed" is
+  (its record's label; "CE" for LoRA on native routing), or "native" without an adapter, and "seed" is
   null. "dataset" is the benchmark name, or the name of the folder holding the manifests.
 - Model dtype "auto" is train.py's rule (runs.pick_dtype: bf16 on CUDA and on
   CPUs with native bf16 matrix instructions, else fp32); max_length and data default
   to the run's. The train population is the run's train split cut to its max_train_examples.
 - Decile curves need >= 10 groups in each population and non-constant train group means; else
-  they are null with "deciles_skipped" saying why (a fresh tes head predicts one constant).
+  they are null with "deciles_skipped" saying why (a fresh error head predicts one constant).
 
 Rows are packed (minimoe/scoring.py): one row per example, its prompt once and every candidate
 behind a block-causal mask, the LM head only at answer positions; `packed=False` scores one row per
@@ -68,7 +70,7 @@ from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, c
                                  metrics_files, partial_reason, plot_error_prediction, population_moments)
 from minimoe.eval_folder import METRICS, PREDICTIONS, eval_dir, plot_file, tokens_file
 from minimoe.provenance import provenance
-from minimoe.routing import native_concentration
+from minimoe.routing import method_of, native_concentration
 from minimoe.runs import AdapterSource, pad_id, pick_device, pick_dtype, read_json, resolve_adapter
 from minimoe.scoring import by_example, choice_loss, choice_scores, forward_choices, make_choice_batch, predictions
 
@@ -87,7 +89,7 @@ class TokenArrays:
     target: np.ndarray  # [n] the target token id (with the layer, the group key)
     example: np.ndarray  # [n] index of the token's example in the evaluated list
     concentration: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [n] C_t
-    e_hat: dict[int, np.ndarray] = field(default_factory=dict)  # tes layer -> [n] aggregate prediction
+    e_hat: dict[int, np.ndarray] = field(default_factory=dict)  # error-predicting layer -> [n] aggregate prediction e_hat
 
     def save(self, path):
         arrays = {"token_ce": self.token_ce, "target": self.target, "example": self.example}
@@ -140,6 +142,8 @@ def eval_mode(model):
 
 def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress=None):
     k, layers = model.config.num_experts_per_tok, diagnosed_layers(model)
+    method = method_of(model.router_spec)
+    errors = method is not None and method.predicts_error  # its Routing.prediction is e_hat
     order = sorted(range(len(examples)), key=lambda i: -_length_proxy(examples[i]))  # longest first: OOM early
     records: list[dict | None] = [None] * len(examples)
     seen = {"token_ce": [], "target": [], "example": []}
@@ -176,8 +180,8 @@ def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_leng
             routing = out.routings[l]
             c = native_concentration(routing.logits[mask], k)  # [n]
             conc[l].append(c.clamp_max(1.0).double().cpu().numpy())  # a sum of squares can round past 1
-            if routing.e_hat is not None:
-                e_hat.setdefault(l, []).append(routing.e_hat[mask].double().cpu().numpy())
+            if errors and routing.prediction is not None:
+                e_hat.setdefault(l, []).append(routing.prediction[mask].double().cpu().numpy())
     metrics = {"n_examples": len(examples)}
     for name, key in NORMALISATIONS.items():
         field_name = "prediction" if name == "mean" else f"prediction_{name}"
@@ -248,16 +252,16 @@ def diagnostics_report(evaluated: TokenArrays, split: str, train: TokenArrays | 
                 plots[entry["plot"]] = plot
         layers[str(l)] = entry
     report = {"positions": "gold answer tokens", "populations": list(populations), "layers": layers}
-    tes_layers = sorted(evaluated.e_hat)
-    if len(tes_layers) > 1:  # the paper's groups: (layer, token) over every supervised layer
+    error_layers = sorted(evaluated.e_hat)
+    if len(error_layers) > 1:  # the paper's groups: (layer, token) over every supervised layer
         pooled = {name: tuple(np.concatenate(parts) for parts in zip(*(
-                      (np.full(a.token_ce.shape, l), a.target, a.e_hat[l], a.token_ce) for l in tes_layers)))
+                      (np.full(a.token_ce.shape, l), a.target, a.e_hat[l], a.token_ce) for l in error_layers)))
                   for name, a in populations.items()}
-        stats, plot = error_prediction_stats(pooled, f"{label}layers {tes_layers}: train vs {split}")
+        stats, plot = error_prediction_stats(pooled, f"{label}layers {error_layers}: train vs {split}")
         if plot is not None:
             stats["plot"] = plot_file(None)
             plots[stats["plot"]] = plot
-        report["pooled"] = {"layers": tes_layers, **stats}
+        report["pooled"] = {"layers": error_layers, **stats}
     return report, plots
 
 
@@ -330,7 +334,8 @@ def dataset_name(data) -> str:
 def _wants_train_population(flag: bool | None, source: AdapterSource | None, split: str) -> bool:
     if split == "train":
         return False  # the evaluated split is the train population
-    return flag if flag is not None else (source is not None and (source.router or {}).get("method") == "tes")
+    method = method_of(source.router) if source is not None else None
+    return flag if flag is not None else (method is not None and method.predicts_error)
 
 
 def _train_limit(max_examples, run_config) -> int | None:
@@ -404,7 +409,8 @@ def run_evaluation(*, out, base_model: str | None = None, adapter=None, checkpoi
     trained: `adapter` then names its run, for the identity keys, and nothing is loaded). Left out,
     base_model, data, data_dir, max_length and packed are the run's (config.json; packed else True).
     examples / train_examples: the split and the train population already in memory (train.py's), read
-    from `data` otherwise. train_split_diagnostics=None scores the train population for tes adapters only.
+    from `data` otherwise. train_split_diagnostics=None scores the train population only for adapters
+    whose method predicts the error.
     identity: metrics.json keys set over the resolved ones (the zero-shot row's method).
     Everything that can fail on bad input (folders, manifests, model, adapter) is checked before the
     output folder is created.
@@ -436,11 +442,12 @@ def run_evaluation(*, out, base_model: str | None = None, adapter=None, checkpoi
     if not _wants_train_population(train_split_diagnostics, source, split):
         train_examples = None
     elif train_examples is None:
-        train_examples = load_examples_for(train_data_for(data), "train", data_dir, _train_limit(max_examples, run_config))
+        train_examples = load_examples_for(train_data_for(data), "train", data_dir,
+                                           _train_limit(max_examples, run_config))
 
     if model is None:
         torch_device = pick_device(device)
-        folder = resolve_checkpoint(base_model, cache_dir, model_revision)  # a hub id: its snapshot, named by its commit
+        folder = resolve_checkpoint(base_model, cache_dir, model_revision)  # a hub id: its snapshot at a commit
         model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, torch_device)], device=torch_device)
         tokenizer = load_tokenizer(folder)
         if source is not None:
@@ -455,13 +462,14 @@ def run_evaluation(*, out, base_model: str | None = None, adapter=None, checkpoi
                            batch_size=batch_size, max_length=max_length, packed=packed, quiet=quiet)
 
 
-def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=None, train_data=None, out=None,
-                 checkpoint: str | None = None, batch_size: int = 16, train_split_diagnostics: bool | None = None,
-                 device: str = "auto", dtype: str = "auto", quiet: bool = False) -> dict:
+def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, examples=None, train_examples=None,
+                 out=None, checkpoint: str | None = None, batch_size: int = 16,
+                 train_split_diagnostics: bool | None = None, device: str = "auto", dtype: str = "auto",
+                 quiet: bool = False) -> dict:
     """`run_evaluation` of a finished run into RUN/eval/<split> (RUN/eval/<split>-selected for checkpoint="selected").
 
     With `model` (and `tokenizer`): the in-memory model as train.py ends with it, i.e. the last epoch,
-    on `data` (examples; default: the run's split) and, for the train population, `train_data`.
+    on `examples` (default: the run's split, read again) and, for the train population, `train_examples`.
     Without: the checkpoint is loaded from the run folder, as `python evaluate.py --adapter RUN` does.
     """
     if model is not None and checkpoint not in (None, "last"):
@@ -470,7 +478,7 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, data=N
     return run_evaluation(out=eval_dir(run, split, checkpoint) if out is None else out, adapter=run,
                           checkpoint=checkpoint, split=split, batch_size=batch_size, device=device, dtype=dtype,
                           train_split_diagnostics=train_split_diagnostics, quiet=quiet, model=model,
-                          tokenizer=tokenizer, examples=data, train_examples=train_data)
+                          tokenizer=tokenizer, examples=examples, train_examples=train_examples)
 
 
 def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test") -> dict:

@@ -14,9 +14,10 @@ names map onto the checkpoint's through `checkpoint.LAYER_KEYS`, the one name ta
   down_proj's pair into `experts.{j}.down_proj`.
 - Native gates tuned by "+ affinity tuning" go to `modules_to_save` under their full module path,
   so that only the tuned layers are replaced.
-- ACS adds no parameters and routes natively, so CE and ACS runs export alike. TES and Dual
-  Affinity change the routing function itself (attenuated logits from an error head, a mixed
-  copied gate), which no peft adapter can express: they are refused with an error saying so.
+- A method that routes natively (its record's `not_exportable` is None: native, acs) exports as
+  LoRA on native routing does. The others change the routing function itself (an error head's
+  attenuation, a mixed copied gate), which no peft adapter can express: they are refused with an
+  error saying so (adapters.refuse_routing_heads).
 - `lora_dropout` is the trained value, except 0 when `target_parameters` is set: peft's
   ParamWrapper refuses any other value. Dropout acts in training only, so the logits are the same.
 - Tensors keep their stored dtype (fp32 adapters; a tuned gate in its model dtype). Nothing here
@@ -133,7 +134,7 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
     """Load the adapter's base model, apply the adapter and write the merged checkpoint (official layout,
     the base's dtype and tokenizer files) to out_dir, as `export.py RUN OUT --merged` does.
 
-    TES and Dual Affinity are refused before anything loads (adapters.export_merged says why).
+    A method that does not route natively is refused before anything loads (adapters.export_merged says why).
     base_model: the base checkpoint to merge into; default the one the adapter records (a run's
     model at its --model-revision); load_adapter still checks that the weights are the trained-on ones.
     """

@@ -13,7 +13,8 @@ Decisions where the paper is silent, and why:
   (Eq. appendix_is_token_loss_gradient, appendix_enll_token_loss_gradient). Below the floor the IS
   gradient through the observed CE is zero (clamp); at exactly L = eps it passes (torch's clamp
   convention, one choice of the subgradient the paper leaves open).
-- A layer is supervised when its `Routing.prediction` is set (tes: e_hat_t, acs: C_t).
+- A layer is supervised when its `Routing.prediction` is set (a supervised method's policy sets it
+  on the layers in scope; routing.Method.prediction says what it holds).
   Every supervised layer sees the same supervised tokens, so the double sum of Eq.
   averaged_training_losses is the mean over layers of per-layer token means.
 - `depth_scaled=True` multiplies by |M|: the per-layer strength of final-layer-only supervision at
@@ -57,8 +58,8 @@ def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: fl
         raise ValueError(f"supervision_loss: unknown objective {objective!r}; expected one of {OBJECTIVES}")
     preds = [r.prediction for r in routings if r.prediction is not None]
     if not preds:
-        raise ValueError("supervision_loss: no layer is supervised (no Routing has a prediction); "
-                         "install tes or acs with minimoe.set_router")
+        raise ValueError("supervision_loss: no layer is supervised (no Routing has a prediction); install a "
+                         "supervised method (routing.METHODS, a prediction set) with minimoe.set_router")
     if token_ce.shape != mask.shape:
         raise ValueError(f"supervision_loss: token_ce {tuple(token_ce.shape)} and mask {tuple(mask.shape)} differ")
     m = mask.reshape(-1).bool()

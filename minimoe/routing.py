@@ -7,7 +7,9 @@ pre-expert hidden state h_t and logits [T, E] the native affinity logits a_t = W
 compute everything else as usual. Its parameters live under `...mlp.router.*`; the checkpoint's
 own gate stays at `...mlp.gate`.
 
-Methods (`set_router(model, method, layers, **options)`):
+Methods (`set_router(model, method, layers, **options)`), one `Method` record each in `METHODS`,
+the one table that the optimizer groups, config, train.py's --method, labels, run names and export
+refusals read (a method from your own file joins it through `register_method`):
 - native `NativeRouter`: the family's top-K (Eq. native_affinity, native_moe_output).
 - dual   `DualAffinityRouter`: the Dual Affinity control; a trainable copy of the gate,
          `router.affinity`, mixed with the frozen native logits, then the native policy.
@@ -18,10 +20,11 @@ Methods (`set_router(model, method, layers, **options)`):
 
 `Routing` fields beyond logits, experts and weights (per token of the flattened B*T; None when the
 policy has no such value):
-- `prediction` [T]: what `objectives.supervision_loss` supervises; set only by tes (e_hat_t) and
-  acs (C_t), and being set is what marks a layer as supervised.
-- `e_hat` [T] and `expert_scores` [T, E]: tes. `routing_logits` [T, E]: tes and dual, the logits
-  the selection used. `logits` stays the native a_t under every policy.
+- `prediction` [T]: what `objectives.supervision_loss` supervises; set by the supervised methods'
+  policies only (tes: e_hat_t, acs: C_t; `Method.prediction` says which), and being set is what
+  marks a layer as supervised.
+- `expert_scores` [T, E]: tes. `routing_logits` [T, E]: tes and dual, the logits the selection
+  used. `logits` stays the native a_t under every policy.
 - C_t (Eq. affinity_concentration) has one home, `concentration`; no policy but acs computes it on
   the forward. The evaluation's diagnostic C_t is `native_concentration` of `Routing.logits`.
 
@@ -58,28 +61,31 @@ Decisions where the paper is silent, and why:
   under tes/dual, whose executed set may differ.
 - `set_router` describes the whole model: layers out of scope get `NativeRouter` back and every gate
   is frozen except in scope with tune_router=True. `router_spec` stores every option with its
-  resolved default, so a saved adapter does not change meaning if a default changes.
+  resolved default, so a saved adapter does not change meaning if a default changes; a method from
+  outside minimoe also stores where it was registered ("module"), so that a fresh process
+  (evaluate.py, --resume, load_adapter) imports it again.
+- The table lives here, beside the policies, so that one method's class and record are one read.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import math
-from dataclasses import dataclass
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from numbers import Integral, Real
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 TRANSFORMS = ("started-log", "log")
-# Each method's options and their defaults (paper: gamma = tau = 1, mixing weight 0.5): their one
-# home, which the router constructors below, config.TrainConfig and so train.py's --help read.
-METHOD_OPTIONS = {
-    "native": {"tune_router": False},
-    "dual": {"tune_router": False, "mix": 0.5},
-    "tes": {"tune_router": False, "gamma": 1.0, "tau": 1.0, "transform": "started-log"},
-    "acs": {"tune_router": False},
-}
-TES, DUAL = METHOD_OPTIONS["tes"], METHOD_OPTIONS["dual"]
+# The methods' options and their defaults (paper: gamma = tau = 1, mixing weight 0.5): their records
+# in METHODS hold these, the policies below and through METHODS config.TrainConfig read them.
+TES = {"gamma": 1.0, "tau": 1.0, "transform": "started-log"}
+DUAL = {"mix": 0.5}
 
 
 @dataclass
@@ -89,7 +95,6 @@ class Routing:
     experts: torch.Tensor  # [T, K] executed experts S_t^act
     weights: torch.Tensor  # [T, K] fp32 weights g_t that combine the executed experts' outputs
     prediction: torch.Tensor | None = None  # [T] supervised (tes: e_hat, acs: C_t); None: not supervised
-    e_hat: torch.Tensor | None = None  # [T] tes: aggregate predicted error (Eq. aggregate_predicted_error)
     expert_scores: torch.Tensor | None = None  # [T, E] tes: per-expert error scores e_hat_{t,i}
     routing_logits: torch.Tensor | None = None  # [T, E] tes, dual: the logits the selection used
 
@@ -155,6 +160,13 @@ class NativeRouter(nn.Module):
         super().__init__()
         self.top_k, self.renormalize = top_k, renormalize
 
+    @classmethod
+    def from_gate(cls, gate: nn.Linear, config, **options):
+        """The policy of one layer, whose native gate is `gate`, with the method's `options`: how set_router
+        builds every method's policy. A subclass whose constructor takes (top_k, renormalize, **options)
+        inherits this one."""
+        return cls(config.num_experts_per_tok, config.norm_topk_prob, **options)
+
     def forward(self, x, logits, experts=None):
         experts, weights = select_topk(logits, self.top_k, self.renormalize, experts)
         return Routing(logits=logits, experts=experts, weights=weights)
@@ -189,6 +201,10 @@ class DualAffinityRouter(NativeRouter):
             self.affinity.weight.copy_(w)
             self.affinity.bias.zero_()
 
+    @classmethod
+    def from_gate(cls, gate, config, **options):
+        return cls(gate, config.num_experts_per_tok, config.norm_topk_prob, **options)
+
     def forward(self, x, logits, experts=None):
         # The gate's own op plus an fp32 bias, so that at init a_copy equals a bit for bit.
         copy = F.linear(x, self.affinity.weight.to(x.dtype)).float() + self.affinity.bias.float()  # [T, E]
@@ -216,6 +232,12 @@ class TokenErrorRouter(NativeRouter):
             self.error_head.weight.zero_()
             self.error_head.bias.fill_(0.0 if transform == "started-log" else math.log(math.e - 1))
 
+    @classmethod
+    def from_gate(cls, gate, config, **options):
+        w = gate.weight  # [E, D]; the head is stored in fp32 (module docstring)
+        return cls(w.shape[1], w.shape[0], config.num_experts_per_tok, config.norm_topk_prob, **options,
+                   device=w.device, dtype=torch.float32)
+
     def forward(self, x, logits, experts=None):
         W, b = self.error_head.weight, self.error_head.bias  # fp32, cast at use like the gate
         scores = F.softplus(F.linear(x, W.to(x.dtype), b.to(x.dtype)).float())  # [T, E] e_hat_{t,i} > 0
@@ -224,8 +246,143 @@ class TokenErrorRouter(NativeRouter):
         p = logits.softmax(dim=-1).gather(-1, experts)  # [T, K] native p on the executed set
         pbar = p / p.sum(dim=-1, keepdim=True)
         e_hat = (pbar * scores.gather(-1, experts)).sum(dim=-1)  # [T]
-        return Routing(logits=logits, experts=experts, weights=weights, prediction=e_hat, e_hat=e_hat,
+        return Routing(logits=logits, experts=experts, weights=weights, prediction=e_hat,
                        expert_scores=scores, routing_logits=attenuated)
+
+
+# ----------------------------------------------------------------------------- the methods' table
+
+# What export_peft and export_merged say of a method that does not declare that it routes natively.
+NOT_NATIVE = "its policy is not the family's native top-K"
+
+
+@dataclass(eq=False)
+class Method:
+    """One routing method: every fact about it that minimoe reads outside its policy (METHODS)."""
+    name: str  # --method, and "method" in config.json and in the router spec
+    policy: type  # nn.Module; set_router builds it per layer in scope as policy.from_gate(gate, config, **options)
+    label: str  # the report's row and the run's name: "-<objective>" follows a supervised one's (TES-IS)
+    options: dict = field(default_factory=dict)  # option -> default: the policy's keyword arguments
+    # trainable submodule of the policy -> (the option naming its learning rate, that rate's default);
+    # the optimizer gives each its own parameter group, named after the option less "_lr"
+    heads: dict = field(default_factory=dict)
+    # what Routing.prediction holds, supervised against the token CE: "error" (a predicted token CE,
+    # e_hat, which the error-prediction diagnostics read) or another name; None: not supervised
+    prediction: str | None = None
+    # why a merged checkpoint or a peft adapter cannot express its routing; None: it routes natively
+    # (its heads, if any, only read), so export_peft and export_merged write it
+    not_exportable: str | None = NOT_NATIVE
+    module: str | None = None  # where a method from outside minimoe was registered from; None: built in
+
+    @property
+    def settings(self) -> dict:
+        """Every setting the method reads, with its default: its options and its heads' learning rates."""
+        return {**self.options, **dict(self.heads.values())}
+
+    @property
+    def predicts_error(self) -> bool:
+        return self.prediction == "error"
+
+
+METHODS: dict[str, Method] = {}
+ALIASES = {"ce": "native"}  # the paper's row name for LoRA on native routing; train.py and older config.json say it
+_source: list[str] = []  # the file or module being imported by import_method_module, while it registers
+
+
+def register_method(method: Method) -> Method:
+    """Add `method` to METHODS: set_router, training, saved adapters, evaluation and train.py's --method
+    then take it as they take a built-in one. Called at import of the file that defines it; a fresh
+    process finds that file again through `Method.module`, recorded here (train.py --method-module)."""
+    if not (isinstance(method, Method) and isinstance(method.name, str) and method.name.isidentifier()):
+        raise ValueError(f"register_method: expected a Method whose name is an identifier; got {method!r}")
+    if not (isinstance(method.policy, type) and issubclass(method.policy, nn.Module)
+            and hasattr(method.policy, "from_gate")):
+        raise ValueError(f"register_method: {method.name!r}: policy {method.policy!r} is not an nn.Module class "
+                         f"with a from_gate(gate, config, **options) classmethod (subclass NativeRouter)")
+    bad = [lr for lr, _ in method.heads.values() if not lr.endswith("_lr")]
+    if bad:
+        raise ValueError(f"register_method: {method.name!r}: learning-rate option(s) {bad} must end in '_lr'")
+    if "tune_router" in method.options:
+        raise ValueError(f"register_method: {method.name!r}: tune_router is set_router's own option for every "
+                         f"method; leave it out of options")
+    if _source:
+        method.module = _source[-1]
+    elif method.module is None and method.policy.__module__.split(".")[0] != "minimoe":
+        method.module = None if method.policy.__module__ == "__main__" else method.policy.__module__
+    known = METHODS.get(method.name)
+    if method.name in ALIASES or (known is not None and (known.module is None or known.module != method.module)):
+        raise ValueError(f"register_method: a method named {method.name!r} is registered already"
+                         + (f" (from {known.module})" if known is not None and known.module else " (built in)"))
+    METHODS[method.name] = method
+    return method
+
+
+@contextmanager
+def _registering(where: str):
+    _source.append(where)
+    try:
+        yield
+    finally:
+        _source.pop()
+
+
+def import_method_module(where: str):
+    """Import the Python file (a path ending in .py) or module (a dotted name) that registers a method."""
+    if where.endswith(".py"):
+        path = Path(where).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"method module {where}: no such file; expected a Python file that calls "
+                                    f"minimoe.register_method")
+        name = f"minimoe_method_{abs(hash(str(path)))}"
+        if name in sys.modules:
+            return
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            with _registering(str(path)):
+                spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+        return
+    try:
+        with _registering(where):
+            importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        if e.name is None or not where.startswith(e.name):
+            raise
+        raise ModuleNotFoundError(f"method module {where!r}: no such module; expected an importable module name "
+                                  f"or a path to a .py file that calls minimoe.register_method") from None
+
+
+def lookup_method(name: str, module: str | None = None) -> Method:
+    """METHODS[name] ("ce" is native), importing `module` first when the method is not registered yet."""
+    name = ALIASES.get(name, name)
+    if name not in METHODS and module is not None:
+        import_method_module(module)
+    if name not in METHODS:
+        where = (f"{module} was imported but registers no method {name!r}" if module is not None else
+                 "for one of your own, pass the file or module that registers it: train.py --method-module")
+        raise ValueError(f"unknown method {name!r}; expected one of the registered {list(METHODS)} ({where})")
+    return METHODS[name]
+
+
+def method_of(router_spec: dict | None) -> Method | None:
+    """The Method a router spec (model.router_spec, an adapter's "router") installs; None without one."""
+    return None if router_spec is None else lookup_method(router_spec["method"], router_spec.get("module"))
+
+
+for _m in (Method("native", NativeRouter, label="CE", not_exportable=None),
+           Method("dual", DualAffinityRouter, label="Dual Affinity", options=DUAL,
+                  heads={"affinity": ("copied_head_lr", 1e-3)},  # the paper's rate
+                  not_exportable="Dual Affinity mixes the native logits with a trained copy of the gate"),
+           Method("tes", TokenErrorRouter, label="TES", options=TES, prediction="error",
+                  heads={"error_head": ("error_head_lr", 1e-5)},  # the paper's rate
+                  not_exportable="TES attenuates the native logits with its learned error head "
+                                 "(a - gamma * phi(e_hat))"),
+           Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None)):
+    register_method(_m)
 
 
 # ----------------------------------------------------------------------------- set_router
@@ -252,17 +409,6 @@ def resolve_layers(layers, num_layers: int) -> list[int]:
     return sorted({int(i) for i in layers})
 
 
-def _build(method: str, opts: dict, gate: nn.Linear, config):
-    K, renorm = config.num_experts_per_tok, config.norm_topk_prob
-    if method == "dual":
-        return DualAffinityRouter(gate, K, renorm, opts["mix"])
-    if method == "tes":
-        w = gate.weight
-        return TokenErrorRouter(w.shape[1], w.shape[0], K, renorm, opts["gamma"], opts["tau"], opts["transform"],
-                                device=w.device, dtype=torch.float32)
-    return ConcentrationRouter(K, renorm) if method == "acs" else NativeRouter(K, renorm)
-
-
 def tuned_layers(router_spec: dict | None) -> list[int]:
     """The layers whose native gate trains ("+ affinity tuning"), as `router_spec` records them."""
     spec = router_spec or {}
@@ -279,34 +425,36 @@ def set_routing_trainable(model):
         layer.mlp.gate.weight.requires_grad_(i in tuned)
 
 
-def set_router(model, method: str = "native", layers="final", **options):
+def set_router(model, method: str = "native", layers="final", *, tune_router: bool = False,
+               module: str | None = None, **options):
     """Install `method`'s policy on the layers in scope and record `model.router_spec`.
 
     `set_router(model, **model.router_spec)` rebuilds the same structure (an adapter loader's
-    route). New heads are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it
-    is in scope and tune_router=True ("+ affinity tuning"), and then it is moved to fp32
-    (`set_routing_trainable`, `tuned_layers`). Install after moving the model to its dtype. Layers
-    out of scope get the native policy.
+    route); `module` is where a method from outside minimoe is registered (`lookup_method`). New heads
+    are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it is in scope and
+    tune_router=True ("+ affinity tuning"), and then it is moved to fp32 (`set_routing_trainable`,
+    `tuned_layers`). Install after moving the model to its dtype. Layers out of scope get the native
+    policy.
     """
-    if method not in METHOD_OPTIONS:
-        raise ValueError(f"set_router: unknown method {method!r}; expected one of {list(METHOD_OPTIONS)}")
-    unknown = sorted(set(options) - set(METHOD_OPTIONS[method]))
+    record = lookup_method(method, module)
+    unknown = sorted(set(options) - set(record.options))
     if unknown:
-        raise ValueError(f"set_router: option(s) {unknown} do not apply to method {method!r}; "
-                         f"it takes {sorted(METHOD_OPTIONS[method])}")
-    opts = {**METHOD_OPTIONS[method], **options}
-    if not isinstance(opts["tune_router"], bool):
-        raise ValueError(f"set_router: tune_router={opts['tune_router']!r}; expected True or False")
-    for name in ("mix", "gamma", "tau"):  # floats in the spec, so that it stays JSON-serialisable
-        if name in opts and _number(opts[name]):
+        raise ValueError(f"set_router: option(s) {unknown} do not apply to method {record.name!r}; "
+                         f"it takes {sorted(['tune_router', *record.options])}")
+    if not isinstance(tune_router, bool):
+        raise ValueError(f"set_router: tune_router={tune_router!r}; expected True or False")
+    opts = {**record.options, **options}
+    for name, default in record.options.items():  # floats in the spec, so that it stays JSON-serialisable
+        if isinstance(default, float) and _number(opts[name]):
             opts[name] = float(opts[name])
     blocks = [layer.mlp for layer in model.model.layers]
     scope = resolve_layers(layers, len(blocks))
     c = model.config
     # Build every router first, so that a bad option leaves the model untouched.
-    routers = [_build(method, opts, mlp.gate, c) if i in scope else NativeRouter(c.num_experts_per_tok, c.norm_topk_prob)
-               for i, mlp in enumerate(blocks)]
-    model.router_spec = {"method": method, "layers": scope, **opts}
+    routers = [record.policy.from_gate(mlp.gate, c, **opts) if i in scope
+               else NativeRouter(c.num_experts_per_tok, c.norm_topk_prob) for i, mlp in enumerate(blocks)]
+    model.router_spec = {"method": record.name, "layers": scope, "tune_router": tune_router, **opts,
+                         **({"module": record.module} if record.module else {})}
     tuned = tuned_layers(model.router_spec)
     for i, (mlp, router) in enumerate(zip(blocks, routers)):
         mlp.router = router

@@ -47,6 +47,7 @@ from safetensors.torch import load_file
 from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
 from minimoe.checkpoint import DTYPES
 from minimoe.eval_folder import EVAL, is_base
+from minimoe.routing import lookup_method
 
 log = logging.getLogger(__name__)
 
@@ -122,11 +123,12 @@ def pad_id(config_or_tokenizer) -> int:
     return 0
 
 
-def method_label(method: str, objective: str | None, tune_router: bool = False) -> str:
-    """The paper's row names: CE, Dual Affinity, TES-IS, ACS-ENLL + affinity tuning, ...; without an
-    objective (an adapter outside a run) the method alone: TES, ACS."""
-    base = {"native": "CE", "ce": "CE", "dual": "Dual Affinity"}.get(method)
-    base = base or (f"{method.upper()}-{objective.upper()}" if objective else method.upper())
+def method_label(method: str, objective: str | None, tune_router: bool = False, module: str | None = None) -> str:
+    """The paper's row names from the method's record (routing.Method.label): CE, Dual Affinity, TES-IS,
+    ACS-ENLL + affinity tuning, ...; a supervised method's without an objective (an adapter outside
+    a run) is the method alone: TES, ACS. `module`: where a method from outside minimoe is registered."""
+    record = lookup_method(method, module)
+    base = f"{record.label}-{objective.upper()}" if record.prediction is not None and objective else record.label
     return base + (" + affinity tuning" if tune_router else "")
 
 
@@ -158,7 +160,9 @@ class AdapterSource:
     @property
     def label(self) -> str:
         """The run's label (e.g. "TES-IS"); outside a run the router method, "CE" for LoRA on native routing."""
-        return self.run_config.get("label") or method_label((self.router or {}).get("method", "native"), None)
+        router = self.router or {}
+        return self.run_config.get("label") or method_label(router.get("method", "native"), None,
+                                                            module=router.get("module"))
 
 
 def read_json(path: Path) -> dict:

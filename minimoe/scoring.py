@@ -15,7 +15,7 @@ predicted at the prompt's last position; in a packed row that one position predi
 token of *every* candidate. The model runs its LM head only at these n positions (`logits_at`),
 so no [rows, T, V] tensor is built.
 
-Routing supervision (TES/ACS) and the diagnostics read the gold candidate's answer positions only
+Routing supervision (the supervised methods) and the diagnostics read the gold candidate's answer positions only
 (`supervised_mask`): prompt tokens other than its last, padding and the other candidates are
 excluded, the choice this codebase makes for "the observed next-token CE of the gold answer's
 tokens". In both layouts these positions are distinct and hold the same hidden states.

@@ -7,7 +7,7 @@
 - `RoutingStats` sums, over one optimizer step's micro-batches, for each diagnosed layer (the
   method's layer scope; the final layer for CE): the expert load (the fraction of the real tokens'
   top-K slots that each expert takes), the mean diagnostic C_t at the gold answer tokens (the
-  supervised positions, as evaluate.py's diagnostics), and for TES the mean e_hat there beside the
+  supervised positions, as evaluate.py's diagnostics), and for an error-predicting method the mean e_hat beside the
   mean observed token loss it predicts. Under DDP these are rank 0's micro-batches only: they are a
   view of training, not part of its result. train.py writes them into metrics.jsonl's step lines
   ("routing"), so a run has them whether or not it reports to a tracker.
@@ -56,12 +56,13 @@ class RoutingStats:
             if n:
                 sums = self.sums[l]
                 sums["c_t"] += native_concentration(routing.logits[mask], self.k).double().sum().item()
-                if routing.e_hat is not None:
-                    sums["e_hat"] += routing.e_hat[mask].double().sum().item()
+                if routing.prediction is not None:  # reported as e_hat where the method predicts the error
+                    sums["e_hat"] += routing.prediction[mask].double().sum().item()
                     sums["token_loss"] += token_loss.flatten()[mask].double().sum().item()
 
     def summary(self, has_e_hat: bool) -> dict:
-        """{"layer<l>": {"load": [E fractions], "c_t": mean, ("e_hat", "token_loss"): means for TES}}."""
+        """{"layer<l>": {"load": [E fractions], "c_t": mean, ("e_hat", "token_loss"): means if has_e_hat}}.
+        has_e_hat: the method's prediction is a predicted token error (routing.Method.predicts_error)."""
         out = {}
         for l in self.layers:
             load = self.load[l] / self.load[l].sum().clamp_min(1)

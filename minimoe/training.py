@@ -25,10 +25,11 @@ Configuration: minimoe/config.py (`TrainConfig`, the recipes, run names).
 Optimisation decisions (paper, Experimental Configuration table):
 - Warmup steps are ceil(warmup * total steps), transformers' Trainer rule for a warmup ratio
   (`TrainingArguments.get_warmup_steps`): Granite ARC warms up 19 of its 375 steps, not 18.
-- Learning-rate groups (`make_optimizer`): LoRA at `lr`, the TES error head at `error_head_lr`
-  (1e-5), the Dual Affinity copy at `copied_head_lr` (1e-3). A native gate unfrozen by
-  --tune-router trains at the LoRA rate unless `router_lr` is given: the paper gives no rate of
-  its own for it, and it is an adapted pretrained weight like the LoRA-wrapped ones.
+- Learning-rate groups (`make_optimizer`): LoRA at `lr`, each head of the method at the rate its
+  record names (routing.METHODS: the paper's 1e-5 for the TES error head, 1e-3 for the Dual
+  Affinity copy). A native gate unfrozen by --tune-router trains at the LoRA rate unless
+  `router_lr` is given: the paper gives no rate of its own for it, and it is an adapted pretrained
+  weight like the LoRA-wrapped ones.
 """
 from __future__ import annotations
 
@@ -49,19 +50,38 @@ from minimoe.config import TrainConfig
 from minimoe.evaluation import diagnosed_layers, evaluate_split
 from minimoe.lora import add_lora
 from minimoe.objectives import load_balancing_loss, supervision_loss
-from minimoe.routing import METHOD_OPTIONS, set_router
+from minimoe.routing import Method, lookup_method, set_router
 from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
                           latest_checkpoint, read_json, read_metrics, remove_orphans, save_state, set_rng_state,
                           truncate_metrics, world)
 from minimoe.scoring import ChoiceBatch, choice_loss, choice_scores, forward_choices, make_choice_batch
 from minimoe.tracking import RoutingStats, Tracker
 
+def run_method(cfg: TrainConfig) -> Method:
+    """The run's routing method (routing.METHODS), its --method-module imported first if it has one."""
+    return lookup_method(cfg.method, cfg.method_module)
+
+
+def method_settings(cfg: TrainConfig) -> dict:
+    """The run's method options and heads' learning rates: `method_options`' (--method-option), else
+    TrainConfig's field of that name (a built-in method's), else the method's default."""
+    method, given = run_method(cfg), cfg.method_options or {}
+    for name in given:
+        if name in TrainConfig.__dataclass_fields__:
+            raise ValueError(f"--method-option {name}: a setting with a flag of its own (--{name.replace('_', '-')})")
+        if name not in method.settings:
+            raise ValueError(f"--method-option {name}: method {method.name!r} has no such option; it takes "
+                             f"{sorted(method.settings)}")
+    return {name: given.get(name, getattr(cfg, name, default))
+            for name, default in method.settings.items()}
+
+
 def install_method(model, cfg: TrainConfig):
     """LoRA on the recipe's targets, then the routing method (heads trainable, native gate frozen)."""
     add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
-    method = "native" if cfg.method == "ce" else cfg.method
-    options = {name: getattr(cfg, name) for name in METHOD_OPTIONS[method]}  # those this method takes
-    set_router(model, method, layers=cfg.layers, **options)
+    method, settings = run_method(cfg), method_settings(cfg)
+    set_router(model, method.name, layers=cfg.layers, tune_router=cfg.tune_router, module=method.module,
+               **{name: settings[name] for name in method.options})
 
 
 def check_install(model_config, cfg: TrainConfig, device: str):
@@ -96,8 +116,9 @@ def warmup_steps(total: int, fraction: float) -> int:
 
 def make_optimizer(model, cfg: TrainConfig):
     # A tuned native gate has no rate of its own in the paper: the LoRA rate unless --router-lr.
-    lrs = {"lora": cfg.lr, "error_head": cfg.error_head_lr, "copied_head": cfg.copied_head_lr,
-           "router": cfg.router_lr or cfg.lr}
+    settings = method_settings(cfg)
+    heads = {lr.removesuffix("_lr"): settings[lr] for lr, _ in run_method(cfg).heads.values()}  # adapters.param_groups
+    lrs = {"lora": cfg.lr, **heads, "router": cfg.router_lr or cfg.lr}
     groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}
               for name, params in trainable_parameters(model).items() if params]
     return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
@@ -128,7 +149,7 @@ def step_loss(model, batches, cfg: TrainConfig, counts, world_size, stats: Routi
             loss = task
             logs["task"] += task.item()
             mask = batch.supervised_mask
-            if cfg.method in ("tes", "acs") and mask.any():
+            if run_method(cfg).prediction is not None and mask.any():  # a supervised method
                 share = weight * mask.sum().item() / counts["tokens"]  # this micro-batch's part of the step's tokens
                 method = supervision_loss(out.routings, batch.at_supervised(-logp), mask, cfg.objective, eps=cfg.is_eps,
                                           depth_scaled=cfg.depth_scaled_lambda) * share
@@ -188,7 +209,7 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
     core = getattr(model, "module", model)  # under DDP, the model it wraps
     stats = RoutingStats(diagnosed_layers(core), core.config.num_experts, core.config.num_experts_per_tok)
     logs = {k: global_sum(v) for k, v in step_loss(model, batches, cfg, counts, world_size, stats).items()}
-    logs["routing"] = stats.summary(has_e_hat=cfg.method == "tes")  # this rank's micro-batches (tracking.py)
+    logs["routing"] = stats.summary(has_e_hat=run_method(cfg).predicts_error)  # this rank's micro-batches (tracking.py)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     logs["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip).item()
     check_step(logs, trainable, step)

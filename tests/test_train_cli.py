@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 import train
+from minimoe.routing import ALIASES
 from minimoe.tiny import tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -38,7 +39,8 @@ def test_every_method_trains_and_records_its_run(tmp_path, flags):
     """A few steps of each method: run folder complete, config resolved, heads saved, loss finite."""
     run = run_train(tmp_path, *flags)
     cfg = json.loads((run / "config.json").read_text())
-    assert cfg["method"] == flags[1] and cfg["lr"] == 2e-3 and cfg["lora_rank"] == 8  # recipe + flags resolved
+    assert cfg["method"] == ALIASES.get(flags[1], flags[1])  # ce = native
+    assert cfg["lr"] == 2e-3 and cfg["lora_rank"] == 8  # recipe + flags resolved
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["kind"] for s in steps] == ["step", "step", "epoch"]
     assert all(torch.isfinite(torch.tensor(s["loss"])) for s in steps if s["kind"] == "step")
@@ -570,7 +572,7 @@ def test_yaml_settings_file_starts_a_run_and_unknown_keys_are_named(tmp_path):
     train.main(["--config", str(tmp_path / "mine.yaml"), "--out-dir", str(tmp_path), "--run-name", "y",
                 "--data-dir", str(tmp_path / "splits")])
     cfg = json.loads((tmp_path / "y" / "config.json").read_text())
-    assert (cfg["method"], cfg["lora_targets"], cfg["max_train_examples"]) == ("ce", ["q", "v"], 8)
+    assert (cfg["method"], cfg["lora_targets"], cfg["max_train_examples"]) == ("native", ["q", "v"], 8)  # ce = native
     (tmp_path / "bad.json").write_text(json.dumps({"model": "tiny", "learning_rate": 1e-3}))
     with pytest.raises(ValueError, match="'learning_rate' is not a setting"):
         train.main(["--config", str(tmp_path / "bad.json"), "--out-dir", str(tmp_path), "--run-name", "bad"])

@@ -1,0 +1,33 @@
+"""A routing method of your own: native top-K over a / temperature + b, b a trained bias per expert.
+
+    python train.py --model tiny --method-module examples/my_method.py --method biased
+"""
+import torch
+import torch.nn as nn
+
+import minimoe
+from minimoe.routing import Method, NativeRouter, Routing, select_topk
+
+
+class BiasedRouter(NativeRouter):
+    def __init__(self, top_k, renormalize, num_experts, temperature, device=None):
+        super().__init__(top_k, renormalize)
+        self.temperature = temperature
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device))  # [E], fp32; zero: native at start
+
+    @classmethod
+    def from_gate(cls, gate, config, **options):  # one layer's policy; gate.weight [E, D]
+        E = gate.weight.shape[0]
+        return cls(config.num_experts_per_tok, config.norm_topk_prob, E, device=gate.weight.device, **options)
+
+    def forward(self, x, logits, experts=None):  # x [T, D]; logits [T, E] fp32, the native a_t
+        shifted = logits / self.temperature + self.bias
+        experts, weights = select_topk(shifted, self.top_k, self.renormalize, experts)
+        return Routing(logits=logits, experts=experts, weights=weights, routing_logits=shifted)
+
+
+minimoe.register_method(Method(
+    "biased", BiasedRouter, label="Biased",
+    options={"temperature": 1.0},  # --method-option temperature=2
+    heads={"bias": ("bias_lr", 1e-3)},  # trained at --method-option bias_lr=..., in its own optimizer group
+))
