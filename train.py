@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import minimoe
-from minimoe.allocator import keep_freed_memory
+from minimoe.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.atomic import atomic_file
 from minimoe.checkpoint import resolve_checkpoint
 from minimoe.cli import device
@@ -445,6 +445,7 @@ RESUME_MAY_DIFFER = ("provenance", "earlier_provenance", "cache_dir", "out_dir",
 def main(argv=None):
     args = parse_args(argv)
     keep_freed_memory()  # big gradient and logit blocks are reused, not faulted in again every step
+    limit_kernel_cache()  # bf16 on the CPU: one compiled kernel per matrix shape, a few hundred kept
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():

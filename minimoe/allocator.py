@@ -7,6 +7,11 @@ block (OLMoE: 0.25 to 1 GB per bank), so under glibc's defaults every step fault
 zero-filled by the kernel. `keep_freed_memory()` makes glibc serve big blocks from its heap as it
 does small ones, which is what PyTorch's caching allocator does on a GPU.
 
+limit_kernel_cache(): bound oneDNN's cache of compiled CPU kernels. Its bf16 matrix products (and
+the attention's) compile one kernel per matrix shape and keep up to 1024 of them, 0.5 to 1 MB each;
+each batch of new length brings a dozen new shapes, so over the default run the cache grew to the
+largest holder of memory after the weights (bench/RESULTS.md, "peak memory").
+
 advise_huge_pages(tensor): back a fresh tensor with 2 MB pages (Linux transparent huge pages).
 Filling fresh memory costs one page fault per 4 KB page; 2 MB pages take 512x fewer, at the same
 peak RSS. The measurements behind both are in bench/RESULTS.md.
@@ -20,6 +25,10 @@ import sys
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameter numbers, from glibc's <malloc.h>
 MADV_HUGEPAGE, HUGE_PAGE = 14, 2 * 2**20  # from Linux's <sys/mman.h>; x86-64 and arm64 (4 KB base pages)
+# oneDNN's cache of compiled kernels, and the cache of ideep (PyTorch's oneDNN wrapper) that holds
+# them too: each is read once, at its first use; ideep's crashes at 0 (torch 2.13).
+KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+KERNEL_CACHE = 256  # kernels kept: a training step's shapes, forward and backward, fit (bench/RESULTS.md)
 USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES")
 
 
@@ -44,6 +53,23 @@ def keep_freed_memory() -> bool:
     # mallopt returns 1 on success. A trim threshold of -1 turns trimming off (mallopt(3)); the
     # value is a C int, so no byte count could say "never" for more than 2 GB of freed memory.
     return bool(libc().mallopt(M_MMAP_MAX, 0)) and bool(libc().mallopt(M_TRIM_THRESHOLD, -1))
+
+
+def limit_kernel_cache(capacity: int = KERNEL_CACHE) -> bool:
+    """Keep at most `capacity` >= 1 compiled oneDNN kernels (default 1024), least recently used first out.
+
+    Process-wide; takes effect only if called before the process's first oneDNN kernel (the first
+    bf16 matrix product on a CPU), so call it at the top of your script, as train.py and evaluate.py
+    do. A kernel evicted and needed again is compiled again: results are the same bits. Returns
+    False, changing nothing, when the environment already sets either cache's size (KERNEL_CACHES).
+    """
+    if capacity < 1:
+        raise ValueError(f"limit_kernel_cache: capacity={capacity}; expected >= 1 (ideep's cache crashes at 0)")
+    if any(name in os.environ for name in KERNEL_CACHES):
+        return False
+    for name in KERNEL_CACHES:
+        os.environ[name] = str(capacity)
+    return True
 
 
 def advise_huge_pages(tensor) -> None:

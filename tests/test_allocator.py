@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from minimoe.allocator import KERNEL_CACHES
+
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
 # Page faults while filling a fresh 64 MB tensor (16,384 pages of 4 KB), twenty times in a row.
@@ -76,3 +78,48 @@ def test_advised_tensor_is_backed_by_huge_pages_and_keeps_its_values():
     block.copy_(torch.arange(block.numel(), dtype=torch.float32))
     assert anon_huge_bytes(block.data_ptr(), block.data_ptr() + block.nbytes) >= 7 * HUGE_PAGE  # the whole pages inside
     assert torch.equal(block[:5], torch.arange(5.0)) and block[-1].item() == block.numel() - 1
+
+
+# RSS growth over bf16 matrix products of 160 row counts (one compiled oneDNN kernel each), in GiB.
+KERNELS = """
+import json, sys, torch
+from pathlib import Path
+from minimoe.allocator import keep_freed_memory, limit_kernel_cache
+keep_freed_memory()
+applied = limit_kernel_cache(int(sys.argv[1])) if sys.argv[1] != "default" else None
+def rss():
+    line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmRSS:"))
+    return int(line.split()[1]) * 1024 / 2**30
+w, x = torch.randn(576, 576, dtype=torch.bfloat16), torch.randn(256, 576, dtype=torch.bfloat16)
+first = torch.nn.functional.linear(x[:63], w)
+before = rss()
+for rows in range(64, 224):
+    torch.nn.functional.linear(x[:rows], w)
+again = torch.nn.functional.linear(x[:63], w)  # its kernel evicted and compiled again when limited
+print(json.dumps({"applied": applied, "growth": rss() - before, "same": bool(torch.equal(first, again))}))
+"""
+
+
+def kernels(mode, **env):
+    clean = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHES}
+    out = subprocess.run([sys.executable, "-c", KERNELS, mode], env={**clean, **env}, capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def test_limit_kernel_cache_bounds_the_compiled_kernels_memory():
+    import torch
+    from minimoe.runs import native_bf16
+    real = dict(torch.cpu.get_capabilities()) if hasattr(torch.cpu, "get_capabilities") else {}  # conftest hides it
+    if not native_bf16(real):
+        pytest.skip("no native bf16 on this CPU: its matrix products compile no oneDNN kernels per shape")
+    default, limited = kernels("default"), kernels("16")
+    assert limited["applied"] is True
+    assert default["growth"] > 0.06, default  # 160 kernels of 0.5-1 MB kept
+    assert limited["growth"] < default["growth"] / 3, (default, limited)
+    assert default["same"] and limited["same"]  # a recompiled kernel gives the same bits
+
+
+def test_a_kernel_cache_setting_in_the_environment_wins():
+    for name in KERNEL_CACHES:
+        assert kernels("16", **{name: "1024"})["applied"] is False

@@ -218,9 +218,10 @@ def main(argv=None):
                         ("--max-length", args.max_length)):
         if value is not None and value < 1:
             parser.error(f"argument {flag}: {value}: expected an integer >= 1")
-    from minimoe.allocator import keep_freed_memory
+    from minimoe.allocator import keep_freed_memory, limit_kernel_cache
     from minimoe.evaluation import run_evaluation  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
+    limit_kernel_cache()  # bf16 on the CPU: one compiled kernel per matrix shape, a few hundred kept
     metrics = run_evaluation(
         out=args.out_dir, base_model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
         split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
