@@ -2,7 +2,7 @@
 the training examples and steps per epoch they give through train.py, and run names."""
 import pytest
 
-import train
+from minimoe.cli import train
 from conftest import tiny_config
 from minimoe.config import ABLATION_SETTINGS, flag_name, recipe_train_examples, run_name
 from minimoe.data import BENCHMARKS, Example
