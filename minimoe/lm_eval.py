@@ -1,7 +1,7 @@
 """minimoe as an lm-evaluation-harness model, for any method (TES and Dual Affinity included).
 
     pip install -e ".[lmeval]"
-    python -m minimoe.lm_eval run --model minimoe --model_args pretrained=weights/tiny-olmoe,adapter=runs/<run> \\
+    minimoe-lm-eval --model minimoe --model_args pretrained=weights/tiny-olmoe,adapter=runs/<run> \\
         --tasks arc_easy --batch_size 8
     # in Python, after `import minimoe.lm_eval`: lm_eval.simple_evaluate(model="minimoe", model_args=...)
 
@@ -10,10 +10,11 @@ train.py run folder or an adapter folder), checkpoint (last | selected, for a ru
 dtype (auto | float32 | bfloat16), device (auto | cpu | cuda), max_length (default: the model's
 max_position_embeddings), allow_other_base; --batch_size is contexts per forward.
 
-`python -m minimoe.lm_eval` is lm-eval's own CLI with this model registered. lm-eval 0.4.13 finds
-models only in its own table (lm_eval.models.MODEL_MAPPING) and does not read the `lm_eval.models`
-entry point that setup.cfg declares, so the plain `lm_eval --model minimoe` works only in a process
-that has imported this module.
+`minimoe-lm-eval ARGS` (= `python -m minimoe.lm_eval ARGS`) is `lm_eval ARGS`, lm-eval's own CLI with its
+argv unchanged, in a process that has registered this model. lm-eval 0.4.13 finds models only in its own
+table (lm_eval.models.MODEL_MAPPING) and in classes registered by modules already imported; it does not read
+the `lm_eval.models` entry point that setup.cfg declares (kept for harness versions that do), so the plain
+`lm_eval --model minimoe` fails there.
 
 Decisions (matching lm-eval's `hf` model, which the tests compare against on the same folder):
 - Tokens: no special tokens; a context's trailing spaces move to the continuation; the
@@ -30,7 +31,9 @@ Decisions (matching lm-eval's `hf` model, which the tests compare against on the
 """
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import lm_eval.models  # noqa: F401  lm-eval's own table first: get_model() skips it once the registry is not empty
 import torch
@@ -46,6 +49,38 @@ from minimoe.runs import pad_id, pick_device, pick_dtype, read_json, resolve_ada
 from minimoe.scoring import forward_choices, pack_choices
 
 log = logging.getLogger(__name__)
+
+
+MCQA_TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: answer
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def write_mcqa_task(folder, name: str, examples) -> Path:
+    """minimoe's MCQA examples (minimoe.data.Example) as an lm-eval task on local JSONL, with lm-eval's ARC
+    prompt, choices and metrics: folder/test.jsonl and folder/task.yaml, for `--include_path folder --tasks name`."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "test.jsonl", "w") as f:
+        for ex in examples:
+            f.write(json.dumps({"question": ex.question, "choices": list(ex.choices), "answer": ex.answer}) + "\n")
+    (folder / "task.yaml").write_text(MCQA_TASK.format(name=name, data=(folder / "test.jsonl").resolve()))
+    return folder
 
 
 def _flag(value) -> bool:
@@ -187,6 +222,11 @@ class MiniMoELM(LM):
         return texts
 
 
-if __name__ == "__main__":  # lm-eval's CLI, with "minimoe" registered
+def main() -> None:
+    """lm-eval's own CLI (`lm_eval ...`, argv as given) in a process where "minimoe" is registered."""
     from lm_eval.__main__ import cli_evaluate
     cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -14,7 +14,8 @@ from minimoe.cli import train
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = {"minimoe-train": "train.py", "minimoe-eval": "evaluate.py", "minimoe-sweep": "sweep.py",
-            "minimoe-export": "export.py", "minimoe-upcycle": "python -m minimoe.upcycle"}  # what --help names
+            "minimoe-export": "export.py", "minimoe-upcycle": "python -m minimoe.upcycle",
+            "minimoe-lm-eval": "lm-eval"}  # what --help names
 
 
 def declared_commands() -> dict:
@@ -25,7 +26,7 @@ def declared_commands() -> dict:
 
 
 def test_console_commands_are_declared_and_installed():
-    """setup.cfg declares the five; each target imports; where the package is installed with its entry
+    """setup.cfg declares the six; each target imports; where the package is installed with its entry
     points (pip install -e ., as CI does), each command is on PATH, and `--help` prints the script's help."""
     declared = declared_commands()
     assert set(declared) == set(COMMANDS)

@@ -2,6 +2,10 @@
 here on local JSONL files, the same tiny checkpoint folder; and TES through an adapter against a plain
 forward of each context + continuation."""
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,29 +18,13 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 from minimoe.adapters import save_adapter  # noqa: E402
 from minimoe.checkpoint import from_pretrained, save_pretrained  # noqa: E402
 from minimoe.data import load_split  # noqa: E402
-from minimoe.lm_eval import MiniMoELM  # noqa: E402
+from minimoe.lm_eval import MiniMoELM, write_mcqa_task  # noqa: E402
 from minimoe.lora import add_lora  # noqa: E402
 from minimoe.routing import set_router  # noqa: E402
 from minimoe.tiny import tiny_checkpoint  # noqa: E402
 
-TASK = """task: minimoe_local_mcqa
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-test_split: test
-output_type: multiple_choice
-doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
-doc_to_choice: "{{{{choices}}}}"
-doc_to_target: answer
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-"""
+TASK = "minimoe_local_mcqa"
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -55,16 +43,11 @@ def sharp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("task")
-    examples = load_split("arc_challenge", "val", data_dir=root / "splits", seed=42)[:24]
-    with open(root / "test.jsonl", "w") as f:
-        for ex in examples:
-            f.write(json.dumps({"question": ex.question, "choices": list(ex.choices), "answer": ex.answer}) + "\n")
-    (root / "task.yaml").write_text(TASK.format(data=root / "test.jsonl"))
-    return root
+    return write_mcqa_task(root / "task", TASK, load_split("arc_challenge", "val", data_dir=root / "splits", seed=42)[:24])
 
 
 def evaluate(model, model_args, task_dir):
-    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["minimoe_local_mcqa"],
+    return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK],
                                    task_manager=TaskManager(include_path=str(task_dir)), batch_size=4,
                                    log_samples=True, random_seed=0)
 
@@ -72,11 +55,33 @@ def evaluate(model, model_args, task_dir):
 def test_local_task_scores_as_lm_evals_hf_model(sharp, task_dir):
     ours = evaluate("minimoe", f"pretrained={sharp},dtype=float32", task_dir)
     theirs = evaluate("hf", f"pretrained={sharp},dtype=float32,device=cpu", task_dir)
-    a, b = ours["results"]["minimoe_local_mcqa"], theirs["results"]["minimoe_local_mcqa"]
+    a, b = ours["results"][TASK], theirs["results"][TASK]
     assert (a["acc,none"], a["acc_norm,none"]) == (b["acc,none"], b["acc_norm,none"])
-    ll = lambda result: [r[0] for s in result["samples"]["minimoe_local_mcqa"] for r in s["filtered_resps"]]
+    ll = lambda result: [r[0] for s in result["samples"][TASK] for r in s["filtered_resps"]]
     assert ll(ours) == pytest.approx(ll(theirs), abs=1e-4)
     assert len(set(round(x, 3) for x in ll(ours))) > len(ll(ours)) // 2  # spread, not a constant
+
+
+def test_the_console_command_is_lm_evals_own_cli_with_minimoe_registered(sharp, task_dir, tmp_path):
+    """minimoe-lm-eval (setup.cfg's target, minimoe.cli:lm_eval) hands its argv to lm-eval's CLI unchanged:
+    lm-eval's own flags act (--include_path, --limit, --output_path, --log_samples, the legacy form without
+    `run`), and the results file holds the scores and log-likelihoods of simple_evaluate in this process."""
+    out = tmp_path / "out"
+    flags = ["--model", "minimoe", "--model_args", f"pretrained={sharp},dtype=float32", "--include_path", str(task_dir),
+             "--tasks", TASK, "--limit", "6", "--batch_size", "4", "--output_path", str(out), "--log_samples"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", "from minimoe.cli import lm_eval; lm_eval()", *flags], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"][TASK]
+    samples = [json.loads(line) for line in next(out.rglob(f"samples_{TASK}_*.jsonl")).read_text().splitlines()]
+    here = lm_eval.simple_evaluate(model="minimoe", model_args=f"pretrained={sharp},dtype=float32", tasks=[TASK],
+                                   task_manager=TaskManager(include_path=str(task_dir)), batch_size=4, limit=6,
+                                   log_samples=True)
+    assert (results["acc,none"], results["acc_norm,none"]) == \
+        (here["results"][TASK]["acc,none"], here["results"][TASK]["acc_norm,none"])
+    ll = lambda rows: [float(r[0]) for s in sorted(rows, key=lambda s: s["doc_id"]) for r in s["filtered_resps"]]
+    assert len(samples) == 6 and ll(samples) == pytest.approx(ll(here["samples"][TASK]), abs=1e-6)
 
 
 def test_rolling_and_generation_equal_the_hf_model(sharp):

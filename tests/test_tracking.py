@@ -1,6 +1,8 @@
 """minimoe.tracking: routing statistics against evaluate.py's diagnostics, TensorBoard event files that
-tensorboard's own reader loads, and the training-curve plot."""
+tensorboard's own reader loads, an offline W&B run's records, and the training-curve plot."""
 import json
+import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -53,6 +55,13 @@ def test_routing_stats_equal_a_direct_count_and_the_evaluation_diagnostics(tmp_p
     assert np.std(arrays.e_hat[0]) > 1e-3  # the comparison is not between constants
 
 
+# what a TES run of SMOKE reports: layer3 is the tiny model's final layer (TES's default scope), 8 experts
+EXPECTED_TAGS = {f"train/{k}" for k in ("loss", "task", "method", "aux", "grad_norm", "lr", "tokens_per_s", "seconds")}
+EXPECTED_TAGS |= {"val/choice_nll", "val/accuracy", "val/seconds"}
+EXPECTED_TAGS |= {f"routing/layer3/{k}" for k in ("c_t", "e_hat", "token_loss")}
+EXPECTED_TAGS |= {f"routing/layer3/load/expert{e}" for e in range(8)}
+
+
 def test_tensorboard_event_files_hold_every_metrics_line(tmp_path):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"), *SMOKE,
@@ -62,11 +71,7 @@ def test_tensorboard_event_files_hold_every_metrics_line(tmp_path):
     reader = event_accumulator.EventAccumulator(str(run / "tensorboard"))
     reader.Reload()
     last = "layer3"  # the tiny model's final layer: TES's default scope
-    expected = {f"train/{k}" for k in ("loss", "task", "method", "aux", "grad_norm", "lr", "tokens_per_s", "seconds")}
-    expected |= {"val/choice_nll", "val/accuracy", "val/seconds"}
-    expected |= {f"routing/{last}/{k}" for k in ("c_t", "e_hat", "token_loss")}
-    expected |= {f"routing/{last}/load/expert{e}" for e in range(8)}
-    assert set(reader.Tags()["scalars"]) == expected
+    assert set(reader.Tags()["scalars"]) == EXPECTED_TAGS
     steps = [r for r in records if r["kind"] == "step"]
     assert [e.step for e in reader.Scalars("train/loss")] == [r["step"] for r in steps] == [1, 2, 3, 4]
     assert [e.value for e in reader.Scalars("train/loss")] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
@@ -78,6 +83,58 @@ def test_tensorboard_event_files_hold_every_metrics_line(tmp_path):
                                                                                 rel=1e-6)
     loads = [sum(r["routing"][last]["load"]) for r in steps]
     assert loads == pytest.approx([1.0] * len(steps), abs=1e-5)
+
+
+def wandb_records(path: Path):
+    """The protobuf Records of an offline run's .wandb file: a 7-byte W&B header, then LevelDB's log format
+    (32 KiB blocks of chunks: crc32 u32, length u16, type u8 = 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+    data, block, pos, pending = path.read_bytes(), 32768, 7, b""
+    assert data[:4] == b":W&B", path
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def test_wandb_offline_run_holds_every_metrics_line(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    for name, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("WANDB_DIR", str(tmp_path)),
+                        ("WANDB_CONFIG_DIR", str(tmp_path / "config")), ("WANDB_CACHE_DIR", str(tmp_path / "cache"))):
+        monkeypatch.setenv(name, value)
+    train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"), *SMOKE,
+                "--method", "tes", "--report-to", "wandb"])
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    [log] = run.glob("wandb/offline-run-*/run-*.wandb")
+    history, config = {}, {}
+    for record in wandb_records(log):
+        if record.WhichOneof("record_type") == "history":
+            # a key with "/" is stored split, in nested_key
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            history.setdefault(record.history.step.num, {}).update(items)
+        elif record.WhichOneof("record_type") == "run":
+            config = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                      for item in record.run.config.update}
+    assert config["method"] == "tes" and config["report_to"] == "wandb"  # the run's config.json
+    assert set().union(*history.values()) - {"_step", "_runtime", "_timestamp"} == EXPECTED_TAGS
+    steps = [r for r in records if r["kind"] == "step"]
+    assert sorted(history) == [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [history[r["step"]]["train/loss"] for r in steps] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
+    assert [history[r["step"]]["routing/layer3/load/expert0"] for r in steps] == \
+        pytest.approx([r["routing"]["layer3"]["load"][0] for r in steps], rel=1e-6)
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [history[r["step"]]["val/choice_nll"] for r in epochs] == pytest.approx([r["val_choice_nll"] for r in epochs])
 
 
 def test_plot_draws_several_runs_on_one_png(tmp_path, capsys):

@@ -6,6 +6,8 @@
     minimoe-sweep    python sweep.py         minimoe/cli/sweep.py      minimoe.cli.sweep:command
     minimoe-export   python export.py        minimoe/cli/export.py     minimoe.cli.export:command
     minimoe-upcycle  python -m minimoe.upcycle  minimoe/upcycle.py     minimoe.upcycle:main
+    minimoe-lm-eval  python -m minimoe.lm_eval  minimoe/lm_eval.py     minimoe.cli:lm_eval (lm-eval's own CLI, the
+                                                                       model "minimoe" registered; the lmeval extra)
 Each command module is named after its script and holds the whole CLI: its parser, `main(argv=None)`,
 which returns what it made (metrics, cells) and raises on bad input, for tests and for code that calls
 it, and `command()`, the console entry point (setup.cfg) and the script's `__main__`: `main` with bad
@@ -64,3 +66,14 @@ def run_command(main, prog: str, status: int = 2) -> None:
     except (OSError, ValueError, KeyError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(status)
+
+
+def lm_eval():
+    """minimoe-lm-eval: minimoe.lm_eval.main, or one line saying what to install."""
+    try:
+        from minimoe.lm_eval import main
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "lm_eval":
+            raise
+        sys.exit('minimoe-lm-eval: lm-evaluation-harness is not installed; pip install -e ".[lmeval]"')
+    main()
