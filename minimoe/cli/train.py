@@ -107,7 +107,7 @@ def method_option(text: str):
 
 
 def read_by(setting: str) -> str:
-    """'tes' for --gamma: the methods whose record reads the setting (routing.METHODS)."""
+    """The methods whose record reads the setting (routing.METHODS), for its flag's help."""
     return ", ".join(m.name for m in METHODS.values() if setting in m.settings)
 
 
@@ -264,7 +264,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--stop-after-steps", type=COUNT, help=argparse.SUPPRESS)  # likewise, after a global step
     g.add_argument("--quiet", action="store_true", help="no progress bars")
     g.add_argument("--report-to", default=D.report_to, choices=["none", "tensorboard", "wandb"],
-                   help="also log every metrics.jsonl line, with per-layer expert load, C_t and (TES) e_hat, to "
+                   help="also log every metrics.jsonl line, with per-layer expert load, C_t and e_hat, to "
                    "TensorBoard (RUN/tensorboard) or Weights & Biases (offline with WANDB_MODE=offline); needs "
                    "pip install -e \".[tensorboard]\" or \".[wandb]\" (default: %(default)s)")
     return p
