@@ -253,7 +253,7 @@ class TokenErrorRouter(NativeRouter):
 # ----------------------------------------------------------------------------- the methods' table
 
 # What export_peft and export_merged say of a method that does not declare that it routes natively.
-NOT_NATIVE = "its policy is not the family's native top-K"
+NOT_NATIVE = "its policy replaces the family's native top-K"
 
 
 @dataclass(eq=False)

@@ -45,7 +45,7 @@ from minimoe.diagnostics import PAPER_SEEDS, partial_reason
 from minimoe.eval_folder import METRICS, eval_dir, test_evaluation, tokens_file
 from minimoe.runs import method_label, read_metrics
 
-TRAIN_PY = Path(__file__).resolve().parents[1] / "train.py"
+TRAIN = ("-m", "minimoe.cli.train")  # train.py as the package runs it: no checkout needed (minimoe/cli/train.py)
 BENCHMARKS = ("arc_challenge", "openbookqa", "sciq", "medmcqa")
 
 # The accuracy table's nine rows (tab:downstream_accuracy) as train.py flags.
@@ -237,10 +237,9 @@ def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=No
 
 
 def train_module():
-    """train.py as a module: its flags and their resolution are the one source of a cell's settings."""
-    if "train" not in sys.modules and str(TRAIN_PY.parent) not in sys.path:
-        sys.path.insert(0, str(TRAIN_PY.parent))
-    import train
+    """train.py's code, minimoe/cli/train.py: its flags and their resolution are the one source of a cell's
+    settings (imported when asked: it loads the whole training stack)."""
+    from minimoe.cli import train
     return train
 
 
@@ -269,7 +268,7 @@ def train_command(cell: Cell, nproc: int = 1) -> list[str]:
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    return [*launcher, str(TRAIN_PY), *cell.train_args(resume=(cell.run / "config.json").is_file())]
+    return [*launcher, *TRAIN, *cell.train_args(resume=(cell.run / "config.json").is_file())]
 
 
 def train_eval_command(cell: Cell) -> list[str]:

@@ -43,7 +43,7 @@ def tiny_model(family: str, seed: int = 0, std: float = 0.2, **overrides) -> MoE
 @pytest.fixture(autouse=True)
 def no_default_model_download(monkeypatch):
     """A test that runs train.py without --model would fetch SmolLM2 from the registry: fail it instead."""
-    import train
+    from minimoe.cli import train
 
     def refuse():
         raise AssertionError("a test asked for the default model (a download); pass --model tiny")

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from minimoe.cli import evaluate, sweep
-import train
+from minimoe.cli import train
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = {"minimoe-train": "train.py", "minimoe-eval": "evaluate.py", "minimoe-sweep": "sweep.py",
@@ -40,7 +40,7 @@ def test_console_commands_are_declared_and_installed():
     assert set(COMMANDS) <= installed
     paths = {name: shutil.which(name) or str(Path(sys.executable).parent / name) for name in COMMANDS}
     assert all(Path(path).is_file() for path in paths.values()), paths
-    # Run two, one of each kind of target (a script through minimoe.cli, a module's main); each imports torch.
+    # Run two, one of each kind of target (a command module's `command`, a library module's main); each imports torch.
     runs = {name: subprocess.Popen([paths[name], "--help"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for name in ("minimoe-train", "minimoe-upcycle")}
     for name, proc in runs.items():
@@ -49,15 +49,16 @@ def test_console_commands_are_declared_and_installed():
         assert out.startswith(f"usage: {COMMANDS[name]} "), (name, out[:80])
 
 
-IN_PACKAGE = {"minimoe-eval": "evaluate", "minimoe-sweep": "sweep", "minimoe-export": "export"}  # -> minimoe/cli/
+IN_PACKAGE = {"minimoe-train": "train", "minimoe-eval": "evaluate", "minimoe-sweep": "sweep",
+              "minimoe-export": "export"}  # -> minimoe/cli/
 
 
 def test_console_commands_run_from_a_wheel_without_the_checkout(tmp_path):
     """The commands are the package's functions, not the checkout's scripts: setup.cfg points each at
     minimoe.cli.<script>:command, and a wheel built from the package alone (setup.cfg, README, minimoe/;
     no top-level scripts) installs them into an empty folder (pip, no dependencies: seconds). There,
-    from a folder outside any checkout, `minimoe-eval --help` and `minimoe-export --help` print their
-    usage and a bare `minimoe-sweep` lists the presets with exit status 0 (a console script exits with
+    from a folder outside any checkout, `minimoe-train --help`, `minimoe-eval --help` and
+    `minimoe-export --help` print their usage and a bare `minimoe-sweep` lists the presets with exit status 0 (a console script exits with
     its function's return value: a returned list would print and exit 1)."""
     declared = declared_commands()
     assert {name: declared[name] for name in IN_PACKAGE} == {
@@ -70,7 +71,7 @@ def test_console_commands_run_from_a_wheel_without_the_checkout(tmp_path):
                     "--target", str(target), str(source)], check=True, capture_output=True)
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}  # this wheel's minimoe, before the editable install's
-    calls = {"minimoe-eval": ["--help"], "minimoe-export": ["--help"], "minimoe-sweep": []}
+    calls = {"minimoe-train": ["--help"], "minimoe-eval": ["--help"], "minimoe-export": ["--help"], "minimoe-sweep": []}
     runs = {name: subprocess.Popen([str(target / "bin" / name), *args], cwd=elsewhere, env=env, text=True,
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, args in calls.items()}
     out = {}
@@ -79,6 +80,7 @@ def test_console_commands_run_from_a_wheel_without_the_checkout(tmp_path):
         assert proc.returncode == 0, (name, err[-800:])
     assert out["minimoe-eval"].startswith("usage: evaluate.py ") and "report" in out["minimoe-eval"]
     assert out["minimoe-export"].startswith("usage: export.py ")
+    assert out["minimoe-train"].startswith("usage: train.py ") and "--method-module" in out["minimoe-train"]
     assert "--preset" in out["minimoe-sweep"] and all(name in out["minimoe-sweep"] for name in sweep.PRESETS)
     assert not (elsewhere / "runs").exists()
 

@@ -2,7 +2,7 @@
 the training examples and steps per epoch they give through train.py, and run names."""
 import pytest
 
-import train
+from minimoe.cli import train
 from conftest import tiny_config
 from minimoe.config import ABLATION_SETTINGS, flag_name, recipe_train_examples, run_name
 from minimoe.data import BENCHMARKS, Example
@@ -89,3 +89,15 @@ def test_flag_name_is_train_pys_flag_for_every_setting_a_sweep_cell_passes():
     options = {option: action.dest for action in train.parser()._actions for option in action.option_strings}
     fields = {*ABLATION_SETTINGS, *(key for row in ROWS.values() for key in row)}
     assert {flag_name(key): key for key in fields}.items() <= options.items()
+
+
+def test_every_built_in_method_setting_is_a_field_and_a_flag_with_its_records_default():
+    """routing.METHODS holds each built-in option's and head learning rate's default; TrainConfig's field
+    and train.py's flag of that name show the same value, so neither can drift from the record."""
+    from minimoe.config import TrainConfig
+    from minimoe.routing import METHODS
+    defaults = {a.dest: a.default for a in train.parser()._actions}
+    settings = {k: v for m in METHODS.values() if m.module is None for k, v in m.settings.items()}
+    assert set(settings) == {"gamma", "tau", "transform", "mix", "error_head_lr", "copied_head_lr"}
+    for name, default in settings.items():
+        assert getattr(TrainConfig, name) == default == defaults[name], name

@@ -323,7 +323,7 @@ def test_hub_download_is_pinned_and_fetches_only_the_partitions_read(name, fake_
 def test_data_revision_overrides_the_pin_and_must_match_the_built_splits(fake_hub, tmp_path, monkeypatch):
     """revision= (train.py --data-revision) reaches the download; splits built at another revision are
     refused rather than reused; offline copies take no revision."""
-    import train
+    from minimoe.cli import train
     from conftest import tiny_config
     other = "f" * 40
     data.load_split("medmcqa", "test", data_dir=tmp_path, source="hub", revision=other)

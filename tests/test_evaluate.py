@@ -303,7 +303,7 @@ def test_train_population_of_a_cut_run_is_exactly_its_trained_examples(toy, tmp_
     """A TES run cut by --max-train-examples 7 (of 30): the train-side diagnostics, at the end of
     train.py and from evaluate.py --adapter RUN, score exactly the examples the loop trained on
     (recorded from the loop), not the uncut split."""
-    import train
+    from minimoe.cli import train
     from minimoe import evaluation, training
     trained, scored = set(), []
     real_batches, real_evaluate = training.micro_batches, evaluation.evaluate_split

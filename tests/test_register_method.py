@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train
+from minimoe.cli import train
 from minimoe.cli import evaluate
 from minimoe.routing import Method, NativeRouter, lookup_method, register_method
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from minimoe.cli import evaluate, sweep
-import train
+from minimoe.cli import train
 from minimoe import sweep as sw
 from minimoe.atomic import MARKER, atomic_directory
 from minimoe.data import check_disjoint, load_examples, load_split

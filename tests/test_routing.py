@@ -400,3 +400,18 @@ def test_bad_options_raise_clear_errors(kwargs, match):
 def test_acs_with_one_expert_per_token_raises():
     with pytest.raises(ValueError, match="K >= 2"):
         set_router(tiny_model(top_k=1), "acs")
+
+
+@pytest.mark.parametrize("name", ["native", "dual", "tes", "acs"])
+def test_each_record_says_what_its_policy_does(name):
+    """A Method record's claims against its policy on a model: supervised exactly when every layer in scope
+    sets Routing.prediction; its heads are exactly the trainable modules under `.mlp.router.`."""
+    record = METHODS[name]
+    model = set_router(tiny_model(), name, "all")
+    out = model(torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0)))
+    assert [r.prediction is not None for r in out.routings] == [record.prediction is not None] * len(out.routings)
+    trained = {n.split(".mlp.router.")[1].split(".")[0] for n, p in model.named_parameters()
+               if ".mlp.router." in n and p.requires_grad}
+    assert trained == set(record.heads)
+    assert (record.not_exportable is None) == (name in ("native", "acs"))  # the two that route natively
+

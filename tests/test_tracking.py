@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minimoe.cli import evaluate
-import train
+from minimoe.cli import train
 from minimoe.data import load_split
 from minimoe.evaluation import evaluate_split
 from minimoe.checkpoint import from_pretrained, load_tokenizer

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import train
+from minimoe.cli import train
 from minimoe.routing import ALIASES
 from minimoe.tiny import tiny_checkpoint
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from transformers import TrainingArguments, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
-import train
+from minimoe.cli import train
 from conftest import tiny_model
 from test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from minimoe.cli import evaluate
-import train
+from minimoe.cli import train
 from minimoe.data import load_split
 from minimoe.userdata import build_user_data
 

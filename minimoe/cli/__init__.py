@@ -1,7 +1,7 @@
 """The command lines: one module per command, and what they share (device strings, old flag names, errors).
 
     command          script                  code                      console form
-    minimoe-train    python train.py         train.py (checkout)       minimoe.cli:train (runs the script)
+    minimoe-train    python train.py         minimoe/cli/train.py      minimoe.cli.train:command
     minimoe-eval     python evaluate.py      minimoe/cli/evaluate.py   minimoe.cli.evaluate:command
     minimoe-sweep    python sweep.py         minimoe/cli/sweep.py      minimoe.cli.sweep:command
     minimoe-export   python export.py        minimoe/cli/export.py     minimoe.cli.export:command
@@ -15,8 +15,7 @@ input turned into one line `<script>: error: ...` and an exit status (`run_comma
 the top of the checkout are three-line shims, so `python evaluate.py` and `minimoe-eval` are one
 program, and the console commands work from any install, a wheel included. The commands keep their
 script's name as `prog` (`usage: evaluate.py ...`), the name the README and the errors use.
-train.py moves the same way (minimoe/cli/train.py with main and command; `minimoe.cli:train` and
-`_run_script` go then). upcycle is a library module whose CLI is small enough to stay beside it.
+upcycle is a library module whose CLI is small enough to stay beside it.
 
 One name per concept across the scripts (the old spellings are hidden aliases that warn, for one release):
     --eval-batch-size  examples per forward in scoring      (evaluate.py's --batch-size)
@@ -28,11 +27,8 @@ from __future__ import annotations
 
 import argparse
 import re
-import runpy
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout (train.py)
 DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
@@ -70,21 +66,6 @@ def run_command(main, prog: str, status: int = 2) -> None:
     except (OSError, ValueError, KeyError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(status)
-
-
-def _run_script(name: str) -> None:
-    script = ROOT / name
-    if not script.is_file():
-        sys.exit(f"minimoe: {script} not found; the console commands run the scripts of a source checkout "
-                 f"(git clone, then pip install -e .)")
-    sys.argv[0] = str(script)
-    sys.path.insert(0, str(ROOT))
-    runpy.run_path(str(script), run_name="__main__")
-
-
-def train():
-    """minimoe-train: train.py of the checkout, until it moves into minimoe/cli/ like the others."""
-    _run_script("train.py")
 
 
 def lm_eval():

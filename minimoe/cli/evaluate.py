@@ -22,8 +22,8 @@ an earlier evaluation, recognised by its .minimoe-written marker, or empty: anyt
   predictions.jsonl   one line per example: gold, predictions and per-candidate log-probabilities
   metrics.json        accuracy (mean-token, the paper's), accuracy_sum, accuracy_per_char, choice_nll,
                       identity keys for the report, and "diagnostics" per diagnosed MoE layer
-  tokens-<split>.npz  per gold-answer-token CE, target id, C_t (and e_hat for tes) for later analysis
-  error-prediction-layer<l>.png  tes only: standardised decile curves, train vs evaluated split
+  tokens-<split>.npz  per gold-answer-token CE, target id, C_t (and e_hat where the method predicts the error)
+  error-prediction-layer<l>.png  such methods only: standardised decile curves, train vs evaluated split
 See minimoe/evaluation.py for what each number is and the paper equation it follows.
 """
 from __future__ import annotations
@@ -106,7 +106,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
     diag = p.add_argument_group("routing diagnostics")
     diag.add_argument("--train-split-diagnostics", action=argparse.BooleanOptionalAction, default=None,
                       help="also score the train split, for train-vs-evaluated diagnostics and the train moments "
-                           "that standardise the tes decile curves (default: on for tes adapters, off otherwise)")
+                           "that standardise the e_hat decile curves (default: on for adapters whose method predicts "
+                           "the error, off otherwise)")
     compute = p.add_argument_group("compute")
     compute.add_argument("--eval-batch-size", type=int, default=16, metavar="N",
                          help="examples per forward; all their candidates run together (default: %(default)s)")

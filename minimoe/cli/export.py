@@ -9,8 +9,9 @@ Then, with peft and transformers installed:
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), OUT)
 or, for --merged, with transformers alone (or any server that loads the base model):
     model = AutoModelForCausalLM.from_pretrained(OUT)
-CE and ACS runs export, with or without affinity tuning; TES and Dual Affinity are refused (their heads
-change the routing function). See minimoe/export.py for the layout.
+Runs of a method that routes natively (CE, ACS) export, with or without affinity tuning; the others are
+refused, saying why (their heads change the routing function: routing.Method.not_exportable). See
+minimoe/export.py for the layout.
 """
 from __future__ import annotations
 
