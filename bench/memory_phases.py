@@ -59,13 +59,16 @@ class Phases:
 
 
 def saved_for_backward(model, batch) -> tuple[float, float]:
-    """(GiB autograd saves over one forward of `batch`, GiB of the LM head's fp32 logits): each storage once."""
+    """(GiB autograd saves over one forward of `batch`, GiB of the LM head's fp32 logits): each storage
+    once, the model's parameters left out (autograd keeps a reference to them, no copy)."""
     from minimoe.scoring import forward_choices
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # saved by reference, not new
     storages = {}
 
     def pack(t):
         s = t.untyped_storage()
-        storages[s.data_ptr()] = s.nbytes()
+        if s.data_ptr() not in weights:
+            storages[s.data_ptr()] = s.nbytes()
         return t
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out, logp = forward_choices(model, batch)

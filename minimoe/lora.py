@@ -34,6 +34,7 @@ Saving, loading and exporting what was trained: minimoe/adapters.py.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -47,6 +48,45 @@ TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_p
            "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
 ALIASES = {"experts": ("gate_up", "down")}
 DEFAULT_TARGETS = {"granitemoe": ("q", "k", "v", "experts"), "olmoe": ("q", "k", "v", "o", "experts")}
+
+
+@contextmanager
+def dropout_saved_as_mask(x, dtype, p: float, training: bool):
+    """Yields dropout(x.to(dtype)), F.dropout's CPU computation (noise = bernoulli(1 - p) / (1 - p);
+    x * noise): the same random draws and bits. Inside the block autograd saves the dropped tensor
+    and the noise, which the LoRA matmuls and the multiply need in backward, as x (in its own dtype)
+    and a 1-byte mask, and rebuilds them from those in backward. An fp32 LoRA input and its noise
+    are 8 bytes an element, two thirds of the default run's activations (bench/RESULTS.md); a bf16 x,
+    which q, k and v share, and the masks are 2 + 1 each.
+    """
+    if not training or p == 0 or not torch.is_grad_enabled():
+        yield F.dropout(x.to(dtype), p, training)
+        return
+    held, rebuilt = {}, {}  # the forward's tensors while the block runs; backward's rebuilt ones
+
+    def rebuild(name):
+        if not rebuilt:  # backward needs both; make them once
+            rebuilt["noise"] = keep.to(dtype).div_(1 - p)
+            rebuilt["out"] = x.to(dtype) * rebuilt["noise"]
+        return rebuilt[name]
+
+    def pack(t):
+        for name, full in held.items():
+            if t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() and t.dtype == full.dtype:
+                return name, t.shape, t.stride(), t.storage_offset()  # or a view of it (linear flattens)
+        return t
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        name, shape, stride, offset = packed
+        return rebuild(name).as_strided(shape, stride, offset)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):  # the multiply saves the noise too
+        held["noise"] = torch.empty_like(x, dtype=dtype).bernoulli_(1 - p).div_(1 - p)
+        keep = held["noise"] != 0  # bool
+        held["out"] = x.to(dtype) * held["noise"]
+        yield held["out"]
+    held.clear()  # only x and the mask stay
 
 
 class LoRAMixin:
@@ -107,8 +147,10 @@ class LoRALinear(LoRAMixin, nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if self.merged:
             return y
-        x, A, B = self.branch(x)
-        return self.add_delta(y, F.linear(F.linear(self.dropout(x), A), B))
+        _, A, B = self.branch(x)
+        with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
+            delta = F.linear(F.linear(dropped, A), B)
+        return self.add_delta(y, delta)
 
 
 class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
@@ -124,10 +166,12 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         y = expert_matmul(x, self.weight, dispatch)
         if self.merged:
             return y
-        x, A, B = self.branch(x)
-        a = expert_matmul(self.dropout(x), A, dispatch)  # [N, blocks*r]
-        pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
-        return self.add_delta(y, torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1))
+        _, A, B = self.branch(x)
+        with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
+            a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
+            pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
+            delta = torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1)
+        return self.add_delta(y, delta)
 
 
 def resolve_targets(targets) -> list[str]:

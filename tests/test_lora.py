@@ -1,11 +1,13 @@
 """Tests for minimoe.lora and minimoe.adapters: each test names the equation, reference implementation or bad input it checks."""
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import minimoe.lora
 import minimoe.model as M
 import minimoe.routing
 from minimoe.checkpoint import checkpoint_tensors, save_pretrained
@@ -516,3 +518,47 @@ def test_truncated_adapter_file_is_named(tmp_path, file):
     path.write_bytes(path.read_bytes()[:40])
     with pytest.raises(ValueError, match=f"{path}: not .*(truncated|corrupt)"):
         load_adapter(tiny("olmoe"), tmp_path / "a")
+
+
+@contextmanager
+def plain_dropout(x, dtype, p, training):
+    yield F.dropout(x.to(dtype), p, training)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dropout_saved_as_mask_gives_f_dropouts_bits_and_grads(family, dtype, monkeypatch):
+    """The LoRA input saved as (x, bool mask) and rebuilt in backward: the same random draws, loss
+    and LoRA gradients, bit for bit, as F.dropout with its fp32 input and noise saved (q/k/v/o and
+    the expert banks, a bf16 and an fp32 base)."""
+    def loss_and_grads():
+        model = add_lora(tiny(family), dropout=0.3, targets=["q", "k", "v", "o", "experts"]).to(dtype).train()
+        randomize_lora(model)
+        torch.manual_seed(5)
+        loss = model(ids(B=2, T=24)).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    loss, grads = loss_and_grads()
+    monkeypatch.setattr(minimoe.lora, "dropout_saved_as_mask", plain_dropout)
+    ref_loss, ref_grads = loss_and_grads()
+    assert torch.equal(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and len(grads) > 0
+    assert all(torch.equal(grads[n], ref_grads[n]) for n in grads), [n for n in grads if not torch.equal(grads[n], ref_grads[n])]
+
+
+def saved_tensors(grad_fn) -> list:
+    """What a backward node gives back for its saved tensors (unpacked: rebuilt if packed)."""
+    values = [getattr(grad_fn, name) for name in dir(grad_fn) if name.startswith("_saved_")]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def test_dropout_saved_as_mask_keeps_no_fp32_input_for_backward():
+    """The LoRA matmul's saved input is rebuilt from x and the mask when backward asks for it, so the
+    forward's fp32 dropped tensor is not what it holds; F.dropout's is (the test of the test)."""
+    x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    A = torch.randn(4, 32, requires_grad=True)
+    for dropout, packed in ((minimoe.lora.dropout_saved_as_mask, True), (plain_dropout, False)):
+        with dropout(x, torch.float32, 0.1, True) as dropped:
+            a = F.linear(dropped, A)
+        held = [t for t in saved_tensors(a.grad_fn) if t.shape == dropped.shape]
+        assert len(held) == 1 and torch.equal(held[0], dropped)
+        assert (held[0].untyped_storage().data_ptr() != dropped.untyped_storage().data_ptr()) == packed
