@@ -52,15 +52,15 @@ DEFAULT_TARGETS = {"granitemoe": ("q", "k", "v", "experts"), "olmoe": ("q", "k",
 
 @contextmanager
 def dropout_saved_as_mask(x, dtype, p: float, training: bool):
-    """Yields dropout(x.to(dtype)), F.dropout's CPU computation (noise = bernoulli(1 - p) / (1 - p);
+    """On the CPU, yields dropout(x.to(dtype)) as F.dropout computes it there (noise = bernoulli(1 - p) / (1 - p);
     x * noise): the same random draws and bits. Inside the block autograd saves the dropped tensor
     and the noise, which the LoRA matmuls and the multiply need in backward, as x (in its own dtype)
     and a 1-byte mask, and rebuilds them from those in backward. An fp32 LoRA input and its noise
     are 8 bytes an element, two thirds of the default run's activations (bench/RESULTS.md); a bf16 x,
     which q, k and v share, and the masks are 2 + 1 each.
     """
-    if not training or p == 0 or not torch.is_grad_enabled():
-        yield F.dropout(x.to(dtype), p, training)
+    if not training or p == 0 or not torch.is_grad_enabled() or x.device.type != "cpu":
+        yield F.dropout(x.to(dtype), p, training)  # elsewhere F.dropout's fused kernel draws otherwise
         return
     held, rebuilt = {}, {}  # the forward's tensors while the block runs; backward's rebuilt ones
 
