@@ -171,6 +171,14 @@ def machine() -> str:
             f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M %Z')}")
 
 
+def write_report(text: str, name: str) -> Path:
+    """Print a benchmark's markdown and keep it as results/<name>.md."""
+    print(text)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.md").write_text(text + "\n")
+    return RESULTS / f"{name}.md"
+
+
 def save(rows: list[Row], name: str, header: str = "") -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     md = (header + "\n\n" if header else "") + markdown(rows) + "\n"

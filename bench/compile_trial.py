@@ -33,8 +33,8 @@ from minimoe.runs import pad_id, pick_dtype  # noqa: E402
 from minimoe.scoring import forward_choices, make_choice_batch  # noqa: E402
 from minimoe.smollm import smollm_checkpoint  # noqa: E402
 from minimoe.training import install_method  # noqa: E402
+from bench.common import write_report  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 
 
 def timed(fn) -> tuple[float, object]:
@@ -108,9 +108,7 @@ def main(argv=None):
     except Exception as e:  # torch 2.13: grouped_mm's fake kernel takes bf16 only; the CPU LoRA branch is fp32
         use("eager")
         lines += ["", f"compiling the training step failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"]
-        print("\n".join(lines))
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / f"compile-trial-{args.target}.md").write_text("\n".join(lines) + "\n")
+        write_report("\n".join(lines), f"compile-trial-{args.target}")
         return
     compile_s["score"], c_logp = timed(lambda: score("compiled"))
     e_loss, e_grads = step("eager")
@@ -133,10 +131,7 @@ def main(argv=None):
     for w in ("step", "score"):
         e, c = times["eager", w], times["compiled", w]
         lines.append(f"| {w} | {spread(e)} | {spread(c)} | {statistics.median(e) / statistics.median(c):.2f} |")
-    text = "\n".join(lines)
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"compile-trial-{args.target}.md").write_text(text + "\n")
+    write_report("\n".join(lines), f"compile-trial-{args.target}")
 
 
 if __name__ == "__main__":

@@ -21,8 +21,7 @@ from scipy.stats import binomtest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimoe.eval_folder import PREDICTIONS, eval_dir  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.common import write_report  # noqa: E402
 
 
 def read_predictions(folder: Path) -> dict[str, dict]:
@@ -58,10 +57,7 @@ def main(argv=None):
         c = compare(*map(read_predictions, folders))
         lines.append(f"| {name} | {c['n']} | {c['agreement']:.1%} | {c['accuracy_a']:.3f} | {c['accuracy_b']:.3f} | "
                      f"{c['only_a']} / {c['only_b']} | {c['mcnemar_p']:.3g} | {'met' if c['passes'] else 'NOT met'} |")
-    table = "\n".join(lines)
-    print(table)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "dtype-parity.md").write_text(table + "\n")
+    write_report("\n".join(lines), "dtype-parity")
 
 
 if __name__ == "__main__":

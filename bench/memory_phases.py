@@ -30,8 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from minimoe.allocator import keep_freed_memory, limit_kernel_cache  # noqa: E402
+from bench.common import write_report  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results"
 GiB = 2**30
 
 
@@ -146,10 +146,7 @@ def main(argv=None):
               f"- largest training micro-batch: {R} rows x {T} tokens ({int(largest.attention_mask.sum())} real); "
               f"autograd saves {saved:.2f} GiB for its backward; its LM-head logits [{largest.target.numel()}, "
               f"{model.config.vocab_size}] in fp32 are {logits:.3f} GiB"]
-    text = "\n".join(lines)
-    print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"memory-phases-{dtype}-{args.onednn_cache}.md").write_text(text + "\n")
+    write_report("\n".join(lines), f"memory-phases-{dtype}-{args.onednn_cache}")
 
 
 if __name__ == "__main__":
