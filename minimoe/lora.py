@@ -102,12 +102,13 @@ class LoRAMixin:
         self.dropout = nn.Dropout(dropout)
 
     def branch(self, x):
-        """(x, A, B) in the dtype the adapter branch runs in. On CPU that is the adapters' dtype
+        """(A, B) in the dtype the adapter branch runs in (x is cast with its dropout,
+        `dropout_saved_as_mask`). On CPU that is the adapters' dtype
         (fp32 by default), as in peft: in bf16, oneDNN compiles and caches one more small matmul
         per expert block size (bench/RESULTS.md). On CUDA it is x's dtype (bf16 under autocast),
         because grouped_mm there takes bf16 only."""
         dtype = x.dtype if x.is_cuda else self.lora_A.dtype
-        return x.to(dtype), self.lora_A.to(dtype), self.lora_B.to(dtype)
+        return self.lora_A.to(dtype), self.lora_B.to(dtype)
 
     def add_delta(self, y, delta):
         """y + scale * delta, rounded once to y's dtype; no multiply at scale 1 (alpha = r, the paper's)."""
@@ -147,7 +148,7 @@ class LoRALinear(LoRAMixin, nn.Module):
         y = F.linear(x, self.weight, self.bias)
         if self.merged:
             return y
-        _, A, B = self.branch(x)
+        A, B = self.branch(x)
         with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
             delta = F.linear(F.linear(dropped, A), B)
         return self.add_delta(y, delta)
@@ -166,7 +167,7 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         y = expert_matmul(x, self.weight, dispatch)
         if self.merged:
             return y
-        _, A, B = self.branch(x)
+        A, B = self.branch(x)
         with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
             a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
             pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
