@@ -38,8 +38,8 @@ Decisions where neither the paper nor train.py fixes the answer:
 - Identity keys: "method" is the run's label; outside a run it is the adapter's router method
   (its record's label; "CE" for LoRA on native routing), or "native" without an adapter, and "seed" is
   null. "dataset" is the benchmark name, or the name of the folder holding the manifests.
-- Model dtype "auto" is train.py's rule (runs.pick_dtype: bf16 on CUDA and on
-  CPUs with native bf16 matrix instructions, else fp32); max_length and data default
+- Model dtype "auto" is train.py's rule (runs.pick_dtype: bf16 on CUDA, fp32 on the CPU unless
+  $MINIMOE_CPU_DTYPE says bfloat16); max_length and data default
   to the run's. The train population is the run's train split cut to its max_train_examples.
 - Decile curves need >= 10 groups in each population and non-constant train group means; else
   they are null with "deciles_skipped" saying why (a fresh error head predicts one constant).
@@ -486,12 +486,15 @@ def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test"
     the run's config.TrainConfig.
 
     Its metrics.json says method "zero-shot" and carries the run's seed, so `evaluate.py report` gives
-    the base model its own row beside the trained ones (the same number for every seed).
+    the base model its own row beside the trained ones (the same number for every seed), and the
+    provenance of the process that scored it (the run's config.json, which train.py writes first).
     """
+    config = Path(run) / "config.json"
+    made_by = read_json(config).get("provenance") if config.is_file() else None
     return run_evaluation(out=eval_dir(run, split, "base"), base_model=cfg.model, data=cfg.data, split=split,
                           data_dir=cfg.data_dir, max_length=cfg.max_length, batch_size=cfg.eval_batch_size,
                           quiet=cfg.quiet, model=model, tokenizer=tokenizer, examples=examples,
-                          identity={"method": "zero-shot", "seed": cfg.seed, "run": str(run)})
+                          identity={"method": "zero-shot", "seed": cfg.seed, "run": str(run), "provenance": made_by})
 
 
 # ----------------------------------------------------------------------------- the accuracy table

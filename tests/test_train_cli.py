@@ -286,6 +286,8 @@ def test_resume_does_not_score_the_base_model_again(tmp_path, monkeypatch):
         run_train(tmp_path, *flags, "--stop-after-epochs", "1", name="killed")
     base = tmp_path / "killed" / "eval" / "test-base" / "metrics.json"
     written = base.stat().st_mtime_ns
+    config = json.loads((tmp_path / "killed" / "config.json").read_text())  # the zero-shot row names its process
+    assert json.loads(base.read_text())["provenance"] == config["provenance"] is not None
 
     def again(*args, **kwargs):
         raise AssertionError("the base model was scored again on resume")
