@@ -51,13 +51,11 @@ def no_default_model_download(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def cpu_without_native_bf16(monkeypatch):
-    """--dtype auto reads the processor (runs.pick_dtype): bfloat16 where it has bf16 matrix
-    instructions. Tests see a CPU without them, so that auto means float32 on every machine that runs
-    them, in this process and in the train.py, torchrun and sweep processes a test starts (through
-    $MINIMOE_CPU_DTYPE, which they inherit); tests of the bf16 path ask for bfloat16 by name."""
+def auto_dtype_is_float32(monkeypatch):
+    """$MINIMOE_CPU_DTYPE=float32, so that --dtype auto means float32 (its CPU default) in this process
+    and in the train.py, torchrun and sweep processes a test starts (they inherit the variable),
+    whatever the developer's shell sets; tests of the bf16 path ask for bfloat16 by name."""
     import minimoe.runs
-    monkeypatch.setattr(minimoe.runs, "cpu_capabilities", lambda: {})
     monkeypatch.setenv(minimoe.runs.CPU_DTYPE_VARIABLE, "float32")
 
 

@@ -108,10 +108,8 @@ def kernels(mode, **env):
 
 
 def test_limit_kernel_cache_bounds_the_compiled_kernels_memory():
-    import torch
-    from minimoe.runs import native_bf16
-    real = dict(torch.cpu.get_capabilities()) if hasattr(torch.cpu, "get_capabilities") else {}  # conftest hides it
-    if not native_bf16(real):
+    from minimoe.runs import cpu_capabilities, native_bf16
+    if not native_bf16(cpu_capabilities()):
         pytest.skip("no native bf16 on this CPU: its matrix products compile no oneDNN kernels per shape")
     default, limited = kernels("default"), kernels("16")
     assert limited["applied"] is True
