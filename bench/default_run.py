@@ -2,7 +2,7 @@
 
     git worktree add /tmp/minimoe-before eff8984       # or any other commit
     python bench/default_run.py --before /tmp/minimoe-before --rounds 3
-    python bench/default_run.py --before /tmp/minimoe-before --flags "--dtype float32"   # both sides fp32
+    python bench/default_run.py --before /tmp/minimoe-before --after-flags "--dtype bfloat16"   # this tree in bf16
 
 Each round runs `train.py` (the default model, SciQ, TES-IS, one epoch; `--no-test-eval
 --no-zero-shot` unless --flags says otherwise) once in each tree, in an order that rotates, each a

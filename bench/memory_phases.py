@@ -1,7 +1,7 @@
 """Where the default run's peak memory goes: resident size per phase of `python train.py`, in one process.
 
-    python bench/memory_phases.py                      # the default run's phases, bf16 on a bf16 CPU
-    python bench/memory_phases.py --dtype float32 --steps 4
+    python bench/memory_phases.py                      # the default run's phases (float32: auto on a CPU)
+    python bench/memory_phases.py --dtype bfloat16 --steps 4
 
 The phases are train.py's, run through its own functions on the default run's settings (SciQ,
 TES-IS, recipe granite): load the model, the zero-shot test scoring (500 questions, diagnostics
