@@ -37,8 +37,7 @@ from minimoe.data import load_split  # noqa: E402
 from minimoe.evaluation import evaluate_split  # noqa: E402
 from minimoe.runs import pad_id  # noqa: E402
 from minimoe.scoring import make_choice_batch  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from bench.common import RESULTS, write_report  # noqa: E402
 
 
 def peak_mib() -> float:
@@ -201,10 +200,7 @@ def main(argv=None):
                          f"{spread([r['epoch_s'] for r in rs])} | {spread([r['peak_rss_mib'] for r in rs])} |")
         lines += ["", f"speed-up per epoch (per round): {spread(ratio)}x", ""]
         result["train"] = runs
-    table = "\n".join(lines)
-    print(table)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "score.md").write_text(table + "\n")
+    write_report("\n".join(lines), "score")
     (RESULTS / "score.json").write_text(json.dumps(result, indent=1))
 
 
