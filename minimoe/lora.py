@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.checkpoint import LAYER_KEYS
-from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul, scaled
+from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul, matmul_dtype, scaled
 from minimoe.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -103,11 +103,15 @@ class LoRAMixin:
 
     def branch(self, x):
         """(A, B) in the dtype the adapter branch runs in (x is cast with its dropout,
-        `dropout_saved_as_mask`). On CPU that is the adapters' dtype
-        (fp32 by default), as in peft: in bf16, oneDNN compiles and caches one more small matmul
-        per expert block size (bench/RESULTS.md). On CUDA it is x's dtype (bf16 under autocast),
-        because grouped_mm there takes bf16 only."""
-        dtype = x.dtype if x.is_cuda else self.lora_A.dtype
+        `dropout_saved_as_mask`). On the CPU without autocast that is the adapters' dtype (fp32 by
+        default), as in peft: in bf16, oneDNN compiles and caches one more small matmul per expert
+        block size (bench/RESULTS.md). Elsewhere it is the base matmul's (`matmul_dtype`: bf16 under
+        autocast), because grouped_mm on CUDA takes bf16 only: an fp32 branch there runs the
+        per-expert loop."""
+        if x.device.type == "cpu" and not torch.is_autocast_enabled("cpu"):
+            dtype = self.lora_A.dtype
+        else:
+            dtype = matmul_dtype(x, self.weight)
         return self.lora_A.to(dtype), self.lora_B.to(dtype)
 
     def add_delta(self, y, delta):

@@ -22,6 +22,11 @@ Decisions that matter for parity with `transformers` 4.57 (see shared/reference/
 - Experts are stacked 3-D weights `[E, out, in]` run on token blocks sorted by expert, with
   `torch.nn.functional.grouped_mm` where it applies and a plain per-expert loop otherwise
   (`expert_matmul`); both paths are tested equal. Experts are never evaluated densely.
+- Dtype discipline: under autocast every matmul of a bf16 model runs in bf16, the banks included.
+  The banks cast their input to `matmul_dtype` (autocast's, else their own), and the combine casts
+  back the fp32 that CUDA autocast's `sum` returns, so the residual stream keeps the model dtype;
+  otherwise fp32 reaches the next bank and falls into the per-expert loop. Nothing in forward or
+  backward reads a device value back to the host (no bincount, .item() or boolean indexing).
 """
 from __future__ import annotations
 
@@ -195,9 +200,9 @@ class Dispatch:
 
     def __init__(self, experts, num_experts: int, block: int = 1):  # experts [T, K]
         flat = experts.flatten()  # [N] the expert of each (token, slot)
-        self.counts = torch.bincount(flat, minlength=num_experts)  # [E] rows per expert
+        self.counts = expert_counts(flat, num_experts)  # [E] rows per expert, on the device
         self.padding = 0
-        if block > 1:
+        if block > 1:  # CPU only (expert_block): the stand-in rows' number is needed on the host
             pad = (-self.counts) % block  # [E] stand-in rows, appended after the N real ones
             flat = torch.cat([flat, torch.arange(num_experts, device=flat.device).repeat_interleave(pad)])
             self.counts, self.padding = self.counts + pad, int(pad.sum())
@@ -218,13 +223,21 @@ class Dispatch:
         order by a plain copy, then sum over K: a scatter-add into [T, D] (index_add_) is serial on
         CPU and took 4-7% of a bf16 step in the profile (bench/RESULTS.md)."""
         unsorted = y.new_empty(T * K + self.padding, y.shape[-1]).index_copy_(0, self.order, y)
-        return unsorted[:T * K].view(T, K, -1).sum(1)
+        # CUDA autocast runs `sum` in fp32: without the cast, fp32 would reach the residual stream
+        # and, through the next layer's norm, the expert banks (expert_matmul's dtype rule).
+        return unsorted[:T * K].view(T, K, -1).sum(1).to(y.dtype)
 
     @property
-    def counts_list(self) -> list[int]:  # the loop path needs python ints (one host sync)
+    def counts_list(self) -> list[int]:  # the loop path needs python ints (one host sync; grouped_mm needs none)
         if self._counts_list is None:
             self._counts_list = self.counts.tolist()
         return self._counts_list
+
+
+def expert_counts(flat, num_experts: int):
+    """[N] expert ids -> [E] rows per expert. Not torch.bincount: on CUDA it reads the largest id back
+    to the host to size its output, a device sync in every MoE block's forward."""
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 # Row rounding of expert blocks where oneDNN compiles a kernel per shape: bf16/fp16 on CPU (Dispatch).
@@ -252,9 +265,18 @@ def _grouped_mm_applies(x, w_t) -> bool:
     return all(s * size % 16 == 0 for s in strides) and x.stride(-1) == 1
 
 
+def matmul_dtype(x, weight) -> torch.dtype:
+    """The dtype a matmul of x by weight runs in, as F.linear's: autocast's where autocast is on for
+    x's device, else the weight's. The expert banks and their LoRA cast to it, so that a bf16 bank
+    under autocast runs grouped_mm in bf16 whatever dtype its input arrives in."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
 def expert_matmul(x, weight, dispatch: Dispatch):
-    """x [N, in] sorted by expert, weight [E, out, in] -> [N, out]: row block e times weight[e].T."""
-    w_t = weight.transpose(-2, -1)  # [E, in, out], a view
+    """x [N, in] sorted by expert, weight [E, out, in] -> [N, out]: row block e times weight[e].T.
+    Runs in x's dtype (callers cast x with `matmul_dtype`); the weight is cast to it if it differs."""
+    w_t = weight.transpose(-2, -1).to(x.dtype)  # [E, in, out], a view when the dtypes agree
     if _grouped_mm_applies(x, w_t):
         return F.grouped_mm(x, w_t, offs=dispatch.offsets)
     blocks = x.split(dispatch.counts_list)  # the readable reference path
@@ -283,6 +305,8 @@ class Experts(nn.Module):
 
     def forward(self, x, experts, weights):  # x [T, D], experts/weights [T, K] -> [T, D]
         E = self.gate_up_proj.weight.shape[0]
+        # The bank's dtype (or autocast's): an fp32 x against a bf16 bank would leave grouped_mm for the loop.
+        x = x.to(matmul_dtype(x, self.gate_up_proj.weight))
         dispatch = Dispatch(experts, E, expert_block(x, experts.numel(), E))
         h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]
         gate, up = h.chunk(2, dim=-1)
@@ -452,6 +476,15 @@ class MoEForCausalLM(nn.Module):
     @property
     def device(self):
         return self.lm_head.weight.device
+
+
+def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:
+    """torch.compile each decoder layer in place, as torchtitan compiles its blocks: the layers share
+    one code object and dynamo treats their parameters as inputs, so one graph serves every layer.
+    The embedding, the LM head and the loss stay eager; `options` go to torch.compile."""
+    for layer in model.model.layers:
+        layer.compile(**options)
+    return model
 
 
 def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None):
