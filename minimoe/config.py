@@ -70,6 +70,7 @@ class TrainConfig:
     dtype: str = "auto"  # base weights; auto: bfloat16 on CUDA, float32 on the CPU (runs.pick_dtype)
     device: str = "auto"  # auto: cuda when present
     gradient_checkpointing: bool = False  # recompute each block in backward: memory for time
+    compile: bool = False  # torch.compile each decoder layer (model.compile_layers); rows padded to 64-token buckets
     pad_token_id: int | None = None  # fills short rows: the checkpoint's pad id, else its eos id
     # data
     data: str | None = None  # benchmark name, manifest folder or your own data; None: train.py picks one for the model

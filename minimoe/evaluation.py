@@ -110,7 +110,7 @@ def _length_proxy(ex: Example) -> int:
 @torch.inference_mode()
 def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int = 16, device=None,
                    diagnostics: bool = True, max_length: int | None = None, packed: bool = True,
-                   progress: str | None = None):
+                   progress: str | None = None, pad_to: int = 1):
     """Score every candidate of `examples` -> (records, metrics, TokenArrays or None).
 
     records: one dict per example, in input order (the predictions.jsonl lines).
@@ -118,6 +118,7 @@ def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int
     max_length: longest prompt + candidate in tokens; longer prompts lose their start (make_choice_batch),
     as in training. packed: one row per example (default) or one per candidate (the reference path).
     progress: a tqdm bar over the batches with this description; None: no bar.
+    pad_to: rows padded to a multiple of it (a compiled model's length buckets; scores do not change).
     """
     if not examples:
         raise ValueError("evaluate_split: no examples")
@@ -125,7 +126,7 @@ def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int
         raise ValueError(f"evaluate_split: batch_size={batch_size}; expected >= 1")
     device = torch.device(device) if device is not None else model.device
     with eval_mode(model):  # LoRA dropout off, also when a trainer calls this mid-run
-        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress)
+        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress, pad_to)
 
 
 @contextmanager
@@ -140,7 +141,7 @@ def eval_mode(model):
             m.training = mode
 
 
-def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress=None):
+def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress=None, pad_to=1):
     k, layers = model.config.num_experts_per_tok, diagnosed_layers(model)
     method = method_of(model.router_spec)
     errors = method is not None and method.predicts_error  # its Routing.prediction is e_hat
@@ -153,7 +154,7 @@ def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_leng
     for start in tqdm(starts, desc=progress, unit="batch", disable=progress is None, leave=False):
         idx = order[start:start + batch_size]
         batch = make_choice_batch([examples[i] for i in idx], tokenizer, pad_id(tokenizer), max_length,
-                                  packed=packed).to(device)
+                                  packed=packed, pad_to=pad_to).to(device)
         out, logp = forward_choices(model, batch)  # logp [n] fp32, every candidate's answer tokens
         scores = choice_scores(logp, batch)
         tables = {name: by_example(s, batch).tolist() for name, s in scores.items()}  # [X, C_max]

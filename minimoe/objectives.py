@@ -24,7 +24,6 @@ Decisions where the paper is silent, and why:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 OBJECTIVES = ("is", "enll")
 
@@ -46,13 +45,14 @@ def exponential_nll(pred, observed):
 
 
 def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: float = 1e-8,
-                     depth_scaled: bool = False):
+                     depth_scaled: bool = False, tokens: int | None = None):
     """L_m (Eq. averaged_training_losses) -> scalar.
 
     routings: the model output's list, one Routing per layer, tokens flattened as B*T.
     token_ce [B, T]: observed next-token CE at the position whose hidden state routed,
         ce[b, t] = CE(logits[b, t], ids[b, t + 1]), attached to the graph.
     mask [B, T] bool: supervised positions (no padding, no ignored or missing target).
+    tokens: how many positions `mask` selects, if the caller knows it on the host (no device sync).
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"supervision_loss: unknown objective {objective!r}; expected one of {OBJECTIVES}")
@@ -63,17 +63,22 @@ def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: fl
     if token_ce.shape != mask.shape:
         raise ValueError(f"supervision_loss: token_ce {tuple(token_ce.shape)} and mask {tuple(mask.shape)} differ")
     m = mask.reshape(-1).bool()
-    if not m.any():
+    if tokens is None:  # counted here: a read-back, which training avoids by passing its host-side count
+        tokens = int(m.sum())
+    if tokens < 1:
         raise ValueError("supervision_loss: mask selects no token")
-    observed = token_ce.reshape(-1)[m]
+    # A masked mean rather than a boolean index, which would read the count back to the host (a device
+    # sync per layer). Unsupervised tokens get a finite stand-in (1) and weight 0.
+    count = tokens
+    observed = torch.where(m, token_ce.reshape(-1), 1.0)
     total = 0.0
     for pred in preds:
         if pred.shape != m.shape:
             raise ValueError(f"supervision_loss: a layer's prediction has shape {tuple(pred.shape)}; "
                              f"expected ({m.numel()},) = B*T tokens")
-        p = pred[m]
+        p = torch.where(m, pred, 1.0)
         per_token = itakura_saito(p, observed, eps) if objective == "is" else exponential_nll(p, observed)
-        total = total + per_token.mean()
+        total = total + torch.where(m, per_token, 0.0).sum() / count
     return total if depth_scaled else total / len(preds)
 
 
@@ -88,11 +93,13 @@ def load_balancing_loss(routings, attention_mask=None):
     logits = torch.cat([r.logits for r in routings])  # [L*B*T, E]
     E, K = logits.shape[-1], routings[0].experts.shape[-1]
     probs = logits.float().softmax(-1)
-    chosen = F.one_hot(probs.topk(K, dim=-1).indices, E).float()  # [L*B*T, K, E]
     if attention_mask is None:
-        f, p = chosen.mean(0), probs.mean(0)  # f [K, E], p [E]
+        real = probs.new_ones(probs.shape[0], 1)
     else:
         real = attention_mask.to(probs.dtype).flatten().repeat(len(routings))[:, None]  # [L*B*T, 1]
-        f = (chosen * real[:, :, None]).sum(0) / real.sum()
-        p = (probs * real).sum(0) / real.sum()
-    return (f * p).sum() * E
+    # sum_k f_ke: the real tokens' top-K slots that chose e, counted by index_add (exact: whole numbers).
+    # Not one_hot, which checks its indices on the host (a sync) and builds an [L*B*T, K, E] tensor.
+    chosen = probs.topk(K, dim=-1).indices.flatten()  # [L*B*T*K]
+    slots = probs.new_zeros(E).index_add_(0, chosen, real.expand(-1, K).flatten())  # [E]
+    n = real.sum()
+    return (slots / n * ((probs * real).sum(0) / n)).sum() * E

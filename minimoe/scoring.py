@@ -61,6 +61,11 @@ class ChoiceBatch:
     chars: torch.Tensor  # [C] characters of the answer text (per-character normalisation)
     n_tokens: torch.Tensor  # [C] answer tokens
     gold: torch.Tensor  # [X] gold candidate of each example
+    # Host-side sizes, read without a device sync: the most candidates of one example (C_max), the
+    # gold answer tokens (supervised_mask's count) and the real tokens (attention_mask's count).
+    max_choices: int = 0
+    supervised_tokens: int = 0
+    real_tokens: int = 0
     # Training under DDP: a rank whose share of a micro-batch is empty still runs forward and backward
     # (every rank must join the same gradient all-reduces), on a stand-in batch whose loss counts zero.
     placeholder: bool = False
@@ -78,15 +83,18 @@ class ChoiceBatch:
 
     @property
     def supervised_mask(self) -> torch.Tensor:  # [R, T] bool: the gold answer's token positions
-        return self.at_supervised(torch.ones_like(self.target, dtype=torch.bool))
+        hits = torch.zeros(self.input_ids.shape, dtype=torch.long, device=self.input_ids.device)
+        return hits.index_put((self.row, self.col), self.gold_tokens.long(), accumulate=True) > 0
 
     def at_supervised(self, values) -> torch.Tensor:
         """[n] per-token values -> [R, T], the gold tokens' values at their positions, 0 elsewhere.
 
-        Differentiable; the layout of `Routing`'s tokens (rows flattened), for the method term."""
-        g = self.gold_tokens
+        Differentiable; the layout of `Routing`'s tokens (rows flattened), for the method term.
+        Every answer token is put, the others as zeros, so that no boolean index syncs the device;
+        accumulate, because a packed row's prompt end predicts every candidate's first token (one
+        position, C tokens, one of them gold): there the sum is the gold value exactly."""
         out = values.new_zeros(self.input_ids.shape)
-        return out.index_put((self.row[g], self.col[g]), values[g])
+        return out.index_put((self.row, self.col), torch.where(self.gold_tokens, values, 0), accumulate=True)
 
 
 def check_max_length(examples: list[Example], tokenizer, max_length: int, where: str):
@@ -100,8 +108,8 @@ def check_max_length(examples: list[Example], tokenizer, max_length: int, where:
 
 
 def make_choice_batch(examples: list[Example], tokenizer, pad_token_id: int, max_length: int | None = None,
-                      *, packed: bool = True) -> ChoiceBatch:
-    """Tokenise every (prompt, candidate) pair of `examples` into one right-padded batch."""
+                      *, packed: bool = True, pad_to: int = 1) -> ChoiceBatch:
+    """Tokenise every (prompt, candidate) pair of `examples` into one right-padded batch (`pack_choices`)."""
     groups, chars = [], []
     for ex in examples:
         prompt = tokenizer.encode(ex.prompt_text())
@@ -117,15 +125,20 @@ def make_choice_batch(examples: list[Example], tokenizer, pad_token_id: int, max
                                  f"longest answer ({max(map(len, answers))} tokens); expected max_length > that")
             prompt = prompt[-keep:]
         groups.append((prompt, answers))
-    return pack_choices(groups, pad_token_id, packed=packed, chars=chars, gold=[ex.answer for ex in examples])
+    return pack_choices(groups, pad_token_id, packed=packed, chars=chars, gold=[ex.answer for ex in examples],
+                        pad_to=pad_to)
 
 
 def pack_choices(groups: list[tuple[list[int], list[list[int]]]], pad_token_id: int, *, packed: bool = True,
-                 chars: list[int] | None = None, gold: list[int] | None = None) -> ChoiceBatch:
+                 chars: list[int] | None = None, gold: list[int] | None = None, pad_to: int = 1) -> ChoiceBatch:
     """(prompt ids, [answer ids of each candidate]) per example -> one right-padded batch, in either layout.
     chars: the answer texts' lengths, in candidate order (default: their token counts); gold: each
-    example's gold candidate (default 0). Prompts must be non-empty: the first answer token is
-    predicted at the prompt's last position."""
+    example's gold candidate (default 0); pad_to: the row length is rounded up to a multiple of it
+    (compiled models and CUDA graphs see a few shapes instead of one per batch; padding is masked,
+    so scores do not change). Prompts must be non-empty: the first answer token is predicted at the
+    prompt's last position."""
+    if not (isinstance(pad_to, int) and pad_to >= 1):
+        raise ValueError(f"pad_to={pad_to!r}; expected a positive int (1: no rounding)")
     rows, positions, segments, tokens, cands = [], [], [], [], []
     for x, (prompt, answers) in enumerate(groups):
         if not prompt:
@@ -148,7 +161,7 @@ def pack_choices(groups: list[tuple[list[int], list[list[int]]]], pad_token_id: 
                 r = len(rows)
                 tokens += [(r, P - 1 + j, t, first + c) for j, t in enumerate(answer)]
                 rows.append(list(prompt) + list(answer)), positions.append(list(range(P + len(answer))))
-    R, T = len(rows), max(len(r) for r in rows)
+    R, T = len(rows), -(-max(len(r) for r in rows) // pad_to) * pad_to
     input_ids = torch.full((R, T), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((R, T), dtype=torch.long)
     position_ids = torch.zeros((R, T), dtype=torch.long)
@@ -162,9 +175,11 @@ def pack_choices(groups: list[tuple[list[int], list[list[int]]]], pad_token_id: 
     row, col, target, cand = (torch.tensor(v) for v in zip(*tokens))
     example, choice, n_tokens = (torch.tensor(v) for v in zip(*cands))
     chars = torch.tensor(chars) if chars is not None else n_tokens.clone()
-    gold = torch.tensor(gold if gold is not None else [0] * len(groups))
+    gold = gold if gold is not None else [0] * len(groups)
+    gold_tokens = sum(n for x, c, n in cands if c == gold[x])
     return ChoiceBatch(input_ids, attention_mask, position_ids, segment_ids, row, col, target, cand,
-                       example, choice, chars, n_tokens, gold)
+                       example, choice, chars, n_tokens, torch.tensor(gold), max_choices=max(len(a) for _, a in groups),
+                       supervised_tokens=gold_tokens, real_tokens=sum(map(len, rows)))
 
 
 def forward_choices(model, batch: ChoiceBatch):
@@ -187,7 +202,7 @@ def choice_scores(token_logprobs, batch: ChoiceBatch) -> dict[str, torch.Tensor]
 
 def by_example(values, batch: ChoiceBatch) -> torch.Tensor:
     """[C] candidate values -> [X, C_max], -inf where an example has fewer candidates."""
-    X, C = batch.gold.shape[0], int(batch.choice.max()) + 1
+    X, C = batch.gold.shape[0], batch.max_choices
     table = torch.full((X, C), float("-inf"), dtype=values.dtype, device=values.device)
     table[batch.example, batch.choice] = values
     return table

@@ -36,42 +36,43 @@ class RoutingStats:
     """Per-layer routing statistics of one optimizer step, summed over micro-batches (see the module docstring)."""
 
     def __init__(self, layers: list[int], num_experts: int, k: int):
-        self.layers, self.k = layers, k
-        self.load = {l: torch.zeros(num_experts, dtype=torch.float64) for l in layers}
-        self.sums = {l: {"c_t": 0.0, "e_hat": 0.0, "token_loss": 0.0} for l in layers}
-        self.supervised = 0  # gold answer tokens seen
+        self.layers, self.k, self.num_experts = layers, k, num_experts
+        self.load, self.sums = {}, {}  # per layer, on the routing's device: read back once, by summary
+        self.supervised = 0  # gold answer tokens seen (the batches' host-side counts)
 
     @torch.no_grad()
     def add(self, routings, batch, token_loss):
         """routings: the forward's per-layer Routing ([R*T] tokens); token_loss [R, T]: observed CE at the
-        gold answer positions (batch.at_supervised(-logp))."""
-        real = batch.attention_mask.flatten().bool()  # [R*T]
-        mask = batch.supervised_mask.flatten()  # [R*T]
-        n = int(mask.sum())
-        self.supervised += n
+        gold answer positions (batch.at_supervised(-logp)). Masked sums, not boolean indexing, so that
+        nothing here waits for the device."""
+        real = batch.attention_mask.flatten().double()  # [R*T]
+        mask = batch.supervised_mask.flatten().double()  # [R*T]
+        self.supervised += batch.supervised_tokens
         for l in self.layers:
             routing = routings[l]
-            experts = routing.experts[real].flatten()  # [N*K]
-            self.load[l] += torch.bincount(experts, minlength=len(self.load[l])).double().cpu()
-            if n:
-                sums = self.sums[l]
-                sums["c_t"] += native_concentration(routing.logits[mask], self.k).double().sum().item()
-                if routing.prediction is not None:  # reported as e_hat where the method predicts the error
-                    sums["e_hat"] += routing.prediction[mask].double().sum().item()
-                    sums["token_loss"] += token_loss.flatten()[mask].double().sum().item()
+            K = routing.experts.shape[-1]
+            load = real.new_zeros(self.num_experts).index_add_(0, routing.experts.flatten(),
+                                                              real[:, None].expand(-1, K).flatten())
+            sums = {"c_t": (native_concentration(routing.logits, self.k).double() * mask).sum()}
+            if routing.prediction is not None:  # reported as e_hat where the method predicts the error
+                sums["e_hat"] = (routing.prediction.double() * mask).sum()
+                sums["token_loss"] = (token_loss.flatten().double() * mask).sum()
+            self.load[l] = load + self.load[l] if l in self.load else load
+            self.sums[l] = {k: v + self.sums[l][k] for k, v in sums.items()} if l in self.sums else sums
 
     def summary(self, has_e_hat: bool) -> dict:
         """{"layer<l>": {"load": [E fractions], "c_t": mean, ("e_hat", "token_loss"): means if has_e_hat}}.
         has_e_hat: the method's prediction is a predicted token error (routing.Method.predicts_error)."""
         out = {}
         for l in self.layers:
-            load = self.load[l] / self.load[l].sum().clamp_min(1)
+            load = self.load.get(l, torch.zeros(self.num_experts, dtype=torch.float64)).cpu()
+            load = load / load.sum().clamp_min(1)
             entry = {"load": [round(x, 6) for x in load.tolist()]}
             if self.supervised:
-                means = {name: s / self.supervised for name, s in self.sums[l].items()}
+                means = {name: s.item() / self.supervised for name, s in self.sums[l].items()}
                 entry["c_t"] = means["c_t"]
                 if has_e_hat:
-                    entry.update(e_hat=means["e_hat"], token_loss=means["token_loss"])
+                    entry.update(e_hat=means.get("e_hat", 0.0), token_loss=means.get("token_loss", 0.0))
             out[f"layer{l}"] = entry
         return out
 

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,12 +135,13 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 
 
 def step_loss(model, batches, cfg: TrainConfig, counts, world_size, stats: RoutingStats | None = None):
-    """Forward + backward of one micro-batch list's terms; returns the step's logged terms (and adds
-    each real micro-batch's routing to `stats`)."""
+    """Forward + backward of one micro-batch list's terms; returns the step's logged terms as device
+    scalars (optimizer_step reads them back once) and adds each real micro-batch's routing to `stats`."""
     logs = {"task": 0.0, "method": 0.0, "aux": 0.0}
+    supervised = run_method(cfg).prediction is not None
     for i, batch in enumerate(batches):
         sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
-        ctx = model.no_sync() if not sync else torch.enable_grad()
+        ctx = model.no_sync() if not sync else nullcontext()
         weight = 0.0 if batch.placeholder else 1.0  # see micro_batches
         with ctx, autocast(cfg):
             out, logp = forward_choices(model, batch)  # logp [n]: every candidate's answer tokens
@@ -147,21 +149,30 @@ def step_loss(model, batches, cfg: TrainConfig, counts, world_size, stats: Routi
                 stats.add(out.routings, batch, batch.at_supervised(-logp.detach()))
             task = choice_loss(choice_scores(logp, batch)["mean"], batch, reduction="sum") * weight / counts["examples"]
             loss = task
-            logs["task"] += task.item()
-            mask = batch.supervised_mask
-            if run_method(cfg).prediction is not None and mask.any():  # a supervised method
-                share = weight * mask.sum().item() / counts["tokens"]  # this micro-batch's part of the step's tokens
-                method = supervision_loss(out.routings, batch.at_supervised(-logp), mask, cfg.objective, eps=cfg.is_eps,
-                                          depth_scaled=cfg.depth_scaled_lambda) * share
+            logs["task"] += task.detach()
+            if supervised and batch.supervised_tokens:  # host-side count: no device sync
+                share = weight * batch.supervised_tokens / counts["tokens"]  # this micro-batch's part of the step's tokens
+                method = supervision_loss(out.routings, batch.at_supervised(-logp), batch.supervised_mask, cfg.objective,
+                                          eps=cfg.is_eps, depth_scaled=cfg.depth_scaled_lambda,
+                                          tokens=batch.supervised_tokens) * share
                 loss = loss + cfg.lambda_ * method
-                logs["method"] += method.item()
+                logs["method"] += method.detach()
             if cfg.aux_coef > 0:  # packed rows: each prompt token counts once, not once per candidate
                 aux = load_balancing_loss(out.routings, batch.attention_mask)
                 aux = aux * weight * batch.input_ids.shape[0] / counts["rows"]
                 loss = loss + cfg.aux_coef * aux
-                logs["aux"] += aux.item()
+                logs["aux"] += aux.detach()
             (loss * world_size).backward()  # DDP averages over ranks; the counts are global already
     return logs
+
+
+# A compiled model's rows are padded to a multiple of this many tokens: torch.compile then sees one
+# shape per bucket (at most max_length / 64 of them) instead of one per batch length.
+COMPILE_BUCKET = 64
+
+
+def length_bucket(cfg: TrainConfig) -> int:
+    return COMPILE_BUCKET if cfg.compile else 1
 
 
 def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: int) -> list[ChoiceBatch]:
@@ -169,7 +180,8 @@ def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: 
     A micro-batch smaller than the world (the epoch's last) leaves some ranks without an example:
     those get a placeholder, its first example, which step_loss runs with weight zero."""
     def batch(part, placeholder=False):
-        b = make_choice_batch(part, tokenizer, cfg.pad_token_id, cfg.max_length, packed=cfg.packed).to(cfg.device)
+        b = make_choice_batch(part, tokenizer, cfg.pad_token_id, cfg.max_length, packed=cfg.packed,
+                              pad_to=length_bucket(cfg)).to(cfg.device)
         b.placeholder = placeholder
         return b
     size = cfg.batch_size
@@ -204,19 +216,30 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
     routing statistics (minimoe/tracking.py). A step that cannot train raises NonFiniteTraining before
     it is applied (`check_step`)."""
     real = [b for b in batches if not b.placeholder]
-    counts = {"examples": n_examples, "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in real)),
+    counts = {"examples": n_examples, "tokens": global_sum(sum(b.supervised_tokens for b in real)),
               "rows": global_sum(sum(b.input_ids.shape[0] for b in real))}
     core = getattr(model, "module", model)  # under DDP, the model it wraps
     stats = RoutingStats(diagnosed_layers(core), core.config.num_experts, core.config.num_experts_per_tok)
-    logs = {k: global_sum(v) for k, v in step_loss(model, batches, cfg, counts, world_size, stats).items()}
-    logs["routing"] = stats.summary(has_e_hat=run_method(cfg).predicts_error)  # this rank's micro-batches (tracking.py)
+    terms = step_loss(model, batches, cfg, counts, world_size, stats)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
-    logs["grad_norm"] = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)
+    logs = dict(zip([*terms, "grad_norm"], read_back([*terms.values(), grad_norm])))  # the step's one sync
+    logs = {k: global_sum(v) if k in terms else v for k, v in logs.items()}
+    logs["routing"] = stats.summary(has_e_hat=run_method(cfg).predicts_error)  # this rank's micro-batches (tracking.py)
     check_step(logs, trainable, step)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return logs
+
+
+def read_back(values) -> list[float]:
+    """Device scalars (or plain numbers) -> floats, with one transfer to the host."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    host = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist())
+    return [next(host) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 def autocast(cfg: TrainConfig):
@@ -231,7 +254,7 @@ def score_split(model, tokenizer, examples, cfg: TrainConfig) -> dict:
     quiet = cfg.quiet or world()[0] != 0
     _, metrics, _ = evaluate_split(model, tokenizer, examples, batch_size=cfg.eval_batch_size, device=cfg.device,
                                    diagnostics=False, max_length=cfg.max_length, packed=cfg.packed,
-                                   progress=None if quiet else "validation")
+                                   progress=None if quiet else "validation", pad_to=length_bucket(cfg))
     return {"choice_nll": metrics["choice_nll"], "accuracy": metrics["accuracy"]}
 
 
@@ -320,7 +343,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
             step += 1
             logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, world_size, step)
             seconds = time.perf_counter() - t0
-            rate = global_sum(sum(b.attention_mask.sum().item() for b in batches if not b.placeholder)) / seconds
+            rate = global_sum(sum(b.real_tokens for b in batches if not b.placeholder)) / seconds
             loss = logs["task"] + cfg.lambda_ * logs["method"] + cfg.aux_coef * logs["aux"]
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
             if rank == 0:
