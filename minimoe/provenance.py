@@ -10,6 +10,7 @@ be traced to the bits that made it:
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import platform
 import shlex
@@ -31,7 +32,20 @@ def weights_record(name_or_path: str, folder: Path, revision: str | None = None)
     if folder.parent.name == "snapshots" and not Path(name_or_path).is_dir():  # huggingface_hub's cache layout
         return {"source": "hub", "repo_id": str(name_or_path), "revision": revision or "main", "commit": folder.name}
     files = sorted(folder.glob("*.safetensors"))
-    return {"source": "local", "path": str(folder.resolve()), "sha256": {f.name: sha256_file(f) for f in files}}
+    return {"source": "local", "path": str(folder.resolve()), "sha256": {f.name: file_digest(f) for f in files}}
+
+
+def file_digest(path: Path) -> str:
+    """sha256_file, once per process for a file whose size and modification time have not changed: a
+    run records its weights three times (train.py, the zero-shot and the test scoring), each a full
+    read and hash of the checkpoint (the default model: 1.5 GB)."""
+    stat = path.stat()
+    return _digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.cache
+def _digest(path: str, size: int, mtime_ns: int) -> str:  # size and mtime are the cache key
+    return sha256_file(path)
 
 
 def git_commit() -> dict | None:

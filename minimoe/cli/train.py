@@ -45,7 +45,8 @@ from minimoe.checkpoint import resolve_checkpoint
 from minimoe.cli import device, run_command
 from minimoe.data import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.eval_folder import METRICS, eval_dir
-from minimoe.lora import ALIASES, TARGETS
+from minimoe.lora import ALIASES as LORA_ALIASES, TARGETS
+from minimoe.model import compile_layers
 from minimoe.provenance import provenance
 from minimoe.routing import ALIASES, METHODS, TRANSFORMS, import_method_module, lookup_method
 from minimoe.runs import (claim_run_folder, has_training_output, is_run_folder, method_label, pad_id, pick_device,
@@ -164,6 +165,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=D.device, type=device,
                    help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (worth it on a GPU for long runs; the first steps "
+                        "compile, and rows are padded to 64-token buckets so that few shapes compile)")
     g = p.add_argument_group("data")
     g.add_argument("--data", help="arc_challenge | arc_easy | openbookqa | sciq | medmcqa; or your own: a JSONL or "
                    "CSV file or folder (train, optional val/test), a datasets save_to_disk folder, or a hub dataset "
@@ -226,7 +230,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--lora-dropout", type=number(float, 0, 1, high_open=True),
                    help="dropout on each adapter's input (" + by_recipe("lora_dropout") + ")")
     g.add_argument("--lora-targets", type=lambda text: text.split(","),
-                   help="comma list of " + ",".join([*TARGETS, *ALIASES]) + " (" + by_recipe("lora_targets") + ")")
+                   help="comma list of " + ",".join([*TARGETS, *LORA_ALIASES]) + " (" + by_recipe("lora_targets") + ")")
     g = p.add_argument_group("optimisation (defaults: the recipe's)")
     g.add_argument("--lr", type=POSITIVE, help="LoRA learning rate (" + by_recipe("lr") + ")")
     g.add_argument("--batch-size", type=COUNT, help="examples per micro-batch, all ranks together ("
@@ -367,6 +371,9 @@ def resolve_config(args, model_config) -> TrainConfig:
                          "pad_token_id": pad_id(model_config)})
     cfg.device = str(pick_device(cfg.device))
     cfg.dtype = pick_dtype(cfg.dtype, cfg.device)
+    if cfg.compile and not cfg.device.startswith("cuda"):
+        sys.exit(f"train.py: error: --compile needs a CUDA device (this run's is {cfg.device}): on the CPU, torch's "
+                 f"compiled grouped_mm takes bf16 only, and the CPU recipe runs its LoRA branches in fp32")
     return cfg
 
 
@@ -528,6 +535,8 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, fo
     install_method(model, cfg)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
+    if cfg.compile:
+        compile_layers(model)
     steps_run = train(model, tokenizer, data, cfg, run, resume=args.resume)
 
     def scored(checkpoint: str) -> bool:
