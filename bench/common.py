@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from minimoe.checkpoint import from_pretrained, save_pretrained
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
@@ -36,6 +37,37 @@ OFFICIAL = {
                        tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.015625,
                        residual_multiplier=0.22, logits_scaling=6.0, pad_token_id=0, bos_token_id=0, eos_token_id=0),
 }
+
+
+class HostSyncs(TorchDispatchMode):
+    """Counts the ops that make the host wait for the device, by name (`counts`), while active.
+
+    Visible on any device, so a CPU test can hold the CUDA path to it: reading a value back
+    (`_local_scalar_dense`: .item(), bool(), int()), ops whose output size depends on the data
+    (nonzero, masked_select, bincount, unique, repeat_interleave by a tensor) and indexing by a
+    boolean mask (it runs nonzero). Copies to the host (.cpu(), .tolist()) are syncs on CUDA too, but
+    on the CPU they are no op at all; torch.cuda.set_sync_debug_mode counts those on a GPU (bench/gpu.py).
+    """
+    SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "_unique2", "unique_dim",
+               "unique_consecutive", "repeat_interleave"}
+    INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__
+        syncs = name in self.SYNCING and not (name == "repeat_interleave" and func._overloadname == "self_int")
+        if name in self.INDEXING and len(args) > 1:
+            syncs = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        if syncs:
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
 
 
 def shape(family: str, layers: int | None = None) -> MoEConfig:

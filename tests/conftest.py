@@ -51,6 +51,21 @@ def no_default_model_download(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
+def cpu_unless_marked_cuda(request, monkeypatch):
+    """The suite's expectations (float32 by default, bit-identical runs) are the CPU's, so on a machine
+    with CUDA a test not marked `cuda` sees none: in this process (`--device auto` picks the CPU) and in
+    the train.py, torchrun and sweep processes it starts (CUDA_VISIBLE_DEVICES). A `cuda` test
+    (tests/test_cuda.py) runs only where CUDA is present, and is skipped elsewhere."""
+    if request.node.get_closest_marker("cuda"):
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA device")
+        return
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.fixture(autouse=True)
 def auto_dtype_is_float32(monkeypatch):
     """$MINIMOE_CPU_DTYPE=float32, so that --dtype auto means float32 (its CPU default) in this process
     and in the train.py, torchrun and sweep processes a test starts (they inherit the variable),

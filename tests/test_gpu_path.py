@@ -1,0 +1,158 @@
+"""The GPU path's rules, held on any device: dtype discipline (a bf16 bank runs grouped_mm in bf16
+whatever dtype reaches it), no host sync in a training step's forward and backward, decoder layers
+that torch.compile takes whole, and length buckets that do not change a score.
+
+CUDA autocast runs ops such as `sum` and `pow` in fp32; without the dtype rule those fp32 tensors
+reached the expert banks and fell into the per-expert loop (the GPU-speed issue). The CPU has no
+such op list, so these tests feed the fp32 activations in directly.
+"""
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_model
+from minimoe import model as model_module
+from minimoe import load_tokenizer
+from minimoe.checkpoint import from_pretrained
+from minimoe.config import RECIPES, TrainConfig
+from minimoe.data import load_split
+from minimoe.lora import add_lora
+from minimoe.model import compile_layers
+from minimoe.routing import set_router
+from minimoe.scoring import forward_choices, make_choice_batch
+from minimoe.tiny import tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import HostSyncs  # noqa: E402
+
+
+@pytest.fixture
+def no_expert_loop(monkeypatch):
+    """The per-expert loop is the only reader of Dispatch.counts_list: make reading it fail the test."""
+    def refuse(self):
+        raise AssertionError("an expert bank fell back to the per-expert loop")
+    monkeypatch.setattr(model_module.Dispatch, "counts_list", property(refuse))
+
+
+def test_fp32_activations_into_a_bf16_bank_with_lora_run_grouped_mm(family, no_expert_loop):
+    """fp32 x (what CUDA autocast's fp32 ops hand on) into a bf16 model's MoE block with LoRA on both
+    banks: forward and backward never take the loop, and the block answers in the bank's dtype."""
+    model = add_lora(tiny_model(family).to(torch.bfloat16), dropout=0.0)
+    block = model.model.layers[0].mlp
+    x = torch.randn(2, 8, model.config.hidden_size, requires_grad=True)  # fp32
+    out, _ = block(x)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    lora = block.experts.gate_up_proj
+    assert x.grad is not None and lora.lora_B.grad.abs().sum() > 0  # B = 0 at init: A has no gradient yet
+
+
+def test_bank_input_is_cast_to_autocast_dtype(no_expert_loop):
+    """Under autocast, an fp32 model's banks run in autocast's dtype, as F.linear does."""
+    model = tiny_model("olmoe")
+    x = torch.randn(1, 8, model.config.hidden_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = model.model.layers[0].mlp(x)
+    assert out.dtype == torch.bfloat16
+
+
+def step_batches(tmp_path, cfg):
+    from minimoe import training
+    tokenizer = load_tokenizer(tiny_checkpoint())
+    examples = load_split("arc_challenge", "train", data_dir=tmp_path / "splits")[:4]
+    return training.micro_batches(examples, tokenizer, cfg, 0, 1)
+
+
+@pytest.mark.parametrize("method", ["native", "tes", "acs", "dual"])
+def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, method):
+    """step_loss (forward, task + method + load-balancing terms, routing statistics, backward) of every
+    built-in method: no op that makes the host wait for the device. The step's one read-back is
+    optimizer_step's logging, outside."""
+    from minimoe import training
+    from minimoe.tracking import RoutingStats
+    cfg = replace(TrainConfig(**RECIPES["tiny"], method=method), lora_dropout=0.0, batch_size=2, pad_token_id=0, device="cpu",
+                  aux_coef=0.01, layers="all")
+    batches = step_batches(tmp_path, cfg)
+    model = from_pretrained(tiny_checkpoint())
+    training.install_method(model, cfg)
+    model.train()
+    counts = {"examples": 4, "tokens": sum(b.supervised_tokens for b in batches),
+              "rows": sum(b.input_ids.shape[0] for b in batches)}
+    stats = RoutingStats(list(range(model.config.num_hidden_layers)), model.config.num_experts,
+                         model.config.num_experts_per_tok)
+    with HostSyncs() as syncs:
+        logs = training.step_loss(model, batches, cfg, counts, world_size=1, stats=stats)
+    assert syncs.counts == {}, f"host syncs in a training step: {syncs.counts}"
+    assert all(isinstance(v, torch.Tensor) or v == 0.0 for v in logs.values())
+    assert logs["task"] > 0 and logs["aux"] > 0 and (method in ("native", "dual")) == (logs["method"] == 0.0)
+
+
+def test_compiled_layers_are_one_graph_each_and_equal_eager():
+    """compile_layers with fullgraph=True: every decoder layer (TES routing, LoRA on the banks) traces as
+    one graph, which a read-back (.item(), bool() of a tensor) would break, and the compiled model's
+    logits and gradients equal eager's. Under bf16 autocast, as the GPU recipe runs; the aot_eager
+    backend traces forward and backward as inductor would, without compiling kernels."""
+    def build():
+        model = add_lora(tiny_model("granitemoe").to(torch.bfloat16), dropout=0.0)
+        set_router(model, "tes", layers="all")
+        return model.train()
+    eager, compiled = build(), compile_layers(build(), backend="aot_eager", fullgraph=True)
+    compiled.load_state_dict(eager.state_dict())
+    ids = torch.randint(0, eager.config.vocab_size, (2, 16))
+    results = []
+    for model in (eager, compiled):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids)
+        loss = out.logits.float().logsumexp(-1).mean() + sum(r.prediction.sum() for r in out.routings)
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        results.append((out.logits, grads))
+    (logits, grads), (logits_c, grads_c) = results
+    assert torch.equal(logits, logits_c)
+    assert grads.keys() == grads_c.keys() and any("error_head" in n for n in grads)
+    for name in grads:
+        torch.testing.assert_close(grads_c[name], grads[name], rtol=0, atol=0, msg=name)
+
+
+def test_length_buckets_pad_rows_and_leave_scores_unchanged(tmp_path):
+    """pad_to=64 rounds the row length up to a multiple of 64 with masked padding; every answer token's
+    log-probability is the unbucketed one (fp32, eval)."""
+    tokenizer = load_tokenizer(tiny_checkpoint())
+    examples = load_split("arc_challenge", "test", data_dir=tmp_path / "splits")[:3]
+    model = from_pretrained(tiny_checkpoint()).eval()
+    plain = make_choice_batch(examples, tokenizer, 0)
+    bucketed = make_choice_batch(examples, tokenizer, 0, pad_to=64)
+    assert bucketed.input_ids.shape[1] % 64 == 0 and bucketed.input_ids.shape[1] >= plain.input_ids.shape[1]
+    assert bucketed.real_tokens == plain.real_tokens == int(plain.attention_mask.sum())
+    with torch.no_grad():
+        torch.testing.assert_close(forward_choices(model, bucketed)[1], forward_choices(model, plain)[1])
+    with pytest.raises(ValueError, match="pad_to=0; expected a positive int"):
+        make_choice_batch(examples, tokenizer, 0, pad_to=0)
+
+
+def test_host_counts_equal_the_device_tensors(tmp_path):
+    """The batch's host-side counts, which training reads instead of syncing, equal the tensors' own."""
+    tokenizer = load_tokenizer(tiny_checkpoint())
+    examples = load_split("arc_challenge", "test", data_dir=tmp_path / "splits")[:5]
+    for packed in (True, False):
+        b = make_choice_batch(examples, tokenizer, 0, packed=packed)
+        assert b.supervised_tokens == int(b.supervised_mask.sum())
+        assert b.real_tokens == int(b.attention_mask.sum())
+        assert b.max_choices == int(b.choice.max()) + 1
+
+
+def test_compile_is_refused_off_cuda(tmp_path, capsys):
+    from minimoe.cli import train
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--model", "tiny", "--compile", "--device", "cpu", "--out-dir", str(tmp_path)])
+    assert "--compile needs a CUDA device" in str(exit_info.value)
+
+
+def test_the_suite_sees_no_cuda_unless_marked():
+    """conftest's pin: on a GPU machine too, an unmarked test and the processes it starts see no CUDA."""
+    import os
+    assert not torch.cuda.is_available() and torch.cuda.device_count() == 0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
