@@ -39,3 +39,18 @@ def test_interleaved_rotates_order_and_ratios_per_round():
     t.times = {"a": [2.0, 4.0], "b": [1.0, 1.0]}
     assert t.ratio("a", "b") == (3.0, 2.0, 4.0)
     assert t.best_ratio("a", "b") == 2.0
+
+
+def test_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, monkeypatch):
+    """bench/gpu.py --smoke on the CPU: every section runs (tiny widths) and the table has its rows; on
+    a GPU the same code measures. Parity and grouped_mm figures are real checks even here."""
+    from bench import gpu
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    rows = gpu.main(["--smoke", "--device", "cpu", "--out", "gpu-smoke"])
+    failed = [r for r in rows if r["metric"] in ("failed", "skipped") and r["section"] != "default run"]
+    assert not failed, failed
+    by = {(r["section"], r["model"], r["metric"]): r for r in rows}
+    assert by[("parity", "olmoe 3L", "fp32 max |logit diff| vs transformers")]["minimoe"] < 1e-4
+    assert by[("grouped_mm", "granitemoe block", "max |diff| output / input grad / bank grad vs the loop")]["minimoe"] == "0 / 0 / 0"
+    assert {r["model"] for r in rows if r["section"] == "lora"} == {"granitemoe 2L", "olmoe 2L"}
+    assert (tmp_path / "gpu-smoke.md").read_text().count("\n") == len(rows) + 2
