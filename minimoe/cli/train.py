@@ -456,7 +456,8 @@ def main(argv=None):
     keep_freed_memory()  # big gradient and logit blocks are reused, not faulted in again every step
     limit_kernel_cache()  # bf16 on the CPU: one compiled kernel per matrix shape, a few hundred kept
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        # gloo beside nccl: global_sum reduces host numbers (counts, logged terms) as CPU tensors
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
             args.device = f"cuda:{int(os.environ['LOCAL_RANK'])}"
