@@ -47,20 +47,24 @@ class HostSyncs(TorchDispatchMode):
     (nonzero, masked_select, bincount, unique, repeat_interleave by a tensor) and indexing by a
     boolean mask (it runs nonzero). Copies to the host (.cpu(), .tolist()) are syncs on CUDA too, but
     on the CPU they are no op at all; torch.cuda.set_sync_debug_mode counts those on a GPU (bench/gpu.py).
+    device: count only ops on tensors of this device type ("cuda": a CPU tensor's .item(), such as
+    AdamW's step counter, waits for nothing); None: every op, what a CPU test holds the code to.
     """
     SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "bincount", "_unique2", "unique_dim",
                "unique_consecutive", "repeat_interleave"}
     INDEXING = {"index", "index_put", "index_put_", "_index_put_impl_"}
 
-    def __init__(self):
+    def __init__(self, device: str | None = None):
         super().__init__()
-        self.counts: dict[str, int] = {}
+        self.device, self.counts = device, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._overloadpacket.__name__
         syncs = name in self.SYNCING and not (name == "repeat_interleave" and func._overloadname == "self_int")
         if name in self.INDEXING and len(args) > 1:
             syncs = any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+        if syncs and self.device is not None:
+            syncs = any(isinstance(a, torch.Tensor) and a.device.type == self.device for a in args)
         if syncs:
             self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))

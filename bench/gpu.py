@@ -183,13 +183,53 @@ def training_step_syncs(device):
     syncs(step, device, "tiny TES all layers", "host syncs in one train.py optimizer step, logging included")
 
 
-def lora_step(device, family: str, layers: int, smoke: bool, peak: float, budget: Budget, compile_too: bool):
-    """minimoe (eager, compiled) against transformers + peft on the same random weights."""
+def measure_side(side: str, folder, family: str, ids, device, steps: int, warmup: int, name: str) -> dict:
+    """One side's LoRA step and forward times, warm-up (compilation included) and peak memory."""
     from bench.lora_peft import peft_wrap
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+    torch._dynamo.reset()  # each compiled side compiles afresh, its own settings
+    if side == "transformers + peft":
+        model = peft_wrap(common.load_hf(Path(folder), torch.bfloat16, "sdpa"), family).to(device)
+        kw = {"use_cache": False}
+    else:
+        model = from_pretrained(folder, dtype=torch.bfloat16, device=device)
+        add_lora(model, rank=8, alpha=8, dropout=0.0, targets=("q", "k", "v", "experts"))
+        kw = {}
+        if side == "minimoe compiled":
+            compile_layers(model)
+        elif side == "minimoe compiled + CUDA graphs":  # static shapes here: inductor's CUDA graph trees
+            compile_layers(model, mode="reduce-overhead")
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+    def forward():
+        with torch.no_grad(), autocast:
+            model(input_ids=ids, **kw)
+
+    def step():
+        with autocast:
+            logits = model(input_ids=ids, **kw).logits
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    step_times = timed(step, device, steps, warmup)
+    first = time.perf_counter() - t0 - sum(step_times)  # the warm-up steps, compilation included
+    fwd_times = timed(forward, device, steps, 1)
+    memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    if side == "minimoe":
+        syncs(step, device, name)
+    return dict(step=statistics.median(step_times), forward=statistics.median(fwd_times), memory=memory, warmup=first)
+
+
+def lora_step(device, family: str, layers: int, smoke: bool, peak: float, budget: Budget, compile_too: bool):
+    """minimoe (eager, compiled, compiled with CUDA graphs) against transformers + peft, same random weights."""
     c = config(family, layers, smoke)
     B, T = (2, 64) if smoke else (8, 512)
     steps, warmup = (2, 1) if smoke else (8, 3)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     ids = torch.randint(2, c.vocab_size, (B, T), generator=torch.Generator().manual_seed(5)).to(device)
     name = f"{family} {layers}L"
     with tempfile.TemporaryDirectory() as folder:
@@ -197,47 +237,16 @@ def lora_step(device, family: str, layers: int, smoke: bool, peak: float, budget
         save_pretrained(model, folder)
         del model
         results = {}
-        sides = ["minimoe", *(["minimoe compiled"] if compile_too else []), "transformers + peft"]
-        for side in sides:
+        compiled = ["minimoe compiled", "minimoe compiled + CUDA graphs"] if compile_too else []
+        for side in ["minimoe", *compiled, "transformers + peft"]:
             if budget.left() < 30:
                 row("lora", name, f"{side}: skipped", note="time budget spent")
                 continue
-            if side == "transformers + peft":
-                model = peft_wrap(common.load_hf(Path(folder), torch.bfloat16, "sdpa"), family).to(device)
-                kw = {"use_cache": False}
-            else:
-                model = from_pretrained(folder, dtype=torch.bfloat16, device=device)
-                add_lora(model, rank=8, alpha=8, dropout=0.0, targets=("q", "k", "v", "experts"))
-                kw = {}
-                if side == "minimoe compiled":
-                    compile_layers(model)
-            model.train()
-            params = [p for p in model.parameters() if p.requires_grad]
-            opt = torch.optim.AdamW(params, lr=1e-5)
-
-            def forward():
-                with torch.no_grad(), autocast:
-                    model(input_ids=ids, **kw)
-
-            def step():
-                with autocast:
-                    logits = model(input_ids=ids, **kw).logits
-                    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = time.perf_counter()
-            step_times = timed(step, device, steps, warmup)
-            first = time.perf_counter() - t0 - sum(step_times)  # the warm-up steps, compilation included
-            fwd_times = timed(forward, device, steps, 1)
-            memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            results[side] = dict(step=statistics.median(step_times), forward=statistics.median(fwd_times),
-                                 memory=memory, warmup=first)
-            if side == "minimoe":
-                syncs(step, device, name)
-            model = opt = None  # frees the GPU memory (the closures above hold these names)
+            try:
+                results[side] = measure_side(side, folder, family, ids, device, steps, warmup, name)
+            except Exception as e:  # a side that fails (a compile error, say) must not lose the others
+                traceback.print_exc()
+                row("lora", name, f"{side}: failed", note=f"{type(e).__name__}: {str(e)[:200]}")
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     tokens, N = B * T, active_params(c)
