@@ -13,7 +13,7 @@ the rest go on:
 4. the LoRA step and the forward against transformers + peft at the official widths, 8 layers (full
    depth with --full-depth): rank 8 on q, k, v and the experts, dropout 0, bf16 weights under
    autocast, fp32 adapters, AdamW, batch 8 x 512; median of the timed steps after warm-up; minimoe
-   eager and with `compile_layers`; MFU by 6N and by 4N (N: active parameters per token, the LM head
+   eager, with `compile_layers`, and with it in mode="reduce-overhead" (CUDA graphs); MFU by 6N and by 4N (N: active parameters per token, the LM head
    included, the embedding not; 4N because a frozen base computes no weight gradients) against the
    measured peak; peak memory; host syncs in one training step;
 5. the default run's epoch and the scoring of the 500 SciQ test questions, where the default model
