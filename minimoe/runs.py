@@ -375,18 +375,31 @@ def read_metrics(run: Path) -> list[dict]:
 
 # ----------------------------------------------------------------------------- training state
 
-def rng_state() -> dict:
-    """Every RNG a run draws from, as tensors and plain numbers (loadable with weights_only=True)."""
+def rng_state(device=None) -> dict:
+    """Every RNG a run draws from, as tensors and plain numbers (loadable with weights_only=True): with
+    a CUDA `device` (the run's), also that device's generator, which LoRA dropout draws from there."""
     version, mt, gauss = random.getstate()
     key, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"torch": torch.get_rng_state(),
-            "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
-            "numpy": {"key": key, "state": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                      "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    state = {"torch": torch.get_rng_state(),
+             "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+             "numpy": {"key": key, "state": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}}
+    if device is not None and torch.device(device).type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
-def set_rng_state(state: dict):
+def params_device(optimizer):
+    """The device of the optimizer's parameters (the run's), None without any."""
+    return next((p.device for group in optimizer.param_groups for p in group["params"]), None)
+
+
+def set_rng_state(state: dict, device=None):
+    """Back to `rng_state`'s; a saved CUDA generator goes to `device` when that is a CUDA device. (Under
+    DDP every rank gets rank 0's: exact for one process, as before for several.)"""
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and device is not None and torch.device(device).type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"].tolist()), py["gauss"]))
     n = state["numpy"]
@@ -398,7 +411,7 @@ def save_state(path: Path, optimizer, scheduler, epoch: int, step: int, epoch_st
     """The position (`epoch` complete, `epoch_step` steps of the next one, `step` global), the
     optimizer, the scheduler and every RNG."""
     state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
-             "epoch_step": epoch_step, "rng": rng_state()}
+             "epoch_step": epoch_step, "rng": rng_state(params_device(optimizer))}
     with atomic_file(path) as tmp:
         try:
             torch.save(state, tmp)

@@ -13,11 +13,12 @@ example's prompt runs once, so its LoRA dropout mask is shared by the candidates
 load-balancing loss counts its tokens once.
 
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
-shuffles with seed + e), and the RNG state is saved with each checkpoint, so `--resume` after a
-kill ends on the same bits as the uninterrupted run on CPU (`load_latest` and `restore` put the
-checkpoint back; `train` is the loop). A mid-epoch checkpoint (--save-every-steps) resumes by
-skipping the epoch's first `epoch_step` steps of that same order, not by reshuffling. The run
-folder's rules (lock, log truncation, safe state files, fallback past a corrupt checkpoint) are in
+shuffles with seed + e), and the RNG state is saved with each checkpoint (on CUDA the device's
+generator too, which dropout draws from there), so `--resume` after a kill ends on the same bits as
+the uninterrupted run on CPU, and within CUDA's kernel nondeterminism on a GPU (tests/test_cuda.py)
+(`load_latest` and `restore` put the checkpoint back; `train` is the loop). A mid-epoch checkpoint
+(--save-every-steps) resumes by skipping the epoch's first `epoch_step` steps of that same order, not
+by reshuffling. The run folder's rules (lock, log truncation, safe state files, fallback past a corrupt checkpoint) are in
 minimoe/runs.py.
 
 Configuration: minimoe/config.py (`TrainConfig`, the recipes, run names).
@@ -53,8 +54,8 @@ from minimoe.lora import add_lora
 from minimoe.objectives import load_balancing_loss, supervision_loss
 from minimoe.routing import Method, lookup_method, set_router
 from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
-                          latest_checkpoint, read_json, read_metrics, remove_orphans, save_state, set_rng_state,
-                          truncate_metrics, world)
+                          latest_checkpoint, params_device, read_json, read_metrics, remove_orphans, save_state,
+                          set_rng_state, truncate_metrics, world)
 from minimoe.scoring import ChoiceBatch, choice_loss, choice_scores, forward_choices, make_choice_batch
 from minimoe.tracking import RoutingStats, Tracker
 
@@ -303,7 +304,7 @@ def restore(run: Path, state: dict | None, optimizer, scheduler, rank: int) -> P
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = Position(state["epoch"], state.get("epoch_step", 0), state["step"])
-        set_rng_state(state["rng"])
+        set_rng_state(state["rng"], params_device(optimizer))
     if rank == 0:
         remove_orphans(run)
         drop_later_checkpoints(run, start.epoch, start.step)

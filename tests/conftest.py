@@ -4,6 +4,7 @@ Dimensions are multiples of 8 so that the grouped_mm path applies in fp32 and bf
 scaled up from the default init (std 0.2) so that numerical differences show in the logits.
 """
 import json
+import os
 from dataclasses import asdict
 
 import pytest
@@ -50,13 +51,21 @@ def no_default_model_download(monkeypatch):
     monkeypatch.setattr(train, "smollm_checkpoint", refuse)
 
 
+# MINIMOE_CUDA_TESTS_DEVICE=cpu runs the `cuda` tests' logic on the CPU (tests/test_cuda.py reads it too).
+CUDA_TESTS_DEVICE = "MINIMOE_CUDA_TESTS_DEVICE"
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_marked_cuda(request, monkeypatch):
     """The suite's expectations (float32 by default, bit-identical runs) are the CPU's, so on a machine
     with CUDA a test not marked `cuda` sees none: in this process (`--device auto` picks the CPU) and in
     the train.py, torchrun and sweep processes it starts (CUDA_VISIBLE_DEVICES). A `cuda` test
-    (tests/test_cuda.py) runs only where CUDA is present, and is skipped elsewhere."""
-    if request.node.get_closest_marker("cuda"):
+    (tests/test_cuda.py) runs only where CUDA is present, and is skipped elsewhere.
+
+    MINIMOE_CUDA_TESTS_DEVICE=cpu runs these tests' logic on the CPU, as a check of the tests themselves:
+    a `cuda` test then runs instead of being skipped (on a GPU machine too), and sees no CUDA, as every
+    other test."""
+    if request.node.get_closest_marker("cuda") and os.environ.get(CUDA_TESTS_DEVICE, "cuda") != "cpu":
         if not torch.cuda.is_available():
             pytest.skip("needs a CUDA device")
         return

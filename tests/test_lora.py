@@ -234,6 +234,11 @@ def test_gradient_checkpointing_gives_the_same_lora_grads(dropout):
 def test_olmoe_fused_bank_lora_equals_peft_per_expert_lora(tmp_path):
     """Our A [E, 2r, D] / B [E, 2I, r] on the fused gate_up bank = peft's rank-r LoRAs on OLMoE's
     per-expert gate_proj and up_proj (and down_proj, q/k/v/o), on transformers' OlmoeForCausalLM."""
+    check_fused_bank_lora_equals_peft(tmp_path, "cpu")
+
+
+def check_fused_bank_lora_equals_peft(tmp_path, device):
+    """test_olmoe_fused_bank_lora_equals_peft_per_expert_lora on `device` (tests/test_cuda.py: cuda)."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     model = tiny("olmoe")
@@ -244,6 +249,7 @@ def test_olmoe_fused_bank_lora_equals_peft_per_expert_lora(tmp_path):
                                                            dtype=torch.float32)
     hf = peft.get_peft_model(hf, peft.LoraConfig(r=4, lora_alpha=12, lora_dropout=0.0, target_modules=[
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])).eval()
+    model, hf = model.to(device), hf.to(device)
     peft_params = dict(hf.named_parameters())
     r, I = 4, 32
     with torch.no_grad():
@@ -263,7 +269,7 @@ def test_olmoe_fused_bank_lora_equals_peft_per_expert_lora(tmp_path):
                 peft_params[f"{e}.up_proj.lora_B.default.weight"].copy_(gu.lora_B[j, I:])
                 peft_params[f"{e}.down_proj.lora_A.default.weight"].copy_(down.lora_A[j])
                 peft_params[f"{e}.down_proj.lora_B.default.weight"].copy_(down.lora_B[j])
-        x = ids(5, B=2, T=24)
+        x = ids(5, B=2, T=24).to(device)
         want = hf(x).logits
         got = model(x).logits
         with hf.disable_adapter():
@@ -276,6 +282,12 @@ def test_train_mode_step_with_dropout_equals_peft_under_the_same_masks(tmp_path)
     """LoRA dropout acts on the adapter's input (peft: B(A(dropout(x)))), not on its output. A train-mode
     step at dropout 0.3 on q/k/v/o of OLMoE: seeded alike, both draw the same masks in the same order
     (q, k, v, o of each layer), so logits and every LoRA gradient equal peft's on transformers' model."""
+    check_dropout_step_equals_peft(tmp_path, "cpu")
+
+
+def check_dropout_step_equals_peft(tmp_path, device):
+    """test_train_mode_step_with_dropout_equals_peft_under_the_same_masks on `device` (tests/test_cuda.py:
+    cuda, where both draw their masks with F.dropout's kernel from the device's generator)."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     model = tiny("olmoe")
@@ -297,9 +309,8 @@ def test_train_mode_step_with_dropout_equals_peft_under_the_same_masks(tmp_path)
     with torch.no_grad():
         for ours, peft_param in pairs.values():
             peft_param.copy_(ours)
-    model.train()
-    hf.train()
-    x = ids(5, B=2, T=24)
+    model, hf = model.to(device).train(), hf.to(device).train()  # in place: `pairs` holds the moved parameters
+    x = ids(5, B=2, T=24).to(device)
     results = []
     for net in (model, hf):
         torch.manual_seed(11)  # the same dropout masks

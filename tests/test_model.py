@@ -111,26 +111,30 @@ def test_bf16_packed_answer_logprobs_no_worse_than_reference_bf16(family, tmp_pa
     assert 0 < err(ours_bf16) <= 2 * err(ref_bf16)
 
 
+def next_token_grads(model, ids, mask):
+    """{parameter name: fp32 copy of d(next-token CE over the real positions)/d(it)}, in train mode."""
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    model.train().zero_grad(set_to_none=True)
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
+    return {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+
+def worst_grad_err(got, exact):
+    """The worst weight's max |got - exact| / max |exact| (both by transformers' parameter names)."""
+    return max(((got[k] - want).abs().max() / want.abs().max().clamp(min=1e-8)).item() for k, want in exact.items())
+
+
 def test_bf16_gradients_no_worse_than_reference_bf16(family, tmp_path):
     """The CPU bf16 training path's gradients: per weight, our bf16 error against transformers' fp32
     gradient is within 2x of transformers' own bf16 error (the worst weight of each model compared)."""
     ref, path = reference_model(family, tmp_path)
     ids, mask = batch()
-    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-
-    def grads(model):
-        model.train().zero_grad(set_to_none=True)
-        logits = model(input_ids=ids, attention_mask=mask).logits
-        F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=-100).backward()
-        return {n: p.grad.float().clone() for n, p in model.named_parameters()}
-    exact = grads(ref)
-    ref_bf16 = grads(ref.to(torch.bfloat16))
+    exact = next_token_grads(ref, ids, mask)
+    ref_bf16 = next_token_grads(ref.to(torch.bfloat16), ids, mask)
     ours = minimoe.from_pretrained(path, dtype=torch.bfloat16)
-    ours_bf16 = to_disk_layout(ours.config, {n: g for n, g in grads(ours).items()})
-
-    def worst(got):
-        return max(((got[k] - want).abs().max() / want.abs().max().clamp(min=1e-8)).item() for k, want in exact.items())
-    assert 0 < worst(ours_bf16) <= 2 * worst(ref_bf16)
+    ours_bf16 = to_disk_layout(ours.config, next_token_grads(ours, ids, mask))
+    assert 0 < worst_grad_err(ours_bf16, exact) <= 2 * worst_grad_err(ref_bf16, exact)
 
 
 def test_gradients_match_transformers(family, tmp_path):
@@ -168,26 +172,34 @@ def test_padding_gives_unpadded_logits(family):
             torch.testing.assert_close(padded[row, :n], alone, rtol=1e-5, atol=1e-5)
 
 
+def grouped_mm_and_loop_paths(model, ids, monkeypatch):
+    """[(logits, layer 0's gate_up gradient)] with USE_GROUPED_MM True, then False, in fp32 for comparison;
+    asserts that the first really ran F.grouped_mm."""
+    calls = []
+    real = F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    outs = []
+    for use in (True, False):
+        monkeypatch.setattr(mm, "USE_GROUPED_MM", use)
+        calls.clear()
+        model.zero_grad()
+        logits = model(ids).logits
+        logits.float().square().mean().backward()
+        outs.append((logits.detach().float(), model.model.layers[0].mlp.experts.gate_up_proj.weight.grad.float()))
+        assert bool(calls) == use, "grouped_mm was never called" if use else "the loop path called grouped_mm"
+    monkeypatch.setattr(F, "grouped_mm", real)
+    return outs
+
+
 def test_grouped_mm_path_equals_loop_path(family, monkeypatch):
     """The two dispatch paths (F.grouped_mm and the per-expert loop) give the same outputs and grads."""
     from tests.conftest import tiny_model
     assert hasattr(F, "grouped_mm"), "torch 2.13 has grouped_mm on CPU; this test must exercise it"
-    calls = []
-    real = F.grouped_mm
-    monkeypatch.setattr(F, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
     for dtype, tol in [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)]:
-        model = tiny_model(family).to(dtype)
-        ids, _ = batch()
-        outs = []
-        for use in (True, False):
-            monkeypatch.setattr(mm, "USE_GROUPED_MM", use)
-            model.zero_grad()
-            logits = model(ids).logits
-            logits.float().square().mean().backward()
-            outs.append((logits.detach().float(), model.model.layers[0].mlp.experts.gate_up_proj.weight.grad.float()))
-        assert calls, "grouped_mm was never called"
-        torch.testing.assert_close(outs[0][0], outs[1][0], rtol=tol, atol=tol)
-        torch.testing.assert_close(outs[0][1], outs[1][1], rtol=tol, atol=tol)
+        (grouped, grouped_grad), (loop, loop_grad) = grouped_mm_and_loop_paths(tiny_model(family).to(dtype), batch()[0],
+                                                                               monkeypatch)
+        torch.testing.assert_close(grouped, loop, rtol=tol, atol=tol)
+        torch.testing.assert_close(grouped_grad, loop_grad, rtol=tol, atol=tol)
 
 
 def test_experts_run_only_on_routed_rows(monkeypatch):
