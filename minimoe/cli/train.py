@@ -177,7 +177,8 @@ def parser() -> argparse.ArgumentParser:
                    "minimoe/data.py for a registered benchmark, main for your own)")
     g.add_argument("--field-map", metavar="FIELD=COLUMN,...", help="your own --data's columns: question=...,"
                    "choices=...,answer=...[,id=...]; choices: a list column or columns joined by '+'; answer: an "
-                   "index or a choice's text (default: the same names; see minimoe/userdata.py)")
+                   "index from 0, a letter or a choice's text, answer=COLUMN:index|letter|text to say which (an "
+                   "ambiguous untyped answer is refused) (default: the same names; see minimoe/userdata.py)")
     g.add_argument("--prompt-template", metavar="FORMAT", help="your own data's prompt, a str.format string over "
                    "{question} and the row's fields (default: the paper's 'Question: {question}\\nAnswer:')")
     g.add_argument("--max-train-examples", type=COUNT, metavar="N", help="keep only the first N training examples (default: the "
