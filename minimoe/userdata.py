@@ -68,6 +68,24 @@ def is_user_data(data: str) -> bool:
     return Path(data).exists() or bool(HUB_ID.fullmatch(data))
 
 
+def is_manifest(data: str) -> bool:
+    """A folder of train/val/test.jsonl, or a .jsonl file whose first line has exactly a manifest's keys
+    (data.read_manifest): read as it is. Other files, folders and hub ids are rows to build from."""
+    path = Path(data)
+    if path.is_dir():
+        return all((path / f"{s}.jsonl").is_file() for s in SPLITS)
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with open(path, encoding="utf-8") as f:
+        line = f.readline()
+    try:
+        keys = set(json.loads(line))
+    except (json.JSONDecodeError, TypeError):
+        return False
+    return {"id", "question", "choices", "answer"} <= keys <= {"id", "question", "choices", "answer", "source",
+                                                              "prompt"}
+
+
 # ---- reading rows: {split: (origin, [row dict])} ----
 
 def _read_csv(path: Path) -> list[dict]:
@@ -282,9 +300,6 @@ def build_user_data(data: str, data_dir, *, field_map: str | None = None, prompt
     """Check every row, carve what is missing, write the manifests; returns their folder (module docstring)."""
     fields = parse_field_map(field_map)
     rows, commit = read_rows(data, revision)
-    if unused := unused_columns(rows, fields, prompt_template):
-        print(f"warning: --data {data}: columns {unused} are not mapped by --field-map nor used by "
-              f"--prompt-template; they are left out of the manifests", file=sys.stderr)
     splits, at = {}, {}  # at: (split, id) -> the file and row, for errors
     for split in [s for s in SPLITS if s in rows]:
         splits[split], seen = [], {}
@@ -297,6 +312,9 @@ def build_user_data(data: str, data_dir, *, field_map: str | None = None, prompt
             seen[ex.id] = at[split, ex.id] = where
             splits[split].append(ex)
     check_disjoint(splits, data, at)  # the same id or question in two given splits
+    if unused := unused_columns(rows, fields, prompt_template):  # after the checks: an error says more
+        print(f"warning: --data {data}: columns {unused} are not mapped by --field-map nor used by "
+              f"--prompt-template; they are left out of the manifests", file=sys.stderr)
     carved = carve(splits, seed)
     check_disjoint(splits, data)  # two train rows with one question, one of them carved away
     manifests = {s: "".join(example_json(ex) + "\n" for ex in splits[s]).encode("utf-8") for s in SPLITS}

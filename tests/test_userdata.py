@@ -208,3 +208,26 @@ def test_unmapped_columns_are_named_once(tmp_path, pool, capsys):
     build_user_data(str(data), tmp_path / "splits", field_map=NUMBERS, prompt_template="{topic}: {question}")
     warnings = [line for line in capsys.readouterr().err.splitlines() if "not mapped" in line]
     assert len(warnings) == 1 and "['comment']" in warnings[0]
+
+
+def test_evaluate_scores_your_own_csv_with_the_flags_it_trained_with(tmp_path, pool):
+    """evaluate.py --data FILE --field-map builds the same manifests train.py built: the run's test split."""
+    data = write_rows(tmp_path / "mcq.csv", ["qid", "q", "a", "b", "c", "d", "label"],
+                      [[ex.id, ex.question, *ex.choices, "ABCD"[ex.answer]] for ex in pool])
+    run, cfg, _ = train_and_evaluate(tmp_path, "--data", str(data), "--field-map", NUMBERS)
+    metrics = evaluate.main(["--adapter", str(run), "--data", str(data), "--field-map", NUMBERS, "--quiet",
+                             "--out-dir", str(tmp_path / "again")])
+    assert (metrics["data"], metrics["split_sha256"]) == (cfg["data"], cfg["data_sha256"]["test"])
+
+
+def test_evaluate_scores_a_raw_jsonl_with_the_tiny_model(tmp_path, pool):
+    """A JSONL without the manifest's keys (no id, letters for answers) is rows to build from, not a bad manifest."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"question": ex.question, "choices": ex.choices, "answer": "ABCD"[ex.answer]})
+                            + "\n" for ex in pool))
+    metrics = evaluate.main(["--model", "tiny", "--data", str(data), "--data-dir", str(tmp_path / "splits"),
+                             "--out-dir", str(tmp_path / "eval"), "--quiet"])
+    test = manifest(tmp_path / "splits" / metrics["dataset"], "test")
+    assert metrics["n_examples"] == len(test) == 6 and metrics["model"].endswith("tiny-olmoe")
+    golds = {ex.question: ex.answer for ex in pool}
+    assert all(r["answer"] == golds[r["question"]] for r in test)

@@ -57,6 +57,15 @@ def old_name(group, old: str, new: str, **kwargs) -> None:
     group.add_argument(old, action=OldName, new=new, dest=new.lstrip("-").replace("-", "_"), **kwargs)
 
 
+def model_path(model: str | None) -> str | None:
+    """--model as every command reads it: 'tiny' is the random tiny OLMoE (weights/tiny-olmoe, built on
+    first use), so that its runs are named, found and evaluated alike; anything else as given."""
+    if model != "tiny":
+        return model
+    from minimoe.tiny import tiny_checkpoint  # torch: only when asked
+    return str(tiny_checkpoint())
+
+
 def run_command(main, prog: str, status: int = 2) -> None:
     """`main()` as a console command: bad input (OSError, ValueError, KeyError, whose messages name the file or
     flag) ends in one line `prog: error: ...` and exit `status`, no traceback; and what main returns never

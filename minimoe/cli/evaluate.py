@@ -34,7 +34,7 @@ import logging
 import sys
 from pathlib import Path
 
-from minimoe.cli import device, old_name, run_command
+from minimoe.cli import device, model_path, old_name, run_command
 from minimoe.data import DEFAULT_DATA_DIR, SPLITS
 from minimoe.diagnostics import PAPER_SEEDS
 
@@ -67,7 +67,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
     add_compare_command(commands)
     add_plot_command(commands)
     what = p.add_argument_group("what to evaluate")
-    what.add_argument("--model", help="base checkpoint: a local folder or a hub id (e.g. allenai/OLMoE-1B-7B-0924-SFT). "
+    what.add_argument("--model", help="base checkpoint: a local folder, a hub id (e.g. allenai/OLMoE-1B-7B-0924-SFT) "
+                                      "or 'tiny' (train.py's random tiny OLMoE). "
                                       "May be left out when --adapter is a run folder: its config.json names it")
     what.add_argument("--model-revision", metavar="REV",
                       help="hub branch, tag or commit of the model (default: the run's, else main; metrics.json "
@@ -87,7 +88,14 @@ def evaluate_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     data.add_argument("--data", help="benchmark name (arc_challenge, arc_easy, openbookqa, sciq, medmcqa; registered "
                                      "splits are built under --data-dir on first use), a folder of train/val/test.jsonl "
-                                     "manifests, or one .jsonl manifest. Default with a run folder: the run's data")
+                                     "manifests, one .jsonl manifest, or your own data as train.py takes it (a CSV or "
+                                     "JSONL file or folder, a datasets folder, a hub id; with the --field-map and "
+                                     "--prompt-template it trained with, the same splits are built). Default with a "
+                                     "run folder: the run's data")
+    data.add_argument("--field-map", metavar="FIELD=COLUMN,...",
+                      help="your own --data's columns, as train.py's --field-map (minimoe/userdata.py)")
+    data.add_argument("--prompt-template", metavar="FORMAT", help="your own --data's prompt, as train.py's")
+    data.add_argument("--data-revision", metavar="REV", help="your own --data as a hub dataset: the revision to read")
     data.add_argument("--split", default="test", choices=SPLITS, help="split to score (default: %(default)s)")
     data.add_argument("--data-dir", type=Path,
                       help=f"where benchmark manifests live (default: the run's, else {DEFAULT_DATA_DIR})")
@@ -191,6 +199,22 @@ def report(args) -> str:
     return table
 
 
+def own_data(args, parser) -> str | None:
+    """--data as train.py resolves it: your own rows (a CSV, a raw JSONL, a hub id) become the manifests
+    train.py builds from them (the same folder for the same rows and flags), under the run's --data-dir."""
+    from minimoe.userdata import build_user_data, is_manifest, is_user_data
+    own = args.data is not None and is_user_data(args.data)
+    if not own or (is_manifest(args.data) and args.field_map is None and args.prompt_template is None):
+        if args.field_map is not None or args.prompt_template is not None:
+            parser.error(f"--field-map and --prompt-template apply to your own --data (a file, folder or hub id); "
+                         f"got --data {args.data}")
+        return args.data
+    config = args.adapter / "config.json" if args.adapter is not None else None
+    run_dir = json.loads(config.read_text(encoding="utf-8")).get("data_dir") if config and config.is_file() else None
+    return str(build_user_data(args.data, args.data_dir or run_dir or DEFAULT_DATA_DIR, field_map=args.field_map,
+                               prompt_template=args.prompt_template, revision=args.data_revision, seed=42))
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -219,6 +243,7 @@ def main(argv=None):
                         ("--max-length", args.max_length)):
         if value is not None and value < 1:
             parser.error(f"argument {flag}: {value}: expected an integer >= 1")
+    args.data, args.model = own_data(args, parser), model_path(args.model)
     from minimoe.allocator import keep_freed_memory, limit_kernel_cache
     from minimoe.evaluation import run_evaluation  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again

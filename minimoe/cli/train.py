@@ -42,7 +42,7 @@ import minimoe
 from minimoe.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.atomic import atomic_file
 from minimoe.checkpoint import resolve_checkpoint
-from minimoe.cli import device, run_command
+from minimoe.cli import device, model_path, run_command
 from minimoe.data import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.eval_folder import METRICS, eval_dir
 from minimoe.lora import ALIASES, TARGETS
@@ -52,7 +52,6 @@ from minimoe.runs import (claim_run_folder, has_training_output, is_run_folder, 
                           pick_dtype, run_lock, set_aside, world)
 from minimoe.scoring import check_max_length
 from minimoe.smollm import smollm_checkpoint
-from minimoe.tiny import tiny_checkpoint
 from minimoe.config import RECIPES, TrainConfig, recipe_train_examples, run_name
 from minimoe.training import check_install, install_method, train
 from minimoe.userdata import build_user_data, is_user_data
@@ -378,7 +377,7 @@ def settings_differ(argv: list[str], record: dict) -> list[str]:
     finished run as its cell. Device and dtype count only where argv names them (auto is the machine's)."""
     args = parse_args(argv)
     if args.model == "tiny":
-        args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
+        args.model, args.recipe = model_path(args.model), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
     recipe = args.recipe or record.get("recipe")
     if recipe not in RECIPES:
@@ -459,7 +458,7 @@ def main(argv=None):
         args.model, args.data = str(smollm_checkpoint()), args.data or "sciq"
         args.epochs, args.zero_shot = args.epochs or 1, args.zero_shot is not False
     elif args.model == "tiny":
-        args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
+        args.model, args.recipe = model_path(args.model), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
     folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
     tokenizer = minimoe.load_tokenizer(folder)
