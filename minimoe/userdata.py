@@ -69,8 +69,8 @@ def is_user_data(data: str) -> bool:
 
 
 def is_manifest(data: str) -> bool:
-    """A folder of train/val/test.jsonl, or a .jsonl file whose first line has exactly a manifest's keys
-    (data.read_manifest): read as it is. Other files, folders and hub ids are rows to build from."""
+    """A folder of train/val/test.jsonl, or a .jsonl file unless its first line is an object without a
+    manifest's keys (data.read_manifest): read as it is. Other files, folders and hub ids are rows to build from."""
     path = Path(data)
     if path.is_dir():
         return all((path / f"{s}.jsonl").is_file() for s in SPLITS)
@@ -79,11 +79,12 @@ def is_manifest(data: str) -> bool:
     with open(path, encoding="utf-8") as f:
         line = f.readline()
     try:
-        keys = set(json.loads(line))
-    except (json.JSONDecodeError, TypeError):
-        return False
-    return {"id", "question", "choices", "answer"} <= keys <= {"id", "question", "choices", "answer", "source",
-                                                              "prompt"}
+        first = json.loads(line)
+    except json.JSONDecodeError:
+        return True  # not rows either: read_manifest says what is wrong with it
+    keys = set(first) if isinstance(first, dict) else set()
+    return not isinstance(first, dict) or {"id", "question", "choices", "answer"} <= keys <= {
+        "id", "question", "choices", "answer", "source", "prompt"}
 
 
 # ---- reading rows: {split: (origin, [row dict])} ----
