@@ -581,3 +581,14 @@ def test_yaml_settings_file_starts_a_run_and_unknown_keys_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         train.main(["--resume", str(tmp_path / "nothing-here")])
     assert not (tmp_path / "bad").exists()
+
+
+def test_an_existing_run_folder_is_an_error_and_a_no_op_resume_leaves_config_json_alone(tmp_path):
+    """The refusal has the error: prefix the other errors have; --resume of a finished run trains nothing
+    and keeps its config.json byte for byte (its provenance is that of the launch that trained it)."""
+    run = run_train(tmp_path)
+    with pytest.raises(SystemExit, match=r"^train.py: error: run folder .* exists; pass --resume"):
+        run_train(tmp_path)
+    before = (run / "config.json").read_bytes()
+    run_train(tmp_path, "--resume")
+    assert (run / "config.json").read_bytes() == before

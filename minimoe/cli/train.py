@@ -472,13 +472,13 @@ def main(argv=None):
         check_max_length(examples, tokenizer, cfg.max_length, f"--max-length, {cfg.data} {split}")
     check_install(model.config, cfg, cfg.device)  # LoRA targets, layers, method options, memory: on meta
     if args.resume and args.rerun:
-        sys.exit("train.py: --resume and --rerun: pass one (continue the run, or start it again)")
+        sys.exit("train.py: error: --resume and --rerun: pass one (continue the run, or start it again)")
     if args.resume and not (run / "config.json").is_file():
-        sys.exit(f"train.py: --resume: {run} has no config.json; nothing to resume")
+        sys.exit(f"train.py: error: --resume: {run} has no config.json; nothing to resume")
     if args.resume and not is_run_folder(run):
-        sys.exit(f"train.py: --resume: {run} is not a train.py run folder (a model folder?); nothing to resume")
+        sys.exit(f"train.py: error: --resume: {run} is not a train.py run folder (a model folder?); nothing to resume")
     if run.exists() and not args.resume and not args.rerun:
-        sys.exit(f"train.py: run folder {run} exists; pass --resume to continue it, --rerun to start it again, "
+        sys.exit(f"train.py: error: run folder {run} exists; pass --resume to continue it, --rerun to start it again, "
                  f"or choose another --run-name")
     if args.rerun and run.exists() and rank == 0:
         claim_run_folder(run, resume=True)  # only a run folder is moved aside
@@ -515,12 +515,13 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, fo
             before = read_run_config(run / "config.json")
             changed = changed_settings(before, record)
             if changed:
-                sys.exit(f"train.py: --resume with a different config: {changed} differ from {run}/config.json; "
+                sys.exit(f"train.py: error: --resume with a different config: {changed} differ from {run}/config.json; "
                          f"pass --rerun to start the run again with these settings")
             # every launch of the run is kept: the first one's command line and code, then each resume's
             record["earlier_provenance"] = [*before.get("earlier_provenance", []), before.get("provenance")]
-        with atomic_file(run / "config.json") as tmp:
-            tmp.write_text(json.dumps(record, indent=2, default=str))
+        if not (args.resume and (run / "selection.json").is_file()):  # a finished run's record stays as it is
+            with atomic_file(run / "config.json") as tmp:
+                tmp.write_text(json.dumps(record, indent=2, default=str))
         if cfg.zero_shot and not (eval_dir(run, checkpoint="base") / METRICS).is_file():
             from minimoe.evaluation import evaluate_zero_shot  # before LoRA and the method exist
             base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
