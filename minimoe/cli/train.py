@@ -434,6 +434,10 @@ def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
     cfg = replace(cfg, **resolved)
     check_disjoint(data, cfg.data)  # a test example seen in training would inflate every score
     if cfg.max_train_examples:
+        if len(data["train"]) < cfg.max_train_examples:  # the one request about train that can go unmet
+            print(f"train.py: warning: {cfg.data} train has {len(data['train'])} examples, fewer than the "
+                  f"{cfg.max_train_examples} asked for (--max-train-examples, or the recipe's count); all are used",
+                  file=sys.stderr)
         data["train"] = data["train"][:cfg.max_train_examples]
     return data, cfg
 
