@@ -291,7 +291,7 @@ def train_eval_command(cell: Cell) -> list[str]:
     """evaluate.py on the run's train split, cut as the run's training population was."""
     limit = json.loads((cell.run / "config.json").read_text()).get("max_train_examples")
     return [sys.executable, "-m", "minimoe.cli.evaluate", "--adapter", str(cell.run), "--split", "train",
-            "--out-dir", str(eval_dir(cell.run, "train")), *(["--max-examples", str(limit)] if limit else [])]
+            "--eval-dir", str(eval_dir(cell.run, "train")), *(["--max-examples", str(limit)] if limit else [])]
 
 
 def run_cell(cell: Cell, env: dict | None = None, nproc: int = 1) -> int:

@@ -19,7 +19,10 @@ upcycle is a library module whose CLI is small enough to stay beside it.
 
 One name per concept across the scripts (the old spellings are hidden aliases that warn, for one release):
     --eval-batch-size  examples per forward in scoring      (evaluate.py's --batch-size)
-    --out-dir          the folder a command writes into     (evaluate.py's --out; `report --out` is a file)
+    --out-dir          where run folders are made: train.py's OUT/<run name>, sweep.py's runs (and its report)
+    --eval-dir         evaluate.py's evaluation folder itself (its --out-dir and --out; `report --out` is a file)
+    --model            the base checkpoint: a folder, a hub id or 'tiny' (export.py's --base-model)
+    positional OUT     a folder written whole (export.py, upcycle); positional RUN/DIR: what is read
     --max-train-examples / --max-examples stay apart: the first N training examples of a run, and the
     first N examples of the split that evaluate.py scores.
 """

@@ -3,11 +3,11 @@
 Example (a finished run: the model and dataset come from RUN/config.json, the adapter from
 RUN/checkpoints/epoch-<last_epoch>, the paper's primary endpoint):
 
-    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --split test --out-dir runs/granite-arc-TES-IS-seed42/eval/test
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --split test --eval-dir runs/granite-arc-TES-IS-seed42/eval/test
 
 The base model alone (routing diagnostics of its final layer):
 
-    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --out-dir runs/olmoe-native-arc
+    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --eval-dir runs/olmoe-native-arc
 
 The paper's accuracy table, mean ± sample std over seeds, from every metrics.json under the folders:
 
@@ -17,7 +17,7 @@ Two methods on the same questions, one pair of runs (or evaluation folders) per 
 
     python evaluate.py compare runs/m-sciq-CE-seed42 runs/m-sciq-TES-IS-seed42 runs/m-sciq-CE-seed43 runs/m-sciq-TES-IS-seed43
 
-Outputs in --out-dir (written to a temp folder beside it, then swapped in whole; an existing --out-dir must be
+Outputs in --eval-dir (written to a temp folder beside it, then swapped in whole; an existing --eval-dir must be
 an earlier evaluation, recognised by its .minimoe-written marker, or empty: anything else is refused):
   predictions.jsonl   one line per example: gold, predictions and per-candidate log-probabilities
   metrics.json        accuracy (mean-token, the paper's), accuracy_sum, accuracy_per_char, choice_nll,
@@ -40,11 +40,11 @@ from minimoe.diagnostics import PAPER_SEEDS
 
 EXAMPLES = """examples:
   a finished run (model and data from RUN/config.json; adapter of the last epoch):
-    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --out-dir runs/granite-arc-TES-IS-seed42/eval/test
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --eval-dir runs/granite-arc-TES-IS-seed42/eval/test
   its validation-NLL-selected epoch instead:
-    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --checkpoint selected --out-dir runs/granite-arc-TES-IS-seed42/eval/test-selected
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --checkpoint selected --eval-dir runs/granite-arc-TES-IS-seed42/eval/test-selected
   a base model, 50 examples, on a GPU in bf16:
-    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --out-dir runs/olmoe-native-arc
+    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --eval-dir runs/olmoe-native-arc
   training curves of several runs on one figure:
     python evaluate.py plot runs/run-a runs/run-b --out curves.png
   the accuracy table (mean ± sample std over seeds) of many evaluations:
@@ -56,7 +56,7 @@ EXAMPLES = """examples:
 
 def evaluate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
-                                usage="%(prog)s [--model MODEL] [--adapter ADAPTER] --out-dir OUT [options]\n"
+                                usage="%(prog)s [--model MODEL] [--adapter ADAPTER] --eval-dir DIR [options]\n"
                                       "       %(prog)s report DIR [DIR ...] [--seeds ...] [--split ...] [--out OUT]\n"
                                       "       %(prog)s compare A B [A B ...] [--out OUT.json]\n"
                                       "       %(prog)s plot RUN [RUN ...] --out PNG",
@@ -106,10 +106,12 @@ def evaluate_parser() -> argparse.ArgumentParser:
                            "else no limit)")
     out = p.add_argument_group("output")
     # Required here, not by argparse: `report` takes none.
-    out.add_argument("--out-dir", type=Path,
+    out.add_argument("--eval-dir", type=Path,
                      help="output folder (required); replaced as a whole only once everything is written, and only "
                           "if it is empty or an earlier evaluation (a run folder, say, is refused)")
-    old_name(out, "--out", "--out-dir", type=Path)
+    # --out-dir is where train.py and sweep.py make run folders; here it named the evaluation folder itself.
+    old_name(out, "--out-dir", "--eval-dir", type=Path)
+    old_name(out, "--out", "--eval-dir", type=Path)
     out.add_argument("--quiet", action="store_true", help="no progress bars")
     diag = p.add_argument_group("routing diagnostics")
     diag.add_argument("--train-split-diagnostics", action=argparse.BooleanOptionalAction, default=None,
@@ -238,8 +240,8 @@ def main(argv=None):
             print(f"training curves: {plot_training_curves(args.runs, args.out)}")
             return None
         return report(args) if args.command == "report" else compare(args)
-    if args.out_dir is None:
-        parser.error("the following arguments are required: --out-dir")
+    if args.eval_dir is None:
+        parser.error("the following arguments are required: --eval-dir")
     if args.model is None and args.adapter is None:
         parser.error("pass --model, or --adapter with a run folder that names its model")
     for flag, value in (("--eval-batch-size", args.eval_batch_size), ("--max-examples", args.max_examples),
@@ -252,7 +254,7 @@ def main(argv=None):
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     limit_kernel_cache()  # bf16 on the CPU: one compiled kernel per matrix shape, a few hundred kept
     metrics = run_evaluation(
-        out=args.out_dir, base_model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
+        out=args.eval_dir, base_model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
         split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
         batch_size=args.eval_batch_size, allow_other_base=args.allow_other_base,
         device=args.device, dtype=args.dtype, train_split_diagnostics=args.train_split_diagnostics,
@@ -260,12 +262,12 @@ def main(argv=None):
         quiet=args.quiet)
     print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples): "
           f"accuracy {metrics['accuracy']:.4f} (sum {metrics['accuracy_sum']:.4f}, per-char "
-          f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.out_dir}")
+          f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.eval_dir}")
     return metrics
 
 
 def command():
-    """minimoe-eval, and python evaluate.py: bad input, a refused --out-dir, a full disk end in one line naming
+    """minimoe-eval, and python evaluate.py: bad input, a refused --eval-dir, a full disk end in one line naming
     the file, exit status 2."""
     run_command(main, "evaluate.py")
 
