@@ -475,7 +475,7 @@ def test_cli_refusal_is_one_line_and_nonzero(toy, tmp_path):
     run = tes_run(toy, tmp_path / "run")
     before = tree(run)
     repo = Path(evaluate.__file__).resolve().parent
-    out = subprocess.run([sys.executable, str(repo / "evaluate.py"), "--adapter", str(run), "--out-dir", str(run)],
+    out = subprocess.run([sys.executable, str(repo / "evaluate.py"), "--adapter", str(run), "--eval-dir", str(run)],
                          capture_output=True, text=True, cwd=repo, timeout=300)
     assert out.returncode != 0 and out.stderr.startswith(f"evaluate.py: error: {run}: exists and was not written by")
     assert len(out.stderr.strip().splitlines()) == 1 and tree(run) == before
