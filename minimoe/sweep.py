@@ -359,7 +359,7 @@ def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, nproc
     try:
         import submitit
     except ImportError:
-        raise SystemExit('sweep: --slurm needs submitit: pip install -e ".[slurm]"') from None
+        raise SystemExit('sweep.py: error: --slurm needs submitit: pip install -e ".[slurm]"') from None
     jobs = []
     for cell in cells:
         executor = submitit.AutoExecutor(folder=cell.slurm_dir, cluster=cluster)

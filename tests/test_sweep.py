@@ -430,3 +430,13 @@ def test_a_sweep_that_would_run_other_cells_than_it_names_exits_2(tmp_path, flag
         sweep.main(["--out-dir", str(tmp_path), *flags])
     assert exit_.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_run_that_exits_0_without_finishing_its_cell_fails_the_sweep(tmp_path, data, monkeypatch):
+    """train.py ending well but writing elsewhere (a run named otherwise) left the cell missing in a report
+    that exited 0; the sweep now counts it as failed."""
+    monkeypatch.setattr(sweep, "run_local", lambda cells: {c.run: 0 for c in cells})
+    with pytest.raises(SystemExit, match=r"^sweep.py: error: 1 of 1 runs failed.*\n.*train.py exited 0 but this run "
+                                         r"folder is not done"):
+        sweep.main(["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "CE", "--seeds", "42",
+                    "--out-dir", str(tmp_path)])

@@ -199,13 +199,13 @@ def main(argv=None):
         return cells
     if changed and (args.report_only or not args.rerun):
         lines = [f"  {c.run}: {', '.join(diff)}" for c, diff in changed.items()]
-        sys.exit(f"sweep: {len(changed)} run(s) were made with other settings than their cells' (the flags after --, "
-                 f"or the code's defaults, changed); refusing to reuse or report them:\n" + "\n".join(lines)
+        sys.exit(f"sweep.py: error: {len(changed)} run(s) were made with other settings than their cells' (the "
+                 f"flags after --, or the code's defaults, changed); refusing to reuse or report them:\n" + "\n".join(lines)
                  + "\nPass --rerun to set them aside and run them again, or use another --out-dir")
     try:
         claim_out_dir(args.out_dir)  # before any run: never a folder of another kind, never a report we did not write
     except FileExistsError as e:
-        sys.exit(f"sweep: {e}")
+        sys.exit(f"sweep.py: error: {e}")
     for c in changed:
         print(f"sweep: --rerun: {c.run.name} had other settings ({', '.join(changed[c])}); kept in {set_aside(c.run)}")
     todo = [c for c in cells if c.state() != "done"]
@@ -233,8 +233,8 @@ def main(argv=None):
     print(write_report(cells, args.out_dir, preset.columns, preset.tables), end="")
     print(f"report: {args.out_dir}/report.md, {args.out_dir}/report.csv")
     if failed:
-        sys.exit(f"sweep: {len(failed)} of {len(todo)} runs failed (their errors are above; run the same command "
-                 f"again to continue them):\n  " + "\n  ".join(failed))
+        sys.exit(f"sweep.py: error: {len(failed)} of {len(todo)} runs failed (their errors are above; run the "
+                 f"same command again to continue them):\n  " + "\n  ".join(failed))
     return cells
 
 
