@@ -16,8 +16,8 @@ inside a nested value (choices=choices.text). The answer is an index from 0, a l
 one choice; answer=COLUMN:index, :letter (A-Z or a-z) or :text says which. Untyped, a JSON int is an
 index, A-Z a letter, and a value two types read differently ("1" among choices 3, 2, 1, 4) is refused
 with its row named, never guessed. A CSV row with more or fewer fields than the header, and an empty
-file, are refused; columns nothing reads are named in one warning. `id` is optional (default <split>:<row number>), `source`
-too. --prompt-template (a str.format string over the row's fields and {question}) replaces the paper's
+file, are refused; columns nothing reads are named in one warning. `id` is optional (default
+<split>:<row number>), `source` too. --prompt-template (a str.format string over the row's fields and {question}) replaces the paper's
 "Question: <q>\\nAnswer:" prompt; it is rendered into each example's `prompt`.
 
 A missing val or test split is carved from train: sort by id, shuffle with Random(seed), 10% each (at

@@ -139,9 +139,9 @@ def add_report_command(commands):
         "report", help="the paper's accuracy table from many evaluations (evaluate.py report --help)",
         description="Gather metrics.json files into the paper's accuracy table: one row per (model, method), one "
                     "column per dataset, mean ± sample std in percent over the seeds. Evaluations without a seed "
-                    "(base models) or of another split are skipped. A run folder stands for its test evaluation (RUN/eval/test, or "
-                    "RUN/eval/test-selected, as compare reads it) and its zero-shot one; other folders under RUN/eval "
-                    "(a re-evaluation) are left out.")
+                    "(base models) or of another split are skipped. A run folder stands for its test evaluation "
+                    "(RUN/eval/test, or RUN/eval/test-selected, as compare reads it) and its zero-shot one; other "
+                    "folders under RUN/eval (a re-evaluation) are left out.")
     p.add_argument("paths", nargs="+", type=Path, metavar="DIR", help="metrics.json files, run folders, or folders "
                                                                      "searched recursively")
     p.add_argument("--seeds", type=int, nargs="+", default=list(PAPER_SEEDS),

@@ -9,7 +9,7 @@
     python sweep.py --preset main --models ... --report-only
     python sweep.py --preset study --out-dir runs/study  # the default model: 12 rows x sciq, arc_easy x 3 seeds
 
-    python sweep.py --models tiny --benchmarks arc_challenge --rows CE my_method --method-module my_method.py \
+    python sweep.py --models tiny --benchmarks arc_challenge --rows CE my_method --method-module my_method.py \\
         --seeds 42 --out-dir runs/mine   # a grid of your own: no --preset; your registered method is a row
 
 Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`);
@@ -42,7 +42,8 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(prog="sweep.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="sweep.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("the grid")
     g.add_argument("--preset", choices=sorted(PRESETS),
                    help="the grid to run (left out: a grid of your own from --rows and --benchmarks, at seeds "
@@ -155,9 +156,9 @@ def model_specs(specs) -> tuple[list[str], dict]:
 
 # train.py settings that say which run a cell is: set by the grid flags, never after `--`.
 CELL_SETTINGS = {"method": "--rows", "method_module": "--method-module", "objective": "--rows",
-                 "tune_router": "--rows", "layers": "--set layers=...", "model": "--models", "recipe": "--models M=RECIPE",
-                 "data": "--benchmarks", "seed": "--seeds", "out_dir": "--out-dir", "run_name": "the cell",
-                 "config": "the cell", "resume": "the sweep", "rerun": "--rerun"}
+                 "tune_router": "--rows", "layers": "--set layers=...", "model": "--models",
+                 "recipe": "--models M=RECIPE", "data": "--benchmarks", "seed": "--seeds", "out_dir": "--out-dir",
+                 "run_name": "the cell", "config": "the cell", "resume": "the sweep", "rerun": "--rerun"}
 
 
 def check_extra(extra, parser) -> None:
@@ -200,8 +201,8 @@ def main(argv=None):
     if changed and (args.report_only or not args.rerun):
         lines = [f"  {c.run}: {', '.join(diff)}" for c, diff in changed.items()]
         sys.exit(f"sweep.py: error: {len(changed)} run(s) were made with other settings than their cells' (the "
-                 f"flags after --, or the code's defaults, changed); refusing to reuse or report them:\n" + "\n".join(lines)
-                 + "\nPass --rerun to set them aside and run them again, or use another --out-dir")
+                 f"flags after --, or the code's defaults, changed); refusing to reuse or report them:\n"
+                 + "\n".join(lines) + "\nPass --rerun to set them aside and run them again, or use another --out-dir")
     try:
         claim_out_dir(args.out_dir)  # before any run: never a folder of another kind, never a report we did not write
     except FileExistsError as e:
