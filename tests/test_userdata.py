@@ -231,3 +231,11 @@ def test_evaluate_scores_a_raw_jsonl_with_the_tiny_model(tmp_path, pool):
     assert metrics["n_examples"] == len(test) == 6 and metrics["model"].endswith("tiny-olmoe")
     golds = {ex.question: ex.answer for ex in pool}
     assert all(r["answer"] == golds[r["question"]] for r in test)
+
+
+def test_evaluate_refuses_a_field_map_for_a_registered_benchmark(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(["--model", "tiny", "--data", "arc_challenge", "--field-map", "answer=label",
+                       "--eval-dir", str(tmp_path / "eval")])
+    assert exit_.value.code == 2 and "--field-map and --prompt-template apply to your own --data" in capsys.readouterr().err
+    assert not (tmp_path / "eval").exists()
