@@ -49,7 +49,7 @@ from typing import Iterable, NamedTuple, Sequence
 import numpy as np
 
 from minimoe.atomic import atomic_file
-from minimoe.eval_folder import METRICS
+from minimoe.eval_folder import METRICS, is_run, report_evaluations
 
 PAPER_SEEDS = (42, 43, 45)  # the seeds of the paper's accuracy tables
 REQUIRED_METRICS_KEYS = ("model", "method", "dataset", "seed", "accuracy")
@@ -230,12 +230,21 @@ def plot_error_prediction(train_curve: dict, test_curve: dict, path, *,
 
 # ---- accuracy report (tab:downstream_accuracy) --------------------------------------------------
 
-def metrics_files(paths: Iterable) -> list[Path]:
-    """metrics.json paths, or folders searched recursively -> the files, each once, in order."""
+def _metrics_under(folder: Path, split: str) -> list[Path]:
+    """metrics.json files under `folder`, sorted; a run folder stands for its reported evaluations only."""
+    if is_run(folder):
+        return report_evaluations(folder, split)
+    own = [folder / METRICS] if (folder / METRICS).is_file() else []
+    return own + [f for sub in sorted(folder.iterdir()) if sub.is_dir() for f in _metrics_under(sub, split)]
+
+
+def metrics_files(paths: Iterable, split: str = "test") -> list[Path]:
+    """metrics.json paths, or folders searched recursively -> the files, each once, in order. A run folder
+    (found or given) stands for its evaluation of `split` and its zero-shot one (eval_folder.report_evaluations)."""
     files: list[Path] = []
     for p in map(Path, paths):
         if p.is_dir():
-            found = sorted(p.rglob(METRICS))
+            found = _metrics_under(p, split)
             if not found:
                 raise FileNotFoundError(f"no {METRICS} under {p}")
             files.extend(found)

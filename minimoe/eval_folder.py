@@ -50,3 +50,16 @@ def test_evaluation(run) -> Path:
     config = Path(run) / "config.json"
     chosen = json.loads(config.read_text(encoding="utf-8")).get("test_checkpoint") if config.is_file() else None
     return eval_dir(run, "test", "selected" if chosen == "selected" else None)
+
+
+def is_run(folder) -> bool:
+    """A train.py run folder as the report and compare see one: its config.json and its eval/ folder."""
+    return (Path(folder) / "config.json").is_file() and (Path(folder) / EVAL).is_dir()
+
+
+def report_evaluations(run, split: str = "test") -> list[Path]:
+    """The metrics.json files that stand for a run in a report: its evaluation of `split` (for test the
+    one `test_evaluation` names, as compare reads) and its base model's (--zero-shot). Other folders
+    under RUN/eval, a re-evaluation into eval/again say, are not the run's result and are left out."""
+    main = test_evaluation(run) if split == "test" else eval_dir(run, split)
+    return [f for f in (main / METRICS, eval_dir(run, split, "base") / METRICS) if f.is_file()]

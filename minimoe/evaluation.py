@@ -507,7 +507,7 @@ def accuracy_report(paths, *, seeds=PAPER_SEEDS, split: str = "test") -> tuple[s
     so are partial evaluations (`diagnostics.partial_reason`), each listed under the table.
     """
     kept, notes, partial = [], [], []
-    for f in metrics_files(paths):
+    for f in metrics_files(paths, split):
         record = read_json(f)
         run_config = Path(record["run"]) / "config.json" if record.get("run") else None
         why = partial_reason(record, read_json(run_config) if run_config and run_config.is_file() else None)
@@ -522,7 +522,12 @@ def accuracy_report(paths, *, seeds=PAPER_SEEDS, split: str = "test") -> tuple[s
     if not kept:
         raise ValueError(f"no metrics.json of a whole split with a seed and split {split!r} under "
                          f"{[str(p) for p in paths]}" + ("; partial: " + " ".join(partial) if partial else ""))
-    table = accuracy_table(collect_metrics(kept), seeds=seeds)
+    records = collect_metrics(kept)
+    found = sorted({r["seed"] for r in records})
+    if not set(found) & set(seeds):  # else an empty table, a header and nothing under it
+        raise ValueError(f"no evaluation of seeds {list(seeds)} under {[str(p) for p in paths]}; those found have "
+                         f"seeds {found}: pass --seeds with some of them")
+    table = accuracy_table(records, seeds=seeds)
     if partial:
         table += ("\nNot counted, partial evaluations (score the whole split to count them):\n"
                   + "\n".join(partial) + "\n")

@@ -143,7 +143,8 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
     config = json.loads((source.folder / "adapter_config.json").read_text(encoding="utf-8"))
     base = base_model or config.get("base_model")
     if not base:
-        raise ValueError(f"{source.folder}: the base model is not recorded with this adapter; pass --base-model")
+        raise ValueError(f"{source.folder}: the base model is not recorded with this adapter; pass --model "
+                         f"(export.py) or base_model=")
     revision = source.run_config.get("model_revision") if base == source.run_config.get("model") else None
     folder = resolve_checkpoint(base, cache_dir or source.run_config.get("cache_dir"), revision)
     model = load_adapter(from_pretrained(folder), source.folder)

@@ -43,6 +43,7 @@ from minimoe.atomic import KINDS, atomic_file, check_owned_file, mark, write_own
 from minimoe.config import TrainConfig, ablation_settings, flag_name, run_name
 from minimoe.diagnostics import PAPER_SEEDS, partial_reason
 from minimoe.eval_folder import METRICS, eval_dir, test_evaluation, tokens_file
+from minimoe.routing import ALIASES, METHODS
 from minimoe.runs import method_label, read_metrics
 
 TRAIN = ("-m", "minimoe.cli.train")  # train.py as the package runs it: no checkout needed (minimoe/cli/train.py)
@@ -135,6 +136,12 @@ PRESETS = {
         about="tab:acs_concentration_diagnostics (Granite): C-bar, N_eff, r on train and test"),
 }
 
+def row_settings(row: str) -> dict:
+    """A row's train.py settings: one of the paper's nine (ROWS), else a method's registered name as it is
+    (your own, from --method-module: `--rows CE my_method`), at train.py's default objective."""
+    return ROWS[row] if row in ROWS else {"method": row}
+
+
 ZERO_SHOT = "zero-shot (base model)"  # the report row of the base model's scores (train.py --zero-shot)
 
 
@@ -156,10 +163,17 @@ class Cell:
     extra: tuple = ()  # further train.py flags, passed through as they are
     train_eval: bool = False  # also RUN/eval/train (evaluate.py --split train)
     zero_shot: bool = False  # also RUN/eval/test-base (train.py --zero-shot: the base model, before training)
+    method_module: str | None = None  # where a row's own method is registered (train.py --method-module)
+
+    @property
+    def row_flags(self) -> dict:
+        """The row's settings and the cell's ablation settings, as train.py's flags set them."""
+        module = {"method_module": self.method_module} if self.method_module else {}
+        return {**row_settings(self.row), **module, **dict(self.settings)}
 
     @property
     def cfg(self) -> dict:
-        return {"model": self.model, "data": self.data, "seed": self.seed, **ROWS[self.row], **dict(self.settings)}
+        return {"model": self.model, "data": self.data, "seed": self.seed, **self.row_flags}
 
     @property
     def run(self) -> Path:
@@ -169,7 +183,7 @@ class Cell:
         args = ["--model", self.model, "--data", self.data, "--seed", str(self.seed), "--out-dir", str(self.out_dir)]
         if self.recipe:
             args += ["--recipe", self.recipe]
-        for key, value in {**ROWS[self.row], **dict(self.settings)}.items():
+        for key, value in self.row_flags.items():
             flag = flag_name(key)
             args += [flag] if value is True else [flag, str(value)]
         return args + (["--zero-shot"] if self.zero_shot else []) + list(self.extra) + (["--resume"] if resume else [])
@@ -211,10 +225,10 @@ class Cell:
 
 
 def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=None, extra=(),
-         train_eval=False, zero_shot=False) -> list[Cell]:
+         train_eval=False, zero_shot=False, method_module: str | None = None) -> list[Cell]:
     """Every (model, benchmark, row, settings, seed); a (row, recipe) pair keeps only that backbone's models.
     zero_shot: the first seed's plain CE run per (model, benchmark) also scores the base model (it is
-    deterministic, so one seed is enough)."""
+    deterministic, so one seed is enough). method_module: registers the rows that name a method of your own."""
     recipes = recipes or {}
     cells = []
     for model in models:
@@ -222,16 +236,18 @@ def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=No
         for data in benchmarks:
             for row in rows:
                 row, only, fixed = (row, None, {}) if isinstance(row, str) else (*row, {})[:3]
-                if row not in ROWS:
-                    raise ValueError(f"unknown row {row!r}; expected one of {list(ROWS)}")
+                if row not in ROWS and ALIASES.get(row, row) not in METHODS:
+                    raise ValueError(f"unknown row {row!r}; expected one of {list(ROWS)}, or a method registered "
+                                     f"by --method-module")
                 if only and recipe and only != recipe:
                     continue
                 for variant in settings:
                     for seed in seeds:
                         chosen = tuple(sorted({**fixed, **variant}.items()))
                         base = zero_shot and row == "CE" and not chosen and seed == seeds[0]
+                        module = method_module if row not in ROWS else None
                         cells.append(Cell(model, data, row, chosen, seed, Path(out_dir), recipes.get(model),
-                                          tuple(extra), train_eval, base))
+                                          tuple(extra), train_eval, base, module))
     unique = list({c.run: c for c in cells}.values())  # settings a row does not read give one run, once
     return unique
 
@@ -275,7 +291,7 @@ def train_eval_command(cell: Cell) -> list[str]:
     """evaluate.py on the run's train split, cut as the run's training population was."""
     limit = json.loads((cell.run / "config.json").read_text()).get("max_train_examples")
     return [sys.executable, "-m", "minimoe.cli.evaluate", "--adapter", str(cell.run), "--split", "train",
-            "--out-dir", str(eval_dir(cell.run, "train")), *(["--max-examples", str(limit)] if limit else [])]
+            "--eval-dir", str(eval_dir(cell.run, "train")), *(["--max-examples", str(limit)] if limit else [])]
 
 
 def run_cell(cell: Cell, env: dict | None = None, nproc: int = 1) -> int:
@@ -343,7 +359,7 @@ def submit_slurm(cells, *, cluster: str | None = None, wait: bool = False, nproc
     try:
         import submitit
     except ImportError:
-        raise SystemExit('sweep: --slurm needs submitit: pip install -e ".[slurm]"') from None
+        raise SystemExit('sweep.py: error: --slurm needs submitit: pip install -e ".[slurm]"') from None
     jobs = []
     for cell in cells:
         executor = submitit.AutoExecutor(folder=cell.slurm_dir, cluster=cluster)
@@ -382,7 +398,7 @@ def _state(cell: Cell) -> str:
 
 def _row_key(cell: Cell) -> str:
     label = method_label(cell.cfg.get("method"), cell.cfg.get("objective") or TrainConfig.objective,
-                         bool(cell.cfg.get("tune_router")))
+                         bool(cell.cfg.get("tune_router")), cell.method_module)
     return diagnostics.row_label({"method": label, "settings": ablation_settings(cell.cfg)})
 
 

@@ -12,9 +12,12 @@ What --data may be (train.py; `build_user_data` here):
   named by its file name.
 Fields (--field-map, default question=question,choices=choices,answer=answer,id=id): `choices` names
 one column holding a list (a JSON list in CSV), or several columns joined by "+"; a dotted name reads
-inside a nested value (choices=choices.text). The answer is an index (an int, or digits that are no
-choice's text) or the text of one choice. `id` is optional (default <split>:<row number>), `source`
-too. --prompt-template (a str.format string over the row's fields and {question}) replaces the paper's
+inside a nested value (choices=choices.text). The answer is an index from 0, a letter or the text of
+one choice; answer=COLUMN:index, :letter (A-Z or a-z) or :text says which. Untyped, a JSON int is an
+index, A-Z a letter, and a value two types read differently ("1" among choices 3, 2, 1, 4) is refused
+with its row named, never guessed. A CSV row with more or fewer fields than the header, and an empty
+file, are refused; columns nothing reads are named in one warning. `id` is optional (default
+<split>:<row number>), `source` too. --prompt-template (a str.format string over the row's fields and {question}) replaces the paper's
 "Question: <q>\\nAnswer:" prompt; it is rendered into each example's `prompt`.
 
 A missing val or test split is carved from train: sort by id, shuffle with Random(seed), 10% each (at
@@ -31,6 +34,8 @@ import hashlib
 import json
 import random
 import re
+import string
+import sys
 from pathlib import Path
 
 from minimoe.atomic import atomic_directory
@@ -40,15 +45,20 @@ FIELDS = {"question": "question", "choices": "choices", "answer": "answer", "id"
 SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "dev": "val", "test": "test"}
 CARVE_FRACTION = 0.1
 HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+ANSWER_TYPES = ("index", "letter", "text")  # --field-map answer=COLUMN:TYPE; index counts from 0
 
 
 def parse_field_map(text: str | None) -> dict[str, str]:
-    """'question=stem,choices=A+B,answer=key' -> the default map with those entries replaced."""
-    mapping = dict(FIELDS)
+    """'question=stem,choices=A+B,answer=key:letter' -> the default map with those entries replaced, and
+    "answer_type" (index, letter, text; None: read from each value, refusing the ambiguous ones)."""
+    mapping = {**FIELDS, "answer_type": None}
     for item in filter(None, (text or "").split(",")):
         key, eq, column = item.partition("=")
         if not eq or key not in FIELDS or not column:
             raise ValueError(f"--field-map {item!r}: expected FIELD=COLUMN with FIELD in {list(FIELDS)}")
+        name, colon, kind = column.rpartition(":")
+        if key == "answer" and colon and kind in ANSWER_TYPES:  # answer=label:letter
+            column, mapping["answer_type"] = name, kind
         mapping[key] = column
     return mapping
 
@@ -58,13 +68,47 @@ def is_user_data(data: str) -> bool:
     return Path(data).exists() or bool(HUB_ID.fullmatch(data))
 
 
+def is_manifest(data: str) -> bool:
+    """A folder of train/val/test.jsonl, or a .jsonl file unless its first line is an object without a
+    manifest's keys (data.read_manifest): read as it is. Other files, folders and hub ids are rows to build from."""
+    path = Path(data)
+    if path.is_dir():
+        return all((path / f"{s}.jsonl").is_file() for s in SPLITS)
+    if path.suffix != ".jsonl" or not path.is_file():
+        return False
+    with open(path, encoding="utf-8") as f:
+        line = f.readline()
+    try:
+        first = json.loads(line)
+    except json.JSONDecodeError:
+        return True  # not rows either: read_manifest says what is wrong with it
+    keys = set(first) if isinstance(first, dict) else set()
+    return not isinstance(first, dict) or {"id", "question", "choices", "answer"} <= keys <= {
+        "id", "question", "choices", "answer", "source", "prompt"}
+
+
 # ---- reading rows: {split: (origin, [row dict])} ----
+
+def _read_csv(path: Path) -> list[dict]:
+    """The rows under the header; a row with more or fewer fields than the header is refused, since csv's
+    DictReader would fill the missing ones with None (then misread as a bad answer) or drop the extra."""
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        header, rows = reader.fieldnames, list(reader)
+    if header is None:
+        raise ValueError(f"{path}: empty file; expected a header row, then one row per question")
+    for number, row in enumerate(rows, 2):  # row 1 is the header
+        n = sum(v is not None for k, v in row.items() if k is not None) + len(row.get(None, []))
+        if n != len(header):
+            raise ValueError(f"{path}:{number}: {n} fields, header has {len(header)}; expected one "
+                             f"field per header column (quote a field that holds a comma)")
+    return rows
+
 
 def _read_file(path: Path) -> list[dict]:
     if path.suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f))
-    if path.suffix == ".jsonl":
+        rows = _read_csv(path)
+    elif path.suffix == ".jsonl":
         rows = []
         for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
             if line.strip():
@@ -72,11 +116,15 @@ def _read_file(path: Path) -> list[dict]:
                     rows.append(json.loads(line))
                 except json.JSONDecodeError as e:
                     raise ValueError(f"{path}:{lineno}: invalid JSON ({e.msg}); expected one object per line") from None
-        return rows
-    if path.suffix == ".parquet":
+    elif path.suffix == ".parquet":
         import pyarrow.parquet as pq
-        return pq.read_table(path).to_pylist()
-    raise ValueError(f"{path}: expected a .jsonl, .csv or .parquet file")
+        rows = pq.read_table(path).to_pylist()
+    else:
+        raise ValueError(f"{path}: expected a .jsonl, .csv or .parquet file")
+    if not rows:
+        raise ValueError(f"{path}: no rows{' under its header' if path.suffix == '.csv' else ''}; expected at "
+                         f"least one question")
+    return rows
 
 
 def _saved_dataset(folder: Path) -> list[dict]:
@@ -161,24 +209,49 @@ def _choices(row: dict, column: str, where: str) -> list[str]:
     return [v.strip() if isinstance(v, str) else "" if v is None else str(v) for v in values]
 
 
-def _answer(value, choices: list[str], where: str) -> int:
-    """An int is an index; a string is a choice's text, else digits are an index."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        text = value.strip()
-        if text in choices:
-            return choices.index(text)
-        if re.fullmatch(r"-?\d+", text):
-            return int(text)
-    raise ValueError(f"{where}: answer {value!r} is neither an index nor the text of one of {choices!r}")
+def _readings(value, choices: list[str], kind: str | None) -> dict[str, int]:
+    """Each way `value` can name a choice, {type: index}: as an index (a JSON int, or digits), a letter
+    (A-Z; a-z too when the type says letter) or a choice's text; only `kind`'s when a type is given.
+    Untyped, a JSON int is an index only: its type already says it is no text."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        return {}
+    text, readings = str(value).strip(), {}
+    if kind in (None, "index") and re.fullmatch(r"-?\d+", text):
+        readings["index"] = int(text)
+    if isinstance(value, int) and kind is None:
+        return readings
+    if re.fullmatch(r"[A-Z]", text) if kind is None else kind == "letter" and re.fullmatch(r"[A-Za-z]", text):
+        readings["letter"] = ord(text.upper()) - ord("A")
+    if kind in (None, "text") and text in choices:
+        readings["text"] = choices.index(text)
+    return readings
+
+
+def _answer(value, choices: list[str], where: str, kind: str | None = None, column: str = "COLUMN") -> int:
+    """The answer's index. Untyped, a value that two types read as different choices is refused, never
+    guessed: "1" among the choices 3, 2, 1, 4 is index 1 ("2") or the text "1" (index 2)."""
+    readings = _readings(value, choices, kind)
+    if not readings:
+        expected = f"an answer of type {kind}" if kind else "an index, a letter A-Z or the text of a choice"
+        raise ValueError(f"{where}: answer {value!r} names none of the choices {choices!r}; expected {expected}")
+    if len(set(readings.values())) > 1:
+        ways = ", ".join(f"as {k} choice {i} ({choices[i]!r})" if 0 <= i < len(choices) else f"as {k} {i}"
+                         for k, i in readings.items())
+        raise ValueError(f"{where}: answer {value!r} is ambiguous: {ways}; say which with --field-map "
+                         f"answer={column}:{'|'.join(readings)}")
+    how, index = next(iter(readings.items()))  # every reading names the same choice
+    if how == "letter" and index >= len(choices):
+        raise ValueError(f"{where}: answer {value!r} is letter {index + 1} of {len(choices)} choices; expected "
+                         f"A-{chr(ord('A') + len(choices) - 1)}")
+    return index
 
 
 def to_example(row: dict, fields: dict, split: str, index: int, where: str, template: str | None, data: str) -> Example:
     question = _get(row, fields["question"], where)
     question = question.strip() if isinstance(question, str) else ""
     choices = _choices(row, fields["choices"], where)
-    answer = _answer(_get(row, fields["answer"], where), choices, where)
+    answer = _answer(_get(row, fields["answer"], where), choices, where, fields.get("answer_type"),
+                     fields["answer"])
     ex_id = str(row[fields["id"]]) if fields["id"] in row else f"{split}:{index}"
     source = row.get("source") if isinstance(row.get("source"), dict) else {"dataset": data, "partition": split}
     prompt = None
@@ -191,6 +264,16 @@ def to_example(row: dict, fields: dict, split: str, index: int, where: str, temp
     ex = Example(ex_id, question, choices, answer, source, prompt)
     check_example(ex, where)
     return ex
+
+
+def unused_columns(rows: dict, fields: dict, template: str | None) -> list[str]:
+    """Top-level columns that neither the field map, the template nor `source` reads: named once in a
+    warning, since a column the map forgot (a second answer key, say) would otherwise vanish unseen."""
+    used = {"source", *(c.split(".")[0] for key in FIELDS for c in fields[key].split("+"))}
+    if template is not None:
+        used |= {re.split(r"[.\[]", name)[0] for _, name, _, _ in string.Formatter().parse(template) if name}
+    seen = {k for split in rows.values() for _, row in split if isinstance(row, dict) for k in row}
+    return sorted(str(k) for k in seen - used)
 
 
 def carve(splits: dict[str, list[Example]], seed: int) -> dict:
@@ -230,6 +313,9 @@ def build_user_data(data: str, data_dir, *, field_map: str | None = None, prompt
             seen[ex.id] = at[split, ex.id] = where
             splits[split].append(ex)
     check_disjoint(splits, data, at)  # the same id or question in two given splits
+    if unused := unused_columns(rows, fields, prompt_template):  # after the checks: an error says more
+        print(f"warning: --data {data}: columns {unused} are not mapped by --field-map nor used by "
+              f"--prompt-template; they are left out of the manifests", file=sys.stderr)
     carved = carve(splits, seed)
     check_disjoint(splits, data)  # two train rows with one question, one of them carved away
     manifests = {s: "".join(example_json(ex) + "\n" for ex in splits[s]).encode("utf-8") for s in SPLITS}

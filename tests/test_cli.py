@@ -58,8 +58,9 @@ def test_console_commands_run_from_a_wheel_without_the_checkout(tmp_path):
     minimoe.cli.<script>:command, and a wheel built from the package alone (setup.cfg, README, minimoe/;
     no top-level scripts) installs them into an empty folder (pip, no dependencies: seconds). There,
     from a folder outside any checkout, `minimoe-train --help`, `minimoe-eval --help` and
-    `minimoe-export --help` print their usage and a bare `minimoe-sweep` lists the presets with exit status 0 (a console script exits with
-    its function's return value: a returned list would print and exit 1)."""
+    `minimoe-export --help` print their usage and a bare `minimoe-sweep` lists the presets with exit status 2,
+    a usage error (not 1: a console script exits with its function's return value, and a returned list
+    would print and exit 1)."""
     declared = declared_commands()
     assert {name: declared[name] for name in IN_PACKAGE} == {
         name: f"minimoe.cli.{module}:command" for name, module in IN_PACKAGE.items()}
@@ -77,7 +78,9 @@ def test_console_commands_run_from_a_wheel_without_the_checkout(tmp_path):
     out = {}
     for name, proc in runs.items():
         out[name], err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, (name, err[-800:])
+        if name == "minimoe-sweep":
+            out[name] = err
+        assert proc.returncode == (2 if name == "minimoe-sweep" else 0), (name, err[-800:])
     assert out["minimoe-eval"].startswith("usage: evaluate.py ") and "report" in out["minimoe-eval"]
     assert out["minimoe-export"].startswith("usage: export.py ")
     assert out["minimoe-train"].startswith("usage: train.py ") and "--method-module" in out["minimoe-train"]
@@ -100,17 +103,33 @@ def test_device_strings_are_accepted_alike(text, ok, capsys):
 
 def test_old_flag_names_set_the_new_ones_and_warn(capsys):
     parser = evaluate.evaluate_parser()
-    new = parser.parse_args(["--eval-batch-size", "4", "--out-dir", "x"])
+    new = parser.parse_args(["--eval-batch-size", "4", "--eval-dir", "x"])
     old = parser.parse_args(["--batch-size", "4", "--out", "x"])
-    assert "evaluate.py: warning: --batch-size is now --eval-batch-size" in capsys.readouterr().err
-    assert (old.eval_batch_size, old.out_dir) == (new.eval_batch_size, new.out_dir) == (4, Path("x"))
+    older = parser.parse_args(["--out-dir", "x"])  # --out-dir is where train.py and sweep.py make run folders
+    err = capsys.readouterr().err
+    assert "evaluate.py: warning: --batch-size is now --eval-batch-size" in err
+    assert "evaluate.py: warning: --out-dir is now --eval-dir" in err
+    assert (old.eval_batch_size, old.eval_dir) == (new.eval_batch_size, new.eval_dir) == (4, Path("x")) == (
+        4, older.eval_dir)
     assert "--batch-size" not in parser.format_help() and "--eval-batch-size" in parser.format_help()
     assert parser.parse_args(["report", "runs", "--out", "t.md"]).out == Path("t.md")  # report's own: a file
 
 
-def test_bare_sweep_lists_the_presets_and_runs_nothing(tmp_path, capsys, monkeypatch):
+def test_bare_sweep_lists_the_presets_runs_nothing_and_exits_2(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert sweep.main([]) == []
-    out = capsys.readouterr().out
-    assert "--preset" in out and all(name in out for name in sweep.PRESETS)
+    with pytest.raises(SystemExit) as exit_:
+        sweep.main([])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "sweep.py: error: choose a grid: --preset NAME" in err
+    assert all(name in err for name in sweep.PRESETS)
     assert not (tmp_path / "runs").exists()
+
+
+def test_export_takes_model_as_the_other_commands_and_its_old_name_warns(capsys, monkeypatch):
+    from minimoe.cli import export
+    seen = []
+    monkeypatch.setattr(export, "export_peft", lambda adapter, out, checkpoint, base_model: seen.append(base_model))
+    export.main(["run", "out", "--model", "some/base"])
+    export.main(["run", "out", "--base-model", "some/base"])
+    assert seen == ["some/base", "some/base"]
+    assert "export.py: warning: --base-model is now --model" in capsys.readouterr().err

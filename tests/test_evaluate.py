@@ -357,6 +357,32 @@ def test_report_table_mean_and_sample_std(tmp_path, capsys):
     assert evaluate.main(["report", str(tmp_path / "runs"), "--seeds", "42", "43"]).count("(n=") == 0
 
 
+def test_a_run_folder_stands_for_its_test_evaluation_in_the_report(tmp_path):
+    """`report RUN` reads RUN/eval/test (and the zero-shot eval/test-base), as compare does: a re-evaluation
+    into RUN/eval/again, as the README shows, is not a second run with the same identity."""
+    def fake(folder, method, accuracy):
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(json.dumps({"model": "m", "method": method, "dataset": "d", "seed": 42,
+                                                         "split": "test", "accuracy": accuracy}))
+    run = tmp_path / "runs" / "m-d-CE-seed42"
+    fake(run / "eval" / "test", "CE", 0.5)
+    fake(run / "eval" / "again", "CE", 0.25)
+    fake(run / "eval" / "test-base", "zero-shot", 0.125)
+    (run / "config.json").write_text(json.dumps({"seed": 42}))
+    for path in (run, tmp_path / "runs"):
+        rows = {line.split(" | ")[1]: line for line in evaluate.main(["report", str(path)]).splitlines()[2:]}
+        assert set(rows) == {"CE", "zero-shot"} and "| 50.00 (n=1) |" in rows["CE"]
+
+
+def test_report_of_seeds_it_has_no_evaluation_of_is_refused(tmp_path):
+    folder = tmp_path / "eval"
+    folder.mkdir()
+    (folder / "metrics.json").write_text(json.dumps({"model": "m", "method": "CE", "dataset": "d", "seed": 42,
+                                                     "split": "test", "accuracy": 0.5}))
+    with pytest.raises(ValueError, match=r"no evaluation of seeds \[7\] .* have seeds \[42\]: pass --seeds"):
+        evaluate.main(["report", str(folder), "--seeds", "7"])
+
+
 # ---- bad input -------------------------------------------------------------------------------------
 
 def other_base_adapter(tmp_path) -> Path:
@@ -449,7 +475,7 @@ def test_cli_refusal_is_one_line_and_nonzero(toy, tmp_path):
     run = tes_run(toy, tmp_path / "run")
     before = tree(run)
     repo = Path(evaluate.__file__).resolve().parent
-    out = subprocess.run([sys.executable, str(repo / "evaluate.py"), "--adapter", str(run), "--out-dir", str(run)],
+    out = subprocess.run([sys.executable, str(repo / "evaluate.py"), "--adapter", str(run), "--eval-dir", str(run)],
                          capture_output=True, text=True, cwd=repo, timeout=300)
     assert out.returncode != 0 and out.stderr.startswith(f"evaluate.py: error: {run}: exists and was not written by")
     assert len(out.stderr.strip().splitlines()) == 1 and tree(run) == before

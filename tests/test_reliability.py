@@ -239,7 +239,7 @@ def test_a_sweep_with_a_failed_run_exits_non_zero_and_bad_set_values_fail_first(
             sweep.main(sweep_args(tmp_path, data, "--set", f"lambda={value}"))
         assert exit_.value.code == 2 and f"--set lambda={value}: " in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
-    with pytest.raises(SystemExit, match=r"1 of 1 runs failed"):
+    with pytest.raises(SystemExit, match=r"^sweep.py: error: 1 of 1 runs failed"):
         sweep.main(sweep_args(tmp_path, data, extra=[*SMOKE, "--lora-targets", "nonsense"]))
 
 

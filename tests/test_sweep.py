@@ -3,6 +3,7 @@ resumes, the report with a missing cell, GPU scheduling on a fake device list, a
 on its local executor. Run names and report keys are checked against the settings that were set."""
 import csv
 import json
+import re
 import threading
 import time
 from dataclasses import replace
@@ -400,3 +401,42 @@ def test_slurm_params_reach_submitit_by_its_names(tmp_path, data, monkeypatch):
                     "slurm_qos": "high", "slurm_mem": "64G", "slurm_constraint": "a100"}
     with pytest.raises(SystemExit):
         sweep.main(sweep_args(tmp_path, data, "--slurm", "--slurm-param", "acount=proj"))
+
+
+def test_a_grid_of_your_own_with_the_tiny_alias_and_your_own_method_runs_and_reports(tmp_path, data, capsys):
+    """No --preset: --rows and --benchmarks make the grid. --models tiny names its runs as train.py does
+    (tiny-olmoe-...), and a method that --method-module registers is a row beside CE; both run and are reported."""
+    module = str(Path(__file__).parents[1] / "examples" / "my_method.py")
+    args = ["--models", "tiny", "--benchmarks", str(data), "--rows", "CE", "biased", "--method-module", module,
+            "--seeds", "42", "--out-dir", str(tmp_path)]
+    cells = sweep.main([*args, "--", "--batch-size", "8", "--epochs", "1", "--quiet"])
+    assert [c.run.name for c in cells] == ["tiny-olmoe-arc-CE-seed42", "tiny-olmoe-arc-Biased-seed42"]
+    assert [c.state() for c in cells] == ["done", "done"]
+    assert json.loads((cells[1].run / "config.json").read_text())["method"] == "biased"
+    table = (tmp_path / "report.md").read_text()
+    assert "| tiny-olmoe | CE | " in table and "| tiny-olmoe | Biased | " in table and "missing" not in table
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--models", "tiny", "--rows", "CE"], "without --preset a grid of your own needs --rows and --benchmarks"),
+    ([], "choose a grid: --preset NAME"),
+    (["--preset", "main", "--rows", "my_method"], "--rows 'my_method': expected one of .* or a method registered"),
+    (["--preset", "main", "--", "--method", "dual"], "--method after --: it changes which run a cell is"),
+    (["--preset", "main", "--", "--layers", "all"], "--layers after --: .* with --set layers"),
+    (["--preset", "main", "--", "--seed", "7"], "--seed after --: .* with --seeds"),
+])
+def test_a_sweep_that_would_run_other_cells_than_it_names_exits_2(tmp_path, flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        sweep.main(["--out-dir", str(tmp_path), *flags])
+    assert exit_.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_a_run_that_exits_0_without_finishing_its_cell_fails_the_sweep(tmp_path, data, monkeypatch):
+    """train.py ending well but writing elsewhere (a run named otherwise) left the cell missing in a report
+    that exited 0; the sweep now counts it as failed."""
+    monkeypatch.setattr(sweep, "run_local", lambda cells: {c.run: 0 for c in cells})
+    with pytest.raises(SystemExit, match=r"^sweep.py: error: 1 of 1 runs failed.*\n.*train.py exited 0 but this run "
+                                         r"folder is not done"):
+        sweep.main(["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "CE", "--seeds", "42",
+                    "--out-dir", str(tmp_path)])

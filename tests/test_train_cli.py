@@ -581,3 +581,26 @@ def test_yaml_settings_file_starts_a_run_and_unknown_keys_are_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         train.main(["--resume", str(tmp_path / "nothing-here")])
     assert not (tmp_path / "bad").exists()
+
+
+def test_an_existing_run_folder_is_an_error_and_a_no_op_resume_leaves_config_json_alone(tmp_path):
+    """The refusal has the error: prefix the other errors have; --resume of a finished run trains nothing
+    and keeps its config.json byte for byte (its provenance is that of the launch that trained it)."""
+    run = run_train(tmp_path)
+    with pytest.raises(SystemExit, match=r"^train.py: error: run folder .* exists; pass --resume"):
+        run_train(tmp_path)
+    before = (run / "config.json").read_bytes()
+    run_train(tmp_path, "--resume")
+    assert (run / "config.json").read_bytes() == before
+
+
+def test_the_train_size_message_comes_only_when_a_request_cannot_be_met(tmp_path, capsys, caplog):
+    """ARC-Challenge's offline train split has 921 examples, under the 2000 its splits are built to hold:
+    said once a run asks for more than 921, never when it asks for 64 (nor when the split is built)."""
+    from dataclasses import replace
+    from minimoe.config import RECIPES, TrainConfig
+    cfg = TrainConfig(**RECIPES["tiny"], recipe="tiny", data="arc_challenge", data_dir=str(tmp_path))
+    data, _ = train.load_data(replace(cfg, max_train_examples=64))
+    assert len(data["train"]) == 64 and "requested" not in caplog.text and "warning" not in capsys.readouterr().err
+    data, _ = train.load_data(replace(cfg, max_train_examples=5000))
+    assert f"train has {len(data['train'])} examples, fewer than the 5000 asked for" in capsys.readouterr().err

@@ -95,7 +95,10 @@ def test_the_carve_is_deterministic_and_disjoint(tmp_path, pool):
     (lambda rows: rows[3].__setitem__(0, rows[1][0]), "mine.csv:5: id .* repeats .*mine.csv:3"),
     (lambda rows: rows[4].__setitem__(6, "7"), r"mine.csv:6: 'answer' is 7; expected an index in \[0, 4\)"),
     (lambda rows: rows[2].__setitem__(3, " "), "mine.csv:4: 'choices' is .*; expected at least two non-empty"),
-    (lambda rows: rows[5].__setitem__(6, "no such choice"), "mine.csv:7: answer 'no such choice' is neither"),
+    (lambda rows: rows[5].__setitem__(6, "no such choice"), "mine.csv:7: answer 'no such choice' names none of"),
+    (lambda rows: rows[5].__setitem__(6, "E"), "mine.csv:7: answer 'E' is letter 5 of 4 choices; expected A-D"),
+    (lambda rows: rows[6].pop(), "mine.csv:8: 6 fields, header has 7"),
+    (lambda rows: rows[6].append("x"), "mine.csv:8: 8 fields, header has 7"),
 ])
 def test_bad_rows_are_named_and_nothing_is_written(tmp_path, pool, change, message):
     data = write_csv(tmp_path / "mine.csv", pool[:30])
@@ -143,3 +146,96 @@ def test_hub_dataset_id_is_read_at_its_revision(tmp_path, pool, monkeypatch):
                                                                     {"train": 27, "val": 3, "test": 10})
     assert [(r["question"], r["answer"]) for r in manifest(folder, "test")] == [
         (ex.question, ex.answer) for ex in pool[30:40]]
+
+
+def write_rows(path, header, rows):
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        csv.writer(f).writerows([header, *rows])
+    return path
+
+
+NUMBERS = "id=qid,question=q,choices=a+b+c+d,answer=label"
+
+
+def numeric_rows(label):
+    """Thirty questions whose choices are digits; the gold is index 1, the choice "2"."""
+    return [[f"q{i}", f"What is {i} plus 1, in a row of thirty?", "3", "2", "1", "4", label] for i in range(30)]
+
+
+def test_letter_answers_resolve_without_a_type(tmp_path, pool):
+    """A-D as in ARC, OpenBookQA and MMLU exports: the letter's position is the source's answer."""
+    data = write_rows(tmp_path / "mcq.csv", ["qid", "q", "a", "b", "c", "d", "label"],
+                      [[ex.id, ex.question, *ex.choices, "ABCD"[ex.answer]] for ex in pool])
+    folder = build_user_data(str(data), tmp_path / "splits", field_map=NUMBERS)
+    rows = {r["id"]: r["answer"] for s in ("train", "val", "test") for r in manifest(folder, s)}
+    assert rows == {ex.id: ex.answer for ex in pool}
+
+
+def test_a_digit_that_is_also_a_choice_text_is_refused_not_guessed(tmp_path):
+    """'1' is index 1 ("2") or the choice "1" (index 2): refused with the row and the fix named."""
+    data = write_rows(tmp_path / "num.csv", ["qid", "q", "a", "b", "c", "d", "label"], numeric_rows("1"))
+    with pytest.raises(ValueError, match=r"num.csv:2: answer '1' is ambiguous: as index choice 1 \('2'\), as text "
+                                         r"choice 2 \('1'\); say which with --field-map answer=label:index\|text"):
+        build_user_data(str(data), tmp_path / "splits", field_map=NUMBERS)
+    assert not (tmp_path / "splits").exists()
+
+
+@pytest.mark.parametrize("kind, label, gold", [("index", "1", 1), ("text", "1", 2), ("letter", "b", 1)])
+def test_an_answer_type_in_the_field_map_says_how_to_read_it(tmp_path, kind, label, gold):
+    data = write_rows(tmp_path / "num.csv", ["qid", "q", "a", "b", "c", "d", "label"], numeric_rows(label))
+    folder = build_user_data(str(data), tmp_path / "splits", field_map=f"{NUMBERS}:{kind}")
+    assert {r["answer"] for s in ("train", "val", "test") for r in manifest(folder, s)} == {gold}
+    assert json.loads((folder / "splits.json").read_text())["field_map"]["answer_type"] == kind
+
+
+def test_a_typed_answer_of_another_type_is_refused(tmp_path):
+    data = write_rows(tmp_path / "num.csv", ["qid", "q", "a", "b", "c", "d", "label"], numeric_rows("1"))
+    with pytest.raises(ValueError, match="num.csv:2: answer '1' names none of .*; expected an answer of type letter"):
+        build_user_data(str(data), tmp_path / "splits", field_map=f"{NUMBERS}:letter")
+
+
+@pytest.mark.parametrize("content, message", [("", "empty.csv: empty file; expected a header row"),
+                                              ("qid,q,a,b,c,d,label\n", "empty.csv: no rows under its header")])
+def test_an_empty_or_header_only_file_is_named(tmp_path, content, message):
+    (tmp_path / "empty.csv").write_text(content)
+    with pytest.raises(ValueError, match=message):
+        build_user_data(str(tmp_path / "empty.csv"), tmp_path / "splits", field_map=NUMBERS)
+
+
+def test_unmapped_columns_are_named_once(tmp_path, pool, capsys):
+    rows = [[ex.id, ex.question, *ex.choices, ex.answer, "note", "physics"] for ex in pool]
+    data = write_rows(tmp_path / "mcq.csv", ["qid", "q", "a", "b", "c", "d", "label", "comment", "topic"], rows)
+    build_user_data(str(data), tmp_path / "splits", field_map=NUMBERS, prompt_template="{topic}: {question}")
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "not mapped" in line]
+    assert len(warnings) == 1 and "['comment']" in warnings[0]
+
+
+def test_evaluate_scores_your_own_csv_with_the_flags_it_trained_with(tmp_path, pool):
+    """evaluate.py --data FILE --field-map builds the same manifests train.py built: the run's test split."""
+    data = write_rows(tmp_path / "mcq.csv", ["qid", "q", "a", "b", "c", "d", "label"],
+                      [[ex.id, ex.question, *ex.choices, "ABCD"[ex.answer]] for ex in pool])
+    run, cfg, _ = train_and_evaluate(tmp_path, "--data", str(data), "--field-map", NUMBERS)
+    metrics = evaluate.main(["--adapter", str(run), "--data", str(data), "--field-map", NUMBERS, "--quiet",
+                             "--out-dir", str(tmp_path / "again")])
+    assert (metrics["data"], metrics["split_sha256"]) == (cfg["data"], cfg["data_sha256"]["test"])
+
+
+def test_evaluate_scores_a_raw_jsonl_with_the_tiny_model(tmp_path, pool):
+    """A JSONL without the manifest's keys (no id, letters for answers) is rows to build from, not a bad manifest."""
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps({"question": ex.question, "choices": ex.choices, "answer": "ABCD"[ex.answer]})
+                            + "\n" for ex in pool))
+    metrics = evaluate.main(["--model", "tiny", "--data", str(data), "--data-dir", str(tmp_path / "splits"),
+                             "--out-dir", str(tmp_path / "eval"), "--quiet"])
+    test = manifest(tmp_path / "splits" / metrics["dataset"], "test")
+    assert metrics["n_examples"] == len(test) == 6 and metrics["model"].endswith("tiny-olmoe")
+    golds = {ex.question: ex.answer for ex in pool}
+    assert all(r["answer"] == golds[r["question"]] for r in test)
+
+
+def test_evaluate_refuses_a_field_map_for_a_registered_benchmark(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(["--model", "tiny", "--data", "arc_challenge", "--field-map", "answer=label",
+                       "--eval-dir", str(tmp_path / "eval")])
+    assert exit_.value.code == 2 and "--field-map and --prompt-template apply to your own --data" in capsys.readouterr().err
+    assert not (tmp_path / "eval").exists()

@@ -19,7 +19,10 @@ upcycle is a library module whose CLI is small enough to stay beside it.
 
 One name per concept across the scripts (the old spellings are hidden aliases that warn, for one release):
     --eval-batch-size  examples per forward in scoring      (evaluate.py's --batch-size)
-    --out-dir          the folder a command writes into     (evaluate.py's --out; `report --out` is a file)
+    --out-dir          where run folders are made: train.py's OUT/<run name>, sweep.py's runs (and its report)
+    --eval-dir         evaluate.py's evaluation folder itself (its --out-dir and --out; `report --out` is a file)
+    --model            the base checkpoint: a folder, a hub id or 'tiny' (export.py's --base-model)
+    positional OUT     a folder written whole (export.py, upcycle); positional RUN/DIR: what is read
     --max-train-examples / --max-examples stay apart: the first N training examples of a run, and the
     first N examples of the split that evaluate.py scores.
 """
@@ -55,6 +58,15 @@ class OldName(argparse.Action):
 def old_name(group, old: str, new: str, **kwargs) -> None:
     """Accept `old` as a hidden alias of the option `new` (same dest, type and metavar)."""
     group.add_argument(old, action=OldName, new=new, dest=new.lstrip("-").replace("-", "_"), **kwargs)
+
+
+def model_path(model: str | None) -> str | None:
+    """--model as every command reads it: 'tiny' is the random tiny OLMoE (weights/tiny-olmoe, built on
+    first use), so that its runs are named, found and evaluated alike; anything else as given."""
+    if model != "tiny":
+        return model
+    from minimoe.tiny import tiny_checkpoint  # torch: only when asked
+    return str(tiny_checkpoint())
 
 
 def run_command(main, prog: str, status: int = 2) -> None:

@@ -3,11 +3,11 @@
 Example (a finished run: the model and dataset come from RUN/config.json, the adapter from
 RUN/checkpoints/epoch-<last_epoch>, the paper's primary endpoint):
 
-    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --split test --out-dir runs/granite-arc-TES-IS-seed42/eval/test
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --split test --eval-dir runs/granite-arc-TES-IS-seed42/eval/test
 
 The base model alone (routing diagnostics of its final layer):
 
-    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --out-dir runs/olmoe-native-arc
+    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --eval-dir runs/olmoe-native-arc
 
 The paper's accuracy table, mean ± sample std over seeds, from every metrics.json under the folders:
 
@@ -17,7 +17,7 @@ Two methods on the same questions, one pair of runs (or evaluation folders) per 
 
     python evaluate.py compare runs/m-sciq-CE-seed42 runs/m-sciq-TES-IS-seed42 runs/m-sciq-CE-seed43 runs/m-sciq-TES-IS-seed43
 
-Outputs in --out-dir (written to a temp folder beside it, then swapped in whole; an existing --out-dir must be
+Outputs in --eval-dir (written to a temp folder beside it, then swapped in whole; an existing --eval-dir must be
 an earlier evaluation, recognised by its .minimoe-written marker, or empty: anything else is refused):
   predictions.jsonl   one line per example: gold, predictions and per-candidate log-probabilities
   metrics.json        accuracy (mean-token, the paper's), accuracy_sum, accuracy_per_char, choice_nll,
@@ -34,17 +34,17 @@ import logging
 import sys
 from pathlib import Path
 
-from minimoe.cli import device, old_name, run_command
+from minimoe.cli import device, model_path, old_name, run_command
 from minimoe.data import DEFAULT_DATA_DIR, SPLITS
 from minimoe.diagnostics import PAPER_SEEDS
 
 EXAMPLES = """examples:
   a finished run (model and data from RUN/config.json; adapter of the last epoch):
-    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --out-dir runs/granite-arc-TES-IS-seed42/eval/test
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --eval-dir runs/granite-arc-TES-IS-seed42/eval/test
   its validation-NLL-selected epoch instead:
-    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --checkpoint selected --out-dir runs/granite-arc-TES-IS-seed42/eval/test-selected
+    python evaluate.py --adapter runs/granite-arc-TES-IS-seed42 --checkpoint selected --eval-dir runs/granite-arc-TES-IS-seed42/eval/test-selected
   a base model, 50 examples, on a GPU in bf16:
-    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --out-dir runs/olmoe-native-arc
+    python evaluate.py --model allenai/OLMoE-1B-7B-0924-SFT --data arc_challenge --max-examples 50 --dtype bfloat16 --eval-dir runs/olmoe-native-arc
   training curves of several runs on one figure:
     python evaluate.py plot runs/run-a runs/run-b --out curves.png
   the accuracy table (mean ± sample std over seeds) of many evaluations:
@@ -56,7 +56,7 @@ EXAMPLES = """examples:
 
 def evaluate_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="evaluate.py", description=__doc__.split("\n\n")[0], epilog=EXAMPLES,
-                                usage="%(prog)s [--model MODEL] [--adapter ADAPTER] --out-dir OUT [options]\n"
+                                usage="%(prog)s [--model MODEL] [--adapter ADAPTER] --eval-dir DIR [options]\n"
                                       "       %(prog)s report DIR [DIR ...] [--seeds ...] [--split ...] [--out OUT]\n"
                                       "       %(prog)s compare A B [A B ...] [--out OUT.json]\n"
                                       "       %(prog)s plot RUN [RUN ...] --out PNG",
@@ -67,7 +67,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
     add_compare_command(commands)
     add_plot_command(commands)
     what = p.add_argument_group("what to evaluate")
-    what.add_argument("--model", help="base checkpoint: a local folder or a hub id (e.g. allenai/OLMoE-1B-7B-0924-SFT). "
+    what.add_argument("--model", help="base checkpoint: a local folder, a hub id (e.g. allenai/OLMoE-1B-7B-0924-SFT) "
+                                      "or 'tiny' (train.py's random tiny OLMoE). "
                                       "May be left out when --adapter is a run folder: its config.json names it")
     what.add_argument("--model-revision", metavar="REV",
                       help="hub branch, tag or commit of the model (default: the run's, else main; metrics.json "
@@ -87,7 +88,14 @@ def evaluate_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     data.add_argument("--data", help="benchmark name (arc_challenge, arc_easy, openbookqa, sciq, medmcqa; registered "
                                      "splits are built under --data-dir on first use), a folder of train/val/test.jsonl "
-                                     "manifests, or one .jsonl manifest. Default with a run folder: the run's data")
+                                     "manifests, one .jsonl manifest, or your own data as train.py takes it (a CSV or "
+                                     "JSONL file or folder, a datasets folder, a hub id; with the --field-map and "
+                                     "--prompt-template it trained with, the same splits are built). Default with a "
+                                     "run folder: the run's data")
+    data.add_argument("--field-map", metavar="FIELD=COLUMN,...",
+                      help="your own --data's columns, as train.py's --field-map (minimoe/userdata.py)")
+    data.add_argument("--prompt-template", metavar="FORMAT", help="your own --data's prompt, as train.py's")
+    data.add_argument("--data-revision", metavar="REV", help="your own --data as a hub dataset: the revision to read")
     data.add_argument("--split", default="test", choices=SPLITS, help="split to score (default: %(default)s)")
     data.add_argument("--data-dir", type=Path,
                       help=f"where benchmark manifests live (default: the run's, else {DEFAULT_DATA_DIR})")
@@ -98,10 +106,12 @@ def evaluate_parser() -> argparse.ArgumentParser:
                            "else no limit)")
     out = p.add_argument_group("output")
     # Required here, not by argparse: `report` takes none.
-    out.add_argument("--out-dir", type=Path,
+    out.add_argument("--eval-dir", type=Path,
                      help="output folder (required); replaced as a whole only once everything is written, and only "
                           "if it is empty or an earlier evaluation (a run folder, say, is refused)")
-    old_name(out, "--out", "--out-dir", type=Path)
+    # --out-dir is where train.py and sweep.py make run folders; here it named the evaluation folder itself.
+    old_name(out, "--out-dir", "--eval-dir", type=Path)
+    old_name(out, "--out", "--eval-dir", type=Path)
     out.add_argument("--quiet", action="store_true", help="no progress bars")
     diag = p.add_argument_group("routing diagnostics")
     diag.add_argument("--train-split-diagnostics", action=argparse.BooleanOptionalAction, default=None,
@@ -129,8 +139,11 @@ def add_report_command(commands):
         "report", help="the paper's accuracy table from many evaluations (evaluate.py report --help)",
         description="Gather metrics.json files into the paper's accuracy table: one row per (model, method), one "
                     "column per dataset, mean ± sample std in percent over the seeds. Evaluations without a seed "
-                    "(base models) or of another split are skipped.")
-    p.add_argument("paths", nargs="+", type=Path, metavar="DIR", help="metrics.json files or folders searched recursively")
+                    "(base models) or of another split are skipped. A run folder stands for its test evaluation "
+                    "(RUN/eval/test, or RUN/eval/test-selected, as compare reads it) and its zero-shot one; other "
+                    "folders under RUN/eval (a re-evaluation) are left out.")
+    p.add_argument("paths", nargs="+", type=Path, metavar="DIR", help="metrics.json files, run folders, or folders "
+                                                                     "searched recursively")
     p.add_argument("--seeds", type=int, nargs="+", default=list(PAPER_SEEDS),
                    help=f"seeds to include (default: {' '.join(map(str, PAPER_SEEDS))})")
     p.add_argument("--split", default="test", choices=SPLITS, help="split to tabulate (default: %(default)s)")
@@ -191,6 +204,22 @@ def report(args) -> str:
     return table
 
 
+def own_data(args, parser) -> str | None:
+    """--data as train.py resolves it: your own rows (a CSV, a raw JSONL, a hub id) become the manifests
+    train.py builds from them (the same folder for the same rows and flags), under the run's --data-dir."""
+    from minimoe.userdata import build_user_data, is_manifest, is_user_data
+    own = args.data is not None and is_user_data(args.data)
+    if not own or (is_manifest(args.data) and args.field_map is None and args.prompt_template is None):
+        if args.field_map is not None or args.prompt_template is not None:
+            parser.error(f"--field-map and --prompt-template apply to your own --data (a file, folder or hub id); "
+                         f"got --data {args.data}")
+        return args.data
+    config = args.adapter / "config.json" if args.adapter is not None else None
+    run_dir = json.loads(config.read_text(encoding="utf-8")).get("data_dir") if config and config.is_file() else None
+    return str(build_user_data(args.data, args.data_dir or run_dir or DEFAULT_DATA_DIR, field_map=args.field_map,
+                               prompt_template=args.prompt_template, revision=args.data_revision, seed=42))
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -211,20 +240,21 @@ def main(argv=None):
             print(f"training curves: {plot_training_curves(args.runs, args.out)}")
             return None
         return report(args) if args.command == "report" else compare(args)
-    if args.out_dir is None:
-        parser.error("the following arguments are required: --out-dir")
+    if args.eval_dir is None:
+        parser.error("the following arguments are required: --eval-dir")
     if args.model is None and args.adapter is None:
         parser.error("pass --model, or --adapter with a run folder that names its model")
     for flag, value in (("--eval-batch-size", args.eval_batch_size), ("--max-examples", args.max_examples),
                         ("--max-length", args.max_length)):
         if value is not None and value < 1:
             parser.error(f"argument {flag}: {value}: expected an integer >= 1")
+    args.data, args.model = own_data(args, parser), model_path(args.model)
     from minimoe.allocator import keep_freed_memory, limit_kernel_cache
     from minimoe.evaluation import run_evaluation  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     limit_kernel_cache()  # bf16 on the CPU: one compiled kernel per matrix shape, a few hundred kept
     metrics = run_evaluation(
-        out=args.out_dir, base_model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
+        out=args.eval_dir, base_model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
         split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
         batch_size=args.eval_batch_size, allow_other_base=args.allow_other_base,
         device=args.device, dtype=args.dtype, train_split_diagnostics=args.train_split_diagnostics,
@@ -232,12 +262,12 @@ def main(argv=None):
         quiet=args.quiet)
     print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples): "
           f"accuracy {metrics['accuracy']:.4f} (sum {metrics['accuracy_sum']:.4f}, per-char "
-          f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.out_dir}")
+          f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.eval_dir}")
     return metrics
 
 
 def command():
-    """minimoe-eval, and python evaluate.py: bad input, a refused --out-dir, a full disk end in one line naming
+    """minimoe-eval, and python evaluate.py: bad input, a refused --eval-dir, a full disk end in one line naming
     the file, exit status 2."""
     run_command(main, "evaluate.py")
 

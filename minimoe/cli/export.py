@@ -2,7 +2,7 @@
 or with --merged as a plain checkpoint with the adapter merged into the base weights.
 
     python export.py runs/olmoe-arc_challenge-ACS-IS-seed42 exported/olmoe-arc-acs
-    python export.py runs/<run> OUT --checkpoint selected --base-model allenai/OLMoE-1B-7B-0924-SFT
+    python export.py runs/<run> OUT --checkpoint selected --model allenai/OLMoE-1B-7B-0924-SFT
     python export.py runs/<run> OUT --merged      # config.json, model*.safetensors, tokenizer files
 
 Then, with peft and transformers installed:
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from minimoe.cli import run_command
+from minimoe.cli import model_path, old_name, run_command
 from minimoe.export import export_merged_adapter, export_peft
 
 
@@ -31,15 +31,18 @@ def main(argv=None):
                    "layout, the base's dtype and tokenizer files) instead of a peft adapter")
     p.add_argument("--checkpoint", choices=("last", "selected"),
                    help="for a run folder: 'last' (default, the paper's endpoint) or 'selected' (minimum validation NLL)")
-    p.add_argument("--base-model", help="base_model_name_or_path to write, or with --merged the base checkpoint to "
-                                        "merge into (default: the model the adapter was trained on, as recorded with it)")
+    p.add_argument("--model", help="base_model_name_or_path to write, or with --merged the base checkpoint to "
+                                   "merge into, as train.py's and evaluate.py's --model ('tiny' included) (default: "
+                                   "the model the adapter was trained on, as recorded with it)")
+    old_name(p, "--base-model", "--model")
     args = p.parse_args(argv)
+    base_model = model_path(args.model)
     try:
         if args.merged:
-            out = export_merged_adapter(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
+            out = export_merged_adapter(args.adapter, args.out, checkpoint=args.checkpoint, base_model=base_model)
             print(f"merged checkpoint: {out}")
         else:
-            out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=args.base_model)
+            out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=base_model)
             print(f"peft adapter: {out}")
     except (OSError, ValueError, KeyError) as e:  # bad input, a refused OUT, a full disk: one line naming the file
         p.exit(2, f"export.py: error: {e}\n")

@@ -9,7 +9,12 @@
     python sweep.py --preset main --models ... --report-only
     python sweep.py --preset study --out-dir runs/study  # the default model: 12 rows x sciq, arc_easy x 3 seeds
 
-Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`).
+    python sweep.py --models tiny --benchmarks arc_challenge --rows CE my_method --method-module my_method.py \\
+        --seeds 42 --out-dir runs/mine   # a grid of your own: no --preset; your registered method is a row
+
+Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`);
+those that say which run a cell is (--method, --objective, --tune-router, --layers, --method-module,
+--model, --data, --seed, --out-dir, --run-name) are refused: the grid flags set them.
 Finished runs are skipped, killed ones continued with --resume; see minimoe/sweep.py. A run whose
 settings differ from its cell's (other flags after `--`, say) is refused, with the settings named,
 unless --rerun: then it is moved aside (<run>.replaced-<UTC time>) and run again. The sweep exits 1
@@ -19,12 +24,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from minimoe.cli import run_command
 from minimoe.config import ABLATION_SETTINGS, TrainConfig, flag_name
 from minimoe.runs import set_aside
-from minimoe.sweep import BENCHMARKS, PRESETS, ROWS, claim_out_dir, grid, run_local, run_on_devices, submit_slurm, \
-    train_module, visible_devices, write_report
+from minimoe.diagnostics import PAPER_SEEDS
+from minimoe.routing import ALIASES, METHODS, import_method_module
+from minimoe.sweep import BENCHMARKS, PRESETS, ROWS, Preset, claim_out_dir, grid, run_local, run_on_devices, \
+    submit_slurm, train_module, visible_devices, write_report
 
 # --set's keys: the ablation settings that take a value, by their train.py flag (--set lambda=... sets lambda_).
 SETTING_FLAGS = {flag_name(key)[2:]: key for key in ABLATION_SETTINGS if not isinstance(getattr(TrainConfig, key), bool)}
@@ -34,16 +42,22 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="sweep.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("the grid")
     g.add_argument("--preset", choices=sorted(PRESETS),
-                   help="the grid to run (left out: the presets are listed and nothing runs); "
+                   help="the grid to run (left out: a grid of your own from --rows and --benchmarks, at seeds "
+                        f"{' '.join(map(str, PAPER_SEEDS))} unless --seeds; with neither, the presets are listed); "
                         + "; ".join(f"{k}: {v.about}" for k, v in PRESETS.items()))
     g.add_argument("--models", nargs="+", metavar="MODEL[=RECIPE]",
-                   help="hub ids or checkpoint folders; =RECIPE names the recipe when the name does not say "
-                        "granite/olmoe (default: weights/smollm2-135m-moe, train.py's default model, built on first use)")
+                   help="hub ids, checkpoint folders or 'tiny' (as train.py's --model); =RECIPE names the recipe "
+                        "when the name does not say granite/olmoe (default: weights/smollm2-135m-moe, train.py's "
+                        "default model, built on first use)")
     g.add_argument("--benchmarks", nargs="+", help=f"default: the preset's ({' '.join(BENCHMARKS)} for main)")
-    g.add_argument("--rows", nargs="+", metavar="ROW", help=f"default: the preset's; any of {list(ROWS)}")
+    g.add_argument("--rows", nargs="+", metavar="ROW", help=f"default: the preset's; any of {list(ROWS)}, or the "
+                   "name of a method that --method-module registers")
+    g.add_argument("--method-module", metavar="FILE|MODULE", help="a .py file or module registering methods (as "
+                   "train.py's): its methods may be rows, e.g. --rows CE my_method")
     g.add_argument("--seeds", type=int, nargs="+", help="default: the preset's (42 43 45; 42 43 44 for TES tables)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
                    help=f"replace the preset's settings variants by these values; KEY in {list(SETTING_FLAGS)} "
@@ -109,30 +123,73 @@ def settings_variants(specs, parser) -> tuple:
     return tuple(variants)
 
 
+def choose_preset(args, parser) -> Preset:
+    """--preset's grid, or one of your own from the grid flags; a bare `python sweep.py` lists the presets
+    and exits 2 (it must not start a 108-run grid, nor look as if it did something)."""
+    if args.preset is not None:
+        return PRESETS[args.preset]
+    if args.rows and args.benchmarks:
+        return Preset(tuple(args.rows), benchmarks=tuple(args.benchmarks), about="your own grid")
+    if any((args.models, args.rows, args.benchmarks, args.seeds, args.set)):
+        parser.error("without --preset a grid of your own needs --rows and --benchmarks (--models and --seeds "
+                     "optional); or choose a --preset")
+    listed = "\n".join(f"  {name:18s} {preset.about}" for name, preset in PRESETS.items())
+    parser.error(f"choose a grid: --preset NAME, or --rows and --benchmarks for your own; the presets:\n{listed}")
+
+
+def model_specs(specs) -> tuple[list[str], dict]:
+    """--models MODEL[=RECIPE] ... -> (models as train.py names their runs, {model: recipe}); 'tiny' is the
+    tiny checkpoint's folder with the tiny recipe, as in train.py, so its runs are found where they are."""
+    from minimoe.cli import model_path
+    if not specs:
+        from minimoe.smollm import smollm_checkpoint
+        specs = [str(smollm_checkpoint())]
+    models, recipes = [], {}
+    for spec in specs:
+        name, _, recipe = spec.partition("=")
+        model = model_path(name)
+        models.append(model)
+        if recipe or name == "tiny":
+            recipes[model] = recipe or "tiny"
+    return models, recipes
+
+
+# train.py settings that say which run a cell is: set by the grid flags, never after `--`.
+CELL_SETTINGS = {"method": "--rows", "method_module": "--method-module", "objective": "--rows",
+                 "tune_router": "--rows", "layers": "--set layers=...", "model": "--models",
+                 "recipe": "--models M=RECIPE", "data": "--benchmarks", "seed": "--seeds", "out_dir": "--out-dir",
+                 "run_name": "the cell", "config": "the cell", "resume": "the sweep", "rerun": "--rerun"}
+
+
+def check_extra(extra, parser) -> None:
+    """Flags after `--` that would change a row's method, scope or a cell's identity are refused: the run
+    would train as another row than its cell's and the report would call the cell missing."""
+    train = train_module().parser()
+    given, _ = train.parse_known_args(extra)
+    defaults = vars(train.parse_args([]))
+    for dest, where in CELL_SETTINGS.items():
+        if getattr(given, dest, None) != defaults.get(dest):
+            flag = next(a.option_strings[0] for a in train._actions if a.dest == dest)
+            parser.error(f"{flag} after --: it changes which run a cell is; set it with {where} instead")
+
+
 def main(argv=None):
     args, parser = parse_args(argv)
-    if args.preset is None:  # a bare `python sweep.py` must not start a 108-run grid
-        print("sweep.py: choose a grid with --preset NAME (python sweep.py --help for the rest):")
-        for name, preset in PRESETS.items():
-            print(f"  {name:18s} {preset.about}")
-        return []
-    preset = PRESETS[args.preset]
-    models, recipes = [], {}
-    if not args.models:
-        from minimoe.smollm import smollm_checkpoint
-        args.models = [str(smollm_checkpoint())]
-    for spec in args.models:
-        model, _, recipe = spec.partition("=")
-        models.append(model)
-        if recipe:
-            recipes[model] = recipe
+    preset = choose_preset(args, parser)
+    if args.method_module:
+        args.method_module = str(Path(args.method_module).resolve()) if args.method_module.endswith(".py") \
+            else args.method_module  # as train.py records it, so that the cell's settings match the run's
+        import_method_module(args.method_module)
+    check_extra(args.extra, parser)
     for row in args.rows or ():
-        if row not in ROWS:
-            parser.error(f"--rows {row!r}: expected one of {list(ROWS)}")
+        if row not in ROWS and ALIASES.get(row, row) not in METHODS:
+            parser.error(f"--rows {row!r}: expected one of {list(ROWS)}, or a method registered by --method-module "
+                         f"(registered: {sorted(METHODS)})")
+    models, recipes = model_specs(args.models)
     cells = grid(models, args.benchmarks or preset.benchmarks, args.rows or preset.rows, args.seeds or preset.seeds,
                  args.out_dir, settings=settings_variants(args.set, parser) if args.set else preset.settings,
                  recipes=recipes, extra=(*preset.train_args, *args.extra), train_eval=preset.train_eval,
-                 zero_shot=preset.zero_shot)
+                 zero_shot=preset.zero_shot, method_module=args.method_module)
     changed = {c: diff for c in cells if (diff := c.changed())}
     if args.dry_run:
         for c in cells:
@@ -143,13 +200,13 @@ def main(argv=None):
         return cells
     if changed and (args.report_only or not args.rerun):
         lines = [f"  {c.run}: {', '.join(diff)}" for c, diff in changed.items()]
-        sys.exit(f"sweep: {len(changed)} run(s) were made with other settings than their cells' (the flags after --, "
-                 f"or the code's defaults, changed); refusing to reuse or report them:\n" + "\n".join(lines)
-                 + "\nPass --rerun to set them aside and run them again, or use another --out-dir")
+        sys.exit(f"sweep.py: error: {len(changed)} run(s) were made with other settings than their cells' (the "
+                 f"flags after --, or the code's defaults, changed); refusing to reuse or report them:\n"
+                 + "\n".join(lines) + "\nPass --rerun to set them aside and run them again, or use another --out-dir")
     try:
         claim_out_dir(args.out_dir)  # before any run: never a folder of another kind, never a report we did not write
     except FileExistsError as e:
-        sys.exit(f"sweep: {e}")
+        sys.exit(f"sweep.py: error: {e}")
     for c in changed:
         print(f"sweep: --rerun: {c.run.name} had other settings ({', '.join(changed[c])}); kept in {set_aside(c.run)}")
     todo = [c for c in cells if c.state() != "done"]
@@ -169,13 +226,16 @@ def main(argv=None):
             parser.error("--gpus: no GPU is visible (CUDA_VISIBLE_DEVICES is empty and torch sees none)")
         codes = run_on_devices(todo, devices) if devices else run_local(todo)
         failed = [str(run) for run, code in codes.items() if code != 0]
+        # A run that ended well but is not its cell's (named otherwise, say) would leave the cell missing unseen.
+        failed += [f"{c.run}: train.py exited 0 but this run folder is not done" for c in todo
+                   if codes.get(c.run) == 0 and c.state() != "done"]
     else:
         failed = []
     print(write_report(cells, args.out_dir, preset.columns, preset.tables), end="")
     print(f"report: {args.out_dir}/report.md, {args.out_dir}/report.csv")
     if failed:
-        sys.exit(f"sweep: {len(failed)} of {len(todo)} runs failed (their errors are above; run the same command "
-                 f"again to continue them):\n  " + "\n  ".join(failed))
+        sys.exit(f"sweep.py: error: {len(failed)} of {len(todo)} runs failed (their errors are above; run the "
+                 f"same command again to continue them):\n  " + "\n  ".join(failed))
     return cells
 
 

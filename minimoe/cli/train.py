@@ -42,7 +42,7 @@ import minimoe
 from minimoe.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.atomic import atomic_file
 from minimoe.checkpoint import resolve_checkpoint
-from minimoe.cli import device, run_command
+from minimoe.cli import device, model_path, run_command
 from minimoe.data import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.eval_folder import METRICS, eval_dir
 from minimoe.lora import ALIASES as LORA_ALIASES, TARGETS
@@ -53,7 +53,6 @@ from minimoe.runs import (claim_run_folder, has_training_output, is_run_folder, 
                           pick_dtype, run_lock, set_aside, world)
 from minimoe.scoring import check_max_length
 from minimoe.smollm import smollm_checkpoint
-from minimoe.tiny import tiny_checkpoint
 from minimoe.config import RECIPES, TrainConfig, recipe_train_examples, run_name
 from minimoe.training import check_install, install_method, train
 from minimoe.userdata import build_user_data, is_user_data
@@ -181,7 +180,8 @@ def parser() -> argparse.ArgumentParser:
                    "minimoe/data.py for a registered benchmark, main for your own)")
     g.add_argument("--field-map", metavar="FIELD=COLUMN,...", help="your own --data's columns: question=...,"
                    "choices=...,answer=...[,id=...]; choices: a list column or columns joined by '+'; answer: an "
-                   "index or a choice's text (default: the same names; see minimoe/userdata.py)")
+                   "index from 0, a letter or a choice's text, answer=COLUMN:index|letter|text to say which (an "
+                   "ambiguous untyped answer is refused) (default: the same names; see minimoe/userdata.py)")
     g.add_argument("--prompt-template", metavar="FORMAT", help="your own data's prompt, a str.format string over "
                    "{question} and the row's fields (default: the paper's 'Question: {question}\\nAnswer:')")
     g.add_argument("--max-train-examples", type=COUNT, metavar="N", help="keep only the first N training examples (default: the "
@@ -384,7 +384,7 @@ def settings_differ(argv: list[str], record: dict) -> list[str]:
     finished run as its cell. Device and dtype count only where argv names them (auto is the machine's)."""
     args = parse_args(argv)
     if args.model == "tiny":
-        args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
+        args.model, args.recipe = model_path(args.model), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
     recipe = args.recipe or record.get("recipe")
     if recipe not in RECIPES:
@@ -441,6 +441,10 @@ def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
     cfg = replace(cfg, **resolved)
     check_disjoint(data, cfg.data)  # a test example seen in training would inflate every score
     if cfg.max_train_examples:
+        if len(data["train"]) < cfg.max_train_examples:  # the one request about train that can go unmet
+            print(f"train.py: warning: {cfg.data} train has {len(data['train'])} examples, fewer than the "
+                  f"{cfg.max_train_examples} asked for (--max-train-examples, or the recipe's count); all are used",
+                  file=sys.stderr)
         data["train"] = data["train"][:cfg.max_train_examples]
     return data, cfg
 
@@ -466,7 +470,7 @@ def main(argv=None):
         args.model, args.data = str(smollm_checkpoint()), args.data or "sciq"
         args.epochs, args.zero_shot = args.epochs or 1, args.zero_shot is not False
     elif args.model == "tiny":
-        args.model, args.recipe = str(tiny_checkpoint()), args.recipe or "tiny"
+        args.model, args.recipe = model_path(args.model), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
     folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
     tokenizer = minimoe.load_tokenizer(folder)
@@ -480,13 +484,13 @@ def main(argv=None):
         check_max_length(examples, tokenizer, cfg.max_length, f"--max-length, {cfg.data} {split}")
     check_install(model.config, cfg, cfg.device)  # LoRA targets, layers, method options, memory: on meta
     if args.resume and args.rerun:
-        sys.exit("train.py: --resume and --rerun: pass one (continue the run, or start it again)")
+        sys.exit("train.py: error: --resume and --rerun: pass one (continue the run, or start it again)")
     if args.resume and not (run / "config.json").is_file():
-        sys.exit(f"train.py: --resume: {run} has no config.json; nothing to resume")
+        sys.exit(f"train.py: error: --resume: {run} has no config.json; nothing to resume")
     if args.resume and not is_run_folder(run):
-        sys.exit(f"train.py: --resume: {run} is not a train.py run folder (a model folder?); nothing to resume")
+        sys.exit(f"train.py: error: --resume: {run} is not a train.py run folder (a model folder?); nothing to resume")
     if run.exists() and not args.resume and not args.rerun:
-        sys.exit(f"train.py: run folder {run} exists; pass --resume to continue it, --rerun to start it again, "
+        sys.exit(f"train.py: error: run folder {run} exists; pass --resume to continue it, --rerun to start it again, "
                  f"or choose another --run-name")
     if args.rerun and run.exists() and rank == 0:
         claim_run_folder(run, resume=True)  # only a run folder is moved aside
@@ -523,12 +527,13 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, fo
             before = read_run_config(run / "config.json")
             changed = changed_settings(before, record)
             if changed:
-                sys.exit(f"train.py: --resume with a different config: {changed} differ from {run}/config.json; "
+                sys.exit(f"train.py: error: --resume with a different config: {changed} differ from {run}/config.json; "
                          f"pass --rerun to start the run again with these settings")
             # every launch of the run is kept: the first one's command line and code, then each resume's
             record["earlier_provenance"] = [*before.get("earlier_provenance", []), before.get("provenance")]
-        with atomic_file(run / "config.json") as tmp:
-            tmp.write_text(json.dumps(record, indent=2, default=str))
+        if not (args.resume and (run / "selection.json").is_file()):  # a finished run's record stays as it is
+            with atomic_file(run / "config.json") as tmp:
+                tmp.write_text(json.dumps(record, indent=2, default=str))
         if cfg.zero_shot and not (eval_dir(run, checkpoint="base") / METRICS).is_file():
             from minimoe.evaluation import evaluate_zero_shot  # before LoRA and the method exist
             base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
