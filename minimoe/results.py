@@ -261,12 +261,12 @@ def settings_differ(cell, record: dict) -> list[str]:
     return train_module().settings_differ(cell.train_args(), record)
 
 
-def predictions(results_dir, run: str, evaluation: str | None = None):
+def predictions(results_dir, run: str, evaluation: str | None = None, records: list[dict] | None = None):
     """One recorded run's reported (or named) test evaluation as compare.Predictions; its folder reads
-    results_dir/RUN, the name the comparison prints."""
+    results_dir/RUN, the name the comparison prints. `records`: read(results_dir), when read already."""
     import numpy as np
     from minimoe.compare import Predictions
-    record = next((r for r in read(results_dir) if r["run"] == run), None)
+    record = next((r for r in (records if records is not None else read(results_dir)) if r["run"] == run), None)
     if record is None:
         raise ResultsError(f"{run}: no such run in {results_dir} (python -m minimoe.results list {results_dir} "
                            f"names those it holds)")
@@ -287,7 +287,8 @@ def compare_runs(results_dir, runs, **bootstrap) -> dict:
     runs = [str(r) for r in runs]
     if not runs or len(runs) % 2:
         raise ValueError(f"compare: expected pairs A B [A B ...], got {len(runs)} run name(s)")
-    read_ = [predictions(results_dir, r) for r in runs]
+    records = read(results_dir)
+    read_ = [predictions(results_dir, r, records=records) for r in runs]
     return compare_pairs(list(zip(read_[0::2], read_[1::2])), **bootstrap)
 
 
