@@ -41,10 +41,10 @@ import gzip
 import io
 import json
 import re
-import sys
+import shutil
 from pathlib import Path
 
-from minimoe.atomic import atomic_directory, atomic_file, check_replaceable
+from minimoe.atomic import atomic_directory, atomic_file, check_replaceable, written_kind
 from minimoe.diagnostics import partial_reason
 from minimoe.eval_folder import EVAL, METRICS, PREDICTIONS, test_evaluation
 
@@ -221,11 +221,17 @@ def collect(runs_dirs, results_dir) -> dict:
 def restore(results_dir, out_dir, runs=None) -> list[Path]:
     """Write each record (or those named in `runs`) back as out_dir/RUN: config.json, metrics.jsonl
     and eval/<evaluation>/{metrics.json, predictions.jsonl} (the question columns only), a folder of
-    kind "recorded-run" replaced only by another restore; a run folder of train.py there is refused."""
+    kind "recorded-run" replaced only by another restore; a run folder of train.py there is refused.
+    A run named in `runs` that the results no longer hold loses its restored folder, so that the
+    report reads the results folder as it is now."""
     records = read(results_dir)
     if runs is not None:
         wanted = set(runs)
         records = [r for r in records if r["run"] in wanted]
+        for name in sorted(wanted - {r["run"] for r in records}):  # restored before, no longer recorded
+            stale = Path(out_dir) / name
+            if stale.is_dir() and written_kind(stale) == RESTORED:
+                shutil.rmtree(stale)
     written = []
     for r in records:
         target = Path(out_dir) / r["run"]

@@ -106,6 +106,21 @@ def test_a_run_that_did_not_score_its_whole_test_split_is_not_collected(study, t
     assert done["skipped"][unfinished.name].startswith("not finished")
 
 
+def test_restoring_again_follows_the_results_folder_as_it_is_now(study, tmp_path):
+    """A record gone from results/ (another collect, fewer runs) takes its restored folder with it."""
+    runs, cells = study
+    results.collect([runs], tmp_path / "results")
+    names = {c.run.name for c in cells}
+    assert {p.name for p in results.restore(tmp_path / "results", tmp_path / "out", runs=names)} == names
+    kept = sorted(names)[1:]
+    (tmp_path / "fewer").mkdir()
+    for name in kept:
+        shutil.copytree(runs / name, tmp_path / "fewer" / name)
+    results.collect([tmp_path / "fewer"], tmp_path / "results2")
+    results.restore(tmp_path / "results2", tmp_path / "out", runs=names)
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == kept
+
+
 def test_restoring_beside_train_py_runs_is_refused_and_a_bad_results_file_is_named(study, tmp_path):
     runs, _ = study
     results.collect([runs], tmp_path / "results")
