@@ -116,8 +116,12 @@ def run_record(run: Path) -> tuple[dict | None, str | None]:
         if folder.name.split("-")[0] == "test" and (folder / METRICS).is_file() and (folder / PREDICTIONS).is_file():
             evaluations[folder.name] = {"metrics": portable(_read_json(folder / METRICS)),
                                         "questions": read_questions(folder)}
-    log = run / LOG
-    records = [json.loads(line) for line in log.read_text(encoding="utf-8").splitlines()] if log.is_file() else []
+    log, records = run / LOG, []
+    for n, line in enumerate(log.read_text(encoding="utf-8").splitlines() if log.is_file() else [], 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ResultsError(f"{log}:{n}: not valid JSON ({e}); expected train.py's metrics log") from None
     return {"run": run.name, "config": portable(config), "log": portable(records), "evaluations": evaluations}, None
 
 
@@ -305,7 +309,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = p.add_subparsers(dest="command", required=True)
     c = commands.add_parser("collect", help="gather finished run folders into RESULTS/<benchmark>.jsonl.gz")
-    c.add_argument("runs", nargs="+", type=Path, metavar="RUNS_DIR", help="folders of run folders (a sweep's --out-dir)")
+    c.add_argument("runs", nargs="+", type=Path, metavar="RUNS_DIR",
+                   help="folders of run folders (a sweep's --out-dir)")
     c.add_argument("--out", type=Path, default=Path("results"), help="the results folder (default: %(default)s)")
     s = commands.add_parser("list", help="the runs a results folder holds, with their reported test accuracy")
     s.add_argument("results", type=Path, metavar="RESULTS")

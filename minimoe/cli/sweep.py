@@ -66,9 +66,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("what to do")
     g.add_argument("--dry-run", action="store_true", help="print the cells and their state; run nothing")
     g.add_argument("--report-only", action="store_true", help="write the report from what has finished")
-    g.add_argument("--results", metavar="RESULTS", help="write the report from a results folder alone (minimoe/results.py: "
-                   "its records are restored into --out-dir as run folders of evidence); nothing runs; --models "
-                   "defaults to the models the records name")
+    g.add_argument("--results", metavar="RESULTS", help="write the report from a results folder alone "
+                   "(minimoe/results.py: its records are restored into --out-dir as run folders of evidence); "
+                   "nothing runs; --models defaults to the models the records name")
     g.add_argument("--rerun", action="store_true", help="runs whose settings differ from their cell's (refused "
                    "otherwise) are moved aside to <run>.replaced-<UTC time> and run again")
     args = p.parse_args(argv)
@@ -148,8 +148,8 @@ def main(argv=None):
         except FileExistsError as e:
             sys.exit(f"sweep: {e}")
         results.restore(args.results, args.out_dir, runs={c.run.name for c in cells})
-    changed = {c: diff for c in cells if (diff := (results.settings_differ(c, c.record()) if args.results and c.record()
-                                                   else c.changed()))}
+    changed = {c: diff for c in cells
+               if (diff := results.settings_differ(c, c.record()) if args.results and c.record() else c.changed())}
     if args.dry_run:
         for c in cells:
             print(f"{'changed' if c in changed else c.state():8s} {c.run}")
