@@ -383,3 +383,18 @@ def test_each_layer_is_split_on_the_hidden_states_of_the_split_layers_below(dens
 
     assert top(seen["split"]) != top(seen["dense"])  # the two inputs give other shared sets
     assert set(expert_neurons(moe, dense[1], 1)[0, :SHARED].tolist()) == top(seen["split"])
+
+
+def test_the_held_out_fifth_of_the_prose_is_never_fitted(dense, tmp_path, monkeypatch):
+    """The fitting text: the documents whose sha256(id) is 0 mod 5, counted here with hashlib, are kept
+    for bench/split.py's held-out NLL; the upcycler fits on all the others and on none of those."""
+    import hashlib
+    from minimoe import split as splitting
+    seen = []
+    token_rows = splitting.token_rows
+    monkeypatch.setattr(splitting, "token_rows", lambda tok, docs, *a: seen.append(docs) or token_rows(tok, docs, *a))
+    split(dense, tmp_path / "moe")
+    every = splitting.prose_documents()
+    kept = {i for i, _ in every if int(hashlib.sha256(i.encode()).hexdigest(), 16) % 5 == 0}
+    assert 0.15 < len(kept) / len(every) < 0.25
+    assert [[i for i, _ in docs] for docs in seen] == [[i for i, _ in every if i not in kept]]  # ids: a short diff
