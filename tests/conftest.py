@@ -83,6 +83,14 @@ def auto_dtype_is_float32(monkeypatch):
     monkeypatch.setenv(minimoe.runs.CPU_DTYPE_VARIABLE, "float32")
 
 
+def spy_grouped_mm(monkeypatch) -> list:
+    """Wrap F.grouped_mm so that every call appends to the returned list (cleared by the caller)."""
+    import torch.nn.functional as F
+    calls, real = [], F.grouped_mm
+    monkeypatch.setattr(F, "grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    return calls
+
+
 @pytest.fixture(params=["granitemoe", "olmoe"])
 def family(request):
     return request.param

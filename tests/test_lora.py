@@ -16,6 +16,7 @@ from minimoe.lora import add_lora, lora_modules, merge_lora, unmerge_lora
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.routing import set_router
 from minimoe.objectives import load_balancing_loss
+from tests.conftest import spy_grouped_mm
 
 FAMILIES = ["granitemoe", "olmoe"]
 GRANITE = dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
@@ -150,9 +151,7 @@ def test_bf16_base_runs_the_adapter_branch_in_fp32_and_rounds_once():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_grouped_mm_and_loop_paths_give_same_logits_and_grads(family, monkeypatch):
     """USE_GROUPED_MM True and False agree on logits and LoRA grads, and True really runs grouped_mm."""
-    calls = []
-    real = F.grouped_mm
-    monkeypatch.setattr(F, "grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    calls = spy_grouped_mm(monkeypatch)
     results = []
     for use in (True, False):
         monkeypatch.setattr(M, "USE_GROUPED_MM", use)

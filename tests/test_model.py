@@ -14,7 +14,7 @@ import minimoe.model as mm
 from minimoe.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
 from minimoe.objectives import load_balancing_loss
 from minimoe.scoring import forward_choices, make_choice_batch
-from tests.conftest import tiny_config
+from tests.conftest import spy_grouped_mm, tiny_config
 
 FP32_TOL = 2e-5  # max |ours - ref| / max |ref| on the logits
 
@@ -175,9 +175,7 @@ def test_padding_gives_unpadded_logits(family):
 def grouped_mm_and_loop_paths(model, ids, monkeypatch):
     """[(logits, layer 0's gate_up gradient)] with USE_GROUPED_MM True, then False, in fp32 for comparison;
     asserts that the first really ran F.grouped_mm."""
-    calls = []
-    real = F.grouped_mm
-    monkeypatch.setattr(F, "grouped_mm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = spy_grouped_mm(monkeypatch)
     outs = []
     for use in (True, False):
         monkeypatch.setattr(mm, "USE_GROUPED_MM", use)
@@ -187,7 +185,6 @@ def grouped_mm_and_loop_paths(model, ids, monkeypatch):
         logits.float().square().mean().backward()
         outs.append((logits.detach().float(), model.model.layers[0].mlp.experts.gate_up_proj.weight.grad.float()))
         assert bool(calls) == use, "grouped_mm was never called" if use else "the loop path called grouped_mm"
-    monkeypatch.setattr(F, "grouped_mm", real)
     return outs
 
 
