@@ -41,7 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.checkpoint import LAYER_KEYS
-from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul, scaled
+from minimoe.model import ABLATIONS, GroupedLinear, MoEForCausalLM, expert_matmul, scaled
 from minimoe.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -89,6 +89,25 @@ def dropout_saved_as_mask(x, dtype, p: float, training: bool):
     held.clear()  # only x and the mask stay
 
 
+class StochasticRound(torch.autograd.Function):
+    """fp32 -> bf16, rounding up with probability (distance to the lower bf16 value) / (bf16 step), so
+    E[round(x)] = x; backward passes the gradient through unchanged, as a cast does."""
+
+    @staticmethod
+    def forward(ctx, x):
+        bits = x.contiguous().view(torch.int32)  # sign and magnitude: adding grows |x| for either sign
+        bits = (bits + torch.randint_like(bits, 0, 1 << 16)) & -65536  # then truncate the low 16 bits
+        return bits.view(torch.float32).to(torch.bfloat16)  # exact: the low bits are zero
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.float()
+
+
+def base_exact(x) -> bool:  # ABLATIONS "lora-exact": the base output of a LoRA layer unrounded, in fp32
+    return "lora-exact" in ABLATIONS and x.dtype == torch.bfloat16
+
+
 class LoRAMixin:
     """lora_A [..., blocks*r, in], lora_B [..., out, r]: block b of A feeds row block b of B."""
 
@@ -110,9 +129,12 @@ class LoRAMixin:
         dtype = x.dtype if x.is_cuda else self.lora_A.dtype
         return self.lora_A.to(dtype), self.lora_B.to(dtype)
 
-    def add_delta(self, y, delta):
-        """y + scale * delta, rounded once to y's dtype; no multiply at scale 1 (alpha = r, the paper's)."""
-        return (y + scaled(delta, self.scale)).to(y.dtype)
+    def add_delta(self, y, delta, dtype=None):
+        """y + scale * delta, rounded once to `dtype` (y's); no multiply at scale 1 (alpha = r, the paper's)."""
+        dtype = y.dtype if dtype is None else dtype
+        if "lora-sr" in ABLATIONS and dtype == torch.bfloat16:
+            return StochasticRound.apply(y.float() + scaled(delta.float(), self.scale))
+        return (y + scaled(delta, self.scale)).to(dtype)
 
     def delta_weight(self):
         """scale * B A in fp32, shaped like the base weight, with OLMoE's gate/up blocks kept apart."""
@@ -145,13 +167,16 @@ class LoRALinear(LoRAMixin, nn.Module):
         self._init_lora(rank, alpha, dropout, 1, dtype)
 
     def forward(self, x):  # x [..., in] -> [..., out]
-        y = F.linear(x, self.weight, self.bias)
+        if base_exact(x) and not self.merged:
+            y = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+        else:
+            y = F.linear(x, self.weight, self.bias)
         if self.merged:
             return y
         A, B = self.branch(x)
         with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
             delta = F.linear(F.linear(dropped, A), B)
-        return self.add_delta(y, delta)
+        return self.add_delta(y, delta, x.dtype)
 
 
 class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
@@ -164,7 +189,10 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         self._init_lora(rank, alpha, dropout, blocks, dtype)
 
     def forward(self, x, dispatch):  # x [N, in] sorted by expert -> [N, out]
-        y = expert_matmul(x, self.weight, dispatch)
+        if base_exact(x) and not self.merged:
+            y = expert_matmul(x.float(), self.weight.float(), dispatch)
+        else:
+            y = expert_matmul(x, self.weight, dispatch)
         if self.merged:
             return y
         A, B = self.branch(x)
@@ -172,7 +200,7 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
             a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
             pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
             delta = torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1)
-        return self.add_delta(y, delta)
+        return self.add_delta(y, delta, x.dtype)
 
 
 def resolve_targets(targets) -> list[str]:

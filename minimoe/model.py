@@ -25,6 +25,7 @@ Decisions that matter for parity with `transformers` 4.57 (see shared/reference/
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -34,6 +35,12 @@ import torch.nn.functional as F
 from minimoe.routing import NativeRouter, Routing
 
 FAMILIES = ("granitemoe", "olmoe")
+
+# Dev-only, for issue 33's measurements (README, precision): $MINIMOE_BF16_ABLATION=name,name,... each
+# takes one bf16 rounding out of a bf16 model: "residual" (the residual stream held in fp32), "logits"
+# (the LM head in fp32), "lora-exact" (a LoRA layer's base output in fp32, so y + delta is rounded once),
+# "lora-sr" (y + delta rounded stochastically). No effect in fp32.
+ABLATIONS = frozenset(filter(None, os.environ.get("MINIMOE_BF16_ABLATION", "").split(",")))
 
 
 @dataclass
@@ -333,8 +340,9 @@ class DecoderLayer(nn.Module):
         return self._forward(h, cos, sin, mask, cache, None)
 
     def _forward(self, h, cos, sin, mask, cache, stash):
-        h = h + scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask, cache), self.residual_multiplier)
-        moe_out, routing = self.mlp(self.post_attention_layernorm(h), stash)
+        dt = self.input_layernorm.weight.dtype  # the compute dtype; h may be fp32 (ABLATIONS "residual")
+        h = h + scaled(self.self_attn(self.input_layernorm(h).to(dt), cos, sin, mask, cache), self.residual_multiplier)
+        moe_out, routing = self.mlp(self.post_attention_layernorm(h).to(dt), stash)
         return h + scaled(moe_out, self.residual_multiplier), routing
 
 
@@ -401,6 +409,8 @@ class MoEForCausalLM(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
+        if "residual" in ABLATIONS:
+            h = h.float()
         mask = self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids)
         routings = []
         for layer in self.model.layers:
@@ -415,7 +425,10 @@ class MoEForCausalLM(nn.Module):
 
     def head(self, hidden):
         """Final-normed hidden states [..., D] -> logits [..., V], Granite's logits_scaling included."""
-        logits = self.lm_head(hidden)
+        if "logits" in ABLATIONS:
+            logits = F.linear(hidden.float(), self.lm_head.weight.float())
+        else:
+            logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
         if self.config.logits_scaling != 1.0:  # Granite divides, as the reference does (not * 1/s: other bits)
             logits = logits / self.config.logits_scaling
         return logits
