@@ -28,6 +28,13 @@ Decisions:
   The base keeps its load dtype. Merging adds in fp32 and rounds once, so in bf16 a merge/unmerge
   round trip may move a weight by one rounding step (as in peft); `export_merged` puts the exact
   original weights back instead of unmerging.
+- Where the delta meets a bf16 base output (issue 33): never as round(round(W x) + delta). W x
+  rounded to bf16 lies on the bf16 grid, so a delta below half a bf16 step there is lost entirely,
+  and early in training (B starts at 0 and moves ~lr a step) most of the delta is that small: the
+  bf16 run trained ~2 points below fp32. A linear layer adds the delta in the matmul's fp32
+  accumulator instead (addmm's C: round(W x + delta), once); an expert bank returns y + delta
+  unrounded in fp32, and its consumer rounds once, where the value is no longer on the grid
+  (SwiGLU's product before the down bank; the residual add after the combine, model.DecoderLayer).
 
 Saving, loading and exporting what was trained: minimoe/adapters.py.
 """
@@ -41,7 +48,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.checkpoint import LAYER_KEYS
-from minimoe.model import ABLATIONS, GroupedLinear, MoEForCausalLM, expert_matmul, scaled
+from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul, scaled
 from minimoe.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -89,25 +96,6 @@ def dropout_saved_as_mask(x, dtype, p: float, training: bool):
     held.clear()  # only x and the mask stay
 
 
-class StochasticRound(torch.autograd.Function):
-    """fp32 -> bf16, rounding up with probability (distance to the lower bf16 value) / (bf16 step), so
-    E[round(x)] = x; backward passes the gradient through unchanged, as a cast does."""
-
-    @staticmethod
-    def forward(ctx, x):
-        bits = x.contiguous().view(torch.int32)  # sign and magnitude: adding grows |x| for either sign
-        bits = (bits + torch.randint_like(bits, 0, 1 << 16)) & -65536  # then truncate the low 16 bits
-        return bits.view(torch.float32).to(torch.bfloat16)  # exact: the low bits are zero
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.float()
-
-
-def base_exact(x) -> bool:  # ABLATIONS "lora-exact": the base output of a LoRA layer unrounded, in fp32
-    return "lora-exact" in ABLATIONS and x.dtype == torch.bfloat16
-
-
 class LoRAMixin:
     """lora_A [..., blocks*r, in], lora_B [..., out, r]: block b of A feeds row block b of B."""
 
@@ -128,13 +116,6 @@ class LoRAMixin:
         because grouped_mm there takes bf16 only."""
         dtype = x.dtype if x.is_cuda else self.lora_A.dtype
         return self.lora_A.to(dtype), self.lora_B.to(dtype)
-
-    def add_delta(self, y, delta, dtype=None):
-        """y + scale * delta, rounded once to `dtype` (y's); no multiply at scale 1 (alpha = r, the paper's)."""
-        dtype = y.dtype if dtype is None else dtype
-        if "lora-sr" in ABLATIONS and dtype == torch.bfloat16:
-            return StochasticRound.apply(y.float() + scaled(delta.float(), self.scale))
-        return (y + scaled(delta, self.scale)).to(dtype)
 
     def delta_weight(self):
         """scale * B A in fp32, shaped like the base weight, with OLMoE's gate/up blocks kept apart."""
@@ -167,16 +148,17 @@ class LoRALinear(LoRAMixin, nn.Module):
         self._init_lora(rank, alpha, dropout, 1, dtype)
 
     def forward(self, x):  # x [..., in] -> [..., out]
-        if base_exact(x) and not self.merged:
-            y = F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
-        else:
-            y = F.linear(x, self.weight, self.bias)
         if self.merged:
-            return y
+            return F.linear(x, self.weight, self.bias)
         A, B = self.branch(x)
         with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
-            delta = F.linear(F.linear(dropped, A), B)
-        return self.add_delta(y, delta, x.dtype)
+            delta = scaled(F.linear(F.linear(dropped, A), B), self.scale)  # [..., out]
+        if self.bias is not None:
+            delta = delta + self.bias
+        # W x + delta in the matmul's fp32 accumulator, rounded once (module docstring: not round(round(W x) + delta))
+        *lead, out = delta.shape
+        y = torch.addmm(delta.reshape(-1, out).to(x.dtype), x.reshape(-1, x.shape[-1]), self.weight.t())
+        return y.view(*lead, out)
 
 
 class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
@@ -188,11 +170,8 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         self.weight = base.weight
         self._init_lora(rank, alpha, dropout, blocks, dtype)
 
-    def forward(self, x, dispatch):  # x [N, in] sorted by expert -> [N, out]
-        if base_exact(x) and not self.merged:
-            y = expert_matmul(x.float(), self.weight.float(), dispatch)
-        else:
-            y = expert_matmul(x, self.weight, dispatch)
+    def forward(self, x, dispatch):  # x [N, in] sorted by expert -> [N, out], at least fp32 unless merged
+        y = expert_matmul(x, self.weight, dispatch)
         if self.merged:
             return y
         A, B = self.branch(x)
@@ -200,7 +179,9 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
             a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
             pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
             delta = torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1)
-        return self.add_delta(y, delta, x.dtype)
+        # Not rounded back to y's dtype (module docstring): y + delta in fp32, which the consumer rounds once.
+        wide = torch.promote_types(y.dtype, torch.float32)
+        return y.to(wide) + scaled(delta.to(wide), self.scale)
 
 
 def resolve_targets(targets) -> list[str]:

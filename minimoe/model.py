@@ -25,7 +25,6 @@ Decisions that matter for parity with `transformers` 4.57 (see shared/reference/
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -35,12 +34,6 @@ import torch.nn.functional as F
 from minimoe.routing import NativeRouter, Routing
 
 FAMILIES = ("granitemoe", "olmoe")
-
-# Dev-only, for issue 33's measurements (README, precision): $MINIMOE_BF16_ABLATION=name,name,... each
-# takes one bf16 rounding out of a bf16 model: "residual" (the residual stream held in fp32), "logits"
-# (the LM head in fp32), "lora-exact" (a LoRA layer's base output in fp32, so y + delta is rounded once),
-# "lora-sr" (y + delta rounded stochastically). No effect in fp32.
-ABLATIONS = frozenset(filter(None, os.environ.get("MINIMOE_BF16_ABLATION", "").split(",")))
 
 
 @dataclass
@@ -291,9 +284,9 @@ class Experts(nn.Module):
     def forward(self, x, experts, weights):  # x [T, D], experts/weights [T, K] -> [T, D]
         E = self.gate_up_proj.weight.shape[0]
         dispatch = Dispatch(experts, E, expert_block(x, experts.numel(), E))
-        h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]
+        h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]; fp32 from a LoRA bank (lora.py)
         gate, up = h.chunk(2, dim=-1)
-        y = self.down_proj(F.silu(gate) * up, dispatch)  # [N, D]
+        y = self.down_proj((F.silu(gate) * up).to(x.dtype), dispatch)  # [N, D]; SwiGLU rounded once, here
         y = y * dispatch.row_weights(weights).to(y.dtype)
         return dispatch.combine(y, *experts.shape)
 
@@ -340,10 +333,10 @@ class DecoderLayer(nn.Module):
         return self._forward(h, cos, sin, mask, cache, None)
 
     def _forward(self, h, cos, sin, mask, cache, stash):
-        dt = self.input_layernorm.weight.dtype  # the compute dtype; h may be fp32 (ABLATIONS "residual")
-        h = h + scaled(self.self_attn(self.input_layernorm(h).to(dt), cos, sin, mask, cache), self.residual_multiplier)
-        moe_out, routing = self.mlp(self.post_attention_layernorm(h).to(dt), stash)
-        return h + scaled(moe_out, self.residual_multiplier), routing
+        h = h + scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask, cache), self.residual_multiplier)
+        moe_out, routing = self.mlp(self.post_attention_layernorm(h), stash)
+        # With LoRA on the experts moe_out is fp32 (lora.py: y + delta unrounded); rounded once, here.
+        return (h + scaled(moe_out, self.residual_multiplier)).to(h.dtype), routing
 
 
 # ----------------------------------------------------------------------------- the causal LM
@@ -409,8 +402,6 @@ class MoEForCausalLM(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
-        if "residual" in ABLATIONS:
-            h = h.float()
         mask = self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids)
         routings = []
         for layer in self.model.layers:
@@ -425,10 +416,7 @@ class MoEForCausalLM(nn.Module):
 
     def head(self, hidden):
         """Final-normed hidden states [..., D] -> logits [..., V], Granite's logits_scaling included."""
-        if "logits" in ABLATIONS:
-            logits = F.linear(hidden.float(), self.lm_head.weight.float())
-        else:
-            logits = self.lm_head(hidden.to(self.lm_head.weight.dtype))
+        logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:  # Granite divides, as the reference does (not * 1/s: other bits)
             logits = logits / self.config.logits_scaling
         return logits

@@ -122,28 +122,98 @@ def test_grouped_expert_lora_equals_per_expert_loop(family, grouped_mm, monkeypa
     assert rel_err(got, want) < 1e-5
 
 
-def test_bf16_base_runs_the_adapter_branch_in_fp32_and_rounds_once():
-    """On CPU, a bf16 base with fp32 adapters gives y = bf16(base(x) + scale * B A x) with B A x in
-    fp32, as in peft, for a linear layer and for each expert's block of a grouped bank."""
-    model = add_lora(tiny("olmoe").to(torch.bfloat16), alpha=12, targets=["q", "experts"])
-    randomize_lora(model, std=0.2)
-    g = torch.Generator().manual_seed(4)
-    q, gate_up = model.model.layers[0].self_attn.q_proj, model.model.layers[0].mlp.experts.gate_up_proj
-    x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
-    with torch.no_grad():
-        delta = x.float() @ q.lora_A.T @ q.lora_B.T
-        want = (F.linear(x, q.weight).float() + q.scale * delta).to(torch.bfloat16)
-        assert torch.equal(q(x), want)
-        assert not torch.equal(want, (F.linear(x, q.weight) + (q.scale * delta).to(torch.bfloat16)))
+def bf16_step(v):
+    """The spacing of bf16 numbers at each value of v (fp64): 2^(exponent - 7); 8 significant bits."""
+    return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -120))) - 7)
 
-        dispatch = M.Dispatch(torch.tensor([[1], [1], [4], [6], [6], [6]]), num_experts=8)
+
+def test_bf16_lora_linear_rounds_W_x_plus_delta_once():
+    """Issue 33. A LoRA linear layer on a bf16 base returns bf16(W x + d), d = bf16(scale B A x): the
+    delta enters the matmul's fp32 accumulator (addmm's C, bf16 there) and the sum is rounded once.
+    Against W x + d computed in fp64: within half a bf16 step of the result (one step of d where d's
+    own rounding from fp32 and from fp64 differ). Rounding W x first, then W x + d, misses by up to a step."""
+    model = add_lora(tiny("olmoe").to(torch.bfloat16), alpha=12, targets=["q"])
+    randomize_lora(model, std=0.2)
+    q = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    with torch.no_grad():
+        got = q(x)
+        A, B, W = q.lora_A.double(), q.lora_B.double(), q.weight.double()
+        d = (q.scale * (x.double() @ A.T @ B.T)).to(torch.bfloat16).double()
+        exact = x.double() @ W.T + d
+    assert got.dtype == torch.bfloat16
+    err = (got.double() - exact).abs()
+    assert (err <= 0.5 * bf16_step(exact) * (1 + 2 ** -12)).float().mean() > 0.999
+    assert (err <= 0.5 * bf16_step(exact) * (1 + 2 ** -12) + bf16_step(d)).all()
+
+
+def test_bf16_lora_linear_keeps_a_delta_below_half_a_bf16_step():
+    """Issue 33's cause. W x rounded to bf16 lies on the bf16 grid, so bf16(bf16(W x) + delta) == bf16(W x)
+    for every |delta| below half a step: early in training (B ~ lr) most of the delta was lost. Rounded
+    once, the delta survives on average: the least-squares slope of (output - W x, in fp64) on delta
+    is 1, where the two-rounding layer gives ~0."""
+    model = add_lora(tiny("olmoe").to(torch.bfloat16), targets=["q"])
+    q = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    with torch.no_grad():
+        Wx = x.double() @ q.weight.double().T
+        q.lora_B.copy_(torch.randn(q.lora_B.shape, generator=torch.Generator().manual_seed(6)))
+        delta = x.double() @ q.lora_A.double().T @ q.lora_B.double().T  # scale 1 (alpha = r)
+        q.lora_B.mul_(0.1 * bf16_step(Wx).median() / delta.abs().median())  # |delta| ~ a tenth of a step
+        delta = x.double() @ q.lora_A.double().T @ q.lora_B.double().T
+        got = q(x).double()
+    assert (delta.abs() < 0.5 * bf16_step(Wx)).float().mean() > 0.75
+    slope = ((got - Wx) * delta).sum() / (delta * delta).sum()
+    assert abs(slope - 1) < 0.05, slope
+
+
+def test_bf16_expert_lora_returns_y_plus_delta_unrounded():
+    """Issue 33. A LoRA expert bank on a bf16 base returns bf16(W_e x) + scale B_e A_e x in fp32, with
+    B A x in fp32 and not rounded to bf16 (its consumer rounds once: SwiGLU's product, the residual
+    add); against fp64, per expert block, with OLMoE's gate and up LoRAs kept apart."""
+    model = add_lora(tiny("olmoe").to(torch.bfloat16), alpha=12, targets=["experts"])
+    randomize_lora(model, std=1e-3)  # a delta far below the outputs' bf16 step
+    gate_up = model.model.layers[0].mlp.experts.gate_up_proj
+    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    experts = [1, 1, 4, 6, 6, 6]
+    dispatch = M.Dispatch(torch.tensor(experts)[:, None], num_experts=8)
+    with torch.no_grad():
         got = gate_up(x, dispatch)  # rows already sorted by expert
-        r = 8
-        for row, e in enumerate([1, 1, 4, 6, 6, 6]):
-            a = x[row].float() @ gate_up.lora_A[e].T  # [2r]: gate's r, then up's r
-            delta = torch.cat([gate_up.lora_B[e, :32] @ a[:r], gate_up.lora_B[e, 32:] @ a[r:]])
-            want = (x[row] @ gate_up.weight[e].T).float() + gate_up.scale * delta
-            assert torch.allclose(got[row].float(), want.to(torch.bfloat16).float(), rtol=0, atol=1e-2), row
+    assert got.dtype == torch.float32
+    r, I = 8, 32
+    for row, e in enumerate(experts):
+        a = x[row].double() @ gate_up.lora_A[e].double().T  # [2r]: gate's r, then up's r
+        B = gate_up.lora_B[e].double()
+        delta = torch.cat([B[:I] @ a[:r], B[I:] @ a[r:]])
+        base = (x[row] @ gate_up.weight[e].T).double()  # the bf16 bank's own output
+        want = base + gate_up.scale * delta
+        assert torch.allclose(got[row].double(), want, rtol=1e-6, atol=0), row
+        assert not torch.equal(got[row].double(), base), row  # the delta was not rounded away
+
+
+def test_bf16_model_keeps_a_lora_update_below_half_a_bf16_step():
+    """Issue 33, end to end: with LoRA on every target and B so small that its deltas are mostly below
+    half a bf16 step, the bf16 model's logits still move as the fp64 model's do (same weights): the
+    least-squares slope of the bf16 change on the fp64 change is 1 within 0.15; with each delta
+    rounded into a bf16 output (the old add) it was about 0.55. Every expert runs (K = E), so that no
+    top-K choice flips."""
+    targets = ["q", "k", "v", "o", "experts"]
+    for family in FAMILIES:
+        m16 = add_lora(tiny(family, num_experts=4, num_experts_per_tok=4).to(torch.bfloat16), targets=targets)
+        m64 = add_lora(tiny(family, num_experts=4, num_experts_per_tok=4).to(torch.bfloat16).double(),
+                       targets=targets, dtype=torch.float64)
+        x = ids(B=8, T=64)
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for a, b in zip(lora_modules(m16).values(), lora_modules(m64).values()):
+                b.lora_A.copy_(a.lora_A)
+            before16, before64 = m16(x).logits.double(), m64(x).logits
+            for a, b in zip(lora_modules(m16).values(), lora_modules(m64).values()):
+                a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 1e-3)
+                b.lora_B.copy_(a.lora_B)
+            d16, d64 = m16(x).logits.double() - before16, m64(x).logits - before64
+        slope = (d16 * d64).sum() / (d64 * d64).sum()
+        assert abs(slope - 1) < 0.15, (family, slope)
 
 
 @pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="this torch has no grouped_mm")
