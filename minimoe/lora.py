@@ -32,7 +32,8 @@ Decisions:
   rounded to bf16 lies on the bf16 grid, so a delta below half a bf16 step there is lost entirely,
   and early in training (B starts at 0 and moves ~lr a step) most of the delta is that small: the
   bf16 run trained ~2 points below fp32. A linear layer adds the delta in the matmul's fp32
-  accumulator instead (addmm's C: round(W x + delta), once); an expert bank returns y + delta
+  accumulator instead (addmm's C: round(W x + delta), once; C holds delta in bf16, which keeps 8
+  significant bits of delta itself rather than those of W x); an expert bank returns y + delta
   unrounded in fp32, and its consumer rounds once, where the value is no longer on the grid
   (SwiGLU's product before the down bank; the residual add after the combine, model.DecoderLayer).
 
