@@ -13,7 +13,8 @@ Decisions:
   default is the paper's (Table experimental_configuration): Granite Q/K/V + routed experts, OLMoE
   Q/K/V/O + routed experts, in every layer.
 - Experts: grouped LoRA, A [E, r, in] and B [E, out, r], run on the expert-sorted rows with the
-  base bank's `expert_matmul`; `W + BA` is built only by merging, never per step.
+  base bank's `expert_matmul`, the base product added per expert block (see dtype below); `W + BA`
+  is built only by merging, never per step.
 - One rank-r LoRA per *on-disk* matrix, read off the checkpoint name table. Granite stores the fused
   input_linear [E, 2I, D] and output_linear: one LoRA each. OLMoE stores gate_proj and up_proj
   apart, so our fused gate_up bank carries two independent LoRAs, as peft puts on OLMoE's
@@ -28,14 +29,15 @@ Decisions:
   The base keeps its load dtype. Merging adds in fp32 and rounds once, so in bf16 a merge/unmerge
   round trip may move a weight by one rounding step (as in peft); `export_merged` puts the exact
   original weights back instead of unmerging.
-- Where the delta meets a bf16 base output (issue 33): never as round(round(W x) + delta). W x
-  rounded to bf16 lies on the bf16 grid, so a delta below half a bf16 step there is lost entirely,
-  and early in training (B starts at 0 and moves ~lr a step) most of the delta is that small: the
-  bf16 run trained ~2 points below fp32. A linear layer adds the delta in the matmul's fp32
-  accumulator instead (addmm's C: round(W x + delta), once; C holds delta in bf16, which keeps 8
-  significant bits of delta itself rather than those of W x); an expert bank returns y + delta
-  unrounded in fp32, and its consumer rounds once, where the value is no longer on the grid
-  (SwiGLU's product before the down bank; the residual add after the combine, model.DecoderLayer).
+- Where the delta meets a bf16 base output (issue 33): in the matmul's fp32 accumulator, never as
+  round(round(W x) + delta). W x rounded to bf16 lies on the bf16 grid, so a delta below half a
+  bf16 step there is lost entirely, and early in training (B starts at 0 and moves ~lr a step) most
+  of it is that small: the default run saw about a fifth of the loss change its adapter makes in
+  fp32 at a tenth of the trained B, and trained 2 points worse. `torch.addmm(delta, x, W.T)` rounds
+  W x + delta once (C holds delta in bf16: 8 significant bits of delta itself, not of W x), for a
+  linear layer and for each expert's block of a bank, where grouped_mm has no C. Carrying y + delta
+  in fp32 to the residual add instead over-responded (3x fp32's loss change at a tenth of B), and
+  an fp32 residual stream or fp32 logits changed nothing (bench/bf16_fidelity.py, README).
 
 Saving, loading and exporting what was trained: minimoe/adapters.py.
 """
@@ -156,7 +158,7 @@ class LoRALinear(LoRAMixin, nn.Module):
             delta = scaled(F.linear(F.linear(dropped, A), B), self.scale)  # [..., out]
         if self.bias is not None:
             delta = delta + self.bias
-        # W x + delta in the matmul's fp32 accumulator, rounded once (module docstring: not round(round(W x) + delta))
+        # W x + delta in the matmul's fp32 accumulator, rounded once (module docstring)
         *lead, out = delta.shape
         y = torch.addmm(delta.reshape(-1, out).to(x.dtype), x.reshape(-1, x.shape[-1]), self.weight.t())
         return y.view(*lead, out)
@@ -171,18 +173,19 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         self.weight = base.weight
         self._init_lora(rank, alpha, dropout, blocks, dtype)
 
-    def forward(self, x, dispatch):  # x [N, in] sorted by expert -> [N, out], at least fp32 unless merged
-        y = expert_matmul(x, self.weight, dispatch)
+    def forward(self, x, dispatch):  # x [N, in] sorted by expert -> [N, out]
         if self.merged:
-            return y
+            return expert_matmul(x, self.weight, dispatch)
         A, B = self.branch(x)
         with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
             a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
             pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
             delta = torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1)
-        # Not rounded back to y's dtype (module docstring): y + delta in fp32, which the consumer rounds once.
-        wide = torch.promote_types(y.dtype, torch.float32)
-        return y.to(wide) + scaled(delta.to(wide), self.scale)
+        # W_e x + delta in each expert's matmul accumulator, rounded once (module docstring): one addmm
+        # per expert block, as expert_matmul's reference loop does with @, since grouped_mm takes no C.
+        delta = scaled(delta, self.scale).to(x.dtype)
+        w_t, rows = self.weight.transpose(-2, -1), dispatch.counts_list  # [E, in, out]
+        return torch.cat([torch.addmm(d, blk, w_t[e]) for e, (blk, d) in enumerate(zip(x.split(rows), delta.split(rows)))])
 
 
 def resolve_targets(targets) -> list[str]:

@@ -284,9 +284,9 @@ class Experts(nn.Module):
     def forward(self, x, experts, weights):  # x [T, D], experts/weights [T, K] -> [T, D]
         E = self.gate_up_proj.weight.shape[0]
         dispatch = Dispatch(experts, E, expert_block(x, experts.numel(), E))
-        h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]; fp32 from a LoRA bank (lora.py)
+        h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]
         gate, up = h.chunk(2, dim=-1)
-        y = self.down_proj((F.silu(gate) * up).to(x.dtype), dispatch)  # [N, D]; SwiGLU rounded once, here
+        y = self.down_proj(F.silu(gate) * up, dispatch)  # [N, D]
         y = y * dispatch.row_weights(weights).to(y.dtype)
         return dispatch.combine(y, *experts.shape)
 
@@ -335,8 +335,7 @@ class DecoderLayer(nn.Module):
     def _forward(self, h, cos, sin, mask, cache, stash):
         h = h + scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask, cache), self.residual_multiplier)
         moe_out, routing = self.mlp(self.post_attention_layernorm(h), stash)
-        # With LoRA on the experts moe_out is fp32 (lora.py: y + delta unrounded); rounded once, here.
-        return (h + scaled(moe_out, self.residual_multiplier)).to(h.dtype), routing
+        return h + scaled(moe_out, self.residual_multiplier), routing
 
 
 # ----------------------------------------------------------------------------- the causal LM

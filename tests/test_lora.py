@@ -127,68 +127,68 @@ def bf16_step(v):
     return torch.exp2(torch.floor(torch.log2(v.abs().clamp_min(2.0 ** -120))) - 7)
 
 
-def test_bf16_lora_linear_rounds_W_x_plus_delta_once():
-    """Issue 33. A LoRA linear layer on a bf16 base returns bf16(W x + d), d = bf16(scale B A x): the
-    delta enters the matmul's fp32 accumulator (addmm's C, bf16 there) and the sum is rounded once.
-    Against W x + d computed in fp64: within half a bf16 step of the result (one step of d where d's
-    own rounding from fp32 and from fp64 differ). Rounding W x first, then W x + d, misses by up to a step."""
-    model = add_lora(tiny("olmoe").to(torch.bfloat16), alpha=12, targets=["q"])
-    randomize_lora(model, std=0.2)
-    q = model.model.layers[0].self_attn.q_proj
-    x = torch.randn(512, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+BANKS = {"q": "self_attn.q_proj", "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
+
+
+def bf16_lora_case(bank: str, rows: int, seed: int, std: float | None = 0.2):
+    """An OLMoE LoRA module on a bf16 base (gate_up: two LoRAs, gate's and up's), bf16 inputs, and its
+    output's two parts in fp64, computed apart from minimoe: W x, and d = bf16(scale B A x) (the delta as
+    addmm's C holds it); per row's expert for a bank, rows sorted by expert."""
+    model = add_lora(tiny("olmoe").to(torch.bfloat16), alpha=12, targets=["q", "experts"])
+    if std is not None:
+        randomize_lora(model, std=std)
+    m = model.model.layers[0].get_submodule(BANKS[bank])
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, m.weight.shape[-1], generator=g).to(torch.bfloat16)
+    if bank == "q":
+        return m, x, (), lambda W, A, B: (x.double() @ W.T, x.double() @ A.T @ B.T)
+    experts = torch.randint(0, 8, (rows,), generator=g).sort().values
+    r, blocks = m.lora_B.shape[-1], m.blocks
+
+    def parts(W, A, B):
+        out = W.shape[-2]
+        Wx = torch.einsum("ni,noi->no", x.double(), W[experts])
+        a = torch.einsum("ni,nki->nk", x.double(), A[experts])  # [rows, blocks*r]
+        d = torch.cat([torch.einsum("nk,nok->no", a[:, b * r:(b + 1) * r], B[experts][:, b * out // blocks:(b + 1) * out // blocks])
+                       for b in range(blocks)], dim=-1)
+        return Wx, d
+    return m, x, (M.Dispatch(experts[:, None], num_experts=8),), parts
+
+
+@pytest.mark.parametrize("bank", BANKS)
+def test_bf16_lora_rounds_W_x_plus_delta_once(bank):
+    """Issue 33. A LoRA layer or expert bank on a bf16 base returns bf16(W x + d), d = bf16(scale B A x):
+    the delta enters the matmul's fp32 accumulator (addmm's C) and the sum is rounded once. Against
+    W x + d in fp64: within half a bf16 step of the result (one step of d more where d's own rounding
+    from fp32 and from fp64 differ). Rounding W x first and then W x + d misses by up to a step."""
+    m, x, dispatch, parts = bf16_lora_case(bank, 512, seed=4)
     with torch.no_grad():
-        got = q(x)
-        A, B, W = q.lora_A.double(), q.lora_B.double(), q.weight.double()
-        d = (q.scale * (x.double() @ A.T @ B.T)).to(torch.bfloat16).double()
-        exact = x.double() @ W.T + d
+        got = m(x, *dispatch)
+        Wx, delta = parts(m.weight.double(), m.lora_A.double(), m.lora_B.double())
+        d = (m.scale * delta).to(torch.bfloat16).double()
     assert got.dtype == torch.bfloat16
-    err = (got.double() - exact).abs()
-    assert (err <= 0.5 * bf16_step(exact) * (1 + 2 ** -12)).float().mean() > 0.999
-    assert (err <= 0.5 * bf16_step(exact) * (1 + 2 ** -12) + bf16_step(d)).all()
+    err, half = (got.double() - (Wx + d)).abs(), 0.5 * bf16_step(Wx + d) * (1 + 2 ** -12)
+    assert (err <= half).float().mean() > 0.999
+    assert (err <= half + bf16_step(d)).all()
 
 
-def test_bf16_lora_linear_keeps_a_delta_below_half_a_bf16_step():
+@pytest.mark.parametrize("bank", BANKS)
+def test_bf16_lora_keeps_a_delta_below_half_a_bf16_step(bank):
     """Issue 33's cause. W x rounded to bf16 lies on the bf16 grid, so bf16(bf16(W x) + delta) == bf16(W x)
     for every |delta| below half a step: early in training (B ~ lr) most of the delta was lost. Rounded
     once, the delta survives on average: the least-squares slope of (output - W x, in fp64) on delta
-    is 1, where the two-rounding layer gives ~0."""
-    model = add_lora(tiny("olmoe").to(torch.bfloat16), targets=["q"])
-    q = model.model.layers[0].self_attn.q_proj
-    x = torch.randn(4096, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    is 1, where the two-rounding add gave 0.33 to 0.46."""
+    m, x, dispatch, parts = bf16_lora_case(bank, 4096, seed=5, std=None)
     with torch.no_grad():
-        Wx = x.double() @ q.weight.double().T
-        q.lora_B.copy_(torch.randn(q.lora_B.shape, generator=torch.Generator().manual_seed(6)))
-        delta = x.double() @ q.lora_A.double().T @ q.lora_B.double().T  # scale 1 (alpha = r)
-        q.lora_B.mul_(0.1 * bf16_step(Wx).median() / delta.abs().median())  # |delta| ~ a tenth of a step
-        delta = x.double() @ q.lora_A.double().T @ q.lora_B.double().T
-        got = q(x).double()
+        m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=torch.Generator().manual_seed(6)))
+        Wx, delta = parts(m.weight.double(), m.lora_A.double(), m.lora_B.double())
+        m.lora_B.mul_(0.1 * bf16_step(Wx).median() / (m.scale * delta).abs().median())  # ~ a tenth of a step
+        Wx, delta = parts(m.weight.double(), m.lora_A.double(), m.lora_B.double())
+        delta = m.scale * delta
+        got = m(x, *dispatch).double()
     assert (delta.abs() < 0.5 * bf16_step(Wx)).float().mean() > 0.75
     slope = ((got - Wx) * delta).sum() / (delta * delta).sum()
     assert abs(slope - 1) < 0.05, slope
-
-
-def test_bf16_expert_lora_returns_y_plus_delta_unrounded():
-    """Issue 33. A LoRA expert bank on a bf16 base returns bf16(W_e x) + scale B_e A_e x in fp32, with
-    B A x in fp32 and not rounded to bf16 (its consumer rounds once: SwiGLU's product, the residual
-    add); against fp64, per expert block, with OLMoE's gate and up LoRAs kept apart."""
-    model = add_lora(tiny("olmoe").to(torch.bfloat16), alpha=12, targets=["experts"])
-    randomize_lora(model, std=1e-3)  # a delta far below the outputs' bf16 step
-    gate_up = model.model.layers[0].mlp.experts.gate_up_proj
-    x = torch.randn(6, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    experts = [1, 1, 4, 6, 6, 6]
-    dispatch = M.Dispatch(torch.tensor(experts)[:, None], num_experts=8)
-    with torch.no_grad():
-        got = gate_up(x, dispatch)  # rows already sorted by expert
-    assert got.dtype == torch.float32
-    r, I = 8, 32
-    for row, e in enumerate(experts):
-        a = x[row].double() @ gate_up.lora_A[e].double().T  # [2r]: gate's r, then up's r
-        B = gate_up.lora_B[e].double()
-        delta = torch.cat([B[:I] @ a[:r], B[I:] @ a[r:]])
-        base = (x[row] @ gate_up.weight[e].T).double()  # the bf16 bank's own output
-        want = base + gate_up.scale * delta
-        assert torch.allclose(got[row].double(), want, rtol=1e-6, atol=0), row
-        assert not torch.equal(got[row].double(), base), row  # the delta was not rounded away
 
 
 def test_bf16_model_keeps_a_lora_update_below_half_a_bf16_step():
@@ -233,8 +233,9 @@ def test_grouped_mm_and_loop_paths_give_same_logits_and_grads(family, monkeypatc
         grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
         results.append((logits.detach(), grads))
         if use:
-            # base and LoRA matmuls of both banks in both layers; OLMoE's gate_up LoRA B runs twice
-            assert len(calls) >= 2 * (2 + 2 + 2 + (1 if family == "olmoe" else 0))
+            # A and B of both banks in both layers; OLMoE's gate_up LoRA B runs twice. The base product
+            # goes through one addmm per expert block, with the delta as its C (lora.py)
+            assert len(calls) >= 2 * (2 + 2 + (1 if family == "olmoe" else 0))
     (l1, g1), (l2, g2) = results
     assert rel_err(l1, l2) < 1e-5
     for n in g1:
