@@ -75,8 +75,8 @@ def compare(args):
     ref, *variants = [torch.load(p) for p in args.files]
     names = [Path(p).stem for p in args.files[1:]]
     base = ref["scales"][0.0]["loss"]
-    lines = ["| scale of B | variant | loss | seen (share of fp32's loss change) | grad cosine to fp32: all | attention | experts |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| scale of B | variant | loss | seen (share of fp32's loss change) "
+             "| grad cosine to fp32: all | attention | experts |", "|---|---|---|---|---|---|---|"]
     for scale in ref["scales"]:
         r = ref["scales"][scale]
         lines.append(f"| {scale} | fp32 ({Path(args.files[0]).stem}) | {r['loss']:.5f} | 1 | 1 | 1 | 1 |")
@@ -85,7 +85,8 @@ def compare(args):
             seen = (s["loss"] - v["scales"][0.0]["loss"]) / (r["loss"] - base) if scale else float("nan")
             cos = [cosine(s["grads"], r["grads"], keep) for keep in
                    (lambda n: True, lambda n: "self_attn" in n, lambda n: "experts" in n)]
-            lines.append(f"| {scale} | {name} | {s['loss']:.5f} | {seen:.3f} | " + " | ".join(f"{c:.4f}" for c in cos) + " |")
+            cells = [f"{scale}", name, f"{s['loss']:.5f}", f"{seen:.3f}", *(f"{c:.4f}" for c in cos)]
+            lines.append("| " + " | ".join(cells) + " |")
     print("\n".join(lines))
 
 

@@ -25,19 +25,20 @@ Decisions:
   are unchanged until training moves B. Dropout acts on the LoRA input only (train mode only).
 - dtype: adapters are stored in fp32 (peft's default, `autocast_adapter_dtype`), so small AdamW
   steps are not rounded away on a bf16 base; they are cast to the activation dtype at use, as
-  autocast would, so a bf16 expert LoRA runs through the same grouped_mm kernel as the base bank.
+  autocast would, so a bf16 expert LoRA's A and B run through grouped_mm as a base bank does.
   The base keeps its load dtype. Merging adds in fp32 and rounds once, so in bf16 a merge/unmerge
   round trip may move a weight by one rounding step (as in peft); `export_merged` puts the exact
   original weights back instead of unmerging.
 - Where the delta meets a bf16 base output (issue 33): in the matmul's fp32 accumulator, never as
   round(round(W x) + delta). W x rounded to bf16 lies on the bf16 grid, so a delta below half a
   bf16 step there is lost entirely, and early in training (B starts at 0 and moves ~lr a step) most
-  of it is that small: the default run saw about a fifth of the loss change its adapter makes in
-  fp32 at a tenth of the trained B, and trained 2 points worse. `torch.addmm(delta, x, W.T)` rounds
-  W x + delta once (C holds delta in bf16: 8 significant bits of delta itself, not of W x), for a
-  linear layer and for each expert's block of a bank, where grouped_mm has no C. Carrying y + delta
-  in fp32 to the residual add instead over-responded (3x fp32's loss change at a tenth of B), and
-  an fp32 residual stream or fp32 logits changed nothing (bench/bf16_fidelity.py, README).
+  of it is that small: the default run's bf16 forward saw none of the loss change its adapter
+  makes in fp32 at a tenth of the trained B (a fifth at three tenths), and trained 2 points worse.
+  `torch.addmm(delta, x, W.T)` rounds W x + delta once (C holds delta in bf16: 8 significant bits
+  of delta itself, not of W x), for a linear layer and for each expert's block of a bank, where
+  grouped_mm has no C. Carrying y + delta in fp32 to the residual add instead over-responded (3x
+  fp32's loss change at a tenth of B), and an fp32 residual stream or fp32 logits changed nothing
+  (bench/bf16_fidelity.py, README).
 
 Saving, loading and exporting what was trained: minimoe/adapters.py.
 """
@@ -185,7 +186,8 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         # per expert block, as expert_matmul's reference loop does with @, since grouped_mm takes no C.
         delta = scaled(delta, self.scale).to(x.dtype)
         w_t, rows = self.weight.transpose(-2, -1), dispatch.counts_list  # [E, in, out]
-        return torch.cat([torch.addmm(d, blk, w_t[e]) for e, (blk, d) in enumerate(zip(x.split(rows), delta.split(rows)))])
+        pairs = zip(x.split(rows), delta.split(rows))
+        return torch.cat([torch.addmm(d, blk, w_t[e]) for e, (blk, d) in enumerate(pairs)])
 
 
 def resolve_targets(targets) -> list[str]:

@@ -149,7 +149,8 @@ def bf16_lora_case(bank: str, rows: int, seed: int, std: float | None = 0.2):
         out = W.shape[-2]
         Wx = torch.einsum("ni,noi->no", x.double(), W[experts])
         a = torch.einsum("ni,nki->nk", x.double(), A[experts])  # [rows, blocks*r]
-        d = torch.cat([torch.einsum("nk,nok->no", a[:, b * r:(b + 1) * r], B[experts][:, b * out // blocks:(b + 1) * out // blocks])
+        rows = [slice(b * out // blocks, (b + 1) * out // blocks) for b in range(blocks)]  # block b's outputs
+        d = torch.cat([torch.einsum("nk,nok->no", a[:, b * r:(b + 1) * r], B[experts][:, rows[b]])
                        for b in range(blocks)], dim=-1)
         return Wx, d
     return m, x, (M.Dispatch(experts[:, None], num_experts=8),), parts
