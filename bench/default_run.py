@@ -11,6 +11,11 @@ a round's ratio alike. Per process: the epoch (the sum of metrics.jsonl's step s
 validation after it, the whole process, and its peak RSS (the child's own, from wait4). The other
 tree must have weights/smollm2-135m-moe too (a symlink to this tree's will do). The table goes to
 stdout and bench/results/default-run.md.
+
+    python bench/default_run.py --before /tmp/minimoe-before --steps 12 --flags "--dtype bfloat16"
+
+--steps N stops each process after N optimizer steps (train.py --stop-after-steps, no validation):
+the step time (median over steps 2..N) and the peak RSS of training, in a fraction of an epoch's time.
 """
 from __future__ import annotations
 
@@ -29,8 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 
-def one_run(tree: Path, flags: list[str]) -> dict:
-    """train.py in `tree`, in a fresh process and a fresh run folder -> its timings and peak RSS."""
+def one_run(tree: Path, flags: list[str], steps: int | None = None) -> dict:
+    """train.py in `tree`, in a fresh process and a fresh run folder -> its timings and peak RSS;
+    with `steps`, stopped after that many optimizer steps."""
+    flags = [*flags, "--stop-after-steps", str(steps)] if steps else flags
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "train.py", "--out-dir", out, "--run-name", "run", "--quiet", *flags]
         env = dict(os.environ, PYTHONPATH=str(tree))
@@ -39,14 +46,16 @@ def one_run(tree: Path, flags: list[str]) -> dict:
         output = child.stdout.read()
         _, status, usage = os.wait4(child.pid, 0)
         wall = time.perf_counter() - t0
-        if os.waitstatus_to_exitcode(status):
+        if os.waitstatus_to_exitcode(status) and not (steps and "stopped after step" in output):
             raise SystemExit(f"{tree}: train.py failed:\n{output[-3000:]}")
         records = [json.loads(line) for line in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "step"]
     epoch = [r for r in records if r["kind"] == "epoch"]
     return {"epoch_s": sum(r["seconds"] for r in steps), "val_s": sum(r["val_seconds"] for r in epoch),
+            "step_s": statistics.median(r["seconds"] for r in steps[1:] or steps),  # the first compiles kernels
             "process_s": wall, "peak_rss_gib": usage.ru_maxrss / 2**20, "steps": len(steps),
-            "val_choice_nll": epoch[-1]["val_choice_nll"], "val_accuracy": epoch[-1]["val_accuracy"]}
+            "val_choice_nll": epoch[-1]["val_choice_nll"] if epoch else float("nan"),
+            "val_accuracy": epoch[-1]["val_accuracy"] if epoch else float("nan")}
 
 
 def spread(values, digits=1) -> str:
@@ -60,6 +69,7 @@ def main(argv=None):
     p.add_argument("--flags", default="--no-test-eval --no-zero-shot",
                    help="train.py flags for both sides (default: %(default)r)")
     p.add_argument("--after-flags", default="", help="extra train.py flags for this tree only")
+    p.add_argument("--steps", type=int, help="stop each process after this many optimizer steps (no validation)")
     args = p.parse_args(argv)
     sides = {"before": (Path(args.before).resolve(), shlex.split(args.flags)),
              "after": (ROOT, shlex.split(args.flags) + shlex.split(args.after_flags))}
@@ -67,20 +77,23 @@ def main(argv=None):
     names = list(sides)
     for r in range(args.rounds):
         for name in names[r % 2:] + names[:r % 2]:
-            runs[name].append(one_run(*sides[name]))
+            runs[name].append(one_run(*sides[name], steps=args.steps))
             print(f"round {r + 1} {name}: " + json.dumps(runs[name][-1]), file=sys.stderr, flush=True)
-    ratio = [b["epoch_s"] / a["epoch_s"] for a, b in zip(runs["after"], runs["before"])]
-    lines = [f"train.py {args.flags} {args.after_flags and '(after: + ' + args.after_flags + ')'}; "
+    what = "step_s" if args.steps else "epoch_s"
+    ratio = [b[what] / a[what] for a, b in zip(runs["after"], runs["before"])]
+    lines = [f"train.py {args.flags} {args.after_flags and '(after: + ' + args.after_flags + ')'}"
+             f"{f' --stop-after-steps {args.steps}' if args.steps else ''}; "
              f"{args.rounds} interleaved rounds, median [min-max]; load average at the end "
              f"{os.getloadavg()[0]:.1f}", "",
-             "| tree | epoch s | validation s | process s | peak RSS GiB | val choice NLL | val accuracy |",
-             "|---|---|---|---|---|---|---|"]
+             "| tree | epoch s | median step s | validation s | process s | peak RSS GiB | val choice NLL | val accuracy |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, (tree, _) in sides.items():
         rs = runs[name]
-        lines.append(f"| {name} ({tree.name}) | {spread([x['epoch_s'] for x in rs])} | {spread([x['val_s'] for x in rs])} | "
+        lines.append(f"| {name} ({tree.name}) | {spread([x['epoch_s'] for x in rs])} | {spread([x['step_s'] for x in rs], 2)} | "
+                     f"{spread([x['val_s'] for x in rs])} | "
                      f"{spread([x['process_s'] for x in rs])} | {spread([x['peak_rss_gib'] for x in rs], 2)} | "
                      f"{rs[0]['val_choice_nll']:.4f} | {rs[0]['val_accuracy']:.3f} |")
-    lines += ["", f"epoch speed-up (before / after, per round): {spread(ratio, 2)}x"]
+    lines += ["", f"{'step' if args.steps else 'epoch'} speed-up (before / after, per round): {spread(ratio, 2)}x"]
     table = "\n".join(lines)
     print(table)
     RESULTS.mkdir(exist_ok=True)

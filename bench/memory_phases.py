@@ -1,6 +1,6 @@
 """Where the default run's peak memory goes: resident size per phase of `python train.py`, in one process.
 
-    python bench/memory_phases.py                      # the default run's phases (float32: auto on a CPU)
+    python bench/memory_phases.py                      # the default run's phases (auto: bf16 on a native-bf16 CPU)
     python bench/memory_phases.py --dtype bfloat16 --steps 4
 
 The phases are train.py's, run through its own functions on the default run's settings (SciQ,

@@ -67,7 +67,7 @@ class TrainConfig:
     model_revision: str | None = None  # hub branch, tag or commit of `model`; None: main
     cache_dir: str | None = None  # where hub models download; None: $MINIMOE_WEIGHTS, else the Hugging Face cache
     recipe: str | None = None  # the RECIPES preset; train.py takes it from the checkpoint's model_type
-    dtype: str = "auto"  # base weights; auto: bfloat16 on CUDA, float32 on the CPU (runs.pick_dtype)
+    dtype: str = "auto"  # base weights; auto: bfloat16 on CUDA and native-bf16 CPUs, else float32 (runs.pick_dtype)
     device: str = "auto"  # auto: cuda when present
     gradient_checkpointing: bool = False  # recompute each block in backward: memory for time
     compile: bool = False  # torch.compile each decoder layer (model.compile_layers); rows padded to 64-token buckets

@@ -13,7 +13,8 @@ Decisions:
   default is the paper's (Table experimental_configuration): Granite Q/K/V + routed experts, OLMoE
   Q/K/V/O + routed experts, in every layer.
 - Experts: grouped LoRA, A [E, r, in] and B [E, out, r], run on the expert-sorted rows with the
-  base bank's `expert_matmul`; `W + BA` is built only by merging, never per step.
+  base bank's `expert_matmul`, the base product added per expert block (see dtype below); `W + BA`
+  is built only by merging, never per step.
 - One rank-r LoRA per *on-disk* matrix, read off the checkpoint name table. Granite stores the fused
   input_linear [E, 2I, D] and output_linear: one LoRA each. OLMoE stores gate_proj and up_proj
   apart, so our fused gate_up bank carries two independent LoRAs, as peft puts on OLMoE's
@@ -24,10 +25,20 @@ Decisions:
   are unchanged until training moves B. Dropout acts on the LoRA input only (train mode only).
 - dtype: adapters are stored in fp32 (peft's default, `autocast_adapter_dtype`), so small AdamW
   steps are not rounded away on a bf16 base; they are cast to the activation dtype at use, as
-  autocast would, so a bf16 expert LoRA runs through the same grouped_mm kernel as the base bank.
+  autocast would, so a bf16 expert LoRA's A and B run through grouped_mm as a base bank does.
   The base keeps its load dtype. Merging adds in fp32 and rounds once, so in bf16 a merge/unmerge
   round trip may move a weight by one rounding step (as in peft); `export_merged` puts the exact
   original weights back instead of unmerging.
+- Where the delta meets a bf16 base output (issue 33): in the matmul's fp32 accumulator, never as
+  round(round(W x) + delta). W x rounded to bf16 lies on the bf16 grid, so a delta below half a
+  bf16 step there is lost entirely, and early in training (B starts at 0 and moves ~lr a step) most
+  of it is that small: the default run's bf16 forward saw none of the loss change its adapter
+  makes in fp32 at a tenth of the trained B (a fifth at three tenths), and trained 2 points worse.
+  `torch.addmm(delta, x, W.T)` rounds W x + delta once (C holds delta in bf16: 8 significant bits
+  of delta itself, not of W x), for a linear layer and for each expert's block of a bank, where
+  grouped_mm has no C. Carrying y + delta in fp32 to the residual add instead over-responded (3x
+  fp32's loss change at a tenth of B), and an fp32 residual stream or fp32 logits changed nothing
+  (bench/bf16_fidelity.py, README).
 
 Saving, loading and exporting what was trained: minimoe/adapters.py.
 """
@@ -114,10 +125,6 @@ class LoRAMixin:
             dtype = matmul_dtype(x, self.weight)
         return self.lora_A.to(dtype), self.lora_B.to(dtype)
 
-    def add_delta(self, y, delta):
-        """y + scale * delta, rounded once to y's dtype; no multiply at scale 1 (alpha = r, the paper's)."""
-        return (y + scaled(delta, self.scale)).to(y.dtype)
-
     def delta_weight(self):
         """scale * B A in fp32, shaped like the base weight, with OLMoE's gate/up blocks kept apart."""
         A, B = self.lora_A.float(), self.lora_B.float()
@@ -149,13 +156,17 @@ class LoRALinear(LoRAMixin, nn.Module):
         self._init_lora(rank, alpha, dropout, 1, dtype)
 
     def forward(self, x):  # x [..., in] -> [..., out]
-        y = F.linear(x, self.weight, self.bias)
         if self.merged:
-            return y
+            return F.linear(x, self.weight, self.bias)
         A, B = self.branch(x)
         with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
-            delta = F.linear(F.linear(dropped, A), B)
-        return self.add_delta(y, delta)
+            delta = scaled(F.linear(F.linear(dropped, A), B), self.scale)  # [..., out]
+        if self.bias is not None:
+            delta = delta + self.bias
+        # W x + delta in the matmul's fp32 accumulator, rounded once (module docstring)
+        *lead, out = delta.shape
+        y = torch.addmm(delta.reshape(-1, out).to(x.dtype), x.reshape(-1, x.shape[-1]), self.weight.t())
+        return y.view(*lead, out)
 
 
 class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
@@ -168,15 +179,19 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         self._init_lora(rank, alpha, dropout, blocks, dtype)
 
     def forward(self, x, dispatch):  # x [N, in] sorted by expert -> [N, out]
-        y = expert_matmul(x, self.weight, dispatch)
         if self.merged:
-            return y
+            return expert_matmul(x, self.weight, dispatch)
         A, B = self.branch(x)
         with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
             a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
             pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
             delta = torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1)
-        return self.add_delta(y, delta)
+        # W_e x + delta in each expert's matmul accumulator, rounded once (module docstring): one addmm
+        # per expert block, as expert_matmul's reference loop does with @, since grouped_mm takes no C.
+        delta = scaled(delta, self.scale).to(x.dtype)
+        w_t, rows = self.weight.transpose(-2, -1), dispatch.counts_list  # [E, in, out]
+        pairs = zip(x.split(rows), delta.split(rows))
+        return torch.cat([torch.addmm(d, blk, w_t[e]) for e, (blk, d) in enumerate(pairs)])
 
 
 def resolve_targets(targets) -> list[str]:

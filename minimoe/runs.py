@@ -95,24 +95,25 @@ CPU_DTYPE_VARIABLE = "MINIMOE_CPU_DTYPE"  # what auto means on a CPU, for every 
 
 
 def pick_dtype(name: str, device: torch.device, capabilities: dict | None = None) -> str:
-    """auto: bfloat16 on CUDA, float32 on a CPU and elsewhere; in training and evaluation alike, so that a
-    run's end-of-run scores and a later evaluate.py of it agree. Not bf16 on a CPU even where it is
-    native: there the default run trained in bf16 gave a different answer on 3.8% of the SciQ test
-    questions and 2 points less accuracy (exact McNemar p = 0.02; bench/RESULTS.md), which fails the
-    bar auto had to pass. $MINIMOE_CPU_DTYPE (float32 or bfloat16) sets auto's CPU choice instead: an
+    """auto: bfloat16 on CUDA and on a CPU with native bf16 matrix instructions (`native_bf16`;
+    `capabilities` defaults to this machine's), float32 on other CPUs and devices; in training and
+    evaluation alike, so that a run's end-of-run scores and a later evaluate.py of it agree. bf16 was
+    refused on the CPU while it trained 2 points worse than fp32; with each LoRA delta rounded once
+    into its base product (lora.py) the default run in bf16 matches fp32 over three seeds (README,
+    precision). $MINIMOE_CPU_DTYPE (float32 or bfloat16) sets auto's CPU choice instead: an
     environment variable reaches the processes that sweep.py and torchrun start, where a flag would have
-    to be repeated. bfloat16 on a CPU without native bf16 matmuls (`native_bf16`; `capabilities`
-    defaults to this machine's) is kept, with a warning: there it is slower than float32."""
+    to be repeated. bfloat16 on a CPU without native bf16 matmuls is kept when asked for, with a
+    warning: there it is slower than float32."""
     kind = torch.device(device).type
+    native = kind == "cpu" and native_bf16(cpu_capabilities() if capabilities is None else capabilities)
     if name == "auto":
         forced = os.environ.get(CPU_DTYPE_VARIABLE) if kind == "cpu" else None
         if forced and forced not in ("float32", "bfloat16"):
             raise ValueError(f"${CPU_DTYPE_VARIABLE}={forced!r}; expected float32 or bfloat16")
-        name = forced or ("bfloat16" if kind == "cuda" else "float32")
+        name = forced or ("bfloat16" if kind == "cuda" or native else "float32")
     if name not in DTYPES:
         raise ValueError(f"--dtype {name!r}; expected auto or one of {list(DTYPES)}")
-    if name == "bfloat16" and kind == "cpu" and not native_bf16(cpu_capabilities() if capabilities is None
-                                                                 else capabilities):
+    if name == "bfloat16" and kind == "cpu" and not native:
         warnings.warn("bfloat16 on a CPU without native bf16 matrix instructions (AVX512-BF16 or AMX): "
                       "emulated, and slower than float32", stacklevel=2)
     return name

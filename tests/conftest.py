@@ -76,8 +76,8 @@ def cpu_unless_marked_cuda(request, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def auto_dtype_is_float32(monkeypatch):
-    """$MINIMOE_CPU_DTYPE=float32, so that --dtype auto means float32 (its CPU default) in this process
-    and in the train.py, torchrun and sweep processes a test starts (they inherit the variable),
+    """$MINIMOE_CPU_DTYPE=float32, so that --dtype auto means float32 (not bf16, as on a native-bf16 CPU)
+    in this process and in the train.py, torchrun and sweep processes a test starts (they inherit the variable),
     whatever the developer's shell sets; tests of the bf16 path ask for bfloat16 by name."""
     import minimoe.runs
     monkeypatch.setenv(minimoe.runs.CPU_DTYPE_VARIABLE, "float32")

@@ -54,12 +54,13 @@ ZEN3 = {"avx2": True}
 
 @pytest.mark.parametrize("capabilities, native", [(ZEN4, True), (SAPPHIRE_RAPIDS, True), ({"amx_bf16": True}, True),
                                                   (ICE_LAKE, False), (ZEN3, False), ({}, False)])
-def test_auto_dtype_on_cpu_is_float32_and_bf16_warns_only_where_emulated(capabilities, native, monkeypatch):
-    """auto is float32 on every CPU (bf16 failed the trained-answer bar, bench/RESULTS.md); an explicit
-    bfloat16 is kept, and warns where the processor has no AVX512-BF16 or AMX-BF16 (emulated: slower)."""
+def test_auto_dtype_on_cpu_is_bf16_only_with_native_bf16_and_bf16_warns_only_where_emulated(capabilities, native,
+                                                                                            monkeypatch):
+    """AVX512-BF16 or AMX-BF16 -> bfloat16 (it trains as fp32 does since issue 33, README); plain AVX-512
+    or AVX2 -> float32. An explicit bfloat16 is kept, and warns where bf16 is emulated (slower)."""
     monkeypatch.delenv(CPU_DTYPE_VARIABLE, raising=False)
     assert native_bf16(capabilities) is native
-    assert pick_dtype("auto", "cpu", capabilities) == "float32"
+    assert pick_dtype("auto", "cpu", capabilities) == ("bfloat16" if native else "float32")
     assert pick_dtype("auto", "cuda", capabilities) == "bfloat16"  # CUDA's rule does not read the CPU
     assert pick_dtype("float32", "cpu", capabilities) == "float32"
     with warnings.catch_warnings(record=True) as caught:

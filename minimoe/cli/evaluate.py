@@ -129,7 +129,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                          help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     compute.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                          help="model weights and activations; routing math and scores are fp32 either way "
-                              "(auto: bfloat16 on CUDA, float32 on the CPU unless $MINIMOE_CPU_DTYPE=bfloat16, as "
+                              "(auto: bfloat16 on CUDA and on CPUs with native bf16 matrix instructions, else float32; "
+                              "$MINIMOE_CPU_DTYPE sets the CPU's choice; as "
                               "train.py; default: %(default)s)")
     return p
 

@@ -158,9 +158,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--recipe", choices=sorted(RECIPES), help="the paper's configuration for this backbone "
                    "(default: from the checkpoint's model_type; 'tiny' for --model tiny); the flags below override it")
     g.add_argument("--dtype", default=D.dtype, choices=["auto", "float32", "bfloat16"],
-                   help="base weights' dtype; auto = bfloat16 on CUDA (with autocast), float32 on the CPU unless "
-                   "$MINIMOE_CPU_DTYPE=bfloat16 (bf16 is faster where the CPU has AVX512-BF16 or AMX, "
-                   "but changed the default run's trained answers; see the README) (default: %(default)s)")
+                   help="base weights' dtype; auto = bfloat16 on CUDA (with autocast) and on a CPU with native bf16 "
+                   "matrix instructions (AVX512-BF16, AMX), else float32; $MINIMOE_CPU_DTYPE=float32 or bfloat16 "
+                   "sets the CPU's choice (default: %(default)s)")
     g.add_argument("--device", default=D.device, type=device,
                    help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     g.add_argument("--gradient-checkpointing", action="store_true", help="recompute each block in backward")
