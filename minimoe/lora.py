@@ -38,7 +38,11 @@ Decisions:
   of delta itself, not of W x), for a linear layer and for each expert's block of a bank, where
   grouped_mm has no C. Carrying y + delta in fp32 to the residual add instead over-responded (3x
   fp32's loss change at a tenth of B), and an fp32 residual stream or fp32 logits changed nothing
-  (bench/bf16_fidelity.py, README).
+  (bench/bf16_fidelity.py, README). The per-block addmm needs the block sizes on the host (a device
+  sync) and one launch per expert, so off the CPU and under autocast (the GPU recipe) a bank computes
+  W_e x + B_e a in one grouped_mm over [x | a] against [W_e | scale B_e] instead (`base_plus_delta`):
+  the same single rounding, a and B held in bf16, no sync, and a backward that computes no gradient
+  for the frozen bank. Only this path's numerics are tested on the CPU; it has not run on a GPU.
 
 Saving, loading and exporting what was trained: minimoe/adapters.py.
 """
@@ -52,7 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.checkpoint import LAYER_KEYS
-from minimoe.model import GroupedLinear, MoEForCausalLM, expert_matmul, matmul_dtype, scaled
+from minimoe.model import GroupedLinear, MoEForCausalLM, _grouped_mm_applies, expert_matmul, matmul_dtype, scaled
 from minimoe.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -184,14 +188,55 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         A, B = self.branch(x)
         with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
             a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
-            pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
-            delta = torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1)
+        if x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
+            # W_e x + B_e a in one grouped_mm over [x | a]: rounded once, and no host sync (GPU path)
+            b = torch.cat([F.pad(B_b, (i * B_b.shape[-1], (self.blocks - 1 - i) * B_b.shape[-1]))
+                           for i, B_b in enumerate(B.chunk(self.blocks, dim=-2))], dim=-2)  # [E, out, blocks*r]
+            return base_plus_delta(x, self.weight, a.to(x.dtype), scaled(b, self.scale).to(x.dtype), dispatch)
+        pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
+        delta = torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1)
         # W_e x + delta in each expert's matmul accumulator, rounded once (module docstring): one addmm
         # per expert block, as expert_matmul's reference loop does with @, since grouped_mm takes no C.
         delta = scaled(delta, self.scale).to(x.dtype)
         w_t, rows = self.weight.transpose(-2, -1), dispatch.counts_list  # [E, in, out]
         pairs = zip(x.split(rows), delta.split(rows))
         return torch.cat([torch.addmm(d, blk, w_t[e]) for e, (blk, d) in enumerate(pairs)])
+
+
+class _BasePlusDelta(torch.autograd.Function):
+    """y = [x | a] [W_e^T ; b_e^T] per expert block: x W_e^T + a b_e^T with one accumulation and one
+    rounding. Backward as torch's own grouped_mm derivative, except that the concatenated weight's
+    gradient is computed only for the parts that need one (b: [E, k, out], not the frozen bank's)."""
+
+    @staticmethod
+    def forward(ctx, x, a, w_t, b_t, offs):  # x [N, in], a [N, k], w_t [E, in, out], b_t [E, k, out]
+        ctx.save_for_backward(x, a, w_t, b_t, offs)
+        return F.grouped_mm(torch.cat([x, a], dim=-1), torch.cat([w_t, b_t], dim=-2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy [N, out]
+        x, a, w_t, b_t, offs = ctx.saved_tensors
+        dx = da = dw = db = None
+        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+            dxa = F.grouped_mm(dy, torch.cat([w_t, b_t], dim=-2).transpose(-2, -1), offs=offs)  # [N, in + k]
+            dx, da = dxa.split([x.shape[-1], a.shape[-1]], dim=-1)
+        if ctx.needs_input_grad[2]:
+            dw = F.grouped_mm(x.transpose(0, 1), dy, offs=offs)  # [E, in, out]
+        if ctx.needs_input_grad[3]:
+            db = F.grouped_mm(a.transpose(0, 1), dy, offs=offs)  # [E, k, out]
+        return dx, da, dw, db, None
+
+
+def base_plus_delta(x, weight, a, b, dispatch):
+    """x [N, in] and a [N, k] sorted by expert, weight [E, out, in], b [E, out, k] -> x W_e^T + a b_e^T
+    [N, out], summed before the one rounding to x's dtype (issue 33). grouped_mm where it applies to
+    [x | a]; else the per-expert loop (one host sync), with the same single rounding."""
+    w_t, b_t = weight.transpose(-2, -1).to(x.dtype), b.transpose(-2, -1)
+    xa = torch.cat([x, a], dim=-1)
+    if _grouped_mm_applies(xa, torch.cat([w_t[:1], b_t[:1]], dim=-2)):
+        return _BasePlusDelta.apply(x, a, w_t, b_t, dispatch.offsets)
+    blocks = xa.split(dispatch.counts_list)
+    return torch.cat([blk @ torch.cat([w_t[e], b_t[e]], dim=0) for e, blk in enumerate(blocks)])
 
 
 def resolve_targets(targets) -> list[str]:

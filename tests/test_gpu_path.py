@@ -39,11 +39,14 @@ def no_expert_loop(monkeypatch):
 
 def test_fp32_activations_into_a_bf16_bank_with_lora_run_grouped_mm(family, no_expert_loop):
     """fp32 x (what CUDA autocast's fp32 ops hand on) into a bf16 model's MoE block with LoRA on both
-    banks: forward and backward never take the loop, and the block answers in the bank's dtype."""
+    banks, under autocast as the GPU recipe runs: forward and backward never take the loop, and the
+    block answers in the bank's dtype. (The CPU recipe, without autocast, adds each expert's LoRA
+    delta by addmm per block: the bf16 fidelity fix, measured there.)"""
     model = add_lora(tiny_model(family).to(torch.bfloat16), dropout=0.0)
     block = model.model.layers[0].mlp
     x = torch.randn(2, 8, model.config.hidden_size, requires_grad=True)  # fp32
-    out, _ = block(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = block(x)
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     lora = block.experts.gate_up_proj
@@ -66,11 +69,14 @@ def step_batches(tmp_path, cfg):
     return training.micro_batches(examples, tokenizer, cfg, 0, 1)
 
 
+@pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("method", ["native", "tes", "acs", "dual"])
-def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, method):
+def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, method, autocast, monkeypatch):
     """step_loss (forward, task + method + load-balancing terms, routing statistics, backward) of every
     built-in method: no op that makes the host wait for the device. The step's one read-back is
-    optimizer_step's logging, outside."""
+    optimizer_step's logging, outside. With autocast (the GPU recipe's ops: LoRA banks add their delta
+    in one grouped_mm), the per-expert loop is refused too; the CPU-only row rounding of bf16 blocks,
+    which counts on the host, is off."""
     from minimoe import training
     from minimoe.tracking import RoutingStats
     cfg = replace(TrainConfig(**RECIPES["tiny"], method=method), lora_dropout=0.0, batch_size=2, pad_token_id=0, device="cpu",
@@ -83,6 +89,10 @@ def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, metho
               "rows": sum(b.input_ids.shape[0] for b in batches)}
     stats = RoutingStats(list(range(model.config.num_hidden_layers)), model.config.num_experts,
                          model.config.num_experts_per_tok)
+    if autocast:  # training.autocast(cfg) is CUDA's bf16 autocast on a GPU; here the CPU's stands in
+        monkeypatch.setattr(training, "autocast", lambda cfg: torch.autocast("cpu", dtype=torch.bfloat16))
+        monkeypatch.setattr(model_module, "EXPERT_BLOCK", 1)
+        monkeypatch.setattr(model_module.Dispatch, "counts_list", property(lambda self: pytest.fail("the loop ran")))
     with HostSyncs() as syncs:
         logs = training.step_loss(model, batches, cfg, counts, world_size=1, stats=stats)
     assert syncs.counts == {}, f"host syncs in a training step: {syncs.counts}"

@@ -1,6 +1,6 @@
 """Tests for minimoe.lora and minimoe.adapters: each test names the equation, reference implementation or bad input it checks."""
 import json
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -157,14 +157,19 @@ def bf16_lora_case(bank: str, rows: int, seed: int, std: float | None = 0.2):
     return m, x, (M.Dispatch(experts[:, None], num_experts=8),), parts
 
 
+# The two ways a bf16 LoRA module adds its delta: the CPU recipe (no autocast: addmm, per expert block for a
+# bank) and the GPU recipe's (autocast: the branch in bf16, a bank's W x + delta in one grouped_mm over [x | a]).
+PATHS = {"cpu": nullcontext, "autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}
+
+
 @pytest.mark.parametrize("bank", BANKS)
-def test_bf16_lora_rounds_W_x_plus_delta_once(bank):
+def test_bf16_lora_rounds_W_x_plus_delta_once(bank, path="cpu"):
     """Issue 33. A LoRA layer or expert bank on a bf16 base returns bf16(W x + d), d = bf16(scale B A x):
     the delta enters the matmul's fp32 accumulator (addmm's C) and the sum is rounded once. Against
     W x + d in fp64: within half a bf16 step of the result (one step of d more where d's own rounding
     from fp32 and from fp64 differ). Rounding W x first and then W x + d misses by up to a step."""
     m, x, dispatch, parts = bf16_lora_case(bank, 512, seed=4)
-    with torch.no_grad():
+    with torch.no_grad(), PATHS[path]():
         got = m(x, *dispatch)
         Wx, delta = parts(m.weight.double(), m.lora_A.double(), m.lora_B.double())
         d = (m.scale * delta).to(torch.bfloat16).double()
@@ -174,8 +179,41 @@ def test_bf16_lora_rounds_W_x_plus_delta_once(bank):
     assert (err <= half + bf16_step(d)).all()
 
 
+def test_base_plus_delta_is_one_rounding_of_the_fp64_sum_with_its_gradients():
+    """The GPU path's expert bank: x W_e^T + a b_e^T per expert block in one grouped_mm over [x | a]. In bf16
+    it is the fp64 sum rounded once (within half a bf16 step, as the reference's fp32 accumulation
+    allows); in fp32 its gradients (x, a, b, and the bank when it trains) equal autograd's of the plain
+    per-expert formula; no host sync."""
+    from bench.common import HostSyncs
+    g = torch.Generator().manual_seed(7)
+    E, N, I, O, k = 4, 64, 32, 48, 16
+    experts = torch.randint(0, E, (N,), generator=g).sort().values
+    dispatch = M.Dispatch(experts[:, None], num_experts=E)
+    x, a = torch.randn(N, I, generator=g), torch.randn(N, k, generator=g) * 1e-2
+    W, b = torch.randn(E, O, I, generator=g), torch.randn(E, O, k, generator=g)
+    exact = (torch.einsum("ni,noi->no", x.double(), W[experts].double())
+             + torch.einsum("nk,nok->no", a.double(), b[experts].double()))
+    x16, a16, W16, b16 = (t.to(torch.bfloat16) for t in (x, a, W, b))
+    exact16 = (torch.einsum("ni,noi->no", x16.double(), W16[experts].double())
+               + torch.einsum("nk,nok->no", a16.double(), b16[experts].double()))
+    with HostSyncs() as syncs:
+        got16 = minimoe.lora.base_plus_delta(x16, W16, a16, b16, dispatch)
+    assert syncs.total == 0 and got16.dtype == torch.bfloat16
+    assert ((got16.double() - exact16).abs() <= 0.5 * bf16_step(exact16) * (1 + 2 ** -8)).float().mean() > 0.999
+    leaves = [t.clone().requires_grad_() for t in (x, a, W, b)]
+    got = minimoe.lora.base_plus_delta(leaves[0], leaves[2], leaves[1], leaves[3], dispatch)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
+    dy = torch.randn(N, O, generator=g)
+    got.backward(dy)
+    ref = [t.clone().requires_grad_() for t in (x, a, W, b)]
+    (torch.einsum("ni,noi->no", ref[0], ref[2][experts]) + torch.einsum("nk,nok->no", ref[1], ref[3][experts])).backward(dy)
+    for name, mine, want in zip("x a W b".split(), leaves, ref):
+        torch.testing.assert_close(mine.grad, want.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("bank", BANKS)
-def test_bf16_lora_keeps_a_delta_below_half_a_bf16_step(bank):
+def test_bf16_lora_keeps_a_delta_below_half_a_bf16_step(bank, path):
     """Issue 33's cause. W x rounded to bf16 lies on the bf16 grid, so bf16(bf16(W x) + delta) == bf16(W x)
     for every |delta| below half a step: early in training (B ~ lr) most of the delta was lost. Rounded
     once, the delta survives on average: the least-squares slope of (output - W x, in fp64) on delta
@@ -187,13 +225,15 @@ def test_bf16_lora_keeps_a_delta_below_half_a_bf16_step(bank):
         m.lora_B.mul_(0.1 * bf16_step(Wx).median() / (m.scale * delta).abs().median())  # ~ a tenth of a step
         Wx, delta = parts(m.weight.double(), m.lora_A.double(), m.lora_B.double())
         delta = m.scale * delta
-        got = m(x, *dispatch).double()
+        with PATHS[path]():
+            got = m(x, *dispatch).double()
     assert (delta.abs() < 0.5 * bf16_step(Wx)).float().mean() > 0.75
     slope = ((got - Wx) * delta).sum() / (delta * delta).sum()
     assert abs(slope - 1) < 0.05, slope
 
 
-def test_bf16_model_keeps_a_lora_update_below_half_a_bf16_step():
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_model_keeps_a_lora_update_below_half_a_bf16_step(path):
     """Issue 33, end to end: with LoRA on every target and B so small that its deltas are mostly below
     half a bf16 step, the bf16 model's logits still move as the fp64 model's do (same weights): the
     least-squares slope of the bf16 change on the fp64 change is 1 within 0.15; with each delta
@@ -209,11 +249,15 @@ def test_bf16_model_keeps_a_lora_update_below_half_a_bf16_step():
         with torch.no_grad():
             for a, b in zip(lora_modules(m16).values(), lora_modules(m64).values()):
                 b.lora_A.copy_(a.lora_A)
-            before16, before64 = m16(x).logits.double(), m64(x).logits
+            with PATHS[path]():
+                before16 = m16(x).logits.double()
+            before64 = m64(x).logits
             for a, b in zip(lora_modules(m16).values(), lora_modules(m64).values()):
                 a.lora_B.copy_(torch.randn(a.lora_B.shape, generator=g) * 1e-3)
                 b.lora_B.copy_(a.lora_B)
-            d16, d64 = m16(x).logits.double() - before16, m64(x).logits - before64
+            with PATHS[path]():
+                d16 = m16(x).logits.double() - before16
+            d64 = m64(x).logits - before64
         slope = (d16 * d64).sum() / (d64 * d64).sum()
         assert abs(slope - 1) < 0.15, (family, slope)
 
