@@ -129,3 +129,25 @@ def test_restoring_beside_train_py_runs_is_refused_and_a_bad_results_file_is_nam
     (tmp_path / "results" / "bad.jsonl.gz").write_bytes(b"not gzip")
     with pytest.raises(results.ResultsError, match="bad.jsonl.gz: not a results file"):
         results.read(tmp_path / "results")
+
+
+def test_the_readme_study_tables_are_the_report_of_results(tmp_path):
+    """The README's split-model study tables (the re-run's cells and paired comparisons) are what
+    `sweep.py --results results` regenerates from the repository's results/ folder alone, line for line."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    records = results.read(root / "results")
+    rows = sorted({r["config"]["method"] for r in records})
+    assert records and {"native", "acs"} <= set(rows), "results/ holds the study's re-run"
+    out = tmp_path / "from-results"
+    sweep.main(["--preset", "study", "--models", "weights/smollm2-split", "--results", str(root / "results"),
+                "--out-dir", str(out), "--benchmarks", "sciq", "--rows", *STUDY_ROWS])
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    table_lines = [line for line in (out / "report.md").read_text().splitlines()
+                   if line.startswith("| smollm2-split |")]
+    assert len(table_lines) >= len(STUDY_ROWS) + 1  # the zero-shot row, every row, the comparisons
+    missing = [line for line in table_lines if line not in readme]
+    assert not missing, f"README lines not regenerated from results/: {missing}"
+
+
+STUDY_ROWS = ["CE", "ACS-IS", "Dual Affinity", "TES-IS"]  # the rows the re-run has reached (README, study section)
