@@ -206,25 +206,26 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
 class _BasePlusDelta(torch.autograd.Function):
     """y = [x | a] [W_e^T ; b_e^T] per expert block: x W_e^T + a b_e^T with one accumulation and one
     rounding. Backward as torch's own grouped_mm derivative, except that the concatenated weight's
-    gradient is computed only for the parts that need one (b: [E, k, out], not the frozen bank's)."""
+    gradient is computed only for the parts that need one (b: [E, k, out], not the frozen bank's).
+    The concatenated weight is built again in backward rather than kept: a copy of the bank per layer."""
 
     @staticmethod
-    def forward(ctx, x, a, w_t, b_t, offs):  # x [N, in], a [N, k], w_t [E, in, out], b_t [E, k, out]
-        ctx.save_for_backward(x, a, w_t, b_t, offs)
-        return F.grouped_mm(torch.cat([x, a], dim=-1), torch.cat([w_t, b_t], dim=-2), offs=offs)
+    def forward(ctx, xa, w_t, b_t, offs):  # xa = [x | a] [N, in + k], w_t [E, in, out], b_t [E, k, out]
+        ctx.save_for_backward(xa, w_t, b_t, offs)
+        return F.grouped_mm(xa, torch.cat([w_t, b_t], dim=-2), offs=offs)
 
     @staticmethod
     def backward(ctx, dy):  # dy [N, out]
-        x, a, w_t, b_t, offs = ctx.saved_tensors
-        dx = da = dw = db = None
-        if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        xa, w_t, b_t, offs = ctx.saved_tensors
+        d_in = w_t.shape[-2]
+        dxa = dw = db = None
+        if ctx.needs_input_grad[0]:
             dxa = F.grouped_mm(dy, torch.cat([w_t, b_t], dim=-2).transpose(-2, -1), offs=offs)  # [N, in + k]
-            dx, da = dxa.split([x.shape[-1], a.shape[-1]], dim=-1)
+        if ctx.needs_input_grad[1]:
+            dw = F.grouped_mm(xa[:, :d_in].transpose(0, 1), dy, offs=offs)  # [E, in, out]
         if ctx.needs_input_grad[2]:
-            dw = F.grouped_mm(x.transpose(0, 1), dy, offs=offs)  # [E, in, out]
-        if ctx.needs_input_grad[3]:
-            db = F.grouped_mm(a.transpose(0, 1), dy, offs=offs)  # [E, k, out]
-        return dx, da, dw, db, None
+            db = F.grouped_mm(xa[:, d_in:].transpose(0, 1), dy, offs=offs)  # [E, k, out]
+        return dxa, dw, db, None
 
 
 def base_plus_delta(x, weight, a, b, dispatch):
@@ -232,9 +233,11 @@ def base_plus_delta(x, weight, a, b, dispatch):
     [N, out], summed before the one rounding to x's dtype (issue 33). grouped_mm where it applies to
     [x | a]; else the per-expert loop (one host sync), with the same single rounding."""
     w_t, b_t = weight.transpose(-2, -1).to(x.dtype), b.transpose(-2, -1)
-    xa = torch.cat([x, a], dim=-1)
-    if _grouped_mm_applies(xa, torch.cat([w_t[:1], b_t[:1]], dim=-2)):
-        return _BasePlusDelta.apply(x, a, w_t, b_t, dispatch.offsets)
+    xa = torch.cat([x, a], dim=-1)  # [N, in + k]
+    E, d_in, out = w_t.shape
+    stacked = torch.empty(E, d_in + b_t.shape[-2], out, dtype=x.dtype, device="meta")  # the layout torch.cat gives
+    if _grouped_mm_applies(xa, stacked):
+        return _BasePlusDelta.apply(xa, w_t, b_t, dispatch.offsets)
     blocks = xa.split(dispatch.counts_list)
     return torch.cat([blk @ torch.cat([w_t[e], b_t[e]], dim=0) for e, blk in enumerate(blocks)])
 
