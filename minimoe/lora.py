@@ -25,7 +25,9 @@ Decisions:
   are unchanged until training moves B. Dropout acts on the LoRA input only (train mode only).
 - dtype: adapters are stored in fp32 (peft's default, `autocast_adapter_dtype`), so small AdamW
   steps are not rounded away on a bf16 base; they are cast to the activation dtype at use, as
-  autocast would, so a bf16 expert LoRA's A and B run through grouped_mm as a base bank does.
+  autocast would, so a bf16 expert LoRA's A and B run through grouped_mm as a base bank does. On the
+  CPU without autocast the branch stays in fp32 instead, for oneDNN's kernel cache; that and the
+  CPU's other measures (dropout saved as a mask) are minimoe/cpu_kernels.py's, behind `branch`.
   The base keeps its load dtype. Merging adds in fp32 and rounds once, so in bf16 a merge/unmerge
   round trip may move a weight by one rounding step (as in peft); `export_merged` puts the exact
   original weights back instead of unmerging.
@@ -55,6 +57,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minimoe import cpu_kernels
 from minimoe.checkpoint import LAYER_KEYS
 from minimoe.model import GroupedLinear, MoEForCausalLM, _grouped_mm_applies, expert_matmul, matmul_dtype, scaled
 from minimoe.routing import set_routing_trainable
@@ -63,45 +66,6 @@ TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_p
            "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
 ALIASES = {"experts": ("gate_up", "down")}
 DEFAULT_TARGETS = {"granitemoe": ("q", "k", "v", "experts"), "olmoe": ("q", "k", "v", "o", "experts")}
-
-
-@contextmanager
-def dropout_saved_as_mask(x, dtype, p: float, training: bool):
-    """On the CPU, yields dropout(x.to(dtype)) as F.dropout computes it there (noise = bernoulli(1 - p) / (1 - p);
-    x * noise): the same random draws and bits. Inside the block autograd saves the dropped tensor
-    and the noise, which the LoRA matmuls and the multiply need in backward, as x (in its own dtype)
-    and a 1-byte mask, and rebuilds them from those in backward. An fp32 LoRA input and its noise
-    are 8 bytes an element, two thirds of the default run's activations (bench/RESULTS.md); a bf16 x,
-    which q, k and v share, and the masks are 2 + 1 each.
-    """
-    if not training or p == 0 or not torch.is_grad_enabled() or x.device.type != "cpu":
-        yield F.dropout(x.to(dtype), p, training)  # elsewhere F.dropout's fused kernel draws otherwise
-        return
-    held, rebuilt = {}, {}  # the forward's tensors while the block runs; backward's rebuilt ones
-
-    def rebuild(name):
-        if not rebuilt:  # backward needs both; make them once
-            rebuilt["noise"] = keep.to(dtype).div_(1 - p)
-            rebuilt["out"] = x.to(dtype) * rebuilt["noise"]
-        return rebuilt[name]
-
-    def pack(t):
-        for name, full in held.items():
-            if t.untyped_storage().data_ptr() == full.untyped_storage().data_ptr() and t.dtype == full.dtype:
-                return name, t.shape, t.stride(), t.storage_offset()  # or a view of it (linear flattens)
-        return t
-
-    def unpack(packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        name, shape, stride, offset = packed
-        return rebuild(name).as_strided(shape, stride, offset)
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):  # the multiply saves the noise too
-        held["noise"] = torch.empty_like(x, dtype=dtype).bernoulli_(1 - p).div_(1 - p)
-        keep = held["noise"] != 0  # bool
-        held["out"] = x.to(dtype) * held["noise"]
-        yield held["out"]
-    held.clear()  # only x and the mask stay
 
 
 class LoRAMixin:
@@ -116,18 +80,17 @@ class LoRAMixin:
         self.blocks, self.scale, self.merged = blocks, alpha / rank, False
         self.dropout = nn.Dropout(dropout)
 
+    @contextmanager
     def branch(self, x):
-        """(A, B) in the dtype the adapter branch runs in (x is cast with its dropout,
-        `dropout_saved_as_mask`). On the CPU without autocast that is the adapters' dtype (fp32 by
-        default), as in peft: in bf16, oneDNN compiles and caches one more small matmul per expert
-        block size (bench/RESULTS.md). Elsewhere it is the base matmul's (`matmul_dtype`: bf16 under
-        autocast), because grouped_mm on CUDA takes bf16 only: an fp32 branch there runs the
-        per-expert loop."""
-        if x.device.type == "cpu" and not torch.is_autocast_enabled("cpu"):
-            dtype = self.lora_A.dtype
-        else:
-            dtype = matmul_dtype(x, self.weight)
-        return self.lora_A.to(dtype), self.lora_B.to(dtype)
+        """`with self.branch(x) as (dropped, A, B):` dropout(x), A and B in the dtype the adapter branch
+        runs in, for the LoRA matmuls inside the block. That dtype is the base matmul's (`matmul_dtype`:
+        bf16 under autocast, because grouped_mm on CUDA takes bf16 only: an fp32 branch there runs the
+        per-expert loop), or on the CPU the adapters' own (cpu_kernels.keeps_adapter_dtype), where
+        dropout(x) is also saved for backward as a mask (cpu_kernels.dropout_saved_as_mask)."""
+        dtype = self.lora_A.dtype if cpu_kernels.keeps_adapter_dtype(x) else matmul_dtype(x, self.weight)
+        A, B = self.lora_A.to(dtype), self.lora_B.to(dtype)
+        with cpu_kernels.dropout_saved_as_mask(x, dtype, self.dropout.p, self.training) as dropped:
+            yield dropped, A, B
 
     def delta_weight(self):
         """scale * B A in fp32, shaped like the base weight, with OLMoE's gate/up blocks kept apart."""
@@ -162,15 +125,19 @@ class LoRALinear(LoRAMixin, nn.Module):
     def forward(self, x):  # x [..., in] -> [..., out]
         if self.merged:
             return F.linear(x, self.weight, self.bias)
-        A, B = self.branch(x)
-        with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
+        with self.branch(x) as (dropped, A, B):
             delta = scaled(F.linear(F.linear(dropped, A), B), self.scale)  # [..., out]
-        if self.bias is not None:
-            delta = delta + self.bias
-        # W x + delta in the matmul's fp32 accumulator, rounded once (module docstring)
-        *lead, out = delta.shape
-        y = torch.addmm(delta.reshape(-1, out).to(x.dtype), x.reshape(-1, x.shape[-1]), self.weight.t())
-        return y.view(*lead, out)
+        return linear_plus_delta(x, self.weight, self.bias, delta)
+
+
+def linear_plus_delta(x, weight, bias, delta):
+    """x [..., in], weight [out, in], delta [..., out] -> W x + b + delta, summed in the matmul's fp32
+    accumulator and rounded once to x's dtype (module docstring): addmm with the delta as its C."""
+    if bias is not None:
+        delta = delta + bias
+    *lead, out = delta.shape
+    y = torch.addmm(delta.reshape(-1, out).to(x.dtype), x.reshape(-1, x.shape[-1]), weight.t())
+    return y.view(*lead, out)
 
 
 class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
@@ -185,22 +152,24 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
     def forward(self, x, dispatch):  # x [N, in] sorted by expert -> [N, out]
         if self.merged:
             return expert_matmul(x, self.weight, dispatch)
-        A, B = self.branch(x)
-        with dropout_saved_as_mask(x, A.dtype, self.dropout.p, self.training) as dropped:
+        with self.branch(x) as (dropped, A, B):
             a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
-        if x.device.type != "cpu" or torch.is_autocast_enabled("cpu"):
-            # W_e x + B_e a in one grouped_mm over [x | a]: rounded once, and no host sync (GPU path)
-            b = torch.cat([F.pad(B_b, (i * B_b.shape[-1], (self.blocks - 1 - i) * B_b.shape[-1]))
-                           for i, B_b in enumerate(B.chunk(self.blocks, dim=-2))], dim=-2)  # [E, out, blocks*r]
-            return base_plus_delta(x, self.weight, a.to(x.dtype), scaled(b, self.scale).to(x.dtype), dispatch)
-        pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
-        delta = torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1)
-        # W_e x + delta in each expert's matmul accumulator, rounded once (module docstring): one addmm
-        # per expert block, as expert_matmul's reference loop does with @, since grouped_mm takes no C.
-        delta = scaled(delta, self.scale).to(x.dtype)
-        w_t, rows = self.weight.transpose(-2, -1), dispatch.counts_list  # [E, in, out]
-        pairs = zip(x.split(rows), delta.split(rows))
-        return torch.cat([torch.addmm(d, blk, w_t[e]) for e, (blk, d) in enumerate(pairs)])
+        return self.plus_delta(x, a, B, dispatch)
+
+    def plus_delta(self, x, a, B, dispatch):
+        """W_e x + scale B_e a [N, out] for the rows of each expert e, block b of a times row block b of B,
+        summed in the matmul's fp32 accumulator and rounded once to x's dtype (module docstring)."""
+        blocks = B.chunk(self.blocks, dim=-2)
+        if cpu_kernels.keeps_adapter_dtype(x):  # an fp32 a and B: the delta apart, then one addmm per expert
+            pairs = zip(a.chunk(self.blocks, dim=-1), blocks)
+            delta = scaled(torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1), self.scale)
+            # the delta as C of each expert block's addmm, as expert_matmul's reference loop does with @
+            w_t, rows = self.weight.transpose(-2, -1), dispatch.counts_list  # [E, in, out]
+            pairs = zip(x.split(rows), delta.to(x.dtype).split(rows))
+            return torch.cat([torch.addmm(d, blk, w_t[e]) for e, (blk, d) in enumerate(pairs)])
+        r = B.shape[-1]  # block-diagonal [E, out, blocks*r]: [x | a] in one grouped_mm, no host sync
+        b = torch.cat([F.pad(B_b, (i * r, (self.blocks - 1 - i) * r)) for i, B_b in enumerate(blocks)], dim=-2)
+        return base_plus_delta(x, self.weight, a.to(x.dtype), scaled(b, self.scale).to(x.dtype), dispatch)
 
 
 class _BasePlusDelta(torch.autograd.Function):

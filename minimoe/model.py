@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minimoe import cpu_kernels
 from minimoe.routing import NativeRouter, Routing
 
 FAMILIES = ("granitemoe", "olmoe")
@@ -192,17 +193,15 @@ class Dispatch:
     """Token rows sorted by expert, so that each expert runs on one contiguous block.
 
     block > 1 rounds every expert's block up to a multiple of `block` rows with stand-in rows: copies
-    of token 0 whose combine weight is 0, so they add exact zeros to its output and its gradient.
-    oneDNN's bf16 GEMMs on CPU compile and cache a kernel per matrix shape (about 1 MB each, and a
-    compile costs a few small GEMMs); exact block sizes would give one shape per row count seen, up
-    to 2 x 1024 cached kernels. Rounded, the blocks take a few dozen shapes (bench/RESULTS.md).
+    of token 0 whose combine weight is 0, so they add exact zeros to its output and its gradient
+    (a CPU measure against oneDNN's per-shape kernels: cpu_kernels.expert_block).
     """
 
     def __init__(self, experts, num_experts: int, block: int = 1):  # experts [T, K]
         flat = experts.flatten()  # [N] the expert of each (token, slot)
         self.counts = expert_counts(flat, num_experts)  # [E] rows per expert, on the device
         self.padding = 0
-        if block > 1:  # CPU only (expert_block): the stand-in rows' number is needed on the host
+        if block > 1:  # CPU only (cpu_kernels.expert_block): the stand-in rows' number is needed on the host
             pad = (-self.counts) % block  # [E] stand-in rows, appended after the N real ones
             flat = torch.cat([flat, torch.arange(num_experts, device=flat.device).repeat_interleave(pad)])
             self.counts, self.padding = self.counts + pad, int(pad.sum())
@@ -238,16 +237,6 @@ def expert_counts(flat, num_experts: int):
     """[N] expert ids -> [E] rows per expert. Not torch.bincount: on CUDA it reads the largest id back
     to the host to size its output, a device sync in every MoE block's forward."""
     return torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
-
-
-# Row rounding of expert blocks where oneDNN compiles a kernel per shape: bf16/fp16 on CPU (Dispatch).
-# Only where the experts get >= EXPERT_BLOCK rows on average: a decoding step would pay 16x its rows.
-EXPERT_BLOCK = 16
-
-
-def expert_block(x, rows: int, num_experts: int) -> int:
-    low_precision_cpu = x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
-    return EXPERT_BLOCK if low_precision_cpu and rows >= num_experts * EXPERT_BLOCK else 1
 
 
 USE_GROUPED_MM = hasattr(F, "grouped_mm")  # tests switch this off to compare against the loop
@@ -307,7 +296,7 @@ class Experts(nn.Module):
         E = self.gate_up_proj.weight.shape[0]
         # The bank's dtype (or autocast's): an fp32 x against a bf16 bank would leave grouped_mm for the loop.
         x = x.to(matmul_dtype(x, self.gate_up_proj.weight))
-        dispatch = Dispatch(experts, E, expert_block(x, experts.numel(), E))
+        dispatch = Dispatch(experts, E, cpu_kernels.expert_block(x, experts.numel(), E))
         h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]
         gate, up = h.chunk(2, dim=-1)
         y = self.down_proj(F.silu(gate) * up, dispatch)  # [N, D]

@@ -23,7 +23,7 @@ import torch
 
 import minimoe
 from minimoe import training
-from minimoe import model as model_module
+from minimoe import cpu_kernels
 from minimoe.checkpoint import to_disk_layout
 from minimoe.config import RECIPES, TrainConfig
 from minimoe.lora import add_lora
@@ -247,10 +247,10 @@ def test_a_training_step_makes_no_host_sync(tmp_path, method, monkeypatch):
     that torch.cuda.set_sync_debug_mode flags (read-backs, device-to-host copies, synchronising
     kernels), and HostSyncs (bench/common.py) counts no syncing op. A first step runs unchecked (CUDA's
     lazy initialisation). Both detectors are first shown to catch an .item(). On the CPU the bf16
-    banks round expert blocks with a host-side count (model.expert_block, CPU only), so the CPU check
+    banks round expert blocks with a host-side count (cpu_kernels.expert_block, CPU only), so the CPU check
     runs them unrounded."""
     if not ON_CUDA:
-        monkeypatch.setattr(model_module, "expert_block", lambda x, rows, num_experts: 1)
+        monkeypatch.setattr(cpu_kernels, "expert_block", lambda x, rows, num_experts: 1)
     with sync_warnings() as flagged, HostSyncs() as syncs:
         torch.ones(1, device=DEVICE).item()
     assert syncs.counts == {"_local_scalar_dense": 1} and bool(flagged) == ON_CUDA

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from minimoe import cpu_kernels
 from minimoe import model as model_module
 from minimoe import load_tokenizer
 from minimoe.checkpoint import from_pretrained
@@ -91,7 +92,7 @@ def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, metho
                          model.config.num_experts_per_tok)
     if autocast:  # training.autocast(cfg) is CUDA's bf16 autocast on a GPU; here the CPU's stands in
         monkeypatch.setattr(training, "autocast", lambda cfg: torch.autocast("cpu", dtype=torch.bfloat16))
-        monkeypatch.setattr(model_module, "EXPERT_BLOCK", 1)
+        monkeypatch.setattr(cpu_kernels, "EXPERT_BLOCK", 1)
         monkeypatch.setattr(model_module.Dispatch, "counts_list", property(lambda self: pytest.fail("the loop ran")))
     with HostSyncs() as syncs:
         logs = training.step_loss(model, batches, cfg, counts, world_size=1, stats=stats)

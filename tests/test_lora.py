@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+import minimoe.cpu_kernels
 import minimoe.lora
 import minimoe.model as M
 import minimoe.routing
@@ -664,7 +665,7 @@ def test_dropout_saved_as_mask_gives_f_dropouts_bits_and_grads(family, dtype, mo
         loss.backward()
         return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     loss, grads = loss_and_grads()
-    monkeypatch.setattr(minimoe.lora, "dropout_saved_as_mask", plain_dropout)
+    monkeypatch.setattr(minimoe.cpu_kernels, "dropout_saved_as_mask", plain_dropout)
     ref_loss, ref_grads = loss_and_grads()
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys() and len(grads) > 0
@@ -682,7 +683,7 @@ def test_dropout_saved_as_mask_keeps_no_fp32_input_for_backward():
     forward's fp32 dropped tensor is not what it holds; F.dropout's is (the test of the test)."""
     x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
     A = torch.randn(4, 32, requires_grad=True)
-    for dropout, packed in ((minimoe.lora.dropout_saved_as_mask, True), (plain_dropout, False)):
+    for dropout, packed in ((minimoe.cpu_kernels.dropout_saved_as_mask, True), (plain_dropout, False)):
         with dropout(x, torch.float32, 0.1, True) as dropped:
             a = F.linear(dropped, A)
         held = [t for t in saved_tensors(a.grad_fn) if t.shape == dropped.shape]

@@ -11,6 +11,7 @@ import transformers
 
 import minimoe
 import minimoe.model as mm
+from minimoe import cpu_kernels
 from minimoe.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
 from minimoe.objectives import load_balancing_loss
 from minimoe.scoring import forward_choices, make_choice_batch
@@ -227,7 +228,7 @@ def test_rounded_expert_blocks_equal_exact_blocks(family, monkeypatch):
     ids, _ = batch()
     outs = []
     for block in (1, 8):
-        monkeypatch.setattr(mm, "expert_block", lambda x, rows, E: block)
+        monkeypatch.setattr(cpu_kernels, "expert_block", lambda x, rows, E: block)
         model.zero_grad()
         logits = model(ids).logits
         logits.square().mean().backward()
@@ -240,9 +241,9 @@ def test_rounded_expert_blocks_equal_exact_blocks(family, monkeypatch):
 
 def test_bf16_expert_blocks_are_rounded_on_cpu_only_with_enough_rows():
     x = torch.zeros(64, 8)
-    assert mm.expert_block(x, 128, 8) == 1  # fp32: MKL, no per-shape kernels
-    assert mm.expert_block(x.bfloat16(), 128, 8) == mm.EXPERT_BLOCK
-    assert mm.expert_block(x.bfloat16(), 2, 8) == 1  # a decoding step keeps its two rows
+    assert cpu_kernels.expert_block(x, 128, 8) == 1  # fp32: MKL, no per-shape kernels
+    assert cpu_kernels.expert_block(x.bfloat16(), 128, 8) == cpu_kernels.EXPERT_BLOCK
+    assert cpu_kernels.expert_block(x.bfloat16(), 2, 8) == 1  # a decoding step keeps its two rows
 
 
 def test_every_layer_returns_its_routing(family):
