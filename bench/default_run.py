@@ -14,8 +14,9 @@ stdout and bench/results/default-run.md.
 
     python bench/default_run.py --before /tmp/minimoe-before --steps 12 --flags "--dtype bfloat16"
 
---steps N stops each process after N optimizer steps (train.py --stop-after-steps, no validation):
-the step time (median over steps 2..N) and the peak RSS of training, in a fraction of an epoch's time.
+--steps N kills each process (SIGKILL) once its metrics.jsonl holds N step records, before any
+validation: the step time (median over steps 2..N) and the peak RSS of training, in a fraction of an
+epoch's time. The kill comes from outside, so the other tree needs no flag of this tree's.
 """
 from __future__ import annotations
 
@@ -34,22 +35,34 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 
+def step_records(metrics: Path) -> list[dict]:
+    """The complete step records of a metrics.jsonl being written (a last line may be torn)."""
+    lines = metrics.read_text().split("\n")[:-1] if metrics.is_file() else []
+    return [r for r in map(json.loads, lines) if r["kind"] == "step"]
+
+
 def one_run(tree: Path, flags: list[str], steps: int | None = None) -> dict:
     """train.py in `tree`, in a fresh process and a fresh run folder -> its timings and peak RSS;
-    with `steps`, stopped after that many optimizer steps."""
-    flags = [*flags, "--stop-after-steps", str(steps)] if steps else flags
+    with `steps`, killed once it has logged that many optimizer steps."""
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "train.py", "--out-dir", out, "--run-name", "run", "--quiet", *flags]
         env = dict(os.environ, PYTHONPATH=str(tree))
+        metrics, log = Path(out) / "run" / "metrics.jsonl", Path(out) / "train.log"
         t0 = time.perf_counter()
-        child = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        output = child.stdout.read()
-        _, status, usage = os.wait4(child.pid, 0)
+        with open(log, "w") as output:
+            child = subprocess.Popen(cmd, cwd=tree, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
+        killed = False
+        while not (ended := os.wait4(child.pid, os.WNOHANG if steps else 0))[0]:  # wait4: the child's own peak RSS
+            if not killed and len(step_records(metrics)) >= steps:
+                child.kill()
+                killed = True
+            time.sleep(0.05)
+        _, status, usage = ended
         wall = time.perf_counter() - t0
-        if os.waitstatus_to_exitcode(status) and not (steps and "stopped after step" in output):
-            raise SystemExit(f"{tree}: train.py failed:\n{output[-3000:]}")
-        records = [json.loads(line) for line in (Path(out) / "run" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["kind"] == "step"]
+        if os.waitstatus_to_exitcode(status) and not killed:
+            raise SystemExit(f"{tree}: train.py failed:\n{log.read_text()[-3000:]}")
+        records = [json.loads(line) for line in metrics.read_text().split("\n")[:-1]]
+    steps = [r for r in records if r["kind"] == "step"][:steps]
     epoch = [r for r in records if r["kind"] == "epoch"]
     return {"epoch_s": sum(r["seconds"] for r in steps), "val_s": sum(r["val_seconds"] for r in epoch),
             "step_s": statistics.median(r["seconds"] for r in steps[1:] or steps),  # the first compiles kernels
@@ -69,7 +82,8 @@ def main(argv=None):
     p.add_argument("--flags", default="--no-test-eval --no-zero-shot",
                    help="train.py flags for both sides (default: %(default)r)")
     p.add_argument("--after-flags", default="", help="extra train.py flags for this tree only")
-    p.add_argument("--steps", type=int, help="stop each process after this many optimizer steps (no validation)")
+    p.add_argument("--steps", type=int, help="kill each process once it has logged this many optimizer steps "
+                   "(no validation)")
     args = p.parse_args(argv)
     sides = {"before": (Path(args.before).resolve(), shlex.split(args.flags)),
              "after": (ROOT, shlex.split(args.flags) + shlex.split(args.after_flags))}
@@ -82,7 +96,7 @@ def main(argv=None):
     what = "step_s" if args.steps else "epoch_s"
     ratio = [b[what] / a[what] for a, b in zip(runs["after"], runs["before"])]
     lines = [f"train.py {args.flags} {args.after_flags and '(after: + ' + args.after_flags + ')'}"
-             f"{f' --stop-after-steps {args.steps}' if args.steps else ''}; "
+             f"{f', killed after {args.steps} steps' if args.steps else ''}; "
              f"{args.rounds} interleaved rounds, median [min-max]; load average at the end "
              f"{os.getloadavg()[0]:.1f}", "",
              "| tree | epoch s | median step s | validation s | process s | peak RSS GiB | val choice NLL | val accuracy |",

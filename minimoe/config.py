@@ -124,8 +124,6 @@ class TrainConfig:
     no_test_eval: bool = False  # stop after training and selection
     test_checkpoint: str | None = None  # last | selected | both; None: as the paper reports the row
     zero_shot: bool | None = None  # also score the base model first; None: train.py decides per model
-    stop_after_epochs: int | None = None  # simulates a kill (resume tests)
-    stop_after_steps: int | None = None  # likewise, after a global step
     quiet: bool = False  # no progress bars
     report_to: str = "none"  # also log metrics.jsonl's lines to tensorboard | wandb (minimoe/tracking.py)
 

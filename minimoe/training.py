@@ -38,6 +38,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,9 +313,14 @@ def restore(run: Path, state: dict | None, optimizer, scheduler, rank: int) -> P
     return start
 
 
-def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: bool = False):
+def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: bool = False,
+          on_step: Callable[[Position], object] = lambda position: None,
+          on_epoch_end: Callable[[Position], object] = lambda position: None):
     """Fit `model` (LoRA + method already installed) on data["train"]; select on data["val"]. Returns the
-    optimizer steps this call ran: 0 when a resumed run had finished training."""
+    optimizer steps this call ran: 0 when a resumed run had finished training.
+    on_step and on_epoch_end are called with the Position reached after each optimizer step (logged, and
+    its step checkpoint written when one is due) and after each epoch (validated and checkpointed): the
+    points a killed run resumes from (tests/kill.py stops runs there)."""
     rank, world_size = world()
     state = load_latest(run, model) if resume else None  # before the optimizer (see load_latest)
     optimizer = make_optimizer(model, cfg)
@@ -355,8 +361,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
                 every = cfg.save_every_steps
                 if every and step % every == 0 and s + 1 < steps:  # at the end, the epoch checkpoint
                     save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg.model)
-            if cfg.stop_after_steps == step and step < total:
-                raise SystemExit(f"stopped after step {step} as asked (--stop-after-steps); continue with --resume")
+            on_step(Position(epoch - 1, s + 1, step))
         t0 = time.perf_counter()
         val = score_split(model, tokenizer, data["val"], cfg)
         if rank == 0:
@@ -367,8 +372,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
             save_epoch(run, model, optimizer, scheduler, epoch, step, cfg.model)
         if dist.is_initialized():
             dist.barrier()
-        if cfg.stop_after_epochs and epoch >= cfg.stop_after_epochs and epoch < cfg.epochs:
-            raise SystemExit(f"stopped after epoch {epoch} as asked (--stop-after-epochs); continue with --resume")
+        on_epoch_end(Position(epoch, 0, step))
     tracker.close()
     if rank == 0:
         write_selection(run)

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import minimoe
-from minimoe import training
 from minimoe import cpu_kernels
+from minimoe import training
 from minimoe.checkpoint import to_disk_layout
 from minimoe.config import RECIPES, TrainConfig
 from minimoe.lora import add_lora
@@ -32,6 +32,7 @@ from minimoe.tiny import tiny_checkpoint
 from minimoe.tracking import RoutingStats
 
 from conftest import CUDA_TESTS_DEVICE, tiny_model
+from kill import killed_after
 from test_gpu_path import no_expert_loop, step_batches  # noqa: F401 (no_expert_loop: a fixture)
 from bench.common import HostSyncs  # importable once test_gpu_path has put the repository root on sys.path
 from test_lora import check_dropout_step_equals_peft, check_fused_bank_lora_equals_peft
@@ -328,8 +329,8 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_does(tmp_path):
     scheduler state or repeats a step: each moves entries by about a step, ~1e-3. On the CPU it is
     bit-identical (tests/test_train_cli.py), which the tolerance admits too."""
     straight = run_train(tmp_path, *DEVICE_FLAGS, *RESUME, name="straight")
-    with pytest.raises(SystemExit, match="stopped after step 5"):
-        run_train(tmp_path, *DEVICE_FLAGS, *RESUME, "--stop-after-steps", "5", name="killed")
+    with pytest.raises(SystemExit, match="stopped after step 5"), killed_after(steps=5):
+        run_train(tmp_path, *DEVICE_FLAGS, *RESUME, name="killed")
     killed = tmp_path / "killed"
     assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["epoch-1", "step-4"]
     run_train(tmp_path, *DEVICE_FLAGS, *RESUME, "--resume", name="killed")

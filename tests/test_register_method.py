@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from minimoe.cli import train
 from minimoe.cli import evaluate
 from minimoe.routing import Method, NativeRouter, lookup_method, register_method
+from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "my_method.py"
@@ -41,8 +42,8 @@ def test_a_method_from_a_file_trains_resumes_loads_evaluates_and_reports(tmp_pat
     monkeypatch.chdir(REPO)  # --method-module as the README types it, relative to the checkout
     out, splits = tmp_path / "runs", ["--data-dir", str(tmp_path / "splits")]
     train.main([*FLAGS, *splits, "--out-dir", str(tmp_path / "straight"), "--no-test-eval"])
-    with pytest.raises(SystemExit, match="stopped after epoch 1"):
-        train.main([*FLAGS, *splits, "--out-dir", str(out), "--stop-after-epochs", "1"])
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        train.main([*FLAGS, *splits, "--out-dir", str(out)])
     [run] = out.iterdir()
     assert run.name.endswith("-Biased-temperature2-seed42")  # label and the option off its default name the run
     cfg = json.loads((run / "config.json").read_text())

@@ -27,6 +27,7 @@ from minimoe.runs import run_lock
 from minimoe.tiny import tiny_checkpoint
 from minimoe.training import write_selection
 from minimoe.upcycle import upcycle
+from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = ["--batch-size", "8", "--epochs", "1", "--quiet"]  # 8 train examples: one step
@@ -150,8 +151,8 @@ def test_an_edited_registered_split_is_refused_and_resume_refuses_other_data(tmp
 
     flags = ["--model", "tiny", "--out-dir", str(tmp_path), "--run-name", "r", "--max-train-examples", "8", *SMOKE[:2],
              "--epochs", "2", "--no-test-eval", "--quiet"]
-    with pytest.raises(SystemExit, match="stopped after epoch 1"):
-        train.main([*flags, "--data-dir", str(splits), "--stop-after-epochs", "1"])
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        train.main([*flags, "--data-dir", str(splits)])
     other = tmp_path / "other"
     shutil.copytree(splits, other)
     edited = other / "arc_challenge" / "train.jsonl"

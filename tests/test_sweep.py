@@ -19,6 +19,7 @@ from minimoe import sweep as sw
 from minimoe.diagnostics import accuracy_table
 from minimoe.tiny import tiny_checkpoint
 
+REPO = Path(__file__).resolve().parents[1]
 SMOKE = ["--batch-size", "8", "--epochs", "2", "--quiet"]  # 8 examples: one step per epoch
 
 
@@ -70,7 +71,7 @@ def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
     cells = sweep.main(sweep_args(tmp_path, data, "--dry-run"))
     assert [c.state() for c in cells] == ["missing"] * 4
     killed, job = cells[1], cells[3]
-    sw.subprocess.run([sw.sys.executable, *sw.TRAIN, *killed.train_args(), "--stop-after-epochs", "1"])
+    sw.subprocess.run([sw.sys.executable, "-m", "tests.kill", "--after-epochs", "1", *killed.train_args()], cwd=REPO)
     assert killed.state() == "partial"
     # the job as --slurm-gpus 2 runs it: two data-parallel processes under torchrun (gloo on CPU)
     assert [j.result() for j in sw.submit_slurm([job], cluster="local", wait=True, timeout_min=5, nproc=2)] == [0]

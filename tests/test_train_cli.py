@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from minimoe.cli import train
 from minimoe.routing import ALIASES
 from minimoe.tiny import tiny_checkpoint
+from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "1", "--no-test-eval", "--quiet"]
@@ -66,8 +67,8 @@ def test_same_seed_gives_identical_runs(tmp_path):
 def test_resume_after_a_kill_ends_where_the_uninterrupted_run_does(tmp_path):
     """Killed after epoch 1, resumed: epoch-2 adapter, optimizer path and metrics equal the straight run."""
     straight = run_train(tmp_path, "--method", "tes", "--epochs", "2", name="straight")
-    with pytest.raises(SystemExit, match="stopped after epoch 1"):
-        run_train(tmp_path, "--method", "tes", "--epochs", "2", "--stop-after-epochs", "1", name="killed")
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        run_train(tmp_path, "--method", "tes", "--epochs", "2", name="killed")
     assert not (tmp_path / "killed" / "checkpoints" / "epoch-2").exists()
     resumed = run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
     for key, value in adapter(straight, 2).items():
@@ -105,8 +106,8 @@ def test_resume_from_a_mid_epoch_checkpoint_ends_where_the_uninterrupted_run_doe
     the checkpoint (the log's records up to it stay as written), skips the epoch's steps already done, and
     ends on the straight run's adapter and log; the step checkpoint goes once the epoch's is written."""
     straight = straight_run(*flags)
-    with pytest.raises(SystemExit, match=f"stopped after step {kill}"):
-        run_train(tmp_path, *MID_EPOCH, *flags, *save, "--stop-after-steps", str(kill), name="killed")
+    with pytest.raises(SystemExit, match=f"stopped after step {kill}"), killed_after(steps=kill):
+        run_train(tmp_path, *MID_EPOCH, *flags, *save, name="killed")
     run = tmp_path / "killed"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == left
     before = [r for r in records(run) if r["step"] <= int(left[-1].split("-")[1])]
@@ -123,8 +124,8 @@ def test_resume_from_a_mid_epoch_checkpoint_ends_where_the_uninterrupted_run_doe
 
 def test_corrupt_step_checkpoint_falls_back_to_the_epoch_before(tmp_path, straight_run, caplog):
     straight = straight_run()
-    with pytest.raises(SystemExit, match="stopped after step 10"):
-        run_train(tmp_path, *MID_EPOCH, "--save-every-steps", "4", "--stop-after-steps", "10", name="killed")
+    with pytest.raises(SystemExit, match="stopped after step 10"), killed_after(steps=10):
+        run_train(tmp_path, *MID_EPOCH, "--save-every-steps", "4", name="killed")
     run = tmp_path / "killed"
     state = run / "checkpoints" / "step-8" / "training_state.pt"
     state.write_bytes(state.read_bytes()[:1000])
@@ -264,8 +265,8 @@ def test_overlapping_splits_are_refused_before_any_run_folder(tmp_path, test_row
 
 
 def killed_after_epoch_1(tmp_path, name="killed"):
-    with pytest.raises(SystemExit, match="stopped after epoch 1"):
-        run_train(tmp_path, "--method", "tes", "--epochs", "2", "--stop-after-epochs", "1", name=name)
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        run_train(tmp_path, "--method", "tes", "--epochs", "2", name=name)
     return tmp_path / name
 
 
@@ -282,8 +283,8 @@ def test_resume_does_not_score_the_base_model_again(tmp_path, monkeypatch):
     from minimoe import evaluation
     data = manifests(tmp_path, train=lambda pool: pool[:16], val=lambda pool: pool[16:20], test=lambda pool: pool[20:26])
     flags = ["--data", str(data), "--method", "ce", "--epochs", "2", "--zero-shot"]
-    with pytest.raises(SystemExit, match="stopped after epoch 1"):
-        run_train(tmp_path, *flags, "--stop-after-epochs", "1", name="killed")
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        run_train(tmp_path, *flags, name="killed")
     base = tmp_path / "killed" / "eval" / "test-base" / "metrics.json"
     written = base.stat().st_mtime_ns
     config = json.loads((tmp_path / "killed" / "config.json").read_text())  # the zero-shot row names its process
@@ -412,8 +413,8 @@ def test_resume_accepts_what_does_not_change_the_result(tmp_path):
     """A moved run folder, an explicit --run-name equal to the default, --eval-batch-size, test evaluation on."""
     flags = ["--model", "tiny", "--data-dir", str(tmp_path / "splits"), "--max-train-examples", "16",
              "--batch-size", "8", "--quiet", "--method", "tes", "--epochs", "2"]
-    with pytest.raises(SystemExit, match="stopped after epoch 1"):
-        train.main(["--out-dir", str(tmp_path / "a"), *flags, "--no-test-eval", "--stop-after-epochs", "1"])
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        train.main(["--out-dir", str(tmp_path / "a"), *flags, "--no-test-eval"])
     [run] = (tmp_path / "a").iterdir()
     (tmp_path / "b").mkdir()
     moved = run.rename(tmp_path / "b" / run.name)
@@ -543,14 +544,31 @@ def test_resume_compares_settings_not_how_config_json_spells_them(tmp_path):
 def test_resume_with_nothing_but_the_run_folder_ends_where_the_uninterrupted_run_does(tmp_path):
     """`--resume RUN` alone reads every setting from RUN/config.json; the result is bit-identical."""
     straight = run_train(tmp_path, "--method", "tes", "--epochs", "2", "--lora-rank", "4", name="straight")
-    with pytest.raises(SystemExit, match="stopped after epoch 1"):
-        run_train(tmp_path, "--method", "tes", "--epochs", "2", "--lora-rank", "4", "--stop-after-epochs", "1",
-                  name="killed")
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        run_train(tmp_path, "--method", "tes", "--epochs", "2", "--lora-rank", "4", name="killed")
     run = tmp_path / "killed"
     train.main(["--resume", str(run)])
     for key, value in adapter(straight, 2).items():
         assert torch.equal(value, adapter(run, 2)[key]), key
     assert json.loads((run / "config.json").read_text())["lora_rank"] == 4
+
+
+def test_a_config_json_that_records_the_retired_kill_switch_still_resumes_and_relaunches(tmp_path):
+    """Before tests/kill.py, hidden --stop-after-epochs/--stop-after-steps flags killed runs, and
+    config.json recorded them (a killed run: its value). Such a file resumes (--resume compares it with
+    the settings) and, as a --config settings file, relaunches: read_run_config drops the two keys."""
+    from dataclasses import fields
+
+    from minimoe.config import TrainConfig
+    run = killed_after_epoch_1(tmp_path)
+    old = {**json.loads((run / "config.json").read_text()), "stop_after_epochs": 1, "stop_after_steps": None}
+    (run / "config.json").write_text(json.dumps(old, indent=2))
+    settings = {f.name: old[f.name] for f in fields(TrainConfig)} | {"stop_after_epochs": 1}  # no run record
+    (tmp_path / "settings.json").write_text(json.dumps(settings))
+    run_train(tmp_path, "--method", "tes", "--epochs", "2", "--resume", name="killed")
+    assert json.loads((run / "selection.json").read_text())["last_epoch"] == 2
+    train.main(["--config", str(tmp_path / "settings.json"), "--out-dir", str(tmp_path / "again"), "--epochs", "1"])
+    assert json.loads((tmp_path / "again" / "killed" / "selection.json").read_text())["last_epoch"] == 1
 
 
 def test_relaunch_from_config_json_repeats_the_run_and_flags_beside_it_override(tmp_path):

@@ -253,3 +253,30 @@ def test_two_micro_batches_give_the_aux_and_method_terms_of_one_full_batch():
         assert accumulated[key] == pytest.approx(full[key], rel=1e-5), key
     for name in full_grads:
         torch.testing.assert_close(accumulated_grads[name], full_grads[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_the_loops_hooks_see_each_position_a_checkpoint_resumes_from(tmp_path):
+    """train's on_step and on_epoch_end (tests/kill.py's kill points) are called after every optimizer step
+    and every epoch with where training stands: 10 examples at 4 a step are 3 steps an epoch (the last
+    partial), and the position equals the newest checkpoint's (--save-every-steps 1: a step checkpoint
+    after each step but an epoch's last, whose checkpoint is the epoch's, written after validation)."""
+    from functools import partial
+    from unittest import mock
+
+    from minimoe.data import load_examples
+    from minimoe.runs import latest_checkpoint
+    seen = {"step": [], "epoch": []}
+    run = tmp_path / "run"
+
+    def hook(kind, position):
+        _, state = latest_checkpoint(run)
+        seen[kind].append((position, training.Position(state["epoch"], state.get("epoch_step", 0), state["step"])))
+    data = manifest_folder(tmp_path, load_examples("arc_challenge")[:10])
+    with mock.patch.object(train, "train", partial(training.train, on_step=partial(hook, "step"),
+                                                   on_epoch_end=partial(hook, "epoch"))):
+        train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(data), "--quiet",
+                    "--no-test-eval", "--method", "ce", "--batch-size", "4", "--epochs", "2", "--save-every-steps", "1"])
+    P = training.Position
+    assert [p for p, _ in seen["step"]] == [P(0, 1, 1), P(0, 2, 2), P(0, 3, 3), P(1, 1, 4), P(1, 2, 5), P(1, 3, 6)]
+    assert [p for p, _ in seen["epoch"]] == [P(1, 0, 3), P(2, 0, 6)]
+    assert all(p == saved for p, saved in seen["epoch"] + [s for s in seen["step"] if s[0].epoch_step < 3])
