@@ -3,7 +3,7 @@
     RUN/eval/<split>            the last epoch's adapter (train.py's test scoring, evaluate.py --adapter RUN)
     RUN/eval/<split>-selected   the validation-NLL-selected epoch's (--checkpoint selected)
     RUN/eval/<split>-base       the base model before training (train.py --zero-shot)
-and in each one (evaluation.score_and_write):
+and in each one (evaluation.score):
     metrics.json                the numbers, identity keys and "diagnostics"
     predictions.jsonl           one line per example
     tokens-<split>.npz          per gold-answer-token arrays (tokens-train.npz too, with train diagnostics)

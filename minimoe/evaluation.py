@@ -1,12 +1,13 @@
 """Evaluation: answer-choice accuracy of a checkpoint (+ adapter) on one split, and routing diagnostics.
 
-`evaluate_split` scores an in-memory model on a list of examples. `run_evaluation` is the one
-entry that resolves what to evaluate (a run or adapter folder, its base model and data, the train
-population), loads model and adapter unless it is handed a model in memory, scores, and writes
-the output folder atomically (`atomic_directory`; its files: minimoe/eval_folder.py; error-prediction
-plots for a method that predicts the error).
-`evaluate_run` (train.py's test scoring, into RUN/eval/<split>) and `evaluate_zero_shot` (the base
-model, RUN/eval/<split>-base) call it. `accuracy_report` turns many metrics.json into the paper's table.
+`evaluate_split` scores an in-memory model on a list of examples. An evaluation folder is made in
+two steps: `load_evaluation` resolves what to evaluate (a run or adapter folder, its base model and
+data, the train population) and loads it into an `Evaluation`; `score` scores that and writes the
+output folder atomically (`atomic_directory`; its files: minimoe/eval_folder.py; error-prediction
+plots for a method that predicts the error). evaluate.py runs the two; train.py's test scoring
+(`evaluate_run`, into RUN/eval/<split>) and `evaluate_zero_shot` (the base model, RUN/eval/<split>-base)
+make the Evaluation of the model they hold instead of loading one. `accuracy_report` turns many
+metrics.json into the paper's table.
 
 Scoring (paper, "Experimental Configuration"): all candidates of `batch_size` examples run in one
 forward (`make_choice_batch`). Examples are sorted by a length proxy
@@ -345,24 +346,105 @@ def _train_limit(max_examples, run_config) -> int | None:
     return min(limits) if limits else None
 
 
-def score_and_write(model, tokenizer, examples, out, identity: dict, *, train_examples=None,
-                    batch_size: int = 16, max_length: int | None = None, packed: bool = True,
-                    quiet: bool = False) -> dict:
-    """Score, summarise and write `out` atomically (temp folder beside it, swapped in at the end)."""
-    split = identity["split"]
-    records, metrics, arrays = evaluate_split(model, tokenizer, examples, batch_size=batch_size,
-                                              max_length=max_length, packed=packed,
+@dataclass
+class Evaluation:
+    """A loaded model and the split to score it on, with what metrics.json says about them: what `score`
+    scores. `load_evaluation` loads one from disk (evaluate.py); `evaluate_run` and `evaluate_zero_shot`
+    make one of the model that train.py holds in memory."""
+    model: torch.nn.Module
+    tokenizer: object
+    examples: list[Example]  # the split as scored: cut to --max-examples
+    identity: dict  # metrics.json's keys that say what was evaluated (`_identity`) and by what ("provenance")
+    train_examples: list[Example] | None = None  # the train population of the error-prediction deciles
+    batch_size: int = 16  # examples per forward
+    max_length: int | None = None  # prompt + candidate tokens (make_choice_batch cuts prompts from the left)
+    packed: bool = True  # one row per example; False: a row per candidate (the reference layout)
+
+
+def load_model(folder, adapter: AdapterSource | None, *, device: torch.device, dtype: str = "auto",
+               allow_other_base: bool = False):
+    """The checkpoint in `folder` on `device` (runs.pick_device's), in `dtype` ("auto": train.py's rule,
+    runs.pick_dtype), with `adapter` loaded onto it -> (model, tokenizer)."""
+    model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, device)], device=device)
+    tokenizer = load_tokenizer(folder)
+    if adapter is not None:
+        load_adapter(model, adapter.folder, allow_other_base=allow_other_base)
+    return model, tokenizer
+
+
+def load_evaluation(*, base_model: str | None = None, adapter=None, checkpoint: str | None = None,
+                    data: str | None = None, split: str = "test", data_dir=None, max_examples: int | None = None,
+                    max_length: int | None = None, batch_size: int = 16, packed: bool | None = None,
+                    train_split_diagnostics: bool | None = None, device: str = "auto", dtype: str = "auto",
+                    model_revision: str | None = None, cache_dir=None, allow_other_base: bool = False) -> Evaluation:
+    """What evaluate.py scores, loaded: `base_model` (a folder or hub id) with the `adapter` (a run folder,
+    at its `checkpoint`, or an adapter folder) loaded onto it, and `split` of `data`. Left out,
+    base_model, data, data_dir, max_length and packed are the run's (config.json; packed else True), and
+    so are the revision and cache folder of the run's own base model. train_split_diagnostics=None loads
+    the train population only for an adapter whose method predicts the error.
+    Everything that can fail on bad input fails here, before `score` writes anything: the folders and
+    manifests first, then the model and adapter.
+    """
+    source = resolve_adapter(adapter, checkpoint) if adapter is not None else None
+    run_config = source.run_config if source else {}
+    base_model = base_model or run_config.get("model")
+    if base_model is None:
+        raise ValueError("no model: pass --model, or an --adapter run folder whose config.json names it")
+    if run_config.get("model") and str(run_config["model"]) != str(base_model):
+        log.warning("--model %s differs from the run's model %s; the adapter's fingerprint check still applies",
+                    base_model, run_config["model"])
+    if base_model == run_config.get("model"):  # the run's own base: at the revision it trained on
+        model_revision = model_revision or run_config.get("model_revision")
+        cache_dir = cache_dir or run_config.get("cache_dir")
+    data = data or run_config.get("data")
+    if data is None:
+        raise ValueError("no data: pass --data, or an --adapter run folder whose config.json names its data")
+    data_dir = data_dir or run_config.get("data_dir") or DEFAULT_DATA_DIR
+    max_length = max_length or run_config.get("max_length")
+    packed = run_config.get("packed", True) if packed is None else packed  # the run's row layout
+    examples = load_examples_for(data, split, data_dir)
+    record = split_record(data, split, data_dir, examples)  # the whole split, before --max-examples cuts it
+    examples = first(examples, max_examples)
+    train_examples = train_population(source, data, split, data_dir, max_examples, train_split_diagnostics)
+
+    torch_device = pick_device(device)
+    folder = resolve_checkpoint(base_model, cache_dir, model_revision)  # a hub id: its snapshot at a commit
+    model, tokenizer = load_model(folder, source, device=torch_device, dtype=dtype, allow_other_base=allow_other_base)
+    keys = _identity(source, base_model=base_model, model=model, data=data, split=split, batch_size=batch_size,
+                     max_examples=max_examples, max_length=max_length, split_record=record)
+    keys["provenance"] = provenance(base_model, folder, revision=model_revision, device=torch_device)
+    return Evaluation(model, tokenizer, examples, keys, train_examples, batch_size, max_length, packed)
+
+
+def train_population(source: AdapterSource | None, data, split: str, data_dir, max_examples: int | None,
+                     wanted: bool | None) -> list[Example] | None:
+    """The train split that the error-prediction deciles set the scored split against, as the run cut
+    it, or None: not wanted (None: only for an adapter whose method predicts the error)."""
+    if not _wants_train_population(wanted, source, split):
+        return None
+    run_config = source.run_config if source else {}
+    return load_examples_for(train_data_for(data), "train", data_dir, _train_limit(max_examples, run_config))
+
+
+def score(evaluation: Evaluation, out, *, quiet: bool = False) -> dict:
+    """Score the evaluation's split, summarise, and write `out` atomically (temp folder beside it, swapped
+    in at the end: minimoe/eval_folder.py names its files); returns the metrics.json content."""
+    check_replaceable(out, "evaluation")  # never replace a run, runs/ or an adapter; fail before any work
+    e = evaluation
+    split = e.identity["split"]
+    records, metrics, arrays = evaluate_split(e.model, e.tokenizer, e.examples, batch_size=e.batch_size,
+                                              max_length=e.max_length, packed=e.packed,
                                               progress=None if quiet else f"scoring {split}")
     train_arrays = None
     extra = {}
-    if train_examples is not None:
-        _, train_metrics, train_arrays = evaluate_split(model, tokenizer, train_examples, batch_size=batch_size,
-                                                        max_length=max_length, packed=packed,
-                                                        progress=None if quiet else "scoring train")
+    if e.train_examples is not None:
+        _, train_metrics, train_arrays = evaluate_split(e.model, e.tokenizer, e.train_examples,
+                                                        batch_size=e.batch_size, max_length=e.max_length,
+                                                        packed=e.packed, progress=None if quiet else "scoring train")
         extra = {"train_examples": train_metrics["n_examples"], "train_accuracy": train_metrics["accuracy"]}
-    label = f"{identity['method']}, {identity['dataset']}: "
+    label = f"{e.identity['method']}, {e.identity['dataset']}: "
     diagnostics, plots = diagnostics_report(arrays, split, train_arrays, label=label)
-    result = json_safe({**identity, **metrics, "diagnostics": {**diagnostics, **extra}})
+    result = json_safe({**e.identity, **metrics, "diagnostics": {**diagnostics, **extra}})
     with atomic_directory(out, "evaluation") as tmp:
         with open(tmp / PREDICTIONS, "w", encoding="utf-8") as f:
             for r in records:
@@ -395,79 +477,11 @@ def _identity(source: AdapterSource | None, *, base_model, model, data, split, b
             "batch_size": batch_size, "max_examples": max_examples, "max_length": max_length}
 
 
-def run_evaluation(*, out, base_model: str | None = None, adapter=None, checkpoint: str | None = None,
-                   data: str | None = None, split: str = "test", data_dir=None, max_examples: int | None = None,
-                   max_length: int | None = None, batch_size: int = 16, device: str = "auto", dtype: str = "auto",
-                   train_split_diagnostics: bool | None = None, allow_other_base: bool = False,
-                   packed: bool | None = None, model_revision: str | None = None, cache_dir=None, quiet: bool = False,
-                   model=None, tokenizer=None, examples: list[Example] | None = None,
-                   train_examples: list[Example] | None = None, identity: dict | None = None) -> dict:
-    """Evaluate one split and write `out`; returns the metrics.json content. The one entry: evaluate.py,
-    `evaluate_run` (train.py's test scoring) and `evaluate_zero_shot` come through here.
-
-    What is scored: `base_model` (a folder or hub id) with the `adapter` (a run folder, at its `checkpoint`,
-    or an adapter folder) loaded onto it; or `model` with its `tokenizer`, already in memory (train.py's,
-    trained: `adapter` then names its run, for the identity keys, and nothing is loaded). Left out,
-    base_model, data, data_dir, max_length and packed are the run's (config.json; packed else True).
-    examples / train_examples: the split and the train population already in memory (train.py's), read
-    from `data` otherwise. train_split_diagnostics=None scores the train population only for adapters
-    whose method predicts the error.
-    identity: metrics.json keys set over the resolved ones (the zero-shot row's method).
-    Everything that can fail on bad input (folders, manifests, model, adapter) is checked before the
-    output folder is created.
-    """
-    check_replaceable(out, "evaluation")  # never replace a run, runs/ or an adapter; fail before any work
-    if model is not None and tokenizer is None:
-        raise ValueError("an in-memory model needs its tokenizer")
-    source = resolve_adapter(adapter, checkpoint) if adapter is not None else None
-    run_config = source.run_config if source else {}
-    base_model = base_model or run_config.get("model")
-    if base_model is None:
-        raise ValueError("no model: pass --model, or an --adapter run folder whose config.json names it")
-    if run_config.get("model") and str(run_config["model"]) != str(base_model):
-        log.warning("--model %s differs from the run's model %s; the adapter's fingerprint check still applies",
-                    base_model, run_config["model"])
-    if base_model == run_config.get("model"):  # the run's own base: at the revision it trained on
-        model_revision = model_revision or run_config.get("model_revision")
-        cache_dir = cache_dir or run_config.get("cache_dir")
-    data = data or run_config.get("data")
-    if data is None:
-        raise ValueError("no data: pass --data, or an --adapter run folder whose config.json names its data")
-    data_dir = data_dir or run_config.get("data_dir") or DEFAULT_DATA_DIR
-    max_length = max_length or run_config.get("max_length")
-    packed = run_config.get("packed", True) if packed is None else packed  # the run's row layout
-    if examples is None:
-        examples = load_examples_for(data, split, data_dir)
-    record = split_record(data, split, data_dir, examples)  # the whole split, before --max-examples cuts it
-    examples = first(examples, max_examples)
-    if not _wants_train_population(train_split_diagnostics, source, split):
-        train_examples = None
-    elif train_examples is None:
-        train_examples = load_examples_for(train_data_for(data), "train", data_dir,
-                                           _train_limit(max_examples, run_config))
-
-    if model is None:
-        torch_device = pick_device(device)
-        folder = resolve_checkpoint(base_model, cache_dir, model_revision)  # a hub id: its snapshot at a commit
-        model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, torch_device)], device=torch_device)
-        tokenizer = load_tokenizer(folder)
-        if source is not None:
-            load_adapter(model, source.folder, allow_other_base=allow_other_base)
-        made_by = provenance(base_model, folder, revision=model_revision, device=torch_device)
-    else:
-        made_by = run_config.get("provenance")  # the process that trained the model in memory (config.json)
-    keys = _identity(source, base_model=base_model, model=model, data=data, split=split, batch_size=batch_size,
-                     max_examples=max_examples, max_length=max_length, split_record=record)
-    keys = {**keys, "provenance": made_by, **(identity or {})}
-    return score_and_write(model, tokenizer, examples, out, keys, train_examples=train_examples,
-                           batch_size=batch_size, max_length=max_length, packed=packed, quiet=quiet)
-
-
 def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, examples=None, train_examples=None,
                  out=None, checkpoint: str | None = None, batch_size: int = 16,
                  train_split_diagnostics: bool | None = None, device: str = "auto", dtype: str = "auto",
                  quiet: bool = False) -> dict:
-    """`run_evaluation` of a finished run into RUN/eval/<split> (RUN/eval/<split>-selected for checkpoint="selected").
+    """A finished run scored into RUN/eval/<split> (RUN/eval/<split>-selected for checkpoint="selected").
 
     With `model` (and `tokenizer`): the in-memory model as train.py ends with it, i.e. the last epoch,
     on `examples` (default: the run's split, read again) and, for the train population, `train_examples`.
@@ -476,10 +490,32 @@ def evaluate_run(run, split: str = "test", *, model=None, tokenizer=None, exampl
     if model is not None and checkpoint not in (None, "last"):
         raise ValueError(f"evaluate_run: checkpoint={checkpoint!r} with an in-memory model, which holds the last "
                          f"epoch; leave model=None to load the {checkpoint} checkpoint from {run}")
-    return run_evaluation(out=eval_dir(run, split, checkpoint) if out is None else out, adapter=run,
-                          checkpoint=checkpoint, split=split, batch_size=batch_size, device=device, dtype=dtype,
-                          train_split_diagnostics=train_split_diagnostics, quiet=quiet, model=model,
-                          tokenizer=tokenizer, examples=examples, train_examples=train_examples)
+    out = eval_dir(run, split, checkpoint) if out is None else out
+    check_replaceable(out, "evaluation")  # before loading anything
+    if model is None:
+        if examples is not None or train_examples is not None:
+            raise ValueError("evaluate_run: examples and train_examples go with an in-memory model; without one "
+                             f"the run's own splits are read from {run}/config.json's data")
+        evaluation = load_evaluation(adapter=run, checkpoint=checkpoint, split=split, batch_size=batch_size,
+                                     train_split_diagnostics=train_split_diagnostics, device=device, dtype=dtype)
+        return score(evaluation, out, quiet=quiet)
+    if tokenizer is None:
+        raise ValueError("an in-memory model needs its tokenizer")
+    source = resolve_adapter(run)
+    config = source.run_config  # the run's settings, and the process that trained the model (provenance)
+    data, data_dir = config["data"], config.get("data_dir") or DEFAULT_DATA_DIR
+    examples = load_examples_for(data, split, data_dir) if examples is None else examples
+    if train_examples is None:
+        train_examples = train_population(source, data, split, data_dir, None, train_split_diagnostics)
+    elif not _wants_train_population(train_split_diagnostics, source, split):
+        train_examples = None
+    keys = _identity(source, base_model=config["model"], model=model, data=data, split=split,
+                     batch_size=batch_size, max_examples=None, max_length=config.get("max_length"),
+                     split_record=split_record(data, split, data_dir, examples))
+    keys["provenance"] = config.get("provenance")
+    evaluation = Evaluation(model, tokenizer, examples, keys, train_examples, batch_size, config.get("max_length"),
+                            config.get("packed", True))
+    return score(evaluation, out, quiet=quiet)
 
 
 def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test") -> dict:
@@ -492,10 +528,13 @@ def evaluate_zero_shot(run, model, tokenizer, examples, cfg, split: str = "test"
     """
     config = Path(run) / "config.json"
     made_by = read_json(config).get("provenance") if config.is_file() else None
-    return run_evaluation(out=eval_dir(run, split, "base"), base_model=cfg.model, data=cfg.data, split=split,
-                          data_dir=cfg.data_dir, max_length=cfg.max_length, batch_size=cfg.eval_batch_size,
-                          quiet=cfg.quiet, model=model, tokenizer=tokenizer, examples=examples,
-                          identity={"method": "zero-shot", "seed": cfg.seed, "run": str(run), "provenance": made_by})
+    data_dir = cfg.data_dir or DEFAULT_DATA_DIR
+    keys = _identity(None, base_model=cfg.model, model=model, data=cfg.data, split=split,
+                     batch_size=cfg.eval_batch_size, max_examples=None, max_length=cfg.max_length,
+                     split_record=split_record(cfg.data, split, data_dir, examples))
+    keys |= {"provenance": made_by, "method": "zero-shot", "seed": cfg.seed, "run": str(run)}
+    evaluation = Evaluation(model, tokenizer, examples, keys, None, cfg.eval_batch_size, cfg.max_length)
+    return score(evaluation, eval_dir(run, split, "base"), quiet=cfg.quiet)
 
 
 # ----------------------------------------------------------------------------- the accuracy table

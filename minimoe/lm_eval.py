@@ -42,10 +42,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from minimoe.adapters import load_adapter
-from minimoe.checkpoint import DTYPES, from_pretrained, load_tokenizer, resolve_checkpoint
+from minimoe.checkpoint import resolve_checkpoint
+from minimoe.evaluation import load_model
 from minimoe.generate import generate
-from minimoe.runs import pad_id, pick_device, pick_dtype, read_json, resolve_adapter
+from minimoe.runs import pad_id, pick_device, read_json, resolve_adapter
 from minimoe.scoring import forward_choices, pack_choices
 
 log = logging.getLogger(__name__)
@@ -106,11 +106,9 @@ class MiniMoELM(LM):
             device = "cpu"
         torch_device = pick_device(device)
         folder = resolve_checkpoint(pretrained, run_config.get("cache_dir"), revision)
-        self.model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, torch_device)], device=torch_device)
-        if source is not None:
-            load_adapter(self.model, source.folder, allow_other_base=_flag(allow_other_base))
+        self.model, self.tokenizer = load_model(folder, source, device=torch_device, dtype=dtype,
+                                                allow_other_base=_flag(allow_other_base))
         self.model.eval()
-        self.tokenizer = load_tokenizer(folder)
         config = self.model.config
         self.pad = pad_id(config)
         self.prefix_token = config.bos_token_id if config.bos_token_id is not None else config.eos_token_id

@@ -20,7 +20,7 @@ from minimoe.cli import train
 from minimoe import sweep as sw
 from minimoe.atomic import MARKER, atomic_directory
 from minimoe.data import check_disjoint, load_examples, load_split
-from minimoe.evaluation import run_evaluation
+from minimoe.evaluation import load_evaluation, score
 from minimoe.export import export_peft
 from minimoe.lora import add_lora
 from minimoe.runs import run_lock
@@ -123,7 +123,7 @@ def test_reports_count_only_evaluations_of_the_whole_split(tmp_path, finished, d
     assert full["split_sha256"] == config["data_sha256"]["test"] and full["n_examples"] == 4
     cells = [sw.Cell(cell.model, cell.data, cell.row, cell.settings, cell.seed, tmp_path)]
     assert "| CE | " in sw.report(cells)[0] and "missing" not in sw.report(cells)[0]
-    part = run_evaluation(out=run / "eval" / "test", adapter=run, max_examples=2)
+    part = score(load_evaluation(adapter=run, max_examples=2), run / "eval" / "test")
     assert part["n_examples"] == 2 and part["split_examples"] == 4
     text, rows = sw.report(cells)
     assert "missing (0/1)" in text and rows[0]["state"] == "partial evaluation (scored 2 of the run's 4 test examples)"

@@ -274,8 +274,9 @@ def test_the_loops_hooks_see_each_position_a_checkpoint_resumes_from(tmp_path):
     data = manifest_folder(tmp_path, load_examples("arc_challenge")[:10])
     with mock.patch.object(train, "train", partial(training.train, on_step=partial(hook, "step"),
                                                    on_epoch_end=partial(hook, "epoch"))):
-        train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(data), "--quiet",
-                    "--no-test-eval", "--method", "ce", "--batch-size", "4", "--epochs", "2", "--save-every-steps", "1"])
+        train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(data),
+                    "--quiet", "--no-test-eval", "--method", "ce", "--batch-size", "4", "--epochs", "2",
+                    "--save-every-steps", "1"])
     P = training.Position
     assert [p for p, _ in seen["step"]] == [P(0, 1, 1), P(0, 2, 2), P(0, 3, 3), P(1, 1, 4), P(1, 2, 5), P(1, 3, 6)]
     assert [p for p, _ in seen["epoch"]] == [P(1, 0, 3), P(2, 0, 6)]

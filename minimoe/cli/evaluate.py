@@ -257,16 +257,18 @@ def main(argv=None):
             parser.error(f"argument {flag}: {value}: expected an integer >= 1")
     args.data, args.model = own_data(args, parser), model_path(args.model)
     from minimoe.allocator import keep_freed_memory, limit_kernel_cache
-    from minimoe.evaluation import run_evaluation  # after argument checks: torch takes seconds to import
+    from minimoe.atomic import check_replaceable
+    from minimoe.evaluation import load_evaluation, score  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     limit_kernel_cache()  # bf16 on the CPU: one compiled kernel per matrix shape, a few hundred kept
-    metrics = run_evaluation(
-        out=args.eval_dir, base_model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data,
-        split=args.split, data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
-        batch_size=args.eval_batch_size, allow_other_base=args.allow_other_base,
-        device=args.device, dtype=args.dtype, train_split_diagnostics=args.train_split_diagnostics,
-        packed=not args.per_candidate_rows, model_revision=args.model_revision, cache_dir=args.cache_dir,
-        quiet=args.quiet)
+    check_replaceable(args.eval_dir, "evaluation")  # never replace a run, runs/ or an adapter; fail before loading
+    evaluation = load_evaluation(
+        base_model=args.model, adapter=args.adapter, checkpoint=args.checkpoint, data=args.data, split=args.split,
+        data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
+        batch_size=args.eval_batch_size, packed=not args.per_candidate_rows,
+        train_split_diagnostics=args.train_split_diagnostics, device=args.device, dtype=args.dtype,
+        model_revision=args.model_revision, cache_dir=args.cache_dir, allow_other_base=args.allow_other_base)
+    metrics = score(evaluation, args.eval_dir, quiet=args.quiet)
     print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples): "
           f"accuracy {metrics['accuracy']:.4f} (sum {metrics['accuracy_sum']:.4f}, per-char "
           f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.eval_dir}")
