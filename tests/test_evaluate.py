@@ -444,6 +444,16 @@ def test_bad_input_raises_before_any_output(toy, tmp_path, case):
     assert no_leftovers(out)
 
 
+def test_evaluate_run_refuses_examples_without_the_model_they_go_with(tmp_path):
+    """evaluate_run scores a model in memory on the examples it is handed, or loads the run's checkpoint
+    and its own splits: examples without a model would be dropped unread, so they are refused, before
+    any output."""
+    from minimoe.evaluation import evaluate_run
+    with pytest.raises(ValueError, match="examples and train_examples go with an in-memory model"):
+        evaluate_run(tmp_path / "run", examples=[Example("q1", "Which?", ["a", "b"], 0, {})])
+    assert not (tmp_path / "run").exists()
+
+
 def test_other_base_weights_only_with_the_override(toy, tmp_path):
     argv, _, _ = bad_case("adapter of other weights with the same shapes", toy, tmp_path)
     metrics = evaluate.main(argv + ["--out-dir", str(tmp_path / "eval"), "--max-examples", "4", "--allow-other-base"])
