@@ -25,7 +25,8 @@ BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"  # git-ignored
 CHECKPOINTS = BENCH / "checkpoints"  # git-ignored: random checkpoints, tens of GB
 
-# The official shapes (shared/reference/hf-checkpoints.md); `shape(family, layers)` cuts the depth only.
+# The official shapes (the config.json of ibm-granite/granite-3.1-3b-a800m-base and allenai/OLMoE-1B-7B-0924);
+# `shape(family, layers)` cuts the depth only.
 OFFICIAL = {
     "olmoe": dict(model_type="olmoe", vocab_size=50304, hidden_size=2048, intermediate_size=1024,
                   num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, num_experts=64,

@@ -4,7 +4,7 @@ The two families differ only by config fields (see `MoEConfig`); every module be
 Letters in shape comments: B batch, T query positions, S key positions, D hidden, H query heads,
 G key/value heads, d head dim, E experts, K experts per token, I expert width, V vocab, N = T*K rows.
 
-Decisions that matter for parity with `transformers` 4.57 (see shared/reference/hf-checkpoints.md):
+Decisions that matter for parity with `transformers` 4.57 (its modeling_granitemoe.py and modeling_olmoe.py):
 - RMSNorm normalises in fp32, casts back to the input dtype, *then* multiplies by its weight.
 - Router logits are computed in the model dtype and upcast; softmax and top-K run in fp32 because
   bf16 ties and rounding would change which experts run. The combine weights are cast back to the

@@ -4,8 +4,8 @@
     python sweep.py --preset study --models weights/smollm2-split --results results --out-dir runs/from-results
     python evaluate.py compare --results results RUN_A RUN_B [RUN_A RUN_B ...]
 
-Run folders hold checkpoints and live on the machine that trained them; the README's numbers must
-not rest on them. `collect` reads each finished run folder (config.json, metrics.jsonl, and every
+Run folders hold checkpoints and live on the machine that trained them; the study's numbers (docs/study.md)
+must not rest on them. `collect` reads each finished run folder (config.json, metrics.jsonl, and every
 test evaluation under eval/: the reported one, test-selected, test-base) and writes one record per
 run into results/<benchmark>.jsonl.gz (benchmark: metrics.json's "dataset"):
 

@@ -99,8 +99,8 @@ def pick_dtype(name: str, device: torch.device, capabilities: dict | None = None
     `capabilities` defaults to this machine's), float32 on other CPUs and devices; in training and
     evaluation alike, so that a run's end-of-run scores and a later evaluate.py of it agree. bf16 was
     refused on the CPU while it trained 2 points worse than fp32; with each LoRA delta rounded once
-    into its base product (lora.py) the default run in bf16 matches fp32 over three seeds (README,
-    precision). $MINIMOE_CPU_DTYPE (float32 or bfloat16) sets auto's CPU choice instead: an
+    into its base product (lora.py) the default run in bf16 matches fp32 over three seeds
+    (docs/precision.md). $MINIMOE_CPU_DTYPE (float32 or bfloat16) sets auto's CPU choice instead: an
     environment variable reaches the processes that sweep.py and torchrun start, where a flag would have
     to be repeated. bfloat16 on a CPU without native bf16 matmuls is kept when asked for, with a
     warning: there it is slower than float32."""

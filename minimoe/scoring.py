@@ -24,7 +24,7 @@ max_length bounds what one candidate sees: prompt + that candidate <= max_length
 example is cut from the left to max_length minus its longest answer, once for all its candidates
 (answers are never cut), so a packed row holds at most max_length - longest + sum of the answers.
 
-Packing changes two things in training, both written down here and in the README: LoRA dropout
+Packing changes two things in training, both written down here and in docs/data.md: LoRA dropout
 draws one mask for the prompt, shared by all candidates (per-candidate rows draw one per row);
 and the load-balancing loss counts each prompt token once, not once per candidate. In eval mode
 (no dropout) and without the load-balancing term the two layouts agree to rounding.

@@ -359,7 +359,7 @@ def test_report_table_mean_and_sample_std(tmp_path, capsys):
 
 def test_a_run_folder_stands_for_its_test_evaluation_in_the_report(tmp_path):
     """`report RUN` reads RUN/eval/test (and the zero-shot eval/test-base), as compare does: a re-evaluation
-    into RUN/eval/again, as the README shows, is not a second run with the same identity."""
+    into RUN/eval/again, as docs/data.md shows, is not a second run with the same identity."""
     def fake(folder, method, accuracy):
         folder.mkdir(parents=True)
         (folder / "metrics.json").write_text(json.dumps({"model": "m", "method": method, "dataset": "d", "seed": 42,

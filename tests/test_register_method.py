@@ -1,5 +1,5 @@
-"""A routing method from the user's own file (README "Adding a routing method", examples/my_method.py),
-registered exactly as the README shows: it trains and resumes, its adapter loads and evaluates in a
+"""A routing method from the user's own file (docs/methods.md "Adding a routing method", examples/my_method.py),
+registered exactly as the docs show: it trains and resumes, its adapter loads and evaluates in a
 fresh process, and it reaches the report, as a built-in method does. Bad input names what was expected."""
 import json
 import os
@@ -32,14 +32,14 @@ def fresh_process(script: str, *flags, cwd):
     return done
 
 
-def test_readme_shows_the_example_file_whole():
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert "```python\n" + EXAMPLE.read_text(encoding="utf-8") + "```" in readme
+def test_the_docs_show_the_example_file_whole():
+    page = (REPO / "docs" / "methods.md").read_text(encoding="utf-8")
+    assert "```python\n" + EXAMPLE.read_text(encoding="utf-8") + "```" in page
     assert len(EXAMPLE.read_text().splitlines()) <= 40
 
 
 def test_a_method_from_a_file_trains_resumes_loads_evaluates_and_reports(tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO)  # --method-module as the README types it, relative to the checkout
+    monkeypatch.chdir(REPO)  # --method-module as the docs type it, relative to the checkout
     out, splits = tmp_path / "runs", ["--data-dir", str(tmp_path / "splits")]
     train.main([*FLAGS, *splits, "--out-dir", str(tmp_path / "straight"), "--no-test-eval"])
     with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):

@@ -1,5 +1,5 @@
-"""Nothing silently wrong, nothing overwritten: one test per guarantee of the README's Reliability
-section. Changed settings are refused, folders are replaced only by their own kind and files only
+"""Nothing silently wrong, nothing overwritten: one test per guarantee of the Reliability
+page (docs/reliability.md). Changed settings are refused, folders are replaced only by their own kind and files only
 when minimoe wrote them, partial evaluations are not counted, edited splits are refused, non-finite
 training stops, a bad start leaves no folder behind, failed sweeps fail, and locks, errors and
 leftovers behave."""

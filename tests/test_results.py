@@ -131,9 +131,9 @@ def test_restoring_beside_train_py_runs_is_refused_and_a_bad_results_file_is_nam
         results.read(tmp_path / "results")
 
 
-def test_the_readme_study_tables_are_the_report_of_results(tmp_path):
-    """The README's split-model study tables (the re-run's cells and paired comparisons) are what
-    `sweep.py --results results` regenerates from the repository's results/ folder alone, line for line."""
+def test_the_study_page_tables_are_the_report_of_results(tmp_path):
+    """The study page's split-model tables (docs/study.md: the re-run's cells and paired comparisons) are
+    what `sweep.py --results results` regenerates from the repository's results/ folder alone, line for line."""
     from pathlib import Path
     root = Path(__file__).resolve().parents[1]
     records = results.read(root / "results")
@@ -142,12 +142,12 @@ def test_the_readme_study_tables_are_the_report_of_results(tmp_path):
     out = tmp_path / "from-results"
     sweep.main(["--preset", "study", "--models", "weights/smollm2-split", "--results", str(root / "results"),
                 "--out-dir", str(out), "--benchmarks", "sciq", "--rows", *STUDY_ROWS])
-    readme = (root / "README.md").read_text(encoding="utf-8")
+    page = (root / "docs" / "study.md").read_text(encoding="utf-8")
     table_lines = [line for line in (out / "report.md").read_text().splitlines()
                    if line.startswith("| smollm2-split |")]
     assert len(table_lines) >= len(STUDY_ROWS) + 1  # the zero-shot row, every row, the comparisons
-    missing = [line for line in table_lines if line not in readme]
-    assert not missing, f"README lines not regenerated from results/: {missing}"
+    missing = [line for line in table_lines if line not in page]
+    assert not missing, f"docs/study.md lines not regenerated from results/: {missing}"
 
 
-STUDY_ROWS = ["CE", "ACS-IS", "ACS-ENLL", "Dual Affinity", "TES-IS", "TES-ENLL"]  # the rows the re-run has reached (README, study section)
+STUDY_ROWS = ["CE", "ACS-IS", "ACS-ENLL", "Dual Affinity", "TES-IS", "TES-ENLL"]  # the rows the re-run has reached (docs/study.md)

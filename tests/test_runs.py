@@ -56,7 +56,7 @@ ZEN3 = {"avx2": True}
                                                   (ICE_LAKE, False), (ZEN3, False), ({}, False)])
 def test_auto_dtype_on_cpu_is_bf16_only_with_native_bf16_and_bf16_warns_only_where_emulated(capabilities, native,
                                                                                             monkeypatch):
-    """AVX512-BF16 or AMX-BF16 -> bfloat16 (it trains as fp32 does since issue 33, README); plain AVX-512
+    """AVX512-BF16 or AMX-BF16 -> bfloat16 (it trains as fp32 does since issue 33, docs/precision.md); plain AVX-512
     or AVX2 -> float32. An explicit bfloat16 is kept, and warns where bf16 is emulated (slower)."""
     monkeypatch.delenv(CPU_DTYPE_VARIABLE, raising=False)
     assert native_bf16(capabilities) is native
