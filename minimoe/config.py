@@ -352,7 +352,7 @@ def add_option_flags(group) -> None:
         group.add_argument(flag_name(name), dest="method_options", action=MethodOption, name=name,
                            type=flag_type(o.check) if o.check else None, choices=o.choices or None,
                            metavar=name.upper() if not o.choices else None,
-                           help=f"{read_by(name)}: {o.help}; --method-option {name}=... (default: {o.default})")
+                           help=f"{read_by(name)}: {o.help}, i.e. --method-option {name}=... (default: {o.default})")
 
 
 def flags_parser(**kwargs) -> argparse.ArgumentParser:
