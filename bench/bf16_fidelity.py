@@ -6,7 +6,7 @@
 
 `measure` loads RUN's base model in --dtype and RUN's trained adapter (checkpoints/epoch-1), multiplies
 every LoRA B by each --scales value (0.1 is about where the default run's B stands after its first
-few steps, 1 where it ends), and runs the training objective (train.py's `step_loss`: task CE + the
+few steps, 1 where it ends), and runs the training objective (minimoe/step.py's `step_loss`: task CE + the
 method term, in eval mode, so no dropout) on the first --steps optimizer steps of epoch 1's order.
 It records the loss and the gradient of every LoRA tensor. Run it under one tree per variant (its
 own PYTHONPATH): the variants differ in code, not in flags. `compare` gives, per scale and variant:
@@ -29,13 +29,14 @@ def measure(args):
     from minimoe.adapters import load_adapter
     from minimoe.cli.train import load_data, parse_args, resolve_config
     from minimoe.runs import global_sum
-    from minimoe.training import micro_batches, step_loss
+    from minimoe.step import step_loss
+    from minimoe.training import loss_settings, micro_batches
 
     run = Path(args.run)
     targs = parse_args(["--config", str(run / "config.json"), "--dtype", args.dtype, "--device", "cpu"])
     folder = Path(targs.model)
     model = minimoe.from_pretrained(folder, dtype=getattr(torch, args.dtype))
-    cfg = resolve_config(targs, model.config)
+    cfg, method = resolve_config(targs, model.config)
     data, cfg = load_data(cfg)
     tokenizer = minimoe.load_tokenizer(folder)
     load_adapter(model, run / "checkpoints" / "epoch-1")
@@ -56,7 +57,7 @@ def measure(args):
             model.zero_grad(set_to_none=True)
             counts = {"examples": per_step, "tokens": global_sum(sum(b.supervised_mask.sum().item() for b in batches)),
                       "rows": global_sum(sum(b.input_ids.shape[0] for b in batches))}
-            logs = step_loss(model, batches, cfg, counts, 1)
+            logs = step_loss(model, batches, method, counts, 1, **loss_settings(cfg))
             loss += logs["task"] + cfg.lambda_ * logs["method"]
             for n, p in lora.items():
                 grads[n] += p.grad.float()

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from minimoe.allocator import keep_freed_memory  # noqa: E402
 from minimoe.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
-from minimoe.config import RECIPES, TrainConfig  # noqa: E402
+from minimoe.config import RECIPES, TrainConfig, method_for  # noqa: E402
 from minimoe.data import load_split  # noqa: E402
 from minimoe.runs import pad_id, pick_dtype  # noqa: E402
 from minimoe.scoring import forward_choices, make_choice_batch  # noqa: E402
@@ -62,7 +62,7 @@ def main(argv=None):
     model = from_pretrained(folder, dtype=getattr(torch, dtype))
     torch.manual_seed(0)
     cfg = TrainConfig(**RECIPES["granite"], device="cpu", dtype=dtype, pad_token_id=pad_id(tok))
-    install_method(model, cfg)
+    install_method(model, cfg, method_for(cfg))
     train = make_choice_batch(load_split("sciq", "train", data_dir=args.data_dir)[:args.examples], tok,
                               cfg.pad_token_id, cfg.max_length)
     test = make_choice_batch(load_split("sciq", "test", data_dir=args.data_dir)[:16], tok, cfg.pad_token_id,

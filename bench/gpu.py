@@ -163,22 +163,23 @@ def training_step_syncs(device):
     from dataclasses import replace
 
     from minimoe import load_tokenizer, training
-    from minimoe.config import RECIPES, TrainConfig
+    from minimoe.config import RECIPES, TrainConfig, method_for
     from minimoe.data import load_split
     from minimoe.tiny import tiny_checkpoint
     cfg = TrainConfig(**{**RECIPES["tiny"], "method": "tes", "layers": "all", "batch_size": 4, "grad_accum": 2,
                          "device": str(device), "dtype": "bfloat16", "pad_token_id": 0})
     model = from_pretrained(tiny_checkpoint(), dtype=torch.bfloat16).to(device)
-    training.install_method(model, cfg)
+    method = method_for(cfg)
+    training.install_method(model, cfg, method)
     model.train()
     tokenizer = load_tokenizer(tiny_checkpoint())
     examples = load_split("arc_challenge", "train", data_dir=Path(tempfile.mkdtemp()) / "splits")[:8]
-    optimizer = training.make_optimizer(model, cfg)
+    optimizer = training.make_optimizer(model, cfg, method)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 
     def step():
         batches = training.micro_batches(examples, tokenizer, cfg, 0, 1)
-        training.optimizer_step(model, batches, len(examples), optimizer, scheduler, replace(cfg), 1, 1)
+        training.optimizer_step(model, batches, len(examples), optimizer, scheduler, replace(cfg), method, 1, 1)
     step()  # warm-up
     syncs(step, device, "tiny TES all layers", "host syncs in one train.py optimizer step, logging included")
 

@@ -105,15 +105,15 @@ def main(argv=None):
     targs = cli.parse_args(["--model", str(folder), "--data", "sciq", "--epochs", "1", "--dtype", dtype])
     tok = minimoe.load_tokenizer(folder)
     model = phases("load model", minimoe.from_pretrained, folder, dtype=getattr(torch, dtype))
-    cfg = cli.resolve_config(targs, model.config)
+    cfg, method = cli.resolve_config(targs, model.config)
     data, cfg = cli.load_data(cfg)
     weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.state_dict().values()}.values())
     eval_kw = dict(batch_size=cfg.eval_batch_size, max_length=cfg.max_length, packed=cfg.packed)
     if not args.no_zero_shot:
         phases("zero-shot test scoring (500)", evaluate_split, model, tok, data["test"], **eval_kw)
     torch.manual_seed(cfg.seed)
-    phases("LoRA + method + AdamW", install_method, model, cfg)
-    optimizer = make_optimizer(model, cfg)
+    phases("LoRA + method + AdamW", install_method, model, cfg, method)
+    optimizer = make_optimizer(model, cfg, method)
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     n_trainable = sum(p.numel() for p in trainable)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -127,7 +127,7 @@ def main(argv=None):
     def train():
         for i, examples in enumerate(steps):
             optimizer_step(model, micro_batches(examples, tok, cfg, 0, 1), len(examples), optimizer, scheduler,
-                           cfg, 1, i + 1)
+                           cfg, method, 1, i + 1)
     phases(f"training ({len(steps)} steps of {per_step})", train)
     saved, logits = saved_for_backward(model, largest)
     phases(f"validation ({len(data['val'])})", score_split, model, tok, data["val"], cfg)

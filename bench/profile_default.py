@@ -23,13 +23,14 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minimoe.allocator import keep_freed_memory  # noqa: E402
 from minimoe.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
-from minimoe.config import RECIPES, TrainConfig  # noqa: E402
+from minimoe.config import RECIPES, TrainConfig, method_for  # noqa: E402
 from minimoe.data import load_split  # noqa: E402
 from minimoe.evaluation import evaluate_split  # noqa: E402
 from minimoe.runs import pad_id  # noqa: E402
 from minimoe.scoring import make_choice_batch  # noqa: E402
 from minimoe.smollm import smollm_checkpoint  # noqa: E402
-from minimoe.training import install_method, make_optimizer, step_loss  # noqa: E402
+from minimoe.step import step_loss  # noqa: E402
+from minimoe.training import install_method, loss_settings, make_optimizer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -75,14 +76,15 @@ def main(argv=None):
         torch.manual_seed(0)
         cfg = TrainConfig(**RECIPES["granite"], device="cpu", dtype=dtype, pad_token_id=pad_id(tok))
         model = from_pretrained(folder, dtype=getattr(torch, dtype))
-        install_method(model, cfg)
-        optimizer = make_optimizer(model, cfg)
+        method = method_for(cfg)
+        install_method(model, cfg, method)
+        optimizer = make_optimizer(model, cfg, method)
         batch = make_choice_batch(train, tok, cfg.pad_token_id, cfg.max_length)
         counts = {"examples": len(train), "tokens": int(batch.supervised_mask.sum()), "rows": batch.input_ids.shape[0]}
 
         def train_step():
             model.train()
-            step_loss(model, [batch], cfg, counts, 1)
+            step_loss(model, [batch], method, counts, 1, **loss_settings(cfg))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

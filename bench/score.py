@@ -92,13 +92,15 @@ def eval_transformers(args, examples, batch_rows: int = 64) -> dict:
 
 
 def train_epoch(args, examples, packed: bool) -> dict:
-    from minimoe.config import RECIPES, TrainConfig
-    from minimoe.training import install_method, make_optimizer, step_loss
+    from minimoe.config import RECIPES, TrainConfig, method_for
+    from minimoe.step import step_loss
+    from minimoe.training import install_method, loss_settings, make_optimizer
     torch.manual_seed(0)
     model, tok = from_pretrained(args.model, dtype=args.dtype), load_tokenizer(args.model)
     cfg = TrainConfig(**RECIPES["granite"], method="ce", device="cpu", dtype=args.dtype)
-    install_method(model, cfg)
-    optimizer = make_optimizer(model, cfg)
+    method = method_for(cfg)
+    install_method(model, cfg, method)
+    optimizer = make_optimizer(model, cfg, method)
     model.train()
     per_step, tokens, pad = cfg.batch_size * cfg.grad_accum, 0, pad_id(tok)
     t0 = time.perf_counter()
@@ -107,7 +109,7 @@ def train_epoch(args, examples, packed: bool) -> dict:
         micro = [ids[i:i + cfg.batch_size] for i in range(0, len(ids), cfg.batch_size)]
         batches = [make_choice_batch(m, tok, pad, 512, packed=packed) for m in micro]
         counts = {"examples": len(ids), "tokens": 0, "rows": sum(b.input_ids.shape[0] for b in batches)}
-        step_loss(model, batches, cfg, counts, 1)
+        step_loss(model, batches, method, counts, 1, **loss_settings(cfg))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         tokens += sum(int(b.attention_mask.sum()) for b in batches)

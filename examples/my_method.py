@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 
 import minimoe
-from minimoe.routing import Method, NativeRouter, Routing, select_topk
+from minimoe.methods import Method
+from minimoe.routing import NativeRouter, Routing, select_topk
 
 
 class BiasedRouter(NativeRouter):

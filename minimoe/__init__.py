@@ -5,7 +5,9 @@ from minimoe.generate import generate
 from minimoe.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
 from minimoe.lora import add_lora, merge_lora, unmerge_lora
 from minimoe.model import CausalLMOutput, KVCache, MoEConfig, MoEForCausalLM
-from minimoe.routing import METHODS, Method, Routing, register_method, set_router
+from minimoe.methods import METHODS, Method
+from minimoe.plugins import register_method
+from minimoe.routing import Routing, set_router
 
 __all__ = ["from_pretrained", "load_tokenizer", "save_pretrained", "generate",
            "CausalLMOutput", "KVCache", "MoEConfig", "MoEForCausalLM", "Routing", "set_router",

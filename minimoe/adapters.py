@@ -37,17 +37,18 @@ from safetensors.torch import load_file, save_file
 from minimoe.checkpoint import DTYPES, atomic_directory, write_checkpoint
 from minimoe.lora import add_lora, lora_modules
 from minimoe.model import MoEForCausalLM
-from minimoe.routing import method_of, set_router, tuned_layers
+from minimoe.methods import Method
+from minimoe.plugins import method_of
+from minimoe.routing import set_router, tuned_layers
 
 FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
                "num_experts_per_tok", "intermediate_size")
 CONFIG_FIELDS = ("rank", "alpha", "dropout", "targets", "dtype", "base_model", "fingerprint", "router", "gate_layers")
 
 
-def param_groups(router_spec: dict | None) -> dict[str, tuple[str, ...]]:
-    """Optimizer group -> the name patterns of its parameters: LoRA, the method's heads (each named after
-    its learning-rate option less "_lr": error_head, copied_head), the tuned native gates ("router")."""
-    method = method_of(router_spec)
+def param_groups(method: Method | None) -> dict[str, tuple[str, ...]]:
+    """Optimizer group -> the name patterns of its parameters: LoRA, the installed method's heads (each named
+    after its learning-rate option less "_lr": error_head, copied_head), the tuned native gates ("router")."""
     heads = {lr.removesuffix("_lr"): (f".mlp.router.{head}.",)  # the name + "." matches a parameter head too
              for head, (lr, _) in (method.heads if method else {}).items()}
     return {"lora": (".lora_A", ".lora_B"), **heads, "router": (".mlp.gate.weight",)}
@@ -55,7 +56,7 @@ def param_groups(router_spec: dict | None) -> dict[str, tuple[str, ...]]:
 
 def trainable_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
     """Trainable (name, parameter) pairs by group (`param_groups`), for the optimizer's param groups."""
-    patterns = param_groups(getattr(model, "router_spec", None))
+    patterns = param_groups(getattr(model, "router_method", None))
     groups = {g: [] for g in patterns}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -63,7 +64,7 @@ def trainable_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Param
         group = next((g for g, pats in patterns.items() if any(s in name + "." for s in pats)), None)
         if group is None:
             raise ValueError(f"parameter {name!r} trains but matches no group of {patterns}; freeze it, or "
-                             "list its module in its method's heads (routing.Method)")
+                             "list its module in its method's heads (methods.Method)")
         groups[group].append((name, p))
     return groups
 
@@ -172,7 +173,7 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False)
     if any(m.merged for m in lora_modules(model).values()):
         raise ValueError(f"{path}: the model's LoRA is merged; unmerge_lora before loading an adapter")
     if router is not None:  # after LoRA, as training installs them (training.install_method)
-        set_router(model, **router)
+        set_router(model, method_of(router), router["layers"])
     want = adapter_tensors(model, config["gate_layers"])
     file = path / "adapter.safetensors"
     try:
@@ -194,9 +195,8 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False)
     return model
 
 
-def refuse_routing_heads(router_spec: dict | None, what: str):
-    """Raise if `router_spec` names a method whose routing a plain MoE (or a peft adapter) cannot express."""
-    method = method_of(router_spec)
+def refuse_routing_heads(method: Method | None, what: str):
+    """Raise if `method` routes in a way a plain MoE (or a peft adapter) cannot express."""
     if method is not None and method.not_exportable:
         raise ValueError(f"{what}: refused for method {method.name!r}: {method.not_exportable}, which changes the "
                          "routing function itself; the official architecture (and so peft, transformers and vLLM) "
@@ -211,7 +211,7 @@ def export_merged(model: MoEForCausalLM, path, *, copy_files=()):
     would silently route natively once reloaded. The model is left as it was: the unmerged
     weights are put back exactly, not by subtraction.
     """
-    refuse_routing_heads(getattr(model, "router_spec", None), "export_merged")
+    refuse_routing_heads(getattr(model, "router_method", None), "export_merged")
     originals = {}
     with torch.no_grad():
         for name, m in lora_modules(model).items():

@@ -71,7 +71,7 @@ from minimoe.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, c
                                  metrics_files, partial_reason, plot_error_prediction, population_moments)
 from minimoe.eval_folder import METRICS, PREDICTIONS, eval_dir, plot_file, tokens_file
 from minimoe.provenance import provenance
-from minimoe.routing import method_of, native_concentration
+from minimoe.routing import native_concentration
 from minimoe.runs import AdapterSource, pad_id, pick_device, pick_dtype, read_json, resolve_adapter
 from minimoe.scoring import by_example, choice_loss, choice_scores, forward_choices, make_choice_batch, predictions
 
@@ -144,7 +144,7 @@ def eval_mode(model):
 
 def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress=None, pad_to=1):
     k, layers = model.config.num_experts_per_tok, diagnosed_layers(model)
-    method = method_of(model.router_spec)
+    method = model.router_method
     errors = method is not None and method.predicts_error  # its Routing.prediction is e_hat
     order = sorted(range(len(examples)), key=lambda i: -_length_proxy(examples[i]))  # longest first: OOM early
     records: list[dict | None] = [None] * len(examples)
@@ -336,8 +336,7 @@ def dataset_name(data) -> str:
 def _wants_train_population(flag: bool | None, source: AdapterSource | None, split: str) -> bool:
     if split == "train":
         return False  # the evaluated split is the train population
-    method = method_of(source.router) if source is not None else None
-    return flag if flag is not None else (method is not None and method.predicts_error)
+    return flag if flag is not None else (source is not None and source.method.predicts_error)
 
 
 def _train_limit(max_examples, run_config) -> int | None:
@@ -468,7 +467,7 @@ def _identity(source: AdapterSource | None, *, base_model, model, data, split, b
             "dataset": dataset_name(data), "data": str(data),
             "seed": source.run_config.get("seed") if source else None, "split": split,
             # Ablation settings off the row's defaults (lambda, layers, ...): part of the report key.
-            "settings": ablation_settings(source.run_config) if source else {},
+            "settings": ablation_settings(source.run_config, source.method) if source and source.run_config else {},
             "adapter": str(source.folder) if source else None,
             "run": str(source.run) if source and source.run else None,
             "checkpoint": source.checkpoint if source else None, "epoch": source.epoch if source else None,

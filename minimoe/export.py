@@ -37,6 +37,7 @@ from minimoe.runs import resolve_adapter  # a run folder resolves through select
 from minimoe.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
                               refuse_routing_heads)
 from minimoe.model import MoEForCausalLM
+from minimoe.plugins import method_of
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys
 
@@ -104,7 +105,7 @@ def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_
     base_model: written as base_model_name_or_path; default the adapter's own record.
     """
     config, tensors = _adapter_state(adapter_or_run, checkpoint)
-    refuse_routing_heads(config.get("router"), "export_peft")
+    refuse_routing_heads(method_of(config.get("router")), "export_peft")
     state, targets = peft_tensors(config, tensors)
     base_model = base_model or config.get("base_model")
     if not base_model:
@@ -139,7 +140,7 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
     model at its --model-revision); load_adapter still checks that the weights are the trained-on ones.
     """
     source = resolve_adapter(adapter_or_run, checkpoint)
-    refuse_routing_heads(source.router, "export.py --merged")
+    refuse_routing_heads(method_of(source.router), "export.py --merged")
     config = json.loads((source.folder / "adapter_config.json").read_text(encoding="utf-8"))
     base = base_model or config.get("base_model")
     if not base:

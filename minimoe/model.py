@@ -403,6 +403,7 @@ class MoEForCausalLM(nn.Module):
         # What was installed on top of the checkpoint, as JSON-ready dicts that rebuild it; adapters
         # save them. None: native routing everywhere (`routing.set_router` sets it), no LoRA (`lora.add_lora`).
         self.router_spec: dict | None = None
+        self.router_method = None  # the methods.Method that router_spec is the JSON of (set_router)
         self.lora_spec: dict | None = None
 
     def gradient_checkpointing_enable(self, enable: bool = True):

@@ -59,7 +59,7 @@ def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: fl
     preds = [r.prediction for r in routings if r.prediction is not None]
     if not preds:
         raise ValueError("supervision_loss: no layer is supervised (no Routing has a prediction); install a "
-                         "supervised method (routing.METHODS, a prediction set) with minimoe.set_router")
+                         "supervised method (methods.METHODS, a prediction set) with minimoe.set_router")
     if token_ce.shape != mask.shape:
         raise ValueError(f"supervision_loss: token_ce {tuple(token_ce.shape)} and mask {tuple(mask.shape)} differ")
     m = mask.reshape(-1).bool()

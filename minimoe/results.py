@@ -262,13 +262,12 @@ def settings_differ(cell, record: dict) -> list[str]:
     """The sweep's settings check (Cell.changed) for a restored run: a path that collect made
     <local>/NAME counts as the cell's own where the names agree (run names hold the model's and the
     data's name, so the run was made from a model of that name)."""
-    from minimoe.sweep import train_module
     record = dict(record)
     for key in ("model", "data"):
         value, mine = record.get(key), str(cell.cfg.get(key))
         if isinstance(value, str) and value.startswith(f"{LOCAL}/") and Path(value).name == Path(mine).name:
             record[key] = mine
-    return train_module().settings_differ(cell.train_args(), record)
+    return cell.changed(record)
 
 
 def predictions(results_dir, run: str, evaluation: str | None = None, records: list[dict] | None = None):

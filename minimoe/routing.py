@@ -5,28 +5,16 @@ pre-expert hidden state h_t and logits [T, E] the native affinity logits a_t = W
 (Eq. native_affinity), already in fp32. `experts` [T, K], when given, is a selection to replay
 (gradient checkpointing's recompute): the policy must then use it instead of its own top-K and
 compute everything else as usual. Its parameters live under `...mlp.router.*`; the checkpoint's
-own gate stays at `...mlp.gate`.
-
-Methods (`set_router(model, method, layers, **options)`), one `Method` record each in `METHODS`,
-the one table that the optimizer groups, config, train.py's --method, labels, run names and export
-refusals read (a method from your own file joins it through `register_method`):
-- native `NativeRouter`: the family's top-K (Eq. native_affinity, native_moe_output).
-- dual   `DualAffinityRouter`: the Dual Affinity control; a trainable copy of the gate,
-         `router.affinity`, mixed with the frozen native logits, then the native policy.
-- tes    `TokenErrorRouter`: error head `router.error_head` (Eq. positive_error_head), attenuated
-         routing (Eq. attenuated_routing_score, started_log_transform or shifted_log_ablation_score)
-         and the error readout e_hat_t (Eq. aggregate_predicted_error).
-- acs    `ConcentrationRouter`: native routing plus C_t (Eq. affinity_concentration) with gradient.
-
-`Routing` fields beyond logits, experts and weights (per token of the flattened B*T; None when the
-policy has no such value):
-- `prediction` [T]: what `objectives.supervision_loss` supervises; set by the supervised methods'
-  policies only (tes: e_hat_t, acs: C_t; `Method.prediction` says which), and being set is what
-  marks a layer as supervised.
-- `expert_scores` [T, E]: tes. `routing_logits` [T, E]: tes and dual, the logits the selection
-  used. `logits` stays the native a_t under every policy.
-- C_t (Eq. affinity_concentration) has one home, `concentration`; no policy but acs computes it on
-  the forward. The evaluation's diagnostic C_t is `native_concentration` of `Routing.logits`.
+own gate stays at `...mlp.gate`. Which method uses which policy, with which options, is methods.py's
+table; `set_router` installs one.
+- `NativeRouter`: the family's top-K (Eq. native_affinity, native_moe_output).
+- `DualAffinityRouter`: the Dual Affinity control; a trainable copy of the gate, `router.affinity`,
+  mixed with the frozen native logits, then the native policy.
+- `TokenErrorRouter` (TES): error head `router.error_head` (Eq. positive_error_head), attenuated
+  routing (Eq. attenuated_routing_score, started_log_transform or shifted_log_ablation_score) and
+  the error readout e_hat_t (Eq. aggregate_predicted_error).
+- `ConcentrationRouter` (ACS): native routing plus C_t (Eq. affinity_concentration) with gradient;
+  C_t has one home, `concentration` (the evaluation's diagnostic is `native_concentration`).
 
 Decisions where the paper is silent, and why:
 - The tes readout weights the *executed* experts (S_t^act, i.e. the attenuated top-K) by native p
@@ -64,33 +52,25 @@ Decisions where the paper is silent, and why:
   resolved default, so a saved adapter does not change meaning if a default changes; a method from
   outside minimoe also stores where it was registered ("module"), so that a fresh process
   (evaluate.py, --resume, load_adapter) imports it again.
-- The table lives here, beside the policies, so that one method's class and record are one read.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
-import sys
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from numbers import Integral, Real
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-TRANSFORMS = ("started-log", "log")
-# The methods' options and their defaults (paper: gamma = tau = 1, mixing weight 0.5): their records
-# in METHODS hold these, the policies below and through METHODS config.TrainConfig read them.
-TES = {"gamma": 1.0, "tau": 1.0, "transform": "started-log"}
-DUAL = {"mix": 0.5}
+TRANSFORMS = ("started-log", "log")  # TES's error-to-routing transforms: the paper's, and its pure-log control
 
 
 @dataclass
 class Routing:
-    """One MoE layer's routing decision for T tokens, and what the method reads out of it."""
+    """One MoE layer's routing decision for T tokens (the flattened B*T), and what the method reads out of
+    it; a field a policy has no value for is None. `prediction` being set is what marks a layer as
+    supervised (objectives.supervision_loss); `logits` stays the native a_t under every policy."""
     logits: torch.Tensor  # [T, E] fp32 native affinity logits a_t; the load-balancing loss reads these
     experts: torch.Tensor  # [T, K] executed experts S_t^act
     weights: torch.Tensor  # [T, K] fp32 weights g_t that combine the executed experts' outputs
@@ -139,7 +119,7 @@ def native_concentration(logits, k: int):
         return concentration(logits, select_topk(logits, k, renormalize=False)[0])
 
 
-def attenuate(logits, e_hat, gamma: float = TES["gamma"], tau: float = TES["tau"], transform: str = TES["transform"]):
+def attenuate(logits, e_hat, gamma: float, tau: float, transform: str = "started-log"):
     """a - gamma * phi(e_hat) [T, E] (Eq. attenuated_routing_score).
 
     phi = log(1 + e/tau) (Eq. started_log_transform) or the pure-log control log e
@@ -190,7 +170,7 @@ class ConcentrationRouter(NativeRouter):
 class DualAffinityRouter(NativeRouter):
     """Dual Affinity: logits (1 - w) a + w a_copy, with `affinity` a trainable copy of the native gate."""
 
-    def __init__(self, gate: nn.Linear, top_k: int, renormalize: bool, mix: float = DUAL["mix"]):
+    def __init__(self, gate: nn.Linear, top_k: int, renormalize: bool, mix: float):
         if not (_number(mix) and 0.0 <= mix <= 1.0):
             raise ValueError(f"dual: mix={mix!r}; expected a mixing weight in [0, 1]")
         super().__init__(top_k, renormalize)
@@ -217,8 +197,7 @@ class TokenErrorRouter(NativeRouter):
     """TES: per-expert error scores e = softplus(W_e h + b_e) attenuate the native logits."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 gamma: float = TES["gamma"], tau: float = TES["tau"], transform: str = TES["transform"],
-                 device=None, dtype=None):
+                 gamma: float, tau: float, transform: str, device=None, dtype=None):
         if not (_number(gamma) and gamma >= 0):
             raise ValueError(f"tes: gamma={gamma!r}; expected a finite attenuation strength >= 0")
         if not (_number(tau) and tau > 0):
@@ -248,141 +227,6 @@ class TokenErrorRouter(NativeRouter):
         e_hat = (pbar * scores.gather(-1, experts)).sum(dim=-1)  # [T]
         return Routing(logits=logits, experts=experts, weights=weights, prediction=e_hat,
                        expert_scores=scores, routing_logits=attenuated)
-
-
-# ----------------------------------------------------------------------------- the methods' table
-
-# What export_peft and export_merged say of a method that does not declare that it routes natively.
-NOT_NATIVE = "its policy replaces the family's native top-K"
-
-
-@dataclass(eq=False)
-class Method:
-    """One routing method: every fact about it that minimoe reads outside its policy (METHODS)."""
-    name: str  # --method, and "method" in config.json and in the router spec
-    policy: type  # nn.Module; set_router builds it per layer in scope as policy.from_gate(gate, config, **options)
-    label: str  # the report's row and the run's name: "-<objective>" follows a supervised one's (TES-IS)
-    options: dict = field(default_factory=dict)  # option -> default: the policy's keyword arguments
-    # trainable submodule of the policy -> (the option naming its learning rate, that rate's default);
-    # the optimizer gives each its own parameter group, named after the option less "_lr"
-    heads: dict = field(default_factory=dict)
-    # what Routing.prediction holds, supervised against the token CE: "error" (a predicted token CE,
-    # e_hat, which the error-prediction diagnostics read) or another name; None: not supervised
-    prediction: str | None = None
-    # why a merged checkpoint or a peft adapter cannot express its routing; None: it routes natively
-    # (its heads, if any, only read), so export_peft and export_merged write it
-    not_exportable: str | None = NOT_NATIVE
-    module: str | None = None  # where a method from outside minimoe was registered from; None: built in
-
-    @property
-    def settings(self) -> dict:
-        """Every setting the method reads, with its default: its options and its heads' learning rates."""
-        return {**self.options, **dict(self.heads.values())}
-
-    @property
-    def predicts_error(self) -> bool:
-        return self.prediction == "error"
-
-
-METHODS: dict[str, Method] = {}
-ALIASES = {"ce": "native"}  # the paper's row name for LoRA on native routing; train.py and older config.json say it
-_source: list[str] = []  # the file or module being imported by import_method_module, while it registers
-
-
-def register_method(method: Method) -> Method:
-    """Add `method` to METHODS: set_router, training, saved adapters, evaluation and train.py's --method
-    then take it as they take a built-in one. Called at import of the file that defines it; a fresh
-    process finds that file again through `Method.module`, recorded here (train.py --method-module)."""
-    if not (isinstance(method, Method) and isinstance(method.name, str) and method.name.isidentifier()):
-        raise ValueError(f"register_method: expected a Method whose name is an identifier; got {method!r}")
-    if not (isinstance(method.policy, type) and issubclass(method.policy, nn.Module)
-            and hasattr(method.policy, "from_gate")):
-        raise ValueError(f"register_method: {method.name!r}: policy {method.policy!r} is not an nn.Module class "
-                         f"with a from_gate(gate, config, **options) classmethod (subclass NativeRouter)")
-    bad = [lr for lr, _ in method.heads.values() if not lr.endswith("_lr")]
-    if bad:
-        raise ValueError(f"register_method: {method.name!r}: learning-rate option(s) {bad} must end in '_lr'")
-    if "tune_router" in method.options:
-        raise ValueError(f"register_method: {method.name!r}: tune_router is set_router's own option for every "
-                         f"method; leave it out of options")
-    if _source:
-        method.module = _source[-1]
-    elif method.module is None and method.policy.__module__.split(".")[0] != "minimoe":
-        method.module = None if method.policy.__module__ == "__main__" else method.policy.__module__
-    known = METHODS.get(method.name)
-    if method.name in ALIASES or (known is not None and (known.module is None or known.module != method.module)):
-        raise ValueError(f"register_method: a method named {method.name!r} is registered already"
-                         + (f" (from {known.module})" if known is not None and known.module else " (built in)"))
-    METHODS[method.name] = method
-    return method
-
-
-@contextmanager
-def _registering(where: str):
-    _source.append(where)
-    try:
-        yield
-    finally:
-        _source.pop()
-
-
-def import_method_module(where: str):
-    """Import the Python file (a path ending in .py) or module (a dotted name) that registers a method."""
-    if where.endswith(".py"):
-        path = Path(where).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"method module {where}: no such file; expected a Python file that calls "
-                                    f"minimoe.register_method")
-        name = f"minimoe_method_{abs(hash(str(path)))}"
-        if name in sys.modules:
-            return
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            with _registering(str(path)):
-                spec.loader.exec_module(module)
-        except BaseException:
-            del sys.modules[name]
-            raise
-        return
-    try:
-        with _registering(where):
-            importlib.import_module(where)
-    except ModuleNotFoundError as e:
-        if e.name is None or not where.startswith(e.name):
-            raise
-        raise ModuleNotFoundError(f"method module {where!r}: no such module; expected an importable module name "
-                                  f"or a path to a .py file that calls minimoe.register_method") from None
-
-
-def lookup_method(name: str, module: str | None = None) -> Method:
-    """METHODS[name] ("ce" is native), importing `module` first when the method is not registered yet."""
-    name = ALIASES.get(name, name)
-    if name not in METHODS and module is not None:
-        import_method_module(module)
-    if name not in METHODS:
-        where = (f"{module} was imported but registers no method {name!r}" if module is not None else
-                 "for one of your own, pass the file or module that registers it: train.py --method-module")
-        raise ValueError(f"unknown method {name!r}; expected one of the registered {list(METHODS)} ({where})")
-    return METHODS[name]
-
-
-def method_of(router_spec: dict | None) -> Method | None:
-    """The Method a router spec (model.router_spec, an adapter's "router") installs; None without one."""
-    return None if router_spec is None else lookup_method(router_spec["method"], router_spec.get("module"))
-
-
-for _m in (Method("native", NativeRouter, label="CE", not_exportable=None),
-           Method("dual", DualAffinityRouter, label="Dual Affinity", options=DUAL,
-                  heads={"affinity": ("copied_head_lr", 1e-3)},  # the paper's rate
-                  not_exportable="Dual Affinity mixes the native logits with a trained copy of the gate"),
-           Method("tes", TokenErrorRouter, label="TES", options=TES, prediction="error",
-                  heads={"error_head": ("error_head_lr", 1e-5)},  # the paper's rate
-                  not_exportable="TES attenuates the native logits with its learned error head "
-                                 "(a - gamma * phi(e_hat))"),
-           Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None)):
-    register_method(_m)
 
 
 # ----------------------------------------------------------------------------- set_router
@@ -425,36 +269,43 @@ def set_routing_trainable(model):
         layer.mlp.gate.weight.requires_grad_(i in tuned)
 
 
-def set_router(model, method: str = "native", layers="final", *, tune_router: bool = False,
+def set_router(model, method="native", layers="final", *, tune_router: bool | None = None,
                module: str | None = None, **options):
-    """Install `method`'s policy on the layers in scope and record `model.router_spec`.
+    """Install `method`'s policy on the layers in scope; record `model.router_spec` (JSON, what an
+    adapter saves) and `model.router_method` (the Method installed, what training and evaluation read).
 
-    `set_router(model, **model.router_spec)` rebuilds the same structure (an adapter loader's
-    route); `module` is where a method from outside minimoe is registered (`lookup_method`). New heads
-    are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it is in scope and
-    tune_router=True ("+ affinity tuning"), and then it is moved to fp32 (`set_routing_trainable`,
-    `tuned_layers`). Install after moving the model to its dtype. Layers out of scope get the native
-    policy.
+    `method`: a methods.Method, as train.py resolves it (`Method.configure`: its affinity tuning and
+    option values are the defaults of `tune_router` and `options` here), or a registered method's name.
+    `set_router(model, **model.router_spec)` rebuilds the same structure; a method from outside minimoe
+    must be registered first (its spec's `module`: plugins.method_of imports it, load_adapter's route).
+    New heads are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it is in
+    scope and tune_router=True ("+ affinity tuning"), and then it is moved to fp32
+    (`set_routing_trainable`, `tuned_layers`). Install after moving the model to its dtype. Layers out
+    of scope get the native policy.
     """
-    record = lookup_method(method, module)
-    unknown = sorted(set(options) - set(record.options))
+    if isinstance(method, str):
+        from minimoe.methods import get_method  # methods.py imports the policies from here: at call time
+        method = get_method(method)
+    unknown = sorted(set(options) - set(method.options))
     if unknown:
-        raise ValueError(f"set_router: option(s) {unknown} do not apply to method {record.name!r}; "
-                         f"it takes {sorted(['tune_router', *record.options])}")
+        raise ValueError(f"set_router: option(s) {unknown} do not apply to method {method.name!r}; "
+                         f"it takes {sorted(['tune_router', *method.options])}")
+    tune_router = method.tune_router if tune_router is None else tune_router
     if not isinstance(tune_router, bool):
         raise ValueError(f"set_router: tune_router={tune_router!r}; expected True or False")
-    opts = {**record.options, **options}
-    for name, default in record.options.items():  # floats in the spec, so that it stays JSON-serialisable
-        if isinstance(default, float) and _number(opts[name]):
+    opts = {name: options.get(name, method.values.get(name, o.default)) for name, o in method.options.items()}
+    for name, o in method.options.items():  # floats in the spec, so that it stays JSON-serialisable
+        if isinstance(o.default, float) and _number(opts[name]):
             opts[name] = float(opts[name])
     blocks = [layer.mlp for layer in model.model.layers]
     scope = resolve_layers(layers, len(blocks))
     c = model.config
     # Build every router first, so that a bad option leaves the model untouched.
-    routers = [record.policy.from_gate(mlp.gate, c, **opts) if i in scope
+    routers = [method.policy.from_gate(mlp.gate, c, **opts) if i in scope
                else NativeRouter(c.num_experts_per_tok, c.norm_topk_prob) for i, mlp in enumerate(blocks)]
-    model.router_spec = {"method": record.name, "layers": scope, "tune_router": tune_router, **opts,
-                         **({"module": record.module} if record.module else {})}
+    model.router_spec = {"method": method.name, "layers": scope, "tune_router": tune_router, **opts,
+                         **({"module": method.module} if method.module else {})}
+    model.router_method = replace(method, tune_router=tune_router, values={**method.values, **opts})
     tuned = tuned_layers(model.router_spec)
     for i, (mlp, router) in enumerate(zip(blocks, routers)):
         mlp.router = router

@@ -37,6 +37,7 @@ import shutil
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -48,7 +49,9 @@ from safetensors.torch import load_file
 from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
 from minimoe.checkpoint import DTYPES
 from minimoe.eval_folder import EVAL, is_base
-from minimoe.routing import lookup_method
+from minimoe.config import method_for, settings_of
+from minimoe.methods import Method
+from minimoe.plugins import method_of
 
 log = logging.getLogger(__name__)
 
@@ -128,15 +131,6 @@ def pad_id(config_or_tokenizer) -> int:
     return 0
 
 
-def method_label(method: str, objective: str | None, tune_router: bool = False, module: str | None = None) -> str:
-    """The paper's row names from the method's record (routing.Method.label): CE, Dual Affinity, TES-IS,
-    ACS-ENLL + affinity tuning, ...; a supervised method's without an objective (an adapter outside
-    a run) is the method alone: TES, ACS. `module`: where a method from outside minimoe is registered."""
-    record = lookup_method(method, module)
-    base = f"{record.label}-{objective.upper()}" if record.prediction is not None and objective else record.label
-    return base + (" + affinity tuning" if tune_router else "")
-
-
 def world() -> tuple[int, int]:
     """(rank, world size) of the process group; (0, 1) without one."""
     return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
@@ -162,12 +156,18 @@ class AdapterSource:
     epoch: int | None
     router: dict | None  # adapter_config.json's router spec
 
+    @cached_property
+    def method(self) -> Method:
+        """The method the adapter was trained with, read back once: its run's (config.json, every
+        setting) or, outside a run, its router spec's; native without one (LoRA alone)."""
+        if self.run_config:
+            return method_for(settings_of(self.run_config))
+        return method_of(self.router or {"method": "native"})
+
     @property
     def label(self) -> str:
         """The run's label (e.g. "TES-IS"); outside a run the router method, "CE" for LoRA on native routing."""
-        router = self.router or {}
-        return self.run_config.get("label") or method_label(router.get("method", "native"), None,
-                                                            module=router.get("module"))
+        return self.run_config.get("label") or self.method.row
 
 
 def read_json(path: Path) -> dict:

@@ -6,10 +6,11 @@ out_dir/run_name(cfg), the same name train.py gives it. State comes from the fol
   partial  config.json exists but the run is not done: it is continued with train.py --resume
   missing  no config.json: it is started
 so a sweep that is killed and started again skips what finished and continues what did not.
-A cell's run counts as the cell only while its settings are the cell's: `changed` compares the
-settings train.py would resolve from the cell's flags (those after `--` included) with the run's
-config.json, and sweep.py refuses to skip, resume or report a run whose settings differ (--rerun
-sets such runs aside, as <run>.replaced-<time>, and runs them again).
+A cell's run counts as the cell only while its settings are the cell's: `changed` builds the
+cell's TrainConfig from its flags (those after `--` included) and the run's from its config.json,
+both through config.build_config as train.py builds them, and compares the two; sweep.py refuses to
+skip, resume or report a run whose settings differ (--rerun sets such runs aside, as
+<run>.replaced-<time>, and runs them again).
 
 Where cells run (no scheduler of our own):
   local     one after another, train.py as a subprocess with this interpreter
@@ -36,15 +37,19 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 
 from minimoe import compare, diagnostics
 from minimoe.atomic import KINDS, atomic_file, check_owned_file, mark, write_owned_file, written_kind
-from minimoe.config import TrainConfig, ablation_settings, flag_name, run_name
+from minimoe.config import (RECIPES, ablation_settings, build_config, differing, flag_name, flags_parser,
+                            loaded_settings, method_for, run_name, settings_of)
 from minimoe.diagnostics import PAPER_SEEDS, partial_reason
 from minimoe.eval_folder import METRICS, eval_dir, test_evaluation, tokens_file
-from minimoe.routing import ALIASES, METHODS
-from minimoe.runs import method_label, read_metrics
+from minimoe.data import SPLITS
+from minimoe.methods import ALIASES, METHODS, Method
+from minimoe.runs import read_metrics
+from minimoe.userdata import is_user_data
 
 TRAIN = ("-m", "minimoe.cli.train")  # train.py as the package runs it: no checkout needed (minimoe/cli/train.py)
 BENCHMARKS = ("arc_challenge", "openbookqa", "sciq", "medmcqa")
@@ -175,9 +180,14 @@ class Cell:
     def cfg(self) -> dict:
         return {"model": self.model, "data": self.data, "seed": self.seed, **self.row_flags}
 
+    @cached_property
+    def method(self) -> Method:
+        """The row's method, configured with the cell's settings (config.method_for, as train.py's)."""
+        return method_for(settings_of(self.cfg))
+
     @property
     def run(self) -> Path:
-        return self.out_dir / run_name(self.cfg)
+        return self.out_dir / run_name(self.cfg, self.method)
 
     def train_args(self, resume: bool = False) -> list[str]:
         args = ["--model", self.model, "--data", self.data, "--seed", str(self.seed), "--out-dir", str(self.out_dir)]
@@ -213,10 +223,11 @@ class Cell:
         config = self.run / "config.json"
         return json.loads(config.read_text()) if config.is_file() else None
 
-    def changed(self) -> list[str]:
-        """The settings of the run's config.json that differ from what this cell's flags give ([] if none, or no run)."""
-        record = self.record()
-        return [] if record is None else train_module().settings_differ(self.train_args(), record)
+    def changed(self, record: dict | None = None) -> list[str]:
+        """The settings of the run's config.json (`record`: the run's own by default) that differ from what
+        this cell's flags give ([] if none, or no run)."""
+        record = self.record() if record is None else record
+        return [] if record is None else settings_differ(vars(flags_parser().parse_args(self.train_args())), record)
 
     def state(self) -> str:
         if self.trained() and (not self.train_eval or (eval_dir(self.run, "train") / METRICS).is_file()):
@@ -252,11 +263,24 @@ def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=No
     return unique
 
 
-def train_module():
-    """train.py's code, minimoe/cli/train.py: its flags and their resolution are the one source of a cell's
-    settings (imported when asked: it loads the whole training stack)."""
-    from minimoe.cli import train
-    return train
+def settings_differ(settings: dict, record: dict) -> list[str]:
+    """The settings that decide a run (config.differing) on which a cell's (`settings`: its train.py flags,
+    parsed) and a run's config.json (`record`, as any version wrote it) differ, each built into a
+    TrainConfig by config.build_config as train.py builds it, but without loading the model: the recipe
+    is the cell's, else the run's; what loading a registered benchmark resolves is resolved alike
+    (config.loaded_settings); the model's pad id is not compared, nor device and dtype where the cell
+    leaves them to the machine (auto)."""
+    recipe = settings.get("recipe") or record.get("recipe")
+    if recipe not in RECIPES:
+        return ["recipe"]
+    want, _ = build_config(settings, recipe)
+    ignore = ["pad_token_id", *(k for k in ("device", "dtype") if getattr(want, k) == "auto")]
+    if is_user_data(want.data) and not all((Path(want.data) / f"{s}.jsonl").is_file() for s in SPLITS):
+        ignore += ["data", "field_map", "prompt_template", "data_revision"]  # resolved by building its manifests
+    elif not Path(want.data).is_dir():
+        want = replace(want, **loaded_settings(want))
+    have, _ = build_config(settings_of(record), record.get("recipe") or recipe)
+    return differing(have, want, ignore)
 
 
 REPORT_FILES = ("report.md", "report.csv", "comparisons.json")  # what write_report writes into out_dir
@@ -397,9 +421,7 @@ def _state(cell: Cell) -> str:
 
 
 def _row_key(cell: Cell) -> str:
-    label = method_label(cell.cfg.get("method"), cell.cfg.get("objective") or TrainConfig.objective,
-                         bool(cell.cfg.get("tune_router")), cell.method_module)
-    return diagnostics.row_label({"method": label, "settings": ablation_settings(cell.cfg)})
+    return diagnostics.row_label({"method": cell.method.row, "settings": ablation_settings(cell.cfg, cell.method)})
 
 
 def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:

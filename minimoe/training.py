@@ -1,16 +1,10 @@
-"""The adaptation loop behind train.py: LoRA + a routing method, answer-choice CE + the method term.
+"""The adaptation loop behind train.py: LoRA + a routing method, batches, optimizer steps, epochs.
 
-Objective per optimizer step (paper Eq. total_loss):
-    task CE over the candidates (each scored by its mean answer-token log-prob)
-  + lambda * L_m (TES or ACS, IS or ENLL) on the gold answer's next-token CE at its answer positions
-  + aux_coef * the family's load-balancing loss.
-Each term is normalised by its count over the *whole* optimizer step — all micro-batches of the
-gradient accumulation and all data-parallel ranks — so that N processes, or N micro-batches, give
-the gradient of one process with the whole batch (DDP averages gradients, hence the world factor).
-
-Rows are packed (minimoe/scoring.py; `--per-candidate-rows` for the reference layout): each
-example's prompt runs once, so its LoRA dropout mask is shared by the candidates and the
-load-balancing loss counts its tokens once.
+The step's loss (task CE + lambda * the method's term + aux_coef * load balancing, each normalised
+over the whole optimizer step) is minimoe/step.py's `step_loss`; the method it trains is the run's
+`methods.Method`, resolved once by train.py and handed to `install_method`, `make_optimizer` and
+`optimizer_step`. Rows are packed (minimoe/scoring.py; `--per-candidate-rows` for the reference
+layout): each example's prompt runs once, so its LoRA dropout mask is shared by the candidates.
 
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
 shuffles with seed + e), and the RNG state is saved with each checkpoint (on CUDA the device's
@@ -27,10 +21,10 @@ Optimisation decisions (paper, Experimental Configuration table):
 - Warmup steps are ceil(warmup * total steps), transformers' Trainer rule for a warmup ratio
   (`TrainingArguments.get_warmup_steps`): Granite ARC warms up 19 of its 375 steps, not 18.
 - Learning-rate groups (`make_optimizer`): LoRA at `lr`, each head of the method at the rate its
-  record names (routing.METHODS: the paper's 1e-5 for the TES error head, 1e-3 for the Dual
-  Affinity copy). A native gate unfrozen by --tune-router trains at the LoRA rate unless
-  `router_lr` is given: the paper gives no rate of its own for it, and it is an adapted pretrained
-  weight like the LoRA-wrapped ones.
+  record names (methods.METHODS: the paper's 1e-5 for the TES error head, 1e-3 for the Dual
+  Affinity copy; --error-head-lr, i.e. --method-option error_head_lr=..., sets another). A native
+  gate unfrozen by --tune-router trains at the LoRA rate unless `router_lr` is given: the paper
+  gives no rate of its own for it, and it is an adapted pretrained weight like the LoRA-wrapped ones.
 """
 from __future__ import annotations
 
@@ -39,7 +33,6 @@ import math
 import os
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,42 +45,23 @@ from minimoe.atomic import atomic_file
 from minimoe.config import TrainConfig
 from minimoe.evaluation import diagnosed_layers, evaluate_split
 from minimoe.lora import add_lora
-from minimoe.objectives import load_balancing_loss, supervision_loss
-from minimoe.routing import Method, lookup_method, set_router
+from minimoe.methods import Method
+from minimoe.routing import set_router
 from minimoe.runs import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
                           latest_checkpoint, params_device, read_json, read_metrics, remove_orphans, save_state,
                           set_rng_state, truncate_metrics, world)
-from minimoe.scoring import ChoiceBatch, choice_loss, choice_scores, forward_choices, make_choice_batch
+from minimoe.scoring import ChoiceBatch, make_choice_batch
+from minimoe.step import step_loss
 from minimoe.tracking import RoutingStats, Tracker
 
-def run_method(cfg: TrainConfig) -> Method:
-    """The run's routing method (routing.METHODS), its --method-module imported first if it has one."""
-    return lookup_method(cfg.method, cfg.method_module)
 
-
-def method_settings(cfg: TrainConfig) -> dict:
-    """The run's method options and heads' learning rates: `method_options`' (--method-option), else
-    TrainConfig's field of that name (a built-in method's), else the method's default."""
-    method, given = run_method(cfg), cfg.method_options or {}
-    for name in given:
-        if name in TrainConfig.__dataclass_fields__:
-            raise ValueError(f"--method-option {name}: a setting with a flag of its own (--{name.replace('_', '-')})")
-        if name not in method.settings:
-            raise ValueError(f"--method-option {name}: method {method.name!r} has no such option; it takes "
-                             f"{sorted(method.settings)}")
-    return {name: given.get(name, getattr(cfg, name, default))
-            for name, default in method.settings.items()}
-
-
-def install_method(model, cfg: TrainConfig):
-    """LoRA on the recipe's targets, then the routing method (heads trainable, native gate frozen)."""
+def install_method(model, cfg: TrainConfig, method: Method):
+    """LoRA on the recipe's targets, then the run's routing method (heads trainable, native gate frozen)."""
     add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
-    method, settings = run_method(cfg), method_settings(cfg)
-    set_router(model, method.name, layers=cfg.layers, tune_router=cfg.tune_router, module=method.module,
-               **{name: settings[name] for name in method.options})
+    set_router(model, method, layers=cfg.layers)
 
 
-def check_install(model_config, cfg: TrainConfig, device: str):
+def check_install(model_config, cfg: TrainConfig, method: Method, device: str):
     """install_method on a copy of the model on the meta device (no memory, no weights): a bad LoRA
     target, layer scope or method option fails here, before any run folder exists; so does an
     adapter whose fp32 weights, gradients and AdamW moments (16 bytes a parameter) exceed the
@@ -95,7 +69,7 @@ def check_install(model_config, cfg: TrainConfig, device: str):
     from minimoe.model import MoEForCausalLM
     with torch.device("meta"):
         dry = MoEForCausalLM(model_config)
-        install_method(dry, cfg)
+        install_method(dry, cfg, method)
     need = 16 * sum(p.numel() for p in dry.parameters() if p.requires_grad)
     if torch.device(device).type == "cuda":
         have = torch.cuda.mem_get_info(torch.device(device))[1]
@@ -117,10 +91,9 @@ def warmup_steps(total: int, fraction: float) -> int:
     return math.ceil(total * fraction)
 
 
-def make_optimizer(model, cfg: TrainConfig):
+def make_optimizer(model, cfg: TrainConfig, method: Method):
     # A tuned native gate has no rate of its own in the paper: the LoRA rate unless --router-lr.
-    settings = method_settings(cfg)
-    heads = {lr.removesuffix("_lr"): settings[lr] for lr, _ in run_method(cfg).heads.values()}  # adapters.param_groups
+    heads = {lr.removesuffix("_lr"): method.values[lr] for lr, _ in method.heads.values()}  # adapters.param_groups
     lrs = {"lora": cfg.lr, **heads, "router": cfg.router_lr or cfg.lr}
     groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}
               for name, params in trainable_parameters(model).items() if params]
@@ -136,36 +109,10 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else max(0.0, 1 - progress)
 
 
-def step_loss(model, batches, cfg: TrainConfig, counts, world_size, stats: RoutingStats | None = None):
-    """Forward + backward of one micro-batch list's terms; returns the step's logged terms as device
-    scalars (optimizer_step reads them back once) and adds each real micro-batch's routing to `stats`."""
-    logs = {"task": 0.0, "method": 0.0, "aux": 0.0}
-    supervised = run_method(cfg).prediction is not None
-    for i, batch in enumerate(batches):
-        sync = i == len(batches) - 1 or not hasattr(model, "no_sync")
-        ctx = model.no_sync() if not sync else nullcontext()
-        weight = 0.0 if batch.placeholder else 1.0  # see micro_batches
-        with ctx, autocast(cfg):
-            out, logp = forward_choices(model, batch)  # logp [n]: every candidate's answer tokens
-            if stats is not None and not batch.placeholder:
-                stats.add(out.routings, batch, batch.at_supervised(-logp.detach()))
-            task = choice_loss(choice_scores(logp, batch)["mean"], batch, reduction="sum") * weight / counts["examples"]
-            loss = task
-            logs["task"] += task.detach()
-            if supervised and batch.supervised_tokens:  # host-side count: no device sync
-                share = weight * batch.supervised_tokens / counts["tokens"]  # this micro-batch's part of the step's tokens
-                method = supervision_loss(out.routings, batch.at_supervised(-logp), batch.supervised_mask, cfg.objective,
-                                          eps=cfg.is_eps, depth_scaled=cfg.depth_scaled_lambda,
-                                          tokens=batch.supervised_tokens) * share
-                loss = loss + cfg.lambda_ * method
-                logs["method"] += method.detach()
-            if cfg.aux_coef > 0:  # packed rows: each prompt token counts once, not once per candidate
-                aux = load_balancing_loss(out.routings, batch.attention_mask)
-                aux = aux * weight * batch.input_ids.shape[0] / counts["rows"]
-                loss = loss + cfg.aux_coef * aux
-                logs["aux"] += aux.detach()
-            (loss * world_size).backward()  # DDP averages over ranks; the counts are global already
-    return logs
+def loss_settings(cfg: TrainConfig) -> dict:
+    """step_loss's keywords from the run's settings: the loss coefficients and the autocast to run in."""
+    return dict(lambda_=cfg.lambda_, is_eps=cfg.is_eps, depth_scaled_lambda=cfg.depth_scaled_lambda,
+                aux_coef=cfg.aux_coef, autocast=lambda: autocast(cfg))
 
 
 # A compiled model's rows are padded to a multiple of this many tokens: torch.compile then sees one
@@ -211,8 +158,8 @@ def check_step(logs: dict, trainable, step: int):
                                 f"before clipping); training stopped rather than take steps that change nothing")
 
 
-def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, world_size: int,
-                   step: int = 0) -> dict:
+def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, method: Method,
+                   world_size: int, step: int = 0) -> dict:
     """Optimizer step number `step` over this rank's micro-batches of the step's `n_examples` (all
     ranks); returns its loss terms summed over ranks, the gradient norm before clipping, and per-layer
     routing statistics (minimoe/tracking.py). A step that cannot train raises NonFiniteTraining before
@@ -222,12 +169,12 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
               "rows": global_sum(sum(b.input_ids.shape[0] for b in real))}
     core = getattr(model, "module", model)  # under DDP, the model it wraps
     stats = RoutingStats(diagnosed_layers(core), core.config.num_experts, core.config.num_experts_per_tok)
-    terms = step_loss(model, batches, cfg, counts, world_size, stats)
+    terms = step_loss(model, batches, method, counts, world_size, stats=stats, **loss_settings(cfg))
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)
     logs = dict(zip([*terms, "grad_norm"], read_back([*terms.values(), grad_norm])))  # the step's one sync
     logs = {k: global_sum(v) if k in terms else v for k, v in logs.items()}
-    logs["routing"] = stats.summary(has_e_hat=run_method(cfg).predicts_error)  # this rank's micro-batches (tracking.py)
+    logs["routing"] = stats.summary(has_e_hat=method.predicts_error)  # this rank's micro-batches (tracking.py)
     check_step(logs, trainable, step)
     optimizer.step()
     scheduler.step()
@@ -313,17 +260,17 @@ def restore(run: Path, state: dict | None, optimizer, scheduler, rank: int) -> P
     return start
 
 
-def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: bool = False,
+def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: Path, *, resume: bool = False,
           on_step: Callable[[Position], object] = lambda position: None,
           on_epoch_end: Callable[[Position], object] = lambda position: None):
-    """Fit `model` (LoRA + method already installed) on data["train"]; select on data["val"]. Returns the
+    """Fit `model` (LoRA + `method` already installed) on data["train"]; select on data["val"]. Returns the
     optimizer steps this call ran: 0 when a resumed run had finished training.
     on_step and on_epoch_end are called with the Position reached after each optimizer step (logged, and
     its step checkpoint written when one is due) and after each epoch (validated and checkpointed): the
     points a killed run resumes from (tests/kill.py stops runs there)."""
     rank, world_size = world()
     state = load_latest(run, model) if resume else None  # before the optimizer (see load_latest)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = make_optimizer(model, cfg, method)
     per_step = cfg.batch_size * cfg.grad_accum
     steps = steps_per_epoch(len(data["train"]), cfg)
     total = steps * cfg.epochs
@@ -348,7 +295,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
             ids = order[s * per_step:(s + 1) * per_step]
             batches = micro_batches([data["train"][j] for j in ids], tokenizer, cfg, rank, world_size)
             step += 1
-            logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, world_size, step)
+            logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, method, world_size, step)
             seconds = time.perf_counter() - t0
             rate = global_sum(sum(b.real_tokens for b in batches if not b.placeholder)) / seconds
             loss = logs["task"] + cfg.lambda_ * logs["method"] + cfg.aux_coef * logs["aux"]

@@ -4,7 +4,7 @@ import pytest
 
 from minimoe.cli import train
 from conftest import tiny_config
-from minimoe.config import ABLATION_SETTINGS, flag_name, recipe_train_examples, run_name
+from minimoe.config import ABLATION_SETTINGS, flag_name, method_for, recipe_train_examples, run_name, settings_of
 from minimoe.data import BENCHMARKS, Example
 from minimoe.sweep import ROWS
 from minimoe.training import steps_per_epoch
@@ -33,7 +33,21 @@ def model_config(recipe):
 
 
 def resolved(recipe, *flags):
-    return train.resolve_config(train.parse_args(["--recipe", recipe, *flags]), model_config(recipe))
+    return train.resolve_config(train.parse_args(["--recipe", recipe, *flags]), model_config(recipe))[0]
+
+
+def setting(cfg, key):
+    """A setting of the resolved run: its field, or its method's option (method_options holds every one the
+    method reads; the others at their records' defaults)."""
+    if hasattr(cfg, key):
+        return getattr(cfg, key)
+    from minimoe.methods import METHODS
+    return cfg.method_options.get(key, next(m.settings[key] for m in METHODS.values() if key in m.settings))
+
+
+def name(settings):
+    """run_name of a sweep cell's settings, its method resolved from them as train.py resolves it."""
+    return run_name(settings, method_for(settings_of(settings)))
 
 
 @pytest.mark.parametrize("recipe", PAPER)
@@ -44,7 +58,7 @@ def test_recipes_are_the_papers_configuration(recipe):
         assert getattr(cfg, key) == paper[key], key
     assert set(cfg.lora_targets) == paper["lora_targets"]
     for key, value in PAPER_METHODS.items():
-        assert getattr(cfg, key) == value, key
+        assert setting(cfg, key) == value, key
 
 
 @pytest.mark.parametrize("recipe", PAPER)
@@ -71,33 +85,40 @@ def test_partial_last_step_is_kept_and_flags_override_the_recipe_count():
 
 def test_run_names_carry_ablation_settings_off_their_defaults():
     base = {"model": "org/granite-x", "data": "arc_challenge", "method": "tes", "objective": "is", "seed": 42}
-    assert run_name(base) == "granite-x-arc_challenge-TES-IS-seed42"
-    assert run_name({**base, "lambda_": 1e-3, "layers": "final"}) == run_name(base)  # defaults stay out
-    names = {run_name({**base, **s}) for s in ({"lambda_": 1e-2}, {"layers": "all"}, {"transform": "log"},
+    assert name(base) == "granite-x-arc_challenge-TES-IS-seed42"
+    assert name({**base, "lambda_": 1e-3, "layers": "final"}) == name(base)  # defaults stay out
+    names = {name({**base, **s}) for s in ({"lambda_": 1e-2}, {"layers": "all"}, {"transform": "log"},
                                                 {"gamma": 2.0}, {"error_head_lr": 1e-4}, {"depth_scaled_lambda": True},
                                                 {"layers": "all", "depth_scaled_lambda": True}, {})}
     assert len(names) == 8
-    assert run_name({**base, "lambda_": 1e-2, "layers": "all"}) == "granite-x-arc_challenge-TES-IS-lambda0.01-layersall-seed42"
+    assert name({**base, "lambda_": 1e-2, "layers": "all"}) == "granite-x-arc_challenge-TES-IS-lambda0.01-layersall-seed42"
     # A setting the method does not read is no part of its name: CE at lambda 1e-2 is the CE run.
     ce = {**base, "method": "ce"}
-    assert run_name({**ce, "lambda_": 1e-2, "gamma": 2.0}) == run_name(ce)
+    assert name({**ce, "lambda_": 1e-2, "gamma": 2.0}) == name(ce)
 
 
 def test_flag_name_is_train_pys_flag_for_every_setting_a_sweep_cell_passes():
     """A cell passes its row's and its ablation settings' fields as train.py flags (flag_name): each must
     be the flag train.py's parser takes for that field, lambda_ included."""
-    options = {option: action.dest for action in train.parser()._actions for option in action.option_strings}
+    from minimoe.config import FIELDS
+    parser = train.parser()
+    options = {option: action.dest for action in parser._actions for option in action.option_strings}
     fields = {*ABLATION_SETTINGS, *(key for row in ROWS.values() for key in row)}
-    assert {flag_name(key): key for key in fields}.items() <= options.items()
+    assert {flag_name(key): key for key in fields if key in FIELDS}.items() <= options.items()
+    for key in fields - set(FIELDS):  # a method option (gamma): its flag sets that option of method_options
+        assert parser.parse_args([flag_name(key), "log" if key == "transform" else "2"]).method_options.keys() == {key}
 
 
-def test_every_built_in_method_setting_is_a_field_and_a_flag_with_its_records_default():
-    """routing.METHODS holds each built-in option's and head learning rate's default; TrainConfig's field
-    and train.py's flag of that name show the same value, so neither can drift from the record."""
+def test_every_built_in_method_setting_is_a_flag_made_from_its_record():
+    """methods.METHODS holds each built-in option's and head learning rate's default, once: train.py's flag
+    of that name is made from the record (its help shows the record's default) and sets that option of
+    method_options, and TrainConfig has no field of that name, so nothing can drift from the record."""
     from minimoe.config import TrainConfig
-    from minimoe.routing import METHODS
-    defaults = {a.dest: a.default for a in train.parser()._actions}
+    from minimoe.methods import METHODS
+    parser = train.parser()
     settings = {k: v for m in METHODS.values() if m.module is None for k, v in m.settings.items()}
     assert set(settings) == {"gamma", "tau", "transform", "mix", "error_head_lr", "copied_head_lr"}
     for name, default in settings.items():
-        assert getattr(TrainConfig, name) == default == defaults[name], name
+        action = parser._option_string_actions[flag_name(name)]
+        assert f"(default: {default})" in action.help and not hasattr(TrainConfig, name), name
+        assert parser.parse_args([flag_name(name), str(default)]).method_options == {name: default}, name

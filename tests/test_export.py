@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from conftest import tiny_model
 from minimoe.cli.export import main
 from minimoe.checkpoint import save_pretrained
-from minimoe.config import RECIPES, TrainConfig
+from minimoe.config import RECIPES, TrainConfig, method_for
 from minimoe.export import export_peft
 from minimoe.adapters import export_merged, save_adapter
 from minimoe.lora import add_lora
@@ -136,7 +136,7 @@ def test_merged_export_rounds_a_tuned_fp32_gate_to_the_model_dtype(tmp_path):
     """The official layout has one dtype: a tuned gate is written rounded to bf16 once, and the model
     keeps its fp32 gate afterwards."""
     model = tiny_model("olmoe").to(torch.bfloat16)
-    install_method(model, TrainConfig(**RECIPES["olmoe"], method="ce", tune_router=True))
+    install_method(model, cfg := TrainConfig(**RECIPES["olmoe"], method="ce", tune_router=True), method_for(cfg))
     gate = model.model.layers[-1].mlp.gate
     with torch.no_grad():
         gate.weight.add_(1e-4)  # a trained gate that bf16 cannot hold exactly

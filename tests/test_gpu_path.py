@@ -18,7 +18,8 @@ from minimoe import cpu_kernels
 from minimoe import model as model_module
 from minimoe import load_tokenizer
 from minimoe.checkpoint import from_pretrained
-from minimoe.config import RECIPES, TrainConfig
+from minimoe.config import RECIPES, TrainConfig, method_for
+from minimoe.step import step_loss
 from minimoe.data import load_split
 from minimoe.lora import add_lora
 from minimoe.model import compile_layers
@@ -84,7 +85,7 @@ def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, metho
                   aux_coef=0.01, layers="all")
     batches = step_batches(tmp_path, cfg)
     model = from_pretrained(tiny_checkpoint())
-    training.install_method(model, cfg)
+    training.install_method(model, cfg, method_for(cfg))
     model.train()
     counts = {"examples": 4, "tokens": sum(b.supervised_tokens for b in batches),
               "rows": sum(b.input_ids.shape[0] for b in batches)}
@@ -95,7 +96,8 @@ def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, metho
         monkeypatch.setattr(cpu_kernels, "EXPERT_BLOCK", 1)
         monkeypatch.setattr(model_module.Dispatch, "counts_list", property(lambda self: pytest.fail("the loop ran")))
     with HostSyncs() as syncs:
-        logs = training.step_loss(model, batches, cfg, counts, world_size=1, stats=stats)
+        logs = step_loss(model, batches, method_for(cfg), counts, world_size=1, stats=stats,
+                         **training.loss_settings(cfg))
     assert syncs.counts == {}, f"host syncs in a training step: {syncs.counts}"
     assert all(isinstance(v, torch.Tensor) or v == 0.0 for v in logs.values())
     assert logs["task"] > 0 and logs["aux"] > 0 and (method in ("native", "dual")) == (logs["method"] == 0.0)

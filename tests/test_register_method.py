@@ -13,7 +13,9 @@ from safetensors.torch import load_file
 
 from minimoe.cli import train
 from minimoe.cli import evaluate
-from minimoe.routing import Method, NativeRouter, lookup_method, register_method
+from minimoe.methods import Method
+from minimoe.plugins import register_method, resolve_method
+from minimoe.routing import NativeRouter
 from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,7 +50,7 @@ def test_a_method_from_a_file_trains_resumes_loads_evaluates_and_reports(tmp_pat
     assert run.name.endswith("-Biased-temperature2-seed42")  # label and the option off its default name the run
     cfg = json.loads((run / "config.json").read_text())
     assert (cfg["method"], cfg["method_module"], cfg["method_options"], cfg["label"]) == (
-        "biased", str(EXAMPLE), {"temperature": 2}, "Biased")
+        "biased", str(EXAMPLE), {"temperature": 2, "bias_lr": 1e-3}, "Biased")  # every option, the record's defaults too
 
     fresh_process("train.py", "--resume", str(run), cwd=tmp_path)  # finds the method through config.json
     [straight] = (tmp_path / "straight").iterdir()
@@ -84,7 +86,7 @@ def test_unknown_method_and_missing_module_say_what_was_expected(tmp_path, monke
     with pytest.raises(ModuleNotFoundError, match="'no_such_pkg.routers': no such module; expected an importable"):
         train.main([*base, "--method", "biased", "--method-module", "no_such_pkg.routers"])
     with pytest.raises(ValueError, match="registers no method 'other'"):
-        lookup_method("other", str(EXAMPLE))
+        resolve_method("other", str(EXAMPLE))
     with pytest.raises(ValueError, match=r"--method-option bogus: method 'biased' has no such option; it takes "
                                          r"\['bias_lr', 'temperature'\]"):
         train.main([*base, *FLAGS[-6:], "--method-option", "bogus=1"])

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.objectives import itakura_saito, supervision_loss
+from minimoe.methods import METHODS
 from minimoe.routing import (
-    METHODS,
     ConcentrationRouter,
     DualAffinityRouter,
     NativeRouter,
@@ -127,9 +127,9 @@ def test_pure_log_transform():
     # Eq. shifted_log_ablation_score: a~ = a - gamma log e; a common rescaling of e is a shared shift.
     g = torch.Generator().manual_seed(0)
     a, e = torch.randn(4, 8, generator=g), torch.rand(4, 8, generator=g) + 0.1
-    torch.testing.assert_close(attenuate(a, e, 2.0, transform="log"), a - 2.0 * e.log())
-    shifted = attenuate(a, 5.0 * e, 2.0, transform="log")
-    torch.testing.assert_close(shifted.softmax(-1), attenuate(a, e, 2.0, transform="log").softmax(-1))
+    torch.testing.assert_close(attenuate(a, e, 2.0, 1.0, transform="log"), a - 2.0 * e.log())  # tau: unused by log
+    shifted = attenuate(a, 5.0 * e, 2.0, 1.0, transform="log")
+    torch.testing.assert_close(shifted.softmax(-1), attenuate(a, e, 2.0, 1.0, transform="log").softmax(-1))
 
 
 # ---- initialisation: routing exactly native ---------------------------------------------------------
@@ -287,7 +287,7 @@ def test_error_head_trains_through_the_attenuated_combine_weights(renormalize):
 
 @pytest.mark.parametrize("make", [lambda: NativeRouter(3, True), lambda: ConcentrationRouter(3, False),
                                   lambda: tes_router(False, gamma=2.0)[0],
-                                  lambda: DualAffinityRouter(torch.nn.Linear(16, 8, bias=False), 3, True)])
+                                  lambda: DualAffinityRouter(torch.nn.Linear(16, 8, bias=False), 3, True, mix=0.5)])
 def test_policies_replay_a_given_selection(make):
     # The protocol: with `experts` given, the policy uses them and computes everything else as usual.
     g = torch.Generator().manual_seed(0)

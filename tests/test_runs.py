@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimoe.runs import CPU_DTYPE_VARIABLE, AdapterSource, cpu_capabilities, method_label, native_bf16, pad_id, pick_device, pick_dtype
+from minimoe.methods import get_method
+from minimoe.runs import CPU_DTYPE_VARIABLE, AdapterSource, cpu_capabilities, native_bf16, pad_id, pick_device, pick_dtype
 
 
 @pytest.mark.parametrize("method, objective, tune, label", [
@@ -15,7 +16,7 @@ from minimoe.runs import CPU_DTYPE_VARIABLE, AdapterSource, cpu_capabilities, me
     ("ce", "is", True, "CE + affinity tuning"), ("tes", None, False, "TES"),
 ])
 def test_method_label_is_the_papers_row_name(method, objective, tune, label):
-    assert method_label(method, objective, tune) == label
+    assert get_method(method).configure(objective, tune).row == label
 
 
 def test_an_adapter_is_labelled_by_its_run_else_by_its_router():

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from minimoe.cli import train
-from minimoe.routing import ALIASES
+from minimoe.methods import ALIASES
 from minimoe.tiny import tiny_checkpoint
 from tests.kill import killed_after
 
@@ -55,6 +55,22 @@ def test_every_method_trains_and_records_its_run(tmp_path, flags):
         assert any(k.endswith(".mlp.gate.weight") for k in tensors)
     if flags[1] in ("tes", "acs"):
         assert all(s["method"] > 0 for s in steps if s["kind"] == "step")
+
+
+def test_the_method_is_resolved_once_per_run(tmp_path, monkeypatch):
+    """train.py turns --method into its Method once; installing the router, the optimizer, every step
+    and the run's name and label use that object. Every name-to-record look-up ends in methods.get_method
+    (plugins.resolve_method's, and set_router's for a name): counted over a whole two-step run."""
+    from minimoe import methods, plugins
+    original, calls = methods.get_method, []
+
+    def counted(name):
+        calls.append(name)
+        return original(name)
+    monkeypatch.setattr(plugins, "get_method", counted)
+    monkeypatch.setattr(methods, "get_method", counted)
+    run_train(tmp_path, "--method", "tes", "--batch-size", "4", "--grad-accum", "2")
+    assert calls == ["tes"]
 
 
 def test_same_seed_gives_identical_runs(tmp_path):
@@ -467,7 +483,7 @@ def small_manifests(tmp_path, n=(16, 4, 6)):
 ])
 def test_test_checkpoint_defaults_to_what_the_paper_reports(flags, expected):
     from conftest import tiny_config
-    cfg = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
+    cfg, _ = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
     assert cfg.test_checkpoint == expected
 
 
@@ -508,7 +524,7 @@ def test_flags_are_train_config_fields_and_help_shows_their_true_defaults():
     parser = train.parser()
     defaults, helps = vars(parser.parse_args([])), option_help(parser)
     config = {f.name: f.default for f in fields(TrainConfig)}
-    assert set(defaults) - set(train.NOT_SETTINGS) == set(config) - {"pad_token_id", "packed", "train_examples"}
+    assert set(defaults) - set(train.NOT_SETTINGS) == set(config) - {"pad_token_id", "train_examples"}
     for name, value in defaults.items():
         if name not in config:
             continue
@@ -524,6 +540,15 @@ def test_flags_are_train_config_fields_and_help_shows_their_true_defaults():
             expected = ([f"default: {shown['tiny']}"] if len(set(shown.values())) == 1
                         else [f"{v} {r}" for r, v in shown.items()])
             assert all(e in text for e in expected), (name, text)
+
+
+def test_lora_targets_help_lists_the_lora_names_not_the_method_aliases():
+    """--lora-targets' help names every target and alias lora.py takes (experts among them), and no method
+    alias (ce): the two ALIASES tables, lora's and methods', are different things."""
+    from minimoe import lora, methods
+    text = option_help(train.parser())["--lora-targets"]
+    assert "comma list of " + ",".join([*lora.TARGETS, *lora.ALIASES]) + " (" in text
+    assert not any(f"{alias}," in text or f",{alias} " in text for alias in methods.ALIASES)
 
 
 def test_resume_compares_settings_not_how_config_json_spells_them(tmp_path):

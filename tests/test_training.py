@@ -20,6 +20,9 @@ from minimoe.objectives import load_balancing_loss
 from minimoe.tiny import tiny_checkpoint
 from minimoe.config import RECIPES, TrainConfig
 from minimoe import training
+from minimoe.config import method_for
+from minimoe.scoring import forward_choices
+from minimoe.step import step_loss
 from minimoe.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 
 @pytest.mark.parametrize("recipe,dataset", [(r, d) for r in PAPER for d in ("arc_challenge", "sciq")])
@@ -114,12 +117,12 @@ def method_cfg(recipe="olmoe", **method):
 def test_learning_rate_groups(recipe, method, tune, groups):
     model = tiny_model("olmoe")
     cfg = method_cfg(recipe, method=method, tune_router=tune)
-    install_method(model, cfg)
-    lrs = {g["name"]: g["lr"] for g in make_optimizer(model, cfg).param_groups}
+    install_method(model, cfg, method_for(cfg))
+    lrs = {g["name"]: g["lr"] for g in make_optimizer(model, cfg, method_for(cfg)).param_groups}
     assert lrs == {name: PAPER[recipe]["lr"] if lr is None else lr for name, lr in groups.items()}
     if tune:
-        install_method(model := tiny_model("olmoe"), cfg := replace(cfg, router_lr=3e-3))
-        assert {g["name"]: g["lr"] for g in make_optimizer(model, cfg).param_groups}["router"] == 3e-3
+        install_method(model := tiny_model("olmoe"), cfg := replace(cfg, router_lr=3e-3), method_for(cfg))
+        assert {g["name"]: g["lr"] for g in make_optimizer(model, cfg, method_for(cfg)).param_groups}["router"] == 3e-3
 
 
 @pytest.mark.parametrize("family", ["granitemoe", "olmoe"])
@@ -129,7 +132,7 @@ def test_trainable_parameters_are_fp32_on_a_bf16_base(family, method, tune):
     """Every trainable parameter (LoRA, error head, copied head, tuned gate) is stored in fp32; the
     frozen base stays bf16; a training step runs and gives them fp32 gradients."""
     model = tiny_model(family).to(torch.bfloat16)
-    install_method(model, method_cfg(method=method, tune_router=tune, layers="all"))
+    install_method(model, cfg := method_cfg(method=method, tune_router=tune, layers="all"), method_for(cfg))
     groups = trainable_parameters(model)
     heads = {"tes": {"error_head"}, "dual": {"copied_head"}}.get(method, set())
     expected = {"lora"} | heads | ({"router"} if tune else set())
@@ -152,7 +155,7 @@ def test_fp32_heads_and_tuned_gate_keep_bf16_logits_bitwise_at_init(family):
     ref = tiny_model(family).to(torch.bfloat16)(ids).logits
     for method, tune in (("dual", False), ("ce", True)):
         model = tiny_model(family).to(torch.bfloat16)
-        install_method(model, method_cfg(method=method, tune_router=tune, layers="all"))
+        install_method(model, cfg := method_cfg(method=method, tune_router=tune, layers="all"), method_for(cfg))
         assert torch.equal(model(ids).logits, ref), (method, tune)
 
 
@@ -168,13 +171,13 @@ def test_a_rank_without_examples_runs_a_placeholder_that_counts_zero(tmp_path):
     assert rank0[1].gold.shape == (1,) and torch.equal(rank1[1].input_ids, rank0[1].input_ids)  # example 4 twice
 
     model = from_pretrained(tiny_checkpoint())
-    training.install_method(model, cfg)
+    training.install_method(model, cfg, method_for(cfg))
     params = [p for p in model.parameters() if p.requires_grad]
     counts = {"examples": 2, "tokens": rank1[0].supervised_mask.sum().item(), "rows": rank1[0].input_ids.shape[0]}
 
     def run(batches):
         model.zero_grad(set_to_none=True)
-        logs = training.step_loss(model, batches, cfg, counts, world_size=1)
+        logs = step_loss(model, batches, method_for(cfg), counts, world_size=1, **training.loss_settings(cfg))
         return logs, [p.grad.clone() for p in params]
     (alone, grads), (with_placeholder, grads_with) = run(rank1[:1]), run(rank1)
     assert with_placeholder == alone and alone["method"] != 0
@@ -234,19 +237,20 @@ def test_two_micro_batches_give_the_aux_and_method_terms_of_one_full_batch():
                       grad_accum=accum, pad_token_id=0, device="cpu", clip=1e9)
         torch.manual_seed(0)
         model = from_pretrained(tiny_checkpoint())
-        install_method(model, cfg)
+        install_method(model, cfg, method_for(cfg))
         model.train()
         batches = training.micro_batches(examples, tokenizer, cfg, 0, 1)
         assert len(batches) == accum
         if accum == 1:  # the full batch's own load-balancing loss (= transformers', tests/test_model.py)
             with torch.no_grad():
-                out = training.forward_choices(model, batches[0])[0]
+                out = forward_choices(model, batches[0])[0]
                 full_batch_aux = load_balancing_loss(out.routings, batches[0].attention_mask).item()
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         before = {n: p.detach().clone() for n, p in params.items()}
         optimizer = torch.optim.SGD(params.values(), lr=1.0)  # the update is minus the step's gradient
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        logs = training.optimizer_step(model, batches, len(examples), optimizer, scheduler, cfg, world_size=1)
+        logs = training.optimizer_step(model, batches, len(examples), optimizer, scheduler, cfg, method_for(cfg),
+                                       world_size=1)
         results.append((logs, {n: before[n] - p.detach() for n, p in params.items()}))
     (full, full_grads), (accumulated, accumulated_grads) = results
     assert full["aux"] == pytest.approx(full_batch_aux, rel=1e-6) and full["method"] > 0

@@ -1,4 +1,4 @@
-"""The command lines: one module per command, and what they share (device strings, old flag names, errors).
+"""The command lines: one module per command, and what they share (old flag names, 'tiny', errors).
 
     command          script                  code                      console form
     minimoe-train    python train.py         minimoe/cli/train.py      minimoe.cli.train:command
@@ -30,17 +30,7 @@ One name per concept across the scripts (the old spellings are hidden aliases th
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-
-DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
-
-
-def device(text: str) -> str:
-    """--device, alike in every script: auto (cuda when present), cpu, cuda, cuda:N, mps."""
-    if not DEVICE.fullmatch(text):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected auto, cpu, cuda, cuda:N or mps")
-    return text
 
 
 class OldName(argparse.Action):

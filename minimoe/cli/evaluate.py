@@ -34,7 +34,8 @@ import logging
 import sys
 from pathlib import Path
 
-from minimoe.cli import device, model_path, old_name, run_command
+from minimoe.cli import model_path, old_name, run_command
+from minimoe.config import device, flag_type
 from minimoe.data import DEFAULT_DATA_DIR, SPLITS
 from minimoe.diagnostics import PAPER_SEEDS
 
@@ -125,7 +126,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
     compute.add_argument("--per-candidate-rows", action="store_true",
                          help="one row per (prompt, candidate), the reference path; default: one packed row per "
                               "example, its prompt run once")
-    compute.add_argument("--device", default="auto", type=device,
+    compute.add_argument("--device", default="auto", type=flag_type(device),
                          help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
     compute.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                          help="model weights and activations; routing math and scores are fp32 either way "

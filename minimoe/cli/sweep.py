@@ -28,16 +28,17 @@ import argparse
 import sys
 from pathlib import Path
 
-from minimoe.cli import run_command
-from minimoe.config import ABLATION_SETTINGS, TrainConfig, flag_name
+from minimoe.cli import run_command, train
+from minimoe.config import ABLATION_SETTINGS, check_value, default_of, flag_name
 from minimoe.runs import set_aside
 from minimoe.diagnostics import PAPER_SEEDS
-from minimoe.routing import ALIASES, METHODS, import_method_module
+from minimoe.methods import ALIASES, METHODS
+from minimoe.plugins import import_method_module
 from minimoe.sweep import BENCHMARKS, PRESETS, ROWS, Preset, claim_out_dir, grid, run_local, run_on_devices, \
-    submit_slurm, train_module, visible_devices, write_report
+    submit_slurm, visible_devices, write_report
 
 # --set's keys: the ablation settings that take a value, by their train.py flag (--set lambda=... sets lambda_).
-SETTING_FLAGS = {flag_name(key)[2:]: key for key in ABLATION_SETTINGS if not isinstance(getattr(TrainConfig, key), bool)}
+SETTING_FLAGS = {flag_name(key)[2:]: key for key in ABLATION_SETTINGS if not isinstance(default_of(key), bool)}
 
 
 def parse_args(argv=None):
@@ -110,20 +111,16 @@ def slurm_params(specs, parser) -> dict:
 def settings_variants(specs, parser) -> tuple:
     """--set KEY=V1,V2 ... -> every combination; each value checked as train.py's flag checks it, up front."""
     variants = [{}]
-    flags = {a.dest: a for a in train_module().parser()._actions}
     for spec in specs:
         key, _, values = spec.partition("=")
         if key not in SETTING_FLAGS or not values:
             parser.error(f"--set {spec!r}: expected KEY=V1,V2 with KEY in {list(SETTING_FLAGS)}")
-        action = flags[SETTING_FLAGS[key]]
         for x in values.split(","):
             try:
-                parsed = action.type(x) if action.type else x
-            except (argparse.ArgumentTypeError, ValueError) as e:
+                check_value(SETTING_FLAGS[key], x)
+            except ValueError as e:
                 parser.error(f"--set {key}={x}: {e}")
-            if action.choices and parsed not in action.choices:
-                parser.error(f"--set {key}={x}: expected one of {list(action.choices)}")
-        cast = type(getattr(TrainConfig, SETTING_FLAGS[key]))  # float, or str for layers and transform
+        cast = type(default_of(SETTING_FLAGS[key]))  # float, or str for layers and transform
         variants = [{**v, SETTING_FLAGS[key]: cast(x)} for v in variants for x in values.split(",")]
     return tuple(variants)
 
@@ -169,12 +166,12 @@ CELL_SETTINGS = {"method": "--rows", "method_module": "--method-module", "object
 def check_extra(extra, parser) -> None:
     """Flags after `--` that would change a row's method, scope or a cell's identity are refused: the run
     would train as another row than its cell's and the report would call the cell missing."""
-    train = train_module().parser()
-    given, _ = train.parse_known_args(extra)
-    defaults = vars(train.parse_args([]))
+    train_parser = train.parser()
+    given, _ = train_parser.parse_known_args(extra)
+    defaults = vars(train_parser.parse_args([]))
     for dest, where in CELL_SETTINGS.items():
         if getattr(given, dest, None) != defaults.get(dest):
-            flag = next(a.option_strings[0] for a in train._actions if a.dest == dest)
+            flag = next(a.option_strings[0] for a in train_parser._actions if a.dest == dest)
             parser.error(f"{flag} after --: it changes which run a cell is; set it with {where} instead")
 
 

@@ -1,0 +1,163 @@
+"""The routing methods: one `Method` record each in `METHODS`, every fact about a method that minimoe
+reads outside its policy (routing.py).
+
+A record names its policy class, its row label, its options (the policy's keywords) and its heads'
+learning rates, each an `Option` declared once with its default, check and help: train.py's
+`--method-option NAME=VALUE` and the built-in options' own flags (`--gamma 2`) are made from them, and
+set_router and the optimizer take their defaults from them. `Method.configure` gives a record one
+run's choices (the objective, affinity tuning, the option values); train.py resolves --method to one
+configured Method once, and that object installs the router (`routing.set_router`), drives the
+training step (step.py), and labels and names the run. A method from your own file joins `METHODS`
+through `minimoe.register_method` (plugins.py).
+
+Built in: native (CE), dual (Dual Affinity), tes (TES) and acs (ACS), their policies in routing.py,
+their defaults the paper's (gamma = tau = 1, mixing weight 0.5; heads at 1e-5 for TES, 1e-3 for Dual).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from numbers import Integral, Real
+from typing import Callable
+
+from minimoe.routing import (TRANSFORMS, ConcentrationRouter, DualAffinityRouter, NativeRouter,
+                             TokenErrorRouter)
+
+
+def number(kind, low=None, high=None, *, low_open=False, high_open=False) -> Callable:
+    """A check for a setting: `kind` (int or float) in [low, high] (open ends where asked), finite. It reads
+    text (a flag) or a number (a settings file) and raises ValueError saying what was expected."""
+    bounds = [f"{'>' if low_open else '>='} {low}" if low is not None else "",
+              f"{'<' if high_open else '<='} {high}" if high is not None else ""]
+    what = " ".join(["an integer" if kind is int else "a number", " and ".join(b for b in bounds if b)]).strip()
+
+    def check(value):
+        try:
+            x = kind(value) if isinstance(value, str) else value
+        except ValueError:
+            raise ValueError(f"{value!r}: expected {what}") from None
+        if (not isinstance(x, Integral if kind is int else Real) or isinstance(x, bool) or not math.isfinite(x)
+                or (low is not None and (x <= low if low_open else x < low))
+                or (high is not None and (x >= high if high_open else x > high))):
+            raise ValueError(f"{value}: expected {what}")
+        return x
+    return check
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting a method reads: a keyword of its policy, or a head's learning rate."""
+    default: object
+    help: str = ""
+    check: Callable | None = None  # reads text or a value, raises ValueError; None: taken as given (the policy checks)
+    choices: tuple = ()
+
+    def parse(self, name: str, value):
+        """`value` checked and read (text from a flag, or a settings file's value)."""
+        try:
+            value = self.check(value) if self.check else value
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{name}: {value!r}; expected one of {list(self.choices)}")
+        return value
+
+
+def _option(value) -> Option:
+    return value if isinstance(value, Option) else Option(value)
+
+
+# What export_peft and export_merged say of a method that does not declare that it routes natively.
+NOT_NATIVE = "its policy replaces the family's native top-K"
+
+
+@dataclass(eq=False)
+class Method:
+    """One routing method (METHODS), and, once `configure`d, one run's use of it."""
+    name: str  # --method, and "method" in config.json and in the router spec
+    policy: type  # nn.Module; set_router builds it per layer in scope as policy.from_gate(gate, config, **options)
+    label: str  # the report's row and the run's name: "-<objective>" follows a supervised one's (TES-IS)
+    options: dict = field(default_factory=dict)  # option -> its default, or an Option: the policy's keywords
+    # trainable submodule of the policy -> (the option naming its learning rate, its default or Option); the
+    # optimizer gives each its own parameter group, named after the option less "_lr"
+    heads: dict = field(default_factory=dict)
+    # what Routing.prediction holds, supervised against the token CE: "error" (a predicted token CE,
+    # e_hat, which the error-prediction diagnostics read) or another name; None: not supervised
+    prediction: str | None = None
+    # why a merged checkpoint or a peft adapter cannot express its routing; None: it routes natively
+    # (its heads, if any, only read), so export_peft and export_merged write it
+    not_exportable: str | None = NOT_NATIVE
+    module: str | None = None  # where a method from outside minimoe was registered from; None: built in
+    # One run's choices (`configure`); a registered record has none.
+    objective: str | None = None  # is | enll: what a supervised method's prediction is fitted with
+    tune_router: bool = False  # the native gate in scope trains too ("+ affinity tuning")
+    values: dict = field(default_factory=dict)  # every setting (`settings`) -> its value in the run
+
+    def __post_init__(self):  # a file of your own may declare an option by its default alone
+        self.options = {name: _option(o) for name, o in self.options.items()}
+        self.heads = {head: (lr, _option(o)) for head, (lr, o) in self.heads.items()}
+
+    @property
+    def declared(self) -> dict[str, Option]:
+        """Every setting the method reads: its options and its heads' learning rates."""
+        return {**self.options, **dict(self.heads.values())}
+
+    @property
+    def settings(self) -> dict:
+        """Every setting the method reads, with its default."""
+        return {name: o.default for name, o in self.declared.items()}
+
+    @property
+    def predicts_error(self) -> bool:
+        return self.prediction == "error"
+
+    @property
+    def row(self) -> str:
+        """The paper's row name: CE, Dual Affinity, TES-IS, ACS-ENLL + affinity tuning, ...; a supervised
+        method without an objective (an adapter outside a run) is its label alone: TES, ACS."""
+        base = f"{self.label}-{self.objective.upper()}" if self.prediction is not None and self.objective else self.label
+        return base + (" + affinity tuning" if self.tune_router else "")
+
+    def configure(self, objective: str | None = None, tune_router: bool = False, options: dict | None = None) -> Method:
+        """This method as one run uses it: `options` checked against their declarations, every setting's
+        value in `values` (the given one, else its default). A setting that only other registered methods
+        read is left out (--gamma 2 with --method ce: CE has no gamma, as it has no lambda); any other
+        unknown name is an error."""
+        given = dict(options or {})
+        for name in given:
+            if name not in self.declared and not any(name in m.declared for m in METHODS.values()):
+                raise ValueError(f"--method-option {name}: method {self.name!r} has no such option; it takes "
+                                 f"{sorted(self.declared)}")
+        values = {name: o.parse(name, given[name]) if name in given else o.default for name, o in self.declared.items()}
+        return replace(self, objective=objective, tune_router=tune_router, values=values)
+
+
+METHODS: dict[str, Method] = {}
+ALIASES = {"ce": "native"}  # the paper's row name for LoRA on native routing; train.py and older config.json say it
+
+LR = number(float, 0, low_open=True)
+for _m in (
+        Method("native", NativeRouter, label="CE", not_exportable=None),
+        Method("dual", DualAffinityRouter, label="Dual Affinity",
+               options={"mix": Option(0.5, "mixing weight of the copied head", number(float, 0, 1))},
+               heads={"affinity": ("copied_head_lr", Option(1e-3, "copied-head learning rate", LR))},
+               not_exportable="Dual Affinity mixes the native logits with a trained copy of the gate"),
+        Method("tes", TokenErrorRouter, label="TES", prediction="error",
+               options={"gamma": Option(1.0, "attenuation strength", number(float, 0)),
+                        "tau": Option(1.0, "started-log reference scale", number(float, 0, low_open=True)),
+                        "transform": Option("started-log", "error-to-routing transform; log is the paper's control",
+                                            choices=TRANSFORMS)},
+               heads={"error_head": ("error_head_lr", Option(1e-5, "error-head learning rate", LR))},
+               not_exportable="TES attenuates the native logits with its learned error head "
+                              "(a - gamma * phi(e_hat))"),
+        Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None)):
+    METHODS[_m.name] = _m
+
+
+def get_method(name: str) -> Method:
+    """The registered method called `name` ("ce" is native)."""
+    record = METHODS.get(ALIASES.get(name, name))
+    if record is None:
+        raise ValueError(f"unknown method {name!r}; expected one of the registered {list(METHODS)} (for one of "
+                         f"your own, pass the file or module that registers it: train.py --method-module)")
+    return record

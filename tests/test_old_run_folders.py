@@ -1,0 +1,70 @@
+"""A run folder written by an older minimoe (main at 3a854cc, before a method's options moved from
+TrainConfig's own fields into method_options) still loads: its config.json reads into today's
+TrainConfig and method, the sweep calls it done for its cell, and --resume and evaluate.py accept it.
+
+The fixture is that version's own output, paths scrubbed (tests/fixtures/README.md says how it was
+made): `train.py --model tiny --epochs 1 --max-train-examples 16 --batch-size 8 --eval-batch-size 8
+--quiet --method tes --gamma 2`, whose config.json holds gamma, tau, transform, mix, error_head_lr and
+copied_head_lr at the top level, method_options null, and the stop_after_* keys."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from minimoe.cli import evaluate, sweep, train
+from minimoe.config import build_config, read_settings, run_name, settings_of
+from minimoe.tiny import tiny_checkpoint
+
+FIXTURE = Path(__file__).parent / "fixtures" / "run-3a854cc" / "tiny-olmoe-arc_challenge-TES-IS-gamma2-seed42"
+FLAGS = ["--epochs", "1", "--max-train-examples", "16", "--batch-size", "8", "--eval-batch-size", "8", "--quiet"]
+TES_GAMMA_2 = {"gamma": 2.0, "tau": 1.0, "transform": "started-log", "error_head_lr": 1e-5}
+
+
+def old_record(**facts) -> dict:
+    """The fixture's config.json, its model the tiny checkpoint here (the scrubbed path was the old checkout's)."""
+    return {**json.loads((FIXTURE / "config.json").read_text()), "model": str(tiny_checkpoint()), **facts}
+
+
+def test_an_old_config_json_reads_into_todays_settings_and_names_its_own_run():
+    record = old_record()
+    assert record["gamma"] == 2.0 and record["method_options"] is None  # the old layout, as written
+    cfg, method = build_config(settings_of(record), record["recipe"])
+    assert (cfg.method, cfg.method_options, method.row) == ("tes", TES_GAMMA_2, "TES-IS")
+    assert run_name(record, method) == FIXTURE.name
+    assert read_settings(FIXTURE / "config.json")["method_options"] == {  # --config / --resume read it so
+        "gamma": 2.0, "tau": 1.0, "transform": "started-log", "mix": 0.5, "error_head_lr": 1e-5, "copied_head_lr": 1e-3}
+
+
+def test_the_sweep_calls_an_old_run_done_for_its_cell(tmp_path, capsys):
+    flags = ["--models", "tiny", "--benchmarks", "arc_challenge", "--rows", "TES-IS", "--set", "gamma=2",
+             "--seeds", "42", "--out-dir", str(tmp_path), "--dry-run", "--", *FLAGS]
+    cell, = sweep.main(flags)
+    assert cell.run.name == FIXTURE.name  # the cell names the old run's folder
+    shutil.copytree(FIXTURE, cell.run)
+    (cell.run / "config.json").write_text(json.dumps(old_record()))
+    cell, = sweep.main(flags)
+    assert cell.state() == "done" and cell.changed() == []
+    assert capsys.readouterr().out.endswith("1 runs: 1 done, 0 partial, 0 missing, 0 changed\n")
+    other, = sweep.main(["gamma=3" if f == "gamma=2" else f for f in flags])  # the control: another cell
+    assert other.run.name != FIXTURE.name and other.changed(old_record()) == ["gamma"]
+
+
+def test_resume_and_evaluate_accept_an_old_config_json(tmp_path):
+    """The same run trained by today's code, its config.json replaced by the old one: --resume reads
+    every setting from it, finds none changed and has nothing left to do; --resume with another gamma is
+    refused, naming it; evaluate.py scores the run as the old one's settings say."""
+    train.main(["--model", "tiny", "--method", "tes", "--gamma", "2", "--dtype", "bfloat16", *FLAGS,
+                "--out-dir", str(tmp_path), "--data-dir", str(tmp_path / "splits")])
+    run = tmp_path / FIXTURE.name
+    old = json.dumps(old_record(torch_version=torch.__version__, data_dir=str(tmp_path / "splits")))
+    (run / "config.json").write_text(old)
+    with pytest.raises(SystemExit, match=r"\['gamma'\] differ"):
+        train.main(["--resume", str(run), "--gamma", "3"])
+    train.main(["--resume", str(run)])
+    assert (run / "config.json").read_text() == old  # a finished run's record stays as it is
+    metrics = evaluate.main(["--adapter", str(run), "--eval-dir", str(tmp_path / "again"), "--eval-batch-size", "8"])
+    in_run = json.loads((run / "eval" / "test" / "metrics.json").read_text())
+    assert (metrics["method"], metrics["settings"]) == ("TES-IS", {"gamma": 2.0})
+    assert metrics["accuracy"] == in_run["accuracy"]
