@@ -6,7 +6,7 @@
 
 `measure` loads RUN's base model in --dtype and RUN's trained adapter (checkpoints/epoch-1), multiplies
 every LoRA B by each --scales value (0.1 is about where the default run's B stands after its first
-few steps, 1 where it ends), and runs the training objective (minimoe/step.py's `step_loss`: task CE + the
+few steps, 1 where it ends), and runs the training objective (minimoe/core/step.py's `step_loss`: task CE + the
 method term, in eval mode, so no dropout) on the first --steps optimizer steps of epoch 1's order.
 It records the loss and the gradient of every LoRA tensor. Run it under one tree per variant (its
 own PYTHONPATH): the variants differ in code, not in flags. `compare` gives, per scale and variant:
@@ -26,11 +26,11 @@ import torch
 
 def measure(args):
     import minimoe
-    from minimoe.adapters import load_adapter
+    from minimoe.runs.adapters import load_adapter
     from minimoe.cli.train import load_data, parse_args, resolve_config
-    from minimoe.runs import global_sum
-    from minimoe.step import step_loss
-    from minimoe.training import loss_settings, micro_batches
+    from minimoe.runs.folder import global_sum
+    from minimoe.core.step import step_loss
+    from minimoe.runs.training import loss_settings, micro_batches
 
     run = Path(args.run)
     targs = parse_args(["--config", str(run / "config.json"), "--dtype", args.dtype, "--device", "cpu"])

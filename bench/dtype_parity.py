@@ -20,7 +20,7 @@ from pathlib import Path
 from scipy.stats import binomtest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minimoe.eval_folder import PREDICTIONS, eval_dir  # noqa: E402
+from minimoe.evaluation.folders import PREDICTIONS, eval_dir  # noqa: E402
 from bench.common import write_report  # noqa: E402
 
 

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
-from minimoe.checkpoint import from_pretrained, save_pretrained  # noqa: E402
-from minimoe.lora import add_lora  # noqa: E402
-from minimoe.model import MoEConfig, MoEForCausalLM, compile_layers, init_weights  # noqa: E402
+from minimoe.loading.checkpoint import from_pretrained, save_pretrained  # noqa: E402
+from minimoe.core.lora import add_lora  # noqa: E402
+from minimoe.core.model import MoEConfig, MoEForCausalLM, compile_layers, init_weights  # noqa: E402
 
 ROWS: list[dict] = []
 SMOKE_WIDTHS = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -139,7 +139,7 @@ def parity(device, smoke: bool):
 
 
 def grouped_vs_loop(device, smoke: bool):
-    from minimoe import model as model_module
+    from minimoe.core import model as model_module
     model = init_weights(MoEForCausalLM(config("granitemoe", 1, smoke)), generator=torch.Generator().manual_seed(0))
     block = model.to(device, torch.bfloat16).model.layers[0].mlp
     x = torch.randn(64 if smoke else 4096, model.config.hidden_size, device=device, dtype=torch.bfloat16)
@@ -162,10 +162,12 @@ def training_step_syncs(device):
     recipe: bf16 weights under autocast), its logging included."""
     from dataclasses import replace
 
-    from minimoe import load_tokenizer, training
-    from minimoe.config import RECIPES, TrainConfig, method_for
-    from minimoe.data import load_split
-    from minimoe.tiny import tiny_checkpoint
+    from minimoe import load_tokenizer
+
+    from minimoe.runs import training
+    from minimoe.runs.config import RECIPES, TrainConfig, method_for
+    from minimoe.data.benchmarks import load_split
+    from minimoe.loading.tiny import tiny_checkpoint
     cfg = TrainConfig(**{**RECIPES["tiny"], "method": "tes", "layers": "all", "batch_size": 4, "grad_accum": 2,
                          "device": str(device), "dtype": "bfloat16", "pad_token_id": 0})
     model = from_pretrained(tiny_checkpoint(), dtype=torch.bfloat16).to(device)
@@ -286,8 +288,8 @@ def default_run(device, folder: Path, budget: Budget):
     """The default run's epoch (train.py, the step seconds in metrics.jsonl) and the scoring of the 500
     SciQ test questions, on the default model."""
     from minimoe import load_tokenizer
-    from minimoe.data import load_split
-    from minimoe.evaluation import evaluate_split
+    from minimoe.data.benchmarks import load_split
+    from minimoe.evaluation.accuracy import evaluate_split
     examples = load_split("sciq", "test", data_dir=Path(tempfile.mkdtemp()) / "splits")
     model = from_pretrained(folder, dtype=torch.bfloat16).to(device)
     tokenizer = load_tokenizer(folder)

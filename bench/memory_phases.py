@@ -29,7 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from minimoe.allocator import keep_freed_memory, limit_kernel_cache  # noqa: E402
+from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache  # noqa: E402
 from bench.common import write_report  # noqa: E402
 
 GiB = 2**30
@@ -61,7 +61,7 @@ class Phases:
 def saved_for_backward(model, batch) -> tuple[float, float]:
     """(GiB autograd saves over one forward of `batch`, GiB of the LM head's fp32 logits): each storage
     once, the model's parameters left out (autograd keeps a reference to them, no copy)."""
-    from minimoe.scoring import forward_choices
+    from minimoe.core.scoring import forward_choices
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}  # saved by reference, not new
     storages = {}
 
@@ -89,10 +89,10 @@ def main(argv=None):
     if args.onednn_cache == "limited":
         limit_kernel_cache()  # as train.py does
     import minimoe
-    from minimoe.evaluation import evaluate_split
-    from minimoe.runs import pick_device, pick_dtype
-    from minimoe.smollm import smollm_checkpoint
-    from minimoe.training import install_method, make_optimizer, micro_batches, optimizer_step, score_split
+    from minimoe.evaluation.accuracy import evaluate_split
+    from minimoe.runs.folder import pick_device, pick_dtype
+    from minimoe.loading.smollm import smollm_checkpoint
+    from minimoe.runs.training import install_method, make_optimizer, micro_batches, optimizer_step, score_split
     try:
         import minimoe.cli.train as cli  # once train.py moves into the package
     except ImportError:

@@ -19,8 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import minimoe  # noqa: E402
-from minimoe.smollm import EXPERTS, ROUTER_SEED, TOP_K, fetch_gguf  # noqa: E402
-from minimoe.upcycle import upcycle  # noqa: E402
+from minimoe.loading.smollm import EXPERTS, ROUTER_SEED, TOP_K, fetch_gguf  # noqa: E402
+from minimoe.loading.upcycle import upcycle  # noqa: E402
 
 TEXT = ("Question: Why is the sky blue?\nAnswer: Rayleigh scattering, 1e-3 of 12345 Grüße; ça va? "
         "¿Qué tal? Ελληνικά, русский, 日本語, 中文, 한국어, العربية 🙂")

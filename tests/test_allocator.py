@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from minimoe.allocator import KERNEL_CACHES
+from minimoe.loading.allocator import KERNEL_CACHES
 
 pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallo
 # 64-byte-aligned memory, and memalign wants a free chunk slightly bigger than the one just freed.
 PROBE = """
 import json, resource, sys, torch
-from minimoe.allocator import keep_freed_memory
+from minimoe.loading.allocator import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else None
 def faults_to_fill_a_fresh_block():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -71,7 +71,7 @@ def anon_huge_bytes(start: int, end: int) -> int:
 
 @pytest.mark.skipif(thp_mode() not in ("madvise", "always"), reason="this kernel gives no transparent huge pages")
 def test_advised_tensor_is_backed_by_huge_pages_and_keeps_its_values():
-    from minimoe.allocator import HUGE_PAGE, advise_huge_pages
+    from minimoe.loading.allocator import HUGE_PAGE, advise_huge_pages
     import torch
     block = torch.empty(8 * HUGE_PAGE // 4)  # 16 MB of float32, a fresh mapping of its own
     advise_huge_pages(block)
@@ -84,7 +84,7 @@ def test_advised_tensor_is_backed_by_huge_pages_and_keeps_its_values():
 KERNELS = """
 import json, sys, torch
 from pathlib import Path
-from minimoe.allocator import keep_freed_memory, limit_kernel_cache
+from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 keep_freed_memory()
 applied = limit_kernel_cache(int(sys.argv[1])) if sys.argv[1] != "default" else None
 def rss():
@@ -108,7 +108,7 @@ def kernels(mode, **env):
 
 
 def test_limit_kernel_cache_bounds_the_compiled_kernels_memory():
-    from minimoe.runs import cpu_capabilities, native_bf16
+    from minimoe.runs.folder import cpu_capabilities, native_bf16
     if not native_bf16(cpu_capabilities()):
         pytest.skip("no native bf16 on this CPU: its matrix products compile no oneDNN kernels per shape")
     default, limited = kernels("default"), kernels("16")

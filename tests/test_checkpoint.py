@@ -9,7 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import minimoe
-from minimoe.checkpoint import HUB_FILES, WeightFile, checkpoint_tensors, resolve_checkpoint, save_pretrained
+from minimoe.loading.checkpoint import HUB_FILES, WeightFile, checkpoint_tensors, resolve_checkpoint, save_pretrained
 from tests.conftest import tiny_model
 
 IDS = torch.tensor([[5, 9, 17, 33, 65, 7, 11, 13]])
@@ -108,10 +108,10 @@ def test_tensors_advised_onto_huge_pages_load_the_saved_values(tmp_path, monkeyp
     """Parameters of 4 MB and more are advised onto 2 MB pages before the file is read into them
     (here the two 5 MB fp32 embedding tables; in bf16 they are 2.6 MB and left alone). Either way
     the values are the saved ones."""
-    import minimoe.checkpoint
+    import minimoe.loading.checkpoint
     advised = []
-    advise = minimoe.checkpoint.advise_huge_pages
-    monkeypatch.setattr(minimoe.checkpoint, "advise_huge_pages", lambda t: advised.append(t.nbytes) or advise(t))
+    advise = minimoe.loading.checkpoint.advise_huge_pages
+    monkeypatch.setattr(minimoe.loading.checkpoint, "advise_huge_pages", lambda t: advised.append(t.nbytes) or advise(t))
     model = tiny_model("olmoe", vocab_size=20_000)
     save_pretrained(model, tmp_path / "m")
     for dtype in (torch.float32, torch.bfloat16):
@@ -273,7 +273,7 @@ def test_nonexistent_folder_is_named(tmp_path):
 
 def test_save_is_atomic(tmp_path, monkeypatch):
     """A save that fails half-way leaves the previous checkpoint in place and no partial folder."""
-    import minimoe.checkpoint as ck
+    import minimoe.loading.checkpoint as ck
     model = tiny_model("olmoe")
     save_pretrained(model, tmp_path / "m")
     before = (tmp_path / "m" / "model.safetensors").read_bytes()
@@ -348,14 +348,14 @@ def test_atomic_directory_replaces_only_its_own_folders(tmp_path):
             raise AssertionError("refused before the block runs")
     assert (target / "a").read_text() == "2" and [p.name for p in foreign.iterdir()] == ["config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "run"]
-    from minimoe.checkpoint import save_pretrained
+    from minimoe.loading.checkpoint import save_pretrained
     save_pretrained(tiny_model("olmoe"), tmp_path / "m")
     save_pretrained(tiny_model("olmoe", seed=5), tmp_path / "m")  # a checkpoint over one we wrote: fine
 
 
 def test_full_disk_in_safetensors_names_the_folder(tmp_path, monkeypatch):
     """safetensors reports ENOSPC as SafetensorError: it comes out as an OSError naming the target folder."""
-    import minimoe.checkpoint as ck
+    import minimoe.loading.checkpoint as ck
     from safetensors import SafetensorError
 
     def full(*a, **k):

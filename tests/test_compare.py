@@ -1,4 +1,4 @@
-"""evaluate.py compare and minimoe/compare.py on hand-made predictions, against direct computation:
+"""evaluate.py compare and minimoe/study/compare.py on hand-made predictions, against direct computation:
 McNemar through scipy's exact binomial test on hand-counted discordant questions (and the binomial
 sum written out), the bootstrap redrawn here resample by resample with the same fixed seed, the
 differences and counts recounted from the written files; and the inputs it must refuse."""
@@ -10,7 +10,7 @@ import pytest
 from scipy.stats import binomtest
 
 from minimoe.cli import evaluate
-from minimoe import compare
+from minimoe.study import compare
 
 
 def reference_bootstrap(differences, resamples, seed=compare.BOOTSTRAP_SEED, level=0.95):

@@ -1,13 +1,13 @@
-"""minimoe.config against the paper's Experimental Configuration table (written out here): the recipes,
+"""minimoe.runs.config against the paper's Experimental Configuration table (written out here): the recipes,
 the training examples and steps per epoch they give through train.py, and run names."""
 import pytest
 
 from minimoe.cli import train
 from conftest import tiny_config
-from minimoe.config import ABLATION_SETTINGS, flag_name, method_for, recipe_train_examples, run_name, settings_of
-from minimoe.data import BENCHMARKS, Example
-from minimoe.sweep import ROWS
-from minimoe.training import steps_per_epoch
+from minimoe.runs.config import ABLATION_SETTINGS, flag_name, method_for, recipe_train_examples, run_name, settings_of
+from minimoe.data.benchmarks import BENCHMARKS, Example
+from minimoe.study.sweep import ROWS
+from minimoe.runs.training import steps_per_epoch
 
 # The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
 PAPER = {
@@ -41,7 +41,7 @@ def setting(cfg, key):
     method reads; the others at their records' defaults)."""
     if hasattr(cfg, key):
         return getattr(cfg, key)
-    from minimoe.methods import METHODS
+    from minimoe.core.methods import METHODS
     return cfg.method_options.get(key, next(m.settings[key] for m in METHODS.values() if key in m.settings))
 
 
@@ -100,7 +100,7 @@ def test_run_names_carry_ablation_settings_off_their_defaults():
 def test_flag_name_is_train_pys_flag_for_every_setting_a_sweep_cell_passes():
     """A cell passes its row's and its ablation settings' fields as train.py flags (flag_name): each must
     be the flag train.py's parser takes for that field, lambda_ included."""
-    from minimoe.config import FIELDS
+    from minimoe.runs.config import FIELDS
     parser = train.parser()
     options = {option: action.dest for action in parser._actions for option in action.option_strings}
     fields = {*ABLATION_SETTINGS, *(key for row in ROWS.values() for key in row)}
@@ -113,8 +113,8 @@ def test_every_built_in_method_setting_is_a_flag_made_from_its_record():
     """methods.METHODS holds each built-in option's and head learning rate's default, once: train.py's flag
     of that name is made from the record (its help shows the record's default) and sets that option of
     method_options, and TrainConfig has no field of that name, so nothing can drift from the record."""
-    from minimoe.config import TrainConfig
-    from minimoe.methods import METHODS
+    from minimoe.runs.config import TrainConfig
+    from minimoe.core.methods import METHODS
     parser = train.parser()
     settings = {k: v for m in METHODS.values() if m.module is None for k, v in m.settings.items()}
     assert set(settings) == {"gamma", "tau", "transform", "mix", "error_head_lr", "copied_head_lr"}

@@ -22,15 +22,15 @@ import pytest
 import torch
 
 import minimoe
-from minimoe import cpu_kernels
-from minimoe import training
-from minimoe.checkpoint import to_disk_layout
-from minimoe.config import RECIPES, TrainConfig, method_for
-from minimoe.step import step_loss
-from minimoe.lora import add_lora
-from minimoe.scoring import make_choice_batch
-from minimoe.tiny import tiny_checkpoint
-from minimoe.tracking import RoutingStats
+from minimoe.core import cpu_kernels
+from minimoe.runs import training
+from minimoe.loading.checkpoint import to_disk_layout
+from minimoe.runs.config import RECIPES, TrainConfig, method_for
+from minimoe.core.step import step_loss
+from minimoe.core.lora import add_lora
+from minimoe.core.scoring import make_choice_batch
+from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.runs.tracking import RoutingStats
 
 from conftest import CUDA_TESTS_DEVICE, tiny_model
 from kill import killed_after

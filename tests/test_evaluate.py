@@ -1,4 +1,4 @@
-"""Tests for evaluate.py and minimoe.evaluation: each test names the reference it checks against
+"""Tests for evaluate.py and minimoe.evaluation.accuracy: each test names the reference it checks against
 (transformers, a recount from the written files, hand-computed statistics) or the bad input.
 
 Models are tiny random OLMoE/Granite checkpoints saved in tmp with a BPE tokenizer trained on a
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from minimoe.cli import evaluate
-from minimoe.checkpoint import from_pretrained, save_pretrained
-from minimoe.data import EOS_TOKEN, PAD_TOKEN, Example, train_tokenizer
-from minimoe.evaluation import TokenArrays, diagnostics_report, evaluate_split, json_safe
-from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
-from minimoe.routing import ConcentrationRouter, native_concentration
-from minimoe.runs import resolve_adapter
+from minimoe.loading.checkpoint import from_pretrained, save_pretrained
+from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, Example, train_tokenizer
+from minimoe.evaluation.accuracy import TokenArrays, diagnostics_report, evaluate_split, json_safe
+from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.core.routing import ConcentrationRouter, native_concentration
+from minimoe.runs.folder import resolve_adapter
 
 WORDS = ("red", "blue", "green", "stone", "water", "light", "heavy", "plant", "animal", "energy", "metal", "cloud",
          "river", "sun", "moon", "seed", "leaf", "magnet", "sound", "heat", "ice", "salt", "sugar", "wind")
@@ -148,7 +148,7 @@ def test_cli_writes_consistent_outputs(toy, tmp_path):
 
 def test_batch_size_and_order_do_not_change_scores(toy):
     """One example per forward (no padding) against five per forward (padded, length-sorted)."""
-    from minimoe.checkpoint import load_tokenizer
+    from minimoe.loading.checkpoint import load_tokenizer
     folder = toy["models"]["granitemoe"]
     model, tokenizer = from_pretrained(folder), load_tokenizer(folder)
     one, m1, a1 = evaluate_split(model, tokenizer, toy["splits"]["test"], batch_size=1)
@@ -164,8 +164,8 @@ def test_batch_size_and_order_do_not_change_scores(toy):
 def test_scoring_turns_lora_dropout_off_and_restores_train_mode(toy):
     """A trainer's model in train mode with dropout 0.5: two scorings agree exactly (dropout was off)
     and every module is back in train mode afterwards."""
-    lora = pytest.importorskip("minimoe.lora", reason="needs minimoe.lora.add_lora")
-    from minimoe.checkpoint import load_tokenizer
+    lora = pytest.importorskip("minimoe.core.lora", reason="needs minimoe.core.lora.add_lora")
+    from minimoe.loading.checkpoint import load_tokenizer
     folder = toy["models"]["olmoe"]
     model = lora.add_lora(from_pretrained(folder), rank=4, dropout=0.5)
     with torch.no_grad():
@@ -238,14 +238,14 @@ def test_diagnostics_on_synthetic_tokens_with_known_answers():
 
 def tes_run(toy, run: Path, seed: int = 43) -> Path:
     """A run folder as train.py writes it: a tes adapter per epoch (different weights), selection.json."""
-    pytest.importorskip("minimoe.lora", reason="needs minimoe.lora.add_lora/save_adapter")
-    routing = pytest.importorskip("minimoe.routing", reason="needs minimoe.routing.set_router")
-    from minimoe.adapters import save_adapter
-    from minimoe.lora import add_lora
+    pytest.importorskip("minimoe.core.lora", reason="needs minimoe.core.lora.add_lora/save_adapter")
+    methods = pytest.importorskip("minimoe.core.methods", reason="needs minimoe.core.methods.set_router")
+    from minimoe.runs.adapters import save_adapter
+    from minimoe.core.lora import add_lora
     folder = toy["models"]["olmoe"]
     for epoch in (1, 2):
         model = add_lora(from_pretrained(folder), rank=4)
-        routing.set_router(model, "tes")
+        methods.set_router(model, "tes")
         g = torch.Generator().manual_seed(epoch)
         with torch.no_grad():  # trained-looking weights: a non-constant error head, nonzero LoRA B
             for name, p in model.named_parameters():
@@ -282,9 +282,9 @@ def test_tes_run_folder_gives_error_prediction_diagnostics_and_plot(toy, tmp_pat
     assert (metrics["dataset"], metrics["max_length"], metrics["dtype"]) == ("data", 512, "float32")
 
     # train.py's route: the model it holds (here: rebuilt from the last epoch) gives the same file.
-    from minimoe.checkpoint import load_tokenizer
-    from minimoe.evaluation import evaluate_run
-    from minimoe.adapters import load_adapter
+    from minimoe.loading.checkpoint import load_tokenizer
+    from minimoe.runs.evaluation import evaluate_run
+    from minimoe.runs.adapters import load_adapter
     model = load_adapter(from_pretrained(toy["models"]["olmoe"]), run / "checkpoints" / "epoch-2")
     in_memory = evaluate_run(run, model=model, tokenizer=load_tokenizer(toy["models"]["olmoe"]), batch_size=8)
     # provenance: the loading process's for evaluate.py, the training process's (config.json) in memory
@@ -304,7 +304,8 @@ def test_train_population_of_a_cut_run_is_exactly_its_trained_examples(toy, tmp_
     train.py and from evaluate.py --adapter RUN, score exactly the examples the loop trained on
     (recorded from the loop), not the uncut split."""
     from minimoe.cli import train
-    from minimoe import evaluation, training
+    from minimoe.runs import evaluation
+    from minimoe.runs import training
     trained, scored = set(), []
     real_batches, real_evaluate = training.micro_batches, evaluation.evaluate_split
 
@@ -386,8 +387,8 @@ def test_report_of_seeds_it_has_no_evaluation_of_is_refused(tmp_path):
 # ---- bad input -------------------------------------------------------------------------------------
 
 def other_base_adapter(tmp_path) -> Path:
-    from minimoe.adapters import save_adapter
-    from minimoe.lora import add_lora
+    from minimoe.runs.adapters import save_adapter
+    from minimoe.core.lora import add_lora
     config = MoEConfig(model_type="olmoe", vocab_size=304, hidden_size=64, intermediate_size=32,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
                        num_experts_per_tok=2)
@@ -411,12 +412,12 @@ def bad_case(case, toy, tmp_path) -> tuple[list, type, str]:
     if case == "missing adapter":
         return model + ["--data", test, "--adapter", str(tmp_path / "nope")], FileNotFoundError, "no such folder"
     if case == "adapter of another base model":
-        pytest.importorskip("minimoe.adapters", reason="needs minimoe.adapters.load_adapter")
+        pytest.importorskip("minimoe.runs.adapters", reason="needs minimoe.runs.adapters.load_adapter")
         return (model + ["--data", test, "--adapter", str(other_base_adapter(tmp_path))], ValueError,
                 "some/other-model.*hidden_size")
     if case == "adapter of other weights with the same shapes":
-        from minimoe.adapters import save_adapter
-        from minimoe.lora import add_lora
+        from minimoe.runs.adapters import save_adapter
+        from minimoe.core.lora import add_lora
         other = init_weights(MoEForCausalLM(from_pretrained(toy["models"]["olmoe"]).config), std=0.2,
                              generator=torch.Generator().manual_seed(1))  # the toy model is seed 0
         save_adapter(add_lora(other, rank=4), tmp_path / "seed1-adapter", base_model="toy-seed1")
@@ -448,7 +449,7 @@ def test_evaluate_run_refuses_examples_without_the_model_they_go_with(tmp_path):
     """evaluate_run scores a model in memory on the examples it is handed, or loads the run's checkpoint
     and its own splits: examples without a model would be dropped unread, so they are refused, before
     any output."""
-    from minimoe.evaluation import evaluate_run
+    from minimoe.runs.evaluation import evaluate_run
     with pytest.raises(ValueError, match="examples and train_examples go with an in-memory model"):
         evaluate_run(tmp_path / "run", examples=[Example("q1", "Which?", ["a", "b"], 0, {})])
     assert not (tmp_path / "run").exists()

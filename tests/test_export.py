@@ -1,4 +1,4 @@
-"""Tests for minimoe.export: peft + transformers (the test-only oracle) load an exported adapter with our logits."""
+"""Tests for minimoe.integrations.export: peft + transformers (the test-only oracle) load an exported adapter with our logits."""
 import json
 import shutil
 
@@ -8,14 +8,14 @@ from safetensors.torch import load_file
 
 from conftest import tiny_model
 from minimoe.cli.export import main
-from minimoe.checkpoint import save_pretrained
-from minimoe.config import RECIPES, TrainConfig, method_for
-from minimoe.export import export_peft
-from minimoe.adapters import export_merged, save_adapter
-from minimoe.lora import add_lora
-from minimoe.routing import set_router
-from minimoe.tiny import tiny_checkpoint
-from minimoe.training import install_method
+from minimoe.loading.checkpoint import save_pretrained
+from minimoe.runs.config import RECIPES, TrainConfig, method_for
+from minimoe.integrations.export import export_peft
+from minimoe.runs.adapters import export_merged, save_adapter
+from minimoe.core.lora import add_lora
+from minimoe.core.methods import set_router
+from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.runs.training import install_method
 
 # (family, method, tune_router): CE and ACS, with and without affinity tuning, across both families
 CASES = [("granitemoe", "native", False), ("granitemoe", "acs", True), ("olmoe", "native", True), ("olmoe", "acs", False)]

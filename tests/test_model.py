@@ -10,11 +10,11 @@ import torch.nn.functional as F
 import transformers
 
 import minimoe
-import minimoe.model as mm
-from minimoe import cpu_kernels
-from minimoe.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
-from minimoe.objectives import load_balancing_loss
-from minimoe.scoring import forward_choices, make_choice_batch
+import minimoe.core.model as mm
+from minimoe.core import cpu_kernels
+from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
+from minimoe.core.objectives import load_balancing_loss
+from minimoe.core.scoring import forward_choices, make_choice_batch
 from tests.conftest import spy_grouped_mm, tiny_config
 
 FP32_TOL = 2e-5  # max |ours - ref| / max |ref| on the logits

@@ -1,12 +1,13 @@
-"""Tests for minimoe.objectives: each test names the paper equation or bad input it checks."""
+"""Tests for minimoe.core.objectives: each test names the paper equation or bad input it checks."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minimoe.model import MoEConfig, MoEForCausalLM, init_weights
-from minimoe.objectives import exponential_nll, itakura_saito, supervision_loss
-from minimoe.routing import Routing, set_router
+from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.core.objectives import exponential_nll, itakura_saito, supervision_loss
+from minimoe.core.routing import Routing
+from minimoe.core.methods import set_router
 
 
 def tiny_model(seed=0):

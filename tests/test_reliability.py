@@ -17,16 +17,16 @@ import torch
 
 from minimoe.cli import evaluate, sweep
 from minimoe.cli import train
-from minimoe import sweep as sw
+from minimoe.study import sweep as sw
 from minimoe.atomic import MARKER, atomic_directory
-from minimoe.data import check_disjoint, load_examples, load_split
-from minimoe.evaluation import load_evaluation, score
-from minimoe.export import export_peft
-from minimoe.lora import add_lora
-from minimoe.runs import run_lock
-from minimoe.tiny import tiny_checkpoint
-from minimoe.training import write_selection
-from minimoe.upcycle import upcycle
+from minimoe.data.benchmarks import check_disjoint, load_examples, load_split
+from minimoe.runs.evaluation import load_evaluation, score
+from minimoe.integrations.export import export_peft
+from minimoe.core.lora import add_lora
+from minimoe.runs.folder import run_lock
+from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.runs.training import write_selection
+from minimoe.loading.upcycle import upcycle
 from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[1]
@@ -170,7 +170,7 @@ def test_non_finite_training_stops_naming_the_step_and_terms(tmp_path, data):
     """Issue 20 item 5: lambda 1e30 gives an infinite gradient norm and tau 1e-40 a NaN loss: training
     stops at step 1 with an error naming them (the untouched run folder is removed); a clipped update
     of zeros stops too; selection.json is never written with a NaN."""
-    from minimoe.training import NonFiniteTraining, check_step
+    from minimoe.runs.training import NonFiniteTraining, check_step
     flags = ["--model", "tiny", "--data", str(data), "--out-dir", str(tmp_path), *SMOKE, "--no-test-eval"]
     with pytest.raises(NonFiniteTraining, match=r"step 1: non-finite .*grad_norm=(inf|nan)"):
         train.main([*flags, "--run-name", "a", "--method", "tes", "--lambda", "1e30"])
@@ -275,7 +275,7 @@ def test_locks_errors_and_leftovers(tmp_path, data):
                                                f"expected a run folder (config.json, checkpoints/, selection.json) "
                                                f"or an adapter folder (adapter_config.json)"]
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 40)
-    out = cli("-m", "minimoe.upcycle", tmp_path / "bad.gguf", tmp_path / "up")
+    out = cli("-m", "minimoe.loading.upcycle", tmp_path / "bad.gguf", tmp_path / "up")
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert out.stderr.startswith(f"upcycle: error: {tmp_path / 'bad.gguf'}: cannot be read")
 

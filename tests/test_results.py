@@ -1,4 +1,4 @@
-"""minimoe.results: a tiny study collected into results/, and the report and comparisons made from
+"""minimoe.study.results: a tiny study collected into results/, and the report and comparisons made from
 results/ alone against the ones made from the run folders themselves (the reference: sweep.py's own
 report of those folders, and evaluate.py compare of them); collecting is deterministic to the byte,
 keeps no path of the machine, and keeps only runs that scored their whole test split."""
@@ -9,9 +9,9 @@ import shutil
 import numpy as np
 import pytest
 
-from minimoe import compare, results
+from minimoe.study import compare, results
 from minimoe.cli import evaluate, sweep
-from minimoe.tiny import tiny_checkpoint
+from minimoe.loading.tiny import tiny_checkpoint
 
 ROWS = ["CE", "ACS-IS"]  # ACS-IS's control is CE: the report's group table has one line
 

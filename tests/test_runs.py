@@ -1,4 +1,4 @@
-"""The run rules that train.py and evaluate.py share (minimoe.runs): one answer to which device, dtype,
+"""The run rules that train.py and evaluate.py share (minimoe.runs.folder): one answer to which device, dtype,
 pad id and label a run has, whichever entry point asks."""
 import warnings
 from types import SimpleNamespace
@@ -6,8 +6,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimoe.methods import get_method
-from minimoe.runs import CPU_DTYPE_VARIABLE, AdapterSource, cpu_capabilities, native_bf16, pad_id, pick_device, pick_dtype
+from minimoe.core.methods import get_method
+from minimoe.core.scoring import pad_id
+from minimoe.runs.folder import CPU_DTYPE_VARIABLE, AdapterSource, cpu_capabilities, native_bf16, pick_device, pick_dtype
 
 
 @pytest.mark.parametrize("method, objective, tune, label", [

@@ -5,7 +5,7 @@ import zipfile
 
 import pytest
 
-from minimoe import smollm
+from minimoe.loading import smollm
 
 
 def test_unreachable_registry_says_what_to_do(tmp_path, monkeypatch):

@@ -1,4 +1,4 @@
-"""minimoe.tracking: routing statistics against evaluate.py's diagnostics, TensorBoard event files that
+"""minimoe.runs.tracking: routing statistics against evaluate.py's diagnostics, TensorBoard event files that
 tensorboard's own reader loads, an offline W&B run's records, and the training-curve plot."""
 import json
 import struct
@@ -10,14 +10,14 @@ import torch
 
 from minimoe.cli import evaluate
 from minimoe.cli import train
-from minimoe.data import load_split
-from minimoe.evaluation import evaluate_split
-from minimoe.checkpoint import from_pretrained, load_tokenizer
-from minimoe.routing import set_router
-from minimoe.runs import pad_id
-from minimoe.scoring import forward_choices, make_choice_batch
-from minimoe.tiny import tiny_checkpoint
-from minimoe.tracking import RoutingStats
+from minimoe.data.benchmarks import load_split
+from minimoe.evaluation.accuracy import evaluate_split
+from minimoe.loading.checkpoint import from_pretrained, load_tokenizer
+from minimoe.core.methods import set_router
+from minimoe.core.scoring import pad_id
+from minimoe.core.scoring import forward_choices, make_choice_batch
+from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.runs.tracking import RoutingStats
 
 SMOKE = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "2", "--no-test-eval",
          "--quiet"]

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from minimoe.cli import train
-from minimoe.methods import ALIASES
-from minimoe.tiny import tiny_checkpoint
+from minimoe.core.methods import ALIASES
+from minimoe.loading.tiny import tiny_checkpoint
 from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +61,8 @@ def test_the_method_is_resolved_once_per_run(tmp_path, monkeypatch):
     """train.py turns --method into its Method once; installing the router, the optimizer, every step
     and the run's name and label use that object. Every name-to-record look-up ends in methods.get_method
     (plugins.resolve_method's, and set_router's for a name): counted over a whole two-step run."""
-    from minimoe import methods, plugins
+    from minimoe.core import methods
+    from minimoe.runs import plugins
     original, calls = methods.get_method, []
 
     def counted(name):
@@ -259,7 +260,7 @@ def test_single_layer_index_is_a_scope(tmp_path):
 def manifests(tmp_path, **splits) -> Path:
     """A manifest folder from slices of the registered ARC-Challenge train split."""
     from dataclasses import asdict
-    from minimoe.data import load_split
+    from minimoe.data.benchmarks import load_split
     pool = load_split("arc_challenge", "train", data_dir=tmp_path / "splits")
     folder = tmp_path / "manifests"
     folder.mkdir()
@@ -296,7 +297,7 @@ def records(run):
 def test_resume_does_not_score_the_base_model_again(tmp_path, monkeypatch):
     """--zero-shot scores the base model before training; a run killed after that, resumed, keeps
     eval/test-base as it is and does not run it again (it is the same number, at the cost of a test pass)."""
-    from minimoe import evaluation
+    from minimoe.runs import evaluation
     data = manifests(tmp_path, train=lambda pool: pool[:16], val=lambda pool: pool[16:20], test=lambda pool: pool[20:26])
     flags = ["--data", str(data), "--method", "ce", "--epochs", "2", "--zero-shot"]
     with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
@@ -317,7 +318,7 @@ def test_resume_does_not_score_the_base_model_again(tmp_path, monkeypatch):
 def test_resume_after_a_kill_between_the_test_evaluations_runs_only_the_missing_one(tmp_path, monkeypatch):
     """--test-checkpoint both, killed while scoring the selected epoch: the resumed run scores that one
     and leaves the last epoch's finished evaluation as it is."""
-    from minimoe import evaluation
+    from minimoe.runs import evaluation
     data = manifests(tmp_path, train=lambda pool: pool[:8], val=lambda pool: pool[16:20], test=lambda pool: pool[20:26])
     flags = ["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(data), "--method", "ce",
              "--batch-size", "8", "--epochs", "1", "--quiet", "--test-checkpoint", "both"]
@@ -446,7 +447,7 @@ def test_training_state_round_trips_with_weights_only_and_a_full_disk_names_the_
 
     import numpy as np
 
-    from minimoe import runs
+    from minimoe.runs import folder as runs
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     path = tmp_path / "training_state.pt"
@@ -520,7 +521,7 @@ def test_flags_are_train_config_fields_and_help_shows_their_true_defaults():
     --help names every recipe's value (RECIPES, read here on its own)."""
     from dataclasses import MISSING, fields
 
-    from minimoe.config import RECIPES, TrainConfig
+    from minimoe.runs.config import RECIPES, TrainConfig
     parser = train.parser()
     defaults, helps = vars(parser.parse_args([])), option_help(parser)
     config = {f.name: f.default for f in fields(TrainConfig)}
@@ -545,7 +546,7 @@ def test_flags_are_train_config_fields_and_help_shows_their_true_defaults():
 def test_lora_targets_help_lists_the_lora_names_not_the_method_aliases():
     """--lora-targets' help names every target and alias lora.py takes (experts among them), and no method
     alias (ce): the two ALIASES tables, lora's and methods', are different things."""
-    from minimoe import lora, methods
+    from minimoe.core import lora, methods
     text = option_help(train.parser())["--lora-targets"]
     assert "comma list of " + ",".join([*lora.TARGETS, *lora.ALIASES]) + " (" in text
     assert not any(f"{alias}," in text or f",{alias} " in text for alias in methods.ALIASES)
@@ -584,7 +585,7 @@ def test_a_config_json_that_records_the_retired_kill_switch_still_resumes_and_re
     the settings) and, as a --config settings file, relaunches: read_run_config drops the two keys."""
     from dataclasses import fields
 
-    from minimoe.config import TrainConfig
+    from minimoe.runs.config import TrainConfig
     run = killed_after_epoch_1(tmp_path)
     old = {**json.loads((run / "config.json").read_text()), "stop_after_epochs": 1, "stop_after_steps": None}
     (run / "config.json").write_text(json.dumps(old, indent=2))
@@ -641,7 +642,7 @@ def test_the_train_size_message_comes_only_when_a_request_cannot_be_met(tmp_path
     """ARC-Challenge's offline train split has 921 examples, under the 2000 its splits are built to hold:
     said once a run asks for more than 921, never when it asks for 64 (nor when the split is built)."""
     from dataclasses import replace
-    from minimoe.config import RECIPES, TrainConfig
+    from minimoe.runs.config import RECIPES, TrainConfig
     cfg = TrainConfig(**RECIPES["tiny"], recipe="tiny", data="arc_challenge", data_dir=str(tmp_path))
     data, _ = train.load_data(replace(cfg, max_train_examples=64))
     assert len(data["train"]) == 64 and "requested" not in caplog.text and "warning" not in capsys.readouterr().err

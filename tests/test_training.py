@@ -1,4 +1,4 @@
-"""Tests for minimoe.training: transformers' Trainer schedule rules over the paper's recipes (tests/test_config.py
+"""Tests for minimoe.runs.training: transformers' Trainer schedule rules over the paper's recipes (tests/test_config.py
 writes its table out), and direct computation of the task loss, the selection rule and the learning-rate groups."""
 import json
 from dataclasses import replace
@@ -13,17 +13,17 @@ from minimoe.cli import train
 from conftest import tiny_model
 from test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
-from minimoe.data import load_split
-from minimoe.scoring import format_choice, format_prompt
-from minimoe.adapters import trainable_parameters
-from minimoe.objectives import load_balancing_loss
-from minimoe.tiny import tiny_checkpoint
-from minimoe.config import RECIPES, TrainConfig
-from minimoe import training
-from minimoe.config import method_for
-from minimoe.scoring import forward_choices
-from minimoe.step import step_loss
-from minimoe.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
+from minimoe.data.benchmarks import load_split
+from minimoe.core.scoring import format_choice, format_prompt
+from minimoe.runs.adapters import trainable_parameters
+from minimoe.core.objectives import load_balancing_loss
+from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.runs.config import RECIPES, TrainConfig
+from minimoe.runs import training
+from minimoe.runs.config import method_for
+from minimoe.core.scoring import forward_choices
+from minimoe.core.step import step_loss
+from minimoe.runs.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 
 @pytest.mark.parametrize("recipe,dataset", [(r, d) for r in PAPER for d in ("arc_challenge", "sciq")])
 def test_warmup_and_schedule_follow_transformers(recipe, dataset, tmp_path):
@@ -191,7 +191,7 @@ def manifest_folder(tmp_path, train_examples, val=2, test=2) -> Path:
     the first 40 as a small val and test (fast validation)."""
     from dataclasses import asdict
 
-    from minimoe.data import load_examples
+    from minimoe.data.benchmarks import load_examples
     pool = load_examples("arc_challenge")[40:]
     folder = tmp_path / "data"
     folder.mkdir()
@@ -203,7 +203,7 @@ def manifest_folder(tmp_path, train_examples, val=2, test=2) -> Path:
 def test_epoch_e_shuffles_the_training_examples_with_seed_plus_e(tmp_path, monkeypatch):
     """The documented data order, step by step: epoch e takes torch.randperm(n) drawn with seed + e, in
     consecutive slices of batch_size * grad_accum (the last one partial), recorded from the loop itself."""
-    from minimoe.data import load_examples
+    from minimoe.data.benchmarks import load_examples
     examples = load_examples("arc_challenge")[:10]
     seen = []
     real = training.micro_batches
@@ -227,7 +227,7 @@ def test_two_micro_batches_give_the_aux_and_method_terms_of_one_full_batch():
     """--grad-accum 2 = one batch for every term, the load-balancing one included. The Switch loss is a
     product of means, so this holds exactly where each micro-batch holds the same mix as the full
     batch: [a, a, b, b] twice. Its value is then the full batch's (= each half's), not twice it."""
-    from minimoe.data import load_examples
+    from minimoe.data.benchmarks import load_examples
     tokenizer = load_tokenizer(tiny_checkpoint())
     a, b = load_examples("arc_challenge")[:2]
     examples = [replace(ex, id=f"{ex.id}-{i}") for i, ex in enumerate([a, a, b, b, a, a, b, b])]
@@ -268,8 +268,8 @@ def test_the_loops_hooks_see_each_position_a_checkpoint_resumes_from(tmp_path):
     from functools import partial
     from unittest import mock
 
-    from minimoe.data import load_examples
-    from minimoe.runs import latest_checkpoint
+    from minimoe.data.benchmarks import load_examples
+    from minimoe.runs.folder import latest_checkpoint
     seen = {"step": [], "epoch": []}
     run = tmp_path / "run"
 

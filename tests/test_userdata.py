@@ -1,4 +1,4 @@
-"""Your own data (minimoe/userdata.py): a CSV and a `datasets` folder with field maps through train.py and
+"""Your own data (minimoe/data/userdata.py): a CSV and a `datasets` folder with field maps through train.py and
 evaluate.py, the carve of missing splits, and each kind of bad row refused by name with nothing written."""
 import csv
 import json
@@ -7,8 +7,8 @@ import pytest
 
 from minimoe.cli import evaluate
 from minimoe.cli import train
-from minimoe.data import load_split
-from minimoe.userdata import build_user_data
+from minimoe.data.benchmarks import load_split
+from minimoe.data.userdata import build_user_data
 
 SMOKE = ["--model", "tiny", "--batch-size", "8", "--epochs", "1", "--quiet"]
 

@@ -5,9 +5,9 @@
     minimoe-eval     python evaluate.py      minimoe/cli/evaluate.py   minimoe.cli.evaluate:command
     minimoe-sweep    python sweep.py         minimoe/cli/sweep.py      minimoe.cli.sweep:command
     minimoe-export   python export.py        minimoe/cli/export.py     minimoe.cli.export:command
-    minimoe-upcycle  python -m minimoe.upcycle  minimoe/upcycle.py     minimoe.upcycle:main
-                     python -m minimoe.results  minimoe/results.py     (collect runs into results/, list them)
-    minimoe-lm-eval  python -m minimoe.lm_eval  minimoe/lm_eval.py     minimoe.cli:lm_eval (lm-eval's own CLI, the
+    minimoe-upcycle  python -m minimoe.loading.upcycle  minimoe/loading/upcycle.py     minimoe.loading.upcycle:main
+                     python -m minimoe.study.results  minimoe/study/results.py     (collect runs into results/, list them)
+    minimoe-lm-eval  python -m minimoe.integrations.lm_eval  minimoe/integrations/lm_eval.py     minimoe.cli:lm_eval (lm-eval's own CLI, the
                                                                        model "minimoe" registered; the lmeval extra)
 Each command module is named after its script and holds the whole CLI: its parser, `main(argv=None)`,
 which returns what it made (metrics, cells) and raises on bad input, for tests and for code that calls
@@ -56,7 +56,7 @@ def model_path(model: str | None) -> str | None:
     first use), so that its runs are named, found and evaluated alike; anything else as given."""
     if model != "tiny":
         return model
-    from minimoe.tiny import tiny_checkpoint  # torch: only when asked
+    from minimoe.loading.tiny import tiny_checkpoint  # torch: only when asked
     return str(tiny_checkpoint())
 
 
@@ -72,9 +72,9 @@ def run_command(main, prog: str, status: int = 2) -> None:
 
 
 def lm_eval():
-    """minimoe-lm-eval: minimoe.lm_eval.main, or one line saying what to install."""
+    """minimoe-lm-eval: minimoe.integrations.lm_eval.main, or one line saying what to install."""
     try:
-        from minimoe.lm_eval import main
+        from minimoe.integrations.lm_eval import main
     except ModuleNotFoundError as e:
         if (e.name or "").split(".")[0] != "lm_eval":
             raise

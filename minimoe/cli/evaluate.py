@@ -24,7 +24,7 @@ an earlier evaluation, recognised by its .minimoe-written marker, or empty: anyt
                       identity keys for the report, and "diagnostics" per diagnosed MoE layer
   tokens-<split>.npz  per gold-answer-token CE, target id, C_t (and e_hat where the method predicts the error)
   error-prediction-layer<l>.png  such methods only: standardised decile curves, train vs evaluated split
-See minimoe/evaluation.py for what each number is and the paper equation it follows.
+See minimoe/evaluation/accuracy.py for what each number is and the paper equation it follows.
 """
 from __future__ import annotations
 
@@ -35,9 +35,9 @@ import sys
 from pathlib import Path
 
 from minimoe.cli import model_path, old_name, run_command
-from minimoe.config import device, flag_type
-from minimoe.data import DEFAULT_DATA_DIR, SPLITS
-from minimoe.diagnostics import PAPER_SEEDS
+from minimoe.runs.config import device, flag_type
+from minimoe.data.benchmarks import DEFAULT_DATA_DIR, SPLITS
+from minimoe.evaluation.diagnostics import PAPER_SEEDS
 
 EXAMPLES = """examples:
   a finished run (model and data from RUN/config.json; adapter of the last epoch):
@@ -94,7 +94,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
                                      "--prompt-template it trained with, the same splits are built). Default with a "
                                      "run folder: the run's data")
     data.add_argument("--field-map", metavar="FIELD=COLUMN,...",
-                      help="your own --data's columns, as train.py's --field-map (minimoe/userdata.py)")
+                      help="your own --data's columns, as train.py's --field-map (minimoe/data/userdata.py)")
     data.add_argument("--prompt-template", metavar="FORMAT", help="your own --data's prompt, as train.py's")
     data.add_argument("--data-revision", metavar="REV", help="your own --data as a hub dataset: the revision to read")
     data.add_argument("--split", default="test", choices=SPLITS, help="split to score (default: %(default)s)")
@@ -162,24 +162,24 @@ def add_compare_command(commands):
                     "discordant questions), the mean choice-NLL difference and how many questions' predictions "
                     "differ. A run folder stands for the evaluation its report uses (RUN/eval/test, or "
                     "RUN/eval/test-selected where the run was scored at its selected epoch); evaluations of "
-                    "different questions are refused. See minimoe/compare.py.",
+                    "different questions are refused. See minimoe/study/compare.py.",
         epilog="example: python evaluate.py compare runs/m-sciq-CE-seed42 runs/m-sciq-ACS-IS-seed42 "
                "runs/m-sciq-CE-seed43 runs/m-sciq-ACS-IS-seed43 --out ce-vs-acs.json")
     p.add_argument("pairs", nargs="+", type=Path, metavar="A B",
                    help="run or evaluation folders, in pairs: control A then method B, one pair per seed")
     p.add_argument("--results", type=Path, metavar="RESULTS", help="A and B are run names in this results folder "
-                   "(minimoe/results.py), not folders: the comparison from the recorded outcomes alone")
+                   "(minimoe/study/results.py), not folders: the comparison from the recorded outcomes alone")
     p.add_argument("--out", type=Path, help="also write the numbers as JSON here; an existing file is replaced only "
                                             "if evaluate.py wrote it and it is unchanged since")
 
 
 def compare(args) -> dict:
     from minimoe.atomic import check_owned_file, write_owned_file
-    from minimoe.compare import compare_paths, pair_table
+    from minimoe.study.compare import compare_paths, pair_table
     if args.out is not None:
         check_owned_file(args.out)  # before the work: never a file evaluate.py did not write
     if args.results is not None:
-        from minimoe.results import compare_runs
+        from minimoe.study.results import compare_runs
         result = compare_runs(args.results, args.pairs)
     else:
         result = compare_paths(args.pairs)
@@ -200,7 +200,7 @@ def add_plot_command(commands):
 
 def report(args) -> str:
     from minimoe.atomic import check_owned_file, write_owned_file
-    from minimoe.evaluation import accuracy_report
+    from minimoe.runs.evaluation import accuracy_report
     if args.out is not None:
         check_owned_file(args.out)  # before the work: replaces only a report it wrote before, never README.md
     table, notes = accuracy_report(args.paths, seeds=args.seeds, split=args.split)
@@ -215,7 +215,7 @@ def report(args) -> str:
 def own_data(args, parser) -> str | None:
     """--data as train.py resolves it: your own rows (a CSV, a raw JSONL, a hub id) become the manifests
     train.py builds from them (the same folder for the same rows and flags), under the run's --data-dir."""
-    from minimoe.userdata import build_user_data, is_manifest, is_user_data
+    from minimoe.data.userdata import build_user_data, is_manifest, is_user_data
     own = args.data is not None and is_user_data(args.data)
     if not own or (is_manifest(args.data) and args.field_map is None and args.prompt_template is None):
         if args.field_map is not None or args.prompt_template is not None:
@@ -244,7 +244,7 @@ def main(argv=None):
             parser.error(f"compare: expected pairs A B [A B ...] (control, then method, one pair per seed), "
                          f"got {len(args.pairs)} folders")
         if args.command == "plot":
-            from minimoe.tracking import plot_training_curves
+            from minimoe.runs.tracking import plot_training_curves
             print(f"training curves: {plot_training_curves(args.runs, args.out)}")
             return None
         return report(args) if args.command == "report" else compare(args)
@@ -257,9 +257,9 @@ def main(argv=None):
         if value is not None and value < 1:
             parser.error(f"argument {flag}: {value}: expected an integer >= 1")
     args.data, args.model = own_data(args, parser), model_path(args.model)
-    from minimoe.allocator import keep_freed_memory, limit_kernel_cache
+    from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
     from minimoe.atomic import check_replaceable
-    from minimoe.evaluation import load_evaluation, score  # after argument checks: torch takes seconds to import
+    from minimoe.runs.evaluation import load_evaluation, score  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     limit_kernel_cache()  # bf16 on the CPU: one compiled kernel per matrix shape, a few hundred kept
     check_replaceable(args.eval_dir, "evaluation")  # never replace a run, runs/ or an adapter; fail before loading

@@ -9,7 +9,7 @@
     python sweep.py --preset main --models ... --report-only
     python sweep.py --preset study --out-dir runs/study  # the default model: 12 rows x sciq, arc_easy x 3 seeds
     python sweep.py --preset study --models weights/smollm2-split --results results --out-dir runs/from-results
-                                                         # the report from results/ alone (minimoe/results.py)
+                                                         # the report from results/ alone (minimoe/study/results.py)
 
     python sweep.py --models tiny --benchmarks arc_challenge --rows CE my_method --method-module my_method.py \\
         --seeds 42 --out-dir runs/mine   # a grid of your own: no --preset; your registered method is a row
@@ -17,7 +17,7 @@
 Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`);
 those that say which run a cell is (--method, --objective, --tune-router, --layers, --method-module,
 --model, --data, --seed, --out-dir, --run-name) are refused: the grid flags set them.
-Finished runs are skipped, killed ones continued with --resume; see minimoe/sweep.py. A run whose
+Finished runs are skipped, killed ones continued with --resume; see minimoe/study/sweep.py. A run whose
 settings differ from its cell's (other flags after `--`, say) is refused, with the settings named,
 unless --rerun: then it is moved aside (<run>.replaced-<UTC time>) and run again. The sweep exits 1
 when a run failed, and 2 on bad flags.
@@ -29,12 +29,12 @@ import sys
 from pathlib import Path
 
 from minimoe.cli import run_command, train
-from minimoe.config import ABLATION_SETTINGS, check_value, default_of, flag_name
-from minimoe.runs import set_aside
-from minimoe.diagnostics import PAPER_SEEDS
-from minimoe.methods import ALIASES, METHODS
-from minimoe.plugins import import_method_module
-from minimoe.sweep import BENCHMARKS, PRESETS, ROWS, Preset, claim_out_dir, grid, run_local, run_on_devices, \
+from minimoe.runs.config import ABLATION_SETTINGS, check_value, default_of, flag_name
+from minimoe.runs.folder import set_aside
+from minimoe.evaluation.diagnostics import PAPER_SEEDS
+from minimoe.core.methods import ALIASES, METHODS
+from minimoe.runs.plugins import import_method_module
+from minimoe.study.sweep import BENCHMARKS, PRESETS, ROWS, Preset, claim_out_dir, grid, run_local, run_on_devices, \
     submit_slurm, visible_devices, write_report
 
 # --set's keys: the ablation settings that take a value, by their train.py flag (--set lambda=... sets lambda_).
@@ -82,7 +82,7 @@ def parse_args(argv=None):
     g.add_argument("--dry-run", action="store_true", help="print the cells and their state; run nothing")
     g.add_argument("--report-only", action="store_true", help="write the report from what has finished")
     g.add_argument("--results", metavar="RESULTS", help="write the report from a results folder alone "
-                   "(minimoe/results.py: its records are restored into --out-dir as run folders of evidence); "
+                   "(minimoe/study/results.py: its records are restored into --out-dir as run folders of evidence); "
                    "nothing runs; --models defaults to the models the records name")
     g.add_argument("--rerun", action="store_true", help="runs whose settings differ from their cell's (refused "
                    "otherwise) are moved aside to <run>.replaced-<UTC time> and run again")
@@ -144,7 +144,7 @@ def model_specs(specs) -> tuple[list[str], dict]:
     tiny checkpoint's folder with the tiny recipe, as in train.py, so its runs are found where they are."""
     from minimoe.cli import model_path
     if not specs:
-        from minimoe.smollm import smollm_checkpoint
+        from minimoe.loading.smollm import smollm_checkpoint
         specs = [str(smollm_checkpoint())]
     models, recipes = [], {}
     for spec in specs:
@@ -184,7 +184,7 @@ def main(argv=None):
         import_method_module(args.method_module)
     check_extra(args.extra, parser)
     if args.results:  # the report from a results folder: its records stand for the run folders
-        from minimoe import results
+        from minimoe.study import results
         args.report_only = True
         args.models = args.models or sorted({r["config"]["model"] for r in results.read(args.results)})
     for row in args.rows or ():

@@ -8,7 +8,7 @@
         --data arc_challenge --method tes --objective is --seed 42
     torchrun --nproc_per_node 2 train.py ...          # data-parallel, same result as one process
 
-Every setting is a field of minimoe/config.py's TrainConfig: its default, or the recipe's
+Every setting is a field of minimoe/runs/config.py's TrainConfig: its default, or the recipe's
 (RECIPES, per backbone), unless a flag or a --config file gives it (flags win over the file);
 --help shows both kinds of default.
 
@@ -18,7 +18,7 @@ optimizer/scheduler/RNG state; with --save-every-steps N also the latest mid-epo
 checkpoints/step-<global step>), selection.json (the validation-NLL selection, fixed before any
 test evaluation), eval/test-base/ (the base model before training, with --zero-shot), eval/test/
 (the test scoring of the last epoch; eval/test-selected/ for the selected one, see
---test-checkpoint) and train.lock (held by the training process; see minimoe/runs.py for the run
+--test-checkpoint) and train.lock (held by the training process; see minimoe/runs/folder.py for the run
 folder's rules).
 """
 from __future__ import annotations
@@ -38,23 +38,23 @@ import torch
 import torch.distributed as dist
 
 import minimoe
-from minimoe.allocator import keep_freed_memory, limit_kernel_cache
+from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.atomic import atomic_file
-from minimoe.checkpoint import resolve_checkpoint
+from minimoe.loading.checkpoint import resolve_checkpoint
 from minimoe.cli import model_path, run_command
-from minimoe.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_settings, run_name,
+from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_settings, run_name,
                             settings_of)
-from minimoe.data import SPLITS, check_disjoint, load_split, split_sha256
-from minimoe.eval_folder import METRICS, eval_dir
-from minimoe.methods import Method
-from minimoe.model import compile_layers
-from minimoe.provenance import provenance
-from minimoe.runs import (claim_run_folder, has_training_output, is_run_folder, pad_id, pick_device, pick_dtype,
-                          run_lock, set_aside, world)
-from minimoe.scoring import check_max_length
-from minimoe.smollm import smollm_checkpoint
-from minimoe.training import check_install, install_method, train
-from minimoe.userdata import build_user_data, is_user_data
+from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
+from minimoe.evaluation.folders import METRICS, eval_dir
+from minimoe.core.methods import Method
+from minimoe.core.model import compile_layers
+from minimoe.runs.provenance import provenance
+from minimoe.core.scoring import check_max_length, pad_id
+from minimoe.runs.folder import (claim_run_folder, has_training_output, is_run_folder, pick_device, pick_dtype,
+                                 run_lock, set_aside, world)
+from minimoe.loading.smollm import smollm_checkpoint
+from minimoe.runs.training import check_install, install_method, train
+from minimoe.data.userdata import build_user_data, is_user_data
 
 
 def parser() -> argparse.ArgumentParser:
@@ -64,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = add_flags(p)["run"]
     g.add_argument("--config", metavar="FILE", help="start from the settings in FILE: a run's config.json, or any JSON "
-                   "or YAML mapping of TrainConfig fields (minimoe/config.py); flags given beside it override them")
+                   "or YAML mapping of TrainConfig fields (minimoe/runs/config.py); flags given beside it override them")
     g.add_argument("--resume", nargs="?", const=True, metavar="RUN", help="continue a run from its latest complete "
                    "checkpoint (epoch or --save-every-steps): `--resume RUN` alone reads every setting from "
                    "RUN/config.json; bare --resume continues the folder the other flags name")
@@ -117,7 +117,7 @@ def resolve_config(args, model_config) -> tuple[TrainConfig, Method]:
 def run_record(cfg: TrainConfig, method: Method, model_config, data: dict, origin: dict) -> dict:
     """config.json: every setting, what the run's readers (evaluate.py, sweep.py, --resume) look up (among
     them each split's size, train as cut, and the sha256 of the manifest it was read from), and what
-    produced it (`origin`: minimoe.provenance)."""
+    produced it (`origin`: minimoe.runs.provenance)."""
     return {**vars(cfg), "label": method.row,
             "world_size": world()[1], "torch_version": torch.__version__,
             "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()},
@@ -236,7 +236,7 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
             with atomic_file(run / "config.json") as tmp:
                 tmp.write_text(json.dumps(record, indent=2, default=str))
         if cfg.zero_shot and not (eval_dir(run, checkpoint="base") / METRICS).is_file():
-            from minimoe.evaluation import evaluate_zero_shot  # before LoRA and the method exist
+            from minimoe.runs.evaluation import evaluate_zero_shot  # before LoRA and the method exist
             base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
             print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
     install_method(model, cfg, method)
@@ -255,7 +255,7 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
             print(f"test evaluation in {folder} already done; not run again")
         return done
     if rank == 0 and not cfg.no_test_eval:
-        from minimoe.evaluation import evaluate_run
+        from minimoe.runs.evaluation import evaluate_run
         if cfg.test_checkpoint in ("last", "both") and not scored("last"):  # the in-memory model is the last epoch
             metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, examples=data["test"],
                                    quiet=cfg.quiet)

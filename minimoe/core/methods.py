@@ -1,0 +1,211 @@
+"""The routing methods: one `Method` record each in `METHODS`, every fact about a method that minimoe
+reads outside its policy (routing.py); and `set_router`, which installs one on a model.
+
+A record names its policy class, its row label, its options (the policy's keywords) and its heads'
+learning rates, each an `Option` declared once with its default, check and help: train.py's
+`--method-option NAME=VALUE` and the built-in options' own flags (`--gamma 2`) are made from them, and
+set_router and the optimizer take their defaults from them. `Method.configure` gives a record one
+run's choices (the objective, affinity tuning, the option values); train.py resolves --method to one
+configured Method once, and that object installs the router (`set_router`, below), drives the
+training step (step.py), and labels and names the run. A method from your own file joins `METHODS`
+through `minimoe.register_method` (plugins.py).
+
+Built in: native (CE), dual (Dual Affinity), tes (TES) and acs (ACS), their policies in routing.py,
+their defaults the paper's (gamma = tau = 1, mixing weight 0.5; heads at 1e-5 for TES, 1e-3 for Dual).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from numbers import Integral, Real
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from minimoe.core.routing import (TRANSFORMS, ConcentrationRouter, DualAffinityRouter, NativeRouter, TokenErrorRouter,
+                                  _number, resolve_layers, set_routing_trainable, tuned_layers)
+
+
+def number(kind, low=None, high=None, *, low_open=False, high_open=False) -> Callable:
+    """A check for a setting: `kind` (int or float) in [low, high] (open ends where asked), finite. It reads
+    text (a flag) or a number (a settings file) and raises ValueError saying what was expected."""
+    bounds = [f"{'>' if low_open else '>='} {low}" if low is not None else "",
+              f"{'<' if high_open else '<='} {high}" if high is not None else ""]
+    what = " ".join(["an integer" if kind is int else "a number", " and ".join(b for b in bounds if b)]).strip()
+
+    def check(value):
+        try:
+            x = kind(value) if isinstance(value, str) else value
+        except ValueError:
+            raise ValueError(f"{value!r}: expected {what}") from None
+        if (not isinstance(x, Integral if kind is int else Real) or isinstance(x, bool) or not math.isfinite(x)
+                or (low is not None and (x <= low if low_open else x < low))
+                or (high is not None and (x >= high if high_open else x > high))):
+            raise ValueError(f"{value}: expected {what}")
+        return x
+    return check
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting a method reads: a keyword of its policy, or a head's learning rate."""
+    default: object
+    help: str = ""
+    check: Callable | None = None  # reads text or a value, raises ValueError; None: taken as given (the policy checks)
+    choices: tuple = ()
+
+    def parse(self, name: str, value):
+        """`value` checked and read (text from a flag, or a settings file's value)."""
+        try:
+            value = self.check(value) if self.check else value
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{name}: {value!r}; expected one of {list(self.choices)}")
+        return value
+
+
+def _option(value) -> Option:
+    return value if isinstance(value, Option) else Option(value)
+
+
+# What export_peft and export_merged say of a method that does not declare that it routes natively.
+NOT_NATIVE = "its policy replaces the family's native top-K"
+
+
+@dataclass(eq=False)
+class Method:
+    """One routing method (METHODS), and, once `configure`d, one run's use of it."""
+    name: str  # --method, and "method" in config.json and in the router spec
+    policy: type  # nn.Module; set_router builds it per layer in scope as policy.from_gate(gate, config, **options)
+    label: str  # the report's row and the run's name: "-<objective>" follows a supervised one's (TES-IS)
+    options: dict = field(default_factory=dict)  # option -> its default, or an Option: the policy's keywords
+    # trainable submodule of the policy -> (the option naming its learning rate, its default or Option); the
+    # optimizer gives each its own parameter group, named after the option less "_lr"
+    heads: dict = field(default_factory=dict)
+    # what Routing.prediction holds, supervised against the token CE: "error" (a predicted token CE,
+    # e_hat, which the error-prediction diagnostics read) or another name; None: not supervised
+    prediction: str | None = None
+    # why a merged checkpoint or a peft adapter cannot express its routing; None: it routes natively
+    # (its heads, if any, only read), so export_peft and export_merged write it
+    not_exportable: str | None = NOT_NATIVE
+    module: str | None = None  # where a method from outside minimoe was registered from; None: built in
+    # One run's choices (`configure`); a registered record has none.
+    objective: str | None = None  # is | enll: what a supervised method's prediction is fitted with
+    tune_router: bool = False  # the native gate in scope trains too ("+ affinity tuning")
+    values: dict = field(default_factory=dict)  # every setting (`settings`) -> its value in the run
+
+    def __post_init__(self):  # a file of your own may declare an option by its default alone
+        self.options = {name: _option(o) for name, o in self.options.items()}
+        self.heads = {head: (lr, _option(o)) for head, (lr, o) in self.heads.items()}
+
+    @property
+    def declared(self) -> dict[str, Option]:
+        """Every setting the method reads: its options and its heads' learning rates."""
+        return {**self.options, **dict(self.heads.values())}
+
+    @property
+    def settings(self) -> dict:
+        """Every setting the method reads, with its default."""
+        return {name: o.default for name, o in self.declared.items()}
+
+    @property
+    def predicts_error(self) -> bool:
+        return self.prediction == "error"
+
+    @property
+    def row(self) -> str:
+        """The paper's row name: CE, Dual Affinity, TES-IS, ACS-ENLL + affinity tuning, ...; a supervised
+        method without an objective (an adapter outside a run) is its label alone: TES, ACS."""
+        base = f"{self.label}-{self.objective.upper()}" if self.prediction is not None and self.objective else self.label
+        return base + (" + affinity tuning" if self.tune_router else "")
+
+    def configure(self, objective: str | None = None, tune_router: bool = False, options: dict | None = None) -> Method:
+        """This method as one run uses it: `options` checked against their declarations, every setting's
+        value in `values` (the given one, else its default). A setting that only other registered methods
+        read is left out (--gamma 2 with --method ce: CE has no gamma, as it has no lambda); any other
+        unknown name is an error."""
+        given = dict(options or {})
+        for name in given:
+            if name not in self.declared and not any(name in m.declared for m in METHODS.values()):
+                raise ValueError(f"--method-option {name}: method {self.name!r} has no such option; it takes "
+                                 f"{sorted(self.declared)}")
+        values = {name: o.parse(name, given[name]) if name in given else o.default for name, o in self.declared.items()}
+        return replace(self, objective=objective, tune_router=tune_router, values=values)
+
+
+METHODS: dict[str, Method] = {}
+ALIASES = {"ce": "native"}  # the paper's row name for LoRA on native routing; train.py and older config.json say it
+
+LR = number(float, 0, low_open=True)
+for _m in (
+        Method("native", NativeRouter, label="CE", not_exportable=None),
+        Method("dual", DualAffinityRouter, label="Dual Affinity",
+               options={"mix": Option(0.5, "mixing weight of the copied head", number(float, 0, 1))},
+               heads={"affinity": ("copied_head_lr", Option(1e-3, "copied-head learning rate", LR))},
+               not_exportable="Dual Affinity mixes the native logits with a trained copy of the gate"),
+        Method("tes", TokenErrorRouter, label="TES", prediction="error",
+               options={"gamma": Option(1.0, "attenuation strength", number(float, 0)),
+                        "tau": Option(1.0, "started-log reference scale", number(float, 0, low_open=True)),
+                        "transform": Option("started-log", "error-to-routing transform; log is the paper's control",
+                                            choices=TRANSFORMS)},
+               heads={"error_head": ("error_head_lr", Option(1e-5, "error-head learning rate", LR))},
+               not_exportable="TES attenuates the native logits with its learned error head "
+                              "(a - gamma * phi(e_hat))"),
+        Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None)):
+    METHODS[_m.name] = _m
+
+
+def get_method(name: str) -> Method:
+    """The registered method called `name` ("ce" is native)."""
+    record = METHODS.get(ALIASES.get(name, name))
+    if record is None:
+        raise ValueError(f"unknown method {name!r}; expected one of the registered {list(METHODS)} (for one of "
+                         f"your own, pass the file or module that registers it: train.py --method-module)")
+    return record
+
+
+def set_router(model, method="native", layers="final", *, tune_router: bool | None = None,
+               module: str | None = None, **options):
+    """Install `method`'s policy on the layers in scope; record `model.router_spec` (JSON, what an
+    adapter saves) and `model.router_method` (the Method installed, what training and evaluation read).
+
+    `method`: a methods.Method, as train.py resolves it (`Method.configure`: its affinity tuning and
+    option values are the defaults of `tune_router` and `options` here), or a registered method's name.
+    `set_router(model, **model.router_spec)` rebuilds the same structure; a method from outside minimoe
+    must be registered first (its spec's `module`: plugins.method_of imports it, load_adapter's route).
+    New heads are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it is in
+    scope and tune_router=True ("+ affinity tuning"), and then it is moved to fp32
+    (`set_routing_trainable`, `tuned_layers`). Install after moving the model to its dtype. Layers out
+    of scope get the native policy.
+    """
+    if isinstance(method, str):
+        method = get_method(method)
+    unknown = sorted(set(options) - set(method.options))
+    if unknown:
+        raise ValueError(f"set_router: option(s) {unknown} do not apply to method {method.name!r}; "
+                         f"it takes {sorted(['tune_router', *method.options])}")
+    tune_router = method.tune_router if tune_router is None else tune_router
+    if not isinstance(tune_router, bool):
+        raise ValueError(f"set_router: tune_router={tune_router!r}; expected True or False")
+    opts = {name: options.get(name, method.values.get(name, o.default)) for name, o in method.options.items()}
+    for name, o in method.options.items():  # floats in the spec, so that it stays JSON-serialisable
+        if isinstance(o.default, float) and _number(opts[name]):
+            opts[name] = float(opts[name])
+    blocks = [layer.mlp for layer in model.model.layers]
+    scope = resolve_layers(layers, len(blocks))
+    c = model.config
+    # Build every router first, so that a bad option leaves the model untouched.
+    routers = [method.policy.from_gate(mlp.gate, c, **opts) if i in scope
+               else NativeRouter(c.num_experts_per_tok, c.norm_topk_prob) for i, mlp in enumerate(blocks)]
+    model.router_spec = {"method": method.name, "layers": scope, "tune_router": tune_router, **opts,
+                         **({"module": method.module} if method.module else {})}
+    model.router_method = replace(method, tune_router=tune_router, values={**method.values, **opts})
+    tuned = tuned_layers(model.router_spec)
+    for i, (mlp, router) in enumerate(zip(blocks, routers)):
+        mlp.router = router
+        if i in tuned and mlp.gate.weight.dtype != torch.float32:  # trained in fp32, cast at use (model.py)
+            mlp.gate.weight = nn.Parameter(mlp.gate.weight.detach().float())
+    set_routing_trainable(model)
+    return model

@@ -1,0 +1,513 @@
+"""Granite 3.1 MoE and OLMoE in one file: config, attention, routed experts, causal LM.
+
+The two families differ only by config fields (see `MoEConfig`); every module below serves both.
+Letters in shape comments: B batch, T query positions, S key positions, D hidden, H query heads,
+G key/value heads, d head dim, E experts, K experts per token, I expert width, V vocab, N = T*K rows.
+
+Decisions that matter for parity with `transformers` 4.57 (its modeling_granitemoe.py and modeling_olmoe.py):
+- RMSNorm normalises in fp32, casts back to the input dtype, *then* multiplies by its weight.
+- Router logits are computed in the model dtype and upcast; softmax and top-K run in fp32 because
+  bf16 ties and rounding would change which experts run. The combine weights are cast back to the
+  model dtype before they scale expert outputs, as the reference does.
+- Granite: top-K on logits then softmax over the K (= full softmax renormalised over the K), the
+  attention scale is `attention_multiplier`, and three more multipliers scale the embedding, the
+  residual branches and the logits. OLMoE: RMSNorm over the full q/k projection width before the
+  head split, optional clip_qkv, and renormalisation of the K weights only when `norm_topk_prob`.
+- Routing is a swappable module (`MoEBlock.router`, see minimoe/core/routing.py). It sees the
+  pre-expert hidden state and the native affinity logits and returns a `Routing`; every layer's
+  `Routing` (logits, selected experts, weights, method readouts) is returned with the logits.
+- Packed answer choices (minimoe/core/scoring.py) pass `segment_ids`: the causal mask also hides other
+  segments than the shared prefix (0) and the query's own, as a bool SDPA mask (every backend). With
+  `logits_at` the LM head runs on the gathered final-normed hidden states only.
+- Experts are stacked 3-D weights `[E, out, in]` run on token blocks sorted by expert, with
+  `torch.nn.functional.grouped_mm` where it applies and a plain per-expert loop otherwise
+  (`expert_matmul`); both paths are tested equal. Experts are never evaluated densely.
+- Dtype discipline: under autocast every matmul of a bf16 model runs in bf16, the banks included.
+  The banks cast their input to `matmul_dtype` (autocast's, else their own), and the combine casts
+  back the fp32 that CUDA autocast's `sum` returns, so the residual stream keeps the model dtype;
+  otherwise fp32 reaches the next bank and falls into the per-expert loop. Nothing in forward or
+  backward reads a device value back to the host (no bincount, .item() or boolean indexing).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minimoe.core import cpu_kernels
+from minimoe.core.routing import NativeRouter, Routing
+
+# The checkpoint name table, kept beside the modules it names (loading and LoRA's per-matrix blocks read it).
+# Per layer: our parameter name -> the on-disk key(s). A tuple of per-expert patterns means the
+# experts are stored one by one and concatenated along `out` (gate rows, then up rows) into our bank.
+LAYER_KEYS = {
+    "granitemoe": {
+        "mlp.gate.weight": "block_sparse_moe.router.layer.weight",
+        "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
+        "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight",
+    },
+    "olmoe": {
+        "mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
+        "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",),
+    },
+}
+
+FAMILIES = ("granitemoe", "olmoe")
+
+
+@dataclass
+class MoEConfig:
+    model_type: str  # "granitemoe" or "olmoe": selects the per-family switches below
+    vocab_size: int
+    hidden_size: int  # D
+    intermediate_size: int  # I, width of one expert
+    num_hidden_layers: int
+    num_attention_heads: int  # H
+    num_key_value_heads: int  # G; GQA when G < H
+    num_experts: int  # E (Granite calls it num_local_experts)
+    num_experts_per_tok: int  # K
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    norm_topk_prob: bool = False  # OLMoE's switch; Granite always renormalises over the K
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection (and q/k norm)
+    # Granite's multipliers; the OLMoE values leave the forward unchanged.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    attention_multiplier: float | None = None  # None: 1/sqrt(head_dim)
+    router_aux_loss_coef: float = 0.01
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+    rope_scaling: dict | None = None
+    torch_dtype: str | None = None  # dtype the checkpoint was saved in
+    extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back on save
+
+    def __post_init__(self):
+        if self.model_type not in FAMILIES:
+            raise ValueError(f"config: unknown model_type {self.model_type!r}; expected one of {FAMILIES}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "
+                             f"num_attention_heads {self.num_attention_heads}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"config: num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"config: num_experts_per_tok {self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}]")
+        if self.hidden_act != "silu":
+            raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
+        if self.rope_scaling is not None:
+            raise ValueError(f"config: rope_scaling {self.rope_scaling!r} is not supported; expected null")
+        if self.model_type == "granitemoe":
+            self.norm_topk_prob = True  # softmax over the top-K logits is a renormalisation over the K
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "olmoe"
+
+    @property
+    def attention_scale(self) -> float:
+        return self.attention_multiplier if self.attention_multiplier is not None else self.head_dim ** -0.5
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)  # cast before the weight, as the reference does
+
+
+def rope_cos_sin(position_ids, head_dim: int, theta: float, dtype):
+    """cos, sin [B, T, d] for the rotate-half convention; computed in fp32, cast to the model dtype."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim
+    inv_freq = 1.0 / (theta ** exponent)  # [d/2]
+    freqs = position_ids[..., None].float() * inv_freq  # [B, T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, d]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):  # x [B, h, T, d], cos/sin [B, T, d]
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class KVCache:
+    """Preallocated keys and values for every layer: [B, G, S_max, d] each, filled left to right."""
+
+    def __init__(self, config: MoEConfig, batch_size: int, max_len: int, dtype, device):
+        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.length = 0  # positions filled so far; advanced once per forward by the model
+
+    def update(self, layer: int, k, v):  # k, v [B, G, T, d] -> all keys/values so far [B, G, S, d]
+        end = self.length + k.shape[2]
+        if end > self.k[layer].shape[2]:
+            raise ValueError(f"KV cache holds {self.k[layer].shape[2]} positions; {end} were asked for")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: MoEConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        H, G, d, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+        self.q_proj = nn.Linear(D, H * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(D, G * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(D, G * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(H * d, D, bias=config.attention_bias)
+        if config.qk_norm:  # OLMoE: over the whole projection width, before the head split
+            self.q_norm = RMSNorm(H * d, config.rms_norm_eps)
+            self.k_norm = RMSNorm(G * d, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: KVCache | None):  # x [B, T, D]
+        c = self.config
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q = q.view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B, H, T, d]
+        k = k.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, G, T, d]
+        v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)  # [B, G, S, d]
+        # Query head h reads kv head h // (H/G): the reference's repeat_interleave layout.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=c.attention_scale, enable_gqa=True)  # [B, H, T, d]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+# ----------------------------------------------------------------------------- routed experts
+
+class Dispatch:
+    """Token rows sorted by expert, so that each expert runs on one contiguous block.
+
+    block > 1 rounds every expert's block up to a multiple of `block` rows with stand-in rows: copies
+    of token 0 whose combine weight is 0, so they add exact zeros to its output and its gradient
+    (a CPU measure against oneDNN's per-shape kernels: cpu_kernels.expert_block).
+    """
+
+    def __init__(self, experts, num_experts: int, block: int = 1):  # experts [T, K]
+        flat = experts.flatten()  # [N] the expert of each (token, slot)
+        self.counts = expert_counts(flat, num_experts)  # [E] rows per expert, on the device
+        self.padding = 0
+        if block > 1:  # CPU only (cpu_kernels.expert_block): the stand-in rows' number is needed on the host
+            pad = (-self.counts) % block  # [E] stand-in rows, appended after the N real ones
+            flat = torch.cat([flat, torch.arange(num_experts, device=flat.device).repeat_interleave(pad)])
+            self.counts, self.padding = self.counts + pad, int(pad.sum())
+        N = experts.numel()
+        self.order = flat.argsort(stable=True)  # sorted row -> (token, slot) index; >= N: a stand-in
+        self.token = torch.where(self.order < N, self.order // experts.shape[1], 0)  # sorted row -> token
+        self.offsets = self.counts.cumsum(0).to(torch.int32)  # [E] block ends, grouped_mm's int32 offs
+        self._counts_list = None
+
+    def row_weights(self, weights):  # weights [T, K] -> [rows, 1]: each sorted row's combine weight
+        flat = weights.flatten()
+        if self.padding:
+            flat = torch.cat([flat, flat.new_zeros(self.padding)])
+        return flat[self.order, None]
+
+    def combine(self, y, T: int, K: int):
+        """Sorted rows y [rows, D] -> [T, D], each token's K rows summed. Rows go back to (token, slot)
+        order by a plain copy, then sum over K: a scatter-add into [T, D] (index_add_) is serial on
+        CPU and took 4-7% of a bf16 step in the profile (bench/RESULTS.md)."""
+        unsorted = y.new_empty(T * K + self.padding, y.shape[-1]).index_copy_(0, self.order, y)
+        # CUDA autocast runs `sum` in fp32: without the cast, fp32 would reach the residual stream
+        # and, through the next layer's norm, the expert banks (expert_matmul's dtype rule).
+        return unsorted[:T * K].view(T, K, -1).sum(1).to(y.dtype)
+
+    @property
+    def counts_list(self) -> list[int]:  # the loop path needs python ints (one host sync; grouped_mm needs none)
+        if self._counts_list is None:
+            self._counts_list = self.counts.tolist()
+        return self._counts_list
+
+
+def expert_counts(flat, num_experts: int):
+    """[N] expert ids -> [E] rows per expert. Not torch.bincount: on CUDA it reads the largest id back
+    to the host to size its output, a device sync in every MoE block's forward."""
+    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
+USE_GROUPED_MM = hasattr(F, "grouped_mm")  # tests switch this off to compare against the loop
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _grouped_mm_applies(x, w_t) -> bool:
+    # grouped_mm wants every non-unit stride 16-byte aligned; CUDA kernels want bf16.
+    if not USE_GROUPED_MM or x.dtype != w_t.dtype or x.shape[0] == 0 or x.dtype not in GROUPED_MM_DTYPES:
+        return False
+    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
+        return False
+    size = x.element_size()
+    strides = [s for t in (x, w_t) for s in t.stride() if s != 1]
+    return all(s * size % 16 == 0 for s in strides) and x.stride(-1) == 1
+
+
+def matmul_dtype(x, weight) -> torch.dtype:
+    """The dtype a matmul of x by weight runs in, as F.linear's: autocast's where autocast is on for
+    x's device, else the weight's. The expert banks and their LoRA cast to it, so that a bf16 bank
+    under autocast runs grouped_mm in bf16 whatever dtype its input arrives in."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+
+
+def expert_matmul(x, weight, dispatch: Dispatch):
+    """x [N, in] sorted by expert, weight [E, out, in] -> [N, out]: row block e times weight[e].T.
+    Runs in x's dtype (callers cast x with `matmul_dtype`); the weight is cast to it if it differs."""
+    w_t = weight.transpose(-2, -1).to(x.dtype)  # [E, in, out], a view when the dtypes agree
+    if _grouped_mm_applies(x, w_t):
+        return F.grouped_mm(x, w_t, offs=dispatch.offsets)
+    blocks = x.split(dispatch.counts_list)  # the readable reference path
+    return torch.cat([blk @ w_t[e] for e, blk in enumerate(blocks)])
+
+
+class GroupedLinear(nn.Module):
+    """E linear maps stored as one [E, out, in] weight; forward runs the sorted row blocks."""
+
+    def __init__(self, num_experts: int, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+
+    def forward(self, x, dispatch: Dispatch):  # x [N, in] -> [N, out]
+        return expert_matmul(x, self.weight, dispatch)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts. gate_up_proj [E, 2I, D] holds the gate rows first, then the up rows."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        E, D, I = config.num_experts, config.hidden_size, config.intermediate_size
+        self.gate_up_proj = GroupedLinear(E, 2 * I, D)
+        self.down_proj = GroupedLinear(E, D, I)
+
+    def forward(self, x, experts, weights):  # x [T, D], experts/weights [T, K] -> [T, D]
+        E = self.gate_up_proj.weight.shape[0]
+        # The bank's dtype (or autocast's): an fp32 x against a bf16 bank would leave grouped_mm for the loop.
+        x = x.to(matmul_dtype(x, self.gate_up_proj.weight))
+        dispatch = Dispatch(experts, E, cpu_kernels.expert_block(x, experts.numel(), E))
+        h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = self.down_proj(F.silu(gate) * up, dispatch)  # [N, D]
+        y = y * dispatch.row_weights(weights).to(y.dtype)
+        return dispatch.combine(y, *experts.shape)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # native affinity W_aff
+        self.experts = Experts(config)
+        self.router = NativeRouter(config.num_experts_per_tok, config.norm_topk_prob)
+
+    def forward(self, x, stash: dict | None = None) -> tuple[torch.Tensor, Routing]:  # x [B, T, D]
+        """stash: under gradient checkpointing, the first pass records its expert choice there and
+        the recompute replays it, so that backward never runs experts the forward did not."""
+        B, T, D = x.shape
+        flat = x.reshape(B * T, D)
+        replay = stash.get("experts") if stash is not None else None
+        # A tuned gate is stored in fp32 (routing.py); cast at use, its logits are the model dtype's as ever.
+        logits = F.linear(flat, self.gate.weight.to(flat.dtype)).float()  # [B*T, E]
+        routing = self.router(flat, logits, experts=replay)
+        if stash is not None and replay is None:
+            stash["experts"] = routing.experts.detach()
+        return self.experts(flat, routing.experts, routing.weights).view(B, T, D), routing
+
+
+def scaled(x, factor: float):
+    """x * factor, skipped at 1.0 (every OLMoE multiplier): x * 1.0 == x, and the copy costs a full pass."""
+    return x if factor == 1.0 else x * factor
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: MoEConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MoEBlock(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.residual_multiplier = config.residual_multiplier
+        self.gradient_checkpointing = False  # recompute this block in backward instead of storing it
+
+    def forward(self, h, cos, sin, mask, cache):
+        if self.gradient_checkpointing and torch.is_grad_enabled() and cache is None:
+            return torch.utils.checkpoint.checkpoint(self._forward, h, cos, sin, mask, cache, {}, use_reentrant=False)
+        return self._forward(h, cos, sin, mask, cache, None)
+
+    def _forward(self, h, cos, sin, mask, cache, stash):
+        h = h + scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask, cache), self.residual_multiplier)
+        moe_out, routing = self.mlp(self.post_attention_layernorm(h), stash)
+        return h + scaled(moe_out, self.residual_multiplier), routing
+
+
+# ----------------------------------------------------------------------------- the causal LM
+
+@dataclass
+class CausalLMOutput:
+    logits: torch.Tensor  # [B, T, V] in the model dtype; [n, V] with forward's logits_at
+    routings: list[Routing]  # one per layer, tokens flattened as B*T (objectives.load_balancing_loss reads them)
+
+
+class Model(nn.Module):
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        pad = config.pad_token_id if config.pad_token_id is not None and config.pad_token_id < config.vocab_size else None
+        # Built without nn.Embedding's own N(0, 1) init when on the meta device (from_pretrained):
+        # normal_ on meta imports torch._dynamo, 1.5-2 s of every load for values never used.
+        weight = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=pad, _weight=weight)
+        if not weight.is_meta:
+            self.embed_tokens.reset_parameters()
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MoEForCausalLM(nn.Module):
+    """`model(input_ids, attention_mask=None)` -> CausalLMOutput(logits, routings).
+
+    `logits_at=` runs the LM head at chosen positions only; `segment_ids=` gives a block-causal mask."""
+
+    def __init__(self, config: MoEConfig):
+        super().__init__()
+        self.config = config
+        self.model = Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # What was installed on top of the checkpoint, as JSON-ready dicts that rebuild it; adapters
+        # save them. None: native routing everywhere (`methods.set_router` sets it), no LoRA (`lora.add_lora`).
+        self.router_spec: dict | None = None
+        self.router_method = None  # the methods.Method that router_spec is the JSON of (set_router)
+        self.lora_spec: dict | None = None
+
+    def gradient_checkpointing_enable(self, enable: bool = True):
+        for layer in self.model.layers:
+            layer.gradient_checkpointing = enable
+
+    def tie_weights(self):
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache: KVCache | None = None, *,
+                segment_ids=None, logits_at=None):
+        """input_ids [B, T]; attention_mask [B, S] (1 = real token, covers cached positions too).
+
+        segment_ids [B, T]: a block-causal layout (packed answer choices, minimoe/core/scoring.py): a token of
+        segment s > 0 sees segment 0 and its own segment, causally; segment 0 sees segment 0 only.
+        logits_at: (rows, cols) index tensors, n each: the LM head runs at those positions only and
+        logits are [n, V] (gathered after the final norm, so no [B, T, V] tensor is built).
+        """
+        c = self.config
+        B, T = input_ids.shape
+        start = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
+        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
+        mask = self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids)
+        routings = []
+        for layer in self.model.layers:
+            h, routing = layer(h, cos, sin, mask, cache)
+            routings.append(routing)
+        if cache is not None:
+            cache.length += T
+        h = self.model.norm(h)
+        if logits_at is not None:
+            h = h[logits_at]  # [n, D]
+        return CausalLMOutput(logits=self.head(h), routings=routings)
+
+    def head(self, hidden):
+        """Final-normed hidden states [..., D] -> logits [..., V], Granite's logits_scaling included."""
+        logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:  # Granite divides, as the reference does (not * 1/s: other bits)
+            logits = logits / self.config.logits_scaling
+        return logits
+
+    @staticmethod
+    def _attention_mask(attention_mask, B, T, start, device, segment_ids=None):
+        """None (plain causal, SDPA's fast path) or a bool [B, 1, T, S] mask: causal, not padding and,
+        with segment_ids, block-causal. A bool mask works with SDPA on every backend, CUDA included."""
+        if attention_mask is None and segment_ids is None and start == 0:
+            return None
+        S = start + T
+        q_pos = torch.arange(start, S, device=device)[:, None]
+        allowed = torch.arange(S, device=device)[None, :] <= q_pos  # [T, S] causal
+        allowed = allowed[None, None].expand(B, 1, T, S)
+        if segment_ids is not None:
+            if start != 0 or segment_ids.shape != (B, T):
+                raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)} with {start} cached positions; "
+                                 f"expected {(B, T)} and no KV cache")
+            seg_q, seg_k = segment_ids[:, :, None], segment_ids[:, None, :]  # [B, T, 1], [B, 1, S]
+            allowed = allowed & ((seg_k == 0) | (seg_k == seg_q))[:, None]
+        if attention_mask is not None:
+            if attention_mask.shape != (B, S):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, S)}")
+            allowed = allowed & attention_mask.bool()[:, None, None, :]
+            # A padding query would see no key at all; letting it see itself keeps SDPA finite.
+            # Real queries always see themselves already, so their outputs do not change.
+            allowed = allowed | (torch.arange(S, device=device)[None, :] == q_pos)[None, None]
+        return allowed
+
+    @property
+    def dtype(self):
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self):
+        return self.lm_head.weight.device
+
+
+def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:
+    """torch.compile each decoder layer in place, as torchtitan compiles its blocks: the layers share
+    one code object and dynamo treats their parameters as inputs, so one graph serves every layer.
+    The embedding, the LM head and the loss stay eager; `options` go to torch.compile."""
+    for layer in model.model.layers:
+        layer.compile(**options)
+    return model
+
+
+def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None):
+    """Random init for tests and tiny models: N(0, std) matrices, unit norms, zero biases."""
+    std = model.config.initializer_range if std is None else std
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=generator)
+        pad = model.model.embed_tokens.padding_idx
+        if pad is not None:
+            model.model.embed_tokens.weight[pad].zero_()
+    return model
+
+
+def config_field_names() -> list[str]:
+    return [f.name for f in fields(MoEConfig) if f.name != "extra"]

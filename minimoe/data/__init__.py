@@ -1,0 +1,1 @@
+"""Benchmarks and your own multiple-choice data, as registered split manifests."""

@@ -1,0 +1,1 @@
+"""minimoe in other tools: lm-evaluation-harness and peft export."""

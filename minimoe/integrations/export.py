@@ -1,0 +1,154 @@
+"""Export a trained adapter in peft's format, for peft + transformers (and the servers that read it).
+
+`export_peft(adapter_or_run, out_dir)` writes `adapter_config.json` and `adapter_model.safetensors`
+such that `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)`
+gives minimoe's logits with the adapter (tests/test_export.py holds this for both families). Our
+names map onto the checkpoint's through `checkpoint.LAYER_KEYS`, the one name table:
+- Attention LoRA keeps its modules and shapes: `q_proj.lora_A [r, D]`, `lora_B [out, r]`.
+- Granite's fused expert banks are 3-D parameters in transformers (`input_linear.weight [E, 2I, D]`,
+  `output_linear.weight`), so they go through peft's `target_parameters` (its ParamWrapper), which
+  stores A as [E*r, in] with the expert index slowest and B as [out, r*E] with the expert index
+  fastest: A = ours.reshape(E*r, in), B = ours.permute(1, 2, 0).reshape(out, r*E).
+- OLMoE keeps per-expert modules on transformers 4.x: our fused gate_up pair splits into rank-r
+  LoRAs on `experts.{j}.gate_proj` (A rows [0, r), B rows [0, I)) and `up_proj` (the rest), and
+  down_proj's pair into `experts.{j}.down_proj`.
+- Native gates tuned by "+ affinity tuning" go to `modules_to_save` under their full module path,
+  so that only the tuned layers are replaced.
+- A method that routes natively (its record's `not_exportable` is None: native, acs) exports as
+  LoRA on native routing does. The others change the routing function itself (an error head's
+  attenuation, a mixed copied gate), which no peft adapter can express: they are refused with an
+  error saying so (adapters.refuse_routing_heads).
+- `lora_dropout` is the trained value, except 0 when `target_parameters` is set: peft's
+  ParamWrapper refuses any other value. Dropout acts in training only, so the logits are the same.
+- Tensors keep their stored dtype (fp32 adapters; a tuned gate in its model dtype). Nothing here
+  imports peft: it is a test-only dependency.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from minimoe.atomic import atomic_directory
+from minimoe.loading.checkpoint import LAYER_KEYS, from_pretrained, resolve_checkpoint
+from minimoe.runs.folder import resolve_adapter  # a run folder resolves through selection.json
+from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
+                              refuse_routing_heads)
+from minimoe.core.model import MoEForCausalLM
+from minimoe.runs.plugins import method_of
+
+PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys
+
+
+def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(adapter config as save_adapter writes it, tensors) from a model, an adapter folder or a run."""
+    if isinstance(adapter_or_run, MoEForCausalLM):
+        model = adapter_or_run
+        if model.lora_spec is None:
+            raise ValueError("export_peft: the model has no LoRA; call add_lora (or load_adapter) first")
+        gates = gate_layers(model)
+        config = dict(model.lora_spec, fingerprint=fingerprint(model.config), base_model=None,
+                      router=model.router_spec, gate_layers=gates)
+        return config, {k: v.detach().cpu() for k, v in adapter_tensors(model, gates).items()}
+    folder = resolve_adapter(adapter_or_run, checkpoint).folder
+    config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    return config, load_file(str(folder / "adapter.safetensors"))
+
+
+def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
+    """Our adapter tensors -> (peft's state dict, the targets for its config); unknown keys raise."""
+    fp = config["fingerprint"]
+    table, E, r = LAYER_KEYS[fp["model_type"]], fp["num_experts"], config["rank"]
+    out, modules, params, saved = {}, set(), set(), []
+    for key in sorted(tensors):
+        t = tensors[key]
+        layer, _, name = key.partition(".layers.")[2].partition(".")
+        prefix = f"{PREFIX}model.layers.{layer}."
+        if key.endswith(".weight") and name == "mlp.gate.weight":  # a tuned native gate
+            disk = table.get(name, name)
+            out[prefix + disk] = t
+            saved.append(f"model.layers.{layer}.{disk.removesuffix('.weight')}")
+            continue
+        if not key.endswith((".lora_A", ".lora_B")):
+            raise KeyError(f"export_peft: tensor {key!r} has no peft counterpart; expected LoRA tensors and "
+                           "tuned native gates only")
+        base, _, ab = name.rpartition(".")  # e.g. "mlp.experts.gate_up_proj", "lora_A"
+        disk = table.get(f"{base}.weight", f"{base}.weight")
+        if isinstance(disk, str) and t.dim() == 2:  # a linear layer: same module, same shapes
+            module = disk.removesuffix(".weight")
+            out[f"{prefix}{module}.{ab}.weight"] = t
+            modules.add(module.rpartition(".")[2])
+        elif isinstance(disk, str):  # a fused [E, out, in] bank: peft's ParamWrapper layout
+            module = disk.removesuffix(".weight")
+            if ab == "lora_A":  # [E, r, in] -> [E*r, in], expert slowest
+                out[f"{prefix}{module}.{ab}.weight"] = t.reshape(E * r, t.shape[-1])
+            else:  # [E, out, r] -> [out, r*E], expert fastest
+                out[f"{prefix}{module}.{ab}.weight"] = t.permute(1, 2, 0).reshape(t.shape[1], r * E)
+            params.add(".".join(disk.split(".")[-2:]))  # "input_linear.weight"
+        else:  # per-expert modules: block b of A feeds row block b of B (see lora.LoRAMixin)
+            for j in range(E):  # A [E, blocks*r, in] and B [E, blocks*out, r] both split along dim 1
+                for pat, part in zip(disk, t[j].chunk(len(disk), dim=0)):
+                    module = pat.format(j=j).removesuffix(".weight")
+                    out[f"{prefix}{module}.{ab}.weight"] = part.contiguous()
+                    modules.add(module.rpartition(".")[2])
+    return out, {"target_modules": sorted(modules) or None, "target_parameters": sorted(params) or None,
+                 "modules_to_save": saved or None}
+
+
+def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_model: str | None = None) -> Path:
+    """Write out_dir/adapter_config.json and adapter_model.safetensors (atomically) in peft's format.
+
+    adapter_or_run: a model with LoRA, an adapter folder (adapter_config.json + adapter.safetensors)
+    or a run folder (its `checkpoint`: "last" by default or "selected", as evaluate.py resolves it).
+    base_model: written as base_model_name_or_path; default the adapter's own record.
+    """
+    config, tensors = _adapter_state(adapter_or_run, checkpoint)
+    refuse_routing_heads(method_of(config.get("router")), "export_peft")
+    state, targets = peft_tensors(config, tensors)
+    base_model = base_model or config.get("base_model")
+    if not base_model:
+        raise ValueError("export_peft: the base model is not recorded with this adapter; pass base_model= "
+                         "(a hub id or checkpoint folder)")
+    peft_config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
+        "r": config["rank"], "lora_alpha": config["alpha"],
+        "lora_dropout": 0.0 if targets["target_parameters"] else config["dropout"],
+        **targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "init_lora_weights": True, "inference_mode": True,
+    }
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir, "peft-adapter") as tmp:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(peft_config, indent=2) + "\n", encoding="utf-8")
+    return out_dir
+
+
+# The base's files that a merged checkpoint carries over, so that it loads alone (AutoTokenizer included).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_model: str | None = None,
+                          cache_dir=None) -> Path:
+    """Load the adapter's base model, apply the adapter and write the merged checkpoint (official layout,
+    the base's dtype and tokenizer files) to out_dir, as `export.py RUN OUT --merged` does.
+
+    A method that does not route natively is refused before anything loads (adapters.export_merged says why).
+    base_model: the base checkpoint to merge into; default the one the adapter records (a run's
+    model at its --model-revision); load_adapter still checks that the weights are the trained-on ones.
+    """
+    source = resolve_adapter(adapter_or_run, checkpoint)
+    refuse_routing_heads(method_of(source.router), "export.py --merged")
+    config = json.loads((source.folder / "adapter_config.json").read_text(encoding="utf-8"))
+    base = base_model or config.get("base_model")
+    if not base:
+        raise ValueError(f"{source.folder}: the base model is not recorded with this adapter; pass --model "
+                         f"(export.py) or base_model=")
+    revision = source.run_config.get("model_revision") if base == source.run_config.get("model") else None
+    folder = resolve_checkpoint(base, cache_dir or source.run_config.get("cache_dir"), revision)
+    model = load_adapter(from_pretrained(folder), source.folder)
+    tokenizer = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    export_merged(model, out_dir, copy_files=tokenizer)
+    return Path(out_dir)

@@ -1,0 +1,1 @@
+"""Checkpoints in and out: official safetensors, the tokenizer, upcycling a dense model."""

@@ -1,0 +1,371 @@
+"""Checkpoint I/O: official safetensors <-> MoEForCausalLM, config.json <-> MoEConfig, tokenizer.
+
+Our module names equal the checkpoint keys wherever the two families agree; `LAYER_KEYS` is the
+whole name table for the rest. Loading is strict: a missing, unexpected or wrongly shaped key, an
+unknown model_type, a missing config field or an unreadable file raises an error naming it.
+
+Loading builds the model on the meta device (no random weights are ever allocated), then reads
+every tensor with plain file reads straight into its parameter (OLMoE's per-expert matrices into
+their slice of the stacked `[E, out, in]` banks), so peak memory stays at the checkpoint's size:
+no mmap pages held beside the copies, no second copy of any bank (see `WeightFile`).
+`dtype=None` keeps the dtype the checkpoint records (`torch_dtype`).
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import save_file
+
+from minimoe.loading.allocator import advise_huge_pages
+from minimoe.atomic import atomic_directory
+from minimoe.core.model import LAYER_KEYS, MoEConfig, MoEForCausalLM, config_field_names
+
+ARCHITECTURES = {"granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
+# config.json names that differ from ours, per family.
+CONFIG_RENAMES = {"granitemoe": {"num_local_experts": "num_experts"}, "olmoe": {}}
+# Fields of ours that a family's config.json does not have.
+FOREIGN_FIELDS = {
+    "granitemoe": {"norm_topk_prob", "clip_qkv"},
+    "olmoe": {"embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"},
+}
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "num_experts", "num_experts_per_tok")
+HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+             "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ----------------------------------------------------------------------------- config
+
+def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
+    family = d.get("model_type")
+    if family not in CONFIG_RENAMES:
+        raise ValueError(f"{source}: unknown model_type {family!r}; expected one of {list(CONFIG_RENAMES)}")
+    d = {CONFIG_RENAMES[family].get(k, k): v for k, v in d.items()}
+    d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
+    missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
+    if missing:
+        raise ValueError(f"{source}: missing field(s) {missing} for model_type {family!r}")
+    ours = set(config_field_names())
+    known = {k: v for k, v in d.items() if k in ours}
+    extra = {k: v for k, v in d.items() if k not in ours}
+    return MoEConfig(**known, extra=extra)
+
+
+def config_to_dict(config: MoEConfig) -> dict:
+    family = config.model_type
+    ours = {k: getattr(config, k) for k in config_field_names() if k not in FOREIGN_FIELDS[family]}
+    back = {v: k for k, v in CONFIG_RENAMES[family].items()}
+    d = {**config.extra, **{back.get(k, k): v for k, v in ours.items()}}
+    d["architectures"] = [ARCHITECTURES[family]]
+    if family == "granitemoe" and d.get("attention_multiplier") is None:
+        d["attention_multiplier"] = config.attention_scale
+    return d
+
+
+def read_config(folder: Path) -> MoEConfig:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json; a checkpoint folder needs config.json and safetensors")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the file is truncated or corrupt: restore or "
+                         f"re-download the checkpoint") from None
+    return config_from_dict(d, str(path))
+
+
+# ----------------------------------------------------------------------------- name table
+
+def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str]:
+    """Our parameter name -> its on-disk key (str) or per-expert keys (tuple, in concatenation order)."""
+    layout = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        layout["lm_head.weight"] = "lm_head.weight"
+    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate.weight",
+                 "mlp.experts.gate_up_proj.weight", "mlp.experts.down_proj.weight"]
+    per_layer += [f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in (["weight", "bias"] if config.attention_bias else ["weight"])]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    table = LAYER_KEYS[config.model_type]
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        for name in per_layer:
+            disk = table.get(name, name)
+            if isinstance(disk, tuple):
+                layout[prefix + name] = tuple(prefix + pat.format(j=j) for j in range(config.num_experts) for pat in disk)
+            else:
+                layout[prefix + name] = prefix + disk
+    return layout
+
+
+# ----------------------------------------------------------------------------- loading
+
+def default_weights_dir() -> str:
+    """Where minimoe writes the checkpoints it builds (the default model, the tiny one): $MINIMOE_WEIGHTS,
+    else the repository's weights/ folder."""
+    return os.environ.get("MINIMOE_WEIGHTS") or str(Path(__file__).resolve().parents[2] / "weights")
+
+
+def hub_cache_dir(cache_dir=None) -> str | None:
+    """Where hub ids download: `cache_dir`, else $MINIMOE_WEIGHTS, else None, which is huggingface_hub's own
+    cache ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub), so a model already cached for
+    transformers is not downloaded again."""
+    return cache_dir or os.environ.get("MINIMOE_WEIGHTS") or None
+
+
+def resolve_checkpoint(name_or_path, cache_dir=None, revision=None) -> Path:
+    """A local folder as it is, or a hub repo id downloaded (config, safetensors, tokenizer only) into
+    hub_cache_dir(cache_dir); the folder returned is then the snapshot, named by its commit sha."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        if revision is not None:
+            raise ValueError(f"{name_or_path}: a revision ({revision}) applies to hub ids only, not to a local folder")
+        return path
+    name = str(name_or_path)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise FileNotFoundError(f"{name}: no such checkpoint folder, and not a hub repo id like 'allenai/OLMoE-1B-7B-0924'")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        return Path(snapshot_download(name, revision=revision, cache_dir=hub_cache_dir(cache_dir),
+                                      allow_patterns=HUB_FILES))
+    except LocalEntryNotFoundError as e:
+        raise FileNotFoundError(f"{name}@{revision or 'main'}: not in the local cache "
+                                f"({hub_cache_dir(cache_dir) or 'the Hugging Face default'}) and the hub cannot be "
+                                f"reached (HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {e}") from e
+
+
+def _weight_files(folder: Path) -> dict[str, list[str]]:
+    """safetensors file -> the keys it holds, from the shard index or the single file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files: dict[str, list[str]] = {}
+        for key, file in weight_map.items():
+            files.setdefault(file, []).append(key)
+        return files
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    return {"model.safetensors": None}
+
+
+# safetensors header dtype names -> torch dtypes (the ones a language-model checkpoint uses).
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class WeightFile:
+    """One safetensors file, read with plain `readinto` calls straight into tensors we own.
+
+    Not `safe_open`: it memory-maps the file, and every page a read touches stays resident while any
+    tensor taken from that file is alive, so copying OLMoE's per-expert matrices into stacked banks
+    would hold the banks and the mapped files at once (bench/RESULTS.md). Plain reads keep the peak
+    at the checkpoint's size, plus one tensor when the dtype changes. `safe_open` stays the reference
+    reader: tests/test_checkpoint.py holds the two equal on every key. The format is an 8-byte
+    little-endian header length, a JSON header {key: {dtype, shape, data_offsets}}, then the bytes.
+    """
+
+    def __init__(self, path: Path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: weight file named by the checkpoint is missing")
+        self.path, size = path, path.stat().st_size
+        try:
+            with open(path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                if not 2 <= n <= size - 8:
+                    raise ValueError(f"header length {n} does not fit a {size}-byte file")
+                header = json.loads(f.read(n))
+            header.pop("__metadata__", None)
+            end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+        except (ValueError, KeyError, TypeError, IndexError) as e:
+            raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from e
+        if 8 + n + end > size:
+            raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): "
+                             f"its tensors end at byte {8 + n + end}, the file has {size}")
+        self.entries, self.data_start = header, 8 + n
+
+    def keys(self) -> list[str]:
+        """In file order, so that reading them in turn reads the file front to back."""
+        return sorted(self.entries, key=lambda k: self.entries[k]["data_offsets"][0])
+
+    def read_into(self, key: str, out: torch.Tensor, f) -> None:
+        """Copy tensor `key` into `out` (same shape, any dtype and device); f: this file, opened 'rb'."""
+        entry = self.entries[key]
+        if tuple(entry["shape"]) != tuple(out.shape):
+            raise ValueError(f"{self.path}: {key!r} has shape {tuple(entry['shape'])}; expected {tuple(out.shape)}")
+        disk_dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+        if disk_dtype is None:
+            raise ValueError(f"{self.path}: {key!r} has dtype {entry['dtype']}; expected one of {list(SAFETENSORS_DTYPES)}")
+        begin, end = entry["data_offsets"]
+        direct = out.dtype == disk_dtype and out.device.type == "cpu" and out.is_contiguous()
+        buffer = out if direct else torch.empty(out.shape, dtype=disk_dtype)
+        data = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+        if end - begin != len(data):
+            raise ValueError(f"{self.path}: {key!r} spans {end - begin} bytes; its dtype and shape need {len(data)}")
+        f.seek(self.data_start + begin)
+        done = 0
+        while done < len(data):  # one read() returns at most ~2 GiB on Linux
+            got = f.readinto(data[done:])
+            if not got:
+                raise ValueError(f"{self.path}: cannot read {key!r}: the file ends early (truncated?)")
+            done += got
+        if not direct:
+            out.copy_(buffer)
+
+
+def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, revision=None) -> MoEForCausalLM:
+    """Load an official Granite-MoE or OLMoE checkpoint from a folder or a hub repo id."""
+    folder = resolve_checkpoint(name_or_path, cache_dir, revision)
+    config = read_config(folder)
+    if isinstance(dtype, str):
+        dtype = DTYPES[dtype]
+    dtype = dtype or DTYPES.get(config.torch_dtype or "", torch.float32)
+    device = torch.device(device or "cpu")
+    with torch.device("meta"):
+        model = MoEForCausalLM(config)
+    layout = checkpoint_layout(config)
+
+    files, where = {}, {}  # file -> WeightFile (header only), disk key -> file
+    for file, keys in _weight_files(folder).items():
+        files[file] = WeightFile(folder / file)
+        for key in files[file].entries if keys is None else keys:
+            if key not in files[file].entries:
+                raise KeyError(f"{folder}: the shard index puts {key!r} in {file}, which does not hold it")
+            where[key] = file
+    expected = {k for disk in layout.values() for k in ((disk,) if isinstance(disk, str) else disk)}
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
+    unexpected = sorted(set(where) - expected - ignored)
+    if unexpected:
+        raise KeyError(f"{folder}: unexpected key {unexpected[0]!r} in {where[unexpected[0]]} "
+                       f"({len(unexpected)} in all); is this a {config.model_type} checkpoint?")
+    missing = sorted(expected - set(where))
+    if missing:
+        raise KeyError(f"{folder}: missing key {missing[0]!r} ({len(missing)} in all) for model_type {config.model_type!r}")
+
+    # Allocate every parameter at its final dtype and device, and note where each disk key lands:
+    # a whole parameter, or (OLMoE) one expert's gate, up or down rows inside a stacked bank.
+    destination = {}  # disk key -> tensor (a parameter or a contiguous slice of one)
+    for name, disk in layout.items():
+        meta = model.get_parameter(name)
+        value = torch.empty(meta.shape, dtype=dtype, device=device)
+        advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
+        if isinstance(disk, str):
+            destination[disk] = value
+        else:  # per-expert keys in (expert, part) order; part p fills rows [p*rows, (p+1)*rows)
+            parts = len(disk) // config.num_experts
+            rows = meta.shape[1] // parts
+            for i, key in enumerate(disk):
+                j, p = divmod(i, parts)
+                destination[key] = value[j, p * rows:(p + 1) * rows]
+        module_name, _, leaf = name.rpartition(".")
+        model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
+    for file, weights in files.items():  # one file at a time, front to back
+        with open(weights.path, "rb", buffering=0) as f:
+            for key in weights.keys():
+                if key in destination and where.get(key) == file:
+                    weights.read_into(key, destination[key], f)
+    model.tie_weights()
+    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if still_meta:
+        raise KeyError(f"{folder}: no checkpoint key fills parameter {still_meta[0]!r}")
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- saving
+
+def to_disk_layout(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Tensors named like our parameters -> tensors named and split like the official checkpoint."""
+    out = {}
+    for name, disk in checkpoint_layout(config).items():
+        value = tensors[name]
+        if isinstance(disk, str):
+            out[disk] = value.contiguous()
+            continue
+        parts = len(disk) // config.num_experts
+        rows = value.shape[1] // parts
+        for j in range(config.num_experts):
+            for p in range(parts):
+                out[disk[j * parts + p]] = value[j, p * rows:(p + 1) * rows].contiguous()
+    return out
+
+
+def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
+    """The official on-disk tensors of `model` (base weights only; LoRA and method heads are not in the table)."""
+    names = checkpoint_layout(model.config)
+    return to_disk_layout(model.config, {n: model.get_parameter(n).detach().cpu() for n in names})
+
+
+def save_pretrained(model: MoEForCausalLM, path, *, max_shard_bytes: int = 5 * 2**30):
+    """Write config.json and safetensors in the official layout (sharded past max_shard_bytes), atomically."""
+    with atomic_directory(path, "model") as tmp:
+        write_checkpoint(model, tmp, max_shard_bytes=max_shard_bytes)
+
+
+def write_checkpoint(model: MoEForCausalLM, folder: Path, *, max_shard_bytes: int = 5 * 2**30):
+    """save_pretrained's files, written into an existing folder (callers own its atomicity)."""
+    tensors = checkpoint_tensors(model)
+    shards, current, size = [], {}, 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[key] = t
+        size += nbytes
+    shards.append(current)
+    config = config_to_dict(model.config)
+    config["torch_dtype"] = str(model.dtype).removeprefix("torch.")
+    with open(folder / "config.json", "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(folder / "model.safetensors.index.json", "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+class Tokenizer:
+    """The checkpoint's tokenizer.json (via `tokenizers`) with the special ids from its config."""
+
+    def __init__(self, tokenizer, config: MoEConfig):
+        self.tokenizer = tokenizer
+        self.eos_token_id, self.pad_token_id, self.bos_token_id = config.eos_token_id, config.pad_token_id, config.bos_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __len__(self):
+        return self.tokenizer.get_vocab_size()
+
+
+def load_tokenizer(name_or_path, *, cache_dir=None, revision=None) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    folder = resolve_checkpoint(name_or_path, cache_dir, revision)
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no tokenizer.json")
+    try:
+        tokenizer = HFTokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for unreadable JSON
+        raise ValueError(f"{path}: not a readable tokenizer ({e}); the file is truncated or corrupt") from None
+    return Tokenizer(tokenizer, read_config(folder))

@@ -1,0 +1,1 @@
+"""A run: its settings, the training loop, its folder, adapters, provenance and tracking."""

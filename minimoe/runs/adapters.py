@@ -1,0 +1,233 @@
+"""What was trained, as a file: optimizer groups, the adapter folder, fingerprints, merged export.
+
+The LoRA layers themselves are in minimoe/core/lora.py, the routing methods' heads in minimoe/core/routing.py.
+
+Adapter folder: adapter.safetensors (LoRA tensors, all state under `.mlp.router.`, and the
+`.mlp.gate.weight` of layers whose gate trains) and adapter_config.json (rank, alpha, dropout,
+targets, dtype, base model, a config fingerprint, the `set_router` spec, the tuned gate layers).
+The format is unchanged since the first adapters; one written before "base_weights" existed loads
+without that check.
+
+Decisions:
+- `load_adapter` installs LoRA, then the router spec (the order of training's `install_method`),
+  then checks and copies the tensors, strictly (an unknown, missing or misshapen tensor names itself).
+- Which native gates an adapter carries ("gate_layers") is what the router spec tunes
+  (`routing.tuned_layers`), never read back from requires_grad. An adapter written before that
+  with tuned gates and no router spec loads as native routing with those gates tuned, which is
+  what it was.
+- `export_merged` refuses a method whose record says it does not route natively
+  (`Method.not_exportable`): the merged checkpoint has no place for its heads, so it would route
+  natively and not reproduce minimoe's own evaluation. It puts the exact original weights back
+  afterwards instead of unmerging (a bf16 round trip may round).
+- The optimizer's groups are LoRA, each head of the model's method (`Method.heads`, one group per
+  learning-rate option) and the tuned native gates, in that order.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
+from minimoe.core.lora import add_lora, lora_modules
+from minimoe.core.model import MoEForCausalLM
+from minimoe.core.methods import Method
+from minimoe.runs.plugins import method_of
+from minimoe.core.routing import tuned_layers
+from minimoe.core.methods import set_router
+
+FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
+               "num_experts_per_tok", "intermediate_size")
+CONFIG_FIELDS = ("rank", "alpha", "dropout", "targets", "dtype", "base_model", "fingerprint", "router", "gate_layers")
+
+
+def param_groups(method: Method | None) -> dict[str, tuple[str, ...]]:
+    """Optimizer group -> the name patterns of its parameters: LoRA, the installed method's heads (each named
+    after its learning-rate option less "_lr": error_head, copied_head), the tuned native gates ("router")."""
+    heads = {lr.removesuffix("_lr"): (f".mlp.router.{head}.",)  # the name + "." matches a parameter head too
+             for head, (lr, _) in (method.heads if method else {}).items()}
+    return {"lora": (".lora_A", ".lora_B"), **heads, "router": (".mlp.gate.weight",)}
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Trainable (name, parameter) pairs by group (`param_groups`), for the optimizer's param groups."""
+    patterns = param_groups(getattr(model, "router_method", None))
+    groups = {g: [] for g in patterns}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        group = next((g for g, pats in patterns.items() if any(s in name + "." for s in pats)), None)
+        if group is None:
+            raise ValueError(f"parameter {name!r} trains but matches no group of {patterns}; freeze it, or "
+                             "list its module in its method's heads (methods.Method)")
+        groups[group].append((name, p))
+    return groups
+
+
+def fingerprint(config) -> dict:
+    return {k: getattr(config, k) for k in FINGERPRINT}
+
+
+def base_weights_digest(model: MoEForCausalLM) -> str:
+    """A digest of the frozen base weights: per tensor, a strided sample of <= 4096 values rounded to
+    bfloat16 (so the same checkpoint loaded in fp32 or bf16 agrees). Another model of the same shapes
+    (another seed, a base vs its SFT) differs. LoRA, method heads and native gates (they may train) are left out."""
+    if any(m.merged for m in lora_modules(model).values()):
+        raise ValueError("the model's LoRA is merged; unmerge_lora first (the digest is of the base weights)")
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if name.endswith((".lora_A", ".lora_B", ".mlp.gate.weight")) or ".mlp.router." in name:
+            continue
+        flat = p.detach().reshape(-1)
+        sample = flat[::max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16).view(torch.int16)
+        h.update(f"{name}{tuple(p.shape)}".encode())
+        h.update(sample.cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def adapter_tensors(model: MoEForCausalLM, gate_layers) -> dict[str, torch.Tensor]:
+    """The adapter's state: LoRA tensors, method-head state, and the native gates of `gate_layers`."""
+    gates = {f"model.layers.{i}.mlp.gate.weight" for i in gate_layers}
+    return {k: v for k, v in model.state_dict().items()
+            if k.endswith((".lora_A", ".lora_B")) or ".mlp.router." in k or k in gates}
+
+
+def gate_layers(model: MoEForCausalLM) -> list[int]:
+    """The layers whose native gate an adapter carries: those `router_spec` tunes. A gate unfrozen
+    by hand is refused rather than dropped from the file."""
+    tuned = tuned_layers(model.router_spec)
+    untracked = [i for i, layer in enumerate(model.model.layers)
+                 if layer.mlp.gate.weight.requires_grad and i not in tuned]
+    if untracked:
+        raise ValueError(f"the native gate of layer(s) {untracked} trains, but the router spec does not tune it; "
+                         f"tune gates with set_router(model, method, layers, tune_router=True)")
+    return tuned
+
+
+def save_adapter(model: MoEForCausalLM, path, *, base_model: str):
+    """Write adapter.safetensors and adapter_config.json to `path`, atomically."""
+    spec = model.lora_spec
+    if spec is None:
+        raise ValueError("save_adapter: the model has no LoRA; call add_lora first")
+    gates = gate_layers(model)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_tensors(model, gates).items()}
+    config = dict(spec, base_model=str(base_model),
+                  fingerprint=fingerprint(model.config) | {"base_weights": base_weights_digest(model)},
+                  router=model.router_spec, gate_layers=gates)
+    with atomic_directory(path, "adapter") as tmp:
+        save_file(tensors, str(tmp / "adapter.safetensors"), metadata={"format": "pt"})
+        with open(tmp / "adapter_config.json", "w") as f:
+            json.dump(config, f, indent=2)
+
+
+def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False) -> MoEForCausalLM:
+    """Restore a saved adapter into `model` (a base model, or one with the same LoRA); strict.
+
+    An adapter trained on other base weights of the same shapes (fingerprint "base_weights") is
+    refused unless allow_other_base; other shapes are refused always.
+
+    The router spec and the LoRA modules are installed before the tensors are checked, so after an
+    error the model may carry them with fresh values: discard it.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such adapter folder")
+    for file in ("adapter_config.json", "adapter.safetensors"):
+        if not (path / file).is_file():
+            raise FileNotFoundError(f"{path}: missing {file}")
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path / 'adapter_config.json'}: not valid JSON ({e}); the adapter folder is "
+                         f"truncated or corrupt") from None
+    missing = [k for k in CONFIG_FIELDS if k not in config]
+    if missing:
+        raise ValueError(f"{path / 'adapter_config.json'}: missing field(s) {missing}")
+    ours = fingerprint(model.config)
+    for k, expected in config["fingerprint"].items():
+        if k != "base_weights" and ours.get(k) != expected:
+            raise ValueError(f"{path}: adapter was trained on {config['base_model']!r}, this model is a different "
+                             f"{ours['model_type']} model: field {k} is {ours.get(k)!r}, expected {expected!r}")
+    expected = config["fingerprint"].get("base_weights")  # absent in adapters written before it existed
+    if expected is not None and not allow_other_base and (digest := base_weights_digest(model)) != expected:
+        raise ValueError(f"{path}: adapter was trained on {config['base_model']!r}, whose weights differ from this "
+                         f"model's (base_weights digest {digest}, expected {expected}); pass "
+                         f"--allow-other-base (allow_other_base=True) to apply it anyway")
+    router = config["router"]
+    if router is None and config["gate_layers"]:  # tuned by hand before set_router recorded it: native routing
+        router = {"method": "native", "layers": config["gate_layers"], "tune_router": True}
+    if tuned_layers(router) != config["gate_layers"]:
+        raise ValueError(f"{path / 'adapter_config.json'}: gate_layers {config['gate_layers']} are not the layers "
+                         f"its router spec tunes ({tuned_layers(router)})")
+    spec = {k: config[k] for k in ("rank", "alpha", "dropout", "targets", "dtype")}
+    if model.lora_spec is None:
+        add_lora(model, spec["rank"], spec["alpha"], spec["dropout"], spec["targets"], DTYPES[spec["dtype"]])
+    for k, v in spec.items():
+        if model.lora_spec[k] != v:
+            raise ValueError(f"{path}: the model's LoRA has {k} = {model.lora_spec[k]!r}; the adapter has {v!r}")
+    if any(m.merged for m in lora_modules(model).values()):
+        raise ValueError(f"{path}: the model's LoRA is merged; unmerge_lora before loading an adapter")
+    if router is not None:  # after LoRA, as training installs them (training.install_method)
+        set_router(model, method_of(router), router["layers"])
+    want = adapter_tensors(model, config["gate_layers"])
+    file = path / "adapter.safetensors"
+    try:
+        got = load_file(str(file))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: not a readable safetensors file ({e}); the adapter is truncated or "
+                         f"corrupt") from None
+    unexpected, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+    if unexpected:
+        raise KeyError(f"{file}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all)")
+    if missing:
+        raise KeyError(f"{file}: missing tensor {missing[0]!r} ({len(missing)} in all)")
+    for k, t in got.items():
+        if t.shape != want[k].shape:
+            raise ValueError(f"{file}: {k!r} has shape {tuple(t.shape)}; expected {tuple(want[k].shape)}")
+    with torch.no_grad():
+        for k, t in got.items():
+            want[k].copy_(t)
+    return model
+
+
+def refuse_routing_heads(method: Method | None, what: str):
+    """Raise if `method` routes in a way a plain MoE (or a peft adapter) cannot express."""
+    if method is not None and method.not_exportable:
+        raise ValueError(f"{what}: refused for method {method.name!r}: {method.not_exportable}, which changes the "
+                         "routing function itself; the official architecture (and so peft, transformers and vLLM) "
+                         "has no place for it. Evaluate or serve it with minimoe (evaluate.py, load_adapter)")
+
+
+def export_merged(model: MoEForCausalLM, path, *, copy_files=()):
+    """Save the merged base weights in the official layout, with `copy_files` (e.g. the base's
+    tokenizer files) beside them; refused for a method that does not route natively (refuse_routing_heads).
+
+    A merge keeps LoRA and tuned native gates but has no place for method heads, so such a model
+    would silently route natively once reloaded. The model is left as it was: the unmerged
+    weights are put back exactly, not by subtraction.
+    """
+    refuse_routing_heads(getattr(model, "router_method", None), "export_merged")
+    originals = {}
+    with torch.no_grad():
+        for name, m in lora_modules(model).items():
+            if not m.merged:
+                originals[name] = m.weight.data
+                m.weight.data = (m.weight.float() + m.delta_weight()).to(m.weight.dtype)
+        for i, layer in enumerate(model.model.layers):  # a tuned gate trains in fp32 (routing.py): rounded once
+            if layer.mlp.gate.weight.dtype != model.dtype:
+                originals[f"model.layers.{i}.mlp.gate"] = layer.mlp.gate.weight.data
+                layer.mlp.gate.weight.data = layer.mlp.gate.weight.data.to(model.dtype)
+    try:
+        with atomic_directory(path, "merged-model") as tmp:
+            write_checkpoint(model, tmp)
+            for file in map(Path, copy_files):
+                shutil.copyfile(file, tmp / file.name)
+    finally:
+        for name, weight in originals.items():
+            model.get_submodule(name).weight.data = weight

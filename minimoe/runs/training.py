@@ -1,0 +1,341 @@
+"""The adaptation loop behind train.py: LoRA + a routing method, batches, optimizer steps, epochs.
+
+The step's loss (task CE + lambda * the method's term + aux_coef * load balancing, each normalised
+over the whole optimizer step) is minimoe/core/step.py's `step_loss`; the method it trains is the run's
+`methods.Method`, resolved once by train.py and handed to `install_method`, `make_optimizer` and
+`optimizer_step`. Rows are packed (minimoe/core/scoring.py; `--per-candidate-rows` for the reference
+layout): each example's prompt runs once, so its LoRA dropout mask is shared by the candidates.
+
+Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
+shuffles with seed + e), and the RNG state is saved with each checkpoint (on CUDA the device's
+generator too, which dropout draws from there), so `--resume` after a kill ends on the same bits as
+the uninterrupted run on CPU, and within CUDA's kernel nondeterminism on a GPU (tests/test_cuda.py)
+(`load_latest` and `restore` put the checkpoint back; `train` is the loop). A mid-epoch checkpoint
+(--save-every-steps) resumes by skipping the epoch's first `epoch_step` steps of that same order, not
+by reshuffling. The run folder's rules (lock, log truncation, safe state files, fallback past a corrupt checkpoint) are in
+minimoe/runs/folder.py.
+
+Configuration: minimoe/runs/config.py (`TrainConfig`, the recipes, run names).
+
+Optimisation decisions (paper, Experimental Configuration table):
+- Warmup steps are ceil(warmup * total steps), transformers' Trainer rule for a warmup ratio
+  (`TrainingArguments.get_warmup_steps`): Granite ARC warms up 19 of its 375 steps, not 18.
+- Learning-rate groups (`make_optimizer`): LoRA at `lr`, each head of the method at the rate its
+  record names (methods.METHODS: the paper's 1e-5 for the TES error head, 1e-3 for the Dual
+  Affinity copy; --error-head-lr, i.e. --method-option error_head_lr=..., sets another). A native
+  gate unfrozen by --tune-router trains at the LoRA rate unless `router_lr` is given: the paper
+  gives no rate of its own for it, and it is an adapted pretrained weight like the LoRA-wrapped ones.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from minimoe.runs.adapters import load_adapter, save_adapter, trainable_parameters
+from minimoe.atomic import atomic_file
+from minimoe.runs.config import TrainConfig
+from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
+from minimoe.core.lora import add_lora
+from minimoe.core.methods import Method
+from minimoe.core.methods import set_router
+from minimoe.runs.folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
+                          latest_checkpoint, params_device, read_json, read_metrics, remove_orphans, save_state,
+                          set_rng_state, truncate_metrics, world)
+from minimoe.core.scoring import ChoiceBatch, make_choice_batch
+from minimoe.core.step import step_loss
+from minimoe.runs.tracking import RoutingStats, Tracker
+
+
+def install_method(model, cfg: TrainConfig, method: Method):
+    """LoRA on the recipe's targets, then the run's routing method (heads trainable, native gate frozen)."""
+    add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
+    set_router(model, method, layers=cfg.layers)
+
+
+def check_install(model_config, cfg: TrainConfig, method: Method, device: str):
+    """install_method on a copy of the model on the meta device (no memory, no weights): a bad LoRA
+    target, layer scope or method option fails here, before any run folder exists; so does an
+    adapter whose fp32 weights, gradients and AdamW moments (16 bytes a parameter) exceed the
+    device's memory."""
+    from minimoe.core.model import MoEForCausalLM
+    with torch.device("meta"):
+        dry = MoEForCausalLM(model_config)
+        install_method(dry, cfg, method)
+    need = 16 * sum(p.numel() for p in dry.parameters() if p.requires_grad)
+    if torch.device(device).type == "cuda":
+        have = torch.cuda.mem_get_info(torch.device(device))[1]
+    else:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"the trainable parameters (LoRA rank {cfg.lora_rank} on {cfg.lora_targets}, method heads) "
+                         f"need {need / 2**30:.1f} GiB with their gradients and optimizer state; {device} has "
+                         f"{have / 2**30:.1f} GiB in all. Lower --lora-rank or --lora-targets")
+
+
+def steps_per_epoch(n_examples: int, cfg: TrainConfig) -> int:
+    """Optimizer steps per epoch; a partial last step is kept, so every example is seen once."""
+    return math.ceil(n_examples / (cfg.batch_size * cfg.grad_accum))
+
+
+def warmup_steps(total: int, fraction: float) -> int:
+    """transformers' Trainer rule (TrainingArguments.get_warmup_steps): ceil(total * warmup_ratio)."""
+    return math.ceil(total * fraction)
+
+
+def make_optimizer(model, cfg: TrainConfig, method: Method):
+    # A tuned native gate has no rate of its own in the paper: the LoRA rate unless --router-lr.
+    heads = {lr.removesuffix("_lr"): method.values[lr] for lr, _ in method.heads.values()}  # adapters.param_groups
+    lrs = {"lora": cfg.lr, **heads, "router": cfg.router_lr or cfg.lr}
+    groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}
+              for name, params in trainable_parameters(model).items() if params]
+    return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+    """Linear warmup to the peak, then cosine or linear decay to zero (transformers' get_cosine_/
+    get_linear_schedule_with_warmup, for `warmup` = `warmup_steps(total, fraction)`)."""
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else max(0.0, 1 - progress)
+
+
+def loss_settings(cfg: TrainConfig) -> dict:
+    """step_loss's keywords from the run's settings: the loss coefficients and the autocast to run in."""
+    return dict(lambda_=cfg.lambda_, is_eps=cfg.is_eps, depth_scaled_lambda=cfg.depth_scaled_lambda,
+                aux_coef=cfg.aux_coef, autocast=lambda: autocast(cfg))
+
+
+# A compiled model's rows are padded to a multiple of this many tokens: torch.compile then sees one
+# shape per bucket (at most max_length / 64 of them) instead of one per batch length.
+COMPILE_BUCKET = 64
+
+
+def length_bucket(cfg: TrainConfig) -> int:
+    return COMPILE_BUCKET if cfg.compile else 1
+
+
+def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: int) -> list[ChoiceBatch]:
+    """One optimizer step's examples -> this rank's micro-batches: every world_size-th example of each.
+    A micro-batch smaller than the world (the epoch's last) leaves some ranks without an example:
+    those get a placeholder, its first example, which step_loss runs with weight zero."""
+    def batch(part, placeholder=False):
+        b = make_choice_batch(part, tokenizer, cfg.pad_token_id, cfg.max_length, packed=cfg.packed,
+                              pad_to=length_bucket(cfg)).to(cfg.device)
+        b.placeholder = placeholder
+        return b
+    size = cfg.batch_size
+    return [batch(mine) if (mine := examples[i:i + size][rank::world_size]) else batch(examples[i:i + 1], True)
+            for i in range(0, len(examples), size)]
+
+
+class NonFiniteTraining(ValueError):
+    """A step's loss or gradient is not finite, or its clipped update is all zeros: training stops."""
+
+
+def check_step(logs: dict, trainable, step: int):
+    """Stop before the optimizer applies a step that cannot train: a non-finite loss term or gradient
+    norm (clipping would turn it into a NaN or an all-zero update), or a clipped gradient that is
+    exactly zero everywhere (an update that changes nothing, e.g. a norm so large that clipping
+    underflows). `step` is the global step being taken; the error names it and the bad terms."""
+    bad = {k: v for k, v in logs.items() if isinstance(v, float) and not math.isfinite(v)}  # not "routing"
+    if bad:
+        raise NonFiniteTraining(f"step {step}: non-finite {', '.join(f'{k}={v}' for k, v in bad.items())}; "
+                                f"training stopped before applying it (check lambda, tau, is_eps, aux_coef, "
+                                f"lora_alpha, lr: a value that large or small overflows)")
+    grads = [p.grad for p in trainable if p.grad is not None]
+    if not grads or torch.stack([g.abs().max().float() for g in grads]).max().item() == 0:  # one device sync
+        raise NonFiniteTraining(f"step {step}: the clipped update is all zeros (gradient norm {logs['grad_norm']:g} "
+                                f"before clipping); training stopped rather than take steps that change nothing")
+
+
+def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, method: Method,
+                   world_size: int, step: int = 0) -> dict:
+    """Optimizer step number `step` over this rank's micro-batches of the step's `n_examples` (all
+    ranks); returns its loss terms summed over ranks, the gradient norm before clipping, and per-layer
+    routing statistics (minimoe/runs/tracking.py). A step that cannot train raises NonFiniteTraining before
+    it is applied (`check_step`)."""
+    real = [b for b in batches if not b.placeholder]
+    counts = {"examples": n_examples, "tokens": global_sum(sum(b.supervised_tokens for b in real)),
+              "rows": global_sum(sum(b.input_ids.shape[0] for b in real))}
+    core = getattr(model, "module", model)  # under DDP, the model it wraps
+    stats = RoutingStats(diagnosed_layers(core), core.config.num_experts, core.config.num_experts_per_tok)
+    terms = step_loss(model, batches, method, counts, world_size, stats=stats, **loss_settings(cfg))
+    trainable = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)
+    logs = dict(zip([*terms, "grad_norm"], read_back([*terms.values(), grad_norm])))  # the step's one sync
+    logs = {k: global_sum(v) if k in terms else v for k, v in logs.items()}
+    logs["routing"] = stats.summary(has_e_hat=method.predicts_error)  # this rank's micro-batches (tracking.py)
+    check_step(logs, trainable, step)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return logs
+
+
+def read_back(values) -> list[float]:
+    """Device scalars (or plain numbers) -> floats, with one transfer to the host."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    host = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist())
+    return [next(host) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
+def autocast(cfg: TrainConfig):
+    if cfg.device.startswith("cuda") and cfg.dtype == "bfloat16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def score_split(model, tokenizer, examples, cfg: TrainConfig) -> dict:
+    """Validation: length-normalised answer-choice NLL (the selection rule's quantity) and accuracy,
+    scored by the same code as evaluate.py, so validation and test numbers are comparable."""
+    quiet = cfg.quiet or world()[0] != 0
+    _, metrics, _ = evaluate_split(model, tokenizer, examples, batch_size=cfg.eval_batch_size, device=cfg.device,
+                                   diagnostics=False, max_length=cfg.max_length, packed=cfg.packed,
+                                   progress=None if quiet else "validation", pad_to=length_bucket(cfg))
+    return {"choice_nll": metrics["choice_nll"], "accuracy": metrics["accuracy"]}
+
+
+def save_epoch(run: Path, model, optimizer, scheduler, epoch: int, step: int, base_model: str):
+    """checkpoints/epoch-N: the adapter (atomic folder), then training_state.pt, which marks it complete;
+    then the mid-epoch checkpoint it supersedes goes."""
+    folder = run / "checkpoints" / f"epoch-{epoch}"
+    save_adapter(model, folder, base_model=base_model)
+    save_state(folder / STATE, optimizer, scheduler, epoch, step)
+    drop_step_checkpoints(run)
+
+
+def save_step(run: Path, model, optimizer, scheduler, epoch: int, epoch_step: int, step: int, base_model: str):
+    """checkpoints/step-G (G = global step) after `epoch_step` steps of epoch `epoch` + 1, as save_epoch;
+    then the previous step checkpoint goes (only the latest is kept)."""
+    folder = run / "checkpoints" / f"step-{step}"
+    save_adapter(model, folder, base_model=base_model)
+    save_state(folder / STATE, optimizer, scheduler, epoch, step, epoch_step)
+    drop_step_checkpoints(run, keep=step)
+
+
+@dataclass
+class Position:
+    """Where training stands, as a checkpoint's training state records it (minimoe/runs/folder.py)."""
+    epoch: int = 0  # epochs complete
+    epoch_step: int = 0  # steps of the next epoch done: a mid-epoch checkpoint; 0 after an epoch's
+    step: int = 0  # optimizer steps in all: the schedule's position
+
+
+def load_latest(run: Path, model) -> dict | None:
+    """The newest complete checkpoint's adapter and method heads into `model`; returns its training
+    state, None when there is none. Call it before making the optimizer: loading rebuilds the
+    method heads as new parameters."""
+    checkpoint, state = latest_checkpoint(run)
+    if checkpoint:
+        load_adapter(model, checkpoint)
+    return state
+
+
+def restore(run: Path, state: dict | None, optimizer, scheduler, rank: int) -> Position:
+    """Optimizer, scheduler and RNG as `state` (load_latest's; None: the start) left them; returns the
+    position to continue from. Rank 0 removes what a kill left, and the checkpoints and log records
+    past that position, which the resumed run writes again."""
+    start = Position()
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        start = Position(state["epoch"], state.get("epoch_step", 0), state["step"])
+        set_rng_state(state["rng"], params_device(optimizer))
+    if rank == 0:
+        remove_orphans(run)
+        drop_later_checkpoints(run, start.epoch, start.step)
+        truncate_metrics(run, start.epoch, start.step)
+    return start
+
+
+def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: Path, *, resume: bool = False,
+          on_step: Callable[[Position], object] = lambda position: None,
+          on_epoch_end: Callable[[Position], object] = lambda position: None):
+    """Fit `model` (LoRA + `method` already installed) on data["train"]; select on data["val"]. Returns the
+    optimizer steps this call ran: 0 when a resumed run had finished training.
+    on_step and on_epoch_end are called with the Position reached after each optimizer step (logged, and
+    its step checkpoint written when one is due) and after each epoch (validated and checkpointed): the
+    points a killed run resumes from (tests/kill.py stops runs there)."""
+    rank, world_size = world()
+    state = load_latest(run, model) if resume else None  # before the optimizer (see load_latest)
+    optimizer = make_optimizer(model, cfg, method)
+    per_step = cfg.batch_size * cfg.grad_accum
+    steps = steps_per_epoch(len(data["train"]), cfg)
+    total = steps * cfg.epochs
+    warmup = warmup_steps(total, cfg.warmup)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg.schedule))
+    start = restore(run, state, optimizer, scheduler, rank) if resume else Position()
+    ddp = model
+    if world_size > 1:
+        device = torch.device(cfg.device)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model.train()
+    # every metrics.jsonl line also goes to --report-to; each is flushed as logged, so a crash loses none
+    tracker = Tracker(cfg.report_to if rank == 0 else "none", run, read_json(run / "config.json") if rank == 0 else {},
+                      first_step=start.step)
+    step = start.step
+    for epoch in range(start.epoch + 1, cfg.epochs + 1):
+        order = torch.randperm(len(data["train"]), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+        first = start.epoch_step if epoch == start.epoch + 1 else 0  # a mid-epoch resume skips the steps done, in this order
+        bar = tqdm(range(first, steps), desc=f"epoch {epoch}/{cfg.epochs}", disable=rank != 0 or cfg.quiet)
+        for s in bar:
+            t0 = time.perf_counter()
+            ids = order[s * per_step:(s + 1) * per_step]
+            batches = micro_batches([data["train"][j] for j in ids], tokenizer, cfg, rank, world_size)
+            step += 1
+            logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, method, world_size, step)
+            seconds = time.perf_counter() - t0
+            rate = global_sum(sum(b.real_tokens for b in batches if not b.placeholder)) / seconds
+            loss = logs["task"] + cfg.lambda_ * logs["method"] + cfg.aux_coef * logs["aux"]
+            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
+            if rank == 0:
+                record = {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
+                          "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, "seconds": seconds}
+                append_metrics(run, record)
+                tracker.log(record)
+                every = cfg.save_every_steps
+                if every and step % every == 0 and s + 1 < steps:  # at the end, the epoch checkpoint
+                    save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg.model)
+            on_step(Position(epoch - 1, s + 1, step))
+        t0 = time.perf_counter()
+        val = score_split(model, tokenizer, data["val"], cfg)
+        if rank == 0:
+            record = {"kind": "epoch", "epoch": epoch, "step": step, "val_choice_nll": val["choice_nll"],
+                      "val_accuracy": val["accuracy"], "val_seconds": time.perf_counter() - t0}
+            append_metrics(run, record)
+            tracker.log(record)
+            save_epoch(run, model, optimizer, scheduler, epoch, step, cfg.model)
+        if dist.is_initialized():
+            dist.barrier()
+        on_epoch_end(Position(epoch, 0, step))
+    tracker.close()
+    if rank == 0:
+        write_selection(run)
+    return step - start.step
+
+
+def write_selection(run: Path) -> dict:
+    """The paper's rule, fixed before any test evaluation: minimum validation choice NLL, ties to the earlier epoch."""
+    epochs = [r for r in read_metrics(run) if r["kind"] == "epoch"]
+    if bad := [r["epoch"] for r in epochs if not math.isfinite(r["val_choice_nll"])]:
+        raise NonFiniteTraining(f"{run / 'metrics.jsonl'}: validation choice NLL is not finite at epoch(s) {bad}; "
+                                f"no epoch can be selected, so selection.json is not written")
+    best = min(epochs, key=lambda r: (r["val_choice_nll"], r["epoch"]))
+    selection = {"selected_epoch": best["epoch"], "last_epoch": max(r["epoch"] for r in epochs),
+                 "rule": "minimum length-normalised validation answer-choice NLL; ties to the earlier epoch",
+                 "val_choice_nll": {str(r["epoch"]): r["val_choice_nll"] for r in epochs}}
+    with atomic_file(run / "selection.json") as tmp:
+        tmp.write_text(json.dumps(selection, indent=2, allow_nan=False))
+    return selection

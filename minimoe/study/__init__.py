@@ -1,0 +1,1 @@
+"""The study: the sweep grid, paired comparisons, diagnostics and the kept results."""

@@ -1,0 +1,79 @@
+"""The house as the README draws it: the folders' imports run downwards only, core imports nothing outside
+core, and the README's layout names every module where it is (README "Layout")."""
+import ast
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "minimoe"
+# The README's architecture picture: each folder and the folders drawn right below it.
+BELOW = {"cli": {"study", "integrations"}, "study": {"runs"}, "integrations": {"runs"},
+         "runs": {"loading", "evaluation"}, "loading": {"data"}, "data": {"core"}, "evaluation": {"core"},
+         "core": set()}
+ATOMIC = "atomic"  # minimoe/atomic.py: beside the folders, for every one but core
+
+
+def reachable(folder: str) -> set[str]:
+    """What a folder may import: the folders below it, at any depth (an arrow may skip a level)."""
+    seen, todo = set(), list(BELOW[folder])
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo += BELOW[f]
+    return seen
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every minimoe module a file imports, at any depth of the file (function-level imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("minimoe")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minimoe"):
+            for a in node.names:  # `from minimoe.runs import evaluation` imports the module minimoe.runs.evaluation
+                sub = f"{node.module}.{a.name}"
+                found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).is_file() else node.module)
+    return found
+
+
+def folder_of(module: str) -> str | None:
+    """minimoe.runs.config -> "runs"; minimoe.atomic -> "atomic"; the package's face (top, for cli/) -> None."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def test_imports_run_downwards_only_and_core_imports_nothing_outside_core():
+    assert set(BELOW) == {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = folder_of(".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts))
+        if here not in BELOW:  # minimoe/__init__.py (the package's face) and atomic.py
+            if here == ATOMIC:
+                wrong += [f"atomic.py -> {m}" for m in imported_modules(path)]
+            continue
+        allowed = reachable(here) | {here} | ({ATOMIC} if here != "core" else set()) | ({None} if here == "cli" else set())
+        wrong += [f"{path.relative_to(PACKAGE)} -> {m}" for m in sorted(imported_modules(path))
+                  if folder_of(m) not in allowed]
+    assert not wrong, wrong
+
+
+def test_the_readme_layout_names_every_module_in_its_folder():
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    tree = text[text.index("## Layout"):]
+    tree = tree[tree.index("```text\n") + 8:]
+    tree = tree[:tree.index("```")]
+    listed, folder = set(), None
+    for line in tree.splitlines():
+        head = re.match(r"^  (\w+)/", line)
+        if head:
+            folder = head.group(1)
+        elif re.match(r"^\S", line):  # back at the repository's top level
+            folder = None
+        names = re.findall(r"\b(\w+)\.py\b", line)
+        if re.match(r"^  \w+\.py", line):  # a module beside the folders (minimoe/atomic.py)
+            listed |= {f"{n}.py" for n in names}
+        elif folder:
+            listed |= {f"{folder}/{n}.py" for n in names}
+    modules = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
+    assert modules == listed, (sorted(modules - listed), sorted(listed - modules))
