@@ -1,14 +1,13 @@
 """minimoe: Granite 3.1 MoE and OLMoE in a few readable files, with LoRA and token-error-supervised routing."""
-from minimoe.loading.checkpoint import from_pretrained, load_tokenizer, save_pretrained
-from minimoe.integrations.export import export_peft
 from minimoe.core.generate import generate
-from minimoe.runs.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
 from minimoe.core.lora import add_lora, merge_lora, unmerge_lora
+from minimoe.core.methods import METHODS, Method, set_router
 from minimoe.core.model import CausalLMOutput, KVCache, MoEConfig, MoEForCausalLM
-from minimoe.core.methods import METHODS, Method
-from minimoe.runs.plugins import register_method
 from minimoe.core.routing import Routing
-from minimoe.core.methods import set_router
+from minimoe.integrations.export import export_peft
+from minimoe.loading.checkpoint import from_pretrained, load_tokenizer, save_pretrained
+from minimoe.runs.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
+from minimoe.runs.plugins import register_method
 
 __all__ = ["from_pretrained", "load_tokenizer", "save_pretrained", "generate",
            "CausalLMOutput", "KVCache", "MoEConfig", "MoEForCausalLM", "Routing", "set_router",
