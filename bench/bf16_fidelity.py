@@ -26,10 +26,10 @@ import torch
 
 def measure(args):
     import minimoe
-    from minimoe.runs.adapters import load_adapter
     from minimoe.cli.train import load_data, parse_args, resolve_config
-    from minimoe.runs.folder import global_sum
     from minimoe.core.step import step_loss
+    from minimoe.runs.adapters import load_adapter
+    from minimoe.runs.folder import global_sum
     from minimoe.runs.training import loss_settings, micro_batches
 
     run = Path(args.run)

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minimoe.loading.checkpoint import from_pretrained, save_pretrained
 from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.loading.checkpoint import from_pretrained, save_pretrained
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results"  # git-ignored

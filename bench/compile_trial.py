@@ -25,14 +25,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from minimoe.core.scoring import pad_id  # noqa: E402
+from minimoe.core.scoring import forward_choices, make_choice_batch  # noqa: E402
+from minimoe.data.benchmarks import load_split  # noqa: E402
 from minimoe.loading.allocator import keep_freed_memory  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
-from minimoe.runs.config import RECIPES, TrainConfig, method_for  # noqa: E402
-from minimoe.data.benchmarks import load_split  # noqa: E402
-from minimoe.core.scoring import pad_id  # noqa: E402
-from minimoe.runs.folder import pick_dtype  # noqa: E402
-from minimoe.core.scoring import forward_choices, make_choice_batch  # noqa: E402
 from minimoe.loading.smollm import smollm_checkpoint  # noqa: E402
+from minimoe.runs.config import RECIPES, TrainConfig, method_for  # noqa: E402
+from minimoe.runs.folder import pick_dtype  # noqa: E402
 from minimoe.runs.training import install_method  # noqa: E402
 from bench.common import write_report  # noqa: E402
 

@@ -37,9 +37,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
-from minimoe.loading.checkpoint import from_pretrained, save_pretrained  # noqa: E402
 from minimoe.core.lora import add_lora  # noqa: E402
 from minimoe.core.model import MoEConfig, MoEForCausalLM, compile_layers, init_weights  # noqa: E402
+from minimoe.loading.checkpoint import from_pretrained, save_pretrained  # noqa: E402
 
 ROWS: list[dict] = []
 SMOKE_WIDTHS = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -164,10 +164,10 @@ def training_step_syncs(device):
 
     from minimoe import load_tokenizer
 
-    from minimoe.runs import training
-    from minimoe.runs.config import RECIPES, TrainConfig, method_for
     from minimoe.data.benchmarks import load_split
     from minimoe.loading.tiny import tiny_checkpoint
+    from minimoe.runs import training
+    from minimoe.runs.config import RECIPES, TrainConfig, method_for
     cfg = TrainConfig(**{**RECIPES["tiny"], "method": "tes", "layers": "all", "batch_size": 4, "grad_accum": 2,
                          "device": str(device), "dtype": "bfloat16", "pad_token_id": 0})
     model = from_pretrained(tiny_checkpoint(), dtype=torch.bfloat16).to(device)

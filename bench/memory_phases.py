@@ -90,8 +90,8 @@ def main(argv=None):
         limit_kernel_cache()  # as train.py does
     import minimoe
     from minimoe.evaluation.accuracy import evaluate_split
-    from minimoe.runs.folder import pick_device, pick_dtype
     from minimoe.loading.smollm import smollm_checkpoint
+    from minimoe.runs.folder import pick_device, pick_dtype
     from minimoe.runs.training import install_method, make_optimizer, micro_batches, optimizer_step, score_split
     try:
         import minimoe.cli.train as cli  # once train.py moves into the package

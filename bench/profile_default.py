@@ -21,15 +21,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minimoe.loading.allocator import keep_freed_memory  # noqa: E402
-from minimoe.loading.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
-from minimoe.runs.config import RECIPES, TrainConfig, method_for  # noqa: E402
-from minimoe.data.benchmarks import load_split  # noqa: E402
-from minimoe.evaluation.accuracy import evaluate_split  # noqa: E402
 from minimoe.core.scoring import pad_id  # noqa: E402
 from minimoe.core.scoring import make_choice_batch  # noqa: E402
-from minimoe.loading.smollm import smollm_checkpoint  # noqa: E402
 from minimoe.core.step import step_loss  # noqa: E402
+from minimoe.data.benchmarks import load_split  # noqa: E402
+from minimoe.evaluation.accuracy import evaluate_split  # noqa: E402
+from minimoe.loading.allocator import keep_freed_memory  # noqa: E402
+from minimoe.loading.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
+from minimoe.loading.smollm import smollm_checkpoint  # noqa: E402
+from minimoe.runs.config import RECIPES, TrainConfig, method_for  # noqa: E402
 from minimoe.runs.training import install_method, loss_settings, make_optimizer  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"

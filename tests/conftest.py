@@ -10,8 +10,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from minimoe.data.benchmarks import load_examples
 from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.data.benchmarks import load_examples
 
 FAMILY_SWITCHES = {
     # Granite: every multiplier away from 1, tied head, GQA.

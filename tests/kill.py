@@ -17,8 +17,8 @@ from contextlib import contextmanager
 from functools import partial
 from unittest import mock
 
-from minimoe.runs import training
 from minimoe.cli import train as train_cli
+from minimoe.runs import training
 
 
 def exit_now(message: str):

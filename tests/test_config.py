@@ -4,10 +4,10 @@ import pytest
 
 from minimoe.cli import train
 from conftest import tiny_config
-from minimoe.runs.config import ABLATION_SETTINGS, flag_name, method_for, recipe_train_examples, run_name, settings_of
 from minimoe.data.benchmarks import BENCHMARKS, Example
-from minimoe.study.sweep import ROWS
+from minimoe.runs.config import ABLATION_SETTINGS, flag_name, method_for, recipe_train_examples, run_name, settings_of
 from minimoe.runs.training import steps_per_epoch
+from minimoe.study.sweep import ROWS
 
 # The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
 PAPER = {
@@ -113,8 +113,8 @@ def test_every_built_in_method_setting_is_a_flag_made_from_its_record():
     """methods.METHODS holds each built-in option's and head learning rate's default, once: train.py's flag
     of that name is made from the record (its help shows the record's default) and sets that option of
     method_options, and TrainConfig has no field of that name, so nothing can drift from the record."""
-    from minimoe.runs.config import TrainConfig
     from minimoe.core.methods import METHODS
+    from minimoe.runs.config import TrainConfig
     parser = train.parser()
     settings = {k: v for m in METHODS.values() if m.module is None for k, v in m.settings.items()}
     assert set(settings) == {"gamma", "tau", "transform", "mix", "error_head_lr", "copied_head_lr"}

@@ -23,13 +23,13 @@ import torch
 
 import minimoe
 from minimoe.core import cpu_kernels
-from minimoe.runs import training
-from minimoe.loading.checkpoint import to_disk_layout
-from minimoe.runs.config import RECIPES, TrainConfig, method_for
-from minimoe.core.step import step_loss
 from minimoe.core.lora import add_lora
 from minimoe.core.scoring import make_choice_batch
+from minimoe.core.step import step_loss
+from minimoe.loading.checkpoint import to_disk_layout
 from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.runs import training
+from minimoe.runs.config import RECIPES, TrainConfig, method_for
 from minimoe.runs.tracking import RoutingStats
 
 from conftest import CUDA_TESTS_DEVICE, tiny_model

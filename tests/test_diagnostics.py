@@ -7,23 +7,11 @@ import statistics
 import numpy as np
 import pytest
 
-from minimoe.evaluation.diagnostics import (
-    Groups,
-    accuracy_table,
-    average_groups_across_seeds,
-    average_ranks,
-    collect_metrics,
-    concentration_summary,
-    decile_curve,
-    error_prediction_summary,
-    group_by_layer_token,
-    pearson,
-    plot_error_prediction,
-    population_moments,
-    seed_error_figure,
-    spearman,
-)
 from minimoe.evaluation import diagnostics
+from minimoe.evaluation.diagnostics import (Groups, accuracy_table, average_groups_across_seeds, average_ranks,
+                                            collect_metrics, concentration_summary, decile_curve,
+                                            error_prediction_summary, group_by_layer_token, pearson,
+                                            plot_error_prediction, population_moments, seed_error_figure, spearman)
 
 
 def reference_pearson(x, y):

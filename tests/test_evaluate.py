@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from minimoe.cli import evaluate
-from minimoe.loading.checkpoint import from_pretrained, save_pretrained
-from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, Example, train_tokenizer
-from minimoe.evaluation.accuracy import TokenArrays, diagnostics_report, evaluate_split, json_safe
 from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.core.routing import ConcentrationRouter, native_concentration
+from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, Example, train_tokenizer
+from minimoe.evaluation.accuracy import TokenArrays, diagnostics_report, evaluate_split, json_safe
+from minimoe.loading.checkpoint import from_pretrained, save_pretrained
 from minimoe.runs.folder import resolve_adapter
 
 WORDS = ("red", "blue", "green", "stone", "water", "light", "heavy", "plant", "animal", "energy", "metal", "cloud",
@@ -240,8 +240,8 @@ def tes_run(toy, run: Path, seed: int = 43) -> Path:
     """A run folder as train.py writes it: a tes adapter per epoch (different weights), selection.json."""
     pytest.importorskip("minimoe.core.lora", reason="needs minimoe.core.lora.add_lora/save_adapter")
     methods = pytest.importorskip("minimoe.core.methods", reason="needs minimoe.core.methods.set_router")
-    from minimoe.runs.adapters import save_adapter
     from minimoe.core.lora import add_lora
+    from minimoe.runs.adapters import save_adapter
     folder = toy["models"]["olmoe"]
     for epoch in (1, 2):
         model = add_lora(from_pretrained(folder), rank=4)
@@ -283,8 +283,8 @@ def test_tes_run_folder_gives_error_prediction_diagnostics_and_plot(toy, tmp_pat
 
     # train.py's route: the model it holds (here: rebuilt from the last epoch) gives the same file.
     from minimoe.loading.checkpoint import load_tokenizer
-    from minimoe.runs.evaluation import evaluate_run
     from minimoe.runs.adapters import load_adapter
+    from minimoe.runs.evaluation import evaluate_run
     model = load_adapter(from_pretrained(toy["models"]["olmoe"]), run / "checkpoints" / "epoch-2")
     in_memory = evaluate_run(run, model=model, tokenizer=load_tokenizer(toy["models"]["olmoe"]), batch_size=8)
     # provenance: the loading process's for evaluate.py, the training process's (config.json) in memory
@@ -387,8 +387,8 @@ def test_report_of_seeds_it_has_no_evaluation_of_is_refused(tmp_path):
 # ---- bad input -------------------------------------------------------------------------------------
 
 def other_base_adapter(tmp_path) -> Path:
-    from minimoe.runs.adapters import save_adapter
     from minimoe.core.lora import add_lora
+    from minimoe.runs.adapters import save_adapter
     config = MoEConfig(model_type="olmoe", vocab_size=304, hidden_size=64, intermediate_size=32,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
                        num_experts_per_tok=2)
@@ -416,8 +416,8 @@ def bad_case(case, toy, tmp_path) -> tuple[list, type, str]:
         return (model + ["--data", test, "--adapter", str(other_base_adapter(tmp_path))], ValueError,
                 "some/other-model.*hidden_size")
     if case == "adapter of other weights with the same shapes":
-        from minimoe.runs.adapters import save_adapter
         from minimoe.core.lora import add_lora
+        from minimoe.runs.adapters import save_adapter
         other = init_weights(MoEForCausalLM(from_pretrained(toy["models"]["olmoe"]).config), std=0.2,
                              generator=torch.Generator().manual_seed(1))  # the toy model is seed 0
         save_adapter(add_lora(other, rank=4), tmp_path / "seed1-adapter", base_model="toy-seed1")

@@ -15,13 +15,13 @@ pytest.importorskip("transformers")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from minimoe.runs.adapters import save_adapter  # noqa: E402
-from minimoe.loading.checkpoint import from_pretrained, save_pretrained  # noqa: E402
-from minimoe.data.benchmarks import load_split  # noqa: E402
-from minimoe.integrations.lm_eval import MiniMoELM, write_mcqa_task  # noqa: E402
 from minimoe.core.lora import add_lora  # noqa: E402
 from minimoe.core.methods import set_router  # noqa: E402
+from minimoe.data.benchmarks import load_split  # noqa: E402
+from minimoe.integrations.lm_eval import MiniMoELM, write_mcqa_task  # noqa: E402
+from minimoe.loading.checkpoint import from_pretrained, save_pretrained  # noqa: E402
 from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
+from minimoe.runs.adapters import save_adapter  # noqa: E402
 
 TASK = "minimoe_local_mcqa"
 REPO = Path(__file__).resolve().parents[1]

@@ -11,12 +11,12 @@ import minimoe.core.cpu_kernels
 import minimoe.core.lora
 import minimoe.core.model as M
 import minimoe.core.routing
+from minimoe.core.lora import add_lora, lora_modules, merge_lora, unmerge_lora
+from minimoe.core.methods import set_router
+from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.core.objectives import load_balancing_loss
 from minimoe.loading.checkpoint import checkpoint_tensors, save_pretrained
 from minimoe.runs.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
-from minimoe.core.lora import add_lora, lora_modules, merge_lora, unmerge_lora
-from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
-from minimoe.core.methods import set_router
-from minimoe.core.objectives import load_balancing_loss
 from tests.conftest import spy_grouped_mm
 
 FAMILIES = ["granitemoe", "olmoe"]

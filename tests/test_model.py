@@ -12,9 +12,9 @@ import transformers
 import minimoe
 import minimoe.core.model as mm
 from minimoe.core import cpu_kernels
-from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
 from minimoe.core.objectives import load_balancing_loss
 from minimoe.core.scoring import forward_choices, make_choice_batch
+from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
 from tests.conftest import spy_grouped_mm, tiny_config
 
 FP32_TOL = 2e-5  # max |ours - ref| / max |ref| on the logits

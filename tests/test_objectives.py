@@ -4,10 +4,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minimoe.core.methods import set_router
 from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.core.objectives import exponential_nll, itakura_saito, supervision_loss
 from minimoe.core.routing import Routing
-from minimoe.core.methods import set_router
 
 
 def tiny_model(seed=0):

@@ -15,18 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from minimoe.atomic import MARKER, atomic_directory
 from minimoe.cli import evaluate, sweep
 from minimoe.cli import train
-from minimoe.study import sweep as sw
-from minimoe.atomic import MARKER, atomic_directory
-from minimoe.data.benchmarks import check_disjoint, load_examples, load_split
-from minimoe.runs.evaluation import load_evaluation, score
-from minimoe.integrations.export import export_peft
 from minimoe.core.lora import add_lora
-from minimoe.runs.folder import run_lock
+from minimoe.data.benchmarks import check_disjoint, load_examples, load_split
+from minimoe.integrations.export import export_peft
 from minimoe.loading.tiny import tiny_checkpoint
-from minimoe.runs.training import write_selection
 from minimoe.loading.upcycle import upcycle
+from minimoe.runs.evaluation import load_evaluation, score
+from minimoe.runs.folder import run_lock
+from minimoe.runs.training import write_selection
+from minimoe.study import sweep as sw
 from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ import shutil
 import numpy as np
 import pytest
 
-from minimoe.study import compare, results
 from minimoe.cli import evaluate, sweep
 from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.study import compare, results
 
 ROWS = ["CE", "ACS-IS"]  # ACS-IS's control is CE: the report's group table has one line
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minimoe.core.methods import METHODS, set_router
 from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.core.objectives import itakura_saito, supervision_loss
-from minimoe.core.methods import METHODS, set_router
-from minimoe.core.routing import (ConcentrationRouter, DualAffinityRouter, NativeRouter, Routing,
-                                  TokenErrorRouter, attenuate, concentration, native_concentration, select_topk)
+from minimoe.core.routing import (ConcentrationRouter, DualAffinityRouter, NativeRouter, Routing, TokenErrorRouter,
+                                  attenuate, concentration, native_concentration, select_topk)
 
 FAMILIES = {
     "granite": dict(model_type="granitemoe", tie_word_embeddings=True, embedding_multiplier=12.0,

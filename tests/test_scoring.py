@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minimoe.core.lora import add_lora
+from minimoe.core.methods import set_router
+from minimoe.core.objectives import supervision_loss
+from minimoe.core.scoring import choice_loss, choice_scores, forward_choices, make_choice_batch
 from minimoe.data.benchmarks import Example
 from minimoe.evaluation.accuracy import evaluate_split
-from minimoe.core.lora import add_lora
-from minimoe.core.objectives import supervision_loss
-from minimoe.core.methods import set_router
-from minimoe.core.scoring import choice_loss, choice_scores, forward_choices, make_choice_batch
 from tests.conftest import tiny_model
 
 METHODS = {"native": {}, "dual": {}, "tes": {"gamma": 1.0}, "acs": {}}

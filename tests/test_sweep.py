@@ -15,9 +15,9 @@ import pytest
 from scipy.stats import binomtest
 
 from minimoe.cli import evaluate, sweep
-from minimoe.study import sweep as sw
 from minimoe.evaluation.diagnostics import accuracy_table
 from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.study import sweep as sw
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = ["--batch-size", "8", "--epochs", "2", "--quiet"]  # 8 examples: one step per epoch

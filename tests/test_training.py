@@ -13,16 +13,16 @@ from minimoe.cli import train
 from conftest import tiny_model
 from test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
-from minimoe.data.benchmarks import load_split
-from minimoe.core.scoring import format_choice, format_prompt
-from minimoe.runs.adapters import trainable_parameters
 from minimoe.core.objectives import load_balancing_loss
-from minimoe.loading.tiny import tiny_checkpoint
-from minimoe.runs.config import RECIPES, TrainConfig
-from minimoe.runs import training
-from minimoe.runs.config import method_for
+from minimoe.core.scoring import format_choice, format_prompt
 from minimoe.core.scoring import forward_choices
 from minimoe.core.step import step_loss
+from minimoe.data.benchmarks import load_split
+from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.runs import training
+from minimoe.runs.adapters import trainable_parameters
+from minimoe.runs.config import RECIPES, TrainConfig
+from minimoe.runs.config import method_for
 from minimoe.runs.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 
 @pytest.mark.parametrize("recipe,dataset", [(r, d) for r in PAPER for d in ("arc_challenge", "sciq")])

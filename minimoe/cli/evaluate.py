@@ -35,9 +35,9 @@ import sys
 from pathlib import Path
 
 from minimoe.cli import model_path, old_name, run_command
-from minimoe.runs.config import device, flag_type
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR, SPLITS
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
+from minimoe.runs.config import device, flag_type
 
 EXAMPLES = """examples:
   a finished run (model and data from RUN/config.json; adapter of the last epoch):
@@ -257,8 +257,8 @@ def main(argv=None):
         if value is not None and value < 1:
             parser.error(f"argument {flag}: {value}: expected an integer >= 1")
     args.data, args.model = own_data(args, parser), model_path(args.model)
-    from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
     from minimoe.atomic import check_replaceable
+    from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
     from minimoe.runs.evaluation import load_evaluation, score  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     limit_kernel_cache()  # bf16 on the CPU: one compiled kernel per matrix shape, a few hundred kept

@@ -29,10 +29,10 @@ import sys
 from pathlib import Path
 
 from minimoe.cli import run_command, train
+from minimoe.core.methods import ALIASES, METHODS
+from minimoe.evaluation.diagnostics import PAPER_SEEDS
 from minimoe.runs.config import ABLATION_SETTINGS, check_value, default_of, flag_name
 from minimoe.runs.folder import set_aside
-from minimoe.evaluation.diagnostics import PAPER_SEEDS
-from minimoe.core.methods import ALIASES, METHODS
 from minimoe.runs.plugins import import_method_module
 from minimoe.study.sweep import BENCHMARKS, PRESETS, ROWS, Preset, claim_out_dir, grid, run_local, run_on_devices, \
     submit_slurm, visible_devices, write_report

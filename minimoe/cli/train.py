@@ -38,23 +38,23 @@ import torch
 import torch.distributed as dist
 
 import minimoe
-from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.atomic import atomic_file
-from minimoe.loading.checkpoint import resolve_checkpoint
 from minimoe.cli import model_path, run_command
-from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_settings, run_name,
-                            settings_of)
-from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
-from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.core.methods import Method
 from minimoe.core.model import compile_layers
-from minimoe.runs.provenance import provenance
 from minimoe.core.scoring import check_max_length, pad_id
+from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
+from minimoe.data.userdata import build_user_data, is_user_data
+from minimoe.evaluation.folders import METRICS, eval_dir
+from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
+from minimoe.loading.checkpoint import resolve_checkpoint
+from minimoe.loading.smollm import smollm_checkpoint
+from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_settings,
+                                 run_name, settings_of)
 from minimoe.runs.folder import (claim_run_folder, has_training_output, is_run_folder, pick_device, pick_dtype,
                                  run_lock, set_aside, world)
-from minimoe.loading.smollm import smollm_checkpoint
+from minimoe.runs.provenance import provenance
 from minimoe.runs.training import check_install, install_method, train
-from minimoe.data.userdata import build_user_data, is_user_data
 
 
 def parser() -> argparse.ArgumentParser:

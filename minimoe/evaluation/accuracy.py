@@ -58,7 +58,7 @@ from minimoe.core.routing import native_concentration
 from minimoe.core.scoring import (Example, by_example, choice_loss, choice_scores, forward_choices, make_choice_batch,
                                   pad_id, predictions)
 from minimoe.evaluation.diagnostics import (concentration_summary, decile_curve, error_prediction_summary,
-                                           group_by_layer_token, population_moments)
+                                            group_by_layer_token, population_moments)
 from minimoe.evaluation.folders import plot_file
 
 log = logging.getLogger(__name__)

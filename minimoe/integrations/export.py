@@ -32,11 +32,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.loading.checkpoint import LAYER_KEYS, from_pretrained, resolve_checkpoint
-from minimoe.runs.folder import resolve_adapter  # a run folder resolves through selection.json
-from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
-                              refuse_routing_heads)
 from minimoe.core.model import MoEForCausalLM
+from minimoe.loading.checkpoint import LAYER_KEYS, from_pretrained, resolve_checkpoint
+from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
+                                   refuse_routing_heads)
+from minimoe.runs.folder import resolve_adapter  # a run folder resolves through selection.json
 from minimoe.runs.plugins import method_of
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys

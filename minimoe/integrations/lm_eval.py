@@ -42,12 +42,12 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from minimoe.loading.checkpoint import resolve_checkpoint
-from minimoe.runs.evaluation import load_model
 from minimoe.core.generate import generate
 from minimoe.core.scoring import pad_id
-from minimoe.runs.folder import pick_device, read_json, resolve_adapter
 from minimoe.core.scoring import forward_choices, pack_choices
+from minimoe.loading.checkpoint import resolve_checkpoint
+from minimoe.runs.evaluation import load_model
+from minimoe.runs.folder import pick_device, read_json, resolve_adapter
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from minimoe.loading.allocator import advise_huge_pages
 from minimoe.atomic import atomic_directory
 from minimoe.core.model import LAYER_KEYS, MoEConfig, MoEForCausalLM, config_field_names
+from minimoe.loading.allocator import advise_huge_pages
 
 ARCHITECTURES = {"granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
 # config.json names that differ from ours, per family.

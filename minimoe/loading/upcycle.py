@@ -41,8 +41,8 @@ import torch
 import torch.nn as nn
 
 from minimoe.atomic import atomic_directory, check_replaceable
-from minimoe.loading.checkpoint import checkpoint_layout, write_checkpoint
 from minimoe.core.model import MoEConfig, MoEForCausalLM
+from minimoe.loading.checkpoint import checkpoint_layout, write_checkpoint
 
 GGUF_NAMES = {  # llama.cpp tensor name (per layer after "blk.N.") -> transformers' Llama name
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",

@@ -34,13 +34,13 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
 from minimoe.core.lora import add_lora, lora_modules
-from minimoe.core.model import MoEForCausalLM
 from minimoe.core.methods import Method
-from minimoe.runs.plugins import method_of
-from minimoe.core.routing import tuned_layers
 from minimoe.core.methods import set_router
+from minimoe.core.model import MoEForCausalLM
+from minimoe.core.routing import tuned_layers
+from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
+from minimoe.runs.plugins import method_of
 
 FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
                "num_experts_per_tok", "intermediate_size")

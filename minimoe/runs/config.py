@@ -36,9 +36,9 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.core.lora import ALIASES as LORA_ALIASES, ALPHA, DEFAULT_TARGETS, DROPOUT, RANK, TARGETS
 from minimoe.core.methods import ALIASES, METHODS, Method, number
+from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.runs.plugins import resolve_method
 
 # ---- what a value may be: each check reads a flag's text or a settings file's value, raises ValueError

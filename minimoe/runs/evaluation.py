@@ -22,8 +22,8 @@ import torch
 from minimoe.atomic import check_replaceable
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR, SPLITS, Example, load_split, split_sha256
 from minimoe.evaluation.accuracy import diagnostics_report, evaluate_split, json_safe
-from minimoe.evaluation.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, metrics_files, partial_reason,
-                                           plot_error_prediction)
+from minimoe.evaluation.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, metrics_files,
+                                            partial_reason, plot_error_prediction)
 from minimoe.evaluation.folders import METRICS, PREDICTIONS, eval_dir, tokens_file
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer, resolve_checkpoint
 from minimoe.runs.adapters import load_adapter

@@ -47,10 +47,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
-from minimoe.loading.checkpoint import DTYPES
-from minimoe.evaluation.folders import EVAL, is_base
-from minimoe.runs.config import method_for, settings_of
 from minimoe.core.methods import Method
+from minimoe.evaluation.folders import EVAL, is_base
+from minimoe.loading.checkpoint import DTYPES
+from minimoe.runs.config import method_for, settings_of
 from minimoe.runs.plugins import method_of
 
 log = logging.getLogger(__name__)

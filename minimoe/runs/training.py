@@ -40,18 +40,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from minimoe.runs.adapters import load_adapter, save_adapter, trainable_parameters
 from minimoe.atomic import atomic_file
-from minimoe.runs.config import TrainConfig
-from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import Method
 from minimoe.core.methods import set_router
-from minimoe.runs.folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
-                          latest_checkpoint, params_device, read_json, read_metrics, remove_orphans, save_state,
-                          set_rng_state, truncate_metrics, world)
 from minimoe.core.scoring import ChoiceBatch, make_choice_batch
 from minimoe.core.step import step_loss
+from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
+from minimoe.runs.adapters import load_adapter, save_adapter, trainable_parameters
+from minimoe.runs.config import TrainConfig
+from minimoe.runs.folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
+                                 latest_checkpoint, params_device, read_json, read_metrics, remove_orphans,
+                                 save_state, set_rng_state, truncate_metrics, world)
 from minimoe.runs.tracking import RoutingStats, Tracker
 
 

@@ -42,16 +42,16 @@ from pathlib import Path
 
 from minimoe.study import compare
 
-from minimoe.evaluation import diagnostics
 from minimoe.atomic import KINDS, atomic_file, check_owned_file, mark, write_owned_file, written_kind
-from minimoe.runs.config import (RECIPES, ablation_settings, build_config, differing, flag_name, flags_parser,
-                            loaded_settings, method_for, run_name, settings_of)
+from minimoe.core.methods import ALIASES, METHODS, Method
+from minimoe.data.benchmarks import SPLITS
+from minimoe.data.userdata import is_user_data
+from minimoe.evaluation import diagnostics
 from minimoe.evaluation.diagnostics import PAPER_SEEDS, partial_reason
 from minimoe.evaluation.folders import METRICS, eval_dir, test_evaluation, tokens_file
-from minimoe.data.benchmarks import SPLITS
-from minimoe.core.methods import ALIASES, METHODS, Method
+from minimoe.runs.config import (RECIPES, ablation_settings, build_config, differing, flag_name, flags_parser,
+                                 loaded_settings, method_for, run_name, settings_of)
 from minimoe.runs.folder import read_metrics
-from minimoe.data.userdata import is_user_data
 
 TRAIN = ("-m", "minimoe.cli.train")  # train.py as the package runs it: no checkout needed (minimoe/cli/train.py)
 BENCHMARKS = ("arc_challenge", "openbookqa", "sciq", "medmcqa")
