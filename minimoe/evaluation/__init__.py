@@ -1,1 +1,1 @@
-"""Scoring a model or a run on a split, and where evaluations are written."""
+"""An in-memory model's answer-choice accuracy and routing diagnostics, and where evaluations are written."""

@@ -1,1 +1,1 @@
-"""A run: its settings, the training loop, its folder, adapters, provenance and tracking."""
+"""A run: its settings, the training loop, its evaluation folders, its folder, adapters, provenance and tracking."""

@@ -1,1 +1,1 @@
-"""The study: the sweep grid, paired comparisons, diagnostics and the kept results."""
+"""The study: the sweep grid, paired comparisons and the results kept in the repository."""
