@@ -1,14 +1,14 @@
 """The command lines: one module per command, and what they share (old flag names, 'tiny', errors).
 
-    command          script                  code                      console form
-    minimoe-train    python train.py         minimoe/cli/train.py      minimoe.cli.train:command
-    minimoe-eval     python evaluate.py      minimoe/cli/evaluate.py   minimoe.cli.evaluate:command
-    minimoe-sweep    python sweep.py         minimoe/cli/sweep.py      minimoe.cli.sweep:command
-    minimoe-export   python export.py        minimoe/cli/export.py     minimoe.cli.export:command
-    minimoe-upcycle  python -m minimoe.loading.upcycle  minimoe/loading/upcycle.py     minimoe.loading.upcycle:main
-                     python -m minimoe.study.results  minimoe/study/results.py     (collect runs into results/, list them)
-    minimoe-lm-eval  python -m minimoe.integrations.lm_eval  minimoe/integrations/lm_eval.py     minimoe.cli:lm_eval (lm-eval's own CLI, the
-                                                                       model "minimoe" registered; the lmeval extra)
+    command          script                               code                             console form
+    minimoe-train    python train.py                      minimoe/cli/train.py             minimoe.cli.train:command
+    minimoe-eval     python evaluate.py                   minimoe/cli/evaluate.py          minimoe.cli.evaluate:command
+    minimoe-sweep    python sweep.py                      minimoe/cli/sweep.py             minimoe.cli.sweep:command
+    minimoe-export   python export.py                     minimoe/cli/export.py            minimoe.cli.export:command
+    minimoe-upcycle  python -m minimoe.loading.upcycle    minimoe/loading/upcycle.py       minimoe.loading.upcycle:main
+                     python -m minimoe.study.results      minimoe/study/results.py         (collect runs into results/)
+    minimoe-lm-eval  python -m minimoe.integrations.lm_eval                                minimoe.cli:lm_eval (lm-eval's
+                                                          own CLI, the model "minimoe" registered; the lmeval extra)
 Each command module is named after its script and holds the whole CLI: its parser, `main(argv=None)`,
 which returns what it made (metrics, cells) and raises on bad input, for tests and for code that calls
 it, and `command()`, the console entry point (setup.cfg) and the script's `__main__`: `main` with bad
