@@ -19,12 +19,12 @@ Stages (`--stage both` runs routers, then experts, each on `--tokens` tokens of 
 - experts: the expert banks and the routers. A shared neuron's rows and column are one parameter
   copied into every expert; its gradient is the sum over the copies, given to each, so they stay equal.
 
-Text (`--text`): `prose`, the split's own fitting documents (CoQA stories and LAMBADA passages,
+Text (`--text`): `prose`, documents from the split's fitting files (CoQA stories and LAMBADA passages,
 split.py FITTING_FILES) without the held-out fifth, so bench/split.py's held-out NLL stays unseen,
-and no SciQ or ARC text at all (their test splits are what the frontier scores); or `generated`, the
-teacher's own samples (temperature 1, full vocabulary) continuing the first PROMPT_TOKENS tokens of
-those documents. The first PROBE_ROWS rows are never trained on: the KL on them before and after
-each stage goes into the record.
+and without the documents the split fitted on (`unfitted_documents`); no SciQ or ARC text at all
+(their test splits are what the frontier scores). Or `generated`: the teacher's own samples
+(temperature 1, full vocabulary) continuing the first PROMPT_TOKENS tokens of those documents. The
+first PROBE_ROWS rows are never trained on: the KL on them before and after each stage is recorded.
 
 Deterministic for a seed on the CPU. `--dtype bfloat16` runs the teacher and the student's frozen
 weights in bf16 (autocast), the trained parameters in fp32; the written model is fp32 either way and
@@ -117,8 +117,8 @@ def trained_names(model, stage: str) -> list[str]:
     return names
 
 
-def check_pair(student: Path, teacher: Path) -> int:
-    """-> the student's shared neurons N; raises HealError for a student that is no split or a teacher
+def check_pair(student: Path, teacher: Path) -> dict:
+    """-> the student's split settings (split.json); raises HealError for a student that is no split or a teacher
     whose vocabulary differs (the KL compares distributions over the same tokens)."""
     if not (student / "split.json").is_file():
         raise HealError(f"{student}: no split.json; expected a split model (python -m minimoe.upcycle GGUF OUT "
@@ -130,12 +130,26 @@ def check_pair(student: Path, teacher: Path) -> int:
     if load_tokenizer(student).tokenizer.get_vocab() != load_tokenizer(teacher).tokenizer.get_vocab():
         raise HealError(f"teacher {teacher} and student {student} have tokenizers with different vocabularies; "
                         f"expected the dense model the split was made from (the same tokenizer)")
-    return json.loads((student / "split.json").read_text())["settings"]["shared"]
+    return json.loads((student / "split.json").read_text())["settings"]
 
 
-def healing_text(text: str, tokenizer, teacher, rows: int, seq_len: int, seed: int) -> torch.Tensor:
-    """-> ids [rows, seq_len] from the non-held-out fitting documents, as they are or continued by the teacher."""
+def unfitted_documents(tokenizer, split: dict) -> list[tuple[str, str]]:
+    """The prose documents that the split neither held out nor fitted on. Its fit read the first documents
+    of its seeded order up to fit_tokens (upcycle.py: split.token_rows with the split's seed); the repair
+    fitted those tokens by least squares, so a probe on them would understate the split's error."""
     docs = [d for d in prose_documents() if not held_out(d[0])]
+    target = split["fit_tokens"] // split["seq_len"] * split["seq_len"]
+    fitted, n = set(), 0
+    for i in torch.randperm(len(docs), generator=torch.Generator().manual_seed(split["seed"])).tolist():
+        fitted.add(i)  # token_rows' loop: a document, its eos, then the check
+        n += len(tokenizer.encode(docs[i][1])) + (tokenizer.eos_token_id is not None)
+        if n >= target:
+            break
+    return [d for i, d in enumerate(docs) if i not in fitted]
+
+
+def healing_text(text: str, tokenizer, teacher, docs, rows: int, seq_len: int, seed: int) -> torch.Tensor:
+    """-> ids [rows, seq_len] from `docs` (id, text) in a seeded order, as they are or continued by the teacher."""
     if text == "prose":
         return token_rows(tokenizer.tokenizer, docs, rows * seq_len, seq_len, seed, tokenizer.eos_token_id)
     g = torch.Generator().manual_seed(seed)
@@ -220,7 +234,8 @@ def heal(student, out, teacher, s: HealSettings = HealSettings()) -> dict:
                         f"a text in {TEXTS} and float32 or bfloat16")
     student, out, teacher_dir = Path(student), Path(out), Path(teacher)
     check_replaceable(out, "model")  # before the work
-    shared = check_pair(student, teacher_dir)
+    split_settings = check_pair(student, teacher_dir)
+    shared = split_settings["shared"]
     stages = STAGES[s.stage]
     rows = s.tokens // s.seq_len
     if rows < s.batch_rows:
@@ -231,7 +246,9 @@ def heal(student, out, teacher, s: HealSettings = HealSettings()) -> dict:
     work = final if dtype == torch.float32 else from_pretrained(student, dtype=dtype)
     teach = from_pretrained(teacher_dir, dtype=dtype)
     t0 = time.perf_counter()
-    ids = healing_text(s.text, load_tokenizer(student), teach, PROBE_ROWS + rows * len(stages), s.seq_len, s.seed)
+    tokenizer = load_tokenizer(student)
+    ids = healing_text(s.text, tokenizer, teach, unfitted_documents(tokenizer, split_settings),
+                       PROBE_ROWS + rows * len(stages), s.seq_len, s.seed)
     records = []
     for k, stage in enumerate(stages):
         for name in trained_names(final, stage) if work is not final else []:  # train final's fp32 tensors

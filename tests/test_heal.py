@@ -14,8 +14,8 @@ import minimoe
 from minimoe.checkpoint import load_tokenizer, save_pretrained
 from minimoe.data import train_tokenizer
 from minimoe.heal import (PROBE_ROWS, PROMPT_TOKENS, HealError, HealSettings, distil, heal, healing_text,
-                          kl_divergence, main)
-from minimoe.split import SplitSettings, prose_documents, record, split_model
+                          kl_divergence, main, unfitted_documents)
+from minimoe.split import SplitSettings, held_out, prose_documents, record, split_model, token_rows
 from tests.conftest import tiny_model
 
 E, K, SHARED, I = 4, 2, 16, 48  # (I - SHARED) / E = 8 own neurons per expert, M = 24
@@ -96,7 +96,9 @@ def test_written_folder_loads_and_records_the_healing(folders, tmp_path):
     assert stage["stage"] == "routers" and stage["steps"] == 2 and stage["tokens"] == 8 * 32
     assert set(stage) >= {"kl_before", "kl_after", "lr", "curve", "scales"} and "minimoe_git" in rec
     # the probe KL after healing, recomputed from the written folder alone: the scales were folded in
-    ids = healing_text("prose", load_tokenizer(out), None, PROBE_ROWS, FAST.seq_len, FAST.seed)
+    tok = load_tokenizer(out)
+    docs = unfitted_documents(tok, split["settings"])
+    ids = healing_text("prose", tok, None, docs, PROBE_ROWS, FAST.seq_len, FAST.seed)
     with torch.no_grad():
         kl = kl_divergence(minimoe.from_pretrained(folders[1])(ids).logits, healed(ids).logits).item()
     assert kl == pytest.approx(stage["kl_after"], rel=1e-5)
@@ -123,11 +125,35 @@ def test_experts_stage_keeps_the_shared_neurons_tied(folders):
 
 def test_generated_text_continues_document_starts(folders):
     tok, teacher = load_tokenizer(folders[0]), minimoe.from_pretrained(folders[1])
-    ids = healing_text("generated", tok, teacher, 3, 16, seed=0)
+    docs = prose_documents()[:50]
+    ids = healing_text("generated", tok, teacher, docs, 3, 16, seed=0)
     assert ids.shape == (3, 16)
-    starts = {tuple(tok.encode(text)[:PROMPT_TOKENS]) for _, text in prose_documents()}
+    starts = {tuple(tok.encode(text)[:PROMPT_TOKENS]) for _, text in docs}
     assert all(tuple(row[:PROMPT_TOKENS].tolist()) in starts for row in ids)
-    assert torch.equal(ids, healing_text("generated", tok, teacher, 3, 16, seed=0))
+    assert torch.equal(ids, healing_text("generated", tok, teacher, docs, 3, 16, seed=0))
+
+
+def test_healing_text_leaves_out_the_documents_the_split_fitted_on(folders):
+    """The split's fitting rows (token_rows with its settings, as upcycle.py calls it) hold exactly the
+    documents that unfitted_documents leaves out of the held-in ones."""
+    tok = load_tokenizer(folders[0])
+    split = json.loads((folders[0] / "split.json").read_text())["settings"]
+    held_in = [d for d in prose_documents() if not held_out(d[0])]
+    kept = {i for i, _ in unfitted_documents(tok, split)}
+    left_out = [text for i, text in held_in if i not in kept]
+    fit = token_rows(tok.tokenizer, held_in, split["fit_tokens"], split["seq_len"], split["seed"], tok.eos_token_id)
+    stream = fit.flatten().tolist()
+    assert 1 <= len(left_out) and len(kept) == len(held_in) - len(left_out)
+    at = 0  # each left-out document's tokens come next in the fitting stream (the last one cut at its end)
+    for text in sorted(left_out, key=lambda t: _find(stream, tok.encode(t)[:8])):
+        ids = tok.encode(text) + [tok.eos_token_id]
+        assert stream[at:at + len(ids)] == ids[:len(stream) - at]
+        at += len(ids)
+    assert at >= len(stream)
+
+
+def _find(stream, part):
+    return next(i for i in range(len(stream)) if stream[i:i + len(part)] == part)
 
 
 def test_a_teacher_with_another_vocabulary_is_refused(folders, tmp_path, capsys):
