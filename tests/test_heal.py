@@ -167,3 +167,18 @@ def test_a_teacher_with_another_vocabulary_is_refused(folders, tmp_path, capsys)
     with pytest.raises(HealError, match="no split.json; expected a split model"):
         heal(folders[1], tmp_path / "out", folders[1], FAST)
     assert not (tmp_path / "out").exists()
+
+
+def test_both_stages_in_bf16_train_the_fp32_model_and_nothing_outside_the_mlps(folders, tmp_path):
+    """--stage both --dtype bfloat16: the bf16 working copy trains the written fp32 model's own tensors
+    (so the banks change), everything outside the MLP blocks keeps its bits, and the shared copies stay tied."""
+    out = tmp_path / "healed"
+    rec = heal(folders[0], out, folders[1], HealSettings(**{**FAST.__dict__, "stage": "both", "dtype": "bfloat16",
+                                                          "expert_lr": 1e-2}))
+    assert [r["stage"] for r in rec["stages"]] == ["routers", "experts"]
+    before = dict(minimoe.from_pretrained(folders[0]).named_parameters())
+    after = dict(minimoe.from_pretrained(out).named_parameters())
+    changed = {n for n in before if not torch.equal(before[n], after[n])}
+    assert changed == {n for n in before if ".mlp." in n}
+    down = after["model.layers.1.mlp.experts.down_proj.weight"]
+    assert all(torch.equal(down[0, :, :SHARED], down[e, :, :SHARED]) for e in range(E))
