@@ -72,7 +72,7 @@ class HealSettings:
     batch_rows: int = 4  # rows per optimizer step
     router_lr: float = 1e-3  # Adam moves an entry by about lr per step; the fitted router's entries are ~0.03
     scale_lr: float = 1e-2  # the scales start at 1
-    expert_lr: float = 1e-4  # the expert weights are ~0.05
+    expert_lr: float = 3e-4  # the expert weights are ~0.2 (mean |w| of the split's banks)
     dtype: str = "float32"  # float32 or bfloat16 (teacher and frozen weights; trained parameters stay fp32)
     seed: int = 0  # text order, prompts and sampling
 
