@@ -1,4 +1,4 @@
-"""minimoe.heal: distilling the dense model into a split one, on a tiny random split of a tiny dense Granite.
+"""minimoe.study.heal: distilling the dense model into a split one, on a tiny random split of a tiny dense Granite.
 
 References: torch's own F.kl_div for the loss; the student's weights before healing for what a stage
 may change (bit for bit where nothing may, a per-expert factor on the own-group down columns where
@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import minimoe
-from minimoe.checkpoint import load_tokenizer, save_pretrained
-from minimoe.data import train_tokenizer
-from minimoe.heal import (PROBE_ROWS, PROMPT_TOKENS, HealError, HealSettings, distil, heal, healing_text,
-                          kl_divergence, main, unfitted_documents)
-from minimoe.split import SplitSettings, held_out, prose_documents, record, split_model, token_rows
+from minimoe.data.benchmarks import train_tokenizer
+from minimoe.loading.checkpoint import load_tokenizer, save_pretrained
+from minimoe.loading.split import SplitSettings, held_out, prose_documents, record, split_model, token_rows
+from minimoe.study.heal import (PROBE_ROWS, PROMPT_TOKENS, HealError, HealSettings, distil, heal, healing_text,
+                                kl_divergence, main, unfitted_documents)
 from tests.conftest import tiny_model
 
 E, K, SHARED, I = 4, 2, 16, 48  # (I - SHARED) / E = 8 own neurons per expert, M = 24
