@@ -164,7 +164,7 @@ def test_batch_size_and_order_do_not_change_scores(toy):
 def test_scoring_turns_lora_dropout_off_and_restores_train_mode(toy):
     """A trainer's model in train mode with dropout 0.5: two scorings agree exactly (dropout was off)
     and every module is back in train mode afterwards."""
-    lora = pytest.importorskip("minimoe.core.lora", reason="needs minimoe.core.lora.add_lora")
+    from minimoe.core import lora
     from minimoe.loading.checkpoint import load_tokenizer
     folder = toy["models"]["olmoe"]
     model = lora.add_lora(from_pretrained(folder), rank=4, dropout=0.5)
@@ -238,8 +238,7 @@ def test_diagnostics_on_synthetic_tokens_with_known_answers():
 
 def tes_run(toy, run: Path, seed: int = 43) -> Path:
     """A run folder as train.py writes it: a tes adapter per epoch (different weights), selection.json."""
-    pytest.importorskip("minimoe.core.lora", reason="needs minimoe.core.lora.add_lora/save_adapter")
-    methods = pytest.importorskip("minimoe.core.methods", reason="needs minimoe.core.methods.set_router")
+    from minimoe.core import methods
     from minimoe.core.lora import add_lora
     from minimoe.runs.adapters import save_adapter
     folder = toy["models"]["olmoe"]
@@ -412,7 +411,6 @@ def bad_case(case, toy, tmp_path) -> tuple[list, type, str]:
     if case == "missing adapter":
         return model + ["--data", test, "--adapter", str(tmp_path / "nope")], FileNotFoundError, "no such folder"
     if case == "adapter of another base model":
-        pytest.importorskip("minimoe.runs.adapters", reason="needs minimoe.runs.adapters.load_adapter")
         return (model + ["--data", test, "--adapter", str(other_base_adapter(tmp_path))], ValueError,
                 "some/other-model.*hidden_size")
     if case == "adapter of other weights with the same shapes":

@@ -556,11 +556,8 @@ def test_lora_and_router_train_the_same_whichever_is_installed_first(method):
     assert any(".mlp.router." in n for n in trainable[0]) == (method != "acs")
 
 
-@pytest.mark.skipif(not hasattr(minimoe.core.routing, "set_router"),
-                    reason="minimoe.core.methods.set_router is not written yet; the router-spec path needs it")
 def test_adapter_round_trip_restores_the_router_spec_and_heads(tmp_path):
     """An adapter saved after set_router re-creates the method heads on load and restores their values."""
-    from minimoe.core.methods import set_router
     model = tiny("granitemoe")
     set_router(model, "tes", layers="final", tune_router=True, gamma=0.5)
     add_lora(model)
