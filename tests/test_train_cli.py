@@ -251,6 +251,32 @@ def test_bad_number_is_refused_before_any_folder(tmp_path, capsys, flag, value):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_objective_outside_its_choices_is_refused_before_any_folder(tmp_path, capsys):
+    """--objective mse: argparse's error naming the flag and its choices (exit 2), not a failure at the first
+    supervised step inside a run folder already written."""
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--out-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "splits"), *SMOKE,
+                    "--method", "tes", "--objective", "mse"])
+    assert exit_info.value.code == 2
+    assert "argument --objective: invalid choice: 'mse'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"lambda_": -1}, r"lambda_: -1: expected a number >= 0"), ({"objective": "mse"}, r"objective: 'mse': expected one of"),
+    ({"lr": 0}, r"lr: 0: expected a number > 0"),
+])
+def test_a_settings_file_value_gets_the_flags_check_before_any_folder(tmp_path, settings, message):
+    """A --config file's values are read by the same checks as the flags (config.check_value), and a bad
+    one is refused, naming the file and the setting, before the run folder exists."""
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"method": "tes", **settings}))
+    with pytest.raises(ValueError, match=rf"settings.json: {message}"):
+        train.main(["--config", str(path), "--out-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "splits"),
+                    *SMOKE])
+    assert not (tmp_path / "runs").exists()
+
+
 def test_single_layer_index_is_a_scope(tmp_path):
     run = run_train(tmp_path, "--method", "tes", "--layers", "3")
     assert json.loads((run / "config.json").read_text())["layers"] == [3]
