@@ -131,6 +131,25 @@ def test_restoring_beside_train_py_runs_is_refused_and_a_bad_results_file_is_nam
         results.read(tmp_path / "results")
 
 
+def test_a_run_is_in_one_benchmark_file_and_moves_when_collected_under_another(study, tmp_path):
+    """A results folder naming a run in two benchmark files is refused, naming both; a run recorded under
+    one benchmark and collected again under another leaves the old file, so the folder stays readable."""
+    runs, cells = study
+    results.collect([runs], tmp_path / "results")
+    records = results.read_file(tmp_path / "results" / "arc.jsonl.gz")
+    moved = records[0]["run"]
+    (tmp_path / "results" / "sciq.jsonl.gz").write_bytes(results.encode(records[:1]))
+    with pytest.raises(results.ResultsError, match=rf"run {moved} is in both .*arc.jsonl.gz and .*sciq.jsonl.gz"):
+        results.read(tmp_path / "results")
+    old = json.loads(json.dumps(records[0]))  # the same run, recorded earlier under another benchmark
+    old["evaluations"]["test"]["metrics"]["dataset"] = "old"
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "old.jsonl.gz").write_bytes(results.encode([old]))
+    results.collect([runs], tmp_path / "again")
+    assert results.read_file(tmp_path / "again" / "old.jsonl.gz") == []
+    assert [r["run"] for r in results.read(tmp_path / "again")] == sorted(c.run.name for c in cells)
+
+
 def test_the_study_page_tables_are_the_report_of_results(tmp_path):
     """The study page's split-model tables (docs/study.md: the re-run's cells and paired comparisons) are
     what `sweep.py --results results` regenerates from the repository's results/ folder alone, line for line."""
