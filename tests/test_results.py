@@ -4,7 +4,9 @@ report of those folders, and evaluate.py compare of them); collecting is determi
 keeps no path of the machine, and keeps only runs that scored their whole test split."""
 import gzip
 import json
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -148,6 +150,15 @@ def test_a_run_is_in_one_benchmark_file_and_moves_when_collected_under_another(s
     results.collect([runs], tmp_path / "again")
     assert results.read_file(tmp_path / "again" / "old.jsonl.gz") == []
     assert [r["run"] for r in results.read(tmp_path / "again")] == sorted(c.run.name for c in cells)
+
+
+def test_the_results_readme_counts_the_runs_the_folder_holds():
+    """results/README.md says how many runs each file holds ("`sciq.jsonl.gz`, 24 runs"): the files' own count,
+    and every file is named."""
+    folder = Path(__file__).resolve().parents[1] / "results"
+    said = {name: int(n) for name, n in re.findall(r"`([\w.+-]+\.jsonl\.gz)`, (\d+) runs", (folder / "README.md").read_text())}
+    held = {path.name: len(results.read_file(path)) for path in sorted(folder.glob(f"*{results.SUFFIX}"))}
+    assert held and said == held
 
 
 def test_the_study_page_tables_are_the_report_of_results(tmp_path):
