@@ -156,7 +156,8 @@ def test_the_results_readme_counts_the_runs_the_folder_holds():
     """results/README.md says how many runs each file holds ("`sciq.jsonl.gz`, 24 runs"): the files' own count,
     and every file is named."""
     folder = Path(__file__).resolve().parents[1] / "results"
-    said = {name: int(n) for name, n in re.findall(r"`([\w.+-]+\.jsonl\.gz)`, (\d+) runs", (folder / "README.md").read_text())}
+    text = (folder / "README.md").read_text()
+    said = {name: int(n) for name, n in re.findall(r"`([\w.+-]+\.jsonl\.gz)`, (\d+) runs", text)}
     held = {path.name: len(results.read_file(path)) for path in sorted(folder.glob(f"*{results.SUFFIX}"))}
     assert held and said == held
 

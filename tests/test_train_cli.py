@@ -263,7 +263,8 @@ def test_an_objective_outside_its_choices_is_refused_before_any_folder(tmp_path,
 
 
 @pytest.mark.parametrize("settings, message", [
-    ({"lambda_": -1}, r"lambda_: -1: expected a number >= 0"), ({"objective": "mse"}, r"objective: 'mse': expected one of"),
+    ({"lambda_": -1}, r"lambda_: -1: expected a number >= 0"),
+    ({"objective": "mse"}, r"objective: 'mse': expected one of"),
     ({"lr": 0}, r"lr: 0: expected a number > 0"),
 ])
 def test_a_settings_file_value_gets_the_flags_check_before_any_folder(tmp_path, settings, message):
