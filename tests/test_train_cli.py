@@ -265,7 +265,8 @@ def test_an_objective_outside_its_choices_is_refused_before_any_folder(tmp_path,
 @pytest.mark.parametrize("settings, message", [
     ({"lambda_": -1}, r"lambda_: -1: expected a number >= 0"),
     ({"objective": "mse"}, r"objective: 'mse': expected one of"),
-    ({"lr": 0}, r"lr: 0: expected a number > 0"),
+    ({"lr": 0}, r"lr: 0: expected a number > 0"), ({"gamma": -2}, r"method_options: gamma: -2: expected a number >= 0"),
+    ({"method_options": {"transform": "cube"}}, r"method_options: transform: 'cube'; expected one of"),
 ])
 def test_a_settings_file_value_gets_the_flags_check_before_any_folder(tmp_path, settings, message):
     """A --config file's values are read by the same checks as the flags (config.check_value), and a bad

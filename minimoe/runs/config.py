@@ -370,7 +370,10 @@ def check_value(key: str, value):
         if key == "method_options":  # its flag reads one NAME=VALUE; a file holds the mapping
             if not isinstance(value, dict):
                 raise ValueError(f"{value!r}: expected a mapping of option names to values")
-            return value
+            # a built-in option's value by its check, as its flag's; another registered method's
+            # options are checked when the run's method is configured (its module is not imported yet)
+            return {name: check_value(name, v) if any(name in m.declared for m in METHODS.values()) else v
+                    for name, v in value.items()}
         if "type" in meta:
             value = meta["type"](value)
         if meta.get("choices") and value not in meta["choices"]:
