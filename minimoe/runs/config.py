@@ -37,7 +37,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from minimoe.core.lora import ALIASES as LORA_ALIASES, ALPHA, DEFAULT_TARGETS, DROPOUT, RANK, TARGETS
-from minimoe.core.methods import ALIASES, METHODS, Method, number
+from minimoe.core.methods import ALIASES, METHODS, Method, UnknownOption, declaring, number
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.runs.plugins import resolve_method
 
@@ -314,7 +314,7 @@ class MethodOption(argparse.Action):
 
 def read_by(name: str) -> str:
     """The methods whose record reads the setting `name`, for its flag's help."""
-    return ", ".join(m.name for m in METHODS.values() if name in m.declared)
+    return ", ".join(m.name for m in declaring(name))
 
 
 def add_flags(parser: argparse.ArgumentParser) -> dict:
@@ -364,7 +364,7 @@ def check_value(key: str, value):
     """`value` of setting `key` (a settings file's, a sweep's --set) read by its field's check, or by the
     built-in method option's of that name -> the value."""
     if key not in FIELDS:
-        return next(m.declared[key] for m in METHODS.values() if key in m.declared).parse(key, value)
+        return declaring(key)[0].declared[key].parse(key, value)
     meta = FIELDS[key].metadata
     try:
         if key == "method_options":  # its flag reads one NAME=VALUE; a file holds the mapping
@@ -384,7 +384,7 @@ def default_of(key: str):
     """A setting's default: its field's, or that of the built-in method option of that name."""
     if key in FIELDS:
         return FIELDS[key].default
-    return next(m.settings[key] for m in METHODS.values() if key in m.declared)
+    return declaring(key)[0].settings[key]
 
 
 # ---- settings from files and records
@@ -402,12 +402,11 @@ def settings_of(mapping: dict, where: Path | None = None) -> dict:
     built-in ones there before method_options held every option) joins method_options; other keys are
     left out (a run's config.json holds some for its readers: label, model_config, provenance, ...),
     but those of a settings file of yours (`where`), which are refused, named."""
-    options = {name for m in METHODS.values() for name in m.declared}
     settings, top_level = {}, {}
     for key, value in mapping.items():
         if key in FIELDS:
             settings[key] = value
-        elif key in options:
+        elif declaring(key):
             top_level[key] = value
         elif key in RETIRED:
             continue
@@ -454,8 +453,11 @@ def method_for(settings) -> Method:
     of its fields (missing ones at their defaults)."""
     s = settings if isinstance(settings, dict) else vars(settings)
     record = resolve_method(s.get("method") or TrainConfig.method, s.get("method_module"))
-    return record.configure(s.get("objective") or TrainConfig.objective, bool(s.get("tune_router")),
-                            s.get("method_options"))
+    try:
+        return record.configure(s.get("objective") or TrainConfig.objective, bool(s.get("tune_router")),
+                                s.get("method_options"))
+    except UnknownOption as e:  # core names the option; a run's settings give it as --method-option
+        raise ValueError(f"--method-option {e}") from None
 
 
 def build_config(settings: dict, recipe: str) -> tuple[TrainConfig, Method]:
@@ -522,7 +524,7 @@ def reads(method: Method, setting: str) -> bool:
     learning rate (Method.declared) is its methods'; every other setting, every method's."""
     if setting in SUPERVISION_SETTINGS:
         return method.prediction is not None
-    return setting in method.declared or not any(setting in m.declared for m in METHODS.values())
+    return setting in method.declared or not declaring(setting)
 
 
 def ablation_settings(settings: dict, method: Method) -> dict:

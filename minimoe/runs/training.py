@@ -93,10 +93,10 @@ def warmup_steps(total: int, fraction: float) -> int:
 
 def make_optimizer(model, cfg: TrainConfig, method: Method):
     # A tuned native gate has no rate of its own in the paper: the LoRA rate unless --router-lr.
-    heads = {lr.removesuffix("_lr"): method.values[lr] for lr, _ in method.heads.values()}  # adapters.param_groups
+    heads = {group: method.values[lr] for group, (_, lr) in method.head_groups.items()}
     lrs = {"lora": cfg.lr, **heads, "router": cfg.router_lr or cfg.lr}
-    groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}
-              for name, params in trainable_parameters(model).items() if params]
+    groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}  # grouped by `method`, as its rates
+              for name, params in trainable_parameters(model, method).items() if params]
     return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
 
 
