@@ -39,6 +39,7 @@ from pathlib import Path
 from minimoe.core.lora import ALIASES as LORA_ALIASES, ALPHA, DEFAULT_TARGETS, DROPOUT, RANK, TARGETS
 from minimoe.core.methods import ALIASES, METHODS, Method, UnknownOption, declaring, number
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
+from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.plugins import resolve_method
 
 # ---- what a value may be: each check reads a flag's text or a settings file's value, raises ValueError
@@ -180,7 +181,7 @@ class TrainConfig:
     dtype: str = setting("model", "auto", "base weights' dtype; auto = bfloat16 on CUDA (with autocast) and on a "
                          "CPU with native bf16 matrix instructions (AVX512-BF16, AMX), else float32; "
                          "$MINIMOE_CPU_DTYPE=float32 or bfloat16 sets the CPU's choice (runs.pick_dtype)",
-                         choices=["auto", "float32", "bfloat16"])
+                         choices=["auto", *RUN_DTYPES])
     device: str = setting("model", "auto", "auto (cuda if present), cpu, cuda, cuda:1 ...", type=device)
     gradient_checkpointing: bool = setting("model", False, "recompute each block in backward: memory for time")
     compile: bool = setting("model", False, "torch.compile each decoder layer (model.compile_layers; worth it on a "

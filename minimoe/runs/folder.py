@@ -49,7 +49,7 @@ from safetensors.torch import load_file
 from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
 from minimoe.core.methods import Method
 from minimoe.evaluation.folders import EVAL, is_base
-from minimoe.loading.checkpoint import DTYPES
+from minimoe.loading.checkpoint import DTYPES, RUN_DTYPES
 from minimoe.runs.config import method_for, settings_of
 from minimoe.runs.plugins import method_of
 
@@ -111,8 +111,8 @@ def pick_dtype(name: str, device: torch.device, capabilities: dict | None = None
     native = kind == "cpu" and native_bf16(cpu_capabilities() if capabilities is None else capabilities)
     if name == "auto":
         forced = os.environ.get(CPU_DTYPE_VARIABLE) if kind == "cpu" else None
-        if forced and forced not in ("float32", "bfloat16"):
-            raise ValueError(f"${CPU_DTYPE_VARIABLE}={forced!r}; expected float32 or bfloat16")
+        if forced and forced not in RUN_DTYPES:
+            raise ValueError(f"${CPU_DTYPE_VARIABLE}={forced!r}; expected {' or '.join(RUN_DTYPES)}")
         name = forced or ("bfloat16" if kind == "cuda" or native else "float32")
     if name not in DTYPES:
         raise ValueError(f"--dtype {name!r}; expected auto or one of {list(DTYPES)}")
