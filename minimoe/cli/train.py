@@ -49,8 +49,8 @@ from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.loading.smollm import smollm_checkpoint
-from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_settings,
-                                 run_name, settings_of)
+from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_run_config,
+                                 read_settings, run_name, settings_of)
 from minimoe.runs.folder import (claim_run_folder, has_training_output, is_run_folder, pick_device, pick_dtype,
                                  run_lock, set_aside, world)
 from minimoe.runs.provenance import provenance
@@ -282,15 +282,6 @@ def changed_settings(before: dict, cfg: TrainConfig, now: dict) -> list[str]:
     now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
     return sorted([*differing(recorded, cfg), *(k for k in RECORDED if before.get(k) != now.get(k)
                                                and not (k in RECORDED_LATER and k not in before))])
-
-
-def read_run_config(path: Path) -> dict:
-    try:
-        settings = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); the run's config is truncated or corrupt, so the run "
-                         f"cannot be resumed as it was") from None
-    return settings
 
 
 def command():

@@ -418,6 +418,15 @@ def settings_of(mapping: dict, where: Path | None = None) -> dict:
     return settings
 
 
+def read_run_config(path: Path):
+    """A run's config.json (or a JSON settings file), as written."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the run's config is truncated or corrupt, so the run "
+                         f"cannot be resumed as it was") from None
+
+
 def read_settings(path: Path) -> dict:
     """A JSON or YAML mapping of TrainConfig fields (a run's config.json is one, of any version), checked
     as the flags are."""
@@ -431,11 +440,7 @@ def read_settings(path: Path) -> dict:
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML ({e})") from None
     else:
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not valid JSON ({e}); the run's config is truncated or corrupt, so the run "
-                             f"cannot be resumed as it was") from None
+        raw = read_run_config(path)
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: holds a {type(raw).__name__}; expected a mapping of TrainConfig fields")
     settings = settings_of(raw, path)
