@@ -1,5 +1,5 @@
-"""The run rules that train.py, evaluate.py, export.py and sweep.py share: which device, dtype and pad id
-a run uses, what a run is called, which adapter a run or adapter folder stands for, the process
+"""The run rules that train.py, evaluate.py, export.py and sweep.py share: which device, dtype, autocast and
+pad id a run uses, what a run is called, which adapter a run or adapter folder stands for, the process
 group's rank and sums; and the run folder's own: one writer at a time, a log that survives kills,
 state that loads safely.
 
@@ -120,6 +120,15 @@ def pick_dtype(name: str, device: torch.device, capabilities: dict | None = None
         warnings.warn("bfloat16 on a CPU without native bf16 matrix instructions (AVX512-BF16 or AMX): "
                       "emulated, and slower than float32", stacklevel=2)
     return name
+
+
+def autocast_for(device, dtype):
+    """The autocast a forward runs in, training and evaluation alike: bf16 on CUDA for bf16 weights (the fp32
+    LoRA factors and heads then meet the base in bf16 matmuls); none elsewhere, where the model casts for
+    itself (lora.py). `device`: a name or torch.device; `dtype`: a name (pick_dtype's) or a torch.dtype."""
+    if torch.device(device).type == "cuda" and str(dtype).removeprefix("torch.") == "bfloat16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 def world() -> tuple[int, int]:
