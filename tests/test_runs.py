@@ -55,6 +55,28 @@ def test_auto_device_and_dtype(monkeypatch):
     assert pick_device("cuda:1") == torch.device("cuda:1")
 
 
+@pytest.mark.parametrize("device,dtype,on", [("cuda:0", "bfloat16", True), ("cuda", "float32", False),
+                                             ("cpu", "bfloat16", False), ("cpu", "float32", False)])
+def test_training_and_evaluation_take_one_autocast_policy(device, dtype, on):
+    """runs.folder.autocast_for: bf16 CUDA autocast for bf16 weights on CUDA, none elsewhere. Training asks with
+    the run's names (training.autocast(cfg)), evaluation with its model's torch.device and torch.dtype: one
+    answer. (Without CUDA torch builds a CUDA autocast disabled, so its device and dtype are compared.)"""
+    from minimoe.runs import training
+    from minimoe.runs.config import RECIPES, TrainConfig
+    from minimoe.runs.folder import autocast_for
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available ... Disabling autocast"
+        trained = training.autocast(TrainConfig(**RECIPES["tiny"], device=device, dtype=dtype))
+        evaluated = autocast_for(torch.device(device), getattr(torch, dtype))
+        for ctx in (trained, evaluated):
+            if on:
+                assert (ctx.device, ctx.fast_dtype) == ("cuda", torch.bfloat16)
+            else:
+                assert ctx.device == "cpu"
+                with torch.autocast("cpu", dtype=torch.bfloat16), ctx:  # it turns an outer autocast off
+                    assert not torch.is_autocast_enabled("cpu")
+
+
 # torch's cpuinfo names (torch.cpu.get_capabilities) of three real processors, cut to what matters.
 ZEN4 = {"avx2": True, "avx512_f": True, "avx512_bf16": True, "amx_bf16": False}  # AMD EPYC 9004
 SAPPHIRE_RAPIDS = {"avx2": True, "avx512_f": True, "avx512_bf16": True, "amx_tile": True, "amx_bf16": True}

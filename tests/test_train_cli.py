@@ -74,6 +74,23 @@ def test_the_method_is_resolved_once_per_run(tmp_path, monkeypatch):
     assert calls == ["tes"]
 
 
+def test_the_device_and_dtype_are_resolved_once_per_run(tmp_path, monkeypatch):
+    """train.py picks the run's device and dtype once (resolve_config); the model is loaded in that dtype,
+    not in one picked again beside it (a bf16 pick on a CPU without bf16 instructions warned twice)."""
+    calls = []
+
+    def counted(pick):
+        def wrapper(*args, **kwargs):
+            calls.append(pick.__name__)
+            return pick(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(train, "pick_device", counted(train.pick_device))
+    monkeypatch.setattr(train, "pick_dtype", counted(train.pick_dtype))
+    run = run_train(tmp_path, "--method", "ce")
+    assert sorted(calls) == ["pick_device", "pick_dtype"]
+    assert json.loads((run / "config.json").read_text())["dtype"] == "float32"
+
+
 def test_same_seed_gives_identical_runs(tmp_path):
     a = run_train(tmp_path, "--method", "tes", name="a")
     b = run_train(tmp_path, "--method", "tes", name="b")
