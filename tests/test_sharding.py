@@ -19,6 +19,8 @@ from minimoe.cli import train
 from minimoe.core.lora import add_lora, merge_lora
 from minimoe.loading.checkpoint import checkpoint_layout, from_pretrained, save_pretrained
 from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.core.model import MoEForCausalLM
+from minimoe.runs import memory
 from minimoe.runs.adapters import load_adapter
 from minimoe.runs.config import build_config
 from minimoe.runs.sharding import ShardingRefused, check_sharding, shard
@@ -159,6 +161,9 @@ def test_each_rank_reads_only_its_rows(runs, family):
     assert gates > 0
     assert sum(read) == total + 2 * gates
     assert max(read) < 0.6 * total
+    with torch.device("meta"):  # the memory estimate's weights per GPU are the rows rank 0 read (runs/memory.py)
+        meta = MoEForCausalLM(reference.config)
+    assert memory.shard_bytes(list(meta.parameters()), 2) + gates == read[0]
 
 
 def test_fsdp_is_refused_before_any_run_folder(tmp_path, monkeypatch):

@@ -83,7 +83,8 @@ def estimate(model, cfg, method, *, gpus: int, gpu_memory: int, shard: str, weig
     whole = weights_total or sum(p.numel() * p.element_size() for p in base)
     split = gpus if shard == "fsdp" else 1
     if shard == "fsdp":
-        layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers)
+        layer = max(sum(p.numel() * p.element_size() for p in layer.parameters() if not p.requires_grad)
+                    for layer in model.model.layers)  # its base weights (its LoRA, gathered beside them, is small)
         weights = shard_bytes(base, gpus) + 2 * layer
     else:
         weights = whole
