@@ -5,7 +5,7 @@ FSDP (`--shard fsdp`, minimoe/runs/sharding.py), before any GPU is rented.
     python -m minimoe.runs.memory weights/tiny-olmoe --gpus 2 --gpu-memory 16 --shard fsdp --batch-size 8
 
 For a model id, config.json and model.safetensors.index.json are read (downloaded alone, no weights);
-for a folder, its safetensors headers. Per GPU, in bytes:
+for a folder, its safetensors headers; for a folder with config.json alone, the parameters it makes. Per GPU, in bytes:
 - weights: the base in the run's dtype (from the files' tensor shapes; a hub id's index gives the total
   stored bytes only). FSDP: this rank's rows of every parameter (dim 0, ceil(n / GPUs) rows, as
   fully_shard cuts it), plus the largest decoder layer gathered whole while it runs, twice (FSDP2
@@ -148,7 +148,12 @@ def main(argv=None) -> Estimate:
     cfg, method = build_config(settings, recipe)
     with torch.device("meta"):
         model = MoEForCausalLM(config).to(DTYPES[cfg.dtype])
-    total = stored_weights(folder, DTYPES[cfg.dtype]) if folder else hub_weights(args.model)
+    if folder is None:
+        total = hub_weights(args.model)
+    elif any(folder.glob("*.safetensors")):
+        total = stored_weights(folder, DTYPES[cfg.dtype])
+    else:  # config.json alone: the parameters the config makes, in the run's dtype
+        total = None
     result = estimate(model, cfg, method, gpus=args.gpus, gpu_memory=int(args.gpu_memory * 2**30),
                       shard=args.shard if args.gpus > 1 else "ddp", weights_total=total)
     print(f"{args.model}: {args.gpus} GPU(s) of {args.gpu_memory:g} GiB, {args.shard if args.gpus > 1 else 'one process'}"
