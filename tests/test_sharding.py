@@ -85,9 +85,9 @@ def test_two_fsdp_processes_equal_one_process(runs, family, method):
 
     Why they differ at all: reduction order. Each rank's gradient is a sum over its 4 examples, and FSDP's
     reduce-scatter adds the two halves; one process adds the 8 examples' terms in another order. The
-    step terms and gradient norm agree to float32 rounding (rtol 1e-5). AdamW's first update is
-    ~lr * sign(g), so an element whose gradient is at rounding level may step the other way: every
-    element is within 2 * lr * steps, and all but 1% agree to 1e-5."""
+    step terms and gradient norm agree to float32 rounding (rtol 1e-5; measured 2e-7). AdamW's first
+    update is ~lr * sign(g), so an element whose gradient is at rounding level may step the other way:
+    every element is within 2 * lr * steps, and all but 0.1% agree to 1e-6 (measured: all, to 1e-7)."""
     one, two = runs["root"] / "one" / f"{family}-{method}", runs["root"] / "two" / f"{family}-{method}"
     record = json.loads((two / "config.json").read_text())
     assert record["shard"] == "fsdp" and record["world_size"] == 2  # the run folder says which mode ran
@@ -108,7 +108,7 @@ def test_two_fsdp_processes_equal_one_process(runs, family, method):
     assert x.keys() == y.keys()
     diffs = torch.cat([(y[k] - x[k]).abs().flatten() for k in x])
     assert diffs.max() <= 2 * LR * len(a)
-    assert (diffs > 1e-5).float().mean() <= 0.01
+    assert (diffs > 1e-6).float().mean() <= 0.001  # measured: every element within 1e-7
 
 
 def test_a_sharded_adapter_loads_as_a_one_process_adapter(runs):
