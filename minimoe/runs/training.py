@@ -17,6 +17,10 @@ minimoe/runs/folder.py.
 
 Configuration: minimoe/runs/config.py (`TrainConfig`, the recipes, run names).
 
+Several processes (torchrun): DDP wraps the model here; with --shard fsdp the model arrives sharded
+(minimoe/runs/sharding.py, built by cli/train.py), every rank takes part in gathering each checkpoint,
+rank 0 writes it, and a resume puts each rank's rows back (docs/distributed.md).
+
 Optimisation decisions (paper, Experimental Configuration table):
 - Warmup steps are ceil(warmup * total steps), transformers' Trainer rule for a warmup ratio
   (`TrainingArguments.get_warmup_steps`): Granite ARC warms up 19 of its 375 steps, not 18.
@@ -180,7 +184,7 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
     grad_norm = full(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip))  # FSDP: a replicated DTensor
     logs = dict(zip([*terms, "grad_norm"], read_back([*terms.values(), grad_norm])))  # the step's one sync
     logs = {k: global_sum(v) if k in terms else v for k, v in logs.items()}
-    logs["routing"] = stats.summary(has_e_hat=method.predicts_error)  # this rank's micro-batches (tracking.py)
+    logs["routing"] = stats.summary(has_e_hat=method.predicts_error)  # every rank's micro-batches (tracking.py)
     check_step(logs, trainable, step)
     optimizer.step()
     scheduler.step()
