@@ -123,6 +123,21 @@ def test_a_sharded_adapter_loads_as_a_one_process_adapter(runs):
             assert all(torch.equal(state[k], v) for k, v in saved.items())
 
 
+def test_a_sharded_run_exports_as_a_one_process_run(runs, tmp_path):
+    """export.py on the sharded run folder: a peft adapter (CE), and merged into its base (ACS + affinity
+    tuning); the merged weights equal the one-process run's merge within the adapters' difference."""
+    from minimoe.cli import export
+    two = runs["root"] / "two"
+    export.main([str(two / "olmoe-ce"), str(tmp_path / "peft")])
+    assert (tmp_path / "peft" / "adapter_model.safetensors").is_file()
+    for name in ("one", "two"):
+        export.main([str(runs["root"] / name / "granitemoe-acs"), str(tmp_path / f"merged-{name}"), "--merged"])
+    one, sharded = (load_file(tmp_path / f"merged-{name}" / "model.safetensors") for name in ("one", "two"))
+    assert one.keys() == sharded.keys()
+    for key in one:
+        torch.testing.assert_close(sharded[key], one[key], rtol=0, atol=1e-6, msg=key)
+
+
 def test_a_killed_sharded_run_resumes_to_the_uninterrupted_result(runs):
     """Killed after step 1 (its step checkpoint written: adapter + gathered AdamW state), resumed with
     --resume: the same step records and the same adapter, bit for bit, as the run never killed."""
