@@ -7,6 +7,7 @@
     python train.py --model ibm-granite/granite-3.1-3b-a800m-base --recipe granite \\
         --data arc_challenge --method tes --objective is --seed 42
     torchrun --nproc_per_node 2 train.py ...          # data-parallel, same result as one process
+    torchrun --nproc_per_node 2 train.py --shard fsdp ... # FSDP2: weights sharded (docs/distributed.md)
 
 Every setting is a field of minimoe/runs/config.py's TrainConfig: its default, or the recipe's
 (RECIPES, per backbone), unless a flag or a --config file gives it (flags win over the file);
@@ -54,6 +55,7 @@ from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing
 from minimoe.runs.folder import (claim_run_folder, has_training_output, is_run_folder, pick_device, pick_dtype,
                                  run_lock, set_aside, world)
 from minimoe.runs.provenance import provenance
+from minimoe.runs.sharding import build_sharded, check_sharding
 from minimoe.runs.training import check_install, install_method, train
 
 
@@ -175,14 +177,17 @@ def main(argv=None):
     args.data = args.data or "arc_challenge"
     folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
     tokenizer = minimoe.load_tokenizer(folder)
-    cfg, method = resolve_config(args, read_config(folder))  # the method, device and dtype are resolved here, once
+    model_config = read_config(folder)
+    cfg, method = resolve_config(args, model_config)  # the method, device and dtype are resolved here, once
+    sharded = cfg.shard == "fsdp"  # then no rank ever holds the whole model (minimoe/runs/sharding.py)
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
-    model = minimoe.from_pretrained(folder, dtype=cfg.dtype)  # checks the checkpoint before any run folder exists
+    model = None if sharded else minimoe.from_pretrained(folder, dtype=cfg.dtype)  # checks the checkpoint first
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), method))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     for split, examples in data.items():  # every setting is checked before the run folder is written
         check_max_length(examples, tokenizer, cfg.max_length, f"--max-length, {cfg.data} {split}")
-    check_install(model.config, cfg, method, cfg.device)  # LoRA targets, layers, method options, memory: on meta
+    check_install(model_config, cfg, method, cfg.device)  # LoRA targets, layers, method options, memory: on meta
+    check_sharding(cfg, world()[1])  # --shard fsdp: torchrun, 2 ranks or more
     if args.resume and args.rerun:
         sys.exit("train.py: error: --resume and --rerun: pass one (continue the run, or start it again)")
     if args.resume and not (run / "config.json").is_file():
@@ -203,7 +208,10 @@ def main(argv=None):
     np.random.seed(cfg.seed)
     created = rank == 0 and claim_run_folder(run, resume=args.resume)
     try:
-        model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
+        if sharded:  # LoRA and the method installed as one process installs them, then sharded
+            model, _ = build_sharded(folder, cfg, lambda m: install_method(m, cfg, method))
+        else:
+            model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
         with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
             fit(model, tokenizer, data, cfg, method, run, args, rank, folder)
     except BaseException:
@@ -238,7 +246,8 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
             from minimoe.runs.evaluation import evaluate_zero_shot  # before LoRA and the method exist
             base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
             print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
-    install_method(model, cfg, method)
+    if cfg.shard != "fsdp":  # a sharded model was built with them (cli main)
+        install_method(model, cfg, method)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.compile:
@@ -253,7 +262,10 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
         if done:
             print(f"test evaluation in {folder} already done; not run again")
         return done
-    if rank == 0 and not cfg.no_test_eval:
+    if cfg.shard == "fsdp" and not cfg.no_test_eval and rank == 0:
+        print(f"train.py: --shard fsdp: the test split is not scored in this process (rank 0 holds a shard of the "
+              f"model); run: python evaluate.py {run}")
+    if rank == 0 and not cfg.no_test_eval and cfg.shard != "fsdp":
         from minimoe.runs.evaluation import evaluate_run
         if cfg.test_checkpoint in ("last", "both") and not scored("last"):  # the in-memory model is the last epoch
             metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, examples=data["test"],

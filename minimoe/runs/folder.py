@@ -408,10 +408,12 @@ def set_rng_state(state: dict, device=None):
     np.random.set_state((n["key"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
 
 
-def save_state(path: Path, optimizer, scheduler, epoch: int, step: int, epoch_step: int = 0):
+def save_state(path: Path, optimizer, scheduler, epoch: int, step: int, epoch_step: int = 0, *,
+               optimizer_state: dict | None = None):
     """The position (`epoch` complete, `epoch_step` steps of the next one, `step` global), the
-    optimizer, the scheduler and every RNG."""
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
+    optimizer (`optimizer_state` when given: a sharded run's, gathered by parameter name), the
+    scheduler and every RNG."""
+    state = {"optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state, "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
              "epoch_step": epoch_step, "rng": rng_state(params_device(optimizer))}
     with atomic_file(path) as tmp:
         try:
