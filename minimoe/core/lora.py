@@ -219,6 +219,7 @@ class _BasePlusDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # dy [N, out]
         xa, stacked, offs = ctx.saved_tensors
+        dy = dy.contiguous()  # an expanded gradient (of a sum) has stride 0, which grouped_mm refuses
         dxa = dw = db = None
         if ctx.needs_input_grad[0]:
             dxa = F.grouped_mm(dy, stacked, offs=offs)  # [N, in + k]
