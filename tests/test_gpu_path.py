@@ -274,3 +274,27 @@ def test_a_frozen_banks_backward_computes_no_bank_gradient(family):
         y.float().sum().backward()
     assert bank.lora_A.grad is not None and bank.lora_B.grad is not None and bank.weight.grad is None
     assert len(calls) == 4 and tuple(bank.weight.shape) not in calls, calls
+
+
+@pytest.mark.parametrize("method", ["native", "tes"])
+def test_an_optimizer_step_reads_back_once(tmp_path, method, monkeypatch):
+    """optimizer_step: the loss terms, gradient norm, check_step's zero-update check and every diagnosed
+    layer's routing statistics come back to the host in one read_back, and nothing else waits for the
+    device (no .item(); .cpu() and .tolist() are no op on the CPU, so read_back is counted instead). SGD,
+    as AdamW reads its CPU step counter with .item()."""
+    from minimoe.runs import training
+    cfg = replace(TrainConfig(**RECIPES["tiny"], method=method), lora_dropout=0.0, batch_size=2, pad_token_id=0,
+                  device="cpu", layers="all")
+    batches = step_batches(tmp_path, cfg)
+    model = from_pretrained(tiny_checkpoint())
+    training.install_method(model, cfg, method_for(cfg))
+    model.train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    reads = []
+    read_back = training.read_back
+    monkeypatch.setattr(training, "read_back", lambda values: reads.append(len(values)) or read_back(values))
+    with HostSyncs() as syncs:
+        logs = training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, method_for(cfg), 1, 1)
+    assert syncs.counts == {} and len(reads) == 1, (syncs.counts, reads)
+    assert len(logs["routing"]) == model.config.num_hidden_layers and logs["task"] > 0
