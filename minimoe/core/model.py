@@ -197,8 +197,12 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, G, S, d]
         # Query head h reads kv head h // (H/G): the reference's repeat_interleave layout.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           scale=c.attention_scale, enable_gqa=True)  # [B, H, T, d]
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask on CUDA: a fused kernel (`block_mask`)
+            from torch.nn.attention.flex_attention import flex_attention  # imports dynamo: only where used
+            y = flex_attention(q, k, v, block_mask=mask, scale=c.attention_scale, enable_gqa=True)
+        else:  # the readable reference path
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               scale=c.attention_scale, enable_gqa=True)  # [B, H, T, d]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -438,7 +442,10 @@ class MoEForCausalLM(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
-        mask = self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids)
+        if input_ids.device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or segment_ids is not None):
+            mask = block_mask(attention_mask, segment_ids, B, T)
+        else:
+            mask = self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids)
         routings = []
         for layer in self.model.layers:
             h, routing = layer(h, cos, sin, mask, cache)
@@ -489,6 +496,27 @@ class MoEForCausalLM(nn.Module):
     @property
     def device(self):
         return self.lm_head.weight.device
+
+
+# Where masked rows run FlexAttention (`block_mask`). Not the CPU: torch 2.13 has no flex backward there.
+FLEX_DEVICES = {"cuda"}
+
+
+def block_mask(attention_mask, segment_ids, B: int, T: int):
+    """`_attention_mask`'s rule (no cache) as a FlexAttention BlockMask: causal, within segment (or onto
+    the shared prefix, segment 0), onto real keys, and every query onto itself. Why: a bool mask keeps
+    packed GQA rows off the fused SDPA kernels (flash takes no mask; memory-efficient lacks GQA in 2.11),
+    so the math kernel builds fp32 [B, H, T, S] scores; flex skips the masked blocks (unmeasured on a GPU)."""
+    def allowed(b, h, q, k):
+        ok = k <= q
+        if segment_ids is not None:
+            ok = ok & ((segment_ids[b, k] == 0) | (segment_ids[b, k] == segment_ids[b, q]))
+        if attention_mask is not None:
+            ok = (ok & attention_mask[b, k].bool()) | (k == q)
+        return ok
+    from torch.nn.attention.flex_attention import create_block_mask  # imports dynamo (2 s): only where used
+    device = (segment_ids if segment_ids is not None else attention_mask).device
+    return create_block_mask(allowed, B, None, T, T, device=device)
 
 
 def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:
