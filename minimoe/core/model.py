@@ -30,6 +30,7 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling_granitem
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -198,8 +199,7 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_idx, k, v)  # [B, G, S, d]
         # Query head h reads kv head h // (H/G): the reference's repeat_interleave layout.
         if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask on CUDA: a fused kernel (`block_mask`)
-            from torch.nn.attention.flex_attention import flex_attention  # imports dynamo: only where used
-            y = flex_attention(q, k, v, block_mask=mask, scale=c.attention_scale, enable_gqa=True)
+            y = flex(q.is_cuda)(q, k, v, block_mask=mask, scale=c.attention_scale, enable_gqa=True)
         else:  # the readable reference path
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                scale=c.attention_scale, enable_gqa=True)  # [B, H, T, d]
@@ -500,6 +500,14 @@ class MoEForCausalLM(nn.Module):
 
 # Where masked rows run FlexAttention (`block_mask`). Not the CPU: torch 2.13 has no flex backward there.
 FLEX_DEVICES = {"cuda"}
+
+
+@functools.cache
+def flex(compiled: bool):
+    """flex_attention, compiled where it runs for speed (CUDA): uncompiled it is torch's unfused reference,
+    which builds the scores it exists to avoid. Imported here, not at the top: it imports dynamo (2 s)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
 def block_mask(attention_mask, segment_ids, B: int, T: int):
