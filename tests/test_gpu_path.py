@@ -298,3 +298,40 @@ def test_an_optimizer_step_reads_back_once(tmp_path, method, monkeypatch):
         logs = training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, method_for(cfg), 1, 1)
     assert syncs.counts == {} and len(reads) == 1, (syncs.counts, reads)
     assert len(logs["routing"]) == model.config.num_hidden_layers and logs["task"] > 0
+
+
+def test_compiled_layers_recompile_a_bounded_number_of_times_whatever_the_depth(tmp_path, monkeypatch):
+    """--compile over a tiny run in the GPU recipe's ops (bf16 under autocast, LoRA dropout on, TES): two
+    length buckets of training steps, then validation. torch._dynamo's counters: no graph break, and at
+    most 5 graphs for all 4 layers together (layer 0's input needs no gradient, the others' do; a first
+    static length, then one dynamic; no_grad validation), under the 8 a code object may hold. The CPU's
+    dropout-as-mask hooks broke every layer's graph here (cpu_kernels: they step aside under compile)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from minimoe.runs import training
+    monkeypatch.setattr(cpu_kernels, "EXPERT_BLOCK", 1)
+    cfg = replace(TrainConfig(**RECIPES["tiny"], method="tes"), lora_dropout=0.05, batch_size=2, pad_token_id=0,
+                  device="cpu", compile=True, layers="all")
+    tokenizer = load_tokenizer(tiny_checkpoint())
+    examples = load_split("arc_challenge", "train", data_dir=tmp_path / "splits")
+    steps = {}  # one step per length bucket, two buckets
+    for i in range(0, len(examples), 2):
+        batches = training.micro_batches(examples[i:i + 2], tokenizer, cfg, 0, 1)
+        steps.setdefault(batches[0].input_ids.shape[1], batches)
+        if len(steps) == 2:
+            break
+    model = from_pretrained(tiny_checkpoint(), dtype=torch.bfloat16)
+    training.install_method(model, cfg, method_for(cfg))
+    compile_layers(model.train(), backend="aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    settings = dict(training.loss_settings(cfg), autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    for batches in steps.values():
+        counts = {"examples": 2, "tokens": sum(b.supervised_tokens for b in batches),
+                  "rows": sum(b.input_ids.shape[0] for b in batches)}
+        step_loss(model, batches, method_for(cfg), counts, world_size=1, **settings)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        forward_choices(model.eval(), next(iter(steps.values()))[0])
+    assert model.config.num_hidden_layers == 4 and len(steps) == 2
+    assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] <= 5, dict(counters["stats"])
