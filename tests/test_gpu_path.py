@@ -28,7 +28,7 @@ from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs.config import RECIPES, TrainConfig, method_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import HostSyncs  # noqa: E402
+from bench.common import BankCopies, HostSyncs  # noqa: E402
 
 
 @pytest.fixture
@@ -217,23 +217,6 @@ def test_every_lora_rank_trains_under_bf16_autocast_as_in_fp32(family, dims):
         g16, g32 = (torch.cat([g[n].float().flatten() for n in grads32]) for g in (grads16, grads32))
         # bf16 on this std-0.2 toy: up to 0.31 at every rank, 8 and 16 included (OLMoE's q/k norms the worst)
         assert (g16 - g32).norm() / g32.norm() < 0.5, rank
-
-
-class BankCopies(torch.utils._python_dispatch.TorchDispatchMode):
-    """Bytes written by copying ops (cat, copy_, clone, a dtype or device copy) whose output has at least
-    `numel` elements (a frozen bank's size), by op name."""
-    COPIES = {"cat", "copy_", "clone", "_to_copy", "contiguous", "index_select", "stack"}
-
-    def __init__(self, numel: int):
-        super().__init__()
-        self.numel, self.bytes = numel, {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func._overloadpacket.__name__
-        if name in self.COPIES and isinstance(out, torch.Tensor) and out.numel() >= self.numel:
-            self.bytes[name] = self.bytes.get(name, 0) + out.numel() * out.element_size()
-        return out
 
 
 def test_a_lora_train_step_copies_no_frozen_bank(family):
