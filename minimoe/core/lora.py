@@ -44,7 +44,13 @@ Decisions:
   sync) and one launch per expert, so off the CPU and under autocast (the GPU recipe) a bank computes
   W_e x + B_e a in one grouped_mm over [x | a] against [W_e | scale B_e] instead (`base_plus_delta`):
   the same single rounding, a and B held in bf16, no sync, and a backward that computes no gradient
-  for the frozen bank. Only this path's numerics are tested on the CPU; it has not run on a GPU.
+  for the frozen bank. [W_e | scale B_e] is one persistent buffer per bank, of which the bank's weight
+  is a view (`LoRAGroupedLinear.stacked`), so no step copies a bank; the rank is padded to a multiple
+  of 8 for grouped_mm's 16-byte strides, so every rank runs. Two products summed in fp32 would need
+  grouped_mm's out_dtype=fp32 for bf16 inputs, which the CPU's refuses in torch 2.13 ("Grouped gemm
+  output dtype must match `mat_a` dtype"; CUDA's unchecked): no CPU test could hold it.
+  Only this path's numerics are tested on the CPU (bf16 autocast replays its grouped_mm calls and
+  stride checks); it has not run on a GPU.
 
 Saving, loading and exporting what was trained: minimoe/runs/adapters.py.
 """
