@@ -15,7 +15,7 @@ from minimoe.core import cpu_kernels
 from minimoe.core.objectives import load_balancing_loss
 from minimoe.core.scoring import forward_choices, make_choice_batch
 from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
-from tests.conftest import spy_grouped_mm, tiny_config
+from tests.conftest import spy_grouped_mm, tiny_config, tiny_model
 
 FP32_TOL = 2e-5  # max |ours - ref| / max |ref| on the logits
 
@@ -284,3 +284,36 @@ def test_bad_config_values_raise():
         tiny_config("olmoe", num_key_value_heads=3)
     with pytest.raises(ValueError, match="rope_scaling"):
         tiny_config("olmoe", rope_scaling={"type": "linear", "factor": 2.0})
+
+
+def packed_rows():
+    """Two rows of packed answer choices (segment 0 the prompt, 1-3 the choices), the second padded at the end."""
+    seg = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 0, 0, 0, 0],
+                        [0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 0, 0, 0]])
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[1, 13:] = 0
+    return seg, mask
+
+
+def test_flex_block_mask_equals_the_dense_mask():
+    """block_mask (FlexAttention, CUDA's path for packed rows) allows exactly what _attention_mask's bool
+    mask does: with segments, with padding, and with both."""
+    from torch.nn.attention.flex_attention import create_mask
+    seg, pad = packed_rows()
+    for s, m in ((seg, None), (None, pad), (seg, pad)):
+        dense = mm.MoEForCausalLM._attention_mask(m, 2, 16, 0, "cpu", s)
+        flex = mm.block_mask(m, s, 2, 16)
+        assert torch.equal(create_mask(flex.mask_mod, 2, 1, 16, 16, device="cpu"), dense)
+
+
+def test_flex_forward_equals_sdpa(family, monkeypatch):
+    """The model's logits with FlexAttention on packed, padded rows equal the SDPA path's (CPU, forward
+    only: torch 2.13 has no flex backward on the CPU; tests/test_cuda.py holds the backward)."""
+    model = tiny_model(family)
+    seg, pad = packed_rows()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(ids, attention_mask=pad, segment_ids=seg).logits
+        monkeypatch.setattr(mm, "FLEX_DEVICES", {"cpu"})
+        got = model(ids, attention_mask=pad, segment_ids=seg).logits
+    torch.testing.assert_close(got[pad.bool()], want[pad.bool()], rtol=1e-5, atol=1e-5)

@@ -30,6 +30,7 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling_granitem
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -197,8 +198,11 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, G, S, d]
         # Query head h reads kv head h // (H/G): the reference's repeat_interleave layout.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           scale=c.attention_scale, enable_gqa=True)  # [B, H, T, d]
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask on CUDA: a fused kernel (`block_mask`)
+            y = flex(q.is_cuda)(q, k, v, block_mask=mask, scale=c.attention_scale, enable_gqa=True)
+        else:  # the readable reference path
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               scale=c.attention_scale, enable_gqa=True)  # [B, H, T, d]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -264,9 +268,17 @@ def _grouped_mm_applies(x, w_t) -> bool:
         return False
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return False
-    size = x.element_size()
-    strides = [s for t in (x, w_t) for s in t.stride() if s != 1]
-    return all(s * size % 16 == 0 for s in strides) and x.stride(-1) == 1
+    # the output [N, out] too: backward hands its gradient, that shape, to grouped_mm
+    return x.stride(-1) == 1 and _aligned(x) and _aligned(w_t) and w_t.shape[-1] * x.element_size() % 16 == 0
+
+
+def _aligned(t) -> bool:
+    """grouped_mm's stride rule, as torch checks it: one of the last two dims has stride 1 and every other
+    stride is a multiple of 16 bytes (not "every stride but the 1s": a [N, 1] tensor's row stride is 1)."""
+    *batch, rows, cols = (s * t.element_size() for s in t.stride())
+    size = t.element_size()
+    inner = (cols == size and rows % 16 == 0) or (rows == size and cols % 16 == 0)
+    return inner and all(s % 16 == 0 for s in batch)
 
 
 def matmul_dtype(x, weight) -> torch.dtype:
@@ -430,7 +442,10 @@ class MoEForCausalLM(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
-        mask = self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids)
+        if input_ids.device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or segment_ids is not None):
+            mask = block_mask(attention_mask, segment_ids, B, T)
+        else:
+            mask = self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids)
         routings = []
         for layer in self.model.layers:
             h, routing = layer(h, cos, sin, mask, cache)
@@ -481,6 +496,35 @@ class MoEForCausalLM(nn.Module):
     @property
     def device(self):
         return self.lm_head.weight.device
+
+
+# Where masked rows run FlexAttention (`block_mask`). Not the CPU: torch 2.13 has no flex backward there.
+FLEX_DEVICES = {"cuda"}
+
+
+@functools.cache
+def flex(compiled: bool):
+    """flex_attention, compiled where it runs for speed (CUDA): uncompiled it is torch's unfused reference,
+    which builds the scores it exists to avoid. Imported here, not at the top: it imports dynamo (2 s)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+def block_mask(attention_mask, segment_ids, B: int, T: int):
+    """`_attention_mask`'s rule (no cache) as a FlexAttention BlockMask: causal, within segment (or onto
+    the shared prefix, segment 0), onto real keys, and every query onto itself. Why: a bool mask keeps
+    packed GQA rows off the fused SDPA kernels (flash takes no mask; memory-efficient lacks GQA in 2.11),
+    so the math kernel builds fp32 [B, H, T, S] scores; flex skips the masked blocks (unmeasured on a GPU)."""
+    def allowed(b, h, q, k):
+        ok = k <= q
+        if segment_ids is not None:
+            ok = ok & ((segment_ids[b, k] == 0) | (segment_ids[b, k] == segment_ids[b, q]))
+        if attention_mask is not None:
+            ok = (ok & attention_mask[b, k].bool()) | (k == q)
+        return ok
+    from torch.nn.attention.flex_attention import create_block_mask  # imports dynamo (2 s): only where used
+    device = (segment_ids if segment_ids is not None else attention_mask).device
+    return create_block_mask(allowed, B, None, T, T, device=device)
 
 
 def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:

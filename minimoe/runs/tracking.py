@@ -61,18 +61,32 @@ class RoutingStats:
             self.load[l] = load + self.load[l] if l in self.load else load
             self.sums[l] = {k: v + self.sums[l][k] for k, v in sums.items()} if l in self.sums else sums
 
-    def summary(self, has_e_hat: bool) -> dict:
+    def flat(self) -> torch.Tensor:
+        """Every layer's load [E] and sums, in one float64 tensor on their device: what `summary` reads,
+        so that the optimizer step reads it back with its other values at once (training.read_back)."""
+        device = next(iter(self.load.values())).device if self.load else "cpu"
+        parts = []
+        for l in self.layers:
+            parts.append(self.load.get(l, torch.zeros(self.num_experts, dtype=torch.float64, device=device)))
+            parts += [s.reshape(1) for s in self.sums.get(l, {}).values()]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+    def summary(self, has_e_hat: bool, values: list[float] | None = None) -> dict:
         """{"layer<l>": {"load": [E fractions], "c_t": mean, ("e_hat", "token_loss"): means if has_e_hat}}.
         has_e_hat: the method's prediction is a predicted token error (routing.Method.predicts_error).
-        Under torchrun every rank calls it: the sums are all-reduced first."""
-        self.sum_over_ranks()
+        values: `flat()` read back already, after `sum_over_ranks` (under torchrun every rank calls both);
+        None sums over the ranks and reads it here."""
+        if values is None:
+            self.sum_over_ranks()
+        host = iter(self.flat().tolist() if values is None else values)
         out = {}
         for l in self.layers:
-            load = self.load.get(l, torch.zeros(self.num_experts, dtype=torch.float64)).cpu()
+            load = torch.tensor([next(host) for _ in range(self.num_experts)], dtype=torch.float64)
             load = load / load.sum().clamp_min(1)
             entry = {"load": [round(x, 6) for x in load.tolist()]}
+            sums = {name: next(host) for name in self.sums.get(l, {})}
             if self.supervised:
-                means = {name: s.item() / self.supervised for name, s in self.sums[l].items()}
+                means = {name: s / self.supervised for name, s in sums.items()}
                 entry["c_t"] = means["c_t"]
                 if has_e_hat:
                     entry.update(e_hat=means.get("e_hat", 0.0), token_loss=means.get("token_loss", 0.0))

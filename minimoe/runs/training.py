@@ -148,24 +148,35 @@ class NonFiniteTraining(ValueError):
     """A step's loss or gradient is not finite, or its clipped update is all zeros: training stops."""
 
 
-def check_step(logs: dict, trainable, step: int):
+def check_step(logs: dict, trainable, step: int, largest: float | None = None):
     """Stop before the optimizer applies a step that cannot train: a non-finite loss term or gradient
     norm (clipping would turn it into a NaN or an all-zero update), or a clipped gradient that is
     exactly zero everywhere (an update that changes nothing, e.g. a norm so large that clipping
-    underflows). `step` is the global step being taken; the error names it and the bad terms."""
+    underflows). `step` is the global step being taken; the error names it and the bad terms.
+    largest: the largest |gradient| (`largest_gradient`), read back already; None reads it here (a sync)."""
     bad = {k: v for k, v in logs.items() if isinstance(v, float) and not math.isfinite(v)}  # not "routing"
     if bad:
         raise NonFiniteTraining(f"step {step}: non-finite {', '.join(f'{k}={v}' for k, v in bad.items())}; "
                                 f"training stopped before applying it (check lambda, tau, is_eps, aux_coef, "
                                 f"lora_alpha, lr: a value that large or small overflows)")
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in trainable if p.grad is not None]
-    peak = torch.stack([g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32) for g in grads]
-                       ).max() if grads else torch.zeros(())
-    if dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in trainable):  # FSDP: each rank its rows
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if not grads or peak.item() == 0:  # one device sync
+    if largest is None:
+        largest = float(largest_gradient(trainable))
+    if largest == 0:
         raise NonFiniteTraining(f"step {step}: the clipped update is all zeros (gradient norm {logs['grad_norm']:g} "
                                 f"before clipping); training stopped rather than take steps that change nothing")
+
+
+def largest_gradient(trainable):
+    """The largest |gradient| entry over `trainable` as a device scalar (0.0 when none has a gradient);
+    under FSDP each rank holds its rows of a gradient, and the ranks' largest are all-reduced."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in trainable if p.grad is not None]
+    if not grads:
+        return 0.0
+    peak = torch.stack([g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
+                        for g in grads]).max()
+    if dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in trainable):
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak
 
 
 def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, method: Method,
@@ -182,23 +193,35 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
     terms = step_loss(model, batches, method, counts, world_size, stats=stats, **loss_settings(cfg))
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = full(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip))  # FSDP: a replicated DTensor
-    logs = dict(zip([*terms, "grad_norm"], read_back([*terms.values(), grad_norm])))  # the step's one sync
+    stats.sum_over_ranks()  # under torchrun: every rank's micro-batches (tracking.py)
+    # the step's one read-back: loss terms, gradient norm, check_step's largest gradient, routing statistics
+    *values, largest, routing = read_back([*terms.values(), grad_norm, largest_gradient(trainable), stats.flat()])
+    logs = dict(zip([*terms, "grad_norm"], values))
     logs = {k: global_sum(v) if k in terms else v for k, v in logs.items()}
-    logs["routing"] = stats.summary(has_e_hat=method.predicts_error)  # every rank's micro-batches (tracking.py)
-    check_step(logs, trainable, step)
+    logs["routing"] = stats.summary(method.predicts_error, routing)
+    check_step(logs, trainable, step, largest)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return logs
 
 
-def read_back(values) -> list[float]:
-    """Device scalars (or plain numbers) -> floats, with one transfer to the host."""
+def read_back(values) -> list:
+    """Device scalars (or plain numbers) -> floats, 1-D device tensors -> lists of floats, with one transfer
+    to the host (in float64, which holds every fp32 value exactly)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if not tensors:
         return [float(v) for v in values]
-    host = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist())
-    return [next(host) if isinstance(v, torch.Tensor) else float(v) for v in values]
+    host = torch.cat([t.double().reshape(-1) for t in tensors]).tolist()
+    out, at = [], 0
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            out.append(float(v))
+            continue
+        n = v.numel()
+        out.append(host[at] if v.dim() == 0 else host[at:at + n])
+        at += n
+    return out
 
 
 def autocast(cfg: TrainConfig):
