@@ -44,7 +44,7 @@ from minimoe.core.methods import Method
 from minimoe.core.model import compile_layers
 from minimoe.core.scoring import check_max_length, pad_id
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
-from minimoe.data.userdata import build_user_data, is_user_data
+from minimoe.data.userdata import resolve_data
 from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import resolve_checkpoint
@@ -130,15 +130,11 @@ def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
     folder of the manifests written (evaluate.py and a relaunch read those back as they are; their
     splits.json records where they came from, the field map and the template)."""
     resolved = {}
-    manifests = Path(cfg.data).is_dir() and all((Path(cfg.data) / f"{s}.jsonl").is_file() for s in SPLITS)
-    if is_user_data(cfg.data) and not (manifests and cfg.field_map is None and cfg.prompt_template is None):
-        folder = build_user_data(cfg.data, cfg.data_dir, field_map=cfg.field_map, revision=cfg.data_revision,
-                                 prompt_template=cfg.prompt_template, seed=42)
-        resolved = {"data": str(folder), "field_map": None, "prompt_template": None, "data_revision": None}
+    folder = resolve_data(cfg.data, cfg.data_dir, field_map=cfg.field_map, revision=cfg.data_revision,
+                          prompt_template=cfg.prompt_template, seed=42)  # the same reader as evaluate.py's
+    if folder != cfg.data:  # your own rows, now their manifests' folder
+        resolved = {"data": folder, "field_map": None, "prompt_template": None, "data_revision": None}
         cfg = replace(cfg, **resolved)
-    elif cfg.field_map is not None or cfg.prompt_template is not None:
-        raise ValueError(f"--field-map and --prompt-template apply to your own --data; {cfg.data!r} is a registered "
-                         f"benchmark (its fields and the paper's prompt are fixed)")
     if Path(cfg.data).is_dir():
         data = {s: load_split(Path(cfg.data) / f"{s}.jsonl") for s in SPLITS}
     else:

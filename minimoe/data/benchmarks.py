@@ -103,7 +103,8 @@ HUB_REVISIONS = {"allenai/ai2_arc": "210d026faf9955653af8916fad021475a3f00453",
 
 def _benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown dataset {name!r}; expected one of {sorted(BENCHMARKS)} or a .jsonl manifest path")
+        raise ValueError(f"unknown dataset {name!r}; expected one of {sorted(BENCHMARKS)}, or your own data: a .jsonl "
+                         f"or .csv file, a folder of them, a datasets folder or a hub dataset id (owner/name)")
     return BENCHMARKS[name]
 
 
