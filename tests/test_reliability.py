@@ -271,7 +271,7 @@ def test_locks_errors_and_leftovers(tmp_path, data):
 
     out = cli("export.py", tmp_path / "nowhere", tmp_path / "exp")
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines() == [f"export.py: error: --adapter {tmp_path / 'nowhere'}: no such folder; "
+    assert out.stderr.strip().splitlines() == [f"export.py: error: {tmp_path / 'nowhere'}: no such folder; "
                                                f"expected a run folder (config.json, checkpoints/, selection.json) "
                                                f"or an adapter folder (adapter_config.json)"]
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 40)
