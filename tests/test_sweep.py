@@ -441,3 +441,16 @@ def test_a_run_that_exits_0_without_finishing_its_cell_fails_the_sweep(tmp_path,
                                          r"folder is not done"):
         sweep.main(["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "CE", "--seeds", "42",
                     "--out-dir", str(tmp_path)])
+
+
+def test_the_help_example_of_your_own_rows_names_what_the_example_file_registers(capsys, monkeypatch):
+    """Issue 41 item 7: sweep.py --help's row `my_method` was not the name examples/my_method.py registers."""
+    from minimoe.runs.plugins import resolve_method
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    with pytest.raises(SystemExit):
+        sweep.main(["--help"])
+    text = capsys.readouterr().out
+    examples = re.findall(r"--rows CE (\w+) --method-module (\S+)", text)
+    assert examples, "sweep.py --help shows no --rows example with --method-module"
+    for name, module in examples:
+        assert resolve_method(name, module).name == name

@@ -50,7 +50,7 @@ from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import resolve_checkpoint
 from minimoe.loading.smollm import smollm_checkpoint
 from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_settings,
-                                 run_name, settings_of)
+                                 run_name, settings_of, unread_flags)
 from minimoe.runs.folder import (claim_run_folder, has_training_output, is_run_folder, pick_device, pick_dtype,
                                  run_lock, set_aside, world)
 from minimoe.runs.provenance import provenance
@@ -175,6 +175,11 @@ def main(argv=None):
     dtype = pick_dtype(args.dtype, pick_device(args.device))
     model = minimoe.from_pretrained(folder, dtype=dtype)  # checks the checkpoint before any run folder exists
     cfg, method = resolve_config(args, model.config)  # the method is resolved here, once
+    typed, default = (vars(parser().parse_args(a)) for a in (list(sys.argv[1:] if argv is None else argv), []))
+    typed = {k: v for k, v in typed.items() if v != default[k]}  # flags typed off their defaults, not a --config's
+    if unread := unread_flags(typed, method):
+        print(f"train.py: warning: {', '.join(unread)} ignored: {method.row} supervises no prediction, so it has "
+              f"no objective nor lambda (TES and ACS do)", file=sys.stderr)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), method))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     for split, examples in data.items():  # every setting is checked before the run folder is written

