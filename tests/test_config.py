@@ -141,5 +141,6 @@ def test_a_supervision_flag_that_the_method_does_not_read_is_said_ignored(tmp_pa
                 "--batch-size", "8", "--no-test-eval", "--quiet", "--out-dir", str(tmp_path), "--run-name", "r",
                 "--data-dir", str(tmp_path / "splits")])
     lines = [line for line in capsys.readouterr().err.splitlines() if "ignored" in line]
-    assert lines == ([f"train.py: warning: {warned} ignored: {'CE' if method == 'ce' else 'Dual Affinity'} "
-                      f"supervises no prediction, so it has no objective nor lambda (TES and ACS do)"] if warned else [])
+    label = "CE" if method == "ce" else "Dual Affinity"
+    assert lines == ([f"train.py: warning: {warned} ignored: {label} supervises no prediction, so it has no "
+                      f"objective nor lambda (TES and ACS do)"] if warned else [])

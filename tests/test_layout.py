@@ -88,7 +88,8 @@ def test_tests_import_the_oracles_so_that_a_plain_install_skips_only_their_tests
     for path in sorted((REPO / "tests").glob("*.py")):
         skipped = set()
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
-            calls = [n for n in ast.walk(node) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "importorskip"]
+            calls = [n for n in ast.walk(node)
+                     if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "importorskip"]
             skipped |= {c.args[0].value.split(".")[0] for c in calls if c.args and isinstance(c.args[0], ast.Constant)}
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])

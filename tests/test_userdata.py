@@ -264,7 +264,8 @@ def test_evaluate_reads_a_default_column_jsonl_with_text_answers_as_train_py_doe
     data = write_jsonl(tmp_path / "words.jsonl", [{"id": ex.id, "question": ex.question, "choices": ex.choices,
                                                    "answer": ex.choices[ex.answer]} for ex in pool])
     run, cfg, _ = train_and_evaluate(tmp_path, "--data", str(data))
-    metrics = evaluate.main(["--adapter", str(run), "--data", str(data), "--quiet", "--out-dir", str(tmp_path / "again")])
+    metrics = evaluate.main(["--adapter", str(run), "--data", str(data), "--quiet",
+                             "--out-dir", str(tmp_path / "again")])
     assert (metrics["data"], metrics["split_sha256"]) == (cfg["data"], cfg["data_sha256"]["test"])
     golds = {ex.id: ex.answer for ex in pool}
     assert all(r["answer"] == golds[r["id"]] for r in manifest(tmp_path / "splits" / cfg["data"].split("/")[-1], "test"))

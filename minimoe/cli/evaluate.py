@@ -92,7 +92,8 @@ def evaluate_parser() -> argparse.ArgumentParser:
                                      "manifests, one split's manifest (a file named <--split>.jsonl in manifest form), "
                                      "or your own data read as train.py reads it (a CSV or JSONL file or folder, a "
                                      "datasets folder, a hub id; with the --field-map and --prompt-template it "
-                                     "trained with, the same splits are built). Default with a run folder: the run's data")
+                                     "trained with, the same splits are built). Default with a run folder: the "
+                                     "run's data")
     data.add_argument("--field-map", metavar="FIELD=COLUMN,...",
                       help="your own --data's columns, as train.py's --field-map (minimoe/data/userdata.py)")
     data.add_argument("--prompt-template", metavar="FORMAT", help="your own --data's prompt, as train.py's")

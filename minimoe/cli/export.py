@@ -24,7 +24,8 @@ from minimoe.integrations.export import export_merged_adapter, export_peft
 def main(argv=None):
     p = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("adapter", metavar="RUN", help="a run folder written by train.py, or one adapter folder (RUN/checkpoints/epoch-N)")
+    p.add_argument("adapter", metavar="RUN",
+                   help="a run folder written by train.py, or one adapter folder (RUN/checkpoints/epoch-N)")
     p.add_argument("out", help="output folder for adapter_config.json + adapter_model.safetensors, or with --merged "
                                "the merged checkpoint (replaced whole)")
     p.add_argument("--merged", action="store_true", help="write the base model with the adapter merged in (official "

@@ -15,10 +15,10 @@ one column holding a list (a JSON list in CSV), or several columns joined by "+"
 inside a nested value (choices=choices.text). The answer is an index from 0, a letter or the text of
 one choice; answer=COLUMN:index, :letter (A-Z or a-z) or :text says which. Untyped, a JSON int is an
 index, a digit string an index or a choice's text, A-Z a letter; a reading that names no choice is no
-reading ("41" among 4 choices is the text "41"), and a value that two readings take to different choices
-("1" among choices 3, 2, 1, 4) is refused with its row named, never guessed. A CSV row with more or fewer fields than the header, and an empty
-file, are refused; columns nothing reads are named in one warning. `id` is optional (default
-<split>:<row number>), `source` too. --prompt-template (a str.format string over the row's fields and {question}) replaces the paper's
+reading ("41" among 4 choices is the text "41"), and a value that two readings take to different
+choices ("1" among choices 3, 2, 1, 4) is refused with its row named, never guessed. A CSV row with
+more or fewer fields than the header, and an empty file, are refused; columns nothing reads are named
+in one warning. `id` is optional (default <split>:<row number>), `source` too. --prompt-template (a str.format string over the row's fields and {question}) replaces the paper's
 "Question: <q>\\nAnswer:" prompt; it is rendered into each example's `prompt`.
 
 A missing val or test split is carved from train: sort by id, shuffle with Random(seed), 10% each (at
@@ -109,10 +109,11 @@ def data_kind(data: str, *, custom: bool = False, split: str | None = None) -> s
                                 f"file of your questions, a folder of them, a datasets folder or a hub dataset id")
     if not is_user_data(data):
         return "benchmark"
-    if not custom and path.is_dir() and all((path / f"{s}.jsonl").is_file() and in_manifest_form(path / f"{s}.jsonl")
-                                            for s in SPLITS):
+    def manifest(file: Path) -> bool:
+        return file.is_file() and in_manifest_form(file)
+    if not custom and path.is_dir() and all(manifest(path / f"{s}.jsonl") for s in SPLITS):
         return "manifests"
-    if not custom and split is not None and path.is_file() and path.name == f"{split}.jsonl" and in_manifest_form(path):
+    if not custom and split is not None and path.name == f"{split}.jsonl" and manifest(path):
         return "manifest"
     return "rows"
 
@@ -127,8 +128,9 @@ def resolve_data(data: str, data_dir, *, field_map: str | None = None, prompt_te
         return str(build_user_data(data, data_dir, field_map=field_map, prompt_template=prompt_template,
                                    revision=revision, seed=seed))
     if kind == "benchmark" and custom:
-        raise FieldMapForBenchmark(f"--field-map and --prompt-template apply to your own --data (a file, folder or hub id); "
-                         f"{data!r} is a registered benchmark (its fields and the paper's prompt are fixed)")
+        raise FieldMapForBenchmark(f"--field-map and --prompt-template apply to your own --data (a file, folder or "
+                                   f"hub id); {data!r} is a registered benchmark (its fields and the paper's prompt "
+                                   f"are fixed)")
     return data
 
 
