@@ -4,6 +4,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,6 +46,8 @@ def test_interleaved_rotates_order_and_ratios_per_round():
 def test_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, monkeypatch):
     """bench/gpu.py --smoke on the CPU: every section runs (tiny widths) and the table has its rows; on
     a GPU the same code measures. Parity and grouped_mm figures are real checks even here."""
+    pytest.importorskip("transformers")  # its parity and LoRA sections compare with transformers + peft
+    pytest.importorskip("peft")
     from bench import gpu
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     rows = gpu.main(["--smoke", "--device", "cpu", "--out", "gpu-smoke"])

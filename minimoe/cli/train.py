@@ -45,13 +45,13 @@ from minimoe.core.methods import Method
 from minimoe.core.model import compile_layers
 from minimoe.core.scoring import check_max_length, pad_id
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
-from minimoe.data.userdata import build_user_data, is_user_data
+from minimoe.data.userdata import resolve_data
 from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.loading.smollm import smollm_checkpoint
 from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_run_config,
-                                 read_settings, run_name, settings_of)
+                                 read_settings, run_name, settings_of, unread_flags)
 from minimoe.runs.folder import (claim_run_folder, has_training_output, is_run_folder, pick_device, pick_dtype,
                                  run_lock, set_aside, world)
 from minimoe.runs.provenance import provenance
@@ -132,15 +132,11 @@ def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
     folder of the manifests written (evaluate.py and a relaunch read those back as they are; their
     splits.json records where they came from, the field map and the template)."""
     resolved = {}
-    manifests = Path(cfg.data).is_dir() and all((Path(cfg.data) / f"{s}.jsonl").is_file() for s in SPLITS)
-    if is_user_data(cfg.data) and not (manifests and cfg.field_map is None and cfg.prompt_template is None):
-        folder = build_user_data(cfg.data, cfg.data_dir, field_map=cfg.field_map, revision=cfg.data_revision,
-                                 prompt_template=cfg.prompt_template, seed=42)
-        resolved = {"data": str(folder), "field_map": None, "prompt_template": None, "data_revision": None}
+    folder = resolve_data(cfg.data, cfg.data_dir, field_map=cfg.field_map, revision=cfg.data_revision,
+                          prompt_template=cfg.prompt_template, seed=42)  # the same reader as evaluate.py's
+    if folder != cfg.data:  # your own rows, now their manifests' folder
+        resolved = {"data": folder, "field_map": None, "prompt_template": None, "data_revision": None}
         cfg = replace(cfg, **resolved)
-    elif cfg.field_map is not None or cfg.prompt_template is not None:
-        raise ValueError(f"--field-map and --prompt-template apply to your own --data; {cfg.data!r} is a registered "
-                         f"benchmark (its fields and the paper's prompt are fixed)")
     if Path(cfg.data).is_dir():
         data = {s: load_split(Path(cfg.data) / f"{s}.jsonl") for s in SPLITS}
     else:
@@ -182,6 +178,11 @@ def main(argv=None):
     sharded = cfg.shard == "fsdp"  # then no rank ever holds the whole model (minimoe/runs/sharding.py)
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
     model = None if sharded else minimoe.from_pretrained(folder, dtype=cfg.dtype)  # checks the checkpoint first
+    typed, default = (vars(parser().parse_args(a)) for a in (list(sys.argv[1:] if argv is None else argv), []))
+    typed = {k: v for k, v in typed.items() if v != default[k]}  # flags typed off their defaults, not a --config's
+    if unread := unread_flags(typed, method):
+        print(f"train.py: warning: {', '.join(unread)} ignored: {method.row} supervises no prediction, so it has "
+              f"no objective nor lambda (TES and ACS do)", file=sys.stderr)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), method))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     for split, examples in data.items():  # every setting is checked before the run folder is written

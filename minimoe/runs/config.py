@@ -540,6 +540,12 @@ def reads(method: Method, setting: str) -> bool:
     return setting in method.declared or not declaring(setting)
 
 
+def unread_flags(settings: dict, method: Method) -> list[str]:
+    """The flags of the supervision settings given (not None) that `method` does not read, for train.py's
+    warning: CE and Dual Affinity supervise nothing, so --objective enll changes nothing there."""
+    return [flag_name(k) for k in SUPERVISION_SETTINGS if settings.get(k) is not None and not reads(method, k)]
+
+
 def ablation_settings(settings: dict, method: Method) -> dict:
     """The settings of ABLATION_SETTINGS off their defaults, by short name (e.g. {"lambda": 0.01}), for the
     run's configured `method` (its option values) and its other `settings` (a run's config.json, a
