@@ -246,6 +246,8 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
     model.requires_grad_(False)  # the base; LoRA's parameters below are new and train
     for i, layer in enumerate(model.model.layers):
         for t in targets:
+            if TARGETS[t].startswith("mlp.experts") and not layer.sparse:
+                continue  # a dense layer's MLP is not adapted (nor is a shared expert: docs/methods.md)
             parent_name, _, leaf = TARGETS[t].rpartition(".")
             parent, base = layer.get_submodule(parent_name), layer.get_submodule(TARGETS[t])
             if isinstance(base, GroupedLinear):

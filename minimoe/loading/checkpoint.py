@@ -77,24 +77,27 @@ def read_config(folder: Path) -> MoEConfig:
 # ----------------------------------------------------------------------------- name table
 
 def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str]:
-    """Our parameter name -> its on-disk key (str) or per-expert keys (tuple, in concatenation order)."""
-    layout = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        layout["lm_head.weight"] = "lm_head.weight"
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate.weight",
-                 "mlp.experts.gate_up_proj.weight", "mlp.experts.down_proj.weight"]
-    per_layer += [f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in (["weight", "bias"] if config.attention_bias else ["weight"])]
-    if config.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    """Our parameter name -> its on-disk key (str) or per-expert keys (tuple, in concatenation order).
+
+    Read off the model's own parameters (built on the meta device), each under its own name unless the
+    family's `layer_keys` renames it: whatever modules a family's config switches on (biases, q/k norms,
+    dense layers, shared experts) are in the table without being listed here."""
+    with torch.device("meta"):
+        names = [n for n, _ in MoEForCausalLM(config).named_parameters()]  # a tied head is the embedding's
     table = family_of(config.model_type).layer_keys
-    for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        for name in per_layer:
-            disk = table.get(name, name)
-            if isinstance(disk, tuple):
-                layout[prefix + name] = tuple(prefix + pat.format(j=j) for j in range(config.num_experts) for pat in disk)
-            else:
-                layout[prefix + name] = prefix + disk
+    layout = {}
+    for name in names:
+        prefix, _, rest = name.partition(".layers.")
+        if not rest:
+            layout[name] = name
+            continue
+        index, _, local = rest.partition(".")
+        at = f"{prefix}.layers.{index}."
+        disk = table.get(local, local)
+        if isinstance(disk, tuple):
+            layout[name] = tuple(at + pat.format(j=j) for j in range(config.num_experts) for pat in disk)
+        else:
+            layout[name] = at + disk
     return layout
 
 
