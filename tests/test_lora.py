@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import minimoe.core.cpu_kernels
 import minimoe.core.lora
-import minimoe.core.model as M
+import minimoe.core.experts as M
 import minimoe.core.routing
 from minimoe.core.lora import add_lora, lora_modules, merge_lora, unmerge_lora
 from minimoe.core.methods import set_router
