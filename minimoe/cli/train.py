@@ -42,7 +42,7 @@ from minimoe.atomic import atomic_file
 from minimoe.cli import model_path, run_command
 from minimoe.core.families import family_of
 from minimoe.core.methods import Method
-from minimoe.core.model import compile_layers
+from minimoe.core.model import MoEConfig, compile_layers
 from minimoe.core.scoring import check_max_length, pad_id
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.data.userdata import build_user_data, is_user_data
@@ -282,8 +282,22 @@ def changed_settings(before: dict, cfg: TrainConfig, now: dict) -> list[str]:
     config, the torch version, the world size)."""
     recorded, _ = build_config(settings_of(before), before.get("recipe") or cfg.recipe)
     now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
+    before, now = ({**r, "model_config": model_record(r.get("model_config"))} for r in (before, now))
     return sorted([*differing(recorded, cfg), *(k for k in RECORDED if before.get(k) != now.get(k)
                                                and not (k in RECORDED_LATER and k not in before))])
+
+
+def model_record(record):
+    """A recorded model_config as today's MoEConfig records it: a field added since (head_dim, the router's
+    scoring, ...) takes the value the family's config gives it, so an older run's record still matches.
+    Anything else (not a model config, or one that no longer builds) is returned as it is."""
+    if not isinstance(record, dict) or "model_type" not in record:
+        return record
+    try:
+        config = MoEConfig(**{k: v for k, v in record.items() if k != "extra"})
+    except (TypeError, ValueError):
+        return record
+    return json.loads(json.dumps(vars(config) | {"extra": None}, default=str))
 
 
 def read_run_config(path: Path) -> dict:

@@ -42,6 +42,7 @@ from minimoe.core.families import family_of
 from minimoe.core.mlp import DenseMLP
 from minimoe.core.routing import SCORE_FUNCS, TOPK_METHODS, NativeRouter, Routing, Scoring
 
+
 @dataclass
 class MoEConfig:
     model_type: str  # a families.FAMILIES key; the family fixes some switches below (Family.fixed)
