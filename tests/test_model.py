@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import minimoe
-import minimoe.core.model as mm
+import minimoe.core.experts as mm
+import minimoe.core.model as model_module
 from minimoe.core import cpu_kernels
 from minimoe.core.objectives import load_balancing_loss
 from minimoe.core.scoring import forward_choices, make_choice_batch
@@ -69,6 +70,28 @@ def test_olmoe_default_switches_match_transformers(tmp_path):
     ids, mask = batch()
     with torch.no_grad():
         assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
+
+
+@pytest.mark.parametrize("family,switches", [
+    # Dense layers placed by decoder_sparse_step (layers 1 and 3 sparse) and by mlp_only_layers.
+    ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, dense_intermediate_size=48)),
+    ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], dense_intermediate_size=48)),
+    # norm_topk_prob the other way from the fixture's; no biases; no window; the window off by its switch.
+    ("qwen3_moe", dict(norm_topk_prob=False, attention_bias=False, use_sliding_window=False)),
+    ("qwen2_moe", dict(norm_topk_prob=True, qkv_bias=False, use_sliding_window=True, sliding_window=4,
+                       shared_expert_intermediate_size=24)),
+    ("mixtral", dict(sliding_window=None, head_dim=None, num_experts_per_tok=2)),
+])
+def test_family_switches_match_transformers(family, switches, tmp_path):
+    """Each family's other switches: fp32 logits with and without padding (gradients: the fixture's switches)."""
+    ref, path = reference_model(family, tmp_path, **switches)
+    ours = minimoe.from_pretrained(path)
+    theirs = [type(getattr(l, "mlp", None) or l.block_sparse_moe).__name__ for l in ref.model.layers]
+    assert [type(l.mlp).__name__ for l in ours.model.layers] == ["MoEBlock" if "Sparse" in t else "DenseMLP" for t in theirs]
+    ids, mask = batch()
+    with torch.no_grad():
+        for m in (mask, torch.ones_like(mask)):
+            assert rel_err(ours(ids, attention_mask=m).logits, ref(ids, attention_mask=m).logits, m) <= FP32_TOL
 
 
 def test_clip_qkv_actually_clips(tmp_path):
@@ -215,6 +238,7 @@ def test_experts_run_only_on_routed_rows(monkeypatch):
     assert seen and all(n == T * K for n in seen)
 
 
+@pytest.mark.parametrize("family", ["granitemoe", "olmoe"])  # the dispatch is every family's; its float noise is not
 def test_rounded_expert_blocks_equal_exact_blocks(family, monkeypatch):
     """Dispatch(block=8): every expert block is a multiple of 8 rows, the stand-in rows have combine
     weight 0, and logits and gradients (experts, router gate, embeddings) equal exact blocks'."""
@@ -256,7 +280,8 @@ def test_every_layer_returns_its_routing(family):
     out = model(ids, attention_mask=mask)
     c = model.config
     assert len(out.routings) == c.num_hidden_layers
-    for r in out.routings:
+    assert [i for i, r in enumerate(out.routings) if r is not None] == c.sparse_layers  # dense layers: None
+    for r in (r for r in out.routings if r is not None):
         assert r.logits.shape == (ids.numel(), c.num_experts) and r.logits.dtype == torch.float32
         assert r.experts.shape == r.weights.shape == (ids.numel(), c.num_experts_per_tok)
         probs = r.logits.softmax(-1)
@@ -279,7 +304,7 @@ def test_aux_loss_matches_transformers(family, tmp_path):
 def test_bad_config_values_raise():
     """Config values the model cannot honour are refused with the field's name."""
     with pytest.raises(ValueError, match="model_type"):
-        tiny_config("olmoe", model_type="mixtral")
+        tiny_config("olmoe", model_type="llama4")
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         tiny_config("olmoe", num_experts_per_tok=9)
     with pytest.raises(ValueError, match="num_key_value_heads"):
@@ -299,13 +324,16 @@ def packed_rows():
 
 def test_flex_block_mask_equals_the_dense_mask():
     """block_mask (FlexAttention, CUDA's path for packed rows) allows exactly what _attention_mask's bool
-    mask does: with segments, with padding, and with both."""
+    mask does: with segments, with padding, and with both; with and without a sliding window (packed rows
+    count it in their own positions)."""
     from torch.nn.attention.flex_attention import create_mask
     seg, pad = packed_rows()
-    for s, m in ((seg, None), (None, pad), (seg, pad)):
-        dense = mm.MoEForCausalLM._attention_mask(m, 2, 16, 0, "cpu", s)
-        flex = mm.block_mask(m, s, 2, 16)
-        assert torch.equal(create_mask(flex.mask_mod, 2, 1, 16, 16, device="cpu"), dense)
+    positions = torch.stack([torch.arange(16), torch.arange(16) % 5])  # row 1: positions restarting, as packed
+    for window in (None, 3):
+        for s, m in ((seg, None), (None, pad), (seg, pad)):
+            dense = model_module.MoEForCausalLM._attention_mask(m, 2, 16, 0, "cpu", s, window, positions)
+            flex = model_module.block_mask(m, s, 2, 16, window, positions)
+            assert torch.equal(create_mask(flex.mask_mod, 2, 1, 16, 16, device="cpu"), dense), (window, s, m)
 
 
 def test_flex_forward_equals_sdpa(family, monkeypatch):
@@ -316,6 +344,6 @@ def test_flex_forward_equals_sdpa(family, monkeypatch):
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         want = model(ids, attention_mask=pad, segment_ids=seg).logits
-        monkeypatch.setattr(mm, "FLEX_DEVICES", {"cpu"})
+        monkeypatch.setattr(model_module, "FLEX_DEVICES", {"cpu"})
         got = model(ids, attention_mask=pad, segment_ids=seg).logits
     torch.testing.assert_close(got[pad.bool()], want[pad.bool()], rtol=1e-5, atol=1e-5)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from minimoe.cli import train
-from conftest import oracle, tiny_model
+from conftest import NEW_FAMILIES, oracle, tiny_model
 from test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
 from minimoe.core.objectives import load_balancing_loss
@@ -142,7 +142,7 @@ def test_the_optimizer_groups_the_parameters_by_the_method_it_is_given(method, g
     assert {id(p) for g in groups if g["name"] == group for p in g["params"]} == heads
 
 
-@pytest.mark.parametrize("family", ["granitemoe", "olmoe"])
+@pytest.mark.parametrize("family", ["granitemoe", "olmoe", *NEW_FAMILIES])  # dense layers, shared experts, windows
 @pytest.mark.parametrize("method,tune", [("tes", False), ("dual", False), ("ce", True), ("acs", True),
                                          ("tes", True), ("dual", True)])
 def test_trainable_parameters_are_fp32_on_a_bf16_base(family, method, tune):

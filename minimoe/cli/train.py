@@ -41,8 +41,9 @@ import torch.distributed as dist
 import minimoe
 from minimoe.atomic import atomic_file
 from minimoe.cli import model_path, run_command
+from minimoe.core.families import family_of
 from minimoe.core.methods import Method
-from minimoe.core.model import compile_layers
+from minimoe.core.model import MoEConfig, compile_layers
 from minimoe.core.scoring import check_max_length, pad_id
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.data.userdata import resolve_data
@@ -105,7 +106,7 @@ def resolve_config(args, model_config) -> tuple[TrainConfig, Method]:
     """The run's TrainConfig and its method, resolved once (config.build_config): the recipe's values
     (from the checkpoint's model_type unless --recipe), overridden by every setting given; then what the
     model and the machine decide (pad id, device, dtype)."""
-    recipe = args.recipe or {"granitemoe": "granite"}.get(model_config.model_type, "olmoe")
+    recipe = args.recipe or family_of(model_config.model_type).recipe
     cfg, method = build_config({k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}, recipe)
     cfg.pad_token_id = pad_id(model_config)
     cfg.device = str(pick_device(cfg.device))
@@ -293,8 +294,22 @@ def changed_settings(before: dict, cfg: TrainConfig, now: dict) -> list[str]:
     config, the torch version, the world size)."""
     recorded, _ = build_config(settings_of(before), before.get("recipe") or cfg.recipe)
     now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
+    before, now = ({**r, "model_config": model_record(r.get("model_config"))} for r in (before, now))
     return sorted([*differing(recorded, cfg), *(k for k in RECORDED if before.get(k) != now.get(k)
                                                and not (k in RECORDED_LATER and k not in before))])
+
+
+def model_record(record):
+    """A recorded model_config as today's MoEConfig records it: a field added since (head_dim, the router's
+    scoring, ...) takes the value the family's config gives it, so an older run's record still matches.
+    Anything else (not a model config, or one that no longer builds) is returned as it is."""
+    if not isinstance(record, dict) or "model_type" not in record:
+        return record
+    try:
+        config = MoEConfig(**{k: v for k, v in record.items() if k != "extra"})
+    except (TypeError, ValueError):
+        return record
+    return json.loads(json.dumps(vars(config) | {"extra": None}, default=str))
 
 
 def command():

@@ -1,10 +1,12 @@
-"""Granite 3.1 MoE and OLMoE in one file: config, attention, routed experts, causal LM.
+"""The model every family shares: config, attention, the MoE block, causal LM.
 
-The two families differ only by config fields (see `MoEConfig`); every module below serves both.
+Families differ only by config fields (`MoEConfig`; core/families.py maps each family's config.json onto
+them) and by small modules switched on by those fields: the routed expert bank (core/experts.py), the
+dense MLP of dense layers and shared experts (core/mlp.py), the router's scoring (core/routing.py).
 Letters in shape comments: B batch, T query positions, S key positions, D hidden, H query heads,
 G key/value heads, d head dim, E experts, K experts per token, I expert width, V vocab, N = T*K rows.
 
-Decisions that matter for parity with `transformers` 4.57 (its modeling_granitemoe.py and modeling_olmoe.py):
+Decisions that matter for parity with `transformers` 4.57 (its modeling files of each family):
 - RMSNorm normalises in fp32, casts back to the input dtype, *then* multiplies by its weight.
 - Router logits are computed in the model dtype and upcast; softmax and top-K run in fp32 because
   bf16 ties and rounding would change which experts run. The combine weights are cast back to the
@@ -19,13 +21,12 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling_granitem
 - Packed answer choices (minimoe/core/scoring.py) pass `segment_ids`: the causal mask also hides other
   segments than the shared prefix (0) and the query's own, as a bool SDPA mask (every backend). With
   `logits_at` the LM head runs on the gathered final-normed hidden states only.
-- Experts are stacked 3-D weights `[E, out, in]` run on token blocks sorted by expert, with
-  `torch.nn.functional.grouped_mm` where it applies and a plain per-expert loop otherwise
-  (`expert_matmul`); both paths are tested equal. Experts are never evaluated densely.
-- Dtype discipline: under autocast every matmul of a bf16 model runs in bf16, the banks included.
-  The banks cast their input to `matmul_dtype` (autocast's, else their own), and the combine casts
-  back the fp32 that CUDA autocast's `sum` returns, so the residual stream keeps the model dtype;
-  otherwise fp32 reaches the next bank and falls into the per-expert loop. Nothing in forward or
+- Qwen3: RMSNorm per head on q and k; Qwen2: biases on q, k, v only, and a shared expert scaled by
+  sigmoid(w . x); Mixtral and Qwen: an optional sliding window, as a bool mask per window size.
+  Dense layers (mlp_only_layers, decoder_sparse_step, first_k_dense_replace) run a dense MLP and
+  return no Routing (None in the model output): they are never routed.
+- Experts: stacked `[E, out, in]` banks run on token blocks sorted by expert (core/experts.py).
+  Under autocast every matmul of a bf16 model runs in bf16, the banks included; nothing in forward or
   backward reads a device value back to the host (no bincount, .item() or boolean indexing).
 """
 from __future__ import annotations
@@ -37,30 +38,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimoe.core import cpu_kernels
-from minimoe.core.routing import NativeRouter, Routing
-
-# The checkpoint name table, kept beside the modules it names (loading and LoRA's per-matrix blocks read it).
-# Per layer: our parameter name -> the on-disk key(s). A tuple of per-expert patterns means the
-# experts are stored one by one and concatenated along `out` (gate rows, then up rows) into our bank.
-LAYER_KEYS = {
-    "granitemoe": {
-        "mlp.gate.weight": "block_sparse_moe.router.layer.weight",
-        "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
-        "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight",
-    },
-    "olmoe": {
-        "mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
-        "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",),
-    },
-}
-
-FAMILIES = ("granitemoe", "olmoe")
+from minimoe.core.experts import Experts
+from minimoe.core.families import family_of
+from minimoe.core.mlp import DenseMLP
+from minimoe.core.routing import SCORE_FUNCS, TOPK_METHODS, NativeRouter, Routing, Scoring
 
 
 @dataclass
 class MoEConfig:
-    model_type: str  # "granitemoe" or "olmoe": selects the per-family switches below
+    model_type: str  # a families.FAMILIES key; the family fixes some switches below (Family.fixed)
     vocab_size: int
     hidden_size: int  # D
     intermediate_size: int  # I, width of one expert
@@ -69,13 +55,36 @@ class MoEConfig:
     num_key_value_heads: int  # G; GQA when G < H
     num_experts: int  # E (Granite calls it num_local_experts)
     num_experts_per_tok: int  # K
+    head_dim: int | None = None  # d; None: hidden_size / num_attention_heads (filled in)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v and o
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2-MoE)
+    use_sliding_window: bool = False  # attend to the last `sliding_window` positions only (Mixtral: always)
+    sliding_window: int | None = None
+    layer_types: list | None = None  # per layer "sliding_attention" | "full_attention"; None: every layer alike
     tie_word_embeddings: bool = False
-    norm_topk_prob: bool = False  # OLMoE's switch; Granite always renormalises over the K
+    norm_topk_prob: bool = False  # renormalise the K selected weights (Granite's top-K on logits always does)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection (and q/k norm)
+    qk_norm: str | None = None  # RMSNorm on q and k: "full" over the projection width (OLMoE), "head" per head (Qwen3)
+    # Dense layers among the MoE ones: layer i is sparse unless i in mlp_only_layers, (i + 1) % decoder_sparse_step,
+    # or i < first_k_dense_replace (Qwen; DeepSeek); a dense layer's MLP is dense_intermediate_size wide.
+    mlp_only_layers: list = field(default_factory=list)
+    decoder_sparse_step: int = 1
+    first_k_dense_replace: int = 0
+    dense_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int = 0  # > 0: a shared expert of this width beside the routed ones
+    shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(w . x) (Qwen2-MoE)
+    # The router's scoring and selection (routing.Scoring reads these; families.py says who uses which).
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    topk_on_logits: bool = False  # top-K on the logits, then softmax over the K (Granite, gpt-oss)
+    topk_method: str = "greedy"  # greedy | group_limited_greedy (DeepSeek-V2) | noaux_tc (DeepSeek-V3)
+    n_group: int = 1  # expert groups for the group-limited methods
+    topk_group: int = 1  # groups kept per token
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek)
+    router_bias: bool = False  # the gate has a bias (gpt-oss)
+    router_fp32: bool = False  # the gate's matmul in fp32, its input upcast (DeepSeek); else the model dtype
     # Granite's multipliers; the OLMoE values leave the forward unchanged.
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -92,11 +101,14 @@ class MoEConfig:
     extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back on save
 
     def __post_init__(self):
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"config: unknown model_type {self.model_type!r}; expected one of {FAMILIES}")
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "
-                             f"num_attention_heads {self.num_attention_heads}")
+        for name, value in family_of(self.model_type).fixed.items():  # the unknown model_type error names them all
+            setattr(self, name, value)
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "
+                                 f"num_attention_heads {self.num_attention_heads} (and no head_dim is given)")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.mlp_only_layers = list(self.mlp_only_layers or [])
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"config: num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -107,16 +119,51 @@ class MoEConfig:
             raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
         if self.rope_scaling is not None:
             raise ValueError(f"config: rope_scaling {self.rope_scaling!r} is not supported; expected null")
-        if self.model_type == "granitemoe":
-            self.norm_topk_prob = True  # softmax over the top-K logits is a renormalisation over the K
+        if self.qk_norm not in (None, "full", "head"):
+            raise ValueError(f"config: qk_norm {self.qk_norm!r}; expected None, 'full' or 'head'")
+        if self.sliding_window is not None and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+            raise ValueError(f"config: sliding_window {self.sliding_window!r}; expected an int >= 1 or null")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"config: layer_types has {len(self.layer_types)} entries; expected num_hidden_layers="
+                             f"{self.num_hidden_layers}")
+        if not self.sparse_layers:
+            raise ValueError("config: no layer is sparse (mlp_only_layers, decoder_sparse_step, first_k_dense_replace); "
+                             "expected at least one MoE layer")
+        if len(self.sparse_layers) < self.num_hidden_layers and not self.dense_intermediate_size:
+            raise ValueError("config: dense layers need dense_intermediate_size (config.json's intermediate_size)")
+        self._check_router()
+
+    def _check_router(self):
+        if self.scoring_func not in SCORE_FUNCS:
+            raise ValueError(f"config: scoring_func {self.scoring_func!r}; expected one of {SCORE_FUNCS}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"config: topk_method {self.topk_method!r}; expected one of {TOPK_METHODS}")
+        if self.topk_on_logits and (self.scoring_func != "softmax" or self.topk_method != "greedy"):
+            raise ValueError("config: topk_on_logits (top-K on logits, softmax over the K) takes softmax scoring "
+                             f"and greedy top-K; got {self.scoring_func!r} and {self.topk_method!r}")
+        if self.topk_method != "greedy":
+            E, G = self.num_experts, self.n_group
+            if G < 1 or E % G or not 1 <= self.topk_group <= G:
+                raise ValueError(f"config: {self.topk_method} needs n_group dividing num_experts={E} and "
+                                 f"1 <= topk_group <= n_group; got n_group={G}, topk_group={self.topk_group}")
+            if self.num_experts_per_tok > self.topk_group * (E // G):
+                raise ValueError(f"config: num_experts_per_tok {self.num_experts_per_tok} exceeds the "
+                                 f"{self.topk_group * (E // G)} experts of topk_group={self.topk_group} groups")
+            if self.topk_method == "noaux_tc" and E // G < 2:
+                raise ValueError(f"config: noaux_tc ranks groups by their two best experts; groups have {E // G}")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def sparse_layers(self) -> list[int]:
+        """The MoE layers' indices; the others are dense (the transformers 4.57 rule of each family)."""
+        return [i for i in range(self.num_hidden_layers) if i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0 and i >= self.first_k_dense_replace]
 
-    @property
-    def qk_norm(self) -> bool:
-        return self.model_type == "olmoe"
+    def window(self, layer: int) -> int | None:
+        """Layer's sliding attention window, None for full attention."""
+        if not self.use_sliding_window or self.sliding_window is None or (
+                self.layer_types is not None and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
     @property
     def attention_scale(self) -> float:
@@ -175,24 +222,29 @@ class Attention(nn.Module):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         H, G, d, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
-        self.q_proj = nn.Linear(D, H * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(D, G * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(D, G * d, bias=config.attention_bias)
+        qkv_bias = config.attention_bias or config.qkv_bias
+        self.q_proj = nn.Linear(D, H * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(D, G * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(D, G * d, bias=qkv_bias)
         self.o_proj = nn.Linear(H * d, D, bias=config.attention_bias)
-        if config.qk_norm:  # OLMoE: over the whole projection width, before the head split
-            self.q_norm = RMSNorm(H * d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(G * d, config.rms_norm_eps)
+        if config.qk_norm:  # OLMoE: over the whole projection width, before the head split; Qwen3: per head
+            width = {"full": (H * d, G * d), "head": (d, d)}[config.qk_norm]
+            self.q_norm = RMSNorm(width[0], config.rms_norm_eps)
+            self.k_norm = RMSNorm(width[1], config.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None):  # x [B, T, D]
         c = self.config
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if c.qk_norm:
+        q = q.view(B, T, c.num_attention_heads, c.head_dim)  # [B, T, H, d]
+        k = k.view(B, T, c.num_key_value_heads, c.head_dim)  # [B, T, G, d]
+        if c.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        elif c.qk_norm == "full":
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
         if c.clip_qkv is not None:
             q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        q = q.view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B, H, T, d]
-        k = k.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, G, T, d]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, d], [B, G, T, d]
         v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -206,137 +258,20 @@ class Attention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
-# ----------------------------------------------------------------------------- routed experts
-
-class Dispatch:
-    """Token rows sorted by expert, so that each expert runs on one contiguous block.
-
-    block > 1 rounds every expert's block up to a multiple of `block` rows with stand-in rows: copies
-    of token 0 whose combine weight is 0, so they add exact zeros to its output and its gradient
-    (a CPU measure against oneDNN's per-shape kernels: cpu_kernels.expert_block).
-    """
-
-    def __init__(self, experts, num_experts: int, block: int = 1):  # experts [T, K]
-        flat = experts.flatten()  # [N] the expert of each (token, slot)
-        self.counts = expert_counts(flat, num_experts)  # [E] rows per expert, on the device
-        self.padding = 0
-        if block > 1:  # CPU only (cpu_kernels.expert_block): the stand-in rows' number is needed on the host
-            pad = (-self.counts) % block  # [E] stand-in rows, appended after the N real ones
-            flat = torch.cat([flat, torch.arange(num_experts, device=flat.device).repeat_interleave(pad)])
-            self.counts, self.padding = self.counts + pad, int(pad.sum())
-        N = experts.numel()
-        self.order = flat.argsort(stable=True)  # sorted row -> (token, slot) index; >= N: a stand-in
-        self.token = torch.where(self.order < N, self.order // experts.shape[1], 0)  # sorted row -> token
-        self.offsets = self.counts.cumsum(0).to(torch.int32)  # [E] block ends, grouped_mm's int32 offs
-        self._counts_list = None
-
-    def row_weights(self, weights):  # weights [T, K] -> [rows, 1]: each sorted row's combine weight
-        flat = weights.flatten()
-        if self.padding:
-            flat = torch.cat([flat, flat.new_zeros(self.padding)])
-        return flat[self.order, None]
-
-    def combine(self, y, T: int, K: int):
-        """Sorted rows y [rows, D] -> [T, D], each token's K rows summed. Rows go back to (token, slot)
-        order by a plain copy, then sum over K: a scatter-add into [T, D] (index_add_) is serial on
-        CPU and took 4-7% of a bf16 step in the profile (bench/RESULTS.md)."""
-        unsorted = y.new_empty(T * K + self.padding, y.shape[-1]).index_copy_(0, self.order, y)
-        # CUDA autocast runs `sum` in fp32: without the cast, fp32 would reach the residual stream
-        # and, through the next layer's norm, the expert banks (expert_matmul's dtype rule).
-        return unsorted[:T * K].view(T, K, -1).sum(1).to(y.dtype)
-
-    @property
-    def counts_list(self) -> list[int]:  # the loop path needs python ints (one host sync; grouped_mm needs none)
-        if self._counts_list is None:
-            self._counts_list = self.counts.tolist()
-        return self._counts_list
-
-
-def expert_counts(flat, num_experts: int):
-    """[N] expert ids -> [E] rows per expert. Not torch.bincount: on CUDA it reads the largest id back
-    to the host to size its output, a device sync in every MoE block's forward."""
-    return torch.zeros(num_experts, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
-
-
-USE_GROUPED_MM = hasattr(F, "grouped_mm")  # tests switch this off to compare against the loop
-GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _grouped_mm_applies(x, w_t) -> bool:
-    # grouped_mm wants every non-unit stride 16-byte aligned; CUDA kernels want bf16.
-    if not USE_GROUPED_MM or x.dtype != w_t.dtype or x.shape[0] == 0 or x.dtype not in GROUPED_MM_DTYPES:
-        return False
-    if x.device.type == "cuda" and x.dtype != torch.bfloat16:
-        return False
-    # the output [N, out] too: backward hands its gradient, that shape, to grouped_mm
-    return x.stride(-1) == 1 and _aligned(x) and _aligned(w_t) and w_t.shape[-1] * x.element_size() % 16 == 0
-
-
-def _aligned(t) -> bool:
-    """grouped_mm's stride rule, as torch checks it: one of the last two dims has stride 1 and every other
-    stride is a multiple of 16 bytes (not "every stride but the 1s": a [N, 1] tensor's row stride is 1)."""
-    *batch, rows, cols = (s * t.element_size() for s in t.stride())
-    size = t.element_size()
-    inner = (cols == size and rows % 16 == 0) or (rows == size and cols % 16 == 0)
-    return inner and all(s % 16 == 0 for s in batch)
-
-
-def matmul_dtype(x, weight) -> torch.dtype:
-    """The dtype a matmul of x by weight runs in, as F.linear's: autocast's where autocast is on for
-    x's device, else the weight's. The expert banks and their LoRA cast to it, so that a bf16 bank
-    under autocast runs grouped_mm in bf16 whatever dtype its input arrives in."""
-    device = x.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-
-
-def expert_matmul(x, weight, dispatch: Dispatch):
-    """x [N, in] sorted by expert, weight [E, out, in] -> [N, out]: row block e times weight[e].T.
-    Runs in x's dtype (callers cast x with `matmul_dtype`); the weight is cast to it if it differs."""
-    w_t = weight.transpose(-2, -1).to(x.dtype)  # [E, in, out], a view when the dtypes agree
-    if _grouped_mm_applies(x, w_t):
-        return F.grouped_mm(x, w_t, offs=dispatch.offsets)
-    blocks = x.split(dispatch.counts_list)  # the readable reference path
-    return torch.cat([blk @ w_t[e] for e, blk in enumerate(blocks)])
-
-
-class GroupedLinear(nn.Module):
-    """E linear maps stored as one [E, out, in] weight; forward runs the sorted row blocks."""
-
-    def __init__(self, num_experts: int, out_features: int, in_features: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
-
-    def forward(self, x, dispatch: Dispatch):  # x [N, in] -> [N, out]
-        return expert_matmul(x, self.weight, dispatch)
-
-
-class Experts(nn.Module):
-    """E SwiGLU experts. gate_up_proj [E, 2I, D] holds the gate rows first, then the up rows."""
-
-    def __init__(self, config: MoEConfig):
-        super().__init__()
-        E, D, I = config.num_experts, config.hidden_size, config.intermediate_size
-        self.gate_up_proj = GroupedLinear(E, 2 * I, D)
-        self.down_proj = GroupedLinear(E, D, I)
-
-    def forward(self, x, experts, weights):  # x [T, D], experts/weights [T, K] -> [T, D]
-        E = self.gate_up_proj.weight.shape[0]
-        # The bank's dtype (or autocast's): an fp32 x against a bf16 bank would leave grouped_mm for the loop.
-        x = x.to(matmul_dtype(x, self.gate_up_proj.weight))
-        dispatch = Dispatch(experts, E, cpu_kernels.expert_block(x, experts.numel(), E))
-        h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        y = self.down_proj(F.silu(gate) * up, dispatch)  # [N, D]
-        y = y * dispatch.row_weights(weights).to(y.dtype)
-        return dispatch.combine(y, *experts.shape)
-
+# ----------------------------------------------------------------------------- the MoE block
 
 class MoEBlock(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # native affinity W_aff
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)  # native affinity W_aff
+        if config.topk_method == "noaux_tc":  # DeepSeek-V3's selection-only bias, a checkpoint tensor, never trained
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
         self.experts = Experts(config)
-        self.router = NativeRouter(config.num_experts_per_tok, config.norm_topk_prob)
+        self.router = NativeRouter(Scoring.of(config))
+        self.router_fp32 = config.router_fp32
+        if config.shared_expert_intermediate_size:  # never routed: every token's, beside the routed K (mlp.py)
+            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
 
     def forward(self, x, stash: dict | None = None) -> tuple[torch.Tensor, Routing]:  # x [B, T, D]
         """stash: under gradient checkpointing, the first pass records its expert choice there and
@@ -344,12 +279,23 @@ class MoEBlock(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         replay = stash.get("experts") if stash is not None else None
-        # A tuned gate is stored in fp32 (routing.py); cast at use, its logits are the model dtype's as ever.
-        logits = F.linear(flat, self.gate.weight.to(flat.dtype)).float()  # [B*T, E]
-        routing = self.router(flat, logits, experts=replay)
+        # A tuned gate is stored in fp32 (routing.py); cast at use, its logits are the model dtype's as ever
+        # (DeepSeek's in fp32: then the router's input is the upcast hidden state, heads included).
+        gx = flat.float() if self.router_fp32 else flat
+        bias = self.gate.bias.to(gx.dtype) if self.gate.bias is not None else None
+        logits = F.linear(gx, self.gate.weight.to(gx.dtype), bias).float()  # [B*T, E]
+        correction = getattr(self.gate, "e_score_correction_bias", None)
+        extra = {} if correction is None else {"correction": correction}  # a policy of your own may not take it
+        routing = self.router(gx, logits, experts=replay, **extra)
         if stash is not None and replay is None:
             stash["experts"] = routing.experts.detach()
-        return self.experts(flat, routing.experts, routing.weights).view(B, T, D), routing
+        y = self.experts(flat, routing.experts, routing.weights)  # [B*T, D]
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:  # Qwen2-MoE: sigmoid(w . x) per token
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            y = y + shared
+        return y.view(B, T, D), routing
 
 
 def scaled(x, factor: float):
@@ -361,7 +307,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MoEBlock(config)
+        self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
+        self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size)
+        self.window = config.window(layer_idx)  # sliding attention window, None: full
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = config.residual_multiplier
@@ -374,8 +322,9 @@ class DecoderLayer(nn.Module):
 
     def _forward(self, h, cos, sin, mask, cache, stash):
         h = h + scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask, cache), self.residual_multiplier)
-        moe_out, routing = self.mlp(self.post_attention_layernorm(h), stash)
-        return h + scaled(moe_out, self.residual_multiplier), routing
+        x = self.post_attention_layernorm(h)
+        mlp_out, routing = self.mlp(x, stash) if self.sparse else (self.mlp(x), None)
+        return h + scaled(mlp_out, self.residual_multiplier), routing
 
 
 # ----------------------------------------------------------------------------- the causal LM
@@ -383,7 +332,7 @@ class DecoderLayer(nn.Module):
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, V] in the model dtype; [n, V] with forward's logits_at
-    routings: list[Routing]  # one per layer, tokens flattened as B*T (objectives.load_balancing_loss reads them)
+    routings: list[Routing | None]  # one per layer (None: a dense layer), tokens flattened as B*T
 
 
 class Model(nn.Module):
@@ -442,13 +391,14 @@ class MoEForCausalLM(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
         cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
-        if input_ids.device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or segment_ids is not None):
-            mask = block_mask(attention_mask, segment_ids, B, T)
-        else:
-            mask = self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids)
+        flex = input_ids.device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or
+                                                                         segment_ids is not None)
+        masks = {w: block_mask(attention_mask, segment_ids, B, T, w, position_ids) if flex else
+                 self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids, w, position_ids)
+                 for w in {layer.window for layer in self.model.layers}}  # one per window size, None: full
         routings = []
         for layer in self.model.layers:
-            h, routing = layer(h, cos, sin, mask, cache)
+            h, routing = layer(h, cos, sin, masks[layer.window], cache)
             routings.append(routing)
         if cache is not None:
             cache.length += T
@@ -465,14 +415,20 @@ class MoEForCausalLM(nn.Module):
         return logits
 
     @staticmethod
-    def _attention_mask(attention_mask, B, T, start, device, segment_ids=None):
+    def _attention_mask(attention_mask, B, T, start, device, segment_ids=None, window=None, position_ids=None):
         """None (plain causal, SDPA's fast path) or a bool [B, 1, T, S] mask: causal, not padding and,
-        with segment_ids, block-causal. A bool mask works with SDPA on every backend, CUDA included."""
-        if attention_mask is None and segment_ids is None and start == 0:
+        with segment_ids, block-causal; with `window`, a query sees the last `window` positions only
+        (itself included), as transformers' sliding-window mask. Packed rows (segment_ids) count the
+        window in their `position_ids`, each candidate's own positions, so that a packed candidate
+        sees what it sees alone. A bool mask works with SDPA on every backend, CUDA included."""
+        if attention_mask is None and segment_ids is None and start == 0 and window is None:
             return None
         S = start + T
         q_pos = torch.arange(start, S, device=device)[:, None]
-        allowed = torch.arange(S, device=device)[None, :] <= q_pos  # [T, S] causal
+        k_pos = torch.arange(S, device=device)[None, :]
+        allowed = k_pos <= q_pos  # [T, S] causal
+        if window is not None and segment_ids is None:
+            allowed = allowed & (q_pos - k_pos < window)
         allowed = allowed[None, None].expand(B, 1, T, S)
         if segment_ids is not None:
             if start != 0 or segment_ids.shape != (B, T):
@@ -480,6 +436,8 @@ class MoEForCausalLM(nn.Module):
                                  f"expected {(B, T)} and no KV cache")
             seg_q, seg_k = segment_ids[:, :, None], segment_ids[:, None, :]  # [B, T, 1], [B, 1, S]
             allowed = allowed & ((seg_k == 0) | (seg_k == seg_q))[:, None]
+            if window is not None:  # in each candidate's own positions
+                allowed = allowed & (position_ids[:, :, None] - position_ids[:, None, :] < window)[:, None]
         if attention_mask is not None:
             if attention_mask.shape != (B, S):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, S)}")
@@ -510,13 +468,16 @@ def flex(compiled: bool):
     return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
 
 
-def block_mask(attention_mask, segment_ids, B: int, T: int):
+def block_mask(attention_mask, segment_ids, B: int, T: int, window: int | None = None, position_ids=None):
     """`_attention_mask`'s rule (no cache) as a FlexAttention BlockMask: causal, within segment (or onto
-    the shared prefix, segment 0), onto real keys, and every query onto itself. Why: a bool mask keeps
+    the shared prefix, segment 0), within the sliding window (packed rows: in their own positions),
+    onto real keys, and every query onto itself. Why: a bool mask keeps
     packed GQA rows off the fused SDPA kernels (flash takes no mask; memory-efficient lacks GQA in 2.11),
     so the math kernel builds fp32 [B, H, T, S] scores; flex skips the masked blocks (unmeasured on a GPU)."""
     def allowed(b, h, q, k):
         ok = k <= q
+        if window is not None:
+            ok = ok & ((q - k if segment_ids is None else position_ids[b, q] - position_ids[b, k]) < window)
         if segment_ids is not None:
             ok = ok & ((segment_ids[b, k] == 0) | (segment_ids[b, k] == segment_ids[b, q]))
         if attention_mask is not None:
