@@ -14,7 +14,7 @@ are from bench/RESULTS.md (2-core Zen 4, torch 2.13):
   base's bf16. In bf16 each expert block size was one more small kernel to compile and keep: 621
   distinct matmul shapes in a step against peft's 98, 0.26 GiB of RSS on OLMoE-2L. An fp32 delta
   cannot join a bf16 x in one grouped_mm, so there a bank adds it per expert block
-  (`lora.LoRAGroupedLinear.plus_delta`), with the one host sync that the CPU does not mind.
+  (`lora.per_block_addmm`), with the one host sync that the CPU does not mind.
 - `dropout_saved_as_mask`: the LoRA input is saved for backward as x and a 1-byte mask instead of
   the fp32 noise and the fp32 dropped input: 8 bytes an element become 3 (2 for a bf16 x that q, k
   and v share). The fp32 LoRA inputs were two thirds of the default run's saved activations; one

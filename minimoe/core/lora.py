@@ -141,74 +141,110 @@ def linear_plus_delta(x, weight, bias, delta):
 
 
 class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
-    """A GroupedLinear's weight [E, out, in] plus lora_A [E, blocks*r, in], lora_B [E, out, r]."""
+    """A GroupedLinear's weight [E, out, in] plus lora_A [E, blocks*r, in], lora_B [E, out, r].
+
+    The bank lives in `stacked` [E, out, in + k], k = blocks*r rounded up to a multiple of 8, and
+    `weight` is its view [..., :in]: the GPU path's one grouped_mm over [x | a] needs [W_e | s B_e] as
+    one strided matrix, and building it per step copied the whole bank each way (the GPU round-2
+    issue). The last k columns take s B (block-diagonal, zero-padded) in place at each forward, a
+    LoRA-sized write. Memory: k / in more than the bank (Granite-3B's down bank, in 512, k 8: 1.6%).
+    Why 8: grouped_mm wants every stride a multiple of 16 bytes, so a bf16 [N, in + k] needs in + k
+    a multiple of 8; the zero rows of A and columns of B add exact zeros."""
 
     def __init__(self, base: GroupedLinear, rank: int, alpha: float, dropout: float, blocks: int = 1,
                  dtype=torch.float32):
         nn.Module.__init__(self)  # adopt the base bank instead of allocating a new one
         self.weight = base.weight
         self._init_lora(rank, alpha, dropout, blocks, dtype)
+        self.k = -(-blocks * rank // 8) * 8  # [x | a]'s a width, padded (class docstring)
+        self._stack()
+
+    def _stack(self):
+        """Move the bank into `stacked`'s first `in` columns and make `weight` that view (a one-time copy)."""
+        W = self.weight.data
+        stacked = torch.zeros(*W.shape[:-1], W.shape[-1] + self.k, dtype=W.dtype, device=W.device)
+        stacked[..., :W.shape[-1]] = W
+        self.weight.data = stacked[..., :W.shape[-1]]
+        self.stacked = stacked  # a plain attribute: not in state_dict, not broadcast by DDP, not moved by .to()
+
+    def _apply(self, fn, recurse=True):
+        """.to() and friends give `weight` storage of its own: stack it again, so `stacked` keeps aliasing it."""
+        self.stacked = None
+        super()._apply(fn, recurse)
+        self._stack()
+        return self
 
     def forward(self, x, dispatch):  # x [N, in] sorted by expert -> [N, out]
         if self.merged:
             return expert_matmul(x, self.weight, dispatch)
         with self.branch(x) as (dropped, A, B):
-            a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
-        return self.plus_delta(x, a, B, dispatch)
+            if cpu_kernels.keeps_adapter_dtype(x):  # fp32 a and B on the CPU: the delta apart, addmm per block
+                a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
+                pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
+                delta = scaled(torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1), self.scale)
+                return per_block_addmm(x, self.weight, delta, dispatch)
+            A, b = self.padded_factors(A, B)
+            a = expert_matmul(dropped, A, dispatch)  # [N, k]
+        stacked = self.stacked if self.stacked.dtype == x.dtype else None  # else a cast bank: a copy anyway
+        return base_plus_delta(x, self.weight, a.to(x.dtype), b.to(x.dtype), dispatch, stacked)
 
-    def plus_delta(self, x, a, B, dispatch):
-        """W_e x + scale B_e a [N, out] for the rows of each expert e, block b of a times row block b of B,
-        summed in the matmul's fp32 accumulator and rounded once to x's dtype (module docstring)."""
-        blocks = B.chunk(self.blocks, dim=-2)
-        if cpu_kernels.keeps_adapter_dtype(x):  # an fp32 a and B: the delta apart, then one addmm per expert
-            pairs = zip(a.chunk(self.blocks, dim=-1), blocks)
-            delta = scaled(torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1), self.scale)
-            # the delta as C of each expert block's addmm, as expert_matmul's reference loop does with @
-            w_t, rows = self.weight.transpose(-2, -1), dispatch.counts_list  # [E, in, out]
-            pairs = zip(x.split(rows), delta.to(x.dtype).split(rows))
-            return torch.cat([torch.addmm(d, blk, w_t[e]) for e, (blk, d) in enumerate(pairs)])
-        r = B.shape[-1]  # block-diagonal [E, out, blocks*r]: [x | a] in one grouped_mm, no host sync
-        b = torch.cat([F.pad(B_b, (i * r, (self.blocks - 1 - i) * r)) for i, B_b in enumerate(blocks)], dim=-2)
-        return base_plus_delta(x, self.weight, a.to(x.dtype), scaled(b, self.scale).to(x.dtype), dispatch)
+    def padded_factors(self, A, B):
+        """A [E, k, in] and s B as one block-diagonal b [E, out, k]: block i of A's rows feeds row block i
+        of B; rows and columns past blocks*r are zeros (the class docstring's padding)."""
+        r, n = B.shape[-1], self.blocks
+        b = torch.cat([F.pad(B_i, (i * r, self.k - (i + 1) * r)) for i, B_i in enumerate(B.chunk(n, dim=-2))], dim=-2)
+        return F.pad(A, (0, 0, 0, self.k - n * r)), scaled(b, self.scale)
+
+
+def per_block_addmm(x, weight, delta, dispatch):
+    """x [N, in] sorted by expert, weight [E, out, in], delta [N, out] -> W_e x + delta per expert block,
+    the delta as addmm's C (summed in the fp32 accumulator, rounded once; as expert_matmul's loop, one host sync)."""
+    w_t, rows = weight.transpose(-2, -1).to(x.dtype), dispatch.counts_list  # [E, in, out]
+    pairs = zip(x.split(rows), delta.to(x.dtype).split(rows))
+    return torch.cat([torch.addmm(d, blk, w_t[e]) for e, (blk, d) in enumerate(pairs)])
 
 
 class _BasePlusDelta(torch.autograd.Function):
-    """y = [x | a] [W_e^T ; b_e^T] per expert block: x W_e^T + a b_e^T with one accumulation and one
-    rounding. Backward as torch's own grouped_mm derivative, except that the concatenated weight's
-    gradient is computed only for the parts that need one (b: [E, k, out], not the frozen bank's).
-    The concatenated weight is built again in backward rather than kept: a copy of the bank per layer."""
+    """y = [x | a] [W_e | b_e]^T per expert block: x W_e^T + a b_e^T with one accumulation and one
+    rounding, read from `stacked` = [W | b] [E, out, in + k], which the caller keeps (no copy here).
+    Backward as torch's grouped_mm derivative, but only for what needs a gradient: a frozen bank
+    (w None, or not requiring grad) gets no bank-sized product."""
 
     @staticmethod
-    def forward(ctx, xa, w_t, b_t, offs):  # xa = [x | a] [N, in + k], w_t [E, in, out], b_t [E, k, out]
-        ctx.save_for_backward(xa, w_t, b_t, offs)
-        return F.grouped_mm(xa, torch.cat([w_t, b_t], dim=-2), offs=offs)
+    def forward(ctx, xa, stacked, w, b, offs):  # xa [N, in + k]; w [E, out, in] or None; b [E, out, k]
+        ctx.save_for_backward(xa, stacked, offs)
+        ctx.d_in = stacked.shape[-1] - b.shape[-1]
+        return F.grouped_mm(xa, stacked.transpose(-2, -1), offs=offs)
 
     @staticmethod
     def backward(ctx, dy):  # dy [N, out]
-        xa, w_t, b_t, offs = ctx.saved_tensors
-        d_in = w_t.shape[-2]
+        xa, stacked, offs = ctx.saved_tensors
         dxa = dw = db = None
         if ctx.needs_input_grad[0]:
-            dxa = F.grouped_mm(dy, torch.cat([w_t, b_t], dim=-2).transpose(-2, -1), offs=offs)  # [N, in + k]
-        if ctx.needs_input_grad[1]:
-            dw = F.grouped_mm(xa[:, :d_in].transpose(0, 1), dy, offs=offs)  # [E, in, out]
+            dxa = F.grouped_mm(dy, stacked, offs=offs)  # [N, in + k]
         if ctx.needs_input_grad[2]:
-            db = F.grouped_mm(xa[:, d_in:].transpose(0, 1), dy, offs=offs)  # [E, k, out]
-        return dxa, dw, db, None
+            dw = F.grouped_mm(dy.transpose(0, 1), xa[:, :ctx.d_in], offs=offs)  # [E, out, in]
+        if ctx.needs_input_grad[3]:
+            db = F.grouped_mm(dy.transpose(0, 1), xa[:, ctx.d_in:], offs=offs)  # [E, out, k]
+        return dxa, None, dw, db, None
 
 
-def base_plus_delta(x, weight, a, b, dispatch):
+def base_plus_delta(x, weight, a, b, dispatch, stacked=None):
     """x [N, in] and a [N, k] sorted by expert, weight [E, out, in], b [E, out, k] -> x W_e^T + a b_e^T
-    [N, out], summed before the one rounding to x's dtype (issue 33). grouped_mm where it applies to
-    [x | a]; else the per-expert loop (one host sync), with the same single rounding."""
-    w_t, b_t = weight.transpose(-2, -1).to(x.dtype), b.transpose(-2, -1)
-    xa = torch.cat([x, a], dim=-1)  # [N, in + k]
-    E, d_in, out = w_t.shape
-    stacked = torch.empty(E, d_in + b_t.shape[-2], out, dtype=x.dtype, device="meta")  # the layout torch.cat gives
-    if _grouped_mm_applies(xa, stacked):
-        return _BasePlusDelta.apply(xa, w_t, b_t, dispatch.offsets)
-    blocks = xa.split(dispatch.counts_list)
-    return torch.cat([blk @ torch.cat([w_t[e], b_t[e]], dim=0) for e, blk in enumerate(blocks)])
+    [N, out], summed before the one rounding to x's dtype (issue 33). stacked: [W | b] [E, out, in + k]
+    whose [..., in:] this fills with b (LoRAGroupedLinear keeps one, aliasing its bank); None builds it
+    (a copy of the bank). grouped_mm where the strides allow; else the per-expert loop (one host sync)."""
+    xa = torch.cat([x, a], dim=-1)  # [N, in + k]: activations, not the bank
+    d_in = weight.shape[-1]
+    if stacked is None:
+        stacked = torch.cat([weight.detach().to(x.dtype), b.detach()], dim=-1)
+    else:
+        with torch.no_grad():
+            stacked[..., d_in:].copy_(b)
+    if not _grouped_mm_applies(xa, stacked.transpose(-2, -1)):
+        return per_block_addmm(x, weight, expert_matmul(a, b, dispatch), dispatch)
+    w = weight if weight.requires_grad else None
+    return _BasePlusDelta.apply(xa, stacked, w, b, dispatch.offsets)
 
 
 def resolve_targets(targets) -> list[str]:
