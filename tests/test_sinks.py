@@ -20,7 +20,7 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
 def config(head_dim=16):
     c = oss.GptOssConfig(num_hidden_layers=2, num_local_experts=4, vocab_size=64, hidden_size=32,
                          intermediate_size=16, head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2,
-                         sliding_window=5, max_position_embeddings=64, rope_scaling=dict(YARN),
+                         sliding_window=5, max_position_embeddings=32, rope_scaling=dict(YARN),
                          layer_types=["sliding_attention", "full_attention"])
     c._attn_implementation = "eager"
     return c
