@@ -2,8 +2,6 @@
 (OCP Microscaling v1.0: FP4 E2M1 decoded from its bit fields, E8M0 scales 2^(s-127), 32 values a
 block; the nibble order gpt-oss uses), not against the loader's own inverse; and the same bytes
 through transformers 4.57's own MXFP4 reader."""
-import math
-
 import pytest
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
@@ -44,28 +42,33 @@ def test_dequantised_values_are_the_ones_quantised_by_definition(dtype):
     assert torch.equal(out.double(), values)  # exact: each value is a short mantissa times a power of two
 
 
-def test_a_tensor_quantised_by_the_spec_rule_comes_back_within_half_a_step_or_clamped():
-    """OCP MX's conversion: shared scale 2^(floor(log2 max|v|) - 2) (E2M1's largest exponent is 2), each
-    value to the nearest E2M1 value; dequantised, each lands within half an E2M1 step of its original
-    or, beyond 6 times the scale, at +-6 times it."""
-    g = torch.Generator().manual_seed(3)
-    w = torch.randn(4, 64, generator=g, dtype=torch.float64) * 0.05
+def quantise_by_spec(w):
+    """w [..., R, C] (C a multiple of 32) -> blocks uint8 [..., R, C/32, 16], scales uint8 [..., R, C/32] and
+    the values they stand for [..., R, C] (fp64, decoded here from the bits). OCP MX's conversion: each
+    block's scale is 2^(floor(log2 max|v|) - 2) (E2M1's largest exponent is 2), each value goes to the
+    nearest E2M1 value (beyond 6 times the scale: +-6, the spec's clamp)."""
     grid = torch.tensor([e2m1(c) for c in range(16)], dtype=torch.float64)
-    blocks = torch.empty(4, 2, 16, dtype=torch.uint8)
-    scales = torch.empty(4, 2, dtype=torch.uint8)
-    for r in range(4):
-        for b in range(2):
-            v = w[r, 32 * b: 32 * b + 32]
-            e = math.floor(math.log2(v.abs().max().item())) - 2
-            codes = (v[:, None] / 2.0 ** e - grid[None]).abs().argmin(-1)  # nearest; clamps to +-6
-            blocks[r, b] = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8)
-            scales[r, b] = e + 127
-    out = dequantize_mxfp4(blocks[None], scales[None], dtype=torch.float32)[0].double()
+    v = w.double().reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
+    e = torch.floor(torch.log2(v.abs().amax(-1).clamp_min(2.0 ** -120))) - 2  # [..., R, C/32]
+    codes = (v[..., None] / torch.pow(2.0, e)[..., None, None] - grid).abs().argmin(-1)  # [..., R, C/32, 32]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # value 2j in the low nibble
+    values = grid[codes] * torch.pow(2.0, e)[..., None]
+    return blocks, (e + 127).to(torch.uint8), values.reshape(w.shape)
+
+
+def test_a_tensor_quantised_by_the_spec_rule_comes_back_within_half_a_step_or_clamped():
+    """Dequantised, each value lands within half an E2M1 step of its original or, beyond 6 times its
+    block's scale, at +-6 times it; and exactly on the value the bits stand for."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 4, 64, generator=g, dtype=torch.float64) * 0.05
+    blocks, scales, values = quantise_by_spec(w)
+    out = dequantize_mxfp4(blocks, scales, dtype=torch.float32).double()
+    assert torch.equal(out, values)
     scale = 2.0 ** (scales.double() - 127).repeat_interleave(32, dim=-1)
     inside = w.abs() <= 6 * scale  # E2M1's widest gap is 2 (4 to 6): half of it is one scale
     assert ((out - w).abs() <= scale + 1e-12)[inside].all()
-    assert ((out - w.sign() * 6 * scale).abs() < 1e-12)[~inside].all()  # beyond 6: clamped to +-6 (the spec's choice)
-    assert (out - w).abs().max() < 0.25 * w.abs().max()  # and it is a real approximation, not zeros
+    assert ((out - w.sign() * 6 * scale).abs() < 1e-12)[~inside].all()
+    assert (out - w).abs().max() < 0.25 * w.abs().max()  # a real approximation, not zeros
 
 
 def test_transformers_reads_the_same_bytes_to_the_same_weights():
