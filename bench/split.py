@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minimoe.core.routing import NativeRouter, select_topk  # noqa: E402
+from minimoe.core.routing import NativeRouter, Scoring, select_topk  # noqa: E402
 from minimoe.data.benchmarks import load_split  # noqa: E402
 from minimoe.evaluation.accuracy import evaluate_split  # noqa: E402
 from minimoe.loading.allocator import keep_freed_memory  # noqa: E402
@@ -49,7 +49,7 @@ class OracleRouter(NativeRouter):
     """Top-K by each expert's own-group output norm (all E experts run), weights from the fitted logits."""
 
     def __init__(self, experts, shared: int, top_k: int):
-        super().__init__(top_k, renormalize=True)
+        super().__init__(Scoring(top_k, normalize=True))
         self.bank, self.shared = experts, shared
 
     def forward(self, x, logits, experts=None):

@@ -7,23 +7,23 @@ import torch.nn as nn
 
 import minimoe
 from minimoe.core.methods import Method
-from minimoe.core.routing import NativeRouter, Routing, select_topk
+from minimoe.core.routing import NativeRouter, Routing, Scoring
 
 
 class BiasedRouter(NativeRouter):
-    def __init__(self, top_k, renormalize, num_experts, temperature, device=None):
-        super().__init__(top_k, renormalize)
+    def __init__(self, scoring, num_experts, temperature, device=None):  # scoring: the family's (routing.Scoring)
+        super().__init__(scoring)
         self.temperature = temperature
         self.bias = nn.Parameter(torch.zeros(num_experts, device=device))  # [E], fp32; zero: native at start
 
     @classmethod
     def from_gate(cls, gate, config, **options):  # one layer's policy; gate.weight [E, D]
         E = gate.weight.shape[0]
-        return cls(config.num_experts_per_tok, config.norm_topk_prob, E, device=gate.weight.device, **options)
+        return cls(Scoring.of(config), E, device=gate.weight.device, **options)
 
     def forward(self, x, logits, experts=None):  # x [T, D]; logits [T, E] fp32, the native a_t
         shifted = logits / self.temperature + self.bias
-        experts, weights = select_topk(shifted, self.top_k, self.renormalize, experts)
+        experts, weights = self.scoring.select(shifted, experts)  # the family's own softmax/sigmoid and top-K
         return Routing(logits=logits, experts=experts, weights=weights, routing_logits=shifted)
 
 

@@ -16,7 +16,7 @@ import torch
 
 from minimoe.cli import evaluate
 from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
-from minimoe.core.routing import ConcentrationRouter, native_concentration
+from minimoe.core.routing import ConcentrationRouter, Scoring, native_concentration
 from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, Example, train_tokenizer
 from minimoe.evaluation.accuracy import TokenArrays, diagnostics_report, evaluate_split, json_safe
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
@@ -190,7 +190,7 @@ def test_diagnostic_concentration_by_hand_and_against_the_router():
     logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0)) * 3
     for renormalize in (True, False):  # C_t renormalises over the K whatever the combine weights do
         ours = native_concentration(logits, 2).double().numpy()
-        theirs = ConcentrationRouter(2, renormalize)(None, logits).prediction.double().numpy()
+        theirs = ConcentrationRouter(Scoring(2, renormalize))(None, logits).prediction.double().numpy()
         assert np.allclose(ours, theirs, atol=1e-6)
 
 

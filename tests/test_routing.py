@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from minimoe.core.methods import METHODS, set_router
 from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.core.objectives import itakura_saito, supervision_loss
-from minimoe.core.routing import (ConcentrationRouter, DualAffinityRouter, NativeRouter, Routing, TokenErrorRouter,
-                                  attenuate, concentration, native_concentration, select_topk)
+from minimoe.core.routing import (ConcentrationRouter, DualAffinityRouter, NativeRouter, Routing, Scoring, TokenErrorRouter,
+                                  attenuate, concentration, native_concentration, resolve_layers, select_topk)
 
 FAMILIES = {
     "granite": dict(model_type="granitemoe", tie_word_embeddings=True, embedding_multiplier=12.0,
@@ -45,7 +45,7 @@ def token_ce(logits, ids):
 def tes_router(renormalize, gamma=1.0, tau=1.0, transform="started-log", D=16, E=8, K=3, seed=0):
     """A TES policy with a random (non-neutral) error head, and random inputs for it."""
     g = torch.Generator().manual_seed(seed)
-    router = TokenErrorRouter(D, E, K, renormalize, gamma, tau, transform)
+    router = TokenErrorRouter(D, E, Scoring(K, renormalize), gamma, tau, transform)
     with torch.no_grad():
         router.error_head.weight.copy_(torch.randn(E, D, generator=g))
         router.error_head.bias.copy_(torch.randn(E, generator=g))
@@ -188,7 +188,7 @@ def test_concentration_logit_gradient(renormalize):
     # selected set, 0 elsewhere; through the acs policy's "prediction" readout.
     g = torch.Generator().manual_seed(0)
     logits = (2 * torch.randn(64, 8, generator=g)).requires_grad_()  # routing math is fp32
-    r = ConcentrationRouter(3, renormalize)(None, logits)
+    r = ConcentrationRouter(Scoring(3, renormalize))(None, logits)
     c = r.prediction
     torch.testing.assert_close(c, native_concentration(logits, 3))  # acs supervises the native C_t
     c.sum().backward()
@@ -275,9 +275,9 @@ def test_error_head_trains_through_the_attenuated_combine_weights(renormalize):
 
 # ---- replay (gradient checkpointing) ------------------------------------------------------------------
 
-@pytest.mark.parametrize("make", [lambda: NativeRouter(3, True), lambda: ConcentrationRouter(3, False),
+@pytest.mark.parametrize("make", [lambda: NativeRouter(Scoring(3, True)), lambda: ConcentrationRouter(Scoring(3, False)),
                                   lambda: tes_router(False, gamma=2.0)[0],
-                                  lambda: DualAffinityRouter(torch.nn.Linear(16, 8, bias=False), 3, True, mix=0.5)])
+                                  lambda: DualAffinityRouter(torch.nn.Linear(16, 8, bias=False), Scoring(3, True), mix=0.5)])
 def test_policies_replay_a_given_selection(make):
     # The protocol: with `experts` given, the policy uses them and computes everything else as usual.
     g = torch.Generator().manual_seed(0)
@@ -405,3 +405,195 @@ def test_each_record_says_what_its_policy_does(name):
     assert trained == set(record.heads)
     assert (record.not_exportable is None) == (name in ("native", "acs"))  # the two that route natively
 
+
+
+# ---- every family's scorer (routing.Scoring): native as transformers routes, and every method on it ---------
+
+SCORERS = {  # name -> (Scoring, whether the layer has a correction bias)
+    "softmax": (Scoring(3), False),  # OLMoE, Qwen (norm_topk_prob false)
+    "softmax-norm": (Scoring(3, normalize=True), False),  # Mixtral, Qwen3, OLMoE with norm_topk_prob
+    "topk-on-logits": (Scoring(3, normalize=True, on_logits=True), False),  # Granite, gpt-oss
+    "group-max": (Scoring(3, method="group_limited_greedy", n_group=4, topk_group=2, scaling=2.5), False),  # DeepSeek-V2
+    "sigmoid-noaux": (Scoring(3, normalize=True, func="sigmoid", method="noaux_tc", n_group=4, topk_group=2,
+                              scaling=2.5), True),  # DeepSeek-V3
+    "sigmoid": (Scoring(3, func="sigmoid"), False),
+}
+
+
+def scorer_inputs(name, seed=0, D=16, E=8, T=32):
+    g = torch.Generator().manual_seed(seed)
+    scoring, has_bias = SCORERS[name]
+    gate = torch.nn.Linear(D, E, bias=name == "topk-on-logits")  # gpt-oss's router has a bias
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(E, D, generator=g) * 0.5)
+        if gate.bias is not None:
+            gate.bias.copy_(torch.randn(E, generator=g))
+    x = torch.randn(T, D, generator=g)
+    correction = torch.randn(E, generator=g) * 0.3 if has_bias else None
+    return scoring, gate, x, gate(x).detach().float(), correction
+
+
+def sorted_by_expert(experts, weights):
+    order = experts.argsort(-1)
+    return experts.gather(-1, order), weights.gather(-1, order)
+
+
+def transformers_routing(name, gate, x, correction):
+    """The same router as transformers 4.57 computes it (its own modules where it has one), the oracle."""
+    scoring, _ = SCORERS[name]
+    E, D = gate.weight.shape
+    if name == "group-max":
+        from transformers import DeepseekV2Config
+        from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MoEGate
+        ref = DeepseekV2MoEGate(DeepseekV2Config(n_routed_experts=E, hidden_size=D, num_experts_per_tok=3,
+                                                 topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                                                 routed_scaling_factor=2.5))
+        ref.weight.data.copy_(gate.weight)
+        return ref(x[None])
+    if name == "sigmoid-noaux":
+        from transformers import DeepseekV3Config
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+        ref = DeepseekV3TopkRouter(DeepseekV3Config(n_routed_experts=E, hidden_size=D, num_experts_per_tok=3,
+                                                    n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                                    norm_topk_prob=True))
+        ref.weight.data.copy_(gate.weight)
+        ref.e_score_correction_bias.copy_(correction)
+        return ref(x)
+    if name == "topk-on-logits":
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+        ref = GptOssTopKRouter(GptOssConfig(num_local_experts=E, hidden_size=D, num_experts_per_tok=3))
+        ref.weight.data.copy_(gate.weight)
+        ref.bias.data.copy_(gate.bias)
+        scores, experts = ref(x)
+        return experts, scores.gather(-1, experts)
+    # Mixtral's and Qwen's blocks inline it: softmax over all, top-K, renormalise when norm_topk_prob.
+    logits = gate(x)
+    if name == "sigmoid":
+        w, e = logits.sigmoid().topk(3, -1)
+        return e, w
+    w, e = F.softmax(logits, dim=1, dtype=torch.float).topk(3, dim=-1)
+    return e, (w / w.sum(-1, keepdim=True) if scoring.normalize else w)
+
+
+@pytest.mark.parametrize("name", list(SCORERS))
+def test_each_scorer_routes_as_transformers_does(name):
+    scoring, gate, x, logits, correction = scorer_inputs(name)
+    r = NativeRouter(scoring)(x, logits, correction=correction)
+    experts, weights = r.experts, r.weights
+    ref_experts, ref_weights = transformers_routing(name, gate, x, correction)
+    ours, theirs = sorted_by_expert(experts, weights), sorted_by_expert(ref_experts, ref_weights.float())
+    assert torch.equal(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["group-max", "sigmoid-noaux"])
+def test_group_limited_selection_stays_in_the_kept_groups(name):
+    # Every executed expert lies in one of topk_group groups, however the scores fall; noaux_tc's
+    # correction bias moves the selection and never the weights (sigmoid of the logits, renormalised).
+    scoring, _, x, logits, correction = scorer_inputs(name)
+    experts, weights = scoring.select(logits, correction=correction)
+    groups = experts // (8 // scoring.n_group)
+    assert all(len(set(row.tolist())) <= scoring.topk_group for row in groups)
+    if correction is not None:
+        plain, _ = scoring.select(logits)
+        assert not torch.equal(plain.sort(-1).values, experts.sort(-1).values)
+        s = logits.sigmoid().gather(-1, experts)
+        torch.testing.assert_close(weights, 2.5 * s / s.sum(-1, keepdim=True))
+
+
+def scorer_policy(method, scoring, gate, **options):
+    if method == "native":
+        return NativeRouter(scoring)
+    if method == "acs":
+        return ConcentrationRouter(scoring)
+    if method == "dual":
+        return DualAffinityRouter(gate, scoring, mix=options.get("mix", 0.5))
+    E, D = gate.weight.shape
+    return TokenErrorRouter(D, E, scoring, options.get("gamma", 1.0), options.get("tau", 1.0),
+                            options.get("transform", "started-log"))
+
+
+@pytest.mark.parametrize("name", list(SCORERS))
+@pytest.mark.parametrize("method,options", [("acs", {}), ("dual", {}), ("dual", {"mix": 1.0}), ("tes", {}),
+                                            ("tes", {"transform": "log", "gamma": 3.0})])
+def test_every_method_starts_native_on_every_scorer(name, method, options):
+    # At initialisation each method executes the family's native experts with its native weights: bit for
+    # bit where the scores cannot round (ACS, Dual, and TES on sigmoid scoring, where phi - min phi = 0);
+    # TES on softmax subtracts one constant per token, which softmax ignores up to the rounding of a - c.
+    scoring, gate, x, logits, correction = scorer_inputs(name)
+    native = NativeRouter(scoring)(x, logits, correction=correction)
+    r = scorer_policy(method, scoring, gate, **options)(x, logits, correction=correction)
+    assert torch.equal(r.experts, native.experts)
+    if method == "tes" and scoring.func == "softmax":
+        torch.testing.assert_close(r.weights, native.weights, rtol=1e-6, atol=1e-7)
+    else:
+        assert torch.equal(r.weights, native.weights)
+
+
+@pytest.mark.parametrize("name", list(SCORERS))
+def test_identities_hold_on_every_scorer(name):
+    scoring, gate, x, logits, correction = scorer_inputs(name)
+    native = NativeRouter(scoring)(x, logits, correction=correction)
+    # ACS: C_t = sum of the squared shares of the native K, shares = the family's weights renormalised
+    # (softmax p or sigmoid s), so 1/K <= C_t <= 1 (Eq. affinity_concentration).
+    a = logits.clone().requires_grad_(True)
+    c = ConcentrationRouter(scoring)(x, a, correction=correction).prediction
+    s = (a.detach().softmax(-1) if scoring.func == "softmax" else a.detach().sigmoid()).gather(-1, native.experts)
+    pbar = s / s.sum(-1, keepdim=True)
+    torch.testing.assert_close(c.detach(), pbar.pow(2).sum(-1))
+    assert (c >= 1 / 3 - 1e-6).all() and (c <= 1 + 1e-6).all()
+    c.sum().backward()  # only the selected experts' logits move C_t; for softmax dC/da_i = 2 pbar_i (pbar_i - C_t)
+    unselected = torch.ones_like(a, dtype=torch.bool).scatter(-1, native.experts, False)
+    if scoring.func == "softmax":
+        expected = torch.zeros_like(a).scatter(-1, native.experts, 2 * pbar * (pbar - c.detach()[:, None]))
+        torch.testing.assert_close(a.grad, expected, rtol=1e-5, atol=1e-6)
+    else:  # sigmoid scores are per expert: an unselected logit does not enter C_t at all
+        assert (a.grad[unselected] == 0).all() and (a.grad[~unselected] != 0).any()
+    # TES: gamma = 0 is native whatever the head says; e_hat weighs the executed experts' scores by the
+    # family's shares of the native logits; scaling every error by one factor under the pure log is a
+    # per-token shift that changes no route (softmax ignores it; sigmoid's phi - min phi removes it).
+    router, _, _ = tes_router(False, gamma=0.0)
+    router.scoring = scoring
+    r = router(x, logits, correction=correction)
+    assert torch.equal(r.experts, native.experts) and torch.equal(r.weights, native.weights)
+    router.gamma, router.transform = 2.0, "log"
+    r = router(x, logits, correction=correction)
+    shares = scoring.shares(logits, r.experts)
+    torch.testing.assert_close(r.prediction, (shares * r.expert_scores.gather(-1, r.experts)).sum(-1))
+    shifted = attenuate(logits, 5.0 * r.expert_scores.detach(), 2.0, 1.0, "log", relative=scoring.func == "sigmoid")
+    same = scoring.select(shifted, correction=correction)
+    assert torch.equal(same[0], scoring.select(r.routing_logits.detach(), correction=correction)[0])
+    # Dual: mix 1 routes on the copy's logits alone through the family's scoring.
+    dual = DualAffinityRouter(gate, scoring, mix=1.0)
+    with torch.no_grad():
+        dual.affinity.weight.mul_(-1.0)
+    copy = F.linear(x, dual.affinity.weight, dual.affinity.bias if gate.bias is not None else None).float()
+    copy = copy if gate.bias is not None else copy + dual.affinity.bias
+    assert torch.equal(dual(x, logits, correction=correction).experts, scoring.select(copy, correction=correction)[0])
+
+
+@pytest.mark.parametrize("name", list(SCORERS))
+@pytest.mark.parametrize("method", ["native", "acs", "dual", "tes"])
+def test_every_policy_replays_on_every_scorer(name, method):
+    scoring, gate, x, logits, correction = scorer_inputs(name)
+    router = scorer_policy(method, scoring, gate, gamma=2.0)
+    if method == "tes":
+        with torch.no_grad():
+            router.error_head.weight.normal_(0, 1.0, generator=torch.Generator().manual_seed(3))
+    first = router(x, logits, correction=correction)
+    again = router(x, logits, experts=first.experts, correction=correction)
+    for f in fields(Routing):
+        if getattr(first, f.name) is not None:
+            assert torch.equal(getattr(again, f.name), getattr(first, f.name)), f.name
+
+
+def test_layer_scope_counts_moe_layers_only():
+    # 'final' is the final MoE layer and 'all' every MoE layer; a dense layer is never routed.
+    sparse = [1, 3, 4]
+    assert resolve_layers("final", sparse) == [4] and resolve_layers("all", sparse) == sparse
+    assert resolve_layers("first:2", sparse) == [1, 3] and resolve_layers("last:1", sparse) == [4]
+    assert resolve_layers([3], sparse) == [3]
+    with pytest.raises(ValueError, match=r"layer index 2 .*MoE layers are \[1, 3, 4\]"):
+        resolve_layers([2], sparse)
+    assert resolve_layers("all", 3) == [0, 1, 2]

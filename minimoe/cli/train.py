@@ -40,6 +40,7 @@ import torch.distributed as dist
 import minimoe
 from minimoe.atomic import atomic_file
 from minimoe.cli import model_path, run_command
+from minimoe.core.families import family_of
 from minimoe.core.methods import Method
 from minimoe.core.model import compile_layers
 from minimoe.core.scoring import check_max_length, pad_id
@@ -103,7 +104,7 @@ def resolve_config(args, model_config) -> tuple[TrainConfig, Method]:
     """The run's TrainConfig and its method, resolved once (config.build_config): the recipe's values
     (from the checkpoint's model_type unless --recipe), overridden by every setting given; then what the
     model and the machine decide (pad id, device, dtype)."""
-    recipe = args.recipe or {"granitemoe": "granite"}.get(model_config.model_type, "olmoe")
+    recipe = args.recipe or family_of(model_config.model_type).recipe
     cfg, method = build_config({k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}, recipe)
     cfg.pad_token_id = pad_id(model_config)
     cfg.device = str(pick_device(cfg.device))

@@ -58,14 +58,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core import cpu_kernels
-from minimoe.core.model import (LAYER_KEYS, GroupedLinear, MoEForCausalLM, _grouped_mm_applies, expert_matmul,
+from minimoe.core.families import family_of
+from minimoe.core.model import (GroupedLinear, MoEForCausalLM, _grouped_mm_applies, expert_matmul,
                                 matmul_dtype, scaled)
 from minimoe.core.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
            "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
 ALIASES = {"experts": ("gate_up", "down")}
-DEFAULT_TARGETS = {"granitemoe": ("q", "k", "v", "experts"), "olmoe": ("q", "k", "v", "o", "experts")}
 
 
 class LoRAMixin:
@@ -278,14 +278,14 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
         raise ValueError(f"add_lora: dropout must be in [0, 1), got {dropout!r}")
     if lora_modules(model):
         raise ValueError("add_lora: the model already has LoRA modules")
-    targets = resolve_targets(DEFAULT_TARGETS[config.model_type] if targets is None else targets)
+    targets = resolve_targets(family_of(config.model_type).lora_targets if targets is None else targets)
     model.requires_grad_(False)  # the base; LoRA's parameters below are new and train
     for i, layer in enumerate(model.model.layers):
         for t in targets:
             parent_name, _, leaf = TARGETS[t].rpartition(".")
             parent, base = layer.get_submodule(parent_name), layer.get_submodule(TARGETS[t])
             if isinstance(base, GroupedLinear):
-                disk = LAYER_KEYS[config.model_type].get(f"{TARGETS[t]}.weight")
+                disk = family_of(config.model_type).layer_keys.get(f"{TARGETS[t]}.weight")
                 blocks = len(disk) if isinstance(disk, tuple) else 1  # one LoRA per on-disk matrix
                 lora = LoRAGroupedLinear(base, rank, alpha, dropout, blocks, dtype)
             else:

@@ -23,8 +23,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from minimoe.core.routing import (TRANSFORMS, ConcentrationRouter, DualAffinityRouter, NativeRouter, TokenErrorRouter,
-                                  _number, resolve_layers, set_routing_trainable, tuned_layers)
+from minimoe.core.routing import (TRANSFORMS, ConcentrationRouter, DualAffinityRouter, NativeRouter, Scoring,
+                                  TokenErrorRouter, _number, moe_blocks, resolve_layers, set_routing_trainable,
+                                  tuned_layers)
 
 
 def number(kind, low=None, high=None, *, low_open=False, high_open=False) -> Callable:
@@ -193,18 +194,18 @@ def set_router(model, method="native", layers="final", *, tune_router: bool | No
     for name, o in method.options.items():  # floats in the spec, so that it stays JSON-serialisable
         if isinstance(o.default, float) and _number(opts[name]):
             opts[name] = float(opts[name])
-    blocks = [layer.mlp for layer in model.model.layers]
-    scope = resolve_layers(layers, len(blocks))
+    blocks = moe_blocks(model)  # layer index -> MoE block; dense layers are never routed
+    scope = resolve_layers(layers, list(blocks))
     c = model.config
     # Build every router first, so that a bad option leaves the model untouched.
-    routers = [method.policy.from_gate(mlp.gate, c, **opts) if i in scope
-               else NativeRouter(c.num_experts_per_tok, c.norm_topk_prob) for i, mlp in enumerate(blocks)]
+    routers = {i: method.policy.from_gate(mlp.gate, c, **opts) if i in scope else NativeRouter(Scoring.of(c))
+               for i, mlp in blocks.items()}
     model.router_spec = {"method": method.name, "layers": scope, "tune_router": tune_router, **opts,
                          **({"module": method.module} if method.module else {})}
     model.router_method = replace(method, tune_router=tune_router, values={**method.values, **opts})
     tuned = tuned_layers(model.router_spec)
-    for i, (mlp, router) in enumerate(zip(blocks, routers)):
-        mlp.router = router
+    for i, mlp in blocks.items():
+        mlp.router = routers[i]
         if i in tuned and mlp.gate.weight.dtype != torch.float32:  # trained in fp32, cast at use (model.py)
             mlp.gate.weight = nn.Parameter(mlp.gate.weight.detach().float())
     set_routing_trainable(model)

@@ -37,29 +37,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core import cpu_kernels
-from minimoe.core.routing import NativeRouter, Routing
-
-# The checkpoint name table, kept beside the modules it names (loading and LoRA's per-matrix blocks read it).
-# Per layer: our parameter name -> the on-disk key(s). A tuple of per-expert patterns means the
-# experts are stored one by one and concatenated along `out` (gate rows, then up rows) into our bank.
-LAYER_KEYS = {
-    "granitemoe": {
-        "mlp.gate.weight": "block_sparse_moe.router.layer.weight",
-        "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
-        "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight",
-    },
-    "olmoe": {
-        "mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
-        "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",),
-    },
-}
-
-FAMILIES = ("granitemoe", "olmoe")
-
+from minimoe.core.families import family_of
+from minimoe.core.routing import SCORE_FUNCS, TOPK_METHODS, NativeRouter, Routing, Scoring
 
 @dataclass
 class MoEConfig:
-    model_type: str  # "granitemoe" or "olmoe": selects the per-family switches below
+    model_type: str  # a families.FAMILIES key; the family fixes some switches below (Family.fixed)
     vocab_size: int
     hidden_size: int  # D
     intermediate_size: int  # I, width of one expert
@@ -73,8 +56,18 @@ class MoEConfig:
     max_position_embeddings: int = 4096
     attention_bias: bool = False
     tie_word_embeddings: bool = False
-    norm_topk_prob: bool = False  # OLMoE's switch; Granite always renormalises over the K
+    norm_topk_prob: bool = False  # renormalise the K selected weights (Granite's top-K on logits always does)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection (and q/k norm)
+    qk_norm: str | None = None  # RMSNorm on q and k: "full" over the projection width (OLMoE), None: none
+    # The router's scoring and selection (routing.Scoring reads these; families.py says who uses which).
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    topk_on_logits: bool = False  # top-K on the logits, then softmax over the K (Granite, gpt-oss)
+    topk_method: str = "greedy"  # greedy | group_limited_greedy (DeepSeek-V2) | noaux_tc (DeepSeek-V3)
+    n_group: int = 1  # expert groups for the group-limited methods
+    topk_group: int = 1  # groups kept per token
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek)
+    router_bias: bool = False  # the gate has a bias (gpt-oss)
+    router_fp32: bool = False  # the gate's matmul in fp32, its input upcast (DeepSeek); else the model dtype
     # Granite's multipliers; the OLMoE values leave the forward unchanged.
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -91,8 +84,8 @@ class MoEConfig:
     extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back on save
 
     def __post_init__(self):
-        if self.model_type not in FAMILIES:
-            raise ValueError(f"config: unknown model_type {self.model_type!r}; expected one of {FAMILIES}")
+        for name, value in family_of(self.model_type).fixed.items():  # the unknown model_type error names them all
+            setattr(self, name, value)
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "
                              f"num_attention_heads {self.num_attention_heads}")
@@ -106,16 +99,32 @@ class MoEConfig:
             raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
         if self.rope_scaling is not None:
             raise ValueError(f"config: rope_scaling {self.rope_scaling!r} is not supported; expected null")
-        if self.model_type == "granitemoe":
-            self.norm_topk_prob = True  # softmax over the top-K logits is a renormalisation over the K
+        if self.qk_norm not in (None, "full"):
+            raise ValueError(f"config: qk_norm {self.qk_norm!r}; expected None or 'full'")
+        self._check_router()
+
+    def _check_router(self):
+        if self.scoring_func not in SCORE_FUNCS:
+            raise ValueError(f"config: scoring_func {self.scoring_func!r}; expected one of {SCORE_FUNCS}")
+        if self.topk_method not in TOPK_METHODS:
+            raise ValueError(f"config: topk_method {self.topk_method!r}; expected one of {TOPK_METHODS}")
+        if self.topk_on_logits and (self.scoring_func != "softmax" or self.topk_method != "greedy"):
+            raise ValueError("config: topk_on_logits (top-K on logits, softmax over the K) takes softmax scoring "
+                             f"and greedy top-K; got {self.scoring_func!r} and {self.topk_method!r}")
+        if self.topk_method != "greedy":
+            E, G = self.num_experts, self.n_group
+            if G < 1 or E % G or not 1 <= self.topk_group <= G:
+                raise ValueError(f"config: {self.topk_method} needs n_group dividing num_experts={E} and "
+                                 f"1 <= topk_group <= n_group; got n_group={G}, topk_group={self.topk_group}")
+            if self.num_experts_per_tok > self.topk_group * (E // G):
+                raise ValueError(f"config: num_experts_per_tok {self.num_experts_per_tok} exceeds the "
+                                 f"{self.topk_group * (E // G)} experts of topk_group={self.topk_group} groups")
+            if self.topk_method == "noaux_tc" and E // G < 2:
+                raise ValueError(f"config: noaux_tc ranks groups by their two best experts; groups have {E // G}")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.model_type == "olmoe"
 
     @property
     def attention_scale(self) -> float:
@@ -178,7 +187,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(D, G * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(D, G * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(H * d, D, bias=config.attention_bias)
-        if config.qk_norm:  # OLMoE: over the whole projection width, before the head split
+        if config.qk_norm == "full":  # OLMoE: over the whole projection width, before the head split
             self.q_norm = RMSNorm(H * d, config.rms_norm_eps)
             self.k_norm = RMSNorm(G * d, config.rms_norm_eps)
 
@@ -322,9 +331,12 @@ class Experts(nn.Module):
 class MoEBlock(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)  # native affinity W_aff
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)  # native affinity W_aff
+        if config.topk_method == "noaux_tc":  # DeepSeek-V3's selection-only bias, a checkpoint tensor, never trained
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
         self.experts = Experts(config)
-        self.router = NativeRouter(config.num_experts_per_tok, config.norm_topk_prob)
+        self.router = NativeRouter(Scoring.of(config))
+        self.router_fp32 = config.router_fp32
 
     def forward(self, x, stash: dict | None = None) -> tuple[torch.Tensor, Routing]:  # x [B, T, D]
         """stash: under gradient checkpointing, the first pass records its expert choice there and
@@ -332,9 +344,14 @@ class MoEBlock(nn.Module):
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         replay = stash.get("experts") if stash is not None else None
-        # A tuned gate is stored in fp32 (routing.py); cast at use, its logits are the model dtype's as ever.
-        logits = F.linear(flat, self.gate.weight.to(flat.dtype)).float()  # [B*T, E]
-        routing = self.router(flat, logits, experts=replay)
+        # A tuned gate is stored in fp32 (routing.py); cast at use, its logits are the model dtype's as ever
+        # (DeepSeek's in fp32: then the router's input is the upcast hidden state, heads included).
+        gx = flat.float() if self.router_fp32 else flat
+        bias = self.gate.bias.to(gx.dtype) if self.gate.bias is not None else None
+        logits = F.linear(gx, self.gate.weight.to(gx.dtype), bias).float()  # [B*T, E]
+        correction = getattr(self.gate, "e_score_correction_bias", None)
+        extra = {} if correction is None else {"correction": correction}  # a policy of your own may not take it
+        routing = self.router(gx, logits, experts=replay, **extra)
         if stash is not None and replay is None:
             stash["experts"] = routing.experts.detach()
         return self.experts(flat, routing.experts, routing.weights).view(B, T, D), routing

@@ -7,6 +7,9 @@ pre-expert hidden state h_t and logits [T, E] the native affinity logits a_t = W
 compute everything else as usual. Its parameters live under `...mlp.router.*`; the checkpoint's
 own gate stays at `...mlp.gate`. Which method uses which policy, with which options, is methods.py's
 table; its `set_router` installs one.
+- `Scoring`: a family's scoring and selection as config fields (softmax or sigmoid, top-K before or
+  after the softmax, norm_topk_prob, group-limited top-K, the selection-only correction bias,
+  routed_scaling_factor); every policy below routes through it, so every method runs on every family.
 - `NativeRouter`: the family's top-K (Eq. native_affinity, native_moe_output).
 - `DualAffinityRouter`: the Dual Affinity control; a trainable copy of the gate, `router.affinity`,
   mixed with the frozen native logits, then the native policy.
@@ -17,9 +20,14 @@ table; its `set_router` installs one.
   C_t has one home, `concentration` (the evaluation's diagnostic is `native_concentration`).
 
 Decisions where the paper is silent, and why:
+- On every scorer TES attenuates the logits before the family's scoring and selection (correction
+  bias and group limits then applied as the family applies them); sigmoid scoring is not
+  shift-invariant, so there phi_i - min_j phi_j replaces phi (native at init, bit for bit). TES's
+  readout and ACS's C_t use the family's own native weights of the K renormalised (`Scoring.shares`:
+  softmax p or sigmoid s; no scaling factor). Dual mixes before the scoring (docs/methods.md).
 - The tes readout weights the *executed* experts (S_t^act, i.e. the attenuated top-K) by native p
   renormalised over that set, as Eq. aggregate_predicted_error states; the FFN combines with the
-  attenuated probabilities under the family's own normalisation (`select_topk` on the attenuated
+  attenuated probabilities under the family's own normalisation (`Scoring.select` on the attenuated
   logits), as the text after Eq. started_log_transform states.
 - Nothing is detached on the tes path. The expert scores get gradient (1) from the readout,
   pbar_i times the aggregate's, executed experts only (Eq. appendix_aggregate_component_derivative),
@@ -83,120 +91,204 @@ def _number(x) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
-def select_topk(logits, k: int, renormalize: bool, experts=None):
-    """Top-K of softmax(logits) -> (experts [T, K], weights [T, K] fp32); `experts` replays a selection.
+SCORE_FUNCS = ("softmax", "sigmoid")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
-    The two native policies in one: Granite (renormalize=True) takes the top-K logits and softmaxes
-    over them, which equals the full softmax renormalised over the K; OLMoE softmaxes over all
-    experts, keeps the K largest probabilities and renormalises them only when `norm_topk_prob`.
+
+@dataclass(frozen=True)
+class Scoring:
+    """A family's scoring and selection as fields (MoEConfig's router fields; `Scoring.of(config)`).
+
+    - func softmax, on_logits False (OLMoE, Qwen, Mixtral, DeepSeek-V2): softmax over all E, then the
+      top-K probabilities; renormalised over the K when `normalize` (norm_topk_prob).
+    - func softmax, on_logits True (Granite, gpt-oss): top-K on the logits, softmax over the K (which is
+      the full softmax renormalised over the K).
+    - func sigmoid (DeepSeek-V3): sigmoid scores; the selection may add `correction` (the checkpoint's
+      e_score_correction_bias [E]) to them, the weights never do.
+    - method: greedy (plain top-K); group_limited_greedy (DeepSeek-V2: keep the `topk_group` of
+      `n_group` expert groups with the largest max score); noaux_tc (DeepSeek-V3: groups ranked by the
+      sum of their two best scores, correction included). Experts outside the kept groups score 0,
+      as the reference masks them.
+    - scaling: routed_scaling_factor, applied to the weights last.
     """
-    probs = logits.float().softmax(dim=-1)  # [T, E]
-    if experts is None:  # the choice carries no gradient; the weights do, through gather
-        experts = probs.detach().topk(k, dim=-1).indices
-    weights = probs.gather(-1, experts)  # one op sequence whether chosen or replayed
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return experts, weights
+    top_k: int
+    normalize: bool = False
+    func: str = "softmax"
+    on_logits: bool = False
+    method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+
+    @classmethod
+    def of(cls, config) -> Scoring:
+        c = config
+        return cls(c.num_experts_per_tok, c.norm_topk_prob, c.scoring_func, c.topk_on_logits, c.topk_method,
+                   c.n_group, c.topk_group, c.routed_scaling_factor)
+
+    def scores(self, logits):  # [T, E] -> [T, E] fp32 per-expert scores (softmax or sigmoid)
+        return logits.float().softmax(dim=-1) if self.func == "softmax" else logits.float().sigmoid()
+
+    def choose(self, scores, correction=None):
+        """[T, E] scores (no gradient) -> [T, K] experts, by `method` (the class docstring)."""
+        s = scores if correction is None else scores + correction.float()
+        if self.method != "greedy":
+            T, E = s.shape
+            grouped = s.view(T, self.n_group, E // self.n_group)
+            rank = grouped.max(-1).values if self.method == "group_limited_greedy" else grouped.topk(2, -1).values.sum(-1)
+            kept = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, rank.topk(self.topk_group, -1).indices, True)
+            s = s.masked_fill(~kept.repeat_interleave(E // self.n_group, dim=1), 0.0)
+        return s.topk(self.top_k, dim=-1).indices
+
+    def select(self, logits, experts=None, correction=None):
+        """logits [T, E] -> (experts [T, K], weights [T, K] fp32); `experts` replays a selection.
+        The choice carries no gradient; the weights do, through gather."""
+        logits = logits.float()
+        if self.on_logits:
+            if experts is None:
+                experts = logits.detach().topk(self.top_k, dim=-1).indices
+            weights = logits.gather(-1, experts).softmax(dim=-1)
+        else:
+            scores = self.scores(logits)
+            if experts is None:
+                experts = self.choose(scores.detach(), correction)
+            weights = scores.gather(-1, experts)  # one op sequence whether chosen or replayed
+            if self.normalize:
+                total = weights.sum(dim=-1, keepdim=True)
+                weights = weights / (total + 1e-20 if self.func == "sigmoid" else total)  # DeepSeek-V3's guard
+        return experts, weights if self.scaling == 1.0 else weights * self.scaling
+
+    def shares(self, logits, experts):
+        """The family's own weights of `experts` [T, K], normalised to sum 1 (no scaling) -> [T, K] fp32:
+        softmax probabilities or sigmoid scores renormalised over the set. C_t and TES's readout use them."""
+        s = self.scores(logits).gather(-1, experts)
+        return s / s.sum(dim=-1, keepdim=True)
 
 
-def concentration(logits, experts):
-    """C_t = sum_{i in S} pbar_i^2, pbar = softmax(logits) renormalised over S = `experts` -> [T].
+def select_topk(logits, k: int, renormalize: bool, experts=None):
+    """Top-K of softmax(logits) -> (experts [T, K], weights [T, K] fp32), renormalised over the K when
+    `renormalize`; `experts` replays a selection. The softmax scorer's greedy selection (`Scoring`)."""
+    return Scoring(k, renormalize).select(logits, experts)
+
+
+def concentration(logits, experts, scoring: Scoring | None = None):
+    """C_t = sum_{i in S} pbar_i^2, pbar the family's weights of S = `experts` renormalised over S -> [T]
+    (softmax by default: pbar = softmax(logits) renormalised over S).
 
     Eq. affinity_concentration (= diagnostic_token_concentration with S the native top-K);
     differentiable w.r.t. the logits (Eq. appendix_affinity_concentration_logit_gradient).
     """
-    p = logits.float().softmax(dim=-1).gather(-1, experts)  # [T, K]
-    pbar = p / p.sum(dim=-1, keepdim=True)
+    pbar = (scoring or Scoring(experts.shape[-1])).shares(logits, experts)  # [T, K]
     return pbar.pow(2).sum(dim=-1)
 
 
-def native_concentration(logits, k: int):
-    """Diagnostic C_t over the native top-K of softmax(logits), without gradient -> [T].
+def native_concentration(logits, scoring: Scoring | int, correction=None):
+    """Diagnostic C_t over the native top-K of `scoring` (an int K: softmax greedy), without gradient -> [T].
 
-    The top-K set is the same with or without renormalisation, so only K is needed.
+    The top-K set is the same with or without renormalisation or scaling, so only the choice matters.
     """
+    scoring = scoring if isinstance(scoring, Scoring) else Scoring(scoring)
     with torch.no_grad():
-        return concentration(logits, select_topk(logits, k, renormalize=False)[0])
+        return concentration(logits, scoring.select(logits, correction=correction)[0], scoring)
 
 
-def attenuate(logits, e_hat, gamma: float, tau: float, transform: str = "started-log"):
+def attenuate(logits, e_hat, gamma: float, tau: float, transform: str = "started-log", relative: bool = False):
     """a - gamma * phi(e_hat) [T, E] (Eq. attenuated_routing_score).
 
     phi = log(1 + e/tau) (Eq. started_log_transform) or the pure-log control log e
-    (Eq. shifted_log_ablation_score, where tau is unused).
+    (Eq. shifted_log_ablation_score, where tau is unused). relative: phi - min_i phi (sigmoid scoring,
+    which a per-token shift would change: the least-error expert keeps its native logit).
     """
     e_hat = e_hat.float()
     if transform == "started-log":
         phi = torch.log1p(e_hat / tau)
     else:
         phi = torch.log(e_hat.clamp_min(torch.finfo(torch.float32).tiny))
+    if relative:
+        phi = phi - phi.min(dim=-1, keepdim=True).values
     return logits.float() - gamma * phi
 
 
 class NativeRouter(nn.Module):
-    """The family's own policy (Eq. native_affinity, native_moe_output)."""
+    """The family's own policy (Eq. native_affinity, native_moe_output), its scoring a `Scoring`.
 
-    def __init__(self, top_k: int, renormalize: bool):
+    `correction` is the checkpoint's e_score_correction_bias [E] (DeepSeek-V3), passed by the MoE block
+    only where the family has one: a policy of your own that accepts no `correction` keeps working on
+    every other family."""
+
+    def __init__(self, scoring: Scoring):
         super().__init__()
-        self.top_k, self.renormalize = top_k, renormalize
+        self.scoring = scoring
+
+    @property
+    def top_k(self) -> int:
+        return self.scoring.top_k
 
     @classmethod
     def from_gate(cls, gate: nn.Linear, config, **options):
         """The policy of one layer, whose native gate is `gate`, with the method's `options`: how set_router
-        builds every method's policy. A subclass whose constructor takes (top_k, renormalize, **options)
-        inherits this one."""
-        return cls(config.num_experts_per_tok, config.norm_topk_prob, **options)
+        builds every method's policy. A subclass whose constructor takes (scoring, **options) inherits this one."""
+        return cls(Scoring.of(config), **options)
 
-    def forward(self, x, logits, experts=None):
-        experts, weights = select_topk(logits, self.top_k, self.renormalize, experts)
+    def forward(self, x, logits, experts=None, correction=None):
+        experts, weights = self.scoring.select(logits, experts, correction)
         return Routing(logits=logits, experts=experts, weights=weights)
 
 
 class ConcentrationRouter(NativeRouter):
-    """ACS: native routing; the supervised prediction is C_t over the native top-K, with gradient."""
+    """ACS: native routing; the supervised prediction is C_t over the native top-K, with gradient, from the
+    family's own weights of the K renormalised (`Scoring.shares`)."""
 
-    def __init__(self, top_k: int, renormalize: bool):
-        if top_k < 2:
-            raise ValueError(f"acs: num_experts_per_tok is {top_k}; affinity concentration needs K >= 2 "
+    def __init__(self, scoring: Scoring):
+        if scoring.top_k < 2:
+            raise ValueError(f"acs: num_experts_per_tok is {scoring.top_k}; affinity concentration needs K >= 2 "
                              "(with K = 1, C_t = 1 for every token and gives no gradient)")
-        super().__init__(top_k, renormalize)
+        super().__init__(scoring)
 
-    def forward(self, x, logits, experts=None):
-        experts, weights = select_topk(logits, self.top_k, self.renormalize, experts)
-        c = concentration(logits, experts)  # [T]
+    def forward(self, x, logits, experts=None, correction=None):
+        experts, weights = self.scoring.select(logits, experts, correction)
+        c = concentration(logits, experts, self.scoring)  # [T]
         return Routing(logits=logits, experts=experts, weights=weights, prediction=c)
 
 
 class DualAffinityRouter(NativeRouter):
-    """Dual Affinity: logits (1 - w) a + w a_copy, with `affinity` a trainable copy of the native gate."""
+    """Dual Affinity: logits (1 - w) a + w a_copy, with `affinity` a trainable copy of the native gate
+    (its bias too where the gate has one, gpt-oss), mixed before the family's scoring."""
 
-    def __init__(self, gate: nn.Linear, top_k: int, renormalize: bool, mix: float):
+    def __init__(self, gate: nn.Linear, scoring: Scoring, mix: float):
         if not (_number(mix) and 0.0 <= mix <= 1.0):
             raise ValueError(f"dual: mix={mix!r}; expected a mixing weight in [0, 1]")
-        super().__init__(top_k, renormalize)
+        super().__init__(scoring)
         self.mix = float(mix)
         w = gate.weight
+        self.gate_bias = gate.bias is not None  # then the copy runs the gate's own op, bias inside
         self.affinity = nn.Linear(w.shape[1], w.shape[0], bias=True, device=w.device, dtype=torch.float32)
         with torch.no_grad():
             self.affinity.weight.copy_(w)
-            self.affinity.bias.zero_()
+            self.affinity.bias.copy_(gate.bias) if self.gate_bias else self.affinity.bias.zero_()
 
     @classmethod
     def from_gate(cls, gate, config, **options):
-        return cls(gate, config.num_experts_per_tok, config.norm_topk_prob, **options)
+        return cls(gate, Scoring.of(config), **options)
 
-    def forward(self, x, logits, experts=None):
-        # The gate's own op plus an fp32 bias, so that at init a_copy equals a bit for bit.
-        copy = F.linear(x, self.affinity.weight.to(x.dtype)).float() + self.affinity.bias.float()  # [T, E]
+    def forward(self, x, logits, experts=None, correction=None):
+        # The gate's own op (plus an fp32 bias where the gate has none), so that at init a_copy equals a bit for bit.
+        W, b = self.affinity.weight, self.affinity.bias
+        if self.gate_bias:
+            copy = F.linear(x, W.to(x.dtype), b.to(x.dtype)).float()  # [T, E]
+        else:
+            copy = F.linear(x, W.to(x.dtype)).float() + b.float()  # [T, E]
         mixed = logits + self.mix * (copy - logits)
-        experts, weights = select_topk(mixed, self.top_k, self.renormalize, experts)
+        experts, weights = self.scoring.select(mixed, experts, correction)
         return Routing(logits=logits, experts=experts, weights=weights, routing_logits=mixed)
 
 
 class TokenErrorRouter(NativeRouter):
-    """TES: per-expert error scores e = softplus(W_e h + b_e) attenuate the native logits."""
+    """TES: per-expert error scores e = softplus(W_e h + b_e) attenuate the native logits before the
+    family's scoring and selection; the readout e_hat weights them by the family's own normalised
+    native weights of the executed experts (`Scoring.shares`)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
+    def __init__(self, hidden_size: int, num_experts: int, scoring: Scoring,
                  gamma: float, tau: float, transform: str, device=None, dtype=None):
         if not (_number(gamma) and gamma >= 0):
             raise ValueError(f"tes: gamma={gamma!r}; expected a finite attenuation strength >= 0")
@@ -204,7 +296,7 @@ class TokenErrorRouter(NativeRouter):
             raise ValueError(f"tes: tau={tau!r}; expected a finite reference scale > 0")
         if transform not in TRANSFORMS:
             raise ValueError(f"tes: transform={transform!r}; expected one of {TRANSFORMS}")
-        super().__init__(top_k, renormalize)
+        super().__init__(scoring)
         self.gamma, self.tau, self.transform = float(gamma), float(tau), transform
         self.error_head = nn.Linear(hidden_size, num_experts, bias=True, device=device, dtype=dtype)
         with torch.no_grad():  # neutral start: routing is native (see the module docstring)
@@ -214,16 +306,15 @@ class TokenErrorRouter(NativeRouter):
     @classmethod
     def from_gate(cls, gate, config, **options):
         w = gate.weight  # [E, D]; the head is stored in fp32 (module docstring)
-        return cls(w.shape[1], w.shape[0], config.num_experts_per_tok, config.norm_topk_prob, **options,
-                   device=w.device, dtype=torch.float32)
+        return cls(w.shape[1], w.shape[0], Scoring.of(config), **options, device=w.device, dtype=torch.float32)
 
-    def forward(self, x, logits, experts=None):
+    def forward(self, x, logits, experts=None, correction=None):
         W, b = self.error_head.weight, self.error_head.bias  # fp32, cast at use like the gate
         scores = F.softplus(F.linear(x, W.to(x.dtype), b.to(x.dtype)).float())  # [T, E] e_hat_{t,i} > 0
-        attenuated = attenuate(logits, scores, self.gamma, self.tau, self.transform)
-        experts, weights = select_topk(attenuated, self.top_k, self.renormalize, experts)
-        p = logits.softmax(dim=-1).gather(-1, experts)  # [T, K] native p on the executed set
-        pbar = p / p.sum(dim=-1, keepdim=True)
+        attenuated = attenuate(logits, scores, self.gamma, self.tau, self.transform,
+                               relative=self.scoring.func == "sigmoid")
+        experts, weights = self.scoring.select(attenuated, experts, correction)
+        pbar = self.scoring.shares(logits, experts)  # [T, K] native weights of the executed set, renormalised
         e_hat = (pbar * scores.gather(-1, experts)).sum(dim=-1)  # [T]
         return Routing(logits=logits, experts=experts, weights=weights, prediction=e_hat,
                        expert_scores=scores, routing_logits=attenuated)
@@ -231,25 +322,30 @@ class TokenErrorRouter(NativeRouter):
 
 # ----------------------------------------------------------------------------- the layer scope and what trains
 
-def resolve_layers(layers, num_layers: int) -> list[int]:
-    """'final' | 'all' | 'first:N' | 'last:N' | list of indices -> sorted layer indices."""
+def resolve_layers(layers, sparse) -> list[int]:
+    """'final' | 'all' | 'first:N' | 'last:N' | list of indices -> sorted layer indices, among `sparse`: the
+    MoE layers' indices (an int n: layers 0..n-1 all sparse). Dense layers are never routed: 'final' is
+    the final MoE layer, 'all' every MoE layer, first/last:N the first/last N MoE layers."""
+    sparse = list(range(sparse)) if isinstance(sparse, Integral) else sorted(sparse)
+    n_sparse = len(sparse)
     if isinstance(layers, str):
         head, _, count = layers.partition(":")
         if layers == "final":
-            return [num_layers - 1]  # every layer of both families is sparse
+            return sparse[-1:]
         if layers == "all":
-            return list(range(num_layers))
-        if head in ("first", "last") and count.isdigit() and 1 <= int(count) <= num_layers:
+            return sparse
+        if head in ("first", "last") and count.isdigit() and 1 <= int(count) <= n_sparse:
             n = int(count)
-            return list(range(n)) if head == "first" else list(range(num_layers - n, num_layers))
+            return sparse[:n] if head == "first" else sparse[n_sparse - n:]
         raise ValueError(f"set_router: layers={layers!r} is not understood; expected 'final', 'all', "
-                         f"'first:N' or 'last:N' with 1 <= N <= {num_layers}, or a list of layer indices")
+                         f"'first:N' or 'last:N' with 1 <= N <= {n_sparse} (the MoE layers), or a list of layer indices")
     if not isinstance(layers, (list, tuple)) or not layers:
         raise ValueError(f"set_router: layers={layers!r}; expected a scope name or a non-empty list of indices")
-    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, Integral) or not 0 <= i < num_layers]
+    bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, Integral) or i not in sparse]
     if bad:
+        dense = "" if sparse == list(range(len(sparse))) else f" (its MoE layers are {sparse}; dense layers are never routed)"
         raise ValueError(f"set_router: layer index {bad[0]!r} is out of range; the model has layers "
-                         f"0..{num_layers - 1}")
+                         f"0..{max(sparse)}{dense}")
     return sorted({int(i) for i in layers})
 
 
@@ -264,6 +360,11 @@ def set_routing_trainable(model):
     (`.mlp.router.*`) and the native gates of `tuned_layers`; every other gate is frozen. set_router
     and add_lora both end with it, so the order in which they are called does not matter."""
     tuned = tuned_layers(model.router_spec)
-    for i, layer in enumerate(model.model.layers):
-        layer.mlp.router.requires_grad_(True)
-        layer.mlp.gate.weight.requires_grad_(i in tuned)
+    for i, mlp in moe_blocks(model).items():
+        mlp.router.requires_grad_(True)
+        mlp.gate.weight.requires_grad_(i in tuned)
+
+
+def moe_blocks(model) -> dict:
+    """Layer index -> its MoE block, for the layers that route (a dense layer's mlp has no router)."""
+    return {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "router")}

@@ -54,7 +54,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from minimoe.core.routing import native_concentration
+from minimoe.core.routing import Scoring, moe_blocks, native_concentration
 from minimoe.core.scoring import (Example, by_example, choice_loss, choice_scores, forward_choices, make_choice_batch,
                                   pad_id, predictions)
 from minimoe.evaluation.diagnostics import (concentration_summary, decile_curve, error_prediction_summary,
@@ -87,7 +87,7 @@ class TokenArrays:
 
 def diagnosed_layers(model) -> list[int]:
     spec = model.router_spec
-    return list(spec["layers"]) if spec else [model.config.num_hidden_layers - 1]
+    return list(spec["layers"]) if spec else list(moe_blocks(model))[-1:]  # native: the final MoE layer
 
 
 def _length_proxy(ex: Example) -> int:
@@ -129,7 +129,7 @@ def eval_mode(model):
 
 
 def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress=None, pad_to=1):
-    k, layers = model.config.num_experts_per_tok, diagnosed_layers(model)
+    k, layers = Scoring.of(model.config), diagnosed_layers(model)  # the family's native top-K
     method = model.router_method
     errors = method is not None and method.predicts_error  # its Routing.prediction is e_hat
     order = sorted(range(len(examples)), key=lambda i: -_length_proxy(examples[i]))  # longest first: OOM early

@@ -3,7 +3,7 @@
 `export_peft(adapter_or_run, out_dir)` writes `adapter_config.json` and `adapter_model.safetensors`
 such that `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)`
 gives minimoe's logits with the adapter (tests/test_export.py holds this for both families). Our
-names map onto the checkpoint's through `checkpoint.LAYER_KEYS`, the one name table:
+names map onto the checkpoint's through the family's `layer_keys` (core/families.py), the one name table:
 - Attention LoRA keeps its modules and shapes: `q_proj.lora_A [r, D]`, `lora_B [out, r]`.
 - Granite's fused expert banks are 3-D parameters in transformers (`input_linear.weight [E, 2I, D]`,
   `output_linear.weight`), so they go through peft's `target_parameters` (its ParamWrapper), which
@@ -32,8 +32,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minimoe.atomic import atomic_directory
+from minimoe.core.families import family_of
 from minimoe.core.model import MoEForCausalLM
-from minimoe.loading.checkpoint import LAYER_KEYS, from_pretrained, resolve_checkpoint
+from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint
 from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
                                    refuse_routing_heads)
 from minimoe.runs.folder import resolve_adapter  # a run folder resolves through selection.json
@@ -60,7 +61,7 @@ def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[s
 def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
     """Our adapter tensors -> (peft's state dict, the targets for its config); unknown keys raise."""
     fp = config["fingerprint"]
-    table, E, r = LAYER_KEYS[fp["model_type"]], fp["num_experts"], config["rank"]
+    table, E, r = family_of(fp["model_type"]).layer_keys, fp["num_experts"], config["rank"]
     out, modules, params, saved = {}, set(), set(), []
     for key in sorted(tensors):
         t = tensors[key]

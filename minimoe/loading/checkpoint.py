@@ -1,7 +1,7 @@
 """Checkpoint I/O: official safetensors <-> MoEForCausalLM, config.json <-> MoEConfig, tokenizer.
 
-Our module names equal the checkpoint keys wherever the two families agree; `LAYER_KEYS` is the
-whole name table for the rest. Loading is strict: a missing, unexpected or wrongly shaped key, an
+Our module names equal the checkpoint keys wherever the families agree; each family's record
+(core/families.py: `Family.layer_keys`, `renames`, `config_fields`) is the whole table for the rest. Loading is strict: a missing, unexpected or wrongly shaped key, an
 unknown model_type, a missing config field or an unreadable file raises an error naming it.
 
 Loading builds the model on the meta device (no random weights are ever allocated), then reads
@@ -21,17 +21,10 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.core.model import LAYER_KEYS, MoEConfig, MoEForCausalLM, config_field_names
+from minimoe.core.families import CONFIG_FIELDS, family_of
+from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
 from minimoe.loading.allocator import advise_huge_pages
 
-ARCHITECTURES = {"granitemoe": "GraniteMoeForCausalLM", "olmoe": "OlmoeForCausalLM"}
-# config.json names that differ from ours, per family.
-CONFIG_RENAMES = {"granitemoe": {"num_local_experts": "num_experts"}, "olmoe": {}}
-# Fields of ours that a family's config.json does not have.
-FOREIGN_FIELDS = {
-    "granitemoe": {"norm_topk_prob", "clip_qkv"},
-    "olmoe": {"embedding_multiplier", "residual_multiplier", "logits_scaling", "attention_multiplier"},
-}
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "num_experts", "num_experts_per_tok")
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
@@ -42,27 +35,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # ----------------------------------------------------------------------------- config
 
 def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
-    family = d.get("model_type")
-    if family not in CONFIG_RENAMES:
-        raise ValueError(f"{source}: unknown model_type {family!r}; expected one of {list(CONFIG_RENAMES)}")
-    d = {CONFIG_RENAMES[family].get(k, k): v for k, v in d.items()}
+    family = family_of(d.get("model_type"), source)
+    d = {family.renames.get(k, k): v for k, v in d.items()}
+    d = {**family.defaults, **d}
     d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
     missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
     if missing:
-        raise ValueError(f"{source}: missing field(s) {missing} for model_type {family!r}")
-    ours = set(config_field_names())
+        raise ValueError(f"{source}: missing field(s) {missing} for model_type {family.model_type!r}")
+    ours = set(config_field_names()) - set(family.fixed)  # a fixed field is the family's, whatever the file says
     known = {k: v for k, v in d.items() if k in ours}
     extra = {k: v for k, v in d.items() if k not in ours}
     return MoEConfig(**known, extra=extra)
 
 
 def config_to_dict(config: MoEConfig) -> dict:
-    family = config.model_type
-    ours = {k: getattr(config, k) for k in config_field_names() if k not in FOREIGN_FIELDS[family]}
-    back = {v: k for k, v in CONFIG_RENAMES[family].items()}
-    d = {**config.extra, **{back.get(k, k): v for k, v in ours.items()}}
-    d["architectures"] = [ARCHITECTURES[family]]
-    if family == "granitemoe" and d.get("attention_multiplier") is None:
+    """config.json as the family's transformers config writes it: the shared fields, the family's own
+    (`Family.config_fields`) under its names, and whatever unknown fields were read."""
+    family = family_of(config.model_type)
+    written = CONFIG_FIELDS | family.config_fields
+    back = {v: k for k, v in family.renames.items()}
+    d = {**config.extra, **{back.get(k, k): getattr(config, k) for k in config_field_names() if k in written}}
+    d["architectures"] = [family.architecture]
+    if "attention_multiplier" in written and d.get("attention_multiplier") is None:
         d["attention_multiplier"] = config.attention_scale
     return d
 
@@ -92,7 +86,7 @@ def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str]:
     per_layer += [f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in (["weight", "bias"] if config.attention_bias else ["weight"])]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    table = LAYER_KEYS[config.model_type]
+    table = family_of(config.model_type).layer_keys
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
         for name in per_layer:

@@ -36,7 +36,8 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from minimoe.core.lora import ALIASES as LORA_ALIASES, ALPHA, DEFAULT_TARGETS, DROPOUT, RANK, TARGETS
+from minimoe.core.families import family_of
+from minimoe.core.lora import ALIASES as LORA_ALIASES, ALPHA, DROPOUT, RANK, TARGETS
 from minimoe.core.methods import ALIASES, METHODS, Method, number
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.runs.plugins import resolve_method
@@ -95,8 +96,8 @@ def method_option(text: str):
 # ---- the paper's presets
 
 def paper_lora(family: str) -> dict:
-    """The paper's LoRA (lora.RANK, ALPHA, DROPOUT) on the family's own targets (lora.DEFAULT_TARGETS)."""
-    return dict(lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT, lora_targets=list(DEFAULT_TARGETS[family]))
+    """The paper's LoRA (lora.RANK, ALPHA, DROPOUT) on the family's own targets (families.Family.lora_targets)."""
+    return dict(lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT, lora_targets=list(family_of(family).lora_targets))
 
 
 # The paper's Experimental Configuration table, one preset per backbone over TrainConfig's defaults;

@@ -35,7 +35,7 @@ REPORTERS = ("none", "tensorboard", "wandb")
 class RoutingStats:
     """Per-layer routing statistics of one optimizer step, summed over micro-batches (see the module docstring)."""
 
-    def __init__(self, layers: list[int], num_experts: int, k: int):
+    def __init__(self, layers: list[int], num_experts: int, k):  # k: the family's routing.Scoring, or K
         self.layers, self.k, self.num_experts = layers, k, num_experts
         self.load, self.sums = {}, {}  # per layer, on the routing's device: read back once, by summary
         self.supervised = 0  # gold answer tokens seen (the batches' host-side counts)

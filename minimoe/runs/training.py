@@ -44,6 +44,7 @@ from minimoe.atomic import atomic_file
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import Method
 from minimoe.core.methods import set_router
+from minimoe.core.routing import Scoring
 from minimoe.core.scoring import ChoiceBatch, make_choice_batch
 from minimoe.core.step import step_loss
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
@@ -168,7 +169,7 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
     counts = {"examples": n_examples, "tokens": global_sum(sum(b.supervised_tokens for b in real)),
               "rows": global_sum(sum(b.input_ids.shape[0] for b in real))}
     core = getattr(model, "module", model)  # under DDP, the model it wraps
-    stats = RoutingStats(diagnosed_layers(core), core.config.num_experts, core.config.num_experts_per_tok)
+    stats = RoutingStats(diagnosed_layers(core), core.config.num_experts, Scoring.of(core.config))
     terms = step_loss(model, batches, method, counts, world_size, stats=stats, **loss_settings(cfg))
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)

@@ -43,6 +43,7 @@ from pathlib import Path
 from minimoe.study import compare
 
 from minimoe.atomic import KINDS, atomic_file, check_owned_file, mark, write_owned_file, written_kind
+from minimoe.core.families import FAMILIES
 from minimoe.core.methods import ALIASES, METHODS, Method
 from minimoe.data.benchmarks import SPLITS
 from minimoe.data.userdata import is_user_data
@@ -153,9 +154,20 @@ ZERO_SHOT = "zero-shot (base model)"  # the report row of the base model's score
 
 
 def guess_recipe(model: str) -> str | None:
-    """granite/olmoe from a hub id or folder name; None leaves it to train.py (the checkpoint's model_type)."""
+    """The family's recipe (families.Family.recipe): from a local folder's config.json, else from a hub id or
+    folder name holding one of a family's `name_hints` (the longest that matches); None leaves it to train.py, which reads the
+    checkpoint's model_type (never a default family's recipe)."""
+    config = Path(model) / "config.json"
+    if config.is_file():
+        try:
+            model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+        except (ValueError, AttributeError):  # unreadable: train.py names the problem
+            model_type = None
+        if model_type in FAMILIES:
+            return FAMILIES[model_type].recipe
     name = Path(model).name.lower()
-    return "granite" if "granite" in name else "olmoe" if "olmoe" in name else None
+    hits = [(len(h), f.recipe) for f in FAMILIES.values() for h in f.name_hints if h in name]
+    return max(hits)[1] if hits else None  # the longest hint: "olmoe-like" over "olmoe"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,95 @@
+"""The model families: one `Family` record each in `FAMILIES`, every fact about a family that minimoe
+reads outside the modules themselves.
+
+A family is its config.json `model_type`. The record says how its config.json maps onto `MoEConfig`
+(renamed fields, fields it lacks, values it fixes, transformers' defaults for fields it may omit),
+how its checkpoint names our parameters (`layer_keys`), what LoRA adapts by default, which of
+runs/config.py's `RECIPES` trains it, and where to find real checkpoints. The modules read only
+`MoEConfig` fields (qk_norm, scoring, biases, ...), never the family's name, so that a family is
+added here, in one record, plus a module in core/ only where it brings a new kind of computation.
+
+Decisions:
+- The recipe is named, not held: recipes are run settings (runs/, which core may not import), and
+  the paper gives two, Granite's and OLMoE's. A family the paper did not train names the recipe of
+  the nearer scoring rule (softmax over all experts: OLMoE's; top-K on logits: Granite's), and says
+  so in `recipe_note`; `--recipe` overrides it. LoRA's targets come from the family, not the recipe.
+- config.json is written as the family's transformers config writes it: the fields every family has
+  (`CONFIG_FIELDS`) and the family's own (`config_fields`); our other fields keep their defaults.
+- `fixed` values are not read from config.json and not written back: they are what the family's
+  modeling file hard-codes (OLMoE's q/k norm over the full projection width, Granite's top-K on
+  logits), stated as our config fields so that every module reads fields only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str  # config.json's model_type
+    architecture: str  # config.json's "architectures" entry, written back on save
+    brings: str  # what the family adds to the others, one line (the README's family table)
+    hub_examples: tuple[str, ...]  # real checkpoints of the family on the Hugging Face hub
+    recipe: str  # the runs.config.RECIPES preset that trains it (module docstring)
+    lora_targets: tuple[str, ...]  # lora.TARGETS names (and ALIASES) adapted when --lora-targets is not given
+    # our parameter name (per layer) -> its on-disk key, or a tuple of per-expert key patterns ({j}:
+    # the expert) concatenated along `out` into our stacked bank (gate rows, then up rows)
+    layer_keys: dict = field(default_factory=dict)
+    renames: dict = field(default_factory=dict)  # config.json field -> our MoEConfig field
+    config_fields: frozenset = frozenset()  # our fields its config.json has beyond CONFIG_FIELDS (written back)
+    fixed: dict = field(default_factory=dict)  # our fields the family hard-codes (not read, not written)
+    defaults: dict = field(default_factory=dict)  # transformers' config defaults for fields config.json may omit
+    name_hints: tuple[str, ...] = ()  # lowercase parts of a hub id or folder name that mean this family (sweep.py)
+    recipe_note: str = ""  # why it trains with `recipe` where the paper gives it none
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add a family to `FAMILIES` (a file of your own may declare one the same way)."""
+    FAMILIES[family.model_type] = family
+    return family
+
+
+def family_of(model_type: str, source: str = "config") -> Family:
+    """The record of `model_type`; an unknown one is an error naming the families there are."""
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(f"{source}: unknown model_type {model_type!r}; expected one of {sorted(FAMILIES)}")
+    return family
+
+
+# Every record must give these a value (tests/test_families.py holds each record complete).
+REQUIRED = ("model_type", "architecture", "brings", "hub_examples", "recipe", "lora_targets")
+
+# Our MoEConfig fields that every family's config.json holds (under its own name: `renames`).
+CONFIG_FIELDS = frozenset({
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "num_experts", "num_experts_per_tok", "rms_norm_eps", "rope_theta",
+    "max_position_embeddings", "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
+    "initializer_range", "hidden_act", "rope_scaling", "torch_dtype"})
+
+register_family(Family(
+    "granitemoe", "GraniteMoeForCausalLM",
+    brings="top-K on logits then softmax over the K; embedding, residual, attention and logits multipliers",
+    hub_examples=("ibm-granite/granite-3.1-1b-a400m-base", "ibm-granite/granite-3.1-3b-a800m-base"),
+    recipe="granite", lora_targets=("q", "k", "v", "experts"), name_hints=("granite",),
+    layer_keys={"mlp.gate.weight": "block_sparse_moe.router.layer.weight",
+                "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
+                "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight"},
+    renames={"num_local_experts": "num_experts"},
+    config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier",
+                             "logits_scaling", "attention_multiplier"}),
+    fixed={"norm_topk_prob": True, "topk_on_logits": True}))
+
+register_family(Family(
+    "olmoe", "OlmoeForCausalLM",
+    brings="softmax over all experts, then top-K (renormalised with norm_topk_prob); q/k RMSNorm over the "
+           "full projection width; clip_qkv",
+    hub_examples=("allenai/OLMoE-1B-7B-0924", "allenai/OLMoE-1B-7B-0125"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("olmoe",),
+    layer_keys={"mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
+                "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",)},
+    config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "norm_topk_prob", "clip_qkv"}),
+    fixed={"qk_norm": "full"}))
