@@ -19,6 +19,12 @@ FAMILY_SWITCHES = {
                        logits_scaling=6.0, attention_multiplier=0.1, pad_token_id=0, eos_token_id=0),
     # OLMoE: q/k norms (always), clip_qkv low enough to bite, renormalised top-K, GQA.
     "olmoe": dict(clip_qkv=0.5, norm_topk_prob=True, pad_token_id=1, eos_token_id=2),
+    # gpt-oss: sinks, biases and top-K on logits (fixed by the family), a sliding layer then a full one,
+    # YaRN, the clamped experts.
+    "gpt_oss": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 16},
+                    max_position_embeddings=64, pad_token_id=0, eos_token_id=1),
 }
 
 

@@ -33,7 +33,8 @@ class Family:
     recipe: str  # the runs.config.RECIPES preset that trains it (module docstring)
     lora_targets: tuple[str, ...]  # lora.TARGETS names (and ALIASES) adapted when --lora-targets is not given
     # our parameter name (per layer) -> its on-disk key, or a tuple of per-expert key patterns ({j}:
-    # the expert) concatenated along `out` into our stacked bank (gate rows, then up rows)
+    # the expert) concatenated along `out` into our stacked bank (gate rows, then up rows), or a
+    # `Converted` key (stored in another layout than ours)
     layer_keys: dict = field(default_factory=dict)
     renames: dict = field(default_factory=dict)  # config.json field -> our MoEConfig field
     config_fields: frozenset = frozenset()  # our fields its config.json has beyond CONFIG_FIELDS (written back)
@@ -41,6 +42,14 @@ class Family:
     defaults: dict = field(default_factory=dict)  # transformers' config defaults for fields config.json may omit
     name_hints: tuple[str, ...] = ()  # lowercase parts of a hub id or folder name that mean this family (sweep.py)
     recipe_note: str = ""  # why it trains with `recipe` where the paper gives it none
+
+
+@dataclass(frozen=True)
+class Converted:
+    """An on-disk tensor stored in another layout than our parameter's: `layout` names the conversion
+    (loading/checkpoint.py's CONVERSIONS holds each one's load and save, and its MXFP4 form if any)."""
+    key: str
+    layout: str
 
 
 FAMILIES: dict[str, Family] = {}
@@ -93,3 +102,23 @@ register_family(Family(
                 "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",)},
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "norm_topk_prob", "clip_qkv"}),
     fixed={"qk_norm": "full"}))
+
+register_family(Family(
+    "gpt_oss", "GptOssForCausalLM",
+    brings="attention sinks; sliding and full layers alternating (layer_types); biases on attention, router and "
+           "experts; top-K on logits then softmax over the K; clamped SwiGLU, gate and up interleaved on disk; "
+           "YaRN; experts in MXFP4 in the official checkpoint, dequantised on load",
+    hub_examples=("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
+    recipe="granite", recipe_note="top-K on logits then softmax over the K, as Granite's router: its recipe, "
+                                  "LoRA targets (Q/K/V and the routed experts) included",
+    lora_targets=("q", "k", "v", "experts"), name_hints=("gpt-oss", "gpt_oss"),
+    layer_keys={"mlp.gate.weight": "mlp.router.weight", "mlp.gate.bias": "mlp.router.bias",
+                "mlp.experts.gate_up_proj.weight": Converted("mlp.experts.gate_up_proj", "gate_up_interleaved"),
+                "mlp.experts.gate_up_proj_bias": Converted("mlp.experts.gate_up_proj_bias", "bias_interleaved"),
+                "mlp.experts.down_proj.weight": Converted("mlp.experts.down_proj", "transposed")},
+    renames={"num_local_experts": "num_experts"},
+    config_fields=frozenset({"router_aux_loss_coef", "sliding_window", "layer_types", "swiglu_limit"}),
+    # transformers' GptOssConfig sets attention_bias itself, and its modeling file hard-codes the rest
+    fixed={"attention_bias": True, "attention_sinks": True, "router_bias": True, "topk_on_logits": True,
+           "norm_topk_prob": True},
+    defaults={"swiglu_limit": 7.0, "sliding_window": 128, "rope_theta": 150000.0}))

@@ -26,8 +26,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimoe.core.model import RMSNorm, apply_rope
-from minimoe.core.rope import deinterleave, yarn_softmax_mscale
+from minimoe.core.model import RMSNorm
+from minimoe.core.rope import apply_rope, deinterleave, yarn_softmax_mscale
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the references' RMSNorm default, not rms_norm_eps
 

@@ -97,6 +97,12 @@ def rope_cos_sin(position_ids, inv_freq, attention_factor: float, dtype):
     return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
 
 
+def apply_rope(x, cos, sin):  # x [B, h, T, d], cos/sin [B, T, d]: rotate-half's pairs (x[i], x[i + d/2])
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 def deinterleave(x):
     """x [..., d] with pairs (x[2i], x[2i+1]) -> [..., d] with the evens first, then the odds."""
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)

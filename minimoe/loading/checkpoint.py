@@ -21,9 +21,19 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.core.families import CONFIG_FIELDS, family_of
+from minimoe.core.families import CONFIG_FIELDS, Converted, family_of
 from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
+from minimoe.loading import gpt_oss
 from minimoe.loading.allocator import advise_huge_pages
+
+# Converted keys (core/families.py): layout -> (disk -> ours, ours -> disk, MXFP4 blocks and scales -> ours
+# or None). Only gpt-oss needs them so far (loading/gpt_oss.py says why).
+CONVERSIONS = {
+    "gate_up_interleaved": (gpt_oss.gate_up_from_disk, gpt_oss.gate_up_to_disk, gpt_oss.gate_up_from_mxfp4),
+    "bias_interleaved": (gpt_oss.gate_up_bias_from_disk, gpt_oss.gate_up_bias_to_disk, None),
+    "transposed": (gpt_oss.down_from_disk, gpt_oss.down_to_disk, gpt_oss.down_from_mxfp4),
+}
+QUANTIZED_ON_DISK = ("mxfp4",)  # quantization_config.quant_method values we dequantise on load
 
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "num_experts", "num_experts_per_tok")
@@ -42,6 +52,12 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
     if missing:
         raise ValueError(f"{source}: missing field(s) {missing} for model_type {family.model_type!r}")
+    quant = (d.get("quantization_config") or {}).get("quant_method")
+    if quant is not None:  # dequantised on load and saved dense: the saved config.json says no quantization
+        if quant not in QUANTIZED_ON_DISK:
+            raise ValueError(f"{source}: quantization_config quant_method {quant!r} is not supported; expected "
+                             f"one of {QUANTIZED_ON_DISK} (dequantised on load) or none")
+        d = {k: v for k, v in d.items() if k != "quantization_config"}
     ours = set(config_field_names()) - set(family.fixed)  # a fixed field is the family's, whatever the file says
     known = {k: v for k, v in d.items() if k in ours}
     extra = {k: v for k, v in d.items() if k not in ours}
@@ -76,26 +92,34 @@ def read_config(folder: Path) -> MoEConfig:
 
 # ----------------------------------------------------------------------------- name table
 
-def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str]:
-    """Our parameter name -> its on-disk key (str) or per-expert keys (tuple, in concatenation order)."""
-    layout = {"model.embed_tokens.weight": "model.embed_tokens.weight", "model.norm.weight": "model.norm.weight"}
-    if not config.tie_word_embeddings:
-        layout["lm_head.weight"] = "lm_head.weight"
-    per_layer = ["input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate.weight",
-                 "mlp.experts.gate_up_proj.weight", "mlp.experts.down_proj.weight"]
-    per_layer += [f"self_attn.{p}_proj.{w}" for p in "qkvo" for w in (["weight", "bias"] if config.attention_bias else ["weight"])]
-    if config.qk_norm:
-        per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str | Converted]:
+    """Our parameter name -> its on-disk key (str), per-expert keys (tuple, in concatenation order) or a
+    Converted key. Our names are the parameters the model builds for `config` (built on the meta device:
+    nothing is allocated); the family's `layer_keys` renames the ones stored under other names."""
+    with torch.device("meta"):
+        names = [n for n, _ in MoEForCausalLM(config).named_parameters()]
     table = family_of(config.model_type).layer_keys
-    for i in range(config.num_hidden_layers):
-        prefix = f"model.layers.{i}."
-        for name in per_layer:
-            disk = table.get(name, name)
-            if isinstance(disk, tuple):
-                layout[prefix + name] = tuple(prefix + pat.format(j=j) for j in range(config.num_experts) for pat in disk)
-            else:
-                layout[prefix + name] = prefix + disk
+    layout = {}
+    for name in names:
+        head, dot, rest = name.partition(".layers.")
+        if not dot:  # embedding, final norm, LM head: the same names everywhere
+            layout[name] = name
+            continue
+        i, _, per_layer = rest.partition(".")
+        prefix = f"{head}.layers.{i}."
+        disk = table.get(per_layer, per_layer)
+        if isinstance(disk, tuple):
+            layout[name] = tuple(prefix + pat.format(j=j) for j in range(config.num_experts) for pat in disk)
+        elif isinstance(disk, Converted):
+            layout[name] = Converted(prefix + disk.key, disk.layout)
+        else:
+            layout[name] = prefix + disk
     return layout
+
+
+def mxfp4_keys(key: str) -> tuple[str, str]:
+    """The blocks and scales that stand for `key` in an MXFP4 checkpoint (loading/mxfp4.py)."""
+    return key + "_blocks", key + "_scales"
 
 
 # ----------------------------------------------------------------------------- loading
@@ -235,7 +259,14 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
             if key not in files[file].entries:
                 raise KeyError(f"{folder}: the shard index puts {key!r} in {file}, which does not hold it")
             where[key] = file
-    expected = {k for disk in layout.values() for k in ((disk,) if isinstance(disk, str) else disk)}
+    quantized = {disk.key for disk in layout.values()  # Converted keys stored as MXFP4 blocks and scales
+                 if isinstance(disk, Converted) and disk.key not in where and mxfp4_keys(disk.key)[0] in where}
+    expected = set()
+    for disk in layout.values():
+        if isinstance(disk, Converted):
+            expected.update(mxfp4_keys(disk.key) if disk.key in quantized else (disk.key,))
+        else:
+            expected.update((disk,) if isinstance(disk, str) else disk)
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
     unexpected = sorted(set(where) - expected - ignored)
     if unexpected:
@@ -247,12 +278,26 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
 
     # Allocate every parameter at its final dtype and device, and note where each disk key lands:
     # a whole parameter, or (OLMoE) one expert's gate, up or down rows inside a stacked bank.
-    destination = {}  # disk key -> tensor (a parameter or a contiguous slice of one)
+    destination = {}  # disk key -> tensor (a parameter or a contiguous slice of one, or a converted key's buffer)
+    converted = []  # (parameter, conversion, its buffers), converted once every file is read
     for name, disk in layout.items():
         meta = model.get_parameter(name)
         value = torch.empty(meta.shape, dtype=dtype, device=device)
         advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
-        if isinstance(disk, str):
+        if isinstance(disk, Converted):  # read as stored (its shape: ours taken to the disk layout), then converted
+            from_disk, to_disk, from_mxfp4 = CONVERSIONS[disk.layout]
+            if disk.key in quantized:
+                if from_mxfp4 is None:
+                    raise KeyError(f"{folder}: {disk.key!r} is stored as MXFP4 blocks and scales; it must be dense")
+                E, out, inner = meta.shape  # MXFP4 stores [E, out, in] as 32-value blocks along in
+                buffers = [torch.empty(E, out, inner // 32, 16, dtype=torch.uint8), torch.empty(E, out, inner // 32, dtype=torch.uint8)]
+                destination.update(zip(mxfp4_keys(disk.key), buffers))
+                converted.append((value, lambda b, s, f=from_mxfp4, k=disk.key: f(b, s, dtype, k), buffers))
+            else:
+                buffer = torch.empty(to_disk(torch.empty(meta.shape, device="meta")).shape, dtype=dtype)
+                destination[disk.key] = buffer
+                converted.append((value, from_disk, [buffer]))
+        elif isinstance(disk, str):
             destination[disk] = value
         else:  # per-expert keys in (expert, part) order; part p fills rows [p*rows, (p+1)*rows)
             parts = len(disk) // config.num_experts
@@ -267,6 +312,8 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
             for key in weights.keys():
                 if key in destination and where.get(key) == file:
                     weights.read_into(key, destination[key], f)
+    for value, convert, buffers in converted:
+        value.copy_(convert(*buffers))
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
@@ -283,6 +330,9 @@ def to_disk_layout(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> dict[
         value = tensors[name]
         if isinstance(disk, str):
             out[disk] = value.contiguous()
+            continue
+        if isinstance(disk, Converted):  # saved dense, in the layout transformers reads (MXFP4 is never written)
+            out[disk.key] = CONVERSIONS[disk.layout][1](value)
             continue
         parts = len(disk) // config.num_experts
         rows = value.shape[1] // parts
