@@ -1,0 +1,128 @@
+"""DeepSeek-V2, DeepSeek-V3 and gpt-oss through `minimoe.from_pretrained`, against transformers 4.57 on
+tiny checkpoints saved by transformers itself (tests/tiny_families.py: one per switch, sharded and
+unsharded, and gpt-oss with MXFP4 experts): fp32 logits with and without padding, gradients of every
+weight, bf16 error against transformers' own, a save/load round trip, and a training step of every
+method that reaches every LoRA tensor and the method's head."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import minimoe
+from minimoe.core.families import FAMILIES
+from minimoe.core.lora import add_lora
+from minimoe.core.methods import METHODS, set_router
+from minimoe.loading.checkpoint import checkpoint_layout, to_disk_layout
+from tests.tiny_families import VARIANTS, family_of, mxfp4_reference_model, reference_model
+
+FP32_TOL = 2e-5
+DECLARED = [v for v in VARIANTS if family_of(v) in FAMILIES]  # the families declared so far
+
+
+def batch(vocab=128, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (3, 16), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 11:] = 0  # right padding
+    mask[2, 5:] = 0
+    return ids, mask
+
+
+def rel_err(ours, ref, mask):
+    real = mask.bool()
+    return ((ours.float() - ref.float())[real].abs().max() / ref.float()[real].abs().max()).item()
+
+
+@pytest.mark.parametrize("variant", DECLARED)
+@pytest.mark.parametrize("shard", [False, True])
+def test_fp32_logits_match_transformers(variant, shard, tmp_path):
+    ref = reference_model(variant, tmp_path, shard=shard)
+    if shard:
+        assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    ours = minimoe.from_pretrained(tmp_path, dtype=torch.float32)
+    ids, mask = batch()
+    with torch.no_grad():
+        assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
+        full = torch.ones_like(mask)
+        assert rel_err(ours(ids).logits, ref(ids).logits, full) <= FP32_TOL
+
+
+@pytest.mark.skipif("gpt_oss" not in FAMILIES, reason="gpt_oss is not declared")
+def test_mxfp4_experts_are_dequantised_on_load(tmp_path):
+    """The official layout: experts as uint8 blocks and scales, quantised here by the format's definition;
+    the reference holds the values the bits stand for."""
+    ref = mxfp4_reference_model(tmp_path)
+    ours = minimoe.from_pretrained(tmp_path, dtype=torch.float32)
+    assert "quantization_config" not in ours.config.extra  # saved dense, it is no longer quantised
+    ids, mask = batch()
+    with torch.no_grad():
+        assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
+
+
+def next_token_ce(logits, ids, mask):
+    targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+    return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=-100)
+
+
+@pytest.mark.parametrize("variant", DECLARED)
+def test_gradients_match_transformers(variant, tmp_path):
+    """d(next-token CE)/d(every weight), mapped to transformers' names by the checkpoint table, within 1e-4."""
+    ref = reference_model(variant, tmp_path).train()
+    ours = minimoe.from_pretrained(tmp_path).train()
+    ids, mask = batch()
+    next_token_ce(ours(ids, attention_mask=mask).logits, ids, mask).backward()
+    next_token_ce(ref(ids, attention_mask=mask).logits, ids, mask).backward()
+    names = [n for n, p in ours.named_parameters() if p.requires_grad]
+    layout = checkpoint_layout(ours.config)
+    ours_grads = to_disk_layout(ours.config, {n: ours.get_parameter(n).grad if n in names else
+                                              torch.zeros_like(ours.get_parameter(n)) for n in layout})
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    assert set(ours_grads) >= set(ref_grads)
+    for key, want in ref_grads.items():
+        scale = want.abs().max().clamp(min=1e-8)
+        assert ((ours_grads[key] - want).abs().max() / scale).item() <= 1e-4, key
+
+
+@pytest.mark.parametrize("variant", DECLARED)
+def test_bf16_error_at_most_3x_transformers_own(variant, tmp_path):
+    ref = reference_model(variant, tmp_path)
+    ids, mask = batch()
+    with torch.no_grad():
+        exact = ref(ids, attention_mask=mask).logits
+        ref_bf16 = ref.to(torch.bfloat16)(ids, attention_mask=mask).logits
+        ours_bf16 = minimoe.from_pretrained(tmp_path, dtype=torch.bfloat16)(ids, attention_mask=mask).logits
+    assert rel_err(ours_bf16, exact, mask) <= 3 * rel_err(ref_bf16, exact, mask)
+
+
+@pytest.mark.parametrize("variant", DECLARED)
+def test_save_and_load_round_trip(variant, tmp_path):
+    reference_model(variant, tmp_path / "ref")
+    ours = minimoe.from_pretrained(tmp_path / "ref")
+    minimoe.save_pretrained(ours, tmp_path / "again")
+    again = minimoe.from_pretrained(tmp_path / "again")
+    ids, _ = batch()
+    with torch.no_grad():
+        assert torch.equal(ours(ids).logits, again(ids).logits)
+
+
+@pytest.mark.parametrize("variant", DECLARED)
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_trains_a_step_reaching_every_lora_tensor(variant, method, tmp_path):
+    reference_model(variant, tmp_path)
+    model = minimoe.from_pretrained(tmp_path).train()
+    add_lora(model, rank=4)
+    set_router(model, method)
+    with torch.no_grad():  # B = 0 at init gives A no gradient; move it so that every tensor gets one
+        for n, p in model.named_parameters():
+            if n.endswith("lora_B"):
+                p.normal_(0, 0.01)
+    ids, mask = batch()
+    out = model(ids, attention_mask=mask)
+    loss = next_token_ce(out.logits, ids, mask)
+    heads = [r.prediction for r in out.routings if r.prediction is not None]
+    if heads:  # the method's supervised prediction, so that its head is reached too
+        loss = loss + sum(h.float().mean() for h in heads)
+    loss.backward()
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert any("lora_" in n for n in trainable)
+    missing = [n for n, p in trainable.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, missing
