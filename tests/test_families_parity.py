@@ -142,3 +142,36 @@ def test_kv_cached_decoding_gives_the_full_forward_logits(variant, tmp_path):
         steps = [model(ids[:, :12], cache=cache).logits]
         steps += [model(ids[:, t:t + 1], cache=cache).logits for t in range(12, ids.shape[1])]
     assert rel_err(torch.cat(steps, dim=1), full, torch.ones_like(ids)) <= FP32_TOL
+
+
+@pytest.mark.parametrize("variant", DECLARED)
+def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
+    """A LoRA trained on the family (every tensor moved), exported in peft's format, loads into
+    transformers + peft with our logits, every key matched."""
+    import peft
+    import transformers
+    from safetensors.torch import load_file
+    from minimoe.integrations.export import export_peft
+    from minimoe.runs.adapters import save_adapter
+    reference_model(variant, tmp_path / "base")
+    model = minimoe.from_pretrained(tmp_path / "base")
+    add_lora(model, rank=4, alpha=12, dropout=0.0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model.eval()
+    save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
+    export_peft(tmp_path / "adapter", tmp_path / "peft")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+    hf = peft.PeftModel.from_pretrained(hf, tmp_path / "peft").eval()
+    ours = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in peft.get_peft_model_state_dict(hf).items()}
+    ids, mask = batch()
+    with torch.no_grad():
+        want, got = model(ids, attention_mask=mask).logits, hf(ids, attention_mask=mask).logits
+        with hf.disable_adapter():
+            base = hf(ids, attention_mask=mask).logits
+    assert rel_err(base, want, mask) > 1e-2  # the adapter matters
+    assert rel_err(got, want, mask) <= FP32_TOL
