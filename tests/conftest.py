@@ -19,6 +19,16 @@ FAMILY_SWITCHES = {
                        logits_scaling=6.0, attention_multiplier=0.1, pad_token_id=0, eos_token_id=0),
     # OLMoE: q/k norms (always), clip_qkv low enough to bite, renormalised top-K, GQA.
     "olmoe": dict(clip_qkv=0.5, norm_topk_prob=True, pad_token_id=1, eos_token_id=2),
+    # Qwen3-MoE: per-head q/k norms (always), head_dim apart from hidden/heads, biases, a dense layer between
+    # MoE layers, renormalised top-K, a sliding window short enough to bite.
+    "qwen3_moe": dict(head_dim=24, attention_bias=True, num_hidden_layers=3, mlp_only_layers=[1],
+                      dense_intermediate_size=48, norm_topk_prob=True, use_sliding_window=True, sliding_window=5,
+                      pad_token_id=0, eos_token_id=1),
+    # Qwen2-MoE: a gated shared expert, q/k/v biases, top-K not renormalised (decoder_sparse_step: test_model).
+    "qwen2_moe": dict(qkv_bias=True, shared_expert_intermediate_size=40, norm_topk_prob=False, pad_token_id=0,
+                      eos_token_id=1),
+    # Mixtral: per-expert w1/w2/w3, renormalised top-2 (always), a sliding window.
+    "mixtral": dict(sliding_window=6, head_dim=12, pad_token_id=0, eos_token_id=1),
     # gpt-oss: sinks, biases and top-K on logits (fixed by the family), a sliding layer then a full one,
     # YaRN, the clamped experts.
     "gpt_oss": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
@@ -26,6 +36,8 @@ FAMILY_SWITCHES = {
                                   "truncate": False, "original_max_position_embeddings": 16},
                     max_position_embeddings=64, pad_token_id=0, eos_token_id=1),
 }
+# Families beyond the paper's two (the `family` fixture's params; heavy suites run on the paper's two only).
+NEW_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 
 
 def tiny_config(family: str, **overrides) -> MoEConfig:
@@ -97,7 +109,7 @@ def spy_grouped_mm(monkeypatch) -> list:
     return calls
 
 
-@pytest.fixture(params=["granitemoe", "olmoe"])
+@pytest.fixture(params=["granitemoe", "olmoe", *NEW_FAMILIES])
 def family(request):
     return request.param
 

@@ -4,7 +4,7 @@ from dataclasses import fields, replace
 
 import pytest
 
-from conftest import FAMILY_SWITCHES, tiny_config
+from conftest import tiny_config
 from minimoe.cli.train import parse_args, resolve_config
 from minimoe.core.families import CONFIG_FIELDS, FAMILIES, REQUIRED, Family, family_of, register_family
 from minimoe.core.lora import resolve_targets
@@ -29,10 +29,9 @@ def test_every_record_is_complete_and_consistent(model_type):
     assert set(f.defaults) <= ours and CONFIG_FIELDS <= ours
     assert not set(f.fixed) & f.config_fields  # a fixed field is neither read nor written
     # Every name the table maps is a parameter of the family's model.
-    model = MoEForCausalLM(tiny_config(model_type)) if model_type in FAMILY_SWITCHES else None
-    if model is not None:
-        params = {n.split(".", 3)[-1] for n, _ in model.named_parameters() if n.startswith("model.layers.0.")}
-        assert set(f.layer_keys) <= params
+    model = MoEForCausalLM(tiny_config(model_type))
+    params = {n.split(".", 3)[-1] for n, _ in model.named_parameters() if n.startswith("model.layers.0.")}
+    assert set(f.layer_keys) <= params
 
 
 def test_unknown_model_type_names_the_families_there_are():
@@ -77,8 +76,7 @@ def test_a_family_is_one_declaration(declared, tmp_path):
 
 def test_train_and_sweep_take_the_recipe_from_the_record_never_a_default():
     for model_type, family in FAMILIES.items():
-        cfg, _ = resolve_config(parse_args(["--model", "x"]), tiny_config(model_type) if model_type in
-                                FAMILY_SWITCHES else None)
+        cfg, _ = resolve_config(parse_args(["--model", "x"]), tiny_config(model_type))
         assert cfg.recipe == family.recipe
     assert guess_recipe("ibm-granite/granite-3.1-3b-a800m-base") == "granite"
     assert guess_recipe("allenai/OLMoE-1B-7B-0924") == "olmoe"

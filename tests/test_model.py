@@ -69,6 +69,28 @@ def test_olmoe_default_switches_match_transformers(tmp_path):
         assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
 
 
+@pytest.mark.parametrize("family,switches", [
+    # Dense layers placed by decoder_sparse_step (layers 1 and 3 sparse) and by mlp_only_layers.
+    ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, dense_intermediate_size=48)),
+    ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], dense_intermediate_size=48)),
+    # norm_topk_prob the other way from the fixture's; no biases; no window; the window off by its switch.
+    ("qwen3_moe", dict(norm_topk_prob=False, attention_bias=False, use_sliding_window=False)),
+    ("qwen2_moe", dict(norm_topk_prob=True, qkv_bias=False, use_sliding_window=True, sliding_window=4,
+                       shared_expert_intermediate_size=24)),
+    ("mixtral", dict(sliding_window=None, head_dim=None, num_experts_per_tok=2)),
+])
+def test_family_switches_match_transformers(family, switches, tmp_path):
+    """Each family's other switches: fp32 logits with and without padding (gradients: the fixture's switches)."""
+    ref, path = reference_model(family, tmp_path, **switches)
+    ours = minimoe.from_pretrained(path)
+    theirs = [type(getattr(l, "mlp", None) or l.block_sparse_moe).__name__ for l in ref.model.layers]
+    assert [type(l.mlp).__name__ for l in ours.model.layers] == ["MoEBlock" if "Sparse" in t else "DenseMLP" for t in theirs]
+    ids, mask = batch()
+    with torch.no_grad():
+        for m in (mask, torch.ones_like(mask)):
+            assert rel_err(ours(ids, attention_mask=m).logits, ref(ids, attention_mask=m).logits, m) <= FP32_TOL
+
+
 def test_clip_qkv_actually_clips(tmp_path):
     """Guard for the test above: with clip_qkv=0.5 some projections exceed the clip, so it is exercised."""
     ref, path = reference_model("olmoe", tmp_path)
@@ -213,6 +235,7 @@ def test_experts_run_only_on_routed_rows(monkeypatch):
     assert seen and all(n == T * K for n in seen)
 
 
+@pytest.mark.parametrize("family", ["granitemoe", "olmoe"])  # the dispatch is every family's; its float noise is not
 def test_rounded_expert_blocks_equal_exact_blocks(family, monkeypatch):
     """Dispatch(block=8): every expert block is a multiple of 8 rows, the stand-in rows have combine
     weight 0, and logits and gradients (experts, router gate, embeddings) equal exact blocks'."""
@@ -254,7 +277,8 @@ def test_every_layer_returns_its_routing(family):
     out = model(ids, attention_mask=mask)
     c = model.config
     assert len(out.routings) == c.num_hidden_layers
-    for r in out.routings:
+    assert [i for i, r in enumerate(out.routings) if r is not None] == c.sparse_layers  # dense layers: None
+    for r in (r for r in out.routings if r is not None):
         assert r.logits.shape == (ids.numel(), c.num_experts) and r.logits.dtype == torch.float32
         assert r.experts.shape == r.weights.shape == (ids.numel(), c.num_experts_per_tok)
         probs = r.logits.softmax(-1)
@@ -277,7 +301,7 @@ def test_aux_loss_matches_transformers(family, tmp_path):
 def test_bad_config_values_raise():
     """Config values the model cannot honour are refused with the field's name."""
     with pytest.raises(ValueError, match="model_type"):
-        tiny_config("olmoe", model_type="mixtral")
+        tiny_config("olmoe", model_type="llama4")
     with pytest.raises(ValueError, match="num_experts_per_tok"):
         tiny_config("olmoe", num_experts_per_tok=9)
     with pytest.raises(ValueError, match="num_key_value_heads"):

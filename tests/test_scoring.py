@@ -67,13 +67,14 @@ def terms(model, batch, method):
     got["loss"] = loss.detach()
     got["grad_loss"] = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     flat = mask.flatten()
-    got["c_t"] = [concentration(r.logits[flat].detach(), 2) for r in out.routings]
+    routings = [r for r in out.routings if r is not None]  # dense layers are not routed
+    got["c_t"] = [concentration(r.logits[flat].detach(), 2) for r in routings]
     got["token_ce"] = batch.at_supervised(-logp).flatten()[flat].detach()
     if method in ("tes", "acs"):
         sup = supervision_loss(out.routings, batch.at_supervised(-logp), mask, "is")
         got["supervision"] = sup.detach()
         got["grad_supervision"] = torch.autograd.grad(sup, params, allow_unused=True)
-        got["e_hat"] = [r.prediction[flat].detach() for r in out.routings]
+        got["e_hat"] = [r.prediction[flat].detach() for r in routings]
     return got
 
 

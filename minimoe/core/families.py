@@ -103,6 +103,54 @@ register_family(Family(
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "norm_topk_prob", "clip_qkv"}),
     fixed={"qk_norm": "full"}))
 
+# Qwen's config.json: moe_intermediate_size is the expert width (ours: intermediate_size), intermediate_size
+# the dense layers' MLP (ours: dense_intermediate_size); mlp_only_layers and decoder_sparse_step place them.
+QWEN_RENAMES = {"moe_intermediate_size": "intermediate_size", "intermediate_size": "dense_intermediate_size"}
+QWEN_FIELDS = frozenset({"router_aux_loss_coef", "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step",
+                         "dense_intermediate_size", "use_sliding_window", "sliding_window"})
+# Per-expert gate, up and down matrices, as transformers 4.57 stores Qwen's and OLMoE's experts.
+PER_EXPERT_KEYS = {"mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
+                   "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",)}
+
+register_family(Family(
+    "qwen3_moe", "Qwen3MoeForCausalLM",
+    brings="per-head q/k RMSNorm; head_dim as its own field; norm_topk_prob; dense MLP layers among the MoE "
+           "layers (mlp_only_layers, decoder_sparse_step)",
+    hub_examples=("Qwen/Qwen3-30B-A3B", "Qwen/Qwen3-235B-A22B"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("qwen3",),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe (the paper trains no Qwen)",
+    layer_keys=PER_EXPERT_KEYS, renames=QWEN_RENAMES,
+    config_fields=QWEN_FIELDS | {"attention_bias", "head_dim"},
+    fixed={"qk_norm": "head"},
+    defaults={"norm_topk_prob": False, "router_aux_loss_coef": 0.001}))
+
+register_family(Family(
+    "qwen2_moe", "Qwen2MoeForCausalLM",
+    brings="a shared expert beside the routed ones, scaled by its own sigmoid gate; q/k/v biases; dense MLP "
+           "layers (mlp_only_layers, decoder_sparse_step)",
+    hub_examples=("Qwen/Qwen1.5-MoE-A2.7B", "Qwen/Qwen2-57B-A14B"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("qwen2", "qwen1.5-moe"),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe (the paper trains no Qwen)",
+    layer_keys=PER_EXPERT_KEYS, renames=QWEN_RENAMES,
+    config_fields=QWEN_FIELDS | {"qkv_bias", "shared_expert_intermediate_size"},
+    fixed={"shared_expert_gate": True},
+    defaults={"qkv_bias": True, "norm_topk_prob": False, "router_aux_loss_coef": 0.001}))
+
+register_family(Family(
+    "mixtral", "MixtralForCausalLM",
+    brings="top-2 of the softmax, renormalised; per-expert w1/w2/w3 on disk; optional sliding-window attention",
+    hub_examples=("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x22B-v0.1"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("mixtral",),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe (the paper trains no Mixtral)",
+    layer_keys={"mlp.gate.weight": "block_sparse_moe.gate.weight",
+                "mlp.experts.gate_up_proj.weight": ("block_sparse_moe.experts.{j}.w1.weight",
+                                                    "block_sparse_moe.experts.{j}.w3.weight"),
+                "mlp.experts.down_proj.weight": ("block_sparse_moe.experts.{j}.w2.weight",)},
+    renames={"num_local_experts": "num_experts"},
+    config_fields=frozenset({"router_aux_loss_coef", "head_dim", "sliding_window"}),
+    fixed={"norm_topk_prob": True, "use_sliding_window": True},  # a window applies whenever sliding_window is set
+    defaults={"rope_theta": 1e6, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.001}))
+
 register_family(Family(
     "gpt_oss", "GptOssForCausalLM",
     brings="attention sinks; sliding and full layers alternating (layer_types); biases on attention, router and "
@@ -117,8 +165,8 @@ register_family(Family(
                 "mlp.experts.gate_up_proj_bias": Converted("mlp.experts.gate_up_proj_bias", "bias_interleaved"),
                 "mlp.experts.down_proj.weight": Converted("mlp.experts.down_proj", "transposed")},
     renames={"num_local_experts": "num_experts"},
-    config_fields=frozenset({"router_aux_loss_coef", "sliding_window", "layer_types", "swiglu_limit"}),
+    config_fields=frozenset({"router_aux_loss_coef", "head_dim", "sliding_window", "layer_types", "swiglu_limit"}),
     # transformers' GptOssConfig sets attention_bias itself, and its modeling file hard-codes the rest
     fixed={"attention_bias": True, "attention_sinks": True, "router_bias": True, "topk_on_logits": True,
-           "norm_topk_prob": True},
+           "norm_topk_prob": True, "use_sliding_window": True},  # the window applies on layer_types' sliding layers
     defaults={"swiglu_limit": 7.0, "sliding_window": 128, "rope_theta": 150000.0}))

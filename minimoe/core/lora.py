@@ -295,6 +295,8 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
     for i, layer in enumerate(model.model.layers):
         for t in targets:
             path = target_path(config, t)
+            if path.startswith("mlp.experts") and not layer.sparse:
+                continue  # a dense layer's MLP is not adapted (nor is a shared expert: docs/methods.md)
             parent_name, _, leaf = path.rpartition(".")
             parent, base = layer.get_submodule(parent_name), layer.get_submodule(path)
             if isinstance(base, LoRAMixin):  # MLA's kv_b_proj, named by both "k" and "v"

@@ -38,9 +38,10 @@ import torch.nn.functional as F
 
 from minimoe.core import cpu_kernels
 from minimoe.core.families import family_of
+from minimoe.core.mlp import DenseMLP
 from minimoe.core.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
 from minimoe.core.routing import SCORE_FUNCS, TOPK_METHODS, NativeRouter, Routing, Scoring
-from minimoe.core.sinks import sink_attention, sliding_window_mask
+from minimoe.core.sinks import sink_attention
 
 @dataclass
 class MoEConfig:
@@ -53,14 +54,27 @@ class MoEConfig:
     num_key_value_heads: int  # G; GQA when G < H
     num_experts: int  # E (Granite calls it num_local_experts)
     num_experts_per_tok: int  # K
+    head_dim: int | None = None  # d; None: hidden_size / num_attention_heads (filled in)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
-    attention_bias: bool = False
+    attention_bias: bool = False  # biases on q, k, v and o
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2-MoE)
+    use_sliding_window: bool = False  # attend to the last `sliding_window` positions only (Mixtral: always)
+    sliding_window: int | None = None
+    layer_types: list | None = None  # per layer "sliding_attention" | "full_attention"; None: every layer alike
     tie_word_embeddings: bool = False
     norm_topk_prob: bool = False  # renormalise the K selected weights (Granite's top-K on logits always does)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection (and q/k norm)
-    qk_norm: str | None = None  # RMSNorm on q and k: "full" over the projection width (OLMoE), None: none
+    qk_norm: str | None = None  # RMSNorm on q and k: "full" over the projection width (OLMoE), "head" per head (Qwen3)
+    # Dense layers among the MoE ones: layer i is sparse unless i in mlp_only_layers, (i + 1) % decoder_sparse_step,
+    # or i < first_k_dense_replace (Qwen; DeepSeek); a dense layer's MLP is dense_intermediate_size wide.
+    mlp_only_layers: list = field(default_factory=list)
+    decoder_sparse_step: int = 1
+    first_k_dense_replace: int = 0
+    dense_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int = 0  # > 0: a shared expert of this width beside the routed ones
+    shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(w . x) (Qwen2-MoE)
     # The router's scoring and selection (routing.Scoring reads these; families.py says who uses which).
     scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
     topk_on_logits: bool = False  # top-K on the logits, then softmax over the K (Granite, gpt-oss)
@@ -70,10 +84,8 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek)
     router_bias: bool = False  # the gate has a bias (gpt-oss)
     router_fp32: bool = False  # the gate's matmul in fp32, its input upcast (DeepSeek); else the model dtype
-    # Attention beyond GQA. gpt-oss: sinks and sliding layers (core/sinks.py); DeepSeek: MLA (core/mla.py).
+    # Attention beyond GQA. gpt-oss: sinks (core/sinks.py); DeepSeek: MLA (core/mla.py).
     attention_sinks: bool = False  # a learned logit per head joins every softmax, with no value
-    sliding_window: int | None = None  # keys seen back from a query on "sliding_attention" layers
-    layer_types: list | None = None  # per layer "full_attention" or "sliding_attention"; None: all full
     kv_lora_rank: int | None = None  # set: Multi-head Latent Attention, with the four fields below
     q_lora_rank: int | None = None  # MLA's query low rank; None: one q_proj
     qk_nope_head_dim: int = 0  # MLA: each head's query/key part without rope
@@ -99,9 +111,12 @@ class MoEConfig:
     def __post_init__(self):
         for name, value in family_of(self.model_type).fixed.items():  # the unknown model_type error names them all
             setattr(self, name, value)
-        if self.hidden_size % self.num_attention_heads:
-            raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "
-                             f"num_attention_heads {self.num_attention_heads}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "
+                                 f"num_attention_heads {self.num_attention_heads} (and no head_dim is given)")
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        self.mlp_only_layers = list(self.mlp_only_layers or [])
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"config: num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -112,18 +127,24 @@ class MoEConfig:
             raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
         rope_type(self.rope_scaling)  # refuses, by name, a type core/rope.py does not compute
         self._check_attention()
-        if self.qk_norm not in (None, "full"):
-            raise ValueError(f"config: qk_norm {self.qk_norm!r}; expected None or 'full'")
+        if self.qk_norm not in (None, "full", "head"):
+            raise ValueError(f"config: qk_norm {self.qk_norm!r}; expected None, 'full' or 'head'")
+        if self.sliding_window is not None and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
+            raise ValueError(f"config: sliding_window {self.sliding_window!r}; expected an int >= 1 or null")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"config: layer_types has {len(self.layer_types)} entries; expected num_hidden_layers="
+                             f"{self.num_hidden_layers}")
+        if not self.sparse_layers:
+            raise ValueError("config: no layer is sparse (mlp_only_layers, decoder_sparse_step, first_k_dense_replace); "
+                             "expected at least one MoE layer")
+        if len(self.sparse_layers) < self.num_hidden_layers and not self.dense_intermediate_size:
+            raise ValueError("config: dense layers need dense_intermediate_size (config.json's intermediate_size)")
         self._check_router()
 
     def _check_attention(self):
         kinds = ("full_attention", "sliding_attention")
-        if self.layer_types is not None:
-            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= set(kinds):
-                raise ValueError(f"config: layer_types {self.layer_types!r}; expected {self.num_hidden_layers} "
-                                 f"entries, each one of {kinds}")
-            if "sliding_attention" in self.layer_types and not (self.sliding_window or 0) >= 1:
-                raise ValueError(f"config: sliding layers need sliding_window >= 1; got {self.sliding_window!r}")
+        if self.layer_types is not None and not set(self.layer_types) <= set(kinds):
+            raise ValueError(f"config: layer_types {self.layer_types!r}; expected each one of {kinds}")
         if self.kv_lora_rank is not None and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
             raise ValueError("config: Multi-head Latent Attention (kv_lora_rank set) needs qk_nope_head_dim, "
                              f"qk_rope_head_dim and v_head_dim >= 1; got {self.qk_nope_head_dim}, "
@@ -149,8 +170,17 @@ class MoEConfig:
                 raise ValueError(f"config: noaux_tc ranks groups by their two best experts; groups have {E // G}")
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def sparse_layers(self) -> list[int]:
+        """The MoE layers' indices; the others are dense (the transformers 4.57 rule of each family)."""
+        return [i for i in range(self.num_hidden_layers) if i not in self.mlp_only_layers
+                and (i + 1) % self.decoder_sparse_step == 0 and i >= self.first_k_dense_replace]
+
+    def window(self, layer: int) -> int | None:
+        """Layer's sliding attention window, None for full attention."""
+        if not self.use_sliding_window or self.sliding_window is None or (
+                self.layer_types is not None and self.layer_types[layer] != "sliding_attention"):
+            return None
+        return self.sliding_window
 
     @property
     def rope_dim(self) -> int:  # the dims each head rotates: MLA's rope part, else the whole head
@@ -207,15 +237,15 @@ class Attention(nn.Module):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         H, G, d, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
-        self.q_proj = nn.Linear(D, H * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(D, G * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(D, G * d, bias=config.attention_bias)
+        qkv_bias = config.attention_bias or config.qkv_bias
+        self.q_proj = nn.Linear(D, H * d, bias=qkv_bias)
+        self.k_proj = nn.Linear(D, G * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(D, G * d, bias=qkv_bias)
         self.o_proj = nn.Linear(H * d, D, bias=config.attention_bias)
-        if config.qk_norm == "full":  # OLMoE: over the whole projection width, before the head split
-            self.q_norm = RMSNorm(H * d, config.rms_norm_eps)
-            self.k_norm = RMSNorm(G * d, config.rms_norm_eps)
-        sliding = config.layer_types is not None and config.layer_types[layer_idx] == "sliding_attention"
-        self.sliding_window = config.sliding_window if sliding else None
+        if config.qk_norm:  # OLMoE: over the whole projection width, before the head split; Qwen3: per head
+            width = {"full": (H * d, G * d), "head": (d, d)}[config.qk_norm]
+            self.q_norm = RMSNorm(width[0], config.rms_norm_eps)
+            self.k_norm = RMSNorm(width[1], config.rms_norm_eps)
         if config.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/sinks.py)
             self.sinks = nn.Parameter(torch.zeros(H))
 
@@ -223,12 +253,15 @@ class Attention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        if c.qk_norm:
+        q = q.view(B, T, c.num_attention_heads, c.head_dim)  # [B, T, H, d]
+        k = k.view(B, T, c.num_key_value_heads, c.head_dim)  # [B, T, G, d]
+        if c.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
+        elif c.qk_norm == "full":
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
         if c.clip_qkv is not None:
             q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        q = q.view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)  # [B, H, T, d]
-        k = k.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)  # [B, G, T, d]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, d], [B, G, T, d]
         v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -236,8 +269,6 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(q, k, v, mask).transpose(1, 2).reshape(B, T, -1))
 
     def attend(self, q, k, v, mask):  # q [B, H, T, d], k/v [B, G, S, d], mask bool or None -> [B, H, T, d]
-        if self.sliding_window is not None:
-            mask = sliding_window_mask(mask, q.shape[2], k.shape[2], self.sliding_window, q.device)
         if self.config.attention_sinks:
             return sink_attention(q, k, v, self.sinks, mask, self.config.attention_scale)
         # Query head h reads kv head h // (H/G): the reference's repeat_interleave layout.
@@ -376,6 +407,9 @@ class MoEBlock(nn.Module):
             self.experts = Experts(config)
         self.router = NativeRouter(Scoring.of(config))
         self.router_fp32 = config.router_fp32
+        if config.shared_expert_intermediate_size:  # never routed: every token's, beside the routed K (mlp.py)
+            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
 
     def forward(self, x, stash: dict | None = None) -> tuple[torch.Tensor, Routing]:  # x [B, T, D]
         """stash: under gradient checkpointing, the first pass records its expert choice there and
@@ -393,7 +427,13 @@ class MoEBlock(nn.Module):
         routing = self.router(gx, logits, experts=replay, **extra)
         if stash is not None and replay is None:
             stash["experts"] = routing.experts.detach()
-        return self.experts(flat, routing.experts, routing.weights).view(B, T, D), routing
+        y = self.experts(flat, routing.experts, routing.weights)  # [B*T, D]
+        if hasattr(self, "shared_expert"):
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:  # Qwen2-MoE: sigmoid(w . x) per token
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            y = y + shared
+        return y.view(B, T, D), routing
 
 
 def scaled(x, factor: float):
@@ -409,7 +449,9 @@ class DecoderLayer(nn.Module):
             self.self_attn = MLAttention(config, layer_idx)
         else:
             self.self_attn = Attention(config, layer_idx)
-        self.mlp = MoEBlock(config)
+        self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
+        self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size)
+        self.window = config.window(layer_idx)  # sliding attention window, None: full
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = config.residual_multiplier
@@ -422,8 +464,9 @@ class DecoderLayer(nn.Module):
 
     def _forward(self, h, cos, sin, mask, cache, stash):
         h = h + scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask, cache), self.residual_multiplier)
-        moe_out, routing = self.mlp(self.post_attention_layernorm(h), stash)
-        return h + scaled(moe_out, self.residual_multiplier), routing
+        x = self.post_attention_layernorm(h)
+        mlp_out, routing = self.mlp(x, stash) if self.sparse else (self.mlp(x), None)
+        return h + scaled(mlp_out, self.residual_multiplier), routing
 
 
 # ----------------------------------------------------------------------------- the causal LM
@@ -431,7 +474,7 @@ class DecoderLayer(nn.Module):
 @dataclass
 class CausalLMOutput:
     logits: torch.Tensor  # [B, T, V] in the model dtype; [n, V] with forward's logits_at
-    routings: list[Routing]  # one per layer, tokens flattened as B*T (objectives.load_balancing_loss reads them)
+    routings: list[Routing | None]  # one per layer (None: a dense layer), tokens flattened as B*T
 
 
 class Model(nn.Module):
@@ -490,10 +533,11 @@ class MoEForCausalLM(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
         cos, sin = position_embeddings(c, position_ids, h.dtype)
-        mask = self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids)
+        masks = {w: self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids, w, position_ids)
+                 for w in {layer.window for layer in self.model.layers}}  # one per window size, None: full
         routings = []
         for layer in self.model.layers:
-            h, routing = layer(h, cos, sin, mask, cache)
+            h, routing = layer(h, cos, sin, masks[layer.window], cache)
             routings.append(routing)
         if cache is not None:
             cache.length += T
@@ -510,14 +554,20 @@ class MoEForCausalLM(nn.Module):
         return logits
 
     @staticmethod
-    def _attention_mask(attention_mask, B, T, start, device, segment_ids=None):
+    def _attention_mask(attention_mask, B, T, start, device, segment_ids=None, window=None, position_ids=None):
         """None (plain causal, SDPA's fast path) or a bool [B, 1, T, S] mask: causal, not padding and,
-        with segment_ids, block-causal. A bool mask works with SDPA on every backend, CUDA included."""
-        if attention_mask is None and segment_ids is None and start == 0:
+        with segment_ids, block-causal; with `window`, a query sees the last `window` positions only
+        (itself included), as transformers' sliding-window mask. Packed rows (segment_ids) count the
+        window in their `position_ids`, each candidate's own positions, so that a packed candidate
+        sees what it sees alone. A bool mask works with SDPA on every backend, CUDA included."""
+        if attention_mask is None and segment_ids is None and start == 0 and window is None:
             return None
         S = start + T
         q_pos = torch.arange(start, S, device=device)[:, None]
-        allowed = torch.arange(S, device=device)[None, :] <= q_pos  # [T, S] causal
+        k_pos = torch.arange(S, device=device)[None, :]
+        allowed = k_pos <= q_pos  # [T, S] causal
+        if window is not None and segment_ids is None:
+            allowed = allowed & (q_pos - k_pos < window)
         allowed = allowed[None, None].expand(B, 1, T, S)
         if segment_ids is not None:
             if start != 0 or segment_ids.shape != (B, T):
@@ -525,6 +575,8 @@ class MoEForCausalLM(nn.Module):
                                  f"expected {(B, T)} and no KV cache")
             seg_q, seg_k = segment_ids[:, :, None], segment_ids[:, None, :]  # [B, T, 1], [B, 1, S]
             allowed = allowed & ((seg_k == 0) | (seg_k == seg_q))[:, None]
+            if window is not None:  # in each candidate's own positions
+                allowed = allowed & (position_ids[:, :, None] - position_ids[:, None, :] < window)[:, None]
         if attention_mask is not None:
             if attention_mask.shape != (B, S):
                 raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, S)}")

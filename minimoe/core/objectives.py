@@ -48,7 +48,7 @@ def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: fl
                      depth_scaled: bool = False, tokens: int | None = None):
     """L_m (Eq. averaged_training_losses) -> scalar.
 
-    routings: the model output's list, one Routing per layer, tokens flattened as B*T.
+    routings: the model output's list, one Routing per layer (None for a dense layer), tokens flattened as B*T.
     token_ce [B, T]: observed next-token CE at the position whose hidden state routed,
         ce[b, t] = CE(logits[b, t], ids[b, t + 1]), attached to the graph.
     mask [B, T] bool: supervised positions (no padding, no ignored or missing target).
@@ -56,7 +56,7 @@ def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: fl
     """
     if objective not in OBJECTIVES:
         raise ValueError(f"supervision_loss: unknown objective {objective!r}; expected one of {OBJECTIVES}")
-    preds = [r.prediction for r in routings if r.prediction is not None]
+    preds = [r.prediction for r in routings if r is not None and r.prediction is not None]
     if not preds:
         raise ValueError("supervision_loss: no layer is supervised (no Routing has a prediction); install a "
                          "supervised method (methods.METHODS, a prediction set) with minimoe.set_router")
@@ -88,8 +88,9 @@ def load_balancing_loss(routings, attention_mask=None):
     routings: the model output's list; each `Routing.logits` [B*T, E] is the native a_t, and K is
     its `experts.shape[-1]` (every policy executes the family's top-K). f_e = share of the K slots
     of the native top-K that chose e, P_e = mean native probability of e; with attention_mask [B, T]
-    both means run over real tokens only.
+    both means run over real tokens only. Dense layers (None) are not routed and do not count.
     """
+    routings = [r for r in routings if r is not None]
     logits = torch.cat([r.logits for r in routings])  # [L*B*T, E]
     E, K = logits.shape[-1], routings[0].experts.shape[-1]
     probs = logits.float().softmax(-1)

@@ -94,26 +94,29 @@ def read_config(folder: Path) -> MoEConfig:
 
 def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str | Converted]:
     """Our parameter name -> its on-disk key (str), per-expert keys (tuple, in concatenation order) or a
-    Converted key. Our names are the parameters the model builds for `config` (built on the meta device:
-    nothing is allocated); the family's `layer_keys` renames the ones stored under other names."""
+    Converted key (stored in another layout: CONVERSIONS).
+
+    Read off the model's own parameters (built on the meta device), each under its own name unless the
+    family's `layer_keys` renames it: whatever modules a family's config switches on (biases, q/k norms,
+    dense layers, shared experts) are in the table without being listed here."""
     with torch.device("meta"):
-        names = [n for n, _ in MoEForCausalLM(config).named_parameters()]
+        names = [n for n, _ in MoEForCausalLM(config).named_parameters()]  # a tied head is the embedding's
     table = family_of(config.model_type).layer_keys
     layout = {}
     for name in names:
-        head, dot, rest = name.partition(".layers.")
-        if not dot:  # embedding, final norm, LM head: the same names everywhere
+        prefix, _, rest = name.partition(".layers.")
+        if not rest:
             layout[name] = name
             continue
-        i, _, per_layer = rest.partition(".")
-        prefix = f"{head}.layers.{i}."
-        disk = table.get(per_layer, per_layer)
+        index, _, local = rest.partition(".")
+        at = f"{prefix}.layers.{index}."
+        disk = table.get(local, local)
         if isinstance(disk, tuple):
-            layout[name] = tuple(prefix + pat.format(j=j) for j in range(config.num_experts) for pat in disk)
+            layout[name] = tuple(at + pat.format(j=j) for j in range(config.num_experts) for pat in disk)
         elif isinstance(disk, Converted):
-            layout[name] = Converted(prefix + disk.key, disk.layout)
+            layout[name] = Converted(at + disk.key, disk.layout)
         else:
-            layout[name] = prefix + disk
+            layout[name] = at + disk
     return layout
 
 

@@ -38,7 +38,7 @@ from minimoe.core.lora import add_lora, lora_modules
 from minimoe.core.methods import Method
 from minimoe.core.methods import set_router
 from minimoe.core.model import MoEForCausalLM
-from minimoe.core.routing import tuned_layers
+from minimoe.core.routing import moe_blocks, tuned_layers
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
 from minimoe.runs.plugins import method_of
 
@@ -102,8 +102,7 @@ def gate_layers(model: MoEForCausalLM) -> list[int]:
     """The layers whose native gate an adapter carries: those `router_spec` tunes. A gate unfrozen
     by hand is refused rather than dropped from the file."""
     tuned = tuned_layers(model.router_spec)
-    untracked = [i for i, layer in enumerate(model.model.layers)
-                 if layer.mlp.gate.weight.requires_grad and i not in tuned]
+    untracked = [i for i, mlp in moe_blocks(model).items() if mlp.gate.weight.requires_grad and i not in tuned]
     if untracked:
         raise ValueError(f"the native gate of layer(s) {untracked} trains, but the router spec does not tune it; "
                          f"tune gates with set_router(model, method, layers, tune_router=True)")
@@ -219,10 +218,10 @@ def export_merged(model: MoEForCausalLM, path, *, copy_files=()):
             if not m.merged:
                 originals[name] = m.weight.data
                 m.weight.data = (m.weight.float() + m.delta_weight()).to(m.weight.dtype)
-        for i, layer in enumerate(model.model.layers):  # a tuned gate trains in fp32 (routing.py): rounded once
-            if layer.mlp.gate.weight.dtype != model.dtype:
-                originals[f"model.layers.{i}.mlp.gate"] = layer.mlp.gate.weight.data
-                layer.mlp.gate.weight.data = layer.mlp.gate.weight.data.to(model.dtype)
+        for i, mlp in moe_blocks(model).items():  # a tuned gate trains in fp32 (routing.py): rounded once
+            if mlp.gate.weight.dtype != model.dtype:
+                originals[f"model.layers.{i}.mlp.gate"] = mlp.gate.weight.data
+                mlp.gate.weight.data = mlp.gate.weight.data.to(model.dtype)
     try:
         with atomic_directory(path, "merged-model") as tmp:
             write_checkpoint(model, tmp)
