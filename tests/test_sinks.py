@@ -1,4 +1,4 @@
-"""Attention sinks and sliding windows (core/sinks.py) against transformers 4.57's GptOssAttention
+"""Attention sinks (core/sinks.py), with the model's sliding-window masks, against transformers 4.57's GptOssAttention
 (eager, its own masks from masking_utils) on random weights, sinks included: fp32 outputs and the
 gradients of x, the sinks and the projections, full and sliding layers, with and without padding."""
 import copy
@@ -10,7 +10,7 @@ from transformers.models.gpt_oss import modeling_gpt_oss as oss
 
 from minimoe.core.model import MoEForCausalLM, apply_rope
 from minimoe.core.rope import rope_cos_sin, rope_frequencies
-from minimoe.core.sinks import sink_attention, sliding_window_mask
+from minimoe.core.sinks import sink_attention
 
 FP32_TOL = 2e-5
 YARN = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -36,9 +36,7 @@ def ours(attn, cfg, x, pos, attention_mask):
     cos, sin = rope_cos_sin(pos, *rope_frequencies(d, cfg.rope_theta, cfg.rope_scaling,
                                                    cfg.max_position_embeddings), x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    mask = MoEForCausalLM._attention_mask(attention_mask, B, T, 0, x.device)
-    if attn.sliding_window is not None:
-        mask = sliding_window_mask(mask, T, T, attn.sliding_window, x.device)
+    mask = MoEForCausalLM._attention_mask(attention_mask, B, T, 0, x.device, window=attn.sliding_window)
     y = sink_attention(q, k, v, attn.sinks, mask, attn.scaling)
     return attn.o_proj(y.transpose(1, 2).reshape(B, T, H * d))
 
@@ -85,14 +83,6 @@ def test_sink_attention_matches_gpt_oss(layer, padded, head_dim):
     grads = dict(ref.named_parameters())
     for name, p in mine.named_parameters():
         assert rel(p.grad, grads[name].grad) < 1e-4, name
-
-
-def test_the_sliding_window_hides_keys_window_or_more_back():
-    """Query i sees keys i-4..i with window 5, and the KV-cached form lines up with the last queries."""
-    allowed = sliding_window_mask(None, 8, 8, 5, "cpu")[0, 0]
-    for i in range(8):
-        assert allowed[i].nonzero().flatten().tolist() == list(range(max(0, i - 4), i + 1))
-    assert torch.equal(sliding_window_mask(None, 3, 8, 5, "cpu")[0, 0], allowed[5:])
 
 
 def test_a_sink_that_is_very_negative_leaves_plain_attention():

@@ -1,4 +1,5 @@
-"""gpt-oss attention: a learned sink logit per head in every softmax, and sliding-window layers.
+"""gpt-oss attention sinks: a learned logit per head in every softmax (its sliding-window layers are
+the model's window masks, model.py's `_attention_mask`).
 
 Letters: B batch, H query heads, G key/value heads, T query positions, S key positions, d head dim.
 
@@ -13,8 +14,6 @@ Decisions:
   in q). The division by the scale is exact when the scale is a power of two (gpt-oss: head_dim 64,
   scale 1/8); otherwise it is one rounding of the sink logit. The sink's column is always allowed,
   so a sink layer always passes an explicit mask (never SDPA's is_causal).
-- Sliding windows (`layer_types[i] == "sliding_attention"`): key j is seen from query i when
-  i - window < j <= i, transformers' `sliding_window_overlay`, on top of the causal and padding mask.
 """
 from __future__ import annotations
 
@@ -26,15 +25,6 @@ def causal_mask(T: int, S: int, start: int, device):
     """bool [1, 1, T, S]: query start+i sees keys 0..start+i."""
     q_pos = torch.arange(start, start + T, device=device)[:, None]
     return (torch.arange(S, device=device)[None, :] <= q_pos)[None, None]
-
-
-def sliding_window_mask(mask, T: int, S: int, window: int, device):
-    """mask: bool [B, 1, T, S] or None (plain causal) -> bool [B|1, 1, T, S] that also hides keys
-    `window` or more positions back. The T queries are the last T of the S positions (KV cache)."""
-    q_pos = torch.arange(S - T, S, device=device)[:, None]
-    near = torch.arange(S, device=device)[None, :] > q_pos - window  # [T, S]
-    base = causal_mask(T, S, S - T, device) if mask is None else mask
-    return base & near[None, None]
 
 
 def sink_attention(q, k, v, sinks, mask, scale: float):
