@@ -60,14 +60,19 @@ def reference_model(variant: str, folder, seed: int = 0, shard: bool = False):
                 b.copy_(0.5 * torch.randn_like(b))
         ref.model.embed_tokens.weight[config.pad_token_id].zero_()
     ref.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")
-    scaling = kw.get("rope_scaling") or {}
-    if kw["model_type"] == "deepseek_v2" and scaling.get("mscale_all_dim"):
-        # transformers 4.57's V2 leaves out the softmax mscale DeepSeek's code applies (its V3 applies it;
-        # fixed upstream in transformers PR 47435): the reference gets it from V3's yarn_get_mscale.
+    return with_v2_softmax_mscale(ref).eval()
+
+
+def with_v2_softmax_mscale(model):
+    """transformers 4.57's DeepSeek-V2 leaves out the YaRN softmax mscale that DeepSeek's code applies (its
+    V3 applies it; fixed upstream in transformers PR 47435): the reference gets it, from V3's yarn_get_mscale."""
+    config = model.config
+    scaling = getattr(config, "rope_scaling", None) or {}
+    if config.model_type == "deepseek_v2" and scaling.get("mscale_all_dim"):
         from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_get_mscale
-        for layer in ref.model.layers:
+        for layer in model.model.layers:
             layer.self_attn.scaling *= yarn_get_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
-    return ref.eval()
+    return model
 
 
 def mxfp4_reference_model(folder, seed: int = 0):

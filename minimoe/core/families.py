@@ -170,3 +170,40 @@ register_family(Family(
     fixed={"attention_bias": True, "attention_sinks": True, "router_bias": True, "topk_on_logits": True,
            "norm_topk_prob": True, "use_sliding_window": True},  # the window applies on layer_types' sliding layers
     defaults={"swiglu_limit": 7.0, "sliding_window": 128, "rope_theta": 150000.0}))
+
+# DeepSeek's config.json, as Qwen's: moe_intermediate_size is the expert width, intermediate_size the dense
+# layers' (the first first_k_dense_replace); n_shared_experts un-gated shared experts (mlp.shared_experts).
+DEEPSEEK_RENAMES = {"n_routed_experts": "num_experts", "moe_intermediate_size": "intermediate_size",
+                    "intermediate_size": "dense_intermediate_size"}
+DEEPSEEK_FIELDS = frozenset({"kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                             "attention_bias", "first_k_dense_replace", "dense_intermediate_size", "n_shared_experts",
+                             "routed_scaling_factor", "n_group", "topk_group"})
+DEEPSEEK_KEYS = {**PER_EXPERT_KEYS, **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared_experts.{p}_proj.weight"
+                                       for p in ("gate", "up", "down")}}
+
+register_family(Family(
+    "deepseek_v2", "DeepseekV2ForCausalLM",
+    brings="Multi-head Latent Attention (low-rank q and kv, rope and no-rope head parts); YaRN; shared experts; "
+           "dense first layers (first_k_dense_replace); greedy or group-limited top-K; routed_scaling_factor",
+    hub_examples=("deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("deepseek-v2",),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
+                "k and v: kv_b_proj; core/lora.py)",
+    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, config_fields=DEEPSEEK_FIELDS | {"topk_method"},
+    # transformers 4.57's V2 gate scores in fp32 and never renormalises the K (DeepSeek-V2's releases say false)
+    fixed={"scoring_func": "softmax", "router_fp32": True, "norm_topk_prob": False},
+    defaults={"topk_method": "greedy", "first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "n_shared_experts": 2}))
+
+register_family(Family(
+    "deepseek_v3", "DeepseekV3ForCausalLM",
+    brings="as DeepSeek-V2, plus sigmoid scores with e_score_correction_bias for selection only and noaux_tc "
+           "group-limited top-K (n_group, topk_group); norm_topk_prob",
+    hub_examples=("moonshotai/Moonlight-16B-A3B", "deepseek-ai/DeepSeek-V3"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("deepseek-v3", "moonlight"),
+    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
+                "k and v: kv_b_proj; core/lora.py)",
+    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES,
+    config_fields=DEEPSEEK_FIELDS | {"norm_topk_prob", "rope_interleave"},
+    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True},
+    defaults={"first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+              "n_shared_experts": 1, "norm_topk_prob": True, "rope_interleave": True}))

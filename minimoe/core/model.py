@@ -75,6 +75,7 @@ class MoEConfig:
     dense_intermediate_size: int | None = None
     shared_expert_intermediate_size: int = 0  # > 0: a shared expert of this width beside the routed ones
     shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(w . x) (Qwen2-MoE)
+    n_shared_experts: int = 0  # DeepSeek: shared experts of intermediate_size each, run as one of n times the width
     # The router's scoring and selection (routing.Scoring reads these; families.py says who uses which).
     scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
     topk_on_logits: bool = False  # top-K on the logits, then softmax over the K (Granite, gpt-oss)
@@ -111,6 +112,8 @@ class MoEConfig:
     def __post_init__(self):
         for name, value in family_of(self.model_type).fixed.items():  # the unknown model_type error names them all
             setattr(self, name, value)
+        if self.n_shared_experts:  # n SwiGLU experts summed = one of n times the width (their rows concatenated)
+            self.shared_expert_intermediate_size = self.n_shared_experts * self.intermediate_size
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "

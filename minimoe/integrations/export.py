@@ -111,7 +111,9 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
                 for pat, part in zip(disk, t[j].chunk(len(disk), dim=0)):
                     module = pat.format(j=j).removesuffix(".weight")
                     out[f"{prefix}{module}.{ab}.weight"] = part.contiguous()
-                    modules.add(module.rpartition(".")[2])
+                    # "experts.{j}.gate_proj", not "gate_proj": a dense layer's MLP and a shared expert
+                    # (DeepSeek, Qwen2-MoE) have modules of that name too, which are not adapted
+                    modules.add(".".join(module.split(".")[-3:]))
     for module, by_param in wrapped.items():  # nested ParamWrappers: the first parameter deepest
         names = sorted(by_param, key=order.index)
         for depth, param in enumerate(names):
