@@ -289,6 +289,10 @@ def test_every_layer_returns_its_routing(family):
 
 def test_aux_loss_matches_transformers(family, tmp_path):
     """The load-balancing loss over all layers, padding-aware, equals transformers' load_balancing_loss_func."""
+    if family == "gpt_oss":
+        pytest.skip("transformers 4.57's gpt-oss feeds its router *scores* (the softmax of the K, zeros elsewhere) "
+                    "to load_balancing_loss_func as if they were logits; ours is the Switch loss on the logits "
+                    "(docs/families.md)")
     ref, path = reference_model(family, tmp_path)
     ours = minimoe.from_pretrained(path)
     ids, mask = batch()

@@ -168,7 +168,7 @@ register_family(Family(
     config_fields=frozenset({"router_aux_loss_coef", "head_dim", "sliding_window", "layer_types", "swiglu_limit"}),
     # transformers' GptOssConfig sets attention_bias itself, and its modeling file hard-codes the rest
     fixed={"attention_bias": True, "attention_sinks": True, "router_bias": True, "topk_on_logits": True,
-           "norm_topk_prob": True, "use_sliding_window": True},  # the window applies on layer_types' sliding layers
+           "norm_topk_prob": True, "use_sliding_window": True, "norm_weight_in_fp32": True, "router_fp32": True},  # the window applies on layer_types' sliding layers
     defaults={"swiglu_limit": 7.0, "sliding_window": 128, "rope_theta": 150000.0}))
 
 # DeepSeek's config.json, as Qwen's: moe_intermediate_size is the expert width, intermediate_size the dense

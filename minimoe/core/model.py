@@ -87,6 +87,7 @@ class MoEConfig:
     router_fp32: bool = False  # the gate's matmul in fp32, its input upcast (DeepSeek); else the model dtype
     # Attention beyond GQA. gpt-oss: sinks (core/sinks.py); DeepSeek: MLA (core/mla.py).
     attention_sinks: bool = False  # a learned logit per head joins every softmax, with no value
+    norm_weight_in_fp32: bool = False  # the layer norms multiply their weight before the cast back (gpt-oss)
     kv_lora_rank: int | None = None  # set: Multi-head Latent Attention, with the four fields below
     q_lora_rank: int | None = None  # MLA's query low rank; None: one q_proj
     qk_nope_head_dim: int = 0  # MLA: each head's query/key part without rope
@@ -197,14 +198,16 @@ class MoEConfig:
 # ----------------------------------------------------------------------------- building blocks
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.weight_in_fp32 = eps, weight_in_fp32
 
     def forward(self, x):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:  # gpt-oss: the weight multiplies the fp32 values, one rounding at the end
+            return (self.weight * x32).to(x.dtype)
         return self.weight * x32.to(x.dtype)  # cast before the weight, as the reference does
 
 
@@ -455,8 +458,8 @@ class DecoderLayer(nn.Module):
         self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
         self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size)
         self.window = config.window(layer_idx)  # sliding attention window, None: full
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
         self.residual_multiplier = config.residual_multiplier
         self.gradient_checkpointing = False  # recompute this block in backward instead of storing it
 
@@ -491,7 +494,7 @@ class Model(nn.Module):
         if not weight.is_meta:
             self.embed_tokens.reset_parameters()
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
 
 
 class MoEForCausalLM(nn.Module):
