@@ -139,7 +139,7 @@ def parity(device, smoke: bool):
 
 
 def grouped_vs_loop(device, smoke: bool):
-    from minimoe.core import model as model_module
+    from minimoe.core import experts as model_module
     model = init_weights(MoEForCausalLM(config("granitemoe", 1, smoke)), generator=torch.Generator().manual_seed(0))
     block = model.to(device, torch.bfloat16).model.layers[0].mlp
     x = torch.randn(64 if smoke else 4096, model.config.hidden_size, device=device, dtype=torch.bfloat16)

@@ -178,10 +178,10 @@ def expert_flops(T, config):
 
 def bench_moe(args, family, dtype_name):
     """One MoEBlock forward on T tokens against dense matmuls of the same (N, in) x (in, out) shapes."""
-    from minimoe.core import model as mm
+    from minimoe.core import experts as mm, model
     dtype = DTYPES[dtype_name]
     config = common.shape(family, 1)
-    block = mm.MoEBlock(config).to(dtype)
+    block = model.MoEBlock(config).to(dtype)
     g = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for p in block.parameters():

@@ -1,6 +1,7 @@
 """Checkpoint I/O: sharded files, the hub path through an offline cache, export round trip, bad input."""
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -364,3 +365,35 @@ def test_full_disk_in_safetensors_names_the_folder(tmp_path, monkeypatch):
     with pytest.raises(OSError, match=f"{tmp_path / 'm'}: could not write it.*No space left"):
         ck.save_pretrained(tiny_model("olmoe"), tmp_path / "m")
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("family, missing, unexpected, misshaped", [
+    ("qwen3_moe", "model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.gate.weight",
+     "model.layers.0.self_attn.q_norm.weight"),
+    ("qwen2_moe", "model.layers.0.mlp.shared_expert_gate.weight", "model.layers.0.self_attn.o_proj.bias",
+     "model.layers.1.mlp.shared_expert.down_proj.weight"),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.5.w3.weight", "model.layers.0.mlp.gate.weight",
+     "model.layers.0.block_sparse_moe.gate.weight"),
+])
+def test_each_new_family_loads_by_hub_id_and_its_bad_keys_are_named(family, missing, unexpected, misshaped,
+                                                                       tmp_path, offline):
+    """A transformers-saved checkpoint of the family through the hub path gives transformers' logits; a
+    missing, an unexpected (a dense layer's router, a bias the family lacks) and a mis-shaped key are named."""
+    from tests.test_model import FP32_TOL, batch, reference_model, rel_err
+    ref, path = reference_model(family, tmp_path)
+    populate_hub_cache(tmp_path / "cache", f"org/{family}-tiny", path)
+    ours = minimoe.from_pretrained(f"org/{family}-tiny", cache_dir=tmp_path / "cache")
+    ids, mask = batch()
+    with torch.no_grad():
+        assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
+    for change, error, match in [(lambda t: t.pop(missing), KeyError, f"missing key '{missing}'"),
+                                 (lambda t: t.__setitem__(unexpected, torch.zeros(2)), KeyError,
+                                  f"unexpected key '{unexpected}'"),
+                                 (lambda t: t.__setitem__(misshaped, torch.zeros(3)), ValueError,
+                                  f"'{misshaped}' has shape \\(3,\\); expected")]:
+        folder = tmp_path / "bad"
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(path, folder)
+        rewrite(folder, change)
+        with pytest.raises(error, match=match):
+            minimoe.from_pretrained(folder)

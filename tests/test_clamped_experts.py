@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.models.gpt_oss import modeling_gpt_oss as oss
 
-import minimoe.core.model as mm
+import minimoe.core.experts as mm
 from minimoe.core import cpu_kernels
 from minimoe.core.clamped_experts import ClampedSwiGLUExperts, clamped_swiglu
 

@@ -16,7 +16,7 @@ import torch
 from conftest import tiny_model
 from minimoe import load_tokenizer
 from minimoe.core import cpu_kernels
-from minimoe.core import model as model_module
+from minimoe.core import experts as model_module
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import set_router
 from minimoe.core.model import compile_layers

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 
 import minimoe.core.cpu_kernels
 import minimoe.core.lora
-import minimoe.core.model as M
+import minimoe.core.experts as M
 import minimoe.core.routing
 from minimoe.core.lora import add_lora, lora_modules, merge_lora, unmerge_lora
 from minimoe.core.methods import set_router
@@ -17,9 +17,9 @@ from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.core.objectives import load_balancing_loss
 from minimoe.loading.checkpoint import checkpoint_tensors, save_pretrained
 from minimoe.runs.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
-from tests.conftest import spy_grouped_mm
+from tests.conftest import NEW_FAMILIES, spy_grouped_mm
 
-FAMILIES = ["granitemoe", "olmoe"]
+FAMILIES = ["granitemoe", "olmoe", *NEW_FAMILIES]
 GRANITE = dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
                logits_scaling=6.0, attention_multiplier=0.1)
 
@@ -110,7 +110,7 @@ def test_grouped_expert_lora_equals_per_expert_loop(family, grouped_mm, monkeypa
     model = add_lora(tiny(family), targets=["experts"])
     randomize_lora(model, std=0.2)
     experts = model.model.layers[0].mlp.experts
-    blocks = 2 if family == "olmoe" else 1  # OLMoE: separate gate_proj / up_proj LoRAs
+    blocks = 1 if family == "granitemoe" else 2  # per-expert families: separate gate_proj / up_proj (w1 / w3) LoRAs
     assert experts.gate_up_proj.lora_A.shape == (8, blocks * 8, 64)
     assert experts.gate_up_proj.lora_B.shape == (8, 64, 8)
     g = torch.Generator().manual_seed(3)

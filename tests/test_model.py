@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers
 
 import minimoe
-import minimoe.core.model as mm
+import minimoe.core.experts as mm
 from minimoe.core import cpu_kernels
 from minimoe.core.objectives import load_balancing_loss
 from minimoe.core.scoring import forward_choices, make_choice_batch

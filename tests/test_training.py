@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from transformers import TrainingArguments, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from minimoe.cli import train
-from conftest import tiny_model
+from conftest import NEW_FAMILIES, tiny_model
 from test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
 from minimoe.core.objectives import load_balancing_loss
@@ -125,7 +125,7 @@ def test_learning_rate_groups(recipe, method, tune, groups):
         assert {g["name"]: g["lr"] for g in make_optimizer(model, cfg, method_for(cfg)).param_groups}["router"] == 3e-3
 
 
-@pytest.mark.parametrize("family", ["granitemoe", "olmoe"])
+@pytest.mark.parametrize("family", ["granitemoe", "olmoe", *NEW_FAMILIES])  # dense layers, shared experts, windows
 @pytest.mark.parametrize("method,tune", [("tes", False), ("dual", False), ("ce", True), ("acs", True),
                                          ("tes", True), ("dual", True)])
 def test_trainable_parameters_are_fp32_on_a_bf16_base(family, method, tune):

@@ -9,7 +9,7 @@ Per expert e, as transformers 4.57's GptOssExperts computes it:
 with alpha 1.702 and limit 7.0 (gpt-oss's `swiglu_limit`), then y times the routing weight.
 
 Decisions:
-- The banks are `GroupedLinear` [E, out, in] as in core/model.py, gate rows first, then up rows.
+- The banks are `GroupedLinear` [E, out, in] as in core/experts.py, gate rows first, then up rows.
   The checkpoint stores gate_up_proj as [E, D, 2I] with gate and up *interleaved* (column 2i gate,
   2i+1 up); the loader transposes and de-interleaves it once, so LoRA and the grouped path see the
   layout every other family has.
@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from minimoe.core import cpu_kernels
-from minimoe.core.model import Dispatch, GroupedLinear, matmul_dtype
+from minimoe.core.experts import Dispatch, GroupedLinear, matmul_dtype
 
 
 def clamped_swiglu(gate, up, alpha: float, limit: float):

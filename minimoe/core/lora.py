@@ -58,9 +58,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core import cpu_kernels
+from minimoe.core.experts import GroupedLinear, _grouped_mm_applies, expert_matmul, matmul_dtype
 from minimoe.core.families import family_of
-from minimoe.core.model import (GroupedLinear, MoEForCausalLM, _grouped_mm_applies, expert_matmul,
-                                matmul_dtype, scaled)
+from minimoe.core.model import MoEForCausalLM, scaled
 from minimoe.core.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
