@@ -1,5 +1,6 @@
 """The benchmark's own machinery: the streaming checkpoint writer and the interleaved timer."""
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -54,3 +55,28 @@ def test_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, monkeypatch):
     assert by[("grouped_mm", "granitemoe block", "max |diff| output / input grad / bank grad vs the loop")]["minimoe"] == "0 / 0 / 0"
     assert {r["model"] for r in rows if r["section"] == "lora"} == {"granitemoe 2L", "olmoe 2L"}
     assert (tmp_path / "gpu-smoke.md").read_text().count("\n") == len(rows) + 2
+
+
+def test_every_bench_script_a_page_names_exists_or_is_listed_as_retired():
+    """bench/ keeps the benchmarks a user runs. A page or module that names bench/NAME.py names a script
+    that is there; the measurement log (bench/RESULTS.md) may name a retired one, which bench/README.md's
+    table of retired investigations lists with the git object that still holds it."""
+    repo = Path(__file__).resolve().parents[1]
+    named = re.compile(r"(?<![:\w/])bench/(\w+)\.py")
+    readme = (repo / "bench" / "README.md").read_text()
+    retired = dict(re.findall(r"^\| `(\w+)\.py` \| ([^|]+) \|", readme.split("## Retired investigations")[1], re.M))
+    assert retired and "git show 0283844:bench/NAME.py" in readme
+    for name in retired:
+        assert not (repo / "bench" / f"{name}.py").exists(), f"{name}.py is listed as retired and still in bench/"
+    pages = [repo / "README.md", *repo.glob("docs/*.md"), repo / "bench" / "README.md", *repo.glob("minimoe/**/*.py"),
+             *repo.glob("bench/*.py"), *repo.glob("tests/*.py"), *repo.glob("examples/*.py")]
+    missing = [f"{page.relative_to(repo)}: bench/{name}.py" for page in pages if page.name != "test_bench.py"
+               for name in named.findall(page.read_text()) if not (repo / "bench" / f"{name}.py").exists()]
+    assert not missing, f"pages name bench scripts that are not there: {missing}"
+    log = named.findall((repo / "bench" / "RESULTS.md").read_text())
+    unknown = sorted({n for n in log if not (repo / "bench" / f"{n}.py").exists() and n not in retired})
+    assert not unknown, f"bench/RESULTS.md names scripts neither in bench/ nor retired: {unknown}"
+    rows = [line.split("|")[1].strip(" `") for line in readme.split("## Retired")[0].splitlines()
+            if line.startswith("| `")]
+    listed = {n.strip(" `") for row in rows for n in row.split(",")}
+    assert {f"{n}.py" for n in ("gpu", "run", "score", "default_run", "split")} <= listed

@@ -5,7 +5,8 @@ import pytest
 from minimoe.cli import train
 from conftest import tiny_config
 from minimoe.data.benchmarks import BENCHMARKS, Example
-from minimoe.runs.config import ABLATION_SETTINGS, flag_name, method_for, recipe_train_examples, run_name, settings_of
+from minimoe.runs.config import (ABLATION_SETTINGS, differing, flag_name, method_for, recipe_train_examples, run_name,
+                                 settings_of)
 from minimoe.runs.training import steps_per_epoch
 from minimoe.study.sweep import ROWS
 
@@ -76,11 +77,26 @@ def test_training_examples_and_steps_per_epoch_are_the_papers(recipe, dataset, m
     assert cfg.max_train_examples == len(data["train"])  # recorded: evaluation's train population is the same
 
 
-def test_partial_last_step_is_kept_and_flags_override_the_recipe_count():
+def test_partial_last_step_is_kept_and_flags_override_the_recipe_count(monkeypatch):
     cfg = resolved("granite")
     assert steps_per_epoch(5000, cfg) == 313  # 312 full steps of 16 and one of 8: every example once
     assert recipe_train_examples(resolved("tiny"), "sciq") is None
+    # --max-train-examples over the recipe's 4992 SciQ examples, below and above it, through train.py's own path
+    sizes = {"train": 6000, "val": 4, "test": 4}
+    monkeypatch.setattr(train, "load_split", lambda name, split, **kw: [
+        Example(f"{name}:{split}:{i}", f"q {split} {i}", ["a", "b"], 0, {}) for i in range(sizes[split])])
+    for asked in (100, 5500):
+        data, cfg = train.load_data(resolved("granite", "--data", "sciq", "--max-train-examples", str(asked)))
+        assert len(data["train"]) == cfg.max_train_examples == asked
+        assert steps_per_epoch(len(data["train"]), cfg) == -(-asked // 16)
 
+
+
+def test_a_different_seed_is_a_different_run():
+    """--resume and the sweep compare runs with `differing`: the seed decides the run (data order, LoRA init,
+    dropout), so seeds 42 and 43 differ in it, and in it alone."""
+    a, b = resolved("olmoe", "--seed", "42"), resolved("olmoe", "--seed", "43")
+    assert differing(a, b) == ["seed"] and differing(a, a) == []
 
 
 def test_run_names_carry_ablation_settings_off_their_defaults():

@@ -161,6 +161,44 @@ def test_batch_size_and_order_do_not_change_scores(toy):
     assert np.allclose(a1.concentration[1][order1], a5.concentration[1][order5], atol=1e-5)
 
 
+def test_evaluation_and_validation_run_in_trainings_autocast(toy, tmp_path, monkeypatch):
+    """evaluate.py's forwards run in the autocast that runs.folder.autocast_for picks for the model's device
+    and dtype, and train.py's validation in the one it picks for the run's: the training step's policy."""
+    from contextlib import contextmanager
+
+    from minimoe.evaluation import accuracy
+    from minimoe.runs import evaluation, training
+    from minimoe.runs.config import RECIPES, TrainConfig
+    calls, inside, forwards = [], [], []
+
+    @contextmanager
+    def context():
+        inside.append(1)
+        yield
+        inside.pop()
+
+    def forward_choices(*args, **kwargs):
+        forwards.append(bool(inside))
+        return original(*args, **kwargs)
+    original = accuracy.forward_choices
+    monkeypatch.setattr(accuracy, "forward_choices", forward_choices)
+
+    def policy(device, dtype):
+        calls.append((torch.device(device).type, str(dtype).removeprefix("torch.")))
+        return context()
+    monkeypatch.setattr(evaluation, "autocast_for", policy)
+    monkeypatch.setattr(training, "autocast_for", policy)
+    folder = toy["models"]["olmoe"]
+    evaluate.main(["--model", str(folder), "--data", str(toy["data"] / "test.jsonl"), "--out-dir", str(tmp_path / "e"),
+                   "--eval-batch-size", "5", "--dtype", "bfloat16"])
+    assert calls == [("cpu", "bfloat16")] * 3 and forwards == [True] * 3  # 12 examples, 5 a forward
+    calls.clear()
+    from minimoe.loading.checkpoint import load_tokenizer
+    cfg = TrainConfig(**RECIPES["tiny"], device="cpu", dtype="bfloat16", eval_batch_size=5, quiet=True)
+    training.score_split(from_pretrained(folder, dtype="bfloat16"), load_tokenizer(folder), toy["splits"]["test"], cfg)
+    assert calls == [("cpu", "bfloat16")] * 3 and forwards == [True] * 6
+
+
 def test_scoring_turns_lora_dropout_off_and_restores_train_mode(toy):
     """A trainer's model in train mode with dropout 0.5: two scorings agree exactly (dropout was off)
     and every module is back in train mode afterwards."""

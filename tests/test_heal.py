@@ -182,3 +182,82 @@ def test_both_stages_in_bf16_train_the_fp32_model_and_nothing_outside_the_mlps(f
     assert changed == {n for n in before if ".mlp." in n}
     down = after["model.layers.1.mlp.experts.down_proj.weight"]
     assert all(torch.equal(down[0, :, :SHARED], down[e, :, :SHARED]) for e in range(E))
+
+
+def spy_training_kl(monkeypatch) -> list:
+    """Record each KL that distil trains on (its student logits carry a gradient): (teacher arg, student arg, loss)."""
+    import minimoe.study.heal as heal_module
+    calls, real = [], heal_module.kl_divergence
+
+    def spy(a, b):
+        loss = real(a, b)
+        if loss.requires_grad:  # the probe KLs run under no_grad
+            calls.append((a.detach().clone(), b.detach().clone(), loss.detach().clone()))
+        return loss
+    monkeypatch.setattr(heal_module, "kl_divergence", spy)
+    return calls
+
+
+def test_training_minimises_kl_of_the_teacher_over_the_student(folders, monkeypatch):
+    """The training call is KL(p_t || p_s), the teacher's logits first (kl_divergence's own order is
+    test_kl_divergence_is_torch_kl_div's): on the first step, the logits passed are the teacher's and
+    the untrained student's on that batch, in that order."""
+    student, teacher = minimoe.from_pretrained(folders[0]), minimoe.from_pretrained(folders[1])
+    batch = torch.randint(2, 320, (4, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        t_logits, s_logits = teacher(batch).logits, student(batch).logits
+    calls = spy_training_kl(monkeypatch)
+    distil(student, teacher, batch.repeat(2, 1), batch, "routers", SHARED, HealSettings(batch_rows=4))
+    assert len(calls) == 2
+    first, second, _ = calls[0]
+    assert torch.equal(first, t_logits) and torch.equal(second, s_logits)
+
+
+def test_training_runs_at_temperature_one(folders, monkeypatch):
+    """The loss distil trains on is the KL of the raw logits' softmaxes (temperature 1, the module's
+    formula), by torch's F.kl_div: a temperature T would divide both logits by T."""
+    student, teacher = minimoe.from_pretrained(folders[0]), minimoe.from_pretrained(folders[1])
+    batch = torch.randint(2, 320, (4, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        t_logits, s_logits = teacher(batch).logits, student(batch).logits
+    ref = F.kl_div(s_logits.log_softmax(-1).flatten(0, 1), t_logits.log_softmax(-1).flatten(0, 1), log_target=True,
+                   reduction="batchmean")
+    calls = spy_training_kl(monkeypatch)
+    distil(student, teacher, batch, batch, "routers", SHARED, HealSettings(batch_rows=4))
+    (_, _, loss), = calls
+    assert ref > 0.05 and loss.item() == pytest.approx(ref.item(), rel=1e-5)
+
+
+def test_experts_stage_trains_the_banks_and_the_routers_only(folders):
+    """The experts stage's documented contract: the expert banks and the routers train; nothing else changes."""
+    student, teacher = minimoe.from_pretrained(folders[0]), minimoe.from_pretrained(folders[1])
+    before = {n: p.detach().clone() for n, p in student.named_parameters()}
+    batch = torch.randint(2, 320, (4, 32), generator=torch.Generator().manual_seed(1))
+    distil(student, teacher, batch.repeat(3, 1), batch, "experts", SHARED, HealSettings(expert_lr=1e-2))
+    changed = {n for n, p in student.named_parameters() if not torch.equal(p, before[n])}
+    layers = range(len(student.model.layers))
+    assert changed == {f"model.layers.{i}.mlp.{w}" for i in layers
+                       for w in ("gate.weight", "experts.gate_up_proj.weight", "experts.down_proj.weight")}
+
+
+def test_the_probe_rows_are_never_trained_on(folders, tmp_path, monkeypatch):
+    """heal's first PROBE_ROWS rows of healing text only measure: no row the student trains on (a forward
+    with gradients) is one of them, in either stage, and every other row is trained on once."""
+    import minimoe.study.heal as heal_module
+    trained, real = [], heal_module.from_pretrained
+
+    def loaded(*args, **kwargs):
+        model = real(*args, **kwargs)
+        model.register_forward_pre_hook(lambda m, a: trained.extend(a[0].tolist()) if torch.is_grad_enabled() else None)
+        return model
+    monkeypatch.setattr(heal_module, "from_pretrained", loaded)
+    settings = HealSettings(**{**FAST.__dict__, "stage": "both"})
+    heal(folders[0], tmp_path / "healed", folders[1], settings)
+    tok = load_tokenizer(folders[0])
+    split = json.loads((folders[0] / "split.json").read_text())["settings"]
+    rows = settings.tokens // settings.seq_len
+    ids = healing_text("prose", tok, None, unfitted_documents(tok, split), PROBE_ROWS + 2 * rows, settings.seq_len,
+                       settings.seed).tolist()
+    probe, rest = ids[:PROBE_ROWS], ids[PROBE_ROWS:]
+    assert not any(row in probe for row in trained)
+    assert sorted(trained) == sorted(rest)

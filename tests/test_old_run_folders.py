@@ -54,7 +54,11 @@ def test_the_sweep_calls_an_old_run_done_for_its_cell(tmp_path, capsys):
 def test_resume_and_evaluate_accept_an_old_config_json(tmp_path):
     """The same run trained by today's code, its config.json replaced by the old one: --resume reads
     every setting from it, finds none changed and has nothing left to do; --resume with another gamma is
-    refused, naming it; evaluate.py scores the run as the old one's settings say."""
+    refused, naming it; evaluate.py scores the run as the old one's settings say.
+
+    Like with like: the run's own test evaluation ran in its dtype, bf16, so evaluate.py scores it in bf16
+    too (by default it would score in fp32, where near-tie answers flip between the dtypes); on the CPU
+    the same weights in the same dtype give the same scores, bit for bit."""
     train.main(["--model", "tiny", "--method", "tes", "--gamma", "2", "--dtype", "bfloat16", *FLAGS,
                 "--out-dir", str(tmp_path), "--data-dir", str(tmp_path / "splits")])
     run = tmp_path / FIXTURE.name
@@ -64,7 +68,9 @@ def test_resume_and_evaluate_accept_an_old_config_json(tmp_path):
         train.main(["--resume", str(run), "--gamma", "3"])
     train.main(["--resume", str(run)])
     assert (run / "config.json").read_text() == old  # a finished run's record stays as it is
-    metrics = evaluate.main(["--adapter", str(run), "--eval-dir", str(tmp_path / "again"), "--eval-batch-size", "8"])
+    metrics = evaluate.main(["--adapter", str(run), "--eval-dir", str(tmp_path / "again"), "--eval-batch-size", "8",
+                             "--dtype", "bfloat16"])
     in_run = json.loads((run / "eval" / "test" / "metrics.json").read_text())
+    assert metrics["dtype"] == in_run["dtype"] == "bfloat16"
     assert (metrics["method"], metrics["settings"]) == ("TES-IS", {"gamma": 2.0})
     assert metrics["accuracy"] == in_run["accuracy"]

@@ -93,6 +93,17 @@ def test_unknown_method_and_missing_module_say_what_was_expected(tmp_path, monke
     assert not any(tmp_path.glob("*/config.json"))  # refused before any run folder was written
 
 
+def test_an_unknown_option_is_named_for_the_api_in_core_and_for_the_flag_in_a_run():
+    """Method.configure (core) names the option as a keyword; only a run's settings say --method-option."""
+    from minimoe.core.methods import UnknownOption, get_method
+    from minimoe.runs.config import method_for
+    with pytest.raises(UnknownOption, match=r"^bogus: method 'tes' has no such option; it takes \['error_head_lr', "):
+        get_method("tes").configure(options={"bogus": 1})
+    with pytest.raises(ValueError, match=r"^--method-option bogus: method 'tes' has no such option"):
+        method_for({"method": "tes", "method_options": {"bogus": 1}})
+    assert get_method("native").configure(options={"gamma": 2}).values == {}  # another method's option: left out
+
+
 def test_register_method_refuses_a_taken_name_and_a_bad_record():
     with pytest.raises(ValueError, match="'tes' is registered already \\(built in\\)"):
         register_method(Method("tes", NativeRouter, label="Mine"))

@@ -4,7 +4,9 @@ report of those folders, and evaluate.py compare of them); collecting is determi
 keeps no path of the machine, and keeps only runs that scored their whole test split."""
 import gzip
 import json
+import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -129,6 +131,35 @@ def test_restoring_beside_train_py_runs_is_refused_and_a_bad_results_file_is_nam
     (tmp_path / "results" / "bad.jsonl.gz").write_bytes(b"not gzip")
     with pytest.raises(results.ResultsError, match="bad.jsonl.gz: not a results file"):
         results.read(tmp_path / "results")
+
+
+def test_a_run_is_in_one_benchmark_file_and_moves_when_collected_under_another(study, tmp_path):
+    """A results folder naming a run in two benchmark files is refused, naming both; a run recorded under
+    one benchmark and collected again under another leaves the old file, so the folder stays readable."""
+    runs, cells = study
+    results.collect([runs], tmp_path / "results")
+    records = results.read_file(tmp_path / "results" / "arc.jsonl.gz")
+    moved = records[0]["run"]
+    (tmp_path / "results" / "sciq.jsonl.gz").write_bytes(results.encode(records[:1]))
+    with pytest.raises(results.ResultsError, match=rf"run {moved} is in both .*arc.jsonl.gz and .*sciq.jsonl.gz"):
+        results.read(tmp_path / "results")
+    old = json.loads(json.dumps(records[0]))  # the same run, recorded earlier under another benchmark
+    old["evaluations"]["test"]["metrics"]["dataset"] = "old"
+    (tmp_path / "again").mkdir()
+    (tmp_path / "again" / "old.jsonl.gz").write_bytes(results.encode([old]))
+    results.collect([runs], tmp_path / "again")
+    assert results.read_file(tmp_path / "again" / "old.jsonl.gz") == []
+    assert [r["run"] for r in results.read(tmp_path / "again")] == sorted(c.run.name for c in cells)
+
+
+def test_the_results_readme_counts_the_runs_the_folder_holds():
+    """results/README.md says how many runs each file holds ("`sciq.jsonl.gz`, 24 runs"): the files' own count,
+    and every file is named."""
+    folder = Path(__file__).resolve().parents[1] / "results"
+    text = (folder / "README.md").read_text()
+    said = {name: int(n) for name, n in re.findall(r"`([\w.+-]+\.jsonl\.gz)`, (\d+) runs", text)}
+    held = {path.name: len(results.read_file(path)) for path in sorted(folder.glob(f"*{results.SUFFIX}"))}
+    assert held and said == held
 
 
 def test_the_study_page_tables_are_the_report_of_results(tmp_path):

@@ -150,6 +150,32 @@ def test_new_heads_start_native(family, method, options):
         torch.testing.assert_close(scores, torch.full_like(scores, expected), rtol=1e-6, atol=0)
 
 
+def test_dual_affinitys_mixing_weight_is_the_copied_heads():
+    """Dual Affinity's logits (1 - w) a + w a_copy: w (the paper's "mixing weight", 0.5 in its hyperparameter table) is the
+    copied head's share. The paper's 0.5 averages the two and hides a weight on the wrong side, and at init
+    a_copy = a hides it too: here the copy is moved away from the gate and w = 0.3. Selection and weights
+    are the native rule's (softmax, top-K, renormalised) on the mixed logits."""
+    g = torch.Generator().manual_seed(0)
+    gate = torch.nn.Linear(16, 8, bias=False)
+    with torch.no_grad():
+        gate.weight.copy_(torch.randn(8, 16, generator=g))
+    router = DualAffinityRouter(gate, 3, True, mix=0.3)
+    with torch.no_grad():
+        router.affinity.weight.copy_(torch.randn(8, 16, generator=g))
+        router.affinity.bias.copy_(torch.randn(8, generator=g))
+    x = torch.randn(32, 16, generator=g)
+    a = gate(x)  # [T, E] the native affinity
+    a_copy = x @ router.affinity.weight.T + router.affinity.bias
+    expected = 0.7 * a + 0.3 * a_copy
+    r = router(x, a)
+    torch.testing.assert_close(r.routing_logits, expected, rtol=1e-5, atol=1e-6)
+    assert (0.3 * a + 0.7 * a_copy - expected).abs().max() > 0.1  # the weight on the other side differs
+    torch.testing.assert_close(r.logits, a, rtol=0, atol=0)  # the native a is what the diagnostics read
+    top = expected.softmax(-1).topk(3, dim=-1)
+    assert torch.equal(r.experts, top.indices)
+    torch.testing.assert_close(r.weights, top.values / top.values.sum(-1, keepdim=True), rtol=1e-5, atol=1e-6)
+
+
 # ---- affinity concentration (Eq. affinity_concentration) --------------------------------------------
 
 def reference_concentration(selected_probs):

@@ -1,6 +1,7 @@
 """The run rules that train.py and evaluate.py share (minimoe.runs.folder): one answer to which device, dtype,
 pad id and label a run has, whichever entry point asks."""
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +35,7 @@ def test_pad_id_falls_back_to_eos_then_zero():
     assert pad_id(SimpleNamespace(pad_token_id=0, eos_token_id=7)) == 0  # id 0 is an id, not "unset"
 
 
-def test_auto_device_and_dtype():
+def test_auto_device_and_dtype(monkeypatch):
     cuda = torch.cuda.is_available()
     assert pick_device("auto").type == ("cuda" if cuda else "cpu")
     assert pick_dtype("auto", torch.device("cpu")) == "float32"
@@ -45,6 +46,35 @@ def test_auto_device_and_dtype():
     if not cuda:
         with pytest.raises(ValueError, match="--device cuda:1: no CUDA device"):
             pick_device("cuda:1")
+    # conftest forces CUDA away, so the lines above see the CPU branch only: both answers of torch, by hand
+    for available, kind in ((True, "cuda"), (False, "cpu")):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+        assert pick_device("auto") == torch.device(kind)
+        assert pick_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert pick_device("cuda:1") == torch.device("cuda:1")
+
+
+@pytest.mark.parametrize("device,dtype,on", [("cuda:0", "bfloat16", True), ("cuda", "float32", False),
+                                             ("cpu", "bfloat16", False), ("cpu", "float32", False)])
+def test_training_and_evaluation_take_one_autocast_policy(device, dtype, on):
+    """runs.folder.autocast_for: bf16 CUDA autocast for bf16 weights on CUDA, none elsewhere. Training asks with
+    the run's names (training.autocast(cfg)), evaluation with its model's torch.device and torch.dtype: one
+    answer. (Without CUDA torch builds a CUDA autocast disabled, so its device and dtype are compared.)"""
+    from minimoe.runs import training
+    from minimoe.runs.config import RECIPES, TrainConfig
+    from minimoe.runs.folder import autocast_for
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "CUDA is not available ... Disabling autocast"
+        trained = training.autocast(TrainConfig(**RECIPES["tiny"], device=device, dtype=dtype))
+        evaluated = autocast_for(torch.device(device), getattr(torch, dtype))
+        for ctx in (trained, evaluated):
+            if on:
+                assert (ctx.device, ctx.fast_dtype) == ("cuda", torch.bfloat16)
+            else:
+                assert ctx.device == "cpu"
+                with torch.autocast("cpu", dtype=torch.bfloat16), ctx:  # it turns an outer autocast off
+                    assert not torch.is_autocast_enabled("cpu")
 
 
 # torch's cpuinfo names (torch.cpu.get_capabilities) of three real processors, cut to what matters.
@@ -88,8 +118,23 @@ def test_cpu_dtype_variable_sets_what_auto_means_on_a_cpu_only(monkeypatch):
         pick_dtype("auto", "cpu", ZEN4)
 
 
-def test_cpu_capabilities_are_torchs_cpuinfo():
+def test_cpu_capabilities_are_torchs_cpuinfo(monkeypatch):
+    """Both of torch's answers, stood in for (torch >= 2.9's get_capabilities, older torch's two probes), and
+    this machine's answer against the kernel's own list of its instruction sets (/proc/cpuinfo)."""
     caps = cpu_capabilities()
     assert isinstance(caps, dict) and isinstance(native_bf16(caps), bool)
     if hasattr(torch.cpu, "get_capabilities"):
         assert caps == dict(torch.cpu.get_capabilities())
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.read_text().splitlines()
+                  if line.startswith("flags")), None) if cpuinfo.is_file() else None
+    if flags is not None:  # Linux names them avx512_bf16 and amx_bf16 too
+        assert native_bf16(caps) == bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: ZEN4, raising=False)
+    assert cpu_capabilities() == ZEN4
+    monkeypatch.delattr(torch.cpu, "get_capabilities")
+    for bf16, amx in ((True, False), (False, True), (False, False)):
+        monkeypatch.setattr(torch._C._cpu, "_is_avx512_bf16_supported", lambda: bf16, raising=False)
+        monkeypatch.setattr(torch._C._cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+        assert cpu_capabilities() == {"avx512_bf16": bf16, "amx_bf16": amx}
+        assert native_bf16(cpu_capabilities()) is (bf16 or amx)

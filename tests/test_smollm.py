@@ -1,5 +1,5 @@
 """The default model's first-use build fails clearly, and writes nothing, when the download cannot be had or
-is not the file we measured. (The real download is checked by bench/smollm_check.py, not in CI.)"""
+is not the file we measured. (The real download was checked once, not in CI: docs/upcycling.md.)"""
 import subprocess
 import zipfile
 

@@ -441,3 +441,32 @@ def test_a_run_that_exits_0_without_finishing_its_cell_fails_the_sweep(tmp_path,
                                          r"folder is not done"):
         sweep.main(["--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows", "CE", "--seeds", "42",
                     "--out-dir", str(tmp_path)])
+
+
+# The accuracy table's Method column (tab:downstream_accuracy), in its order, "(Ours)" left out.
+PAPER_ROWS = ["CE", "ACS-ENLL", "ACS-IS", "CE + affinity tuning", "ACS-ENLL + affinity tuning", "ACS-IS + affinity tuning",
+              "Dual Affinity", "TES-ENLL", "TES-IS"]
+
+
+def test_the_rows_are_the_papers_named_as_their_runs_name_their_row():
+    """sw.ROWS is named by Method.row of the run each row's flags configure, and those names are the paper's."""
+    assert list(sw.ROWS) == PAPER_ROWS
+
+
+@pytest.mark.parametrize("row", ["CE", "TES-IS", "tes", "ce", "native", "TES", "my_method"])
+def test_the_sweep_command_and_the_grid_accept_the_same_rows(tmp_path, row, capsys):
+    """One row check (study.sweep.check_row) for `grid` and sweep.py's --rows."""
+    try:
+        sw.grid(["tiny"], ["arc_challenge"], [row], [42], tmp_path)
+        in_grid = True
+    except ValueError as e:
+        in_grid = False
+        assert re.match(rf"unknown row '{row}': expected one of \[", str(e))
+    try:
+        sweep.main(["--out-dir", str(tmp_path), "--models", "tiny", "--benchmarks", "arc_challenge", "--rows", row,
+                    "--seeds", "42", "--dry-run"])
+        in_command = True
+    except SystemExit as e:
+        assert e.code == 2 and f"--rows {row!r}: expected one of" in capsys.readouterr().err
+        in_command = False
+    assert in_grid == in_command == (row not in ("TES", "my_method"))

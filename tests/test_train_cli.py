@@ -74,6 +74,23 @@ def test_the_method_is_resolved_once_per_run(tmp_path, monkeypatch):
     assert calls == ["tes"]
 
 
+def test_the_device_and_dtype_are_resolved_once_per_run(tmp_path, monkeypatch):
+    """train.py picks the run's device and dtype once (resolve_config); the model is loaded in that dtype,
+    not in one picked again beside it (a bf16 pick on a CPU without bf16 instructions warned twice)."""
+    calls = []
+
+    def counted(pick):
+        def wrapper(*args, **kwargs):
+            calls.append(pick.__name__)
+            return pick(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(train, "pick_device", counted(train.pick_device))
+    monkeypatch.setattr(train, "pick_dtype", counted(train.pick_dtype))
+    run = run_train(tmp_path, "--method", "ce")
+    assert sorted(calls) == ["pick_device", "pick_dtype"]
+    assert json.loads((run / "config.json").read_text())["dtype"] == "float32"
+
+
 def test_same_seed_gives_identical_runs(tmp_path):
     a = run_train(tmp_path, "--method", "tes", name="a")
     b = run_train(tmp_path, "--method", "tes", name="b")
@@ -249,6 +266,34 @@ def test_bad_number_is_refused_before_any_folder(tmp_path, capsys, flag, value):
     assert exit_info.value.code == 2
     assert f"argument {flag}" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_objective_outside_its_choices_is_refused_before_any_folder(tmp_path, capsys):
+    """--objective mse: argparse's error naming the flag and its choices (exit 2), not a failure at the first
+    supervised step inside a run folder already written."""
+    with pytest.raises(SystemExit) as exit_info:
+        train.main(["--out-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "splits"), *SMOKE,
+                    "--method", "tes", "--objective", "mse"])
+    assert exit_info.value.code == 2
+    assert "argument --objective: invalid choice: 'mse'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"lambda_": -1}, r"lambda_: -1: expected a number >= 0"),
+    ({"objective": "mse"}, r"objective: 'mse': expected one of"),
+    ({"lr": 0}, r"lr: 0: expected a number > 0"), ({"gamma": -2}, r"method_options: gamma: -2: expected a number >= 0"),
+    ({"method_options": {"transform": "cube"}}, r"method_options: transform: 'cube'; expected one of"),
+])
+def test_a_settings_file_value_gets_the_flags_check_before_any_folder(tmp_path, settings, message):
+    """A --config file's values are read by the same checks as the flags (config.check_value), and a bad
+    one is refused, naming the file and the setting, before the run folder exists."""
+    path = tmp_path / "settings.json"
+    path.write_text(json.dumps({"method": "tes", **settings}))
+    with pytest.raises(ValueError, match=rf"settings.json: {message}"):
+        train.main(["--config", str(path), "--out-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "splits"),
+                    *SMOKE])
+    assert not (tmp_path / "runs").exists()
 
 
 def test_single_layer_index_is_a_scope(tmp_path):

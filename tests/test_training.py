@@ -125,6 +125,21 @@ def test_learning_rate_groups(recipe, method, tune, groups):
         assert {g["name"]: g["lr"] for g in make_optimizer(model, cfg, method_for(cfg)).param_groups}["router"] == 3e-3
 
 
+@pytest.mark.parametrize("method,group,lr", [("tes", "error_head", 3e-4), ("dual", "copied_head", 2e-2)])
+def test_the_optimizer_groups_the_parameters_by_the_method_it_is_given(method, group, lr):
+    """make_optimizer's one source is its `method` argument: the heads' groups and their rates both come
+    from it (Method.head_groups), not the groups from the model's own record of what is installed."""
+    model = tiny_model("olmoe")
+    cfg = method_cfg(method=method, method_options={f"{group}_lr": lr})
+    install_method(model, cfg, method_for(cfg))
+    model.router_method = None  # what the model says it holds is not read
+    groups = make_optimizer(model, cfg, method_for(cfg)).param_groups
+    assert {g["name"]: g["lr"] for g in groups} == {"lora": cfg.lr, group: lr}
+    assert [n for n, p in model.named_parameters() if p.requires_grad and ".mlp.router." in n]
+    heads = {id(p) for n, p in model.named_parameters() if ".mlp.router." in n and p.requires_grad}
+    assert {id(p) for g in groups if g["name"] == group for p in g["params"]} == heads
+
+
 @pytest.mark.parametrize("family", ["granitemoe", "olmoe", *NEW_FAMILIES])  # dense layers, shared experts, windows
 @pytest.mark.parametrize("method,tune", [("tes", False), ("dual", False), ("ce", True), ("acs", True),
                                          ("tes", True), ("dual", True)])

@@ -37,6 +37,7 @@ from pathlib import Path
 from minimoe.cli import model_path, old_name, run_command
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR, SPLITS
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
+from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.config import device, flag_type
 
 EXAMPLES = """examples:
@@ -128,7 +129,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
                               "example, its prompt run once")
     compute.add_argument("--device", default="auto", type=flag_type(device),
                          help="auto (cuda if present), cpu, cuda, cuda:1 ... (default: %(default)s)")
-    compute.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+    compute.add_argument("--dtype", default="auto", choices=("auto", *RUN_DTYPES),
                          help="model weights and activations; routing math and scores are fp32 either way "
                               "(auto: bfloat16 on CUDA and on CPUs with native bf16 matrix instructions, else float32; "
                               "$MINIMOE_CPU_DTYPE sets the CPU's choice; as "

@@ -29,13 +29,12 @@ import sys
 from pathlib import Path
 
 from minimoe.cli import run_command, train
-from minimoe.core.methods import ALIASES, METHODS
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
 from minimoe.runs.config import ABLATION_SETTINGS, check_value, default_of, flag_name
 from minimoe.runs.folder import set_aside
 from minimoe.runs.plugins import import_method_module
-from minimoe.study.sweep import BENCHMARKS, PRESETS, ROWS, Preset, claim_out_dir, grid, run_local, run_on_devices, \
-    submit_slurm, visible_devices, write_report
+from minimoe.study.sweep import BENCHMARKS, PRESETS, ROWS, Preset, check_row, claim_out_dir, grid, run_local, \
+    run_on_devices, submit_slurm, visible_devices, write_report
 
 # --set's keys: the ablation settings that take a value, by their train.py flag (--set lambda=... sets lambda_).
 SETTING_FLAGS = {flag_name(key)[2:]: key for key in ABLATION_SETTINGS if not isinstance(default_of(key), bool)}
@@ -188,9 +187,10 @@ def main(argv=None):
         args.report_only = True
         args.models = args.models or sorted({r["config"]["model"] for r in results.read(args.results)})
     for row in args.rows or ():
-        if row not in ROWS and ALIASES.get(row, row) not in METHODS:
-            parser.error(f"--rows {row!r}: expected one of {list(ROWS)}, or a method registered by --method-module "
-                         f"(registered: {sorted(METHODS)})")
+        try:
+            check_row(row, "--rows")
+        except ValueError as e:
+            parser.error(str(e))
     models, recipes = model_specs(args.models)
     cells = grid(models, args.benchmarks or preset.benchmarks, args.rows or preset.rows, args.seeds or preset.seeds,
                  args.out_dir, settings=settings_variants(args.set, parser) if args.set else preset.settings,

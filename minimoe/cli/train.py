@@ -48,10 +48,10 @@ from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sh
 from minimoe.data.userdata import build_user_data, is_user_data
 from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
-from minimoe.loading.checkpoint import resolve_checkpoint
+from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.loading.smollm import smollm_checkpoint
-from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_settings,
-                                 run_name, settings_of)
+from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_run_config,
+                                 read_settings, run_name, settings_of)
 from minimoe.runs.folder import (claim_run_folder, has_training_output, is_run_folder, pick_device, pick_dtype,
                                  run_lock, set_aside, world)
 from minimoe.runs.provenance import provenance
@@ -176,10 +176,9 @@ def main(argv=None):
     args.data = args.data or "arc_challenge"
     folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
     tokenizer = minimoe.load_tokenizer(folder)
+    cfg, method = resolve_config(args, read_config(folder))  # the method, device and dtype are resolved here, once
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
-    dtype = pick_dtype(args.dtype, pick_device(args.device))
-    model = minimoe.from_pretrained(folder, dtype=dtype)  # checks the checkpoint before any run folder exists
-    cfg, method = resolve_config(args, model.config)  # the method is resolved here, once
+    model = minimoe.from_pretrained(folder, dtype=cfg.dtype)  # checks the checkpoint before any run folder exists
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), method))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     for split, examples in data.items():  # every setting is checked before the run folder is written
@@ -284,15 +283,6 @@ def changed_settings(before: dict, cfg: TrainConfig, now: dict) -> list[str]:
     now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
     return sorted([*differing(recorded, cfg), *(k for k in RECORDED if before.get(k) != now.get(k)
                                                and not (k in RECORDED_LATER and k not in before))])
-
-
-def read_run_config(path: Path) -> dict:
-    try:
-        settings = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); the run's config is truncated or corrupt, so the run "
-                         f"cannot be resumed as it was") from None
-    return settings
 
 
 def command():

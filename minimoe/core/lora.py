@@ -40,7 +40,7 @@ Decisions:
   of delta itself, not of W x), for a linear layer and for each expert's block of a bank, where
   grouped_mm has no C. Carrying y + delta in fp32 to the residual add instead over-responded (3x
   fp32's loss change at a tenth of B), and an fp32 residual stream or fp32 logits changed nothing
-  (bench/bf16_fidelity.py, docs/precision.md). The per-block addmm needs the block sizes on the host (a device
+  (docs/precision.md). The per-block addmm needs the block sizes on the host (a device
   sync) and one launch per expert, so off the CPU and under autocast (the GPU recipe) a bank computes
   W_e x + B_e a in one grouped_mm over [x | a] against [W_e | scale B_e] instead (`base_plus_delta`):
   the same single rounding, a and B held in bf16, no sync, and a backward that computes no gradient

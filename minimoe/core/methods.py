@@ -112,6 +112,12 @@ class Method:
         return {name: o.default for name, o in self.declared.items()}
 
     @property
+    def head_groups(self) -> dict[str, tuple[str, str]]:
+        """Optimizer group -> (its head, the option naming its learning rate): each head trains in a group
+        of its own, named after that option less "_lr" (error_head, copied_head)."""
+        return {lr.removesuffix("_lr"): (head, lr) for head, (lr, _) in self.heads.items()}
+
+    @property
     def predicts_error(self) -> bool:
         return self.prediction == "error"
 
@@ -129,11 +135,15 @@ class Method:
         unknown name is an error."""
         given = dict(options or {})
         for name in given:
-            if name not in self.declared and not any(name in m.declared for m in METHODS.values()):
-                raise ValueError(f"--method-option {name}: method {self.name!r} has no such option; it takes "
-                                 f"{sorted(self.declared)}")
+            if name not in self.declared and not declaring(name):
+                raise UnknownOption(f"{name}: method {self.name!r} has no such option; it takes "
+                                    f"{sorted(self.declared)}")
         values = {name: o.parse(name, given[name]) if name in given else o.default for name, o in self.declared.items()}
         return replace(self, objective=objective, tune_router=tune_router, values=values)
+
+
+class UnknownOption(ValueError):
+    """An option that no registered method reads, given to `Method.configure` (the message starts with its name)."""
 
 
 METHODS: dict[str, Method] = {}
@@ -156,6 +166,11 @@ for _m in (
                               "(a - gamma * phi(e_hat))"),
         Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None)):
     METHODS[_m.name] = _m
+
+
+def declaring(name: str) -> list[Method]:
+    """The registered methods that read the setting `name` (an option or a head's learning rate)."""
+    return [m for m in METHODS.values() if name in m.declared]
 
 
 def get_method(name: str) -> Method:

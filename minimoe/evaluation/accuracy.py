@@ -47,7 +47,7 @@ candidate, the reference path, with the same scores to rounding.
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -97,7 +97,7 @@ def _length_proxy(ex: Example) -> int:
 @torch.inference_mode()
 def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int = 16, device=None,
                    diagnostics: bool = True, max_length: int | None = None, packed: bool = True,
-                   progress: str | None = None, pad_to: int = 1):
+                   progress: str | None = None, pad_to: int = 1, autocast=nullcontext):
     """Score every candidate of `examples` -> (records, metrics, TokenArrays or None).
 
     records: one dict per example, in input order (the predictions.jsonl lines).
@@ -106,6 +106,7 @@ def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int
     as in training. packed: one row per example (default) or one per candidate (the reference path).
     progress: a tqdm bar over the batches with this description; None: no bar.
     pad_to: rows padded to a multiple of it (a compiled model's length buckets; scores do not change).
+    autocast: makes the context each forward runs in (training's policy, runs.folder.autocast_for).
     """
     if not examples:
         raise ValueError("evaluate_split: no examples")
@@ -113,7 +114,8 @@ def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int
         raise ValueError(f"evaluate_split: batch_size={batch_size}; expected >= 1")
     device = torch.device(device) if device is not None else model.device
     with eval_mode(model):  # LoRA dropout off, also when a trainer calls this mid-run
-        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress, pad_to)
+        return _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress, pad_to,
+                      autocast)
 
 
 @contextmanager
@@ -128,7 +130,8 @@ def eval_mode(model):
             m.training = mode
 
 
-def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress=None, pad_to=1):
+def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_length, packed, progress=None, pad_to=1,
+           autocast=nullcontext):
     k, layers = Scoring.of(model.config), diagnosed_layers(model)  # the family's native top-K
     method = model.router_method
     errors = method is not None and method.predicts_error  # its Routing.prediction is e_hat
@@ -142,7 +145,8 @@ def _score(model, tokenizer, examples, batch_size, device, diagnostics, max_leng
         idx = order[start:start + batch_size]
         batch = make_choice_batch([examples[i] for i in idx], tokenizer, pad_id(tokenizer), max_length,
                                   packed=packed, pad_to=pad_to).to(device)
-        out, logp = forward_choices(model, batch)  # logp [n] fp32, every candidate's answer tokens
+        with autocast():
+            out, logp = forward_choices(model, batch)  # logp [n] fp32, every candidate's answer tokens
         scores = choice_scores(logp, batch)
         tables = {name: by_example(s, batch).tolist() for name, s in scores.items()}  # [X, C_max]
         tokens = by_example(batch.n_tokens.float(), batch).tolist()

@@ -40,6 +40,7 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
              "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+RUN_DTYPES = ("float32", "bfloat16")  # what a model is run and saved in: every --dtype's choices (float16 is only read)
 
 
 # ----------------------------------------------------------------------------- config

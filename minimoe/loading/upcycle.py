@@ -42,7 +42,7 @@ import torch.nn as nn
 
 from minimoe.atomic import atomic_directory, check_replaceable
 from minimoe.core.model import MoEConfig, MoEForCausalLM
-from minimoe.loading.checkpoint import checkpoint_layout, write_checkpoint
+from minimoe.loading.checkpoint import RUN_DTYPES, checkpoint_layout, write_checkpoint
 
 GGUF_NAMES = {  # llama.cpp tensor name (per layer after "blk.N.") -> transformers' Llama name
     "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -354,7 +354,7 @@ def main(argv=None):
     p.add_argument("--top-k", type=int, help="experts run per token (default 2 copy, 8 split)")
     p.add_argument("--seed", type=int, default=0, help="router init seed (copy), clustering and text order (split) "
                                                        "(default 0)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="saved dtype (default: the source's)")
+    p.add_argument("--dtype", choices=RUN_DTYPES, help="saved dtype (default: the source's)")
     copy = p.add_argument_group("copy mode")
     copy.add_argument("--noise", type=float, default=0.0,
                       help="symmetry-breaking noise, relative to each matrix's std (default 0: exact upcycling)")

@@ -50,14 +50,15 @@ CONFIG_FIELDS = ("rank", "alpha", "dropout", "targets", "dtype", "base_model", "
 def param_groups(method: Method | None) -> dict[str, tuple[str, ...]]:
     """Optimizer group -> the name patterns of its parameters: LoRA, the installed method's heads (each named
     after its learning-rate option less "_lr": error_head, copied_head), the tuned native gates ("router")."""
-    heads = {lr.removesuffix("_lr"): (f".mlp.router.{head}.",)  # the name + "." matches a parameter head too
-             for head, (lr, _) in (method.heads if method else {}).items()}
+    heads = {group: (f".mlp.router.{head}.",)  # the name + "." matches a parameter head too
+             for group, (head, _) in (method.head_groups if method else {}).items()}
     return {"lora": (".lora_A", ".lora_B"), **heads, "router": (".mlp.gate.weight",)}
 
 
-def trainable_parameters(model: nn.Module) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Trainable (name, parameter) pairs by group (`param_groups`), for the optimizer's param groups."""
-    patterns = param_groups(getattr(model, "router_method", None))
+def trainable_parameters(model: nn.Module, method: Method | None = None) -> dict[str, list[tuple[str, nn.Parameter]]]:
+    """Trainable (name, parameter) pairs by group (`param_groups` of `method`, by default the one installed,
+    `model.router_method`), for the optimizer's param groups."""
+    patterns = param_groups(method or getattr(model, "router_method", None))
     groups = {g: [] for g in patterns}
     for name, p in model.named_parameters():
         if not p.requires_grad:

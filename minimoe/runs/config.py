@@ -38,8 +38,9 @@ from pathlib import Path
 
 from minimoe.core.families import family_of
 from minimoe.core.lora import ALIASES as LORA_ALIASES, ALPHA, DROPOUT, RANK, TARGETS
-from minimoe.core.methods import ALIASES, METHODS, Method, number
+from minimoe.core.methods import ALIASES, METHODS, Method, UnknownOption, declaring, number
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
+from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.plugins import resolve_method
 
 # ---- what a value may be: each check reads a flag's text or a settings file's value, raises ValueError
@@ -181,7 +182,7 @@ class TrainConfig:
     dtype: str = setting("model", "auto", "base weights' dtype; auto = bfloat16 on CUDA (with autocast) and on a "
                          "CPU with native bf16 matrix instructions (AVX512-BF16, AMX), else float32; "
                          "$MINIMOE_CPU_DTYPE=float32 or bfloat16 sets the CPU's choice (runs.pick_dtype)",
-                         choices=["auto", "float32", "bfloat16"])
+                         choices=["auto", *RUN_DTYPES])
     device: str = setting("model", "auto", "auto (cuda if present), cpu, cuda, cuda:1 ...", type=device)
     gradient_checkpointing: bool = setting("model", False, "recompute each block in backward: memory for time")
     compile: bool = setting("model", False, "torch.compile each decoder layer (model.compile_layers; worth it on a "
@@ -315,7 +316,7 @@ class MethodOption(argparse.Action):
 
 def read_by(name: str) -> str:
     """The methods whose record reads the setting `name`, for its flag's help."""
-    return ", ".join(m.name for m in METHODS.values() if name in m.declared)
+    return ", ".join(m.name for m in declaring(name))
 
 
 def add_flags(parser: argparse.ArgumentParser) -> dict:
@@ -365,13 +366,16 @@ def check_value(key: str, value):
     """`value` of setting `key` (a settings file's, a sweep's --set) read by its field's check, or by the
     built-in method option's of that name -> the value."""
     if key not in FIELDS:
-        return next(m.declared[key] for m in METHODS.values() if key in m.declared).parse(key, value)
+        return declaring(key)[0].declared[key].parse(key, value)
     meta = FIELDS[key].metadata
     try:
         if key == "method_options":  # its flag reads one NAME=VALUE; a file holds the mapping
             if not isinstance(value, dict):
                 raise ValueError(f"{value!r}: expected a mapping of option names to values")
-            return value
+            # a built-in option's value by its check, as its flag's; another registered method's
+            # options are checked when the run's method is configured (its module is not imported yet)
+            return {name: check_value(name, v) if any(name in m.declared for m in METHODS.values()) else v
+                    for name, v in value.items()}
         if "type" in meta:
             value = meta["type"](value)
         if meta.get("choices") and value not in meta["choices"]:
@@ -385,7 +389,7 @@ def default_of(key: str):
     """A setting's default: its field's, or that of the built-in method option of that name."""
     if key in FIELDS:
         return FIELDS[key].default
-    return next(m.settings[key] for m in METHODS.values() if key in m.declared)
+    return declaring(key)[0].settings[key]
 
 
 # ---- settings from files and records
@@ -403,12 +407,11 @@ def settings_of(mapping: dict, where: Path | None = None) -> dict:
     built-in ones there before method_options held every option) joins method_options; other keys are
     left out (a run's config.json holds some for its readers: label, model_config, provenance, ...),
     but those of a settings file of yours (`where`), which are refused, named."""
-    options = {name for m in METHODS.values() for name in m.declared}
     settings, top_level = {}, {}
     for key, value in mapping.items():
         if key in FIELDS:
             settings[key] = value
-        elif key in options:
+        elif declaring(key):
             top_level[key] = value
         elif key in RETIRED:
             continue
@@ -417,6 +420,15 @@ def settings_of(mapping: dict, where: Path | None = None) -> dict:
     if top_level:
         settings["method_options"] = {**top_level, **(settings.get("method_options") or {})}
     return settings
+
+
+def read_run_config(path: Path):
+    """A run's config.json (or a JSON settings file), as written."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the run's config is truncated or corrupt, so the run "
+                         f"cannot be resumed as it was") from None
 
 
 def read_settings(path: Path) -> dict:
@@ -432,11 +444,7 @@ def read_settings(path: Path) -> dict:
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML ({e})") from None
     else:
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{path}: not valid JSON ({e}); the run's config is truncated or corrupt, so the run "
-                             f"cannot be resumed as it was") from None
+        raw = read_run_config(path)
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: holds a {type(raw).__name__}; expected a mapping of TrainConfig fields")
     settings = settings_of(raw, path)
@@ -455,8 +463,11 @@ def method_for(settings) -> Method:
     of its fields (missing ones at their defaults)."""
     s = settings if isinstance(settings, dict) else vars(settings)
     record = resolve_method(s.get("method") or TrainConfig.method, s.get("method_module"))
-    return record.configure(s.get("objective") or TrainConfig.objective, bool(s.get("tune_router")),
-                            s.get("method_options"))
+    try:
+        return record.configure(s.get("objective") or TrainConfig.objective, bool(s.get("tune_router")),
+                                s.get("method_options"))
+    except UnknownOption as e:  # core names the option; a run's settings give it as --method-option
+        raise ValueError(f"--method-option {e}") from None
 
 
 def build_config(settings: dict, recipe: str) -> tuple[TrainConfig, Method]:
@@ -523,7 +534,7 @@ def reads(method: Method, setting: str) -> bool:
     learning rate (Method.declared) is its methods'; every other setting, every method's."""
     if setting in SUPERVISION_SETTINGS:
         return method.prediction is not None
-    return setting in method.declared or not any(setting in m.declared for m in METHODS.values())
+    return setting in method.declared or not declaring(setting)
 
 
 def ablation_settings(settings: dict, method: Method) -> dict:

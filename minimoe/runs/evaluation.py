@@ -28,7 +28,7 @@ from minimoe.evaluation.folders import METRICS, PREDICTIONS, eval_dir, tokens_fi
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer, resolve_checkpoint
 from minimoe.runs.adapters import load_adapter
 from minimoe.runs.config import ablation_settings
-from minimoe.runs.folder import AdapterSource, pick_device, pick_dtype, read_json, resolve_adapter
+from minimoe.runs.folder import AdapterSource, autocast_for, pick_device, pick_dtype, read_json, resolve_adapter
 from minimoe.runs.provenance import provenance
 
 log = logging.getLogger(__name__)
@@ -184,15 +184,19 @@ def score(evaluation: Evaluation, out, *, quiet: bool = False) -> dict:
     check_replaceable(out, "evaluation")  # never replace a run, runs/ or an adapter; fail before any work
     e = evaluation
     split = e.identity["split"]
+
+    def autocast():  # training's policy for the model's device and dtype: bf16 autocast on CUDA for bf16 weights
+        return autocast_for(e.model.device, e.model.dtype)
     records, metrics, arrays = evaluate_split(e.model, e.tokenizer, e.examples, batch_size=e.batch_size,
                                               max_length=e.max_length, packed=e.packed,
-                                              progress=None if quiet else f"scoring {split}")
+                                              progress=None if quiet else f"scoring {split}", autocast=autocast)
     train_arrays = None
     extra = {}
     if e.train_examples is not None:
         _, train_metrics, train_arrays = evaluate_split(e.model, e.tokenizer, e.train_examples,
                                                         batch_size=e.batch_size, max_length=e.max_length,
-                                                        packed=e.packed, progress=None if quiet else "scoring train")
+                                                        packed=e.packed, progress=None if quiet else "scoring train",
+                                                        autocast=autocast)
         extra = {"train_examples": train_metrics["n_examples"], "train_accuracy": train_metrics["accuracy"]}
     label = f"{e.identity['method']}, {e.identity['dataset']}: "
     diagnostics, plots = diagnostics_report(arrays, split, train_arrays, label=label)

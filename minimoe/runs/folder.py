@@ -1,5 +1,5 @@
-"""The run rules that train.py, evaluate.py, export.py and sweep.py share: which device, dtype and pad id
-a run uses, what a run is called, which adapter a run or adapter folder stands for, the process
+"""The run rules that train.py, evaluate.py, export.py and sweep.py share: which device, dtype, autocast and
+pad id a run uses, what a run is called, which adapter a run or adapter folder stands for, the process
 group's rank and sums; and the run folder's own: one writer at a time, a log that survives kills,
 state that loads safely.
 
@@ -49,7 +49,7 @@ from safetensors.torch import load_file
 from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
 from minimoe.core.methods import Method
 from minimoe.evaluation.folders import EVAL, is_base
-from minimoe.loading.checkpoint import DTYPES
+from minimoe.loading.checkpoint import DTYPES, RUN_DTYPES
 from minimoe.runs.config import method_for, settings_of
 from minimoe.runs.plugins import method_of
 
@@ -111,8 +111,8 @@ def pick_dtype(name: str, device: torch.device, capabilities: dict | None = None
     native = kind == "cpu" and native_bf16(cpu_capabilities() if capabilities is None else capabilities)
     if name == "auto":
         forced = os.environ.get(CPU_DTYPE_VARIABLE) if kind == "cpu" else None
-        if forced and forced not in ("float32", "bfloat16"):
-            raise ValueError(f"${CPU_DTYPE_VARIABLE}={forced!r}; expected float32 or bfloat16")
+        if forced and forced not in RUN_DTYPES:
+            raise ValueError(f"${CPU_DTYPE_VARIABLE}={forced!r}; expected {' or '.join(RUN_DTYPES)}")
         name = forced or ("bfloat16" if kind == "cuda" or native else "float32")
     if name not in DTYPES:
         raise ValueError(f"--dtype {name!r}; expected auto or one of {list(DTYPES)}")
@@ -120,6 +120,15 @@ def pick_dtype(name: str, device: torch.device, capabilities: dict | None = None
         warnings.warn("bfloat16 on a CPU without native bf16 matrix instructions (AVX512-BF16 or AMX): "
                       "emulated, and slower than float32", stacklevel=2)
     return name
+
+
+def autocast_for(device, dtype):
+    """The autocast a forward runs in, training and evaluation alike: bf16 on CUDA for bf16 weights (the fp32
+    LoRA factors and heads then meet the base in bf16 matmuls); none elsewhere, where the model casts for
+    itself (lora.py). `device`: a name or torch.device; `dtype`: a name (pick_dtype's) or a torch.dtype."""
+    if torch.device(device).type == "cuda" and str(dtype).removeprefix("torch.") == "bfloat16":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
 
 
 def world() -> tuple[int, int]:

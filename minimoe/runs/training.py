@@ -52,7 +52,7 @@ from minimoe.runs.adapters import load_adapter, save_adapter, trainable_paramete
 from minimoe.runs.config import TrainConfig
 from minimoe.runs.folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
                                  latest_checkpoint, params_device, read_json, read_metrics, remove_orphans,
-                                 save_state, set_rng_state, truncate_metrics, world)
+                                 save_state, set_rng_state, truncate_metrics, world, autocast_for)
 from minimoe.runs.tracking import RoutingStats, Tracker
 
 
@@ -94,10 +94,10 @@ def warmup_steps(total: int, fraction: float) -> int:
 
 def make_optimizer(model, cfg: TrainConfig, method: Method):
     # A tuned native gate has no rate of its own in the paper: the LoRA rate unless --router-lr.
-    heads = {lr.removesuffix("_lr"): method.values[lr] for lr, _ in method.heads.values()}  # adapters.param_groups
+    heads = {group: method.values[lr] for group, (_, lr) in method.head_groups.items()}
     lrs = {"lora": cfg.lr, **heads, "router": cfg.router_lr or cfg.lr}
-    groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}
-              for name, params in trainable_parameters(model).items() if params]
+    groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}  # grouped by `method`, as its rates
+              for name, params in trainable_parameters(model, method).items() if params]
     return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
 
 
@@ -193,9 +193,7 @@ def read_back(values) -> list[float]:
 
 
 def autocast(cfg: TrainConfig):
-    if cfg.device.startswith("cuda") and cfg.dtype == "bfloat16":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+    return autocast_for(cfg.device, cfg.dtype)  # evaluation's too (runs/evaluation.py)
 
 
 def score_split(model, tokenizer, examples, cfg: TrainConfig) -> dict:
@@ -204,7 +202,8 @@ def score_split(model, tokenizer, examples, cfg: TrainConfig) -> dict:
     quiet = cfg.quiet or world()[0] != 0
     _, metrics, _ = evaluate_split(model, tokenizer, examples, batch_size=cfg.eval_batch_size, device=cfg.device,
                                    diagnostics=False, max_length=cfg.max_length, packed=cfg.packed,
-                                   progress=None if quiet else "validation", pad_to=length_bucket(cfg))
+                                   progress=None if quiet else "validation", pad_to=length_bucket(cfg),
+                                   autocast=lambda: autocast(cfg))
     return {"choice_nll": metrics["choice_nll"], "accuracy": metrics["accuracy"]}
 
 

@@ -48,7 +48,7 @@ from torch.nn.utils import parametrize
 
 from minimoe.atomic import atomic_directory, check_replaceable
 from minimoe.core.generate import generate
-from minimoe.loading.checkpoint import from_pretrained, load_tokenizer, read_config, write_checkpoint
+from minimoe.loading.checkpoint import RUN_DTYPES, from_pretrained, load_tokenizer, read_config, write_checkpoint
 from minimoe.loading.split import held_out, prose_documents, token_rows
 from minimoe.runs.provenance import file_digest, git_commit
 
@@ -229,9 +229,9 @@ def distil(student, teacher, ids, probe, stage: str, shared: int, s: HealSetting
 
 def heal(student, out, teacher, s: HealSettings = HealSettings()) -> dict:
     """Distil `teacher` into the split model in folder `student`, write the result to `out` -> its healing record."""
-    if s.stage not in STAGES or s.text not in TEXTS or s.dtype not in ("float32", "bfloat16"):
+    if s.stage not in STAGES or s.text not in TEXTS or s.dtype not in RUN_DTYPES:
         raise HealError(f"stage {s.stage!r}, text {s.text!r}, dtype {s.dtype!r}; expected a stage in {list(STAGES)}, "
-                        f"a text in {TEXTS} and float32 or bfloat16")
+                        f"a text in {TEXTS} and {' or '.join(RUN_DTYPES)}")
     student, out, teacher_dir = Path(student), Path(out), Path(teacher)
     check_replaceable(out, "model")  # before the work
     split_settings = check_pair(student, teacher_dir)
@@ -300,7 +300,7 @@ def main(argv=None):
     how.add_argument("--router-lr", type=float, default=d.router_lr)
     how.add_argument("--scale-lr", type=float, default=d.scale_lr)
     how.add_argument("--expert-lr", type=float, default=d.expert_lr)
-    how.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype,
+    how.add_argument("--dtype", choices=RUN_DTYPES, default=d.dtype,
                      help="teacher and frozen weights; bf16 is ~2-3x faster on a CPU with bf16 instructions")
     args = p.parse_args(argv)
     settings = HealSettings(**{k: getattr(args, k) for k in asdict(d)})

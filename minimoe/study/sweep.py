@@ -57,18 +57,26 @@ from minimoe.runs.folder import read_metrics
 TRAIN = ("-m", "minimoe.cli.train")  # train.py as the package runs it: no checkout needed (minimoe/cli/train.py)
 BENCHMARKS = ("arc_challenge", "openbookqa", "sciq", "medmcqa")
 
-# The accuracy table's nine rows (tab:downstream_accuracy) as train.py flags.
-ROWS = {
-    "CE": dict(method="ce"),
-    "ACS-ENLL": dict(method="acs", objective="enll"),
-    "ACS-IS": dict(method="acs", objective="is"),
-    "CE + affinity tuning": dict(method="ce", tune_router=True),
-    "ACS-ENLL + affinity tuning": dict(method="acs", objective="enll", tune_router=True),
-    "ACS-IS + affinity tuning": dict(method="acs", objective="is", tune_router=True),
-    "Dual Affinity": dict(method="dual"),
-    "TES-ENLL": dict(method="tes", objective="enll"),
-    "TES-IS": dict(method="tes", objective="is"),
-}
+# The accuracy table's nine rows (tab:downstream_accuracy) as train.py flags, named as the run that they
+# configure names its row (Method.row): CE, ACS-ENLL, ..., TES-IS.
+ROWS = {method_for(flags).row: flags for flags in (
+    dict(method="ce"),
+    dict(method="acs", objective="enll"),
+    dict(method="acs", objective="is"),
+    dict(method="ce", tune_router=True),
+    dict(method="acs", objective="enll", tune_router=True),
+    dict(method="acs", objective="is", tune_router=True),
+    dict(method="dual"),
+    dict(method="tes", objective="enll"),
+    dict(method="tes", objective="is"),
+)}
+
+
+def check_row(row: str, what: str = "unknown row") -> None:
+    """A row is one of the paper's (ROWS) or the name of a registered method (your own: --method-module)."""
+    if row not in ROWS and ALIASES.get(row, row) not in METHODS:
+        raise ValueError(f"{what} {row!r}: expected one of {list(ROWS)}, or a method registered by --method-module "
+                         f"(registered: {sorted(METHODS)})")
 
 
 @dataclass(frozen=True)
@@ -261,9 +269,7 @@ def grid(models, benchmarks, rows, seeds, out_dir, *, settings=({},), recipes=No
         for data in benchmarks:
             for row in rows:
                 row, only, fixed = (row, None, {}) if isinstance(row, str) else (*row, {})[:3]
-                if row not in ROWS and ALIASES.get(row, row) not in METHODS:
-                    raise ValueError(f"unknown row {row!r}; expected one of {list(ROWS)}, or a method registered "
-                                     f"by --method-module")
+                check_row(row)
                 if only and recipe and only != recipe:
                     continue
                 for variant in settings:
