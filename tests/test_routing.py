@@ -159,7 +159,7 @@ def test_dual_affinitys_mixing_weight_is_the_copied_heads():
     gate = torch.nn.Linear(16, 8, bias=False)
     with torch.no_grad():
         gate.weight.copy_(torch.randn(8, 16, generator=g))
-    router = DualAffinityRouter(gate, 3, True, mix=0.3)
+    router = DualAffinityRouter(gate, Scoring(3, True), mix=0.3)
     with torch.no_grad():
         router.affinity.weight.copy_(torch.randn(8, 16, generator=g))
         router.affinity.bias.copy_(torch.randn(8, generator=g))
