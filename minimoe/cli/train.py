@@ -42,7 +42,7 @@ from minimoe.atomic import atomic_file
 from minimoe.cli import model_path, run_command
 from minimoe.core.families import family_of
 from minimoe.core.methods import Method
-from minimoe.core.model import compile_layers
+from minimoe.core.model import MoEConfig, compile_layers, config_field_names
 from minimoe.core.scoring import check_max_length, pad_id
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.data.userdata import build_user_data, is_user_data
@@ -281,8 +281,20 @@ def changed_settings(before: dict, cfg: TrainConfig, now: dict) -> list[str]:
     config, the torch version, the world size)."""
     recorded, _ = build_config(settings_of(before), before.get("recipe") or cfg.recipe)
     now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
+    if isinstance(before.get("model_config"), dict):  # fields added since it was written take their defaults
+        before = {**before, "model_config": filled_model_config(before["model_config"])}
     return sorted([*differing(recorded, cfg), *(k for k in RECORDED if before.get(k) != now.get(k)
                                                and not (k in RECORDED_LATER and k not in before))])
+
+
+def filled_model_config(recorded: dict) -> dict:
+    """A run record's model_config as today's MoEConfig holds it: the fields it names, defaults for the rest."""
+    known = {k: v for k, v in recorded.items() if k in config_field_names()}
+    try:
+        full = vars(MoEConfig(**known)) | {"extra": recorded.get("extra")}
+    except (TypeError, ValueError):  # not a config today's code can build: compared as written
+        return recorded
+    return json.loads(json.dumps(full, default=str))
 
 
 def command():
