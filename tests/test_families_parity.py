@@ -177,3 +177,26 @@ def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
             base = hf(ids, attention_mask=mask).logits
     assert rel_err(base, want, mask) > 1e-2  # the adapter matters
     assert rel_err(got, want, mask) <= FP32_TOL
+
+
+@pytest.mark.parametrize("variant", DECLARED)
+def test_merged_export_loads_in_transformers_with_our_logits(variant, tmp_path):
+    """export_merged (W + scale * B A, in the family's on-disk layout) loads in transformers with our logits."""
+    import transformers
+    from minimoe.runs.adapters import export_merged
+    reference_model(variant, tmp_path / "base")
+    model = minimoe.from_pretrained(tmp_path / "base")
+    add_lora(model, rank=4, alpha=12, dropout=0.0)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    ids, mask = batch()
+    with torch.no_grad():
+        ours = model.eval()(ids, attention_mask=mask).logits
+    export_merged(model, tmp_path / "merged")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager",
+                                                           dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_err(with_v2_softmax_mscale(hf).eval()(ids, attention_mask=mask).logits, ours, mask) <= FP32_TOL

@@ -73,6 +73,9 @@ def config_to_dict(config: MoEConfig) -> dict:
     back = {v: k for k, v in family.renames.items()}
     d = {**config.extra, **{back.get(k, k): getattr(config, k) for k in config_field_names() if k in written}}
     d["architectures"] = [family.architecture]
+    if "layer_types" in written and d.get("layer_types") is None:  # gpt-oss's config would alternate them otherwise
+        d["layer_types"] = ["sliding_attention" if config.window(i) else "full_attention"
+                            for i in range(config.num_hidden_layers)]
     if "attention_multiplier" in written and d.get("attention_multiplier") is None:
         d["attention_multiplier"] = config.attention_scale
     return d
