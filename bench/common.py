@@ -40,6 +40,24 @@ OFFICIAL = {
 }
 
 
+class BankCopies(TorchDispatchMode):
+    """Bytes written by copying ops (cat, copy_, clone, a dtype or device copy, ...) whose output has at
+    least `numel` elements (a frozen expert bank's size), by op name, while active: a LoRA step on the
+    GPU path should write none (tests/test_gpu_path.py; bench/gpu.py's `copies` stage)."""
+    COPIES = {"cat", "copy_", "clone", "_to_copy", "contiguous", "index_select", "stack"}
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.bytes = numel, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__
+        if name in self.COPIES and isinstance(out, torch.Tensor) and out.numel() >= self.numel:
+            self.bytes[name] = self.bytes.get(name, 0) + out.numel() * out.element_size()
+        return out
+
+
 class HostSyncs(TorchDispatchMode):
     """Counts the ops that make the host wait for the device, by name (`counts`), while active.
 

@@ -1,28 +1,36 @@
-"""The GPU benchmark: one command, one table, within a time budget (default 9 minutes), offline.
+"""The GPU benchmark: named stages, one table, within a time limit (default 9 minutes), offline.
 
-    python bench/gpu.py                       # on a CUDA machine; bench/README.md says what to install
-    python bench/gpu.py --full-depth          # also the official depths, where the budget allows
-    python bench/gpu.py --smoke --device cpu  # tiny widths on the CPU: the script itself, in seconds (CI)
+    python bench/gpu.py                                   # on a CUDA machine; bench/README.md says what to install
+    python bench/gpu.py --only parity,granite8,compile    # some stages
+    python bench/gpu.py --smoke --device cpu              # tiny widths on the CPU: the script itself (CI)
 
-Sections, in order; one that fails or finds its budget spent writes its reason into the table and
-the rest go on:
-1. the device, driver and torch; the bf16 matmul peak, measured (an 8192^3 product);
-2. parity against transformers on random 3-layer models, fp32 and bf16: max |logit difference| and
-   argmax agreement;
-3. grouped_mm against the per-expert loop (outputs and gradients, one real-width MoE block);
-4. the LoRA step and the forward against transformers + peft at the official widths, 8 layers (full
-   depth with --full-depth): rank 8 on q, k, v and the experts, dropout 0, bf16 weights under
-   autocast, fp32 adapters, AdamW, batch 8 x 512; median of the timed steps after warm-up; minimoe
-   eager, with `compile_layers`, and with it in mode="reduce-overhead" (CUDA graphs); MFU by 6N and by 4N (N: active parameters per token, the LM head
-   included, the embedding not; 4N because a frozen base computes no weight gradients) against the
-   measured peak; peak memory; host syncs in one training step;
-5. the default run's epoch and the scoring of the 500 SciQ test questions, where the default model
-   (weights/smollm2-135m-moe, or --default-model) and the SciQ files ($MINIMOE_CACHE) are there.
+Every row goes to bench/results/<out>.jsonl as it is measured, and the table (<out>.md) is written at
+the end, also when the time limit (--time-limit) is spent or the process gets SIGTERM: a stage that
+fails or is stopped writes its reason into the table and the rest go on (or stop). Stages (`STAGES`):
+- device: the device, driver and torch; the bf16 matmul peak, measured (an 8192^3 product). Always first.
+- parity: against transformers on random 3-layer models, fp32 and bf16: max |logit difference|, argmax agreement.
+- grouped: grouped_mm against the per-expert loop (outputs and gradients, one real-width MoE block).
+- syncs: host syncs in one of train.py's optimizer steps (tiny model, TES).
+- copies: bytes a LoRA step copies through cat/copy_/clone on bank-sized tensors (should be 0).
+- attention: which SDPA backend torch picks per call shape (causal; packed bool mask with GQA) and the
+  time of each, beside FlexAttention on the packed rows' block mask.
+- granite8, olmoe8, granite32, olmoe16: the LoRA step and forward against transformers + peft at the
+  official widths and that depth: rank 8 on q, k, v and the experts, dropout 0, bf16 weights under
+  autocast, fp32 adapters, AdamW, batch 8 x 512; median of the timed steps after warm-up; MFU by 6N
+  and by 4N (N: active parameters per token, the LM head included, the embedding not; 4N because a
+  frozen base computes no weight gradients) against the measured peak; peak memory. Random weights
+  made on the device.
+- compile: granite8 with `compile_layers`, and in mode="reduce-overhead" (CUDA graphs), beside eager.
+- default: the default run's epoch (eager and --compile) and the scoring of the 500 SciQ test
+  questions, on --default-model: its weights, or, for a folder holding only its config.json and
+  tokenizer files (they travel; the 1.5 GB weights do not), random weights of its shape: timing only.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,6 +50,7 @@ from minimoe.core.model import MoEConfig, MoEForCausalLM, compile_layers, init_w
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained  # noqa: E402
 
 ROWS: list[dict] = []
+STREAM: list[Path] = []  # the JSONL that every row is appended to as it is made (main sets it)
 SMOKE_WIDTHS = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
                     num_experts=8, num_experts_per_tok=2)
 
@@ -49,6 +58,13 @@ SMOKE_WIDTHS = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_at
 def row(section, model, metric, minimoe=None, reference=None, ratio=None, note=""):
     ROWS.append(dict(section=section, model=model, metric=metric, minimoe=minimoe, reference=reference,
                      ratio=ratio, note=note))
+    for path in STREAM:
+        with open(path, "a") as f:
+            f.write(json.dumps(ROWS[-1], default=str) + "\n")
+
+
+class Stopped(Exception):
+    """SIGTERM (a time limit outside the script): the table is written with what was measured."""
 
 
 class Budget:
@@ -228,20 +244,25 @@ def measure_side(side: str, folder, family: str, ids, device, steps: int, warmup
     return dict(step=statistics.median(step_times), forward=statistics.median(fwd_times), memory=memory, warmup=first)
 
 
-def lora_step(device, family: str, layers: int, smoke: bool, peak: float, budget: Budget, compile_too: bool):
-    """minimoe (eager, compiled, compiled with CUDA graphs) against transformers + peft, same random weights."""
+def random_model(c: MoEConfig, device) -> MoEForCausalLM:
+    """Random bf16 weights of config c, drawn on the device (a CPU init of a 3B model takes minutes)."""
+    with torch.device(device):
+        model = MoEForCausalLM(c).to(torch.bfloat16)
+    return init_weights(model, generator=torch.Generator(device).manual_seed(0))
+
+
+def lora_step(device, family: str, layers: int, smoke: bool, peak: float, budget: Budget, sides: list[str]):
+    """The LoRA step of each of `sides` (minimoe eager, compiled, compiled with CUDA graphs; transformers +
+    peft), same random weights."""
     c = config(family, layers, smoke)
     B, T = (2, 64) if smoke else (8, 512)
     steps, warmup = (2, 1) if smoke else (8, 3)
     ids = torch.randint(2, c.vocab_size, (B, T), generator=torch.Generator().manual_seed(5)).to(device)
     name = f"{family} {layers}L"
     with tempfile.TemporaryDirectory() as folder:
-        model = init_weights(MoEForCausalLM(c).to(torch.bfloat16), generator=torch.Generator().manual_seed(0))
-        save_pretrained(model, folder)
-        del model
+        save_pretrained(random_model(c, device), folder)
         results = {}
-        compiled = ["minimoe compiled", "minimoe compiled + CUDA graphs"] if compile_too else []
-        for side in ["minimoe", *compiled, "transformers + peft"]:
+        for side in sides:
             if budget.left() < 30:
                 row("lora", name, f"{side}: skipped", note="time budget spent")
                 continue
@@ -284,9 +305,72 @@ def syncs(step, device, name, metric="host syncs in one LoRA step"):
         note=json.dumps(seen.counts) if seen.counts else "")
 
 
+def bank_copies(device, smoke: bool):
+    """Bytes one LoRA step (Granite widths, 1 layer, the GPU recipe) copies on tensors of a bank's size."""
+    c = config("granitemoe", 1, smoke)
+    if smoke:  # the banks stay the largest tensors: a smaller vocabulary (logits, embedding) and batch
+        c.vocab_size = 128
+    model = add_lora(random_model(c, device), rank=4, dropout=0.0).train()
+    ids = torch.randint(2, c.vocab_size, (2, 16 if smoke else 512), device=device,
+                        generator=torch.Generator(device).manual_seed(1))
+    bank = model.model.layers[0].mlp.experts.down_proj.weight
+    with common.BankCopies(bank.numel()) as copies, torch.autocast(device.type, dtype=torch.bfloat16):
+        model(ids).logits.float().logsumexp(-1).mean().backward()
+    row("copies", "granitemoe 1L", "bytes copied on bank-sized tensors in one LoRA step (rank 4)",
+        sum(copies.bytes.values()), note=json.dumps(copies.bytes) if copies.bytes else "")
+
+
+def attention_backends(device, smoke: bool):
+    """Per call shape: the SDPA backend torch picks (torch._fused_sdp_choice) and the forward + backward
+    time, beside FlexAttention (compiled on CUDA) on the packed rows' block mask."""
+    from torch.nn.attention import SDPBackend
+
+    from minimoe.core import model as model_module
+    names = {int(getattr(SDPBackend, n)): n.lower() for n in dir(SDPBackend) if n.isupper()}
+    c = config("granitemoe", 1, smoke)
+    B, T = (2, 64) if smoke else (8, 512)
+    H, G, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    g = torch.Generator(device).manual_seed(0)
+    q = torch.randn(B, H, T, d, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
+    k, v = (torch.randn(B, G, T, d, device=device, dtype=torch.bfloat16, generator=g).requires_grad_() for _ in "kv")
+    segments = (torch.arange(T, device=device) // (T // 8)).clamp(max=7).expand(B, T)  # a prompt and 7 choices
+    dense = MoEForCausalLM._attention_mask(None, B, T, 0, device, segments)
+    calls = {"causal (no mask)": dict(attn_mask=None, is_causal=True), "packed bool mask": dict(attn_mask=dense)}
+    for shape, kw in calls.items():
+        choice = torch._fused_sdp_choice(q, k, v, kw["attn_mask"], 0.0, kw.get("is_causal", False), scale=None,
+                                         enable_gqa=True)
+        run = lambda kw=kw: F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw).sum().backward()  # noqa: E731
+        t = statistics.median(timed(run, device, steps=3 if smoke else 10, warmup=1))
+        row("attention", f"B{B} H{H} G{G} T{T} d{d}", f"SDPA {shape}: backend, fwd+bwd s", t,
+            note=names.get(int(choice), str(choice)))
+    if device.type != "cuda":
+        row("attention", f"B{B} H{H} G{G} T{T} d{d}", "flex packed block mask: fwd+bwd s", note="no flex backward on the CPU")
+        return
+    mask = model_module.block_mask(None, segments, B, T)
+    run = lambda: model_module.flex(True)(q, k, v, block_mask=mask, enable_gqa=True).sum().backward()  # noqa: E731
+    t = statistics.median(timed(run, device, steps=10, warmup=2))
+    row("attention", f"B{B} H{H} G{G} T{T} d{d}", "flex packed block mask: fwd+bwd s", t, note="compiled flex_attention")
+
+
+def default_model(folder: Path, device) -> tuple[Path, str]:
+    """The default model's folder, or for one holding only config.json and tokenizer files, a temporary
+    folder with random weights of its shape beside a copy of them (timing only)."""
+    if any(folder.glob("*.safetensors")):
+        return folder, "trained weights"
+    from minimoe.loading.checkpoint import read_config
+    out = Path(tempfile.mkdtemp())
+    save_pretrained(random_model(read_config(folder), device), out)
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            shutil.copy(f, out / f.name)
+    return out, "random weights of its shape (timing only)"
+
+
 def default_run(device, folder: Path, budget: Budget):
     """The default run's epoch (train.py, the step seconds in metrics.jsonl) and the scoring of the 500
     SciQ test questions, on the default model."""
+    folder, weights = default_model(folder, device)
+    row("default run", folder.name, "weights", note=weights)
     from minimoe import load_tokenizer
     from minimoe.data.benchmarks import load_split
     from minimoe.evaluation.accuracy import evaluate_split
@@ -316,47 +400,84 @@ def default_run(device, folder: Path, budget: Budget):
                 note=f"process wall {time.perf_counter() - t0:.0f} s; target <= 5 s")
 
 
+STAGES = ("parity", "grouped", "syncs", "copies", "attention", "granite8", "olmoe8", "granite32", "olmoe16",
+          "compile", "default")
+DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16"))  # --full-depth adds them
+LORA_STAGES = {"granite8": ("granitemoe", 8), "olmoe8": ("olmoe", 8), "granite32": ("granitemoe", 32),
+               "olmoe16": ("olmoe", 16)}
+
+
+def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:
+    """(name, callable) for each stage asked for, in STAGES order."""
+    plain, peft = ["minimoe"], ["transformers + peft"]
+    todo = {"parity": lambda: parity(device, args.smoke), "grouped": lambda: grouped_vs_loop(device, args.smoke),
+            "syncs": lambda: training_step_syncs(device), "copies": lambda: bank_copies(device, args.smoke),
+            "attention": lambda: attention_backends(device, args.smoke)}
+    for name, (family, layers) in LORA_STAGES.items():
+        todo[name] = lambda f=family, n=2 if args.smoke else layers: lora_step(device, f, n, args.smoke, peak,
+                                                                              budget, plain + peft)
+    compiled = ["minimoe compiled", "minimoe compiled + CUDA graphs"]
+    if device.type == "cuda":  # compile_layers needs bf16 grouped_mm everywhere: not the CPU recipe
+        todo["compile"] = lambda: lora_step(device, "granitemoe", 2 if args.smoke else 8, args.smoke, peak, budget,
+                                            plain + compiled)
+    else:
+        todo["compile"] = lambda: row("compile", "-", "not run on the CPU", note="the CPU recipe's LoRA is fp32")
+    if args.default_model.is_dir() and (args.default_model / "config.json").is_file() and not args.smoke:
+        todo["default"] = lambda: default_run(device, args.default_model, budget)
+    else:
+        todo["default"] = lambda: row("default run", args.default_model.name, "skipped",
+                                      note="--smoke" if args.smoke else "no default model folder (--default-model)")
+    return [(name, todo[name]) for name in STAGES if name in names]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--budget", type=float, default=540, help="seconds for the whole script (default: 540)")
-    p.add_argument("--full-depth", action="store_true", help="also 32-layer Granite and 16-layer OLMoE")
+    p.add_argument("--only", default=None, help=f"comma-separated stages of {', '.join(STAGES)} "
+                                                 f"(default: all but granite32 and olmoe16)")
+    p.add_argument("--time-limit", "--budget", dest="budget", type=float, default=540,
+                   help="seconds for the whole script (default: 540); the table is written when it is spent")
+    p.add_argument("--full-depth", action="store_true", help="also granite32 and olmoe16")
     p.add_argument("--smoke", action="store_true", help="tiny widths: checks the script, measures nothing")
     p.add_argument("--default-model", type=Path, default=Path(__file__).resolve().parents[1] / "weights/smollm2-135m-moe")
-    p.add_argument("--out", default="gpu", help="bench/results/<out>.md (default: gpu)")
+    p.add_argument("--out", default="gpu", help="bench/results/<out>.md and <out>.jsonl (default: gpu)")
     args = p.parse_args(argv)
+    names = args.only.split(",") if args.only else list(DEFAULT_STAGES) + (["granite32", "olmoe16"] if args.full_depth else [])
+    if unknown := [n for n in names if n not in STAGES]:
+        p.error(f"--only: unknown stage(s) {', '.join(unknown)}; expected some of {', '.join(STAGES)}")
     ROWS.clear()
+    common.RESULTS.mkdir(parents=True, exist_ok=True)
+    STREAM[:] = [common.RESULTS / f"{args.out}.jsonl"]
+    STREAM[0].write_text("")
     device, budget = torch.device(args.device), Budget(args.budget)
-    compile_too = device.type == "cuda"  # compile_layers needs bf16 grouped_mm everywhere: not the CPU recipe
-    peak = environment(device, args.smoke)
-    sections = [("parity", lambda: parity(device, args.smoke)),
-                ("grouped_mm", lambda: grouped_vs_loop(device, args.smoke)),
-                ("syncs", lambda: training_step_syncs(device))]
-    depths = [("granitemoe", 2 if args.smoke else 8), ("olmoe", 2 if args.smoke else 8)]
-    if args.full_depth:
-        depths += [("granitemoe", 32), ("olmoe", 16)]
-    for family, layers in depths:
-        sections.append((f"lora {family} {layers}L",
-                         lambda f=family, n=layers: lora_step(device, f, n, args.smoke, peak, budget, compile_too)))
-    if args.default_model.is_dir() and not args.smoke:
-        sections.append(("default run", lambda: default_run(device, args.default_model, budget)))
-    else:
-        row("default run", args.default_model.name, "skipped", note="no default model folder (--default-model)"
-            if not args.smoke else "--smoke")
-    for name, section in sections:
-        if budget.left() < 20:
-            row(name, "-", "skipped", note="time budget spent")
-            continue
-        try:
-            section()
-        except Exception as e:  # one broken section must not lose the others' figures
-            traceback.print_exc()
-            row(name, "-", "failed", note=f"{type(e).__name__}: {str(e)[:200]}")
-    lines = ["| section | model | metric | minimoe | transformers (+ peft) | ratio | note |", "|" + "---|" * 7]
-    for r in ROWS:
-        lines.append(f"| {r['section']} | {r['model']} | {r['metric']} | {common.fmt(r['minimoe'])} | "
-                     f"{common.fmt(r['reference'])} | {common.fmt(r['ratio'])} | {r['note']} |")
-    common.write_report("\n".join(lines), args.out)
+
+    def stop(signum, frame):
+        raise Stopped(f"signal {signum}")
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        peak = environment(device, args.smoke)
+        for name, section in stages(names, device, args, peak, budget):
+            if budget.left() < 20:
+                row(name, "-", "skipped", note="time budget spent")
+                continue
+            try:
+                section()
+            except Stopped as e:
+                row(name, "-", "stopped", note=str(e))
+                break
+            except Exception as e:  # one broken section must not lose the others' figures
+                traceback.print_exc()
+                row(name, "-", "failed", note=f"{type(e).__name__}: {str(e)[:200]}")
+    except Stopped as e:
+        row("device", "-", "stopped", note=str(e))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        STREAM.clear()
+        lines = ["| section | model | metric | minimoe | transformers (+ peft) | ratio | note |", "|" + "---|" * 7]
+        for r in ROWS:
+            lines.append(f"| {r['section']} | {r['model']} | {r['metric']} | {common.fmt(r['minimoe'])} | "
+                         f"{common.fmt(r['reference'])} | {common.fmt(r['ratio'])} | {r['note']} |")
+        common.write_report("\n".join(lines), args.out)
     return ROWS
 
 

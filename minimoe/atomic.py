@@ -11,6 +11,10 @@ as the kind their files show.
 An output file (a report) is replaced only if minimoe wrote it and nobody changed it since
 (`write_owned_file`): the folder's OWNED_FILES lists each file it wrote with its sha256.
 
+Written files get the mode a plain `open` gives (0666 less the process's umask): safetensors writes
+0600 files, which colleagues on a shared cluster could not read, so every file is set to that mode
+before its rename (`plain_mode`).
+
 Temp files and folders are named `.<target>.tmp-<pid>@<host>-<random>`; one whose process is gone
 (same host) is removed by the next write into the same folder, so a killed writer leaves nothing
 behind for long.
@@ -177,6 +181,28 @@ def remove_stale_temps(folder) -> list[Path]:
     return removed
 
 
+def _umask() -> int:
+    """The process's umask. Linux shows it in /proc without changing it; elsewhere it is set and restored
+    at once (os.umask has no read-only form)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def plain_mode(path) -> None:
+    """Give the file `path`, or every file under the folder `path`, the mode a plain open() would: 0666
+    less the umask (safetensors' writer leaves 0600)."""
+    path, mode = Path(path), 0o666 & ~_umask()
+    for f in [path] if not path.is_dir() else [p for p in path.rglob("*") if p.is_file() and not p.is_symlink()]:
+        os.chmod(f, mode)
+
+
 def _reraise(e: BaseException, path: Path, what: str):
     """A failed write (a full disk, no permission) as an OSError naming the target; anything else as it is."""
     if isinstance(e, WRITE_ERRORS) and not isinstance(e, (FileNotFoundError, FileExistsError)):
@@ -197,6 +223,7 @@ def atomic_file(path):
         yield tmp
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        plain_mode(tmp)
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
@@ -218,6 +245,7 @@ def atomic_directory(path, kind: str):
     try:
         yield tmp
         mark(tmp, kind)
+        plain_mode(tmp)
         check_replaceable(path, kind)  # something may have appeared there meanwhile
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,6 +4,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -45,6 +46,8 @@ def test_interleaved_rotates_order_and_ratios_per_round():
 def test_gpu_benchmark_runs_end_to_end_in_smoke_mode(tmp_path, monkeypatch):
     """bench/gpu.py --smoke on the CPU: every section runs (tiny widths) and the table has its rows; on
     a GPU the same code measures. Parity and grouped_mm figures are real checks even here."""
+    pytest.importorskip("transformers")  # its parity and LoRA sections compare with transformers + peft
+    pytest.importorskip("peft")
     from bench import gpu
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     rows = gpu.main(["--smoke", "--device", "cpu", "--out", "gpu-smoke"])
@@ -80,3 +83,49 @@ def test_every_bench_script_a_page_names_exists_or_is_listed_as_retired():
             if line.startswith("| `")]
     listed = {n.strip(" `") for row in rows for n in row.split(",")}
     assert {f"{n}.py" for n in ("gpu", "run", "score", "default_run", "split")} <= listed
+
+
+def test_gpu_benchmark_stages_stream_rows_and_write_the_table_when_stopped(tmp_path, monkeypatch):
+    """bench/gpu.py --only: the stages asked for, each row in the JSONL as it is made; the copies stage finds
+    no bank-sized copy in a LoRA step; the attention stage names an SDPA backend per call shape. SIGTERM in
+    a stage stops the run there and the table is still written; an unknown stage is refused by name."""
+    import os
+    import signal
+
+    import pytest
+    from bench import gpu
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    rows = gpu.main(["--smoke", "--device", "cpu", "--only", "copies,attention", "--out", "s"])
+    assert {r["section"] for r in rows} == {"device", "copies", "attention"}
+    assert [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()] == json.loads(json.dumps(rows))
+    assert [r["minimoe"] for r in rows if r["section"] == "copies"] == [0]
+    backends = {r["metric"]: r["note"] for r in rows if r["section"] == "attention" and "SDPA" in r["metric"]}
+    assert len(backends) == 2 and all(b in ("flash_attention", "efficient_attention", "math", "cudnn_attention")
+                                      for b in backends.values()), backends
+    monkeypatch.setattr(gpu, "parity", lambda device, smoke: os.kill(os.getpid(), signal.SIGTERM))
+    rows = gpu.main(["--smoke", "--device", "cpu", "--only", "parity,copies", "--out", "t"])
+    assert [(r["section"], r["metric"]) for r in rows[-1:]] == [("parity", "stopped")]
+    assert (tmp_path / "t.md").read_text().count("\n") == len(rows) + 2
+    with pytest.raises(SystemExit):
+        gpu.main(["--smoke", "--device", "cpu", "--only", "parity,nonsense"])
+
+
+def test_gpu_benchmark_default_stage_makes_random_weights_of_the_default_models_shape(tmp_path):
+    """A --default-model folder with config.json and tokenizer files only (what can travel to an offline
+    GPU machine) gets random weights of that shape beside its tokenizer; a folder with weights is used as is."""
+    import shutil
+    from dataclasses import replace
+
+    from bench import gpu
+    from minimoe import load_tokenizer
+    from minimoe.loading.tiny import tiny_checkpoint
+    light = tmp_path / "light"
+    light.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(tiny_checkpoint() / name, light / name)
+    folder, weights = gpu.default_model(light, torch.device("cpu"))
+    assert weights.startswith("random") and folder != light
+    model = from_pretrained(folder)
+    assert replace(model.config, torch_dtype=None) == replace(from_pretrained(tiny_checkpoint()).config, torch_dtype=None)
+    assert load_tokenizer(folder).encode("a question") == load_tokenizer(tiny_checkpoint()).encode("a question")
+    assert gpu.default_model(tiny_checkpoint(), torch.device("cpu")) == (tiny_checkpoint(), "trained weights")

@@ -138,3 +138,25 @@ def test_every_built_in_method_setting_is_a_flag_made_from_its_record():
         action = parser._option_string_actions[flag_name(name)]
         assert f"(default: {default})" in action.help and not hasattr(TrainConfig, name), name
         assert parser.parse_args([flag_name(name), str(default)]).method_options == {name: default}, name
+
+
+def test_an_unknown_method_lists_ce_as_the_readme_names_it():
+    """Issue 41 item 7: --method tess listed ['native', 'dual', 'tes', 'acs'], not the README's `ce`."""
+    from minimoe.core.methods import get_method
+    with pytest.raises(ValueError, match=r"unknown method 'tess'; expected .*'ce'"):
+        get_method("tess")
+
+
+@pytest.mark.parametrize("method, flags, warned", [("ce", ["--objective", "enll"], "--objective"),
+                                                   ("dual", ["--lambda", "0.01"], "--lambda"),
+                                                   ("tes", ["--objective", "enll"], None), ("ce", [], None)])
+def test_a_supervision_flag_that_the_method_does_not_read_is_said_ignored(tmp_path, capsys, method, flags, warned):
+    """Issue 41 item 7: --method ce --objective enll was accepted silently; CE has no objective. It is
+    said to be ignored (not refused: a sweep's common flags reach CE rows too)."""
+    train.main(["--model", "tiny", "--method", method, *flags, "--epochs", "1", "--max-train-examples", "8",
+                "--batch-size", "8", "--no-test-eval", "--quiet", "--out-dir", str(tmp_path), "--run-name", "r",
+                "--data-dir", str(tmp_path / "splits")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "ignored" in line]
+    label = "CE" if method == "ce" else "Dual Affinity"
+    assert lines == ([f"train.py: warning: {warned} ignored: {label} supervises no prediction, so it has no "
+                      f"objective nor lambda (TES and ACS do)"] if warned else [])

@@ -342,3 +342,26 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_does(tmp_path):
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=1e-3, atol=1e-5, msg=key)
+
+
+# ---- FlexAttention on packed rows (the GPU round-2 issue) ------------------------------------------------
+
+@pytest.mark.skipif(not ON_CUDA, reason="FlexAttention has no backward on the CPU (torch 2.13)")
+def test_flex_attention_backward_equals_sdpa(family, monkeypatch):
+    """Packed, padded rows through FlexAttention (CUDA's path) and through the SDPA reference: logits and
+    every parameter's gradient agree (fp32, so that the two kernels' accumulation orders are all that differ)."""
+    from minimoe.core import model as model_module
+    from test_model import packed_rows
+    seg, pad = on_device(*packed_rows())
+    results = []
+    for flex in (True, False):
+        monkeypatch.setattr(model_module, "FLEX_DEVICES", {"cuda"} if flex else set())
+        model = tiny_model(family).to(DEVICE).train()
+        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        logits = model(ids, attention_mask=pad, segment_ids=seg).logits
+        (logits[pad.bool()].float().logsumexp(-1).mean()).backward()
+        results.append((logits[pad.bool()], {n: p.grad for n, p in model.named_parameters()}))
+    (got, grads), (want, want_grads) = results
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-4, msg=name)

@@ -364,3 +364,13 @@ def test_tokenizer_round_trips_and_is_deterministic():
         data.train_tokenizer(texts, vocab_size=100)
     with pytest.raises(ValueError, match="special_tokens"):
         data.train_tokenizer(texts, special_tokens=["<s>"])
+
+
+def test_hub_source_offline_names_the_flag(tmp_path, monkeypatch):
+    """Issue 41 item 7: train.py --data-source hub without network pointed at source='offline', a Python
+    argument; the command's user needs the flag."""
+    import huggingface_hub.constants
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(FileNotFoundError, match="use --data-source offline"):
+        data.build_splits("arc_challenge", tmp_path / "out", source="hub", cache_dir=tmp_path / "hf")

@@ -80,3 +80,22 @@ def test_the_readme_headline_intervals_are_the_study_pages():
         line = [s for s in study if s.startswith(f"| smollm2-split | sciq | {control} | {method} | ")]
         assert line and interval in line[0], \
             f"README: {method} - {control} {interval}; docs/study.md's comparison line says {line or 'nothing'}"
+
+
+CPU_INDEX = "--index-url https://download.pytorch.org/whl/cpu"
+
+
+def test_the_cpu_install_names_pytorchs_cpu_index_in_the_readme_and_in_ci():
+    """Issue 41 item 1: `pip install torch==2.13.0` gives the CUDA build from PyPI on Linux. Every torch
+    install of the quickstart, and the one .ci/run uses, takes PyTorch's CPU index (the manual check that
+    it resolves to the CPU build: docs/install.md#the-cpu-wheel)."""
+    text = README.read_text(encoding="utf-8")
+    quickstart = text[text.index("## Quickstart (CPU)"):text.index("**On a GPU:**")]
+    code = "\n".join(re.findall(r"^```bash\n(.*?)^```", quickstart, flags=re.M | re.S))
+    installs = re.findall(r"pip install (torch\S*[^&]*)", code)
+    assert len(installs) >= 2, f"the quickstart's commands install torch {len(installs)} times; expected both"
+    assert all(f"torch==2.13.0 {CPU_INDEX}" == i.strip() for i in installs), installs
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    assert re.search(r"^TORCH=\(torch==2\.13\.0 " + re.escape(CPU_INDEX) + r"\)$", ci, re.M), \
+        ".ci/run does not install torch from the CPU index as the README does"
+    assert "install.md#the-tests-two-environments" in quickstart, "the quickstart does not link the versions tested"

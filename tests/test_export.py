@@ -1,5 +1,6 @@
 """Tests for minimoe.integrations.export: peft + transformers (the test-only oracle) load an exported adapter with our logits."""
 import json
+import re
 import shutil
 
 import pytest
@@ -11,7 +12,7 @@ from minimoe.cli.export import main
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import set_router
 from minimoe.integrations.export import export_peft
-from minimoe.loading.checkpoint import save_pretrained
+from minimoe.loading.checkpoint import from_pretrained, save_pretrained
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs.adapters import export_merged, save_adapter
 from minimoe.runs.config import RECIPES, TrainConfig, method_for
@@ -147,3 +148,31 @@ def test_merged_export_rounds_a_tuned_fp32_gate_to_the_model_dtype(tmp_path):
     key = f"model.layers.{len(model.model.layers) - 1}.mlp.gate.weight"
     assert torch.equal(tensors[key], before.to(torch.bfloat16))
     assert gate.weight.dtype == torch.float32 and torch.equal(gate.weight, before)
+
+
+def test_export_errors_name_only_export_flags(tmp_path, capsys):
+    """Issue 41 item 7: export.py's errors named --adapter, a flag it does not have. Each refusal here
+    (no such folder, a model folder as RUN, a merge into other weights) names only export.py's own
+    flags, and the one it suggests (--allow-other-base) does what it says."""
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    flags = set(re.findall(r"--[a-z][a-z-]+", capsys.readouterr().out))
+    model = add_lora(from_pretrained(tiny_checkpoint()))
+    save_adapter(model, tmp_path / "adapter", base_model=str(tiny_checkpoint()))
+    other = from_pretrained(tiny_checkpoint())
+    with torch.no_grad():
+        next(other.parameters()).add_(0.01)  # the same shapes, other weights
+    save_pretrained(other, tmp_path / "other")
+    messages = []
+    for argv in ([str(tmp_path / "nowhere"), str(tmp_path / "out")], [str(tiny_checkpoint()), str(tmp_path / "out")],
+                 [str(tmp_path / "adapter"), str(tmp_path / "out"), "--merged", "--model", str(tmp_path / "other")]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        messages.append(capsys.readouterr().err)
+        assert exit_.value.code == 2 and messages[-1].startswith("export.py: error: "), messages[-1]
+    assert "--allow-other-base" in messages[-1]
+    named = {f for m in messages for f in re.findall(r"--[a-z][a-z-]+", m)}
+    assert named <= flags, f"export.py's errors name {sorted(named - flags)}, which export.py does not have: {messages}"
+    main([str(tmp_path / "adapter"), str(tmp_path / "out"), "--merged", "--model", str(tmp_path / "other"),
+          "--allow-other-base"])
+    assert (tmp_path / "out" / "config.json").is_file()

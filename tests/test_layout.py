@@ -77,3 +77,22 @@ def test_the_readme_layout_names_every_module_in_its_folder():
             listed |= {f"{folder}/{n}.py" for n in names}
     modules = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"}
     assert modules == listed, (sorted(modules - listed), sorted(listed - modules))
+
+
+def test_tests_import_the_oracles_so_that_a_plain_install_skips_only_their_tests():
+    """Issue 41 item 4: .ci/run's second environment (a plain pip install -e .) has no oracle package. A test
+    file that imports one at module level (not through conftest's oracle() or after a module-level
+    importorskip) fails to collect there, losing every test in it."""
+    from conftest import ORACLES
+    bad = []
+    for path in sorted((REPO / "tests").glob("*.py")):
+        skipped = set()
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            calls = [n for n in ast.walk(node)
+                     if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "importorskip"]
+            skipped |= {c.args[0].value.split(".")[0] for c in calls if c.args and isinstance(c.args[0], ast.Constant)}
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            bad += [f"{path.name}:{node.lineno}: {n}" for n in names if n.split(".")[0] in ORACLES
+                    and n.split(".")[0] not in skipped]
+    assert not bad, f"module-level imports of oracle packages (use conftest.oracle): {bad}"

@@ -244,6 +244,7 @@ def test_bf16_model_keeps_a_lora_update_below_half_a_bf16_step(path):
     rounded into a bf16 output (the old add) it was about 0.55. Every expert runs (K = E), so that no
     top-K choice flips."""
     targets = ["q", "k", "v", "o", "experts"]
+    torch.manual_seed(0)  # add_lora draws A from the global RNG: the slope varied 0.87-1.17 with the tests run before
     for family in FAMILIES:
         m16 = add_lora(tiny(family, num_experts=4, num_experts_per_tok=4).to(torch.bfloat16), targets=targets)
         m64 = add_lora(tiny(family, num_experts=4, num_experts_per_tok=4).to(torch.bfloat16).double(),

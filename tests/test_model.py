@@ -7,15 +7,18 @@ checkpoints. Gradients are compared parameter by parameter, mapped through the c
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 
 import minimoe
 import minimoe.core.experts as mm
+import minimoe.core.model as model_module
 from minimoe.core import cpu_kernels
 from minimoe.core.objectives import load_balancing_loss
 from minimoe.core.scoring import forward_choices, make_choice_batch
 from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
-from tests.conftest import spy_grouped_mm, tiny_config
+from tests.conftest import oracle, spy_grouped_mm, tiny_config, tiny_model
+
+
+transformers = oracle("transformers")  # its tests skip without the test extra
 
 FP32_TOL = 2e-5  # max |ours - ref| / max |ref| on the logits
 

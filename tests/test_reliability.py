@@ -271,7 +271,7 @@ def test_locks_errors_and_leftovers(tmp_path, data):
 
     out = cli("export.py", tmp_path / "nowhere", tmp_path / "exp")
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.strip().splitlines() == [f"export.py: error: --adapter {tmp_path / 'nowhere'}: no such folder; "
+    assert out.stderr.strip().splitlines() == [f"export.py: error: {tmp_path / 'nowhere'}: no such folder; "
                                                f"expected a run folder (config.json, checkpoints/, selection.json) "
                                                f"or an adapter folder (adapter_config.json)"]
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 40)
@@ -294,3 +294,31 @@ def test_locks_errors_and_leftovers(tmp_path, data):
     copy = type(examples[0])(**{**asdict(examples[0]), "id": "other", "question": examples[0].question.upper() + "  "})
     with pytest.raises(ValueError, match="train and test share question and choices"):
         check_disjoint({"train": [examples[0]], "test": [copy, examples[1]]})
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_written_files_take_the_umask_as_a_plain_open_does(tmp_path, umask):
+    """Issue 41 item 5: safetensors writes 0600, so adapters, checkpoints and exports were unreadable to a
+    colleague under umask 022; every file minimoe writes gets 0666 less the umask, as open() gives."""
+    from minimoe.atomic import atomic_file
+    from minimoe.integrations.export import export_merged_adapter
+    from minimoe.loading.checkpoint import save_pretrained
+    from minimoe.runs.adapters import save_adapter
+    model = add_lora(train.minimoe.from_pretrained(tiny_checkpoint()))
+    old = os.umask(umask)
+    try:
+        (tmp_path / "plain.txt").write_text("x")  # the reference: what a plain open gives here
+        save_pretrained(model, tmp_path / "model")
+        save_adapter(model, tmp_path / "adapter", base_model="x")
+        export_peft(model, tmp_path / "peft", base_model="x")
+        export_merged_adapter(tmp_path / "adapter", tmp_path / "merged", base_model=str(tiny_checkpoint()))
+        with atomic_file(tmp_path / "report.md") as tmp:
+            tmp.write_text("x")
+    finally:
+        os.umask(old)
+    want = (tmp_path / "plain.txt").stat().st_mode & 0o777
+    assert want == 0o666 & ~umask
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert {p.suffix for p in files} >= {".safetensors", ".json", ".md"}
+    assert {p.relative_to(tmp_path).as_posix(): oct(p.stat().st_mode & 0o777) for p in files
+            if p.stat().st_mode & 0o777 != want} == {}

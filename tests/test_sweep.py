@@ -470,3 +470,16 @@ def test_the_sweep_command_and_the_grid_accept_the_same_rows(tmp_path, row, caps
         assert e.code == 2 and f"--rows {row!r}: expected one of" in capsys.readouterr().err
         in_command = False
     assert in_grid == in_command == (row not in ("TES", "my_method"))
+
+
+def test_the_help_example_of_your_own_rows_names_what_the_example_file_registers(capsys, monkeypatch):
+    """Issue 41 item 7: sweep.py --help's row `my_method` was not the name examples/my_method.py registers."""
+    from minimoe.runs.plugins import resolve_method
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    with pytest.raises(SystemExit):
+        sweep.main(["--help"])
+    text = capsys.readouterr().out
+    examples = re.findall(r"--rows CE (\w+) --method-module (\S+)", text)
+    assert examples, "sweep.py --help shows no --rows example with --method-module"
+    for name, module in examples:
+        assert resolve_method(name, module).name == name

@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import TrainingArguments, get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
 
 from minimoe.cli import train
-from conftest import NEW_FAMILIES, tiny_model
+from conftest import NEW_FAMILIES, oracle, tiny_model
 from test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
 from minimoe.core.objectives import load_balancing_loss
@@ -25,17 +24,20 @@ from minimoe.runs.config import RECIPES, TrainConfig
 from minimoe.runs.config import method_for
 from minimoe.runs.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 
+transformers = oracle("transformers")  # its tests skip without the test extra
+
 @pytest.mark.parametrize("recipe,dataset", [(r, d) for r in PAPER for d in ("arc_challenge", "sciq")])
 def test_warmup_and_schedule_follow_transformers(recipe, dataset, tmp_path):
     """Warmup steps = transformers' Trainer rule; the factor per step = transformers' scheduler."""
     cfg = resolved(recipe)
     total = PAPER[recipe]["steps_per_epoch"][dataset] * cfg.epochs
-    args = TrainingArguments(output_dir=str(tmp_path), warmup_ratio=cfg.warmup, report_to=[])
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), warmup_ratio=cfg.warmup, report_to=[])
     warmup = warmup_steps(total, cfg.warmup)
     assert warmup == args.get_warmup_steps(total)
     if (recipe, dataset) == ("granite", "arc_challenge"):
         assert warmup == 19  # 0.05 * 375 = 18.75, rounded up
-    make = get_cosine_schedule_with_warmup if cfg.schedule == "cosine" else get_linear_schedule_with_warmup
+    make = (transformers.get_cosine_schedule_with_warmup if cfg.schedule == "cosine"
+            else transformers.get_linear_schedule_with_warmup)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     ref = make(opt, warmup, total)
     for step in range(total + 1):
@@ -53,7 +55,7 @@ def test_train_steps_and_learning_rates_per_step(tmp_path):
     steps = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
     assert len(steps) == 6
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2e-3)
-    ref = get_linear_schedule_with_warmup(opt, 2, 6)
+    ref = transformers.get_linear_schedule_with_warmup(opt, 2, 6)
     for record in steps:  # the rate logged after step s is the one the next step uses
         opt.step()
         ref.step()

@@ -2,6 +2,7 @@
 evaluate.py, the carve of missing splits, and each kind of bad row refused by name with nothing written."""
 import csv
 import json
+from pathlib import Path
 
 import pytest
 
@@ -180,6 +181,21 @@ def test_a_digit_that_is_also_a_choice_text_is_refused_not_guessed(tmp_path):
     assert not (tmp_path / "splits").exists()
 
 
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("answer, gold", [("41", 1), (1, 1), ("2", 2), ("70", 3)])
+def test_a_digit_answer_with_one_reading_that_names_a_choice_is_that_choice(tmp_path, answer, gold):
+    """Issue 41 item 3: math-style choices. "41" as an index names no choice of four, so only its text
+    reading is left; a JSON int is an index; "2", which no choice's text is, is index 2."""
+    rows = [{"id": f"q{i}", "question": f"What is {i} plus 40?", "choices": ["48", "41", "54", "70"],
+             "answer": answer} for i in range(30)]
+    folder = build_user_data(str(write_jsonl(tmp_path / "math.jsonl", rows)), tmp_path / "splits")
+    assert {r["answer"] for s in ("train", "val", "test") for r in manifest(folder, s)} == {gold}
+
+
 @pytest.mark.parametrize("kind, label, gold", [("index", "1", 1), ("text", "1", 2), ("letter", "b", 1)])
 def test_an_answer_type_in_the_field_map_says_how_to_read_it(tmp_path, kind, label, gold):
     data = write_rows(tmp_path / "num.csv", ["qid", "q", "a", "b", "c", "d", "label"], numeric_rows(label))
@@ -239,3 +255,42 @@ def test_evaluate_refuses_a_field_map_for_a_registered_benchmark(tmp_path, capsy
                        "--eval-dir", str(tmp_path / "eval")])
     assert exit_.value.code == 2 and "--field-map and --prompt-template apply to your own --data" in capsys.readouterr().err
     assert not (tmp_path / "eval").exists()
+
+
+def test_evaluate_reads_a_default_column_jsonl_with_text_answers_as_train_py_does(tmp_path, pool):
+    """Issue 41 item 2: {"id", "question", "choices", "answer": "river"} has a manifest's keys but is your
+    rows (a text answer); evaluate.py read it as a manifest and refused it ('answer' is str). Now both
+    commands build the same manifests from it, and evaluate.py --data FILE scores the run's test split."""
+    data = write_jsonl(tmp_path / "words.jsonl", [{"id": ex.id, "question": ex.question, "choices": ex.choices,
+                                                   "answer": ex.choices[ex.answer]} for ex in pool])
+    run, cfg, _ = train_and_evaluate(tmp_path, "--data", str(data))
+    metrics = evaluate.main(["--adapter", str(run), "--data", str(data), "--quiet",
+                             "--out-dir", str(tmp_path / "again")])
+    assert (metrics["data"], metrics["split_sha256"]) == (cfg["data"], cfg["data_sha256"]["test"])
+    golds = {ex.id: ex.answer for ex in pool}
+    assert all(r["answer"] == golds[r["id"]] for r in manifest(tmp_path / "splits" / cfg["data"].split("/")[-1], "test"))
+
+
+def test_a_folder_of_split_files_with_text_answers_is_rows_for_both_commands(tmp_path, pool):
+    """A folder of train/val/test.jsonl is read as manifests only where they are in a manifest's form."""
+    from minimoe.data.userdata import data_kind, resolve_data
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    for split, part in zip(("train", "val", "test"), (pool[:40], pool[40:50], pool[50:])):
+        write_jsonl(folder / f"{split}.jsonl", [{"id": ex.id, "question": ex.question, "choices": ex.choices,
+                                                 "answer": ex.choices[ex.answer]} for ex in part])
+    assert data_kind(str(folder)) == data_kind(str(folder), split="test") == "rows"
+    built = resolve_data(str(folder), tmp_path / "splits")
+    assert data_kind(built) == "manifests" and resolve_data(built, tmp_path / "splits") == built
+    assert [r["answer"] for r in manifest(Path(built), "test")] == [ex.answer for ex in pool[50:]]
+    assert data_kind(str(Path(built) / "test.jsonl"), split="test") == "manifest"  # evaluate.py: that split
+    assert data_kind(str(Path(built) / "test.jsonl")) == "rows"  # train.py: a file is its train split
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate"])
+def test_a_missing_data_file_is_named_as_missing(tmp_path, command, capsys):
+    """Issue 41 item 6: --data mcq.csv that does not exist said 'unknown dataset'."""
+    main = train.main if command == "train" else evaluate.main
+    with pytest.raises(FileNotFoundError, match=r"--data mcq.csv: no such file; expected .*\.csv file"):
+        main(["--model", "tiny", "--data", "mcq.csv", "--out-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()

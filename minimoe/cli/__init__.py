@@ -7,6 +7,7 @@
     minimoe-export   python export.py                     minimoe/cli/export.py            minimoe.cli.export:command
     minimoe-upcycle  python -m minimoe.loading.upcycle    minimoe/loading/upcycle.py       minimoe.loading.upcycle:main
                      python -m minimoe.study.results      minimoe/study/results.py         (collect runs into results/)
+                     python -m minimoe.runs.memory        minimoe/runs/memory.py           (what fits on how many GPUs)
     minimoe-lm-eval  python -m minimoe.integrations.lm_eval                                minimoe.cli:lm_eval (lm-eval's
                                                           own CLI, the model "minimoe" registered; the lmeval extra)
 Each command module is named after its script and holds the whole CLI: its parser, `main(argv=None)`,
@@ -16,7 +17,7 @@ input turned into one line `<script>: error: ...` and an exit status (`run_comma
 the top of the checkout are three-line shims, so `python evaluate.py` and `minimoe-eval` are one
 program, and the console commands work from any install, a wheel included. The commands keep their
 script's name as `prog` (`usage: evaluate.py ...`), the name the README and the errors use.
-upcycle and results are library modules whose CLIs are small enough to stay beside them.
+upcycle, results and memory are library modules whose CLIs are small enough to stay beside them.
 
 One name per concept across the scripts (the old spellings are hidden aliases that warn, for one release):
     --eval-batch-size  examples per forward in scoring      (evaluate.py's --batch-size)

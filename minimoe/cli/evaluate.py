@@ -90,10 +90,11 @@ def evaluate_parser() -> argparse.ArgumentParser:
     data = p.add_argument_group("data")
     data.add_argument("--data", help="benchmark name (arc_challenge, arc_easy, openbookqa, sciq, medmcqa; registered "
                                      "splits are built under --data-dir on first use), a folder of train/val/test.jsonl "
-                                     "manifests, one .jsonl manifest, or your own data as train.py takes it (a CSV or "
-                                     "JSONL file or folder, a datasets folder, a hub id; with the --field-map and "
-                                     "--prompt-template it trained with, the same splits are built). Default with a "
-                                     "run folder: the run's data")
+                                     "manifests, one split's manifest (a file named <--split>.jsonl in manifest form), "
+                                     "or your own data read as train.py reads it (a CSV or JSONL file or folder, a "
+                                     "datasets folder, a hub id; with the --field-map and --prompt-template it "
+                                     "trained with, the same splits are built). Default with a run folder: the "
+                                     "run's data")
     data.add_argument("--field-map", metavar="FIELD=COLUMN,...",
                       help="your own --data's columns, as train.py's --field-map (minimoe/data/userdata.py)")
     data.add_argument("--prompt-template", metavar="FORMAT", help="your own --data's prompt, as train.py's")
@@ -214,19 +215,24 @@ def report(args) -> str:
 
 
 def own_data(args, parser) -> str | None:
-    """--data as train.py resolves it: your own rows (a CSV, a raw JSONL, a hub id) become the manifests
-    train.py builds from them (the same folder for the same rows and flags), under the run's --data-dir."""
-    from minimoe.data.userdata import build_user_data, is_manifest, is_user_data
-    own = args.data is not None and is_user_data(args.data)
-    if not own or (is_manifest(args.data) and args.field_map is None and args.prompt_template is None):
+    """--data as train.py reads it (userdata.data_kind, one reader for both): your own rows (a CSV, a JSONL
+    of your questions, a hub id) become the manifests train.py builds from them (the same folder for the
+    same rows and flags), under the run's --data-dir; a file named <--split>.jsonl in manifest form is
+    that split as it is."""
+    from minimoe.data.userdata import FieldMapForBenchmark, resolve_data
+    if args.data is None:
         if args.field_map is not None or args.prompt_template is not None:
-            parser.error(f"--field-map and --prompt-template apply to your own --data (a file, folder or hub id); "
-                         f"got --data {args.data}")
-        return args.data
+            parser.error("--field-map and --prompt-template apply to your own --data (a file, folder or hub id); "
+                         "got no --data")
+        return None
     config = args.adapter / "config.json" if args.adapter is not None else None
     run_dir = json.loads(config.read_text(encoding="utf-8")).get("data_dir") if config and config.is_file() else None
-    return str(build_user_data(args.data, args.data_dir or run_dir or DEFAULT_DATA_DIR, field_map=args.field_map,
-                               prompt_template=args.prompt_template, revision=args.data_revision, seed=42))
+    try:
+        return resolve_data(args.data, args.data_dir or run_dir or DEFAULT_DATA_DIR, field_map=args.field_map,
+                            prompt_template=args.prompt_template, revision=args.data_revision, seed=42,
+                            split=args.split)
+    except FieldMapForBenchmark as e:
+        parser.error(str(e))
 
 
 def main(argv=None):

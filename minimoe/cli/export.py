@@ -24,7 +24,8 @@ from minimoe.integrations.export import export_merged_adapter, export_peft
 def main(argv=None):
     p = argparse.ArgumentParser(prog="export.py", description=__doc__.split("\n\n")[0],
                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("adapter", help="a run folder written by train.py, or one adapter folder (RUN/checkpoints/epoch-N)")
+    p.add_argument("adapter", metavar="RUN",
+                   help="a run folder written by train.py, or one adapter folder (RUN/checkpoints/epoch-N)")
     p.add_argument("out", help="output folder for adapter_config.json + adapter_model.safetensors, or with --merged "
                                "the merged checkpoint (replaced whole)")
     p.add_argument("--merged", action="store_true", help="write the base model with the adapter merged in (official "
@@ -34,12 +35,16 @@ def main(argv=None):
     p.add_argument("--model", help="base_model_name_or_path to write, or with --merged the base checkpoint to "
                                    "merge into, as train.py's and evaluate.py's --model ('tiny' included) (default: "
                                    "the model the adapter was trained on, as recorded with it)")
+    p.add_argument("--allow-other-base", action="store_true",
+                   help="with --merged: merge into a --model whose weights differ from the ones the adapter was "
+                        "trained on (same shapes); refused by default")
     old_name(p, "--base-model", "--model")
     args = p.parse_args(argv)
     base_model = model_path(args.model)
     try:
         if args.merged:
-            out = export_merged_adapter(args.adapter, args.out, checkpoint=args.checkpoint, base_model=base_model)
+            out = export_merged_adapter(args.adapter, args.out, checkpoint=args.checkpoint, base_model=base_model,
+                                        allow_other_base=args.allow_other_base)
             print(f"merged checkpoint: {out}")
         else:
             out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=base_model)

@@ -11,7 +11,7 @@
     python sweep.py --preset study --models weights/smollm2-split --results results --out-dir runs/from-results
                                                          # the report from results/ alone (minimoe/study/results.py)
 
-    python sweep.py --models tiny --benchmarks arc_challenge --rows CE my_method --method-module my_method.py \\
+    python sweep.py --models tiny --benchmarks arc_challenge --rows CE biased --method-module examples/my_method.py \\
         --seeds 42 --out-dir runs/mine   # a grid of your own: no --preset; your registered method is a row
 
 Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`);
@@ -59,7 +59,7 @@ def parse_args(argv=None):
     g.add_argument("--rows", nargs="+", metavar="ROW", help=f"default: the preset's; any of {list(ROWS)}, or the "
                    "name of a method that --method-module registers")
     g.add_argument("--method-module", metavar="FILE|MODULE", help="a .py file or module registering methods (as "
-                   "train.py's): its methods may be rows, e.g. --rows CE my_method")
+                   "train.py's): its methods may be rows, e.g. --rows CE biased (examples/my_method.py's)")
     g.add_argument("--seeds", type=int, nargs="+", help="default: the preset's (42 43 45; 42 43 44 for TES tables)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
                    help=f"replace the preset's settings variants by these values; KEY in {list(SETTING_FLAGS)} "

@@ -7,6 +7,7 @@
     python train.py --model ibm-granite/granite-3.1-3b-a800m-base --recipe granite \\
         --data arc_challenge --method tes --objective is --seed 42
     torchrun --nproc_per_node 2 train.py ...          # data-parallel, same result as one process
+    torchrun --nproc_per_node 2 train.py --shard fsdp ... # FSDP2: weights sharded (docs/distributed.md)
 
 Every setting is a field of minimoe/runs/config.py's TrainConfig: its default, or the recipe's
 (RECIPES, per backbone), unless a flag or a --config file gives it (flags win over the file);
@@ -42,19 +43,20 @@ from minimoe.atomic import atomic_file
 from minimoe.cli import model_path, run_command
 from minimoe.core.families import family_of
 from minimoe.core.methods import Method
-from minimoe.core.model import MoEConfig, compile_layers, config_field_names
+from minimoe.core.model import MoEConfig, compile_layers
 from minimoe.core.scoring import check_max_length, pad_id
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
-from minimoe.data.userdata import build_user_data, is_user_data
+from minimoe.data.userdata import resolve_data
 from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.loading.smollm import smollm_checkpoint
 from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_run_config,
-                                 read_settings, run_name, settings_of)
+                                 read_settings, run_name, settings_of, unread_flags)
 from minimoe.runs.folder import (claim_run_folder, has_training_output, is_run_folder, pick_device, pick_dtype,
                                  run_lock, set_aside, world)
 from minimoe.runs.provenance import provenance
+from minimoe.runs.sharding import build_sharded, check_sharding
 from minimoe.runs.training import check_install, install_method, train
 
 
@@ -131,15 +133,11 @@ def load_data(cfg: TrainConfig) -> tuple[dict, TrainConfig]:
     folder of the manifests written (evaluate.py and a relaunch read those back as they are; their
     splits.json records where they came from, the field map and the template)."""
     resolved = {}
-    manifests = Path(cfg.data).is_dir() and all((Path(cfg.data) / f"{s}.jsonl").is_file() for s in SPLITS)
-    if is_user_data(cfg.data) and not (manifests and cfg.field_map is None and cfg.prompt_template is None):
-        folder = build_user_data(cfg.data, cfg.data_dir, field_map=cfg.field_map, revision=cfg.data_revision,
-                                 prompt_template=cfg.prompt_template, seed=42)
-        resolved = {"data": str(folder), "field_map": None, "prompt_template": None, "data_revision": None}
+    folder = resolve_data(cfg.data, cfg.data_dir, field_map=cfg.field_map, revision=cfg.data_revision,
+                          prompt_template=cfg.prompt_template, seed=42)  # the same reader as evaluate.py's
+    if folder != cfg.data:  # your own rows, now their manifests' folder
+        resolved = {"data": folder, "field_map": None, "prompt_template": None, "data_revision": None}
         cfg = replace(cfg, **resolved)
-    elif cfg.field_map is not None or cfg.prompt_template is not None:
-        raise ValueError(f"--field-map and --prompt-template apply to your own --data; {cfg.data!r} is a registered "
-                         f"benchmark (its fields and the paper's prompt are fixed)")
     if Path(cfg.data).is_dir():
         data = {s: load_split(Path(cfg.data) / f"{s}.jsonl") for s in SPLITS}
     else:
@@ -176,14 +174,22 @@ def main(argv=None):
     args.data = args.data or "arc_challenge"
     folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
     tokenizer = minimoe.load_tokenizer(folder)
-    cfg, method = resolve_config(args, read_config(folder))  # the method, device and dtype are resolved here, once
+    model_config = read_config(folder)
+    cfg, method = resolve_config(args, model_config)  # the method, device and dtype are resolved here, once
+    sharded = cfg.shard == "fsdp"  # then no rank ever holds the whole model (minimoe/runs/sharding.py)
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
-    model = minimoe.from_pretrained(folder, dtype=cfg.dtype)  # checks the checkpoint before any run folder exists
+    model = None if sharded else minimoe.from_pretrained(folder, dtype=cfg.dtype)  # checks the checkpoint first
+    typed, default = (vars(parser().parse_args(a)) for a in (list(sys.argv[1:] if argv is None else argv), []))
+    typed = {k: v for k, v in typed.items() if v != default[k]}  # flags typed off their defaults, not a --config's
+    if unread := unread_flags(typed, method):
+        print(f"train.py: warning: {', '.join(unread)} ignored: {method.row} supervises no prediction, so it has "
+              f"no objective nor lambda (TES and ACS do)", file=sys.stderr)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), method))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     for split, examples in data.items():  # every setting is checked before the run folder is written
         check_max_length(examples, tokenizer, cfg.max_length, f"--max-length, {cfg.data} {split}")
-    check_install(model.config, cfg, method, cfg.device)  # LoRA targets, layers, method options, memory: on meta
+    check_install(model_config, cfg, method, cfg.device)  # LoRA targets, layers, method options, memory: on meta
+    check_sharding(cfg, world()[1])  # --shard fsdp: torchrun, 2 ranks or more
     if args.resume and args.rerun:
         sys.exit("train.py: error: --resume and --rerun: pass one (continue the run, or start it again)")
     if args.resume and not (run / "config.json").is_file():
@@ -204,7 +210,10 @@ def main(argv=None):
     np.random.seed(cfg.seed)
     created = rank == 0 and claim_run_folder(run, resume=args.resume)
     try:
-        model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
+        if sharded:  # LoRA and the method installed as one process installs them, then sharded
+            model, _ = build_sharded(folder, cfg, lambda m: install_method(m, cfg, method))
+        else:
+            model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
         with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
             fit(model, tokenizer, data, cfg, method, run, args, rank, folder)
     except BaseException:
@@ -239,7 +248,8 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
             from minimoe.runs.evaluation import evaluate_zero_shot  # before LoRA and the method exist
             base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
             print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
-    install_method(model, cfg, method)
+    if cfg.shard != "fsdp":  # a sharded model was built with them (cli main)
+        install_method(model, cfg, method)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.compile:
@@ -254,7 +264,10 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
         if done:
             print(f"test evaluation in {folder} already done; not run again")
         return done
-    if rank == 0 and not cfg.no_test_eval:
+    if cfg.shard == "fsdp" and not cfg.no_test_eval and rank == 0:
+        print(f"train.py: --shard fsdp: the test split is not scored in this process (rank 0 holds a shard of the "
+              f"model); run: python evaluate.py {run}")
+    if rank == 0 and not cfg.no_test_eval and cfg.shard != "fsdp":
         from minimoe.runs.evaluation import evaluate_run
         if cfg.test_checkpoint in ("last", "both") and not scored("last"):  # the in-memory model is the last epoch
             metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, examples=data["test"],
@@ -281,20 +294,22 @@ def changed_settings(before: dict, cfg: TrainConfig, now: dict) -> list[str]:
     config, the torch version, the world size)."""
     recorded, _ = build_config(settings_of(before), before.get("recipe") or cfg.recipe)
     now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
-    if isinstance(before.get("model_config"), dict):  # fields added since it was written take their defaults
-        before = {**before, "model_config": filled_model_config(before["model_config"])}
+    before, now = ({**r, "model_config": model_record(r.get("model_config"))} for r in (before, now))
     return sorted([*differing(recorded, cfg), *(k for k in RECORDED if before.get(k) != now.get(k)
                                                and not (k in RECORDED_LATER and k not in before))])
 
 
-def filled_model_config(recorded: dict) -> dict:
-    """A run record's model_config as today's MoEConfig holds it: the fields it names, defaults for the rest."""
-    known = {k: v for k, v in recorded.items() if k in config_field_names()}
+def model_record(record):
+    """A recorded model_config as today's MoEConfig records it: a field added since (head_dim, the router's
+    scoring, ...) takes the value the family's config gives it, so an older run's record still matches.
+    Anything else (not a model config, or one that no longer builds) is returned as it is."""
+    if not isinstance(record, dict) or "model_type" not in record:
+        return record
     try:
-        full = vars(MoEConfig(**known)) | {"extra": recorded.get("extra")}
-    except (TypeError, ValueError):  # not a config today's code can build: compared as written
-        return recorded
-    return json.loads(json.dumps(full, default=str))
+        config = MoEConfig(**{k: v for k, v in record.items() if k != "extra"})
+    except (TypeError, ValueError):
+        return record
+    return json.loads(json.dumps(vars(config) | {"extra": None}, default=str))
 
 
 def command():

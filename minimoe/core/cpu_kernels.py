@@ -59,7 +59,7 @@ def dropout_saved_as_mask(x, dtype, p: float, training: bool):
     are 8 bytes an element, two thirds of the default run's activations (bench/RESULTS.md); a bf16 x,
     which q, k and v share, and the masks are 2 + 1 each.
     """
-    if not training or p == 0 or not torch.is_grad_enabled() or x.device.type != "cpu":
+    if not training or p == 0 or not torch.is_grad_enabled() or x.device.type != "cpu" or torch.compiler.is_compiling():
         yield F.dropout(x.to(dtype), p, training)  # elsewhere F.dropout's fused kernel draws otherwise
         return
     held, rebuilt = {}, {}  # the forward's tensors while the block runs; backward's rebuilt ones

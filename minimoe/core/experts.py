@@ -79,9 +79,17 @@ def _grouped_mm_applies(x, w_t) -> bool:
         return False
     if x.device.type == "cuda" and x.dtype != torch.bfloat16:
         return False
-    size = x.element_size()
-    strides = [s for t in (x, w_t) for s in t.stride() if s != 1]
-    return all(s * size % 16 == 0 for s in strides) and x.stride(-1) == 1
+    # the output [N, out] too: backward hands its gradient, that shape, to grouped_mm
+    return x.stride(-1) == 1 and _aligned(x) and _aligned(w_t) and w_t.shape[-1] * x.element_size() % 16 == 0
+
+
+def _aligned(t) -> bool:
+    """grouped_mm's stride rule, as torch checks it: one of the last two dims has stride 1 and every other
+    stride is a multiple of 16 bytes (not "every stride but the 1s": a [N, 1] tensor's row stride is 1)."""
+    *batch, rows, cols = (s * t.element_size() for s in t.stride())
+    size = t.element_size()
+    inner = (cols == size and rows % 16 == 0) or (rows == size and cols % 16 == 0)
+    return inner and all(s % 16 == 0 for s in batch)
 
 
 def matmul_dtype(x, weight) -> torch.dtype:

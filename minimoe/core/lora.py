@@ -44,7 +44,13 @@ Decisions:
   sync) and one launch per expert, so off the CPU and under autocast (the GPU recipe) a bank computes
   W_e x + B_e a in one grouped_mm over [x | a] against [W_e | scale B_e] instead (`base_plus_delta`):
   the same single rounding, a and B held in bf16, no sync, and a backward that computes no gradient
-  for the frozen bank. Only this path's numerics are tested on the CPU; it has not run on a GPU.
+  for the frozen bank. [W_e | scale B_e] is one persistent buffer per bank, of which the bank's weight
+  is a view (`LoRAGroupedLinear.stacked`), so no step copies a bank; the rank is padded to a multiple
+  of 8 for grouped_mm's 16-byte strides, so every rank runs. Two products summed in fp32 would need
+  grouped_mm's out_dtype=fp32 for bf16 inputs, which the CPU's refuses in torch 2.13 ("Grouped gemm
+  output dtype must match `mat_a` dtype"; CUDA's unchecked): no CPU test could hold it.
+  Only this path's numerics are tested on the CPU (bf16 autocast replays its grouped_mm calls and
+  stride checks); it has not run on a GPU.
 
 Saving, loading and exporting what was trained: minimoe/runs/adapters.py.
 """
@@ -56,6 +62,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from minimoe.core import cpu_kernels
 from minimoe.core.experts import GroupedLinear, _grouped_mm_applies, expert_matmul, matmul_dtype
@@ -172,8 +179,14 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         self._stack()
 
     def _stack(self):
-        """Move the bank into `stacked`'s first `in` columns and make `weight` that view (a one-time copy)."""
+        """Move the bank into `stacked`'s first `in` columns and make `weight` that view (a one-time copy).
+        Not for a bank with no storage of its own (meta, an expanded placeholder, an FSDP shard): FSDP
+        gathers the bank anew at each forward, so there is nothing to alias, and a placeholder's buffer
+        would be the whole bank on every rank (minimoe/runs/sharding.py); base_plus_delta builds [W | b]."""
         W = self.weight.data
+        if isinstance(W, DTensor) or W.is_meta or 0 in W.stride():
+            self.stacked = None
+            return
         stacked = torch.zeros(*W.shape[:-1], W.shape[-1] + self.k, dtype=W.dtype, device=W.device)
         stacked[..., :W.shape[-1]] = W
         self.weight.data = stacked[..., :W.shape[-1]]
@@ -197,7 +210,8 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
                 return per_block_addmm(x, self.weight, delta, dispatch)
             A, b = self.padded_factors(A, B)
             a = expert_matmul(dropped, A, dispatch)  # [N, k]
-        stacked = self.stacked if self.stacked.dtype == x.dtype else None  # else a cast bank: a copy anyway
+        stacked = self.stacked  # None: a cast bank or an FSDP-gathered one, a copy anyway
+        stacked = stacked if stacked is not None and stacked.dtype == x.dtype else None
         return base_plus_delta(x, self.weight, a.to(x.dtype), b.to(x.dtype), dispatch, stacked)
 
     def padded_factors(self, A, B):
@@ -231,6 +245,7 @@ class _BasePlusDelta(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):  # dy [N, out]
         xa, stacked, offs = ctx.saved_tensors
+        dy = dy.contiguous()  # an expanded gradient (of a sum) has stride 0, which grouped_mm refuses
         dxa = dw = db = None
         if ctx.needs_input_grad[0]:
             dxa = F.grouped_mm(dy, stacked, offs=offs)  # [N, in + k]

@@ -177,8 +177,9 @@ def get_method(name: str) -> Method:
     """The registered method called `name` ("ce" is native)."""
     record = METHODS.get(ALIASES.get(name, name))
     if record is None:
-        raise ValueError(f"unknown method {name!r}; expected one of the registered {list(METHODS)} (for one of "
-                         f"your own, pass the file or module that registers it: train.py --method-module)")
+        aliases = ", ".join(f"{a!r} (the paper's name for {m!r})" for a, m in ALIASES.items())
+        raise ValueError(f"unknown method {name!r}; expected one of the registered {list(METHODS)} or {aliases} "
+                         f"(for one of your own, pass the file or module that registers it: train.py --method-module)")
     return record
 
 

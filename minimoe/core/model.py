@@ -31,6 +31,7 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -44,6 +45,7 @@ from minimoe.core.mlp import DenseMLP
 from minimoe.core.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
 from minimoe.core.routing import SCORE_FUNCS, TOPK_METHODS, NativeRouter, Routing, Scoring
 from minimoe.core.sinks import sink_attention
+
 
 @dataclass
 class MoEConfig:
@@ -279,7 +281,9 @@ class Attention(nn.Module):
     def attend(self, q, k, v, mask):  # q [B, H, T, d], k/v [B, G, S, d], mask bool or None -> [B, H, T, d]
         if self.config.attention_sinks:
             return sink_attention(q, k, v, self.sinks, mask, self.config.attention_scale)
-        # Query head h reads kv head h // (H/G): the reference's repeat_interleave layout.
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask on CUDA: a fused kernel (`block_mask`)
+            return flex(q.is_cuda)(q, k, v, block_mask=mask, scale=self.config.attention_scale, enable_gqa=True)
+        # the readable reference path; query head h reads kv head h // (H/G): the reference's repeat_interleave layout
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               scale=self.config.attention_scale, enable_gqa=True)
 
@@ -425,7 +429,11 @@ class MoEForCausalLM(nn.Module):
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
         cos, sin = position_embeddings(c, position_ids, h.dtype)
-        masks = {w: self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids, w, position_ids)
+        flex = input_ids.device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or
+                                                                         segment_ids is not None)
+        flex = flex and not c.attention_sinks and c.kv_lora_rank is None  # sinks and MLA take a bool mask
+        masks = {w: block_mask(attention_mask, segment_ids, B, T, w, position_ids) if flex else
+                 self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids, w, position_ids)
                  for w in {layer.window for layer in self.model.layers}}  # one per window size, None: full
         routings = []
         for layer in self.model.layers:
@@ -485,6 +493,38 @@ class MoEForCausalLM(nn.Module):
     @property
     def device(self):
         return self.lm_head.weight.device
+
+
+# Where masked rows run FlexAttention (`block_mask`). Not the CPU: torch 2.13 has no flex backward there.
+FLEX_DEVICES = {"cuda"}
+
+
+@functools.cache
+def flex(compiled: bool):
+    """flex_attention, compiled where it runs for speed (CUDA): uncompiled it is torch's unfused reference,
+    which builds the scores it exists to avoid. Imported here, not at the top: it imports dynamo (2 s)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+def block_mask(attention_mask, segment_ids, B: int, T: int, window: int | None = None, position_ids=None):
+    """`_attention_mask`'s rule (no cache) as a FlexAttention BlockMask: causal, within segment (or onto
+    the shared prefix, segment 0), within the sliding window (packed rows: in their own positions),
+    onto real keys, and every query onto itself. Why: a bool mask keeps
+    packed GQA rows off the fused SDPA kernels (flash takes no mask; memory-efficient lacks GQA in 2.11),
+    so the math kernel builds fp32 [B, H, T, S] scores; flex skips the masked blocks (unmeasured on a GPU)."""
+    def allowed(b, h, q, k):
+        ok = k <= q
+        if window is not None:
+            ok = ok & ((q - k if segment_ids is None else position_ids[b, q] - position_ids[b, k]) < window)
+        if segment_ids is not None:
+            ok = ok & ((segment_ids[b, k] == 0) | (segment_ids[b, k] == segment_ids[b, q]))
+        if attention_mask is not None:
+            ok = (ok & attention_mask[b, k].bool()) | (k == q)
+        return ok
+    from torch.nn.attention.flex_attention import create_block_mask  # imports dynamo (2 s): only where used
+    device = (segment_ids if segment_ids is not None else attention_mask).device
+    return create_block_mask(allowed, B, None, T, T, device=device)
 
 
 def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:

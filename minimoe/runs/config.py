@@ -188,6 +188,10 @@ class TrainConfig:
     compile: bool = setting("model", False, "torch.compile each decoder layer (model.compile_layers; worth it on a "
                             "GPU for long runs; the first steps compile, and rows are padded to 64-token buckets so "
                             "that few shapes compile)")
+    shard: str = setting("model", "ddp", "several processes under torchrun: ddp (every rank holds the whole model) "
+                         "or fsdp (FSDP2: the base, LoRA, heads and AdamW state sharded over the ranks; for a model "
+                         "that one card cannot hold; minimoe/runs/sharding.py, docs/distributed.md)",
+                         choices=["ddp", "fsdp"])
     pad_token_id: int | None = None  # fills short rows: the checkpoint's pad id, else its eos id (train.py sets it)
     # data
     data: str | None = setting("data", None, "arc_challenge | arc_easy | openbookqa | sciq | medmcqa; or your own: a "
@@ -535,6 +539,12 @@ def reads(method: Method, setting: str) -> bool:
     if setting in SUPERVISION_SETTINGS:
         return method.prediction is not None
     return setting in method.declared or not declaring(setting)
+
+
+def unread_flags(settings: dict, method: Method) -> list[str]:
+    """The flags of the supervision settings given (not None) that `method` does not read, for train.py's
+    warning: CE and Dual Affinity supervise nothing, so --objective enll changes nothing there."""
+    return [flag_name(k) for k in SUPERVISION_SETTINGS if settings.get(k) is not None and not reads(method, k)]
 
 
 def ablation_settings(settings: dict, method: Method) -> dict:

@@ -177,15 +177,17 @@ def read_json(path: Path) -> dict:
         raise ValueError(f"{path}: invalid JSON ({e.msg} at line {e.lineno})") from None
 
 
-def resolve_adapter(path, checkpoint: str | None = None) -> AdapterSource:
+def resolve_adapter(path, checkpoint: str | None = None, *, flag: str | None = "--adapter") -> AdapterSource:
     """A run folder (config.json + checkpoints/ + selection.json) or an adapter folder -> AdapterSource.
+    `flag`: how the caller's command names the folder in errors (export.py has no --adapter: None).
 
     A run resolves to checkpoints/epoch-<last_epoch> (checkpoint "last", the paper's primary
     endpoint) or epoch-<selected_epoch> ("selected", minimum validation choice NLL).
     """
     path = Path(path)
+    named = f"{flag} {path}" if flag else str(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"--adapter {path}: no such folder; expected a run folder (config.json, "
+        raise FileNotFoundError(f"{named}: no such folder; expected a run folder (config.json, "
                                 f"checkpoints/, selection.json) or an adapter folder (adapter_config.json)")
     if (path / "adapter_config.json").is_file():
         if checkpoint is not None:
@@ -197,7 +199,7 @@ def resolve_adapter(path, checkpoint: str | None = None) -> AdapterSource:
                              read_json(path / "adapter_config.json").get("router"))
     if not ((path / "config.json").is_file() and (path / "checkpoints").is_dir()):
         hint = " (it looks like a model checkpoint: pass it as --model)" if (path / "config.json").is_file() else ""
-        raise FileNotFoundError(f"--adapter {path}: neither a run folder (config.json and checkpoints/) nor an "
+        raise FileNotFoundError(f"{named}: neither a run folder (config.json and checkpoints/) nor an "
                                 f"adapter folder (adapter_config.json){hint}")
     checkpoint = checkpoint or "last"
     if checkpoint not in ("last", "selected"):
@@ -408,10 +410,12 @@ def set_rng_state(state: dict, device=None):
     np.random.set_state((n["key"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
 
 
-def save_state(path: Path, optimizer, scheduler, epoch: int, step: int, epoch_step: int = 0):
+def save_state(path: Path, optimizer, scheduler, epoch: int, step: int, epoch_step: int = 0, *,
+               optimizer_state: dict | None = None):
     """The position (`epoch` complete, `epoch_step` steps of the next one, `step` global), the
-    optimizer, the scheduler and every RNG."""
-    state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
+    optimizer (`optimizer_state` when given: a sharded run's, gathered by parameter name), the
+    scheduler and every RNG."""
+    state = {"optimizer": optimizer.state_dict() if optimizer_state is None else optimizer_state, "scheduler": scheduler.state_dict(), "epoch": epoch, "step": step,
              "epoch_step": epoch_step, "rng": rng_state(params_device(optimizer))}
     with atomic_file(path) as tmp:
         try:

@@ -8,8 +8,9 @@
   method's layer scope; the final layer for CE): the expert load (the fraction of the real tokens'
   top-K slots that each expert takes), the mean diagnostic C_t at the gold answer tokens (the
   supervised positions, as evaluate.py's diagnostics), and for an error-predicting method the mean e_hat beside the
-  mean observed token loss it predicts. Under DDP these are rank 0's micro-batches only: they are a
-  view of training, not part of its result. train.py writes them into metrics.jsonl's step lines
+  mean observed token loss it predicts. Under torchrun (DDP or FSDP) they are summed over every
+  rank's micro-batches (`summary`, one all-reduce), so they describe the step's whole batch, as one
+  process's do. train.py writes them into metrics.jsonl's step lines
   ("routing"), so a run has them whether or not it reports to a tracker.
 - `Tracker` sends every metrics.jsonl line as scalars: `train/<term>` (loss, task, method, aux,
   grad_norm, lr, tokens_per_s, seconds), `val/<name>` (choice_nll, accuracy, seconds) and
@@ -60,21 +61,58 @@ class RoutingStats:
             self.load[l] = load + self.load[l] if l in self.load else load
             self.sums[l] = {k: v + self.sums[l][k] for k, v in sums.items()} if l in self.sums else sums
 
-    def summary(self, has_e_hat: bool) -> dict:
+    def flat(self) -> torch.Tensor:
+        """Every layer's load [E] and sums, in one float64 tensor on their device: what `summary` reads,
+        so that the optimizer step reads it back with its other values at once (training.read_back)."""
+        device = next(iter(self.load.values())).device if self.load else "cpu"
+        parts = []
+        for l in self.layers:
+            parts.append(self.load.get(l, torch.zeros(self.num_experts, dtype=torch.float64, device=device)))
+            parts += [s.reshape(1) for s in self.sums.get(l, {}).values()]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+
+    def summary(self, has_e_hat: bool, values: list[float] | None = None) -> dict:
         """{"layer<l>": {"load": [E fractions], "c_t": mean, ("e_hat", "token_loss"): means if has_e_hat}}.
-        has_e_hat: the method's prediction is a predicted token error (routing.Method.predicts_error)."""
+        has_e_hat: the method's prediction is a predicted token error (routing.Method.predicts_error).
+        values: `flat()` read back already, after `sum_over_ranks` (under torchrun every rank calls both);
+        None sums over the ranks and reads it here."""
+        if values is None:
+            self.sum_over_ranks()
+        host = iter(self.flat().tolist() if values is None else values)
         out = {}
         for l in self.layers:
-            load = self.load.get(l, torch.zeros(self.num_experts, dtype=torch.float64)).cpu()
+            load = torch.tensor([next(host) for _ in range(self.num_experts)], dtype=torch.float64)
             load = load / load.sum().clamp_min(1)
             entry = {"load": [round(x, 6) for x in load.tolist()]}
+            sums = {name: next(host) for name in self.sums.get(l, {})}
             if self.supervised:
-                means = {name: s.item() / self.supervised for name, s in self.sums[l].items()}
+                means = {name: s / self.supervised for name, s in sums.items()}
                 entry["c_t"] = means["c_t"]
                 if has_e_hat:
                     entry.update(e_hat=means.get("e_hat", 0.0), token_loss=means.get("token_loss", 0.0))
             out[f"layer{l}"] = entry
         return out
+
+
+    def sum_over_ranks(self):
+        """Every rank's sums added into each rank's (one all-reduce of a float64 vector): a rank whose
+        micro-batches were all placeholders contributes zeros."""
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        names = ("c_t", "e_hat", "token_loss")
+        zero = torch.zeros((), dtype=torch.float64)
+        # On the host, where every rank's copy is (gloo; train.py starts gloo beside nccl): summary reads it there.
+        packed = torch.cat([torch.tensor([float(self.supervised)], dtype=torch.float64)] + [
+            torch.cat([self.load.get(l, torch.zeros(self.num_experts, dtype=torch.float64)).cpu(),
+                       torch.stack([self.sums.get(l, {}).get(n, zero).cpu() for n in names])])
+            for l in self.layers])
+        dist.all_reduce(packed)
+        self.supervised = round(packed[0].item())
+        for i, l in enumerate(self.layers):
+            row = packed[1 + i * (self.num_experts + 3):1 + (i + 1) * (self.num_experts + 3)]
+            self.load[l] = row[:self.num_experts]
+            self.sums[l] = dict(zip(names, row[self.num_experts:]))
 
 
 def scalars(record: dict) -> dict[str, float]:

@@ -17,6 +17,10 @@ minimoe/runs/folder.py.
 
 Configuration: minimoe/runs/config.py (`TrainConfig`, the recipes, run names).
 
+Several processes (torchrun): DDP wraps the model here; with --shard fsdp the model arrives sharded
+(minimoe/runs/sharding.py, built by cli/train.py), every rank takes part in gathering each checkpoint,
+rank 0 writes it, and a resume puts each rank's rows back (docs/distributed.md).
+
 Optimisation decisions (paper, Experimental Configuration table):
 - Warmup steps are ceil(warmup * total steps), transformers' Trainer rule for a warmup ratio
   (`TrainingArguments.get_warmup_steps`): Granite ARC warms up 19 of its 375 steps, not 18.
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from minimoe.atomic import atomic_file
@@ -53,6 +58,7 @@ from minimoe.runs.config import TrainConfig
 from minimoe.runs.folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
                                  latest_checkpoint, params_device, read_json, read_metrics, remove_orphans,
                                  save_state, set_rng_state, truncate_metrics, world, autocast_for)
+from minimoe.runs.sharding import (full, full_optimizer_state, load_adapter_rows, load_optimizer_rows)
 from minimoe.runs.tracking import RoutingStats, Tracker
 
 
@@ -143,20 +149,35 @@ class NonFiniteTraining(ValueError):
     """A step's loss or gradient is not finite, or its clipped update is all zeros: training stops."""
 
 
-def check_step(logs: dict, trainable, step: int):
+def check_step(logs: dict, trainable, step: int, largest: float | None = None):
     """Stop before the optimizer applies a step that cannot train: a non-finite loss term or gradient
     norm (clipping would turn it into a NaN or an all-zero update), or a clipped gradient that is
     exactly zero everywhere (an update that changes nothing, e.g. a norm so large that clipping
-    underflows). `step` is the global step being taken; the error names it and the bad terms."""
+    underflows). `step` is the global step being taken; the error names it and the bad terms.
+    largest: the largest |gradient| (`largest_gradient`), read back already; None reads it here (a sync)."""
     bad = {k: v for k, v in logs.items() if isinstance(v, float) and not math.isfinite(v)}  # not "routing"
     if bad:
         raise NonFiniteTraining(f"step {step}: non-finite {', '.join(f'{k}={v}' for k, v in bad.items())}; "
                                 f"training stopped before applying it (check lambda, tau, is_eps, aux_coef, "
                                 f"lora_alpha, lr: a value that large or small overflows)")
-    grads = [p.grad for p in trainable if p.grad is not None]
-    if not grads or torch.stack([g.abs().max().float() for g in grads]).max().item() == 0:  # one device sync
+    if largest is None:
+        largest = float(largest_gradient(trainable))
+    if largest == 0:
         raise NonFiniteTraining(f"step {step}: the clipped update is all zeros (gradient norm {logs['grad_norm']:g} "
                                 f"before clipping); training stopped rather than take steps that change nothing")
+
+
+def largest_gradient(trainable):
+    """The largest |gradient| entry over `trainable` as a device scalar (0.0 when none has a gradient);
+    under FSDP each rank holds its rows of a gradient, and the ranks' largest are all-reduced."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in trainable if p.grad is not None]
+    if not grads:
+        return 0.0
+    peak = torch.stack([g.abs().max().float() if g.numel() else g.new_zeros((), dtype=torch.float32)
+                        for g in grads]).max()
+    if dist.is_initialized() and any(isinstance(p.grad, DTensor) for p in trainable):
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return peak
 
 
 def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, method: Method,
@@ -172,24 +193,36 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
     stats = RoutingStats(diagnosed_layers(core), core.config.num_experts, Scoring.of(core.config))
     terms = step_loss(model, batches, method, counts, world_size, stats=stats, **loss_settings(cfg))
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.clip)
-    logs = dict(zip([*terms, "grad_norm"], read_back([*terms.values(), grad_norm])))  # the step's one sync
+    grad_norm = full(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip))  # FSDP: a replicated DTensor
+    stats.sum_over_ranks()  # under torchrun: every rank's micro-batches (tracking.py)
+    # the step's one read-back: loss terms, gradient norm, check_step's largest gradient, routing statistics
+    *values, largest, routing = read_back([*terms.values(), grad_norm, largest_gradient(trainable), stats.flat()])
+    logs = dict(zip([*terms, "grad_norm"], values))
     logs = {k: global_sum(v) if k in terms else v for k, v in logs.items()}
-    logs["routing"] = stats.summary(has_e_hat=method.predicts_error)  # this rank's micro-batches (tracking.py)
-    check_step(logs, trainable, step)
+    logs["routing"] = stats.summary(method.predicts_error, routing)
+    check_step(logs, trainable, step, largest)
     optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return logs
 
 
-def read_back(values) -> list[float]:
-    """Device scalars (or plain numbers) -> floats, with one transfer to the host."""
+def read_back(values) -> list:
+    """Device scalars (or plain numbers) -> floats, 1-D device tensors -> lists of floats, with one transfer
+    to the host (in float64, which holds every fp32 value exactly)."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if not tensors:
         return [float(v) for v in values]
-    host = iter(torch.stack([t.float().reshape(()) for t in tensors]).tolist())
-    return [next(host) if isinstance(v, torch.Tensor) else float(v) for v in values]
+    host = torch.cat([t.double().reshape(-1) for t in tensors]).tolist()
+    out, at = [], 0
+    for v in values:
+        if not isinstance(v, torch.Tensor):
+            out.append(float(v))
+            continue
+        n = v.numel()
+        out.append(host[at] if v.dim() == 0 else host[at:at + n])
+        at += n
+    return out
 
 
 def autocast(cfg: TrainConfig):
@@ -207,22 +240,33 @@ def score_split(model, tokenizer, examples, cfg: TrainConfig) -> dict:
     return {"choice_nll": metrics["choice_nll"], "accuracy": metrics["accuracy"]}
 
 
-def save_epoch(run: Path, model, optimizer, scheduler, epoch: int, step: int, base_model: str):
-    """checkpoints/epoch-N: the adapter (atomic folder), then training_state.pt, which marks it complete;
-    then the mid-epoch checkpoint it supersedes goes."""
-    folder = run / "checkpoints" / f"epoch-{epoch}"
+def save_checkpoint(folder: Path, model, optimizer, scheduler, epoch: int, step: int, epoch_step: int,
+                    base_model: str, sharded: bool):
+    """The adapter (atomic folder), then training_state.pt, which marks the checkpoint complete. Sharded
+    (FSDP): every rank calls it, the adapter and the optimizer state are gathered, and rank 0 writes
+    (minimoe/runs/sharding.py); else rank 0 alone calls it."""
     save_adapter(model, folder, base_model=base_model)
-    save_state(folder / STATE, optimizer, scheduler, epoch, step)
-    drop_step_checkpoints(run)
+    optimizer_state = full_optimizer_state(model, optimizer) if sharded else None
+    if world()[0] == 0:
+        save_state(folder / STATE, optimizer, scheduler, epoch, step, epoch_step, optimizer_state=optimizer_state)
 
 
-def save_step(run: Path, model, optimizer, scheduler, epoch: int, epoch_step: int, step: int, base_model: str):
+def save_epoch(run: Path, model, optimizer, scheduler, epoch: int, step: int, base_model: str, sharded: bool = False):
+    """checkpoints/epoch-N (save_checkpoint); then the mid-epoch checkpoint it supersedes goes."""
+    save_checkpoint(run / "checkpoints" / f"epoch-{epoch}", model, optimizer, scheduler, epoch, step, 0, base_model,
+                    sharded)
+    if world()[0] == 0:
+        drop_step_checkpoints(run)
+
+
+def save_step(run: Path, model, optimizer, scheduler, epoch: int, epoch_step: int, step: int, base_model: str,
+              sharded: bool = False):
     """checkpoints/step-G (G = global step) after `epoch_step` steps of epoch `epoch` + 1, as save_epoch;
     then the previous step checkpoint goes (only the latest is kept)."""
-    folder = run / "checkpoints" / f"step-{step}"
-    save_adapter(model, folder, base_model=base_model)
-    save_state(folder / STATE, optimizer, scheduler, epoch, step, epoch_step)
-    drop_step_checkpoints(run, keep=step)
+    save_checkpoint(run / "checkpoints" / f"step-{step}", model, optimizer, scheduler, epoch, step, epoch_step,
+                    base_model, sharded)
+    if world()[0] == 0:
+        drop_step_checkpoints(run, keep=step)
 
 
 @dataclass
@@ -233,23 +277,27 @@ class Position:
     step: int = 0  # optimizer steps in all: the schedule's position
 
 
-def load_latest(run: Path, model) -> dict | None:
+def load_latest(run: Path, model, sharded: bool = False) -> dict | None:
     """The newest complete checkpoint's adapter and method heads into `model`; returns its training
     state, None when there is none. Call it before making the optimizer: loading rebuilds the
-    method heads as new parameters."""
+    method heads as new parameters (sharded: each rank's rows are put in place instead)."""
     checkpoint, state = latest_checkpoint(run)
     if checkpoint:
-        load_adapter(model, checkpoint)
+        (load_adapter_rows if sharded else load_adapter)(model, checkpoint)
     return state
 
 
-def restore(run: Path, state: dict | None, optimizer, scheduler, rank: int) -> Position:
+def restore(run: Path, state: dict | None, optimizer, scheduler, rank: int, model=None) -> Position:
     """Optimizer, scheduler and RNG as `state` (load_latest's; None: the start) left them; returns the
-    position to continue from. Rank 0 removes what a kill left, and the checkpoints and log records
+    position to continue from (`model`: the sharded model whose optimizer state is keyed by parameter
+    name; None: not sharded). Rank 0 removes what a kill left, and the checkpoints and log records
     past that position, which the resumed run writes again."""
     start = Position()
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        if model is not None:
+            load_optimizer_rows(model, optimizer, state["optimizer"])
+        else:
+            optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = Position(state["epoch"], state.get("epoch_step", 0), state["step"])
         set_rng_state(state["rng"], params_device(optimizer))
@@ -269,16 +317,17 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: P
     its step checkpoint written when one is due) and after each epoch (validated and checkpointed): the
     points a killed run resumes from (tests/kill.py stops runs there)."""
     rank, world_size = world()
-    state = load_latest(run, model) if resume else None  # before the optimizer (see load_latest)
+    sharded = cfg.shard == "fsdp"  # built sharded already (runs/sharding.py, cli/train.py)
+    state = load_latest(run, model, sharded) if resume else None  # before the optimizer (see load_latest)
     optimizer = make_optimizer(model, cfg, method)
     per_step = cfg.batch_size * cfg.grad_accum
     steps = steps_per_epoch(len(data["train"]), cfg)
     total = steps * cfg.epochs
     warmup = warmup_steps(total, cfg.warmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg.schedule))
-    start = restore(run, state, optimizer, scheduler, rank) if resume else Position()
+    start = restore(run, state, optimizer, scheduler, rank, model if sharded else None) if resume else Position()
     ddp = model
-    if world_size > 1:
+    if world_size > 1 and not sharded:
         device = torch.device(cfg.device)
         ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     model.train()
@@ -305,9 +354,9 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: P
                           "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, "seconds": seconds}
                 append_metrics(run, record)
                 tracker.log(record)
-                every = cfg.save_every_steps
-                if every and step % every == 0 and s + 1 < steps:  # at the end, the epoch checkpoint
-                    save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg.model)
+            every = cfg.save_every_steps
+            if every and step % every == 0 and s + 1 < steps and (rank == 0 or sharded):  # at the end, the epoch's
+                save_step(run, model, optimizer, scheduler, epoch - 1, s + 1, step, cfg.model, sharded)
             on_step(Position(epoch - 1, s + 1, step))
         t0 = time.perf_counter()
         val = score_split(model, tokenizer, data["val"], cfg)
@@ -316,7 +365,8 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: P
                       "val_accuracy": val["accuracy"], "val_seconds": time.perf_counter() - t0}
             append_metrics(run, record)
             tracker.log(record)
-            save_epoch(run, model, optimizer, scheduler, epoch, step, cfg.model)
+        if rank == 0 or sharded:
+            save_epoch(run, model, optimizer, scheduler, epoch, step, cfg.model, sharded)
         if dist.is_initialized():
             dist.barrier()
         on_epoch_end(Position(epoch, 0, step))

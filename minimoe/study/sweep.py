@@ -45,8 +45,7 @@ from minimoe.study import compare
 from minimoe.atomic import KINDS, atomic_file, check_owned_file, mark, write_owned_file, written_kind
 from minimoe.core.families import FAMILIES
 from minimoe.core.methods import ALIASES, METHODS, Method
-from minimoe.data.benchmarks import SPLITS
-from minimoe.data.userdata import is_user_data
+from minimoe.data.userdata import data_kind
 from minimoe.evaluation import diagnostics
 from minimoe.evaluation.diagnostics import PAPER_SEEDS, partial_reason
 from minimoe.evaluation.folders import METRICS, eval_dir, test_evaluation, tokens_file
@@ -295,7 +294,7 @@ def settings_differ(settings: dict, record: dict) -> list[str]:
         return ["recipe"]
     want, _ = build_config(settings, recipe)
     ignore = ["pad_token_id", *(k for k in ("device", "dtype") if getattr(want, k) == "auto")]
-    if is_user_data(want.data) and not all((Path(want.data) / f"{s}.jsonl").is_file() for s in SPLITS):
+    if data_kind(want.data, custom=want.field_map is not None or want.prompt_template is not None) == "rows":
         ignore += ["data", "field_map", "prompt_template", "data_revision"]  # resolved by building its manifests
     elif not Path(want.data).is_dir():
         want = replace(want, **loaded_settings(want))

@@ -1,0 +1,166 @@
+"""What fits where: the bytes per GPU of a LoRA run, under DDP (every rank holds the whole model) or
+FSDP (`--shard fsdp`, minimoe/runs/sharding.py), before any GPU is rented.
+
+    python -m minimoe.runs.memory allenai/OLMoE-1B-7B-0924 --gpus 2 --gpu-memory 80
+    python -m minimoe.runs.memory weights/tiny-olmoe --gpus 2 --gpu-memory 16 --shard fsdp --batch-size 8
+
+For a model id, config.json and model.safetensors.index.json are read (downloaded alone, no weights);
+for a folder, its safetensors headers; for a folder with config.json alone, the parameters it makes. Per GPU, in bytes:
+- weights: the base in the run's dtype (from the files' tensor shapes; a hub id's index gives the total
+  stored bytes only). FSDP: this rank's rows of every parameter (dim 0, ceil(n / GPUs) rows, as
+  fully_shard cuts it), plus the largest decoder layer gathered whole while it runs, twice (FSDP2
+  prefetches the next layer's all-gather).
+- lora: LoRA, method heads and tuned gates in fp32 with their gradients, 8 bytes a parameter
+  (counted on a meta-device model with the run's LoRA and method, as train.py installs them).
+- optimizer: AdamW's two fp32 moments, 8 bytes a trainable parameter. FSDP divides both by the GPUs.
+- activations: an estimate, not a measurement: per token and layer, what autograd keeps for the
+  backward of one micro-batch, in the run's dtype: ~12 * hidden (norms, attention in/out, residuals)
+  + top-K * 3 * expert width (each routed expert's gate, up and activation), for the rank's share of
+  `batch_size * max_length` tokens; with --gradient-checkpointing, one hidden vector per layer plus
+  one layer's full set.
+The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from minimoe.core.model import MoEForCausalLM
+from minimoe.loading.checkpoint import (DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files, config_from_dict,
+                                        read_config)
+
+HEADROOM = 0.9  # of a GPU's memory: CUDA context, allocator fragmentation
+
+
+@dataclass
+class Estimate:
+    weights: int  # bytes per GPU
+    lora: int
+    optimizer: int
+    activations: int
+    gpu_memory: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.lora + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= HEADROOM * self.gpu_memory
+
+
+def stored_weights(folder: Path, dtype: torch.dtype | None = None) -> int:
+    """The checkpoint's tensor bytes, from its safetensors headers; in `dtype` when given (a bf16 run of
+    an fp32 checkpoint holds half)."""
+    total = 0
+    for file, keys in _weight_files(folder).items():
+        entries = WeightFile(folder / file).entries
+        for key in entries if keys is None else keys:
+            shape, stored = entries[key]["shape"], SAFETENSORS_DTYPES[entries[key]["dtype"]]
+            total += math.prod(shape) * (dtype or stored).itemsize
+    return total
+
+
+def shard_bytes(params, gpus: int) -> int:
+    """The largest rank's share of `params` (the first rank's: fully_shard gives it ceil(n / gpus) rows)."""
+    return sum(math.ceil(p.shape[0] / gpus) * math.prod(p.shape[1:]) * p.element_size() if p.dim() else
+               p.element_size() for p in params)
+
+
+def estimate(model, cfg, method, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None) -> Estimate:
+    """Bytes per GPU for `model` (a meta-device MoEForCausalLM in the run's dtype, LoRA and `method`
+    installed) under `cfg`'s batch; `weights_total`: the stored bytes when the files' shapes are unknown."""
+    from minimoe.runs.training import install_method
+    install_method(model, cfg, method)
+    config = model.config
+    base = [p for p in model.parameters() if not p.requires_grad]
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    whole = weights_total or sum(p.numel() * p.element_size() for p in base)
+    split = gpus if shard == "fsdp" else 1
+    if shard == "fsdp":
+        layer = max(sum(p.numel() * p.element_size() for p in layer.parameters() if not p.requires_grad)
+                    for layer in model.model.layers)  # its base weights (its LoRA, gathered beside them, is small)
+        weights = shard_bytes(base, gpus) + 2 * layer
+    else:
+        weights = whole
+    itemsize = DTYPES[cfg.dtype].itemsize
+    tokens = math.ceil(cfg.batch_size / gpus) * cfg.max_length  # DDP and FSDP alike split the batch over ranks
+    per_token = 12 * config.hidden_size + config.num_experts_per_tok * 3 * config.intermediate_size
+    layers = config.num_hidden_layers
+    kept = (layers * config.hidden_size + per_token) if cfg.gradient_checkpointing else layers * per_token
+    return Estimate(weights=weights, lora=math.ceil(8 * trainable / split), optimizer=math.ceil(8 * trainable / split),
+                    activations=tokens * kept * itemsize, gpu_memory=gpu_memory)
+
+
+def model_config(name: str):
+    """(MoEConfig, the folder or None): a local folder's, or a hub id's config.json alone."""
+    path = Path(name)
+    if path.is_dir():
+        return read_config(path), path
+    from huggingface_hub import hf_hub_download
+    return config_from_dict(json.loads(Path(hf_hub_download(name, "config.json")).read_text()), name), None
+
+
+def hub_weights(name: str) -> int:
+    from huggingface_hub import hf_hub_download
+    index = json.loads(Path(hf_hub_download(name, "model.safetensors.index.json")).read_text())
+    return int(index["metadata"]["total_size"])
+
+
+def table(e: Estimate) -> str:
+    gib = 2**30
+    rows = [("weights", e.weights), ("LoRA + heads (fp32, with gradients)", e.lora), ("AdamW state", e.optimizer),
+            ("activations (estimate)", e.activations), ("total", e.total)]
+    lines = [f"{what:<38} {n / gib:9.3f} GiB" for what, n in rows]
+    verdict = "fits" if e.fits else "does not fit"
+    lines.append(f"{verdict}: {e.total / gib:.3f} GiB of {e.gpu_memory / gib:.1f} GiB a GPU "
+                 f"(at most {HEADROOM:.0%} counted as usable)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> Estimate:
+    from minimoe.runs.config import build_config
+    p = argparse.ArgumentParser(prog="python -m minimoe.runs.memory", description=__doc__.split("\n\n")[0],
+                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a checkpoint folder or a hub model id")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (torchrun processes)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB a GPU (default 80)")
+    p.add_argument("--shard", choices=["ddp", "fsdp"], default="fsdp", help="train.py's --shard (default fsdp)")
+    p.add_argument("--recipe", default=None, help="train.py's recipe (default: the model's family's)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="base weights' dtype")
+    for flag in ("--batch-size", "--max-length", "--lora-rank"):
+        p.add_argument(flag, type=int, default=None, help=f"train.py's {flag} (default: the recipe's)")
+    p.add_argument("--method", default="ce", help="train.py's --method (its heads count as trainable)")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    args = p.parse_args(argv)
+    if args.gpus < 1:
+        p.error(f"--gpus {args.gpus}: expected 1 or more")
+    config, folder = model_config(args.model)
+    recipe = args.recipe or {"granitemoe": "granite"}.get(config.model_type, "olmoe")
+    settings = {"model": args.model, "dtype": args.dtype, "device": "cpu", "method": args.method, "shard": args.shard,
+                "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
+                "gradient_checkpointing": args.gradient_checkpointing or None}
+    cfg, method = build_config(settings, recipe)
+    with torch.device("meta"):
+        model = MoEForCausalLM(config).to(DTYPES[cfg.dtype])
+    if folder is None:
+        total = hub_weights(args.model)
+    elif any(folder.glob("*.safetensors")):
+        total = stored_weights(folder, DTYPES[cfg.dtype])
+    else:  # config.json alone: the parameters the config makes, in the run's dtype
+        total = None
+    result = estimate(model, cfg, method, gpus=args.gpus, gpu_memory=int(args.gpu_memory * 2**30),
+                      shard=args.shard if args.gpus > 1 else "ddp", weights_total=total)
+    print(f"{args.model}: {args.gpus} GPU(s) of {args.gpu_memory:g} GiB, {args.shard if args.gpus > 1 else 'one process'}"
+          f", batch {cfg.batch_size} x {cfg.max_length} tokens, LoRA rank {cfg.lora_rank}, {cfg.dtype}")
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""--shard fsdp: the model sharded over the torchrun processes with PyTorch's FSDP2 (`fully_shard`),
+for a model that one card cannot hold; DDP (training.py) stays the default where it fits.
+
+Each decoder layer is one FSDP unit and the root (embedding, final norm, LM head) another: every
+parameter, the frozen base's included, lives as a DTensor sharded on its first dimension (rank r of
+W holds rows [r * ceil(n / W), ...)); a layer's whole weights exist only while it runs. LoRA, the
+method heads and tuned gates train as DTensors, so AdamW's moments are sharded as they are.
+
+Decisions:
+- Building (`build_sharded`) never holds the whole base on one rank. The model is made on the meta
+  device; its base weights become 1-element placeholders of their shapes, and its native gates
+  (E x D a layer: Dual Affinity copies them, --tune-router trains them) are read whole. `install_method`
+  then draws the LoRA and head initialisation from the seeded CPU generator in the order one process
+  draws them, so FSDP starts from the one-process adapter bit for bit (on the CPU; on CUDA the
+  one-process run draws on the device). Everything then goes back to meta, is sharded, and each rank
+  reads only its own rows from the safetensors files (WeightFile.read_into's `first_row`) and takes
+  its rows of the small trainable values.
+- Mixed precision: `MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`. The base is stored
+  in the run's dtype (bf16 on CUDA), so its all-gathers move bf16; the adapters and heads stay fp32
+  as in one process (a param_dtype of bf16 would cast them too), their gradients reduce in fp32, and
+  the forward runs under the same bf16 autocast as one process (training.autocast).
+- Checkpoints: the adapter is gathered (DTensor.full_tensor, its tensors only) and rank 0 writes
+  today's adapter files, so evaluate.py and export.py read them unchanged. The optimizer state is
+  gathered the same way, keyed by parameter name (torch.distributed.checkpoint.state_dict's full state
+  dict), and saved in training_state.pt: plain tensors, loaded with weights_only=True; not DCP, whose
+  metadata file is a pickle. Resume puts each rank's rows back from those full tensors.
+- The step's gradient: FSDP2 averages gradients over ranks as DDP does, so core/step.py's
+  world-size factor serves both.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
+
+from minimoe.core.lora import lora_modules
+from minimoe.core.model import MoEForCausalLM
+from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_config, weight_index
+from minimoe.runs.config import TrainConfig
+
+
+class ShardingRefused(ValueError):
+    """--shard fsdp where it cannot run: outside torchrun, one process, a merged LoRA, a full-model step."""
+
+
+def check_sharding(cfg: TrainConfig, world_size: int):
+    """Before any run folder exists: --shard fsdp needs torchrun, two processes or more, and no step
+    that puts the whole model on one rank (the zero-shot score runs before LoRA, on rank 0 alone)."""
+    if cfg.shard != "fsdp":
+        return
+    if "TORCHELASTIC_RUN_ID" not in os.environ and "LOCAL_RANK" not in os.environ:
+        raise ShardingRefused("--shard fsdp: not launched by torchrun; run `torchrun --nproc_per_node N train.py "
+                              "--shard fsdp ...` (N >= 2), or leave --shard out for one process")
+    if world_size < 2:
+        raise ShardingRefused(f"--shard fsdp: the world size is {world_size}; sharding needs 2 processes or more "
+                              f"(torchrun --nproc_per_node N, N >= 2), or leave --shard out for one process")
+    if cfg.zero_shot:
+        raise ShardingRefused("--shard fsdp with --zero-shot: the zero-shot score runs the whole base model on rank 0; "
+                              "score the base with evaluate.py instead")
+
+
+def local_rows(param) -> tuple[torch.Tensor, int]:
+    """(this rank's shard of a parameter, as a plain tensor that is its storage; its first row in the
+    whole parameter). FSDP2 shards dim 0 as torch.chunk does: ceil(n / W) rows a rank, the last ones short."""
+    if not isinstance(param, DTensor):
+        return param.data, 0
+    local = param.to_local()
+    rank, size = param.device_mesh.get_local_rank(), param.device_mesh.size()
+    first = min(rank * math.ceil(param.shape[0] / size), param.shape[0])
+    return local, first
+
+
+def full(tensor) -> torch.Tensor:
+    """A DTensor gathered whole on every rank (a collective: every rank calls it); a tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def put_rows(model: nn.Module, values: dict[str, torch.Tensor]):
+    """Each rank copies its rows of the whole tensors `values` (parameter name -> tensor) into its shards."""
+    with torch.no_grad():
+        for name, value in values.items():
+            local, first = local_rows(model.get_parameter(name))
+            local.copy_(value[first:first + len(local)])
+
+
+def read_base_rows(model: MoEForCausalLM, folder: Path) -> int:
+    """Each rank reads its rows of every base weight from the checkpoint's safetensors files, and no
+    others (OLMoE's per-expert matrices: the experts of its rows); returns the tensor bytes it read."""
+    config = model.config
+    files, where = weight_index(folder, config)
+    for name, disk in checkpoint_layout(config).items():
+        local, first = local_rows(model.get_parameter(name))
+        if not len(local):
+            continue
+        keys = [disk] if isinstance(disk, str) else disk
+        by_file = {}
+        for key in keys:
+            by_file.setdefault(where[key], []).append(key)
+        for file, mine in by_file.items():
+            weights = files[file]
+            with open(weights.path, "rb", buffering=0) as f:
+                if isinstance(disk, str):
+                    weights.read_into(disk, local, f, first_row=first)
+                    continue
+                parts = len(disk) // config.num_experts
+                rows = local.shape[1] // parts
+                for i, key in enumerate(disk):  # (expert, part) order, as checkpoint_layout lists them
+                    j, p = divmod(i, parts)
+                    if key in mine and first <= j < first + len(local):
+                        weights.read_into(key, local[j - first, p * rows:(p + 1) * rows], f)
+    return sum(w.bytes_read for w in files.values())
+
+
+def shard(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
+    """fully_shard on each decoder layer, then on the root; refused for a merged LoRA (its deltas are
+    in the base weights, which FSDP would shard as frozen base)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if any(m.merged for m in lora_modules(model).values()):
+        raise ShardingRefused("--shard fsdp: the model's LoRA is merged into its base weights; unmerge_lora first "
+                              "(a merged delta cannot train, and FSDP would shard it as frozen base)")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausalLM, int]:
+    """The checkpoint in `folder` as an FSDP2 model on cfg.device with `install(model)` (training's
+    install_method: LoRA and the method) applied, without the whole base on any rank (module
+    docstring); returns it and the base-weight bytes this rank read from the files."""
+    config = read_config(folder)
+    dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
+    with torch.device("meta"):
+        model = MoEForCausalLM(config)
+    files, where = weight_index(folder, config)
+    layout = checkpoint_layout(config)
+    for name, p in list(model.named_parameters()):
+        if name.endswith(".mlp.gate.weight"):  # whole: install may copy or train it
+            value = torch.empty(p.shape, dtype=dtype)
+            with open(files[where[layout[name]]].path, "rb", buffering=0) as f:
+                files[where[layout[name]]].read_into(layout[name], value, f)
+        else:
+            value = torch.zeros((), dtype=dtype).expand(p.shape)  # shape and dtype only: one element of storage
+        set_parameter(model, name, nn.Parameter(value, requires_grad=False))
+    model.tie_weights()
+    install(model)
+    base = set(layout) | ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    small = {n: p.detach().to(device) for n, p in model.named_parameters() if n not in base or ".mlp.gate." in n}
+    for name, p in list(model.named_parameters()):
+        set_parameter(model, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                requires_grad=p.requires_grad))
+    model.tie_weights()
+    shard(model, device)
+    model.to_empty(device=device)
+    read = read_base_rows(model, folder) + sum(w.bytes_read for w in files.values())  # the rows, and the gates
+    put_rows(model, small)
+    return model, read
+
+
+def set_parameter(model: nn.Module, name: str, param: nn.Parameter):
+    module, _, leaf = name.rpartition(".")
+    model.get_submodule(module)._parameters[leaf] = param
+
+
+def load_adapter_rows(model: MoEForCausalLM, folder: Path):
+    """A run's own checkpoint (checkpoints/epoch-N or step-G, written by this run: config.json is checked
+    equal on --resume) into the sharded model: each rank its rows. Strict on the tensor names."""
+    from minimoe.runs.adapters import adapter_tensors, gate_layers
+    file = folder / "adapter.safetensors"
+    got = load_file(str(file))
+    want = adapter_tensors(model, gate_layers(model))
+    if set(got) != set(want):
+        odd = sorted(set(got) ^ set(want))
+        raise KeyError(f"{file}: tensor {odd[0]!r} is {'unexpected' if odd[0] in got else 'missing'} "
+                       f"({len(odd)} differ); expected this run's adapter")
+    put_rows(model, {k: v.to(want[k].dtype) for k, v in got.items()})
+
+
+def full_optimizer_state(model, optimizer) -> dict:
+    """AdamW's state gathered whole and keyed by parameter name (every rank calls it; a collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_optimizer_rows(model, optimizer, state: dict):
+    """full_optimizer_state's dict back into the sharded optimizer: each rank its rows."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,74 @@
+"""What fits where (minimoe/runs/memory.py): its weight figures held to the real safetensors files of a
+saved tiny model, the per-GPU split, and the verdict."""
+import json
+
+import pytest
+
+from minimoe.loading.checkpoint import save_pretrained
+from minimoe.runs import memory
+from tests.conftest import tiny_model
+
+
+def tensor_bytes(path) -> int:
+    """A safetensors file's tensor bytes, from its size: the file less its 8-byte length and its header."""
+    with open(path, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+    return path.stat().st_size - 8 - header
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "olmoe"])
+def test_weight_figures_are_the_safetensors_sizes(tmp_path, family):
+    save_pretrained(tiny_model(family), tmp_path / "m", max_shard_bytes=200_000)  # several shards and an index
+    files = sorted((tmp_path / "m").glob("*.safetensors"))
+    assert len(files) > 1
+    on_disk = sum(tensor_bytes(f) for f in files)  # float32
+    assert memory.stored_weights(tmp_path / "m") == on_disk
+    import torch
+    assert memory.stored_weights(tmp_path / "m", torch.bfloat16) == on_disk // 2
+    one = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32"])
+    assert one.weights == on_disk  # one GPU holds it all
+    ddp = memory.main([str(tmp_path / "m"), "--gpus", "4", "--shard", "ddp", "--dtype", "float32"])
+    assert ddp.weights == on_disk and ddp.lora == one.lora  # DDP: every rank the whole model
+    fsdp = memory.main([str(tmp_path / "m"), "--gpus", "4", "--shard", "fsdp", "--dtype", "float32"])
+    assert on_disk / 4 <= fsdp.weights - 2 * layer_bytes(tmp_path / "m") < on_disk / 4 * 1.1  # rows, + 2 layers
+    assert fsdp.lora * 4 == pytest.approx(one.lora, abs=4) and fsdp.optimizer * 4 == pytest.approx(one.optimizer, abs=4)
+
+
+def layer_bytes(folder) -> int:
+    """The largest decoder layer's bytes, from the files' headers (FSDP gathers one, prefetches the next)."""
+    from minimoe.loading.checkpoint import WeightFile
+    sizes = {}
+    for file in folder.glob("*.safetensors"):
+        for key, entry in WeightFile(file).entries.items():
+            if key.startswith("model.layers."):
+                layer = int(key.split(".")[2])
+                sizes[layer] = sizes.get(layer, 0) + entry["data_offsets"][1] - entry["data_offsets"][0]
+    return max(sizes.values())
+
+
+def test_the_verdict_and_the_table(tmp_path, capsys):
+    save_pretrained(tiny_model("olmoe"), tmp_path / "m")
+    assert memory.main([str(tmp_path / "m"), "--gpus", "2", "--gpu-memory", "16"]).fits
+    small = memory.main([str(tmp_path / "m"), "--gpus", "2", "--gpu-memory", "0.001"])
+    assert not small.fits and small.total > 0.9 * 0.001 * 2**30
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "AdamW state" in out and "activations (estimate)" in out
+    checkpointed = memory.main([str(tmp_path / "m"), "--gpus", "2", "--gradient-checkpointing"])
+    assert checkpointed.activations < small.activations  # one vector a layer kept, not the whole set
+
+
+def test_lora_figures_count_the_trainable_parameters(tmp_path):
+    """8 bytes a trainable parameter for weights + gradients, 8 for AdamW's moments: the same count as the
+    optimizer train.py makes (LoRA rank 8 on the recipe's targets, TES's error head)."""
+    import torch
+    from minimoe.runs.config import build_config
+    from minimoe.runs.training import install_method
+    save_pretrained(tiny_model("olmoe"), tmp_path / "m")
+    cfg, method = build_config({"model": str(tmp_path / "m"), "method": "tes", "lora_rank": 8}, "olmoe")
+    model = tiny_model("olmoe")
+    install_method(model, cfg, method)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    estimate = memory.main([str(tmp_path / "m"), "--gpus", "1", "--method", "tes", "--lora-rank", "8",
+                            "--recipe", "olmoe"])
+    assert estimate.lora == estimate.optimizer == 8 * trainable
+    assert json.dumps(vars(estimate))  # plain numbers
