@@ -58,9 +58,25 @@ FAMILY_SWITCHES = {
                       eos_token_id=1),
     # Mixtral: per-expert w1/w2/w3, renormalised top-2 (always), a sliding window.
     "mixtral": dict(sliding_window=6, head_dim=12, pad_token_id=0, eos_token_id=1),
+    # gpt-oss: sinks, biases and top-K on logits (fixed by the family), a sliding layer then a full one,
+    # YaRN, the clamped experts.
+    "gpt_oss": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 16},
+                    max_position_embeddings=64, pad_token_id=0, eos_token_id=1),
+    # DeepSeek: MLA (low-rank q, rope and no-rope parts, v narrower), a dense first layer, shared experts,
+    # group-limited top-K scaled (V2); sigmoid scores, correction bias, noaux_tc, renormalised (V3).
+    "deepseek_v2": dict(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, dense_intermediate_size=96,
+                        n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        routed_scaling_factor=2.0, pad_token_id=0, eos_token_id=1),
+    "deepseek_v3": dict(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, dense_intermediate_size=96,
+                        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        pad_token_id=0, eos_token_id=1),
 }
 # Families beyond the paper's two (the `family` fixture's params; heavy suites run on the paper's two only).
-NEW_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral"]
+NEW_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
 
 
 def tiny_config(family: str, **overrides) -> MoEConfig:

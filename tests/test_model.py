@@ -292,6 +292,10 @@ def test_every_layer_returns_its_routing(family):
 
 def test_aux_loss_matches_transformers(family, tmp_path):
     """The load-balancing loss over all layers, padding-aware, equals transformers' load_balancing_loss_func."""
+    if family == "gpt_oss":
+        pytest.skip("transformers 4.57's gpt-oss feeds its router *scores* (the softmax of the K, zeros elsewhere) "
+                    "to load_balancing_loss_func as if they were logits; ours is the Switch loss on the logits "
+                    "(docs/families.md)")
     ref, path = reference_model(family, tmp_path)
     ours = minimoe.from_pretrained(path)
     ids, mask = batch()
@@ -310,40 +314,4 @@ def test_bad_config_values_raise():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         tiny_config("olmoe", num_key_value_heads=3)
     with pytest.raises(ValueError, match="rope_scaling"):
-        tiny_config("olmoe", rope_scaling={"type": "linear", "factor": 2.0})
-
-
-def packed_rows():
-    """Two rows of packed answer choices (segment 0 the prompt, 1-3 the choices), the second padded at the end."""
-    seg = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 0, 0, 0, 0],
-                        [0, 0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3, 0, 0, 0]])
-    mask = torch.ones(2, 16, dtype=torch.long)
-    mask[1, 13:] = 0
-    return seg, mask
-
-
-def test_flex_block_mask_equals_the_dense_mask():
-    """block_mask (FlexAttention, CUDA's path for packed rows) allows exactly what _attention_mask's bool
-    mask does: with segments, with padding, and with both; with and without a sliding window (packed rows
-    count it in their own positions)."""
-    from torch.nn.attention.flex_attention import create_mask
-    seg, pad = packed_rows()
-    positions = torch.stack([torch.arange(16), torch.arange(16) % 5])  # row 1: positions restarting, as packed
-    for window in (None, 3):
-        for s, m in ((seg, None), (None, pad), (seg, pad)):
-            dense = model_module.MoEForCausalLM._attention_mask(m, 2, 16, 0, "cpu", s, window, positions)
-            flex = model_module.block_mask(m, s, 2, 16, window, positions)
-            assert torch.equal(create_mask(flex.mask_mod, 2, 1, 16, 16, device="cpu"), dense), (window, s, m)
-
-
-def test_flex_forward_equals_sdpa(family, monkeypatch):
-    """The model's logits with FlexAttention on packed, padded rows equal the SDPA path's (CPU, forward
-    only: torch 2.13 has no flex backward on the CPU; tests/test_cuda.py holds the backward)."""
-    model = tiny_model(family)
-    seg, pad = packed_rows()
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = model(ids, attention_mask=pad, segment_ids=seg).logits
-        monkeypatch.setattr(model_module, "FLEX_DEVICES", {"cpu"})
-        got = model(ids, attention_mask=pad, segment_ids=seg).logits
-    torch.testing.assert_close(got[pad.bool()], want[pad.bool()], rtol=1e-5, atol=1e-5)
+        tiny_config("olmoe", rope_scaling={"type": "dynamic", "factor": 2.0})  # linear and yarn are honoured (core/rope.py)

@@ -33,7 +33,8 @@ class Family:
     recipe: str  # the runs.config.RECIPES preset that trains it (module docstring)
     lora_targets: tuple[str, ...]  # lora.TARGETS names (and ALIASES) adapted when --lora-targets is not given
     # our parameter name (per layer) -> its on-disk key, or a tuple of per-expert key patterns ({j}:
-    # the expert) concatenated along `out` into our stacked bank (gate rows, then up rows)
+    # the expert) concatenated along `out` into our stacked bank (gate rows, then up rows), or a
+    # `Converted` key (stored in another layout than ours)
     layer_keys: dict = field(default_factory=dict)
     renames: dict = field(default_factory=dict)  # config.json field -> our MoEConfig field
     config_fields: frozenset = frozenset()  # our fields its config.json has beyond CONFIG_FIELDS (written back)
@@ -41,6 +42,14 @@ class Family:
     defaults: dict = field(default_factory=dict)  # transformers' config defaults for fields config.json may omit
     name_hints: tuple[str, ...] = ()  # lowercase parts of a hub id or folder name that mean this family (sweep.py)
     recipe_note: str = ""  # why it trains with `recipe` where the paper gives it none
+
+
+@dataclass(frozen=True)
+class Converted:
+    """An on-disk tensor stored in another layout than our parameter's: `layout` names the conversion
+    (loading/checkpoint.py's CONVERSIONS holds each one's load and save, and its MXFP4 form if any)."""
+    key: str
+    layout: str
 
 
 FAMILIES: dict[str, Family] = {}
@@ -141,3 +150,60 @@ register_family(Family(
     config_fields=frozenset({"router_aux_loss_coef", "head_dim", "sliding_window"}),
     fixed={"norm_topk_prob": True, "use_sliding_window": True},  # a window applies whenever sliding_window is set
     defaults={"rope_theta": 1e6, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.001}))
+
+register_family(Family(
+    "gpt_oss", "GptOssForCausalLM",
+    brings="attention sinks; sliding and full layers alternating (layer_types); biases on attention, router and "
+           "experts; top-K on logits then softmax over the K; clamped SwiGLU, gate and up interleaved on disk; "
+           "YaRN; experts in MXFP4 in the official checkpoint, dequantised on load",
+    hub_examples=("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
+    recipe="granite", recipe_note="top-K on logits then softmax over the K, as Granite's router: its recipe, "
+                                  "LoRA targets (Q/K/V and the routed experts) included",
+    lora_targets=("q", "k", "v", "experts"), name_hints=("gpt-oss", "gpt_oss"),
+    layer_keys={"mlp.gate.weight": "mlp.router.weight", "mlp.gate.bias": "mlp.router.bias",
+                "mlp.experts.gate_up_proj.weight": Converted("mlp.experts.gate_up_proj", "gate_up_interleaved"),
+                "mlp.experts.gate_up_proj_bias": Converted("mlp.experts.gate_up_proj_bias", "bias_interleaved"),
+                "mlp.experts.down_proj.weight": Converted("mlp.experts.down_proj", "transposed")},
+    renames={"num_local_experts": "num_experts"},
+    config_fields=frozenset({"router_aux_loss_coef", "head_dim", "sliding_window", "layer_types", "swiglu_limit"}),
+    # transformers' GptOssConfig sets attention_bias itself, and its modeling file hard-codes the rest
+    fixed={"attention_bias": True, "attention_sinks": True, "router_bias": True, "topk_on_logits": True,
+           "norm_topk_prob": True, "use_sliding_window": True, "norm_weight_in_fp32": True, "router_fp32": True},  # the window applies on layer_types' sliding layers
+    defaults={"swiglu_limit": 7.0, "sliding_window": 128, "rope_theta": 150000.0}))
+
+# DeepSeek's config.json, as Qwen's: moe_intermediate_size is the expert width, intermediate_size the dense
+# layers' (the first first_k_dense_replace); n_shared_experts un-gated shared experts (mlp.shared_experts).
+DEEPSEEK_RENAMES = {"n_routed_experts": "num_experts", "moe_intermediate_size": "intermediate_size",
+                    "intermediate_size": "dense_intermediate_size"}
+DEEPSEEK_FIELDS = frozenset({"kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                             "attention_bias", "first_k_dense_replace", "dense_intermediate_size", "n_shared_experts",
+                             "routed_scaling_factor", "n_group", "topk_group"})
+DEEPSEEK_KEYS = {**PER_EXPERT_KEYS, **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared_experts.{p}_proj.weight"
+                                       for p in ("gate", "up", "down")}}
+
+register_family(Family(
+    "deepseek_v2", "DeepseekV2ForCausalLM",
+    brings="Multi-head Latent Attention (low-rank q and kv, rope and no-rope head parts); YaRN; shared experts; "
+           "dense first layers (first_k_dense_replace); greedy or group-limited top-K; routed_scaling_factor",
+    hub_examples=("deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("deepseek-v2",),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
+                "k and v: kv_b_proj; core/lora.py)",
+    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, config_fields=DEEPSEEK_FIELDS | {"topk_method"},
+    # transformers 4.57's V2 gate scores in fp32 and never renormalises the K (DeepSeek-V2's releases say false)
+    fixed={"scoring_func": "softmax", "router_fp32": True, "norm_topk_prob": False},
+    defaults={"topk_method": "greedy", "first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "n_shared_experts": 2}))
+
+register_family(Family(
+    "deepseek_v3", "DeepseekV3ForCausalLM",
+    brings="as DeepSeek-V2, plus sigmoid scores with e_score_correction_bias for selection only and noaux_tc "
+           "group-limited top-K (n_group, topk_group); norm_topk_prob",
+    hub_examples=("moonshotai/Moonlight-16B-A3B", "deepseek-ai/DeepSeek-V3"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("deepseek-v3", "moonlight"),
+    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
+                "k and v: kv_b_proj; core/lora.py)",
+    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES,
+    config_fields=DEEPSEEK_FIELDS | {"norm_topk_prob", "rope_interleave"},
+    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True},
+    defaults={"first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+              "n_shared_experts": 1, "norm_topk_prob": True, "rope_interleave": True}))

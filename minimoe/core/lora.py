@@ -73,6 +73,18 @@ from minimoe.core.routing import set_routing_trainable
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
            "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
 ALIASES = {"experts": ("gate_up", "down")}
+# Multi-head Latent Attention (core/mla.py) has no k_proj or v_proj: its queries come from q_b_proj
+# (q_proj without a query low rank) and every head's key and value from kv_b_proj, so "k" and "v"
+# both name kv_b_proj (adapted once). The down-projections q_a_proj and kv_a_proj_with_mqa are
+# compressions already, and the latter carries the rope key all heads share: not adapted (docs/families.md).
+MLA_TARGETS = {"q": "self_attn.q_b_proj", "k": "self_attn.kv_b_proj", "v": "self_attn.kv_b_proj"}
+
+
+def target_path(config, t: str) -> str:
+    """The module that target `t` adapts in each layer of a model of `config`."""
+    if config.kv_lora_rank is not None and t in MLA_TARGETS and not (t == "q" and config.q_lora_rank is None):
+        return MLA_TARGETS[t]
+    return TARGETS[t]
 
 
 class LoRAMixin:
@@ -297,12 +309,15 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
     model.requires_grad_(False)  # the base; LoRA's parameters below are new and train
     for i, layer in enumerate(model.model.layers):
         for t in targets:
-            if TARGETS[t].startswith("mlp.experts") and not layer.sparse:
+            path = target_path(config, t)
+            if path.startswith("mlp.experts") and not layer.sparse:
                 continue  # a dense layer's MLP is not adapted (nor is a shared expert: docs/methods.md)
-            parent_name, _, leaf = TARGETS[t].rpartition(".")
-            parent, base = layer.get_submodule(parent_name), layer.get_submodule(TARGETS[t])
+            parent_name, _, leaf = path.rpartition(".")
+            parent, base = layer.get_submodule(parent_name), layer.get_submodule(path)
+            if isinstance(base, LoRAMixin):  # MLA's kv_b_proj, named by both "k" and "v"
+                continue
             if isinstance(base, GroupedLinear):
-                disk = family_of(config.model_type).layer_keys.get(f"{TARGETS[t]}.weight")
+                disk = family_of(config.model_type).layer_keys.get(f"{path}.weight")
                 blocks = len(disk) if isinstance(disk, tuple) else 1  # one LoRA per on-disk matrix
                 lora = LoRAGroupedLinear(base, rank, alpha, dropout, blocks, dtype)
             else:

@@ -38,10 +38,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minimoe.core.clamped_experts import ClampedSwiGLUExperts
 from minimoe.core.experts import Experts
 from minimoe.core.families import family_of
 from minimoe.core.mlp import DenseMLP
+from minimoe.core.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
 from minimoe.core.routing import SCORE_FUNCS, TOPK_METHODS, NativeRouter, Routing, Scoring
+from minimoe.core.sinks import sink_attention
 
 
 @dataclass
@@ -76,6 +79,7 @@ class MoEConfig:
     dense_intermediate_size: int | None = None
     shared_expert_intermediate_size: int = 0  # > 0: a shared expert of this width beside the routed ones
     shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(w . x) (Qwen2-MoE)
+    n_shared_experts: int = 0  # DeepSeek: shared experts of intermediate_size each, run as one of n times the width
     # The router's scoring and selection (routing.Scoring reads these; families.py says who uses which).
     scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
     topk_on_logits: bool = False  # top-K on the logits, then softmax over the K (Granite, gpt-oss)
@@ -85,6 +89,16 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek)
     router_bias: bool = False  # the gate has a bias (gpt-oss)
     router_fp32: bool = False  # the gate's matmul in fp32, its input upcast (DeepSeek); else the model dtype
+    # Attention beyond GQA. gpt-oss: sinks (core/sinks.py); DeepSeek: MLA (core/mla.py).
+    attention_sinks: bool = False  # a learned logit per head joins every softmax, with no value
+    norm_weight_in_fp32: bool = False  # the layer norms multiply their weight before the cast back (gpt-oss)
+    kv_lora_rank: int | None = None  # set: Multi-head Latent Attention, with the four fields below
+    q_lora_rank: int | None = None  # MLA's query low rank; None: one q_proj
+    qk_nope_head_dim: int = 0  # MLA: each head's query/key part without rope
+    qk_rope_head_dim: int = 0  # MLA: each head's query/key part with rope (one rope key for all heads)
+    v_head_dim: int = 0  # MLA: each head's value width
+    rope_interleave: bool = True  # MLA: rope dims stored as interleaved pairs (DeepSeek-V2 always, V3's switch)
+    swiglu_limit: float | None = None  # set: gpt-oss's clamped SwiGLU experts with biases (core/clamped_experts.py)
     # Granite's multipliers; the OLMoE values leave the forward unchanged.
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -103,6 +117,8 @@ class MoEConfig:
     def __post_init__(self):
         for name, value in family_of(self.model_type).fixed.items():  # the unknown model_type error names them all
             setattr(self, name, value)
+        if self.n_shared_experts:  # n SwiGLU experts summed = one of n times the width (their rows concatenated)
+            self.shared_expert_intermediate_size = self.n_shared_experts * self.intermediate_size
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(f"config: hidden_size {self.hidden_size} is not divisible by "
@@ -117,8 +133,8 @@ class MoEConfig:
                              f"[1, num_experts={self.num_experts}]")
         if self.hidden_act != "silu":
             raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
-        if self.rope_scaling is not None:
-            raise ValueError(f"config: rope_scaling {self.rope_scaling!r} is not supported; expected null")
+        rope_type(self.rope_scaling)  # refuses, by name, a type core/rope.py does not compute
+        self._check_attention()
         if self.qk_norm not in (None, "full", "head"):
             raise ValueError(f"config: qk_norm {self.qk_norm!r}; expected None, 'full' or 'head'")
         if self.sliding_window is not None and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
@@ -132,6 +148,15 @@ class MoEConfig:
         if len(self.sparse_layers) < self.num_hidden_layers and not self.dense_intermediate_size:
             raise ValueError("config: dense layers need dense_intermediate_size (config.json's intermediate_size)")
         self._check_router()
+
+    def _check_attention(self):
+        kinds = ("full_attention", "sliding_attention")
+        if self.layer_types is not None and not set(self.layer_types) <= set(kinds):
+            raise ValueError(f"config: layer_types {self.layer_types!r}; expected each one of {kinds}")
+        if self.kv_lora_rank is not None and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
+            raise ValueError("config: Multi-head Latent Attention (kv_lora_rank set) needs qk_nope_head_dim, "
+                             f"qk_rope_head_dim and v_head_dim >= 1; got {self.qk_nope_head_dim}, "
+                             f"{self.qk_rope_head_dim}, {self.v_head_dim}")
 
     def _check_router(self):
         if self.scoring_func not in SCORE_FUNCS:
@@ -166,6 +191,10 @@ class MoEConfig:
         return self.sliding_window
 
     @property
+    def rope_dim(self) -> int:  # the dims each head rotates: MLA's rope part, else the whole head
+        return self.qk_rope_head_dim if self.kv_lora_rank is not None else self.head_dim
+
+    @property
     def attention_scale(self) -> float:
         return self.attention_multiplier if self.attention_multiplier is not None else self.head_dim ** -0.5
 
@@ -173,39 +202,35 @@ class MoEConfig:
 # ----------------------------------------------------------------------------- building blocks
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.weight_in_fp32 = eps, weight_in_fp32
 
     def forward(self, x):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight_in_fp32:  # gpt-oss: the weight multiplies the fp32 values, one rounding at the end
+            return (self.weight * x32).to(x.dtype)
         return self.weight * x32.to(x.dtype)  # cast before the weight, as the reference does
 
 
-def rope_cos_sin(position_ids, head_dim: int, theta: float, dtype):
-    """cos, sin [B, T, d] for the rotate-half convention; computed in fp32, cast to the model dtype."""
-    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim
-    inv_freq = 1.0 / (theta ** exponent)  # [d/2]
-    freqs = position_ids[..., None].float() * inv_freq  # [B, T, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [B, T, d]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x, cos, sin):  # x [B, h, T, d], cos/sin [B, T, d]
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def position_embeddings(config: MoEConfig, position_ids, dtype):
+    """cos, sin [B, T, rope_dim] of `config`'s rope, its rope_scaling included (core/rope.py)."""
+    inv_freq, factor = rope_frequencies(config.rope_dim, config.rope_theta, config.rope_scaling,
+                                        config.max_position_embeddings)
+    return rope_cos_sin(position_ids, inv_freq, factor, dtype)
 
 
 class KVCache:
     """Preallocated keys and values for every layer: [B, G, S_max, d] each, filled left to right."""
 
     def __init__(self, config: MoEConfig, batch_size: int, max_len: int, dtype, device):
-        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        G, dk, dv = config.num_key_value_heads, config.head_dim, config.head_dim
+        if config.kv_lora_rank is not None:  # MLA caches every head's full key and value (core/mla.py)
+            G, dk, dv = config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
+        self.k = [torch.zeros(batch_size, G, max_len, dk, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(batch_size, G, max_len, dv, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
         self.length = 0  # positions filled so far; advanced once per forward by the model
 
     def update(self, layer: int, k, v):  # k, v [B, G, T, d] -> all keys/values so far [B, G, S, d]
@@ -231,6 +256,8 @@ class Attention(nn.Module):
             width = {"full": (H * d, G * d), "head": (d, d)}[config.qk_norm]
             self.q_norm = RMSNorm(width[0], config.rms_norm_eps)
             self.k_norm = RMSNorm(width[1], config.rms_norm_eps)
+        if config.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/sinks.py)
+            self.sinks = nn.Parameter(torch.zeros(H))
 
     def forward(self, x, cos, sin, mask, cache: KVCache | None):  # x [B, T, D]
         c = self.config
@@ -249,13 +276,16 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # [B, G, S, d]
-        # Query head h reads kv head h // (H/G): the reference's repeat_interleave layout.
+        return self.o_proj(self.attend(q, k, v, mask).transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, q, k, v, mask):  # q [B, H, T, d], k/v [B, G, S, d], mask bool or None -> [B, H, T, d]
+        if self.config.attention_sinks:
+            return sink_attention(q, k, v, self.sinks, mask, self.config.attention_scale)
         if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask on CUDA: a fused kernel (`block_mask`)
-            y = flex(q.is_cuda)(q, k, v, block_mask=mask, scale=c.attention_scale, enable_gqa=True)
-        else:  # the readable reference path
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                               scale=c.attention_scale, enable_gqa=True)  # [B, H, T, d]
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+            return flex(q.is_cuda)(q, k, v, block_mask=mask, scale=self.config.attention_scale, enable_gqa=True)
+        # the readable reference path; query head h reads kv head h // (H/G): the reference's repeat_interleave layout
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=self.config.attention_scale, enable_gqa=True)
 
 
 # ----------------------------------------------------------------------------- the MoE block
@@ -266,7 +296,11 @@ class MoEBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)  # native affinity W_aff
         if config.topk_method == "noaux_tc":  # DeepSeek-V3's selection-only bias, a checkpoint tensor, never trained
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
-        self.experts = Experts(config)
+        if config.swiglu_limit is not None:  # gpt-oss (core/clamped_experts.py)
+            self.experts = ClampedSwiGLUExperts(config.num_experts, config.hidden_size, config.intermediate_size,
+                                                limit=config.swiglu_limit)
+        else:
+            self.experts = Experts(config)
         self.router = NativeRouter(Scoring.of(config))
         self.router_fp32 = config.router_fp32
         if config.shared_expert_intermediate_size:  # never routed: every token's, beside the routed K (mlp.py)
@@ -306,12 +340,16 @@ def scaled(x, factor: float):
 class DecoderLayer(nn.Module):
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx)
+        if config.kv_lora_rank is not None:  # DeepSeek; imported here: mla.py builds on this file's RMSNorm
+            from minimoe.core.mla import MLAttention
+            self.self_attn = MLAttention(config, layer_idx)
+        else:
+            self.self_attn = Attention(config, layer_idx)
         self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
         self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size)
         self.window = config.window(layer_idx)  # sliding attention window, None: full
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
         self.residual_multiplier = config.residual_multiplier
         self.gradient_checkpointing = False  # recompute this block in backward instead of storing it
 
@@ -346,7 +384,7 @@ class Model(nn.Module):
         if not weight.is_meta:
             self.embed_tokens.reset_parameters()
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
 
 
 class MoEForCausalLM(nn.Module):
@@ -390,9 +428,10 @@ class MoEForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
-        cos, sin = rope_cos_sin(position_ids, c.head_dim, c.rope_theta, h.dtype)
+        cos, sin = position_embeddings(c, position_ids, h.dtype)
         flex = input_ids.device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or
                                                                          segment_ids is not None)
+        flex = flex and not c.attention_sinks and c.kv_lora_rank is None  # sinks and MLA take a bool mask
         masks = {w: block_mask(attention_mask, segment_ids, B, T, w, position_ids) if flex else
                  self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids, w, position_ids)
                  for w in {layer.window for layer in self.model.layers}}  # one per window size, None: full

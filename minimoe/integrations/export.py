@@ -9,6 +9,12 @@ names map onto the checkpoint's through the family's `layer_keys` (core/families
   `output_linear.weight`), so they go through peft's `target_parameters` (its ParamWrapper), which
   stores A as [E*r, in] with the expert index slowest and B as [out, r*E] with the expert index
   fastest: A = ours.reshape(E*r, in), B = ours.permute(1, 2, 0).reshape(out, r*E).
+- gpt-oss stores its banks as x @ W (`gate_up_proj [E, D, 2I]`, gate and up columns interleaved;
+  `down_proj [E, I, D]`), which peft's ParamWrapper adapts as W[e] += B_e A_e with W[e] taken as
+  [out, in] = its two last dims. Our delta is (B A) of [out, in] = W^T, so peft's B_e is our A_e^T and
+  its A_e our B_e^T, gate_up's columns interleaved as the checkpoint's (loading/gpt_oss.py). Both are
+  parameters of one module (`mlp.experts`), which peft wraps once per parameter in the module's
+  parameter order: the first one's keys sit under one `base_layer.` per later wrapper.
 - OLMoE keeps per-expert modules on transformers 4.x: our fused gate_up pair splits into rank-r
   LoRAs on `experts.{j}.gate_proj` (A rows [0, r), B rows [0, I)) and `up_proj` (the rest), and
   down_proj's pair into `experts.{j}.down_proj`.
@@ -32,9 +38,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.core.families import family_of
+from minimoe.core.families import Converted, family_of
 from minimoe.core.model import MoEForCausalLM
 from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint
+from minimoe.loading.gpt_oss import interleave
 from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
                                    refuse_routing_heads)
 from minimoe.runs.folder import resolve_adapter  # a run folder resolves through selection.json
@@ -63,6 +70,8 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
     fp = config["fingerprint"]
     table, E, r = family_of(fp["model_type"]).layer_keys, fp["num_experts"], config["rank"]
     out, modules, params, saved = {}, set(), set(), []
+    wrapped = {}  # peft module path -> {parameter name: {"lora_A"/"lora_B": tensor}} (Converted banks)
+    order = [d.key.rpartition(".")[2] for d in table.values() if isinstance(d, Converted)]  # the module's param order
     for key in sorted(tensors):
         t = tensors[key]
         layer, _, name = key.partition(".layers.")[2].partition(".")
@@ -77,7 +86,16 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
                            "tuned native gates only")
         base, _, ab = name.rpartition(".")  # e.g. "mlp.experts.gate_up_proj", "lora_A"
         disk = table.get(f"{base}.weight", f"{base}.weight")
-        if isinstance(disk, str) and t.dim() == 2:  # a linear layer: same module, same shapes
+        if isinstance(disk, Converted):  # a bank stored as x @ W (gpt-oss): peft's B_e = A_e^T, A_e = B_e^T
+            module, _, param = disk.key.rpartition(".")
+            pieces = wrapped.setdefault(prefix + module, {}).setdefault(param, {})
+            if ab == "lora_A":  # ours [E, r, in] -> peft's B [out', r*E] (out' = our in), expert fastest
+                pieces["lora_B"] = t.permute(2, 1, 0).reshape(t.shape[-1], r * E)
+            else:  # ours [E, out, r] -> peft's A [E*r, in'] (in' = our out, interleaved as on disk), expert slowest
+                u = interleave(t, dim=1) if disk.layout == "gate_up_interleaved" else t
+                pieces["lora_A"] = u.transpose(1, 2).reshape(E * r, t.shape[1])
+            params.add(f"{module.rpartition('.')[2]}.{param}")  # "experts.gate_up_proj"
+        elif isinstance(disk, str) and t.dim() == 2:  # a linear layer: same module, same shapes
             module = disk.removesuffix(".weight")
             out[f"{prefix}{module}.{ab}.weight"] = t
             modules.add(module.rpartition(".")[2])
@@ -93,7 +111,15 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
                 for pat, part in zip(disk, t[j].chunk(len(disk), dim=0)):
                     module = pat.format(j=j).removesuffix(".weight")
                     out[f"{prefix}{module}.{ab}.weight"] = part.contiguous()
-                    modules.add(module.rpartition(".")[2])
+                    # "experts.{j}.gate_proj", not "gate_proj": a dense layer's MLP and a shared expert
+                    # (DeepSeek, Qwen2-MoE) have modules of that name too, which are not adapted
+                    modules.add(".".join(module.split(".")[-3:]))
+    for module, by_param in wrapped.items():  # nested ParamWrappers: the first parameter deepest
+        names = sorted(by_param, key=order.index)
+        for depth, param in enumerate(names):
+            path = module + ".base_layer" * (len(names) - 1 - depth)
+            for ab, t in by_param[param].items():
+                out[f"{path}.{ab}.weight"] = t
     return out, {"target_modules": sorted(modules) or None, "target_parameters": sorted(params) or None,
                  "modules_to_save": saved or None}
 

@@ -21,9 +21,19 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.core.families import CONFIG_FIELDS, family_of
+from minimoe.core.families import CONFIG_FIELDS, Converted, family_of
 from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
+from minimoe.loading import gpt_oss
 from minimoe.loading.allocator import advise_huge_pages
+
+# Converted keys (core/families.py): layout -> (disk -> ours, ours -> disk, MXFP4 blocks and scales -> ours
+# or None). Only gpt-oss needs them so far (loading/gpt_oss.py says why).
+CONVERSIONS = {
+    "gate_up_interleaved": (gpt_oss.gate_up_from_disk, gpt_oss.gate_up_to_disk, gpt_oss.gate_up_from_mxfp4),
+    "bias_interleaved": (gpt_oss.gate_up_bias_from_disk, gpt_oss.gate_up_bias_to_disk, None),
+    "transposed": (gpt_oss.down_from_disk, gpt_oss.down_to_disk, gpt_oss.down_from_mxfp4),
+}
+QUANTIZED_ON_DISK = ("mxfp4",)  # quantization_config.quant_method values we dequantise on load
 
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "num_experts", "num_experts_per_tok")
@@ -43,6 +53,12 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
     if missing:
         raise ValueError(f"{source}: missing field(s) {missing} for model_type {family.model_type!r}")
+    quant = (d.get("quantization_config") or {}).get("quant_method")
+    if quant is not None:  # dequantised on load and saved dense: the saved config.json says no quantization
+        if quant not in QUANTIZED_ON_DISK:
+            raise ValueError(f"{source}: quantization_config quant_method {quant!r} is not supported; expected "
+                             f"one of {QUANTIZED_ON_DISK} (dequantised on load) or none")
+        d = {k: v for k, v in d.items() if k != "quantization_config"}
     ours = set(config_field_names()) - set(family.fixed)  # a fixed field is the family's, whatever the file says
     known = {k: v for k, v in d.items() if k in ours}
     extra = {k: v for k, v in d.items() if k not in ours}
@@ -57,6 +73,9 @@ def config_to_dict(config: MoEConfig) -> dict:
     back = {v: k for k, v in family.renames.items()}
     d = {**config.extra, **{back.get(k, k): getattr(config, k) for k in config_field_names() if k in written}}
     d["architectures"] = [family.architecture]
+    if "layer_types" in written and d.get("layer_types") is None:  # gpt-oss's config would alternate them otherwise
+        d["layer_types"] = ["sliding_attention" if config.window(i) else "full_attention"
+                            for i in range(config.num_hidden_layers)]
     if "attention_multiplier" in written and d.get("attention_multiplier") is None:
         d["attention_multiplier"] = config.attention_scale
     return d
@@ -77,8 +96,9 @@ def read_config(folder: Path) -> MoEConfig:
 
 # ----------------------------------------------------------------------------- name table
 
-def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str]:
-    """Our parameter name -> its on-disk key (str) or per-expert keys (tuple, in concatenation order).
+def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str | Converted]:
+    """Our parameter name -> its on-disk key (str), per-expert keys (tuple, in concatenation order) or a
+    Converted key (stored in another layout: CONVERSIONS).
 
     Read off the model's own parameters (built on the meta device), each under its own name unless the
     family's `layer_keys` renames it: whatever modules a family's config switches on (biases, q/k norms,
@@ -97,9 +117,22 @@ def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str]:
         disk = table.get(local, local)
         if isinstance(disk, tuple):
             layout[name] = tuple(at + pat.format(j=j) for j in range(config.num_experts) for pat in disk)
+        elif isinstance(disk, Converted):
+            layout[name] = Converted(at + disk.key, disk.layout)
         else:
             layout[name] = at + disk
     return layout
+
+
+def mxfp4_keys(key: str) -> tuple[str, str]:
+    """The blocks and scales that stand for `key` in an MXFP4 checkpoint (loading/mxfp4.py)."""
+    return key + "_blocks", key + "_scales"
+
+
+def mxfp4_stored(layout: dict, where: dict) -> set[str]:
+    """The Converted keys that a checkpoint stores as MXFP4 blocks and scales instead of themselves."""
+    return {disk.key for disk in layout.values()
+            if isinstance(disk, Converted) and disk.key not in where and mxfp4_keys(disk.key)[0] in where}
 
 
 # ----------------------------------------------------------------------------- loading
@@ -245,15 +278,30 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
         model = MoEForCausalLM(config)
     layout = checkpoint_layout(config)
     files, where = weight_index(folder, config)
+    quantized = mxfp4_stored(layout, where)
 
     # Allocate every parameter at its final dtype and device, and note where each disk key lands:
     # a whole parameter, or (OLMoE) one expert's gate, up or down rows inside a stacked bank.
-    destination = {}  # disk key -> tensor (a parameter or a contiguous slice of one)
+    destination = {}  # disk key -> tensor (a parameter or a contiguous slice of one, or a converted key's buffer)
+    converted = []  # (parameter, conversion, its buffers), converted once every file is read
     for name, disk in layout.items():
         meta = model.get_parameter(name)
         value = torch.empty(meta.shape, dtype=dtype, device=device)
         advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
-        if isinstance(disk, str):
+        if isinstance(disk, Converted):  # read as stored (its shape: ours taken to the disk layout), then converted
+            from_disk, to_disk, from_mxfp4 = CONVERSIONS[disk.layout]
+            if disk.key in quantized:
+                if from_mxfp4 is None:
+                    raise KeyError(f"{folder}: {disk.key!r} is stored as MXFP4 blocks and scales; it must be dense")
+                E, out, inner = meta.shape  # MXFP4 stores [E, out, in] as 32-value blocks along in
+                buffers = [torch.empty(E, out, inner // 32, 16, dtype=torch.uint8), torch.empty(E, out, inner // 32, dtype=torch.uint8)]
+                destination.update(zip(mxfp4_keys(disk.key), buffers))
+                converted.append((value, lambda b, s, f=from_mxfp4, k=disk.key: f(b, s, dtype, k), buffers))
+            else:
+                buffer = torch.empty(to_disk(torch.empty(meta.shape, device="meta")).shape, dtype=dtype)
+                destination[disk.key] = buffer
+                converted.append((value, from_disk, [buffer]))
+        elif isinstance(disk, str):
             destination[disk] = value
         else:  # per-expert keys in (expert, part) order; part p fills rows [p*rows, (p+1)*rows)
             parts = len(disk) // config.num_experts
@@ -268,6 +316,8 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
             for key in weights.keys():
                 if key in destination and where.get(key) == file:
                     weights.read_into(key, destination[key], f)
+    for value, convert, buffers in converted:
+        value.copy_(convert(*buffers))
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
@@ -286,7 +336,13 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
             if key not in files[file].entries:
                 raise KeyError(f"{folder}: the shard index puts {key!r} in {file}, which does not hold it")
             where[key] = file
-    expected = {k for disk in layout.values() for k in ((disk,) if isinstance(disk, str) else disk)}
+    quantized = mxfp4_stored(layout, where)
+    expected = set()
+    for disk in layout.values():
+        if isinstance(disk, Converted):
+            expected.update(mxfp4_keys(disk.key) if disk.key in quantized else (disk.key,))
+        else:
+            expected.update((disk,) if isinstance(disk, str) else disk)
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
     unexpected = sorted(set(where) - expected - ignored)
     if unexpected:
@@ -307,6 +363,9 @@ def to_disk_layout(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> dict[
         value = tensors[name]
         if isinstance(disk, str):
             out[disk] = value.contiguous()
+            continue
+        if isinstance(disk, Converted):  # saved dense, in the layout transformers reads (MXFP4 is never written)
+            out[disk.key] = CONVERSIONS[disk.layout][1](value)
             continue
         parts = len(disk) // config.num_experts
         rows = value.shape[1] // parts

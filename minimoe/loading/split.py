@@ -244,7 +244,7 @@ def split_model(dense, ids: torch.Tensor, s: SplitSettings):
     (the split MoEForCausalLM sharing dense's other weights, per-layer stats). Layer by layer: each MLP
     is split on the hidden states of the layers already split below it."""
     from dataclasses import replace
-    from minimoe.core.model import MoEForCausalLM, rope_cos_sin
+    from minimoe.core.model import MoEForCausalLM, position_embeddings
     c = dense.config
     config = replace(c, num_experts=s.num_experts, num_experts_per_tok=s.top_k,
                      intermediate_size=check_settings(s, c.intermediate_size))
@@ -257,7 +257,7 @@ def split_model(dense, ids: torch.Tensor, s: SplitSettings):
     g = torch.Generator().manual_seed(s.seed)
     B, L = ids.shape
     h = dense.model.embed_tokens(ids) * c.embedding_multiplier  # [B, L, D]
-    cos, sin = rope_cos_sin(torch.arange(L).expand(B, L), c.head_dim, c.rope_theta, h.dtype)
+    cos, sin = position_embeddings(c, torch.arange(L).expand(B, L), h.dtype)
     stats = []
     for i, layer in enumerate(model.model.layers):
         t0 = time.perf_counter()

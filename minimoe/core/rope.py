@@ -1,0 +1,108 @@
+"""Rotary position embeddings: the frequencies of each `rope_scaling` type, and the two pair layouts.
+
+`rope_frequencies` reads a config.json's `rope_scaling` as transformers 4.57's ROPE_INIT_FUNCTIONS
+do (modeling_rope_utils.py) and returns the inverse frequencies [d/2] and the attention factor
+that multiplies cos and sin. `rope_cos_sin` builds cos, sin [B, T, d] in fp32 (cast at the end),
+for the rotate-half convention every family here uses: pair i is (x[i], x[i + d/2]).
+
+Decisions:
+- Types: none/"default", "linear" and "yarn", the ones the families' published configs use
+  (DeepSeek-V2-Lite: yarn, factor 40, mscale = mscale_all_dim = 0.707; gpt-oss-20b: yarn, factor 32,
+  truncate false; Moonlight: none). Any other type is refused by name rather than run wrong.
+  "dynamic" and "longrope" depend on the sequence length at run time; none of our families uses them.
+- YaRN (Peng et al. 2023): each frequency is interpolated (divided by `factor`) or kept, with a
+  linear ramp between the dimensions that turn `beta_fast` and `beta_slow` times over the original
+  context; cos and sin are scaled by `attention_factor`, by default 0.1 ln(factor) + 1, or, with
+  `mscale` and `mscale_all_dim`, the ratio mscale(factor, mscale) / mscale(factor, mscale_all_dim).
+- Multi-head Latent Attention also multiplies its softmax scale by mscale(factor, mscale_all_dim)^2
+  (DeepSeek's own modeling_deepseek.py): `yarn_softmax_mscale`. transformers 4.57 applies it in
+  DeepSeek-V3 but not in DeepSeek-V2 (fixed upstream later: transformers PR 47435); we apply it
+  in both, as DeepSeek's code does (docs/families.md).
+- DeepSeek stores its rope dims as interleaved pairs (x[2i], x[2i+1]). `deinterleave` reorders
+  them to rotate-half's (evens, then odds), as transformers' `rope_interleave` does; applied to both
+  q and k it leaves every q.k dot product, hence attention, unchanged.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def rope_type(rope_scaling: dict | None) -> str:
+    if rope_scaling is None:
+        return "default"
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"config: rope_scaling type {kind!r} is not supported; expected one of {ROPE_TYPES} or null")
+    return kind
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_frequencies(head_dim: int, theta: float, rope_scaling: dict | None,
+                     max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """-> inverse frequencies [head_dim/2] (fp32) and the factor that multiplies cos and sin."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    wavelength = theta ** exponent  # [d/2] (over 2 pi)
+    inv_freq = 1.0 / wavelength
+    kind = rope_type(rope_scaling)
+    if kind == "default":
+        return inv_freq, 1.0
+    factor = float(rope_scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor, 1.0
+    # yarn
+    s = rope_scaling
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        if s.get("mscale") and s.get("mscale_all_dim"):
+            attention_factor = yarn_mscale(factor, s["mscale"]) / yarn_mscale(factor, s["mscale_all_dim"])
+        else:
+            attention_factor = yarn_mscale(factor)
+    original = s.get("original_max_position_embeddings") or max_position_embeddings
+    beta_fast, beta_slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
+
+    def dim_turning(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_turning(beta_fast), dim_turning(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # [d/2]
+    keep = 1 - ramp  # 1: high frequency, kept (extrapolated); 0: low frequency, interpolated
+    inv_freq = 1.0 / (factor * wavelength) * (1 - keep) + inv_freq * keep
+    return inv_freq, float(attention_factor)
+
+
+def yarn_softmax_mscale(rope_scaling: dict | None) -> float:
+    """What MLA multiplies its softmax scale by: mscale(factor, mscale_all_dim)^2, else 1."""
+    if rope_type(rope_scaling) == "default" or not rope_scaling.get("mscale_all_dim"):
+        return 1.0
+    return yarn_mscale(float(rope_scaling["factor"]), rope_scaling["mscale_all_dim"]) ** 2
+
+
+def rope_cos_sin(position_ids, inv_freq, attention_factor: float, dtype):
+    """position_ids [B, T] -> cos, sin [B, T, d] (d = 2 len(inv_freq)), computed in fp32, then cast."""
+    freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)  # [B, T, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * attention_factor).to(dtype), (emb.sin() * attention_factor).to(dtype)
+
+
+def apply_rope(x, cos, sin):  # x [B, h, T, d], cos/sin [B, T, d]: rotate-half's pairs (x[i], x[i + d/2])
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def deinterleave(x):
+    """x [..., d] with pairs (x[2i], x[2i+1]) -> [..., d] with the evens first, then the odds."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)

@@ -1,0 +1,51 @@
+"""MXFP4 dequantisation: gpt-oss's expert weights as the official checkpoint stores them -> dense tensors.
+
+The OCP Microscaling (MX) format, v1.0: blocks of 32 values share one E8M0 scale 2^(s - 127)
+(s = 255 is NaN); each value is FP4 E2M1 (sign bit 3, exponent bits 2-1, mantissa bit 0), so
+|value| is one of 0, 0.5, 1, 1.5, 2, 3, 4, 6 times the scale.
+
+As openai/gpt-oss-20b stores it (transformers 4.57's integrations/mxfp4.py reads the same):
+- `<proj>_blocks` uint8 [E, R, C/32, 16]: row r of expert e, block b, 16 bytes of 32 values; the
+  LOW nibble of byte j is value 2j, the HIGH nibble value 2j + 1;
+- `<proj>_scales` uint8 [E, R, C/32];
+- R x C is the matrix as [out, in]: gate_up_proj [E, 2I, D] (gate and up rows interleaved),
+  down_proj [E, D, I]. That is our banks' [E, out, in] layout already; transformers transposes it
+  to its own [E, in, out].
+"""
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # values per shared scale
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # |value| of codes 0-7; codes 8-15 are their negatives
+NAN_SCALE = 255  # E8M0's NaN
+
+
+class MXFP4Error(ValueError):
+    """Blocks and scales that are not MXFP4 as gpt-oss stores it; the message names what is wrong."""
+
+
+def dequantize_mxfp4(blocks, scales, dtype=torch.bfloat16, name: str = "tensor"):
+    """blocks uint8 [..., R, C/32, 16], scales uint8 [..., R, C/32] -> [..., R, C] in `dtype`.
+
+    Exact in bf16 and fp32 (every value is a 2-bit mantissa times a power of two in their range).
+    Decoded one leading slice at a time, so a layer's bank needs no fp32 copy of itself."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise MXFP4Error(f"{name}: blocks and scales must be uint8; got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() < 3 or blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
+        raise MXFP4Error(f"{name}: blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match; "
+                         f"expected blocks [..., R, C/32, 16] and scales [..., R, C/32]")
+    if (scales == NAN_SCALE).any():
+        raise MXFP4Error(f"{name}: a scale is 255, E8M0's NaN; expected 0-254")
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    magnitude = torch.tensor(E2M1, dtype=work, device=blocks.device)
+    table = torch.cat((magnitude, -magnitude))  # [16] value of each 4-bit code
+    *lead, R, nb, _ = blocks.shape
+    out = torch.empty(*lead, R, nb * BLOCK, dtype=dtype, device=blocks.device)
+    flat_blocks, flat_scales, flat_out = blocks.reshape(-1, R, nb, 16), scales.reshape(-1, R, nb), out.view(-1, R, nb * BLOCK)
+    for i in range(flat_blocks.shape[0]):  # one expert at a time: the peak is one expert's values
+        b = flat_blocks[i].long()
+        values = torch.stack((table[b & 0x0F], table[b >> 4]), dim=-1).view(R, nb, BLOCK)  # low nibble first
+        values = torch.ldexp(values, (flat_scales[i].int() - 127)[..., None].to(work))
+        flat_out[i] = values.view(R, nb * BLOCK).to(dtype)
+    return out

@@ -1,0 +1,102 @@
+"""Tiny random DeepSeek-V2, DeepSeek-V3 and gpt-oss checkpoints saved by transformers 4.57, one per
+switch the families bring, and a gpt-oss checkpoint whose experts are stored in MXFP4 as the official
+one stores them. The reference model returned is the one the files hold (the MXFP4 one: with the
+values its bits stand for, decoded in tests/test_mxfp4.py from the format's definition)."""
+import json
+
+import pytest
+import torch
+pytest.importorskip("transformers")  # the oracle: a plain install skips these tests
+import transformers
+from safetensors.torch import save_file
+
+from tests.test_mxfp4 import quantise_by_spec
+
+COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, rms_norm_eps=1e-6,
+              pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)
+MLA = dict(kv_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
+           intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+           max_position_embeddings=64)
+VARIANTS = {
+    # V2-Lite's switches: plain q_proj, greedy top-K, YaRN with mscale = mscale_all_dim, one dense layer.
+    "deepseek_v2-lite": dict(model_type="deepseek_v2", q_lora_rank=None, topk_method="greedy", n_shared_experts=2,
+                             first_k_dense_replace=1, routed_scaling_factor=1.0,
+                             rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                           "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707}),
+    # V2's: low-rank q, group-limited greedy top-K, routed_scaling_factor, no rope scaling.
+    "deepseek_v2-group": dict(model_type="deepseek_v2", q_lora_rank=32, topk_method="group_limited_greedy", n_group=4,
+                              topk_group=2, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.0),
+    # V3 (Moonlight's kind): sigmoid scores, correction bias, noaux_tc group limits, normalised and scaled.
+    "deepseek_v3": dict(model_type="deepseek_v3", q_lora_rank=32, n_group=4, topk_group=2, n_shared_experts=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "deepseek_v3-plain": dict(model_type="deepseek_v3", q_lora_rank=32, n_group=2, topk_group=1, n_shared_experts=2,
+                              first_k_dense_replace=0, routed_scaling_factor=1.0, norm_topk_prob=False,
+                              rope_interleave=False),
+    # gpt-oss-20b's switches at a tiny width: sliding and full layers, sinks, biases, YaRN (truncate false).
+    "gpt_oss": dict(model_type="gpt_oss", intermediate_size=32, head_dim=16, num_key_value_heads=2,
+                    num_local_experts=8, num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 16}),
+}
+
+
+def family_of(variant: str) -> str:
+    return VARIANTS[variant]["model_type"]
+
+
+def reference_model(variant: str, folder, seed: int = 0, shard: bool = False):
+    """transformers' model of `variant` with random weights (norms near 1, the correction bias and sinks
+    large enough to matter), saved by its own save_pretrained into `folder` (sharded: several files)."""
+    kw = {**COMMON, **(MLA if variant.startswith("deepseek") else {}), **VARIANTS[variant]}
+    config = transformers.AutoConfig.for_model(**kw)
+    torch.manual_seed(seed)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # selection only: large enough to change choices
+                b.copy_(0.5 * torch.randn_like(b))
+        ref.model.embed_tokens.weight[config.pad_token_id].zero_()
+    ref.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")
+    return with_v2_softmax_mscale(ref).eval()
+
+
+def with_v2_softmax_mscale(model):
+    """transformers 4.57's DeepSeek-V2 leaves out the YaRN softmax mscale that DeepSeek's code applies (its
+    V3 applies it; fixed upstream in transformers PR 47435): the reference gets it, from V3's yarn_get_mscale."""
+    config = model.config
+    scaling = getattr(config, "rope_scaling", None) or {}
+    if config.model_type == "deepseek_v2" and scaling.get("mscale_all_dim"):
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_get_mscale
+        for layer in model.model.layers:
+            layer.self_attn.scaling *= yarn_get_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    return model
+
+
+def mxfp4_reference_model(folder, seed: int = 0):
+    """gpt-oss with its experts' gate_up_proj and down_proj written as `_blocks` and `_scales` (uint8), as
+    openai/gpt-oss-20b stores them, and a quantization_config saying so. The returned model holds the
+    values the bits stand for."""
+    ref = reference_model("gpt_oss", folder, seed)
+    path = folder / "model.safetensors"
+    from safetensors.torch import load_file
+    tensors = load_file(path)
+    with torch.no_grad():
+        for i, layer in enumerate(ref.model.layers):
+            experts, prefix = layer.mlp.experts, f"model.layers.{i}.mlp.experts."
+            for proj in ("gate_up_proj", "down_proj"):
+                w = getattr(experts, proj)  # transformers' [E, in, out]; on disk [E, out, in] in blocks of 32 along in
+                blocks, scales, values = quantise_by_spec(w.transpose(1, 2))
+                w.copy_(values.transpose(1, 2).float())
+                del tensors[prefix + proj]
+                tensors[prefix + proj + "_blocks"], tensors[prefix + proj + "_scales"] = blocks, scales
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return ref
