@@ -38,6 +38,26 @@ OFFICIAL = {
                        tie_word_embeddings=True, embedding_multiplier=12.0, attention_multiplier=0.015625,
                        residual_multiplier=0.22, logits_scaling=6.0, pad_token_id=0, bos_token_id=0, eos_token_id=0),
 }
+# Today's families at their published widths, as config.json writes them (read through the family's record);
+# docs/families.md cites them and says which were verified. Timing only: random weights.
+OFFICIAL_NEW = {
+    # Qwen/Qwen3-30B-A3B: 48 layers, 128 experts of width 768, top-8 renormalised, head_dim 128 apart from hidden/heads.
+    "qwen3_moe": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                      moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                      head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, rms_norm_eps=1e-6,
+                      rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False, pad_token_id=None,
+                      eos_token_id=151645),
+    # moonshotai/Moonlight-16B-A3B (DeepSeek-V3's architecture): MLA without a q low rank, 64 routed experts + 2
+    # shared of width 1408, top-6 by sigmoid scores with the correction bias, one dense first layer.
+    "deepseek_v3": dict(model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
+                        moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                        num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+                        num_experts_per_tok=6, first_k_dense_replace=1, n_group=1, topk_group=1,
+                        routed_scaling_factor=2.446, norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=50000.0,
+                        max_position_embeddings=8192, tie_word_embeddings=False, pad_token_id=None,
+                        eos_token_id=163585),
+}
 
 
 class BankCopies(TorchDispatchMode):

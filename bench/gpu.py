@@ -20,6 +20,9 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
   and by 4N (N: active parameters per token, the LM head included, the embedding not; 4N because a
   frozen base computes no weight gradients) against the measured peak; peak memory. Random weights
   made on the device.
+- qwen3, deepseek3 (only when named in --only): the same LoRA step at 8 layers of Qwen3-30B-A3B's widths
+  and of Moonlight-16B-A3B's (DeepSeek-V3's architecture: MLA, shared experts, sigmoid scores), peft on
+  transformers 4.57's per-expert modules (bench/lora_peft.py's PEFT_TARGETS).
 - compile: granite8 with `compile_layers`, and in mode="reduce-overhead" (CUDA graphs), beside eager.
 - default: the default run's epoch (eager and --compile) and the scoring of the 500 SciQ test
   questions, on --default-model: its weights, or, for a folder holding only its config.json and
@@ -38,6 +41,7 @@ import tempfile
 import time
 import traceback
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -47,12 +51,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from minimoe.core.lora import add_lora  # noqa: E402
 from minimoe.core.model import MoEConfig, MoEForCausalLM, compile_layers, init_weights  # noqa: E402
-from minimoe.loading.checkpoint import from_pretrained, save_pretrained  # noqa: E402
+from minimoe.loading.checkpoint import config_from_dict, from_pretrained, save_pretrained  # noqa: E402
 
 ROWS: list[dict] = []
 STREAM: list[Path] = []  # the JSONL that every row is appended to as it is made (main sets it)
 SMOKE_WIDTHS = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
                     num_experts=8, num_experts_per_tok=2)
+# The published widths that SMOKE_WIDTHS leaves wide, cut for the CPU (head_dim: hidden / heads, as above).
+SMOKE_EXTRA = dict(head_dim=16, dense_intermediate_size=48, kv_lora_rank=16, qk_nope_head_dim=16,
+                   qk_rope_head_dim=8, v_head_dim=16)
 
 
 def row(section, model, metric, minimoe=None, reference=None, ratio=None, note=""):
@@ -94,6 +101,12 @@ def timed(fn, device, steps: int, warmup: int) -> list[float]:
 
 
 def config(family: str, layers: int, smoke: bool) -> MoEConfig:
+    if family in common.OFFICIAL_NEW:  # config.json's names, read through the family's record
+        c = config_from_dict(dict(common.OFFICIAL_NEW[family], num_hidden_layers=layers))
+        if not smoke:
+            return c
+        mla = {"num_key_value_heads": SMOKE_WIDTHS["num_attention_heads"]} if c.kv_lora_rank else {}  # MLA: one kv head each
+        return replace(c, **{**SMOKE_WIDTHS, **mla}, **{k: v for k, v in SMOKE_EXTRA.items() if getattr(c, k)})
     d = dict(common.OFFICIAL[family], num_hidden_layers=layers)
     if smoke:
         d.update(SMOKE_WIDTHS)
@@ -101,11 +114,13 @@ def config(family: str, layers: int, smoke: bool) -> MoEConfig:
 
 
 def active_params(c: MoEConfig) -> int:
-    """N: parameters a token passes through (attention, router, its K experts, the LM head)."""
-    d = c.head_dim
-    attn = c.hidden_size * d * (2 * c.num_attention_heads + 2 * c.num_key_value_heads)
-    experts = c.num_experts_per_tok * 3 * c.hidden_size * c.intermediate_size
-    return c.num_hidden_layers * (attn + experts + c.hidden_size * c.num_experts) + c.vocab_size * c.hidden_size
+    """N: parameters a token passes through: every weight but the embedding, the routed experts' banks
+    counted K / E (attention, norms, routers, shared experts, dense layers and the LM head whole, tied or not)."""
+    with torch.device("meta"):
+        model = MoEForCausalLM(c)
+    share = c.num_experts_per_tok / c.num_experts
+    return round(sum(p.numel() * (share if ".mlp.experts." in name else 1)
+                     for name, p in model.named_parameters(remove_duplicate=False) if "embed_tokens" not in name))
 
 
 # ----------------------------------------------------------------------------- sections
@@ -401,10 +416,11 @@ def default_run(device, folder: Path, budget: Budget):
 
 
 STAGES = ("parity", "grouped", "syncs", "copies", "attention", "granite8", "olmoe8", "granite32", "olmoe16",
-          "compile", "default")
-DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16"))  # --full-depth adds them
+          "qwen3", "deepseek3", "compile", "default")
+# --full-depth adds granite32 and olmoe16; today's families run when --only names them
+DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16", "qwen3", "deepseek3"))
 LORA_STAGES = {"granite8": ("granitemoe", 8), "olmoe8": ("olmoe", 8), "granite32": ("granitemoe", 32),
-               "olmoe16": ("olmoe", 16)}
+               "olmoe16": ("olmoe", 16), "qwen3": ("qwen3_moe", 8), "deepseek3": ("deepseek_v3", 8)}
 
 
 def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:
