@@ -30,6 +30,12 @@ def transformers_saved(variant: str, folder, monkeypatch):
         if "max_position_embeddings" in switches:
             monkeypatch.setitem(switches, "max_position_embeddings", 256)
     ref = tiny_families.reference_model(variant, folder)
+    return ref, with_tokenizer(folder)
+
+
+def with_tokenizer(folder):
+    """The tiny checkpoint's tokenizer beside the weights in `folder`."""
+    base = read_config(tiny_checkpoint())
     tokenizer = tiny_checkpoint() / "tokenizer.json"
     shutil.copy(tokenizer, folder / "tokenizer.json")
     # AutoTokenizer (lm-eval's hf model) reads tokenizer.json only through a config naming the fast class;
@@ -38,7 +44,7 @@ def transformers_saved(variant: str, folder, monkeypatch):
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
         "eos_token": special[base.eos_token_id], "pad_token": special[base.pad_token_id]}))
-    return ref, folder
+    return folder
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
