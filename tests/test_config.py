@@ -5,8 +5,9 @@ import pytest
 from minimoe.cli import train
 from conftest import tiny_config
 from minimoe.data.benchmarks import BENCHMARKS, Example
-from minimoe.runs.config import (ABLATION_SETTINGS, differing, flag_name, method_for, recipe_train_examples, run_name,
-                                 settings_of)
+from minimoe.runs.compat import settings_of
+from minimoe.runs.config import differing, flag_name, method_for, recipe_train_examples
+from minimoe.runs.naming import ABLATION_SETTINGS, run_name
 from minimoe.runs.training import steps_per_epoch
 from minimoe.study.sweep import ROWS
 

@@ -29,7 +29,8 @@ from minimoe.core.step import step_loss
 from minimoe.loading.checkpoint import to_disk_layout
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs import training
-from minimoe.runs.config import RECIPES, TrainConfig, method_for
+from minimoe.runs.config import TrainConfig, method_for
+from minimoe.runs.recipes import RECIPES
 from minimoe.runs.tracking import RoutingStats
 
 from conftest import CUDA_TESTS_DEVICE, tiny_model

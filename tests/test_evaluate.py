@@ -168,7 +168,8 @@ def test_evaluation_and_validation_run_in_trainings_autocast(toy, tmp_path, monk
 
     from minimoe.evaluation import accuracy
     from minimoe.runs import evaluation, training
-    from minimoe.runs.config import RECIPES, TrainConfig
+    from minimoe.runs.config import TrainConfig
+    from minimoe.runs.recipes import RECIPES
     calls, inside, forwards = [], [], []
 
     @contextmanager

@@ -62,7 +62,8 @@ def test_training_and_evaluation_take_one_autocast_policy(device, dtype, on):
     the run's names (training.autocast(cfg)), evaluation with its model's torch.device and torch.dtype: one
     answer. (Without CUDA torch builds a CUDA autocast disabled, so its device and dtype are compared.)"""
     from minimoe.runs import training
-    from minimoe.runs.config import RECIPES, TrainConfig
+    from minimoe.runs.config import TrainConfig
+    from minimoe.runs.recipes import RECIPES
     from minimoe.runs.folder import autocast_for
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "CUDA is not available ... Disabling autocast"

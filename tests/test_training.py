@@ -20,7 +20,8 @@ from minimoe.data.benchmarks import load_split
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs import training
 from minimoe.runs.adapters import trainable_parameters
-from minimoe.runs.config import RECIPES, TrainConfig
+from minimoe.runs.config import TrainConfig
+from minimoe.runs.recipes import RECIPES
 from minimoe.runs.config import method_for
 from minimoe.runs.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 

@@ -30,7 +30,8 @@ from pathlib import Path
 
 from minimoe.cli import run_command, train
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
-from minimoe.runs.config import ABLATION_SETTINGS, check_value, default_of, flag_name
+from minimoe.runs.config import check_value, default_of, flag_name
+from minimoe.runs.naming import ABLATION_SETTINGS
 from minimoe.runs.folder import set_aside
 from minimoe.runs.plugins import import_method_module
 from minimoe.study.sweep import BENCHMARKS, PRESETS, ROWS, Preset, check_row, claim_out_dir, grid, run_local, \

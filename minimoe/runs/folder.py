@@ -50,7 +50,8 @@ from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
 from minimoe.core.methods import Method
 from minimoe.evaluation.folders import EVAL, is_base
 from minimoe.loading.checkpoint import DTYPES, RUN_DTYPES
-from minimoe.runs.config import method_for, settings_of
+from minimoe.runs.compat import settings_of
+from minimoe.runs.config import method_for
 from minimoe.runs.plugins import method_of
 
 log = logging.getLogger(__name__)

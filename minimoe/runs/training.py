@@ -15,7 +15,7 @@ the uninterrupted run on CPU, and within CUDA's kernel nondeterminism on a GPU (
 by reshuffling. The run folder's rules (lock, log truncation, safe state files, fallback past a corrupt checkpoint) are in
 minimoe/runs/folder.py.
 
-Configuration: minimoe/runs/config.py (`TrainConfig`, the recipes, run names).
+Configuration: minimoe/runs/config.py (`TrainConfig`), recipes.py (the recipes), naming.py (run names).
 
 Several processes (torchrun): DDP wraps the model here; with --shard fsdp the model arrives sharded
 (minimoe/runs/sharding.py, built by cli/train.py), every rank takes part in gathering each checkpoint,

@@ -49,8 +49,11 @@ from minimoe.data.userdata import data_kind
 from minimoe.evaluation import diagnostics
 from minimoe.evaluation.diagnostics import PAPER_SEEDS, partial_reason
 from minimoe.evaluation.folders import METRICS, eval_dir, test_evaluation, tokens_file
-from minimoe.runs.config import (RECIPES, ablation_settings, build_config, differing, flag_name, flags_parser,
-                                 loaded_settings, method_for, run_name, settings_of)
+from minimoe.runs.compat import settings_of
+from minimoe.runs.config import build_config, differing, flag_name, loaded_settings, method_for
+from minimoe.runs.flags import flags_parser
+from minimoe.runs.naming import ablation_settings, run_name
+from minimoe.runs.recipes import RECIPES
 from minimoe.runs.folder import read_metrics
 
 TRAIN = ("-m", "minimoe.cli.train")  # train.py as the package runs it: no checkout needed (minimoe/cli/train.py)
