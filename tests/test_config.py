@@ -9,7 +9,7 @@ from minimoe.runs.compat import settings_of
 from minimoe.runs.config import differing, flag_name, method_for, recipe_train_examples
 from minimoe.runs.naming import ABLATION_SETTINGS, run_name
 from minimoe.runs.training import steps_per_epoch
-from minimoe.study.sweep import ROWS
+from minimoe.study.grid import ROWS
 
 # The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
 PAPER = {

@@ -16,7 +16,7 @@ from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names, in
 from minimoe.loading.checkpoint import checkpoint_layout, config_from_dict, config_to_dict, read_config, save_pretrained
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs.recipes import RECIPES
-from minimoe.study.sweep import guess_recipe
+from minimoe.study.grid import guess_recipe
 from tests.kill import killed_after
 
 
