@@ -108,7 +108,7 @@ def kernels(mode, **env):
 
 
 def test_limit_kernel_cache_bounds_the_compiled_kernels_memory():
-    from minimoe.runs.folder import cpu_capabilities, native_bf16
+    from minimoe.runs.device import cpu_capabilities, native_bf16
     if not native_bf16(cpu_capabilities()):
         pytest.skip("no native bf16 on this CPU: its matrix products compile no oneDNN kernels per shape")
     default, limited = kernels("default"), kernels("16")
