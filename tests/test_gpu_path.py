@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model
+from tests.conftest import tiny_model
 from minimoe import load_tokenizer
 from minimoe.core import cpu_kernels
 from minimoe.core import experts as model_module

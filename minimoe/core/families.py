@@ -60,7 +60,7 @@ def family_of(model_type: str, source: str = "config") -> Family:
     return family
 
 
-# Every record must give these a value (tests/test_families.py holds each record complete).
+# Every record must give these a value (tests/core/test_families.py holds each record complete).
 REQUIRED = ("model_type", "architecture", "brings", "hub_examples", "recipe", "lora_targets")
 
 # Our MoEConfig fields that every family's config.json holds (under its own name: `renames`).

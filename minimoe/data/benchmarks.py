@@ -8,7 +8,7 @@ Benchmarks: arc_challenge, arc_easy, openbookqa, sciq, medmcqa, read by `load_ex
   deduplicated by id). Shipped partitions: ARC-C, ARC-E, OpenBookQA validation + test; SciQ validation;
   MedMCQA validation. The OLMES docs of ARC/OpenBookQA hold the question only inside
   "Question: <q>\\nAnswer:", which we unwrap; on validation, present in both forms, the unwrapped docs
-  equal the arrow rows exactly (tests/test_data.py checks it).
+  equal the arrow rows exactly (tests/data/test_data.py checks it).
 - source="hub" downloads the original parquet files (`huggingface_hub.snapshot_download`) and pools
   train + validation + test; MedMCQA pools train + validation only, since its test answers are hidden (cop=-1).
   Only the partitions that are read are downloaded. Each download is pinned to the commit that

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import NEW_FAMILIES, tiny_config
+from tests.conftest import NEW_FAMILIES, tiny_config
 from minimoe.cli import evaluate, sweep, train
 from minimoe.cli.train import parse_args, resolve_config
 from minimoe.core.families import CONFIG_FIELDS, FAMILIES, REQUIRED, Family, family_of, register_family

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_model
+from tests.conftest import tiny_model
 from minimoe.cli.export import main
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import set_router

@@ -3,7 +3,7 @@ the training examples and steps per epoch they give through train.py, and run na
 import pytest
 
 from minimoe.cli import train
-from conftest import tiny_config
+from tests.conftest import tiny_config
 from minimoe.data.benchmarks import BENCHMARKS, Example
 from minimoe.runs.compat import settings_of
 from minimoe.runs.config import differing, flag_name, method_for, recipe_train_examples

@@ -14,7 +14,7 @@ from minimoe.core.methods import ALIASES
 from minimoe.loading.tiny import tiny_checkpoint
 from tests.kill import killed_after
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOKE = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "1", "--no-test-eval", "--quiet"]
 
 
@@ -528,7 +528,7 @@ def small_manifests(tmp_path, n=(16, 4, 6)):
     (["--recipe", "olmoe", "--tune-router", "--test-checkpoint", "both"], "both"),
 ])
 def test_test_checkpoint_defaults_to_what_the_paper_reports(flags, expected):
-    from conftest import tiny_config
+    from tests.conftest import tiny_config
     cfg, _ = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
     assert cfg.test_checkpoint == expected
 

@@ -24,7 +24,7 @@ from minimoe.study.launch import queued_job, run_cell, run_on_devices, submit_sl
 from minimoe.study.report import (COMPARISONS_TITLE, ZERO_SHOT, comparison_table, concentration_table, error_figures,
                                   group_comparisons, train_seconds, transform_table, write_report)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOKE = ["--batch-size", "8", "--epochs", "2", "--quiet"]  # 8 examples: one step per epoch
 
 
@@ -113,7 +113,7 @@ def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
 
 def test_grid_sizes_and_report_keys_carry_ablation_settings():
     """The presets' grids have the paper's sizes, and ablation settings part runs and report rows (the
-    run names themselves: tests/test_config.py)."""
+    run names themselves: tests/runs/test_config.py)."""
     # The paper's grid sizes: 2 backbones x 9 rows x 4 benchmarks x 3 seeds; the lambda table's
     # rows are per backbone (Granite: TES and ACS + affinity tuning; OLMoE: frozen ACS), each at two lambdas.
     both = ["ibm-granite/granite-3.1-3b-a800m-base", "allenai/OLMoE-1B-7B-0924-SFT"]
@@ -341,7 +341,7 @@ def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path
     """Group comparisons on hand-made evaluations: all-layer ACS-IS against CE (no all-layer CE in the
     grid), all-layer TES-IS against all-layer Dual Affinity, paired by seed over the seeds where both
     finished; every number against a recount (scipy's binomial test, the bootstrap redrawn by hand)."""
-    from test_compare import reference_bootstrap, write_evaluation
+    from tests.study.test_compare import reference_bootstrap, write_evaluation
     rows = ["CE", "ACS-IS", ("ACS-IS", None, ALL_LAYERS), "Dual Affinity", ("Dual Affinity", None, ALL_LAYERS),
             "TES-IS", ("TES-IS", None, ALL_LAYERS)]
     cells = grid(["org/granite-x"], ["d"], rows, (42, 43), tmp_path)
@@ -412,7 +412,7 @@ def test_slurm_params_reach_submitit_by_its_names(tmp_path, data, monkeypatch):
 def test_a_grid_of_your_own_with_the_tiny_alias_and_your_own_method_runs_and_reports(tmp_path, data, capsys):
     """No --preset: --rows and --benchmarks make the grid. --models tiny names its runs as train.py does
     (tiny-olmoe-...), and a method that --method-module registers is a row beside CE; both run and are reported."""
-    module = str(Path(__file__).parents[1] / "examples" / "my_method.py")
+    module = str(Path(__file__).parents[2] / "examples" / "my_method.py")
     args = ["--models", "tiny", "--benchmarks", str(data), "--rows", "CE", "biased", "--method-module", module,
             "--seeds", "42", "--out-dir", str(tmp_path)]
     cells = sweep.main([*args, "--", "--batch-size", "8", "--epochs", "1", "--quiet"])
@@ -480,7 +480,7 @@ def test_the_sweep_command_and_the_grid_accept_the_same_rows(tmp_path, row, caps
 def test_the_help_example_of_your_own_rows_names_what_the_example_file_registers(capsys, monkeypatch):
     """Issue 41 item 7: sweep.py --help's row `my_method` was not the name examples/my_method.py registers."""
     from minimoe.runs.plugins import resolve_method
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
     with pytest.raises(SystemExit):
         sweep.main(["--help"])
     text = capsys.readouterr().out
