@@ -198,7 +198,8 @@ def training_step_syncs(device):
     from minimoe.data.benchmarks import load_split
     from minimoe.loading.tiny import tiny_checkpoint
     from minimoe.runs import training
-    from minimoe.runs.config import RECIPES, TrainConfig, method_for
+    from minimoe.runs.config import TrainConfig, method_for
+    from minimoe.runs.recipes import RECIPES
     cfg = TrainConfig(**{**RECIPES["tiny"], "method": "tes", "layers": "all", "batch_size": 4, "grad_accum": 2,
                          "device": str(device), "dtype": "bfloat16", "pad_token_id": 0})
     model = from_pretrained(tiny_checkpoint(), dtype=torch.bfloat16).to(device)

@@ -93,7 +93,8 @@ def eval_transformers(args, examples, batch_rows: int = 64) -> dict:
 
 def train_epoch(args, examples, packed: bool) -> dict:
     from minimoe.core.step import step_loss
-    from minimoe.runs.config import RECIPES, TrainConfig, method_for
+    from minimoe.runs.config import TrainConfig, method_for
+    from minimoe.runs.recipes import RECIPES
     from minimoe.runs.training import install_method, loss_settings, make_optimizer
     torch.manual_seed(0)
     model, tok = from_pretrained(args.model, dtype=args.dtype), load_tokenizer(args.model)

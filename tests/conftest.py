@@ -136,8 +136,8 @@ def auto_dtype_is_float32(monkeypatch):
     """$MINIMOE_CPU_DTYPE=float32, so that --dtype auto means float32 (not bf16, as on a native-bf16 CPU)
     in this process and in the train.py, torchrun and sweep processes a test starts (they inherit the variable),
     whatever the developer's shell sets; tests of the bf16 path ask for bfloat16 by name."""
-    import minimoe.runs.folder
-    monkeypatch.setenv(minimoe.runs.folder.CPU_DTYPE_VARIABLE, "float32")
+    import minimoe.runs.device
+    monkeypatch.setenv(minimoe.runs.device.CPU_DTYPE_VARIABLE, "float32")
 
 
 def spy_grouped_mm(monkeypatch) -> list:

@@ -1,5 +1,5 @@
 """The FSDP tests' worker: one torchrun launch runs a whole plan of train.py runs, since starting gloo
-processes is the slow part (tests/test_sharding.py).
+processes is the slow part (tests/runs/test_sharding.py).
 
     torchrun --nproc_per_node 2 -m tests.fsdp_worker PLAN.json
 

@@ -72,7 +72,7 @@ def test_every_bench_script_a_page_names_exists_or_is_listed_as_retired():
     for name in retired:
         assert not (repo / "bench" / f"{name}.py").exists(), f"{name}.py is listed as retired and still in bench/"
     pages = [repo / "README.md", *repo.glob("docs/*.md"), repo / "bench" / "README.md", *repo.glob("minimoe/**/*.py"),
-             *repo.glob("bench/*.py"), *repo.glob("tests/*.py"), *repo.glob("examples/*.py")]
+             *repo.glob("bench/*.py"), *repo.glob("tests/**/*.py"), *repo.glob("examples/*.py")]
     missing = [f"{page.relative_to(repo)}: bench/{name}.py" for page in pages if page.name != "test_bench.py"
                for name in named.findall(page.read_text()) if not (repo / "bench" / f"{name}.py").exists()]
     assert not missing, f"pages name bench scripts that are not there: {missing}"

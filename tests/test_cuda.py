@@ -1,6 +1,6 @@
 """The GPU path on a CUDA device (the GPU-speed issue). Every test here is marked `cuda`: it runs only
 where CUDA is present and is skipped elsewhere (tests/conftest.py, `cpu_unless_marked_cuda`). Each one
-holds the device to an oracle the CPU tests already use (tests/test_model.py, test_lora.py,
+holds the device to an oracle the CPU tests already use (tests/core/test_model.py, test_lora.py,
 test_scoring.py, test_gpu_path.py, test_train_cli.py), in the GPU recipe where training is concerned:
 bf16 base weights, CUDA autocast (`training.autocast`), fp32 adapters and method heads.
 
@@ -29,18 +29,19 @@ from minimoe.core.step import step_loss
 from minimoe.loading.checkpoint import to_disk_layout
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs import training
-from minimoe.runs.config import RECIPES, TrainConfig, method_for
+from minimoe.runs.config import TrainConfig, method_for
+from minimoe.runs.recipes import RECIPES
 from minimoe.runs.tracking import RoutingStats
 
-from conftest import CUDA_TESTS_DEVICE, tiny_model
-from kill import killed_after
-from test_gpu_path import no_expert_loop, step_batches  # noqa: F401 (no_expert_loop: a fixture)
+from tests.conftest import CUDA_TESTS_DEVICE, tiny_model
+from tests.kill import killed_after
+from tests.test_gpu_path import no_expert_loop, step_batches  # noqa: F401 (no_expert_loop: a fixture)
 from bench.common import HostSyncs  # importable once test_gpu_path has put the repository root on sys.path
-from test_lora import check_dropout_step_equals_peft, check_fused_bank_lora_equals_peft
-from test_model import (FP32_TOL, batch, grouped_mm_and_loop_paths, next_token_grads, reference_model, rel_err,
-                        worst_grad_err)
-from test_scoring import METHODS, CharTokenizer, assert_close, examples, model_with, terms
-from test_train_cli import TIMINGS, adapter, records, run_train
+from tests.core.test_lora import check_dropout_step_equals_peft, check_fused_bank_lora_equals_peft
+from tests.core.test_model import (FP32_TOL, batch, grouped_mm_and_loop_paths, next_token_grads, reference_model,
+                                   rel_err, worst_grad_err)
+from tests.core.test_scoring import METHODS, CharTokenizer, assert_close, examples, model_with, terms
+from tests.cli.test_train_cli import TIMINGS, adapter, records, run_train
 
 pytestmark = pytest.mark.cuda
 
@@ -329,7 +330,7 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_does(tmp_path):
     far less in the fp32 adapter after AdamW. rtol 1e-3 / atol 1e-5 on adapter entries (LoRA B ~1e-2
     after 6 steps at lr 2e-3) admits that and still fails a resume that loses the RNG, optimizer or
     scheduler state or repeats a step: each moves entries by about a step, ~1e-3. On the CPU it is
-    bit-identical (tests/test_train_cli.py), which the tolerance admits too."""
+    bit-identical (tests/cli/test_train_cli.py), which the tolerance admits too."""
     straight = run_train(tmp_path, *DEVICE_FLAGS, *RESUME, name="straight")
     with pytest.raises(SystemExit, match="stopped after step 5"), killed_after(steps=5):
         run_train(tmp_path, *DEVICE_FLAGS, *RESUME, name="killed")
@@ -351,7 +352,7 @@ def test_flex_attention_backward_equals_sdpa(family, monkeypatch):
     """Packed, padded rows through FlexAttention (CUDA's path) and through the SDPA reference: logits and
     every parameter's gradient agree (fp32, so that the two kernels' accumulation orders are all that differ)."""
     from minimoe.core import model as model_module
-    from test_model import packed_rows
+    from tests.core.test_model import packed_rows
     seg, pad = on_device(*packed_rows())
     results = []
     for flex in (True, False):

@@ -1,6 +1,6 @@
 """The README is a front page and docs/ holds the rest: the README's length and where its methods
 section sits, links that reach a file (and a heading) in the repository, no path outside it, and
-the README's headline study intervals equal to the study page's, which tests/test_results.py holds
+the README's headline study intervals equal to the study page's, which tests/study/test_results.py holds
 to results/."""
 import re
 from pathlib import Path

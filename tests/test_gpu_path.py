@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_model
+from tests.conftest import tiny_model
 from minimoe import load_tokenizer
 from minimoe.core import cpu_kernels
 from minimoe.core import experts as model_module
@@ -25,7 +25,8 @@ from minimoe.core.step import step_loss
 from minimoe.data.benchmarks import load_split
 from minimoe.loading.checkpoint import from_pretrained
 from minimoe.loading.tiny import tiny_checkpoint
-from minimoe.runs.config import RECIPES, TrainConfig, method_for
+from minimoe.runs.config import TrainConfig, method_for
+from minimoe.runs.recipes import RECIPES
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import BankCopies, HostSyncs  # noqa: E402

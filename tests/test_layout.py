@@ -83,9 +83,9 @@ def test_tests_import_the_oracles_so_that_a_plain_install_skips_only_their_tests
     """Issue 41 item 4: .ci/run's second environment (a plain pip install -e .) has no oracle package. A test
     file that imports one at module level (not through conftest's oracle() or after a module-level
     importorskip) fails to collect there, losing every test in it."""
-    from conftest import ORACLES
+    from tests.conftest import ORACLES
     bad = []
-    for path in sorted((REPO / "tests").glob("*.py")):
+    for path in sorted((REPO / "tests").rglob("*.py")):
         skipped = set()
         for node in ast.parse(path.read_text(encoding="utf-8")).body:
             calls = [n for n in ast.walk(node)

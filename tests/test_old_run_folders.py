@@ -15,7 +15,9 @@ import torch
 
 from minimoe.cli import evaluate, sweep, train
 from minimoe.loading.tiny import tiny_checkpoint
-from minimoe.runs.config import build_config, read_settings, run_name, settings_of
+from minimoe.runs.compat import read_settings, settings_of
+from minimoe.runs.config import build_config
+from minimoe.runs.naming import run_name
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run-3a854cc" / "tiny-olmoe-arc_challenge-TES-IS-gamma2-seed42"
 FLAGS = ["--epochs", "1", "--max-train-examples", "16", "--batch-size", "8", "--eval-batch-size", "8", "--quiet"]

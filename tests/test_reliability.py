@@ -26,7 +26,8 @@ from minimoe.loading.upcycle import upcycle
 from minimoe.runs.evaluation import load_evaluation, score
 from minimoe.runs.folder import run_lock
 from minimoe.runs.training import write_selection
-from minimoe.study import sweep as sw
+from minimoe.study.grid import Cell
+from minimoe.study.report import report, write_report
 from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[1]
@@ -105,7 +106,7 @@ def test_folders_are_replaced_only_by_their_kind_and_files_only_when_ours(tmp_pa
     notes.mkdir()
     (notes / "report.md").write_text("my notes")
     with pytest.raises(FileExistsError, match="report.md: exists and was not written by minimoe"):
-        sw.write_report([], notes)
+        write_report([], notes)
     assert (notes / "report.md").read_text() == "my notes" and not (notes / "report.csv").exists()
 
 
@@ -121,11 +122,11 @@ def test_reports_count_only_evaluations_of_the_whole_split(tmp_path, finished, d
     import hashlib
     assert full["split_sha256"] == hashlib.sha256((data / "test.jsonl").read_bytes()).hexdigest()
     assert full["split_sha256"] == config["data_sha256"]["test"] and full["n_examples"] == 4
-    cells = [sw.Cell(cell.model, cell.data, cell.row, cell.settings, cell.seed, tmp_path)]
-    assert "| CE | " in sw.report(cells)[0] and "missing" not in sw.report(cells)[0]
+    cells = [Cell(cell.model, cell.data, cell.row, cell.settings, cell.seed, tmp_path)]
+    assert "| CE | " in report(cells)[0] and "missing" not in report(cells)[0]
     part = score(load_evaluation(adapter=run, max_examples=2), run / "eval" / "test")
     assert part["n_examples"] == 2 and part["split_examples"] == 4
-    text, rows = sw.report(cells)
+    text, rows = report(cells)
     assert "missing (0/1)" in text and rows[0]["state"] == "partial evaluation (scored 2 of the run's 4 test examples)"
     assert rows[0]["accuracy"] is None
     with pytest.raises(ValueError, match=r"partial: - .*metrics.json: scored 2 of the run's 4 test examples"):

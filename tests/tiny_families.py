@@ -1,7 +1,7 @@
 """Tiny random DeepSeek-V2, DeepSeek-V3 and gpt-oss checkpoints saved by transformers 4.57, one per
 switch the families bring, and a gpt-oss checkpoint whose experts are stored in MXFP4 as the official
 one stores them. The reference model returned is the one the files hold (the MXFP4 one: with the
-values its bits stand for, decoded in tests/test_mxfp4.py from the format's definition)."""
+values its bits stand for, decoded in tests/loading/test_mxfp4.py from the format's definition)."""
 import json
 
 import pytest
@@ -10,7 +10,7 @@ pytest.importorskip("transformers")  # the oracle: a plain install skips these t
 import transformers
 from safetensors.torch import save_file
 
-from tests.test_mxfp4 import quantise_by_spec
+from tests.loading.test_mxfp4 import quantise_by_spec
 
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, rms_norm_eps=1e-6,
               pad_token_id=0, eos_token_id=1, bos_token_id=2, tie_word_embeddings=False)

@@ -38,7 +38,8 @@ from minimoe.cli import model_path, old_name, run_command
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR, SPLITS
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
 from minimoe.loading.checkpoint import RUN_DTYPES
-from minimoe.runs.config import device, flag_type
+from minimoe.runs.config import device
+from minimoe.runs.flags import flag_type
 
 EXAMPLES = """examples:
   a finished run (model and data from RUN/config.json; adapter of the last epoch):

@@ -17,7 +17,7 @@
 Flags after `--` go to every train.py run unchanged (e.g. `-- --max-train-examples 16 --epochs 1`);
 those that say which run a cell is (--method, --objective, --tune-router, --layers, --method-module,
 --model, --data, --seed, --out-dir, --run-name) are refused: the grid flags set them.
-Finished runs are skipped, killed ones continued with --resume; see minimoe/study/sweep.py. A run whose
+Finished runs are skipped, killed ones continued with --resume; see minimoe/study/grid.py. A run whose
 settings differ from its cell's (other flags after `--`, say) is refused, with the settings named,
 unless --rerun: then it is moved aside (<run>.replaced-<UTC time>) and run again. The sweep exits 1
 when a run failed, and 2 on bad flags.
@@ -30,11 +30,13 @@ from pathlib import Path
 
 from minimoe.cli import run_command, train
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
-from minimoe.runs.config import ABLATION_SETTINGS, check_value, default_of, flag_name
+from minimoe.runs.config import check_value, default_of, flag_name
+from minimoe.runs.naming import ABLATION_SETTINGS
 from minimoe.runs.folder import set_aside
 from minimoe.runs.plugins import import_method_module
-from minimoe.study.sweep import BENCHMARKS, PRESETS, ROWS, Preset, check_row, claim_out_dir, grid, run_local, \
-    run_on_devices, submit_slurm, visible_devices, write_report
+from minimoe.study.grid import BENCHMARKS, PRESETS, ROWS, Preset, check_row, grid
+from minimoe.study.launch import run_local, run_on_devices, submit_slurm, visible_devices
+from minimoe.study.report import claim_out_dir, write_report
 
 # --set's keys: the ablation settings that take a value, by their train.py flag (--set lambda=... sets lambda_).
 SETTING_FLAGS = {flag_name(key)[2:]: key for key in ABLATION_SETTINGS if not isinstance(default_of(key), bool)}

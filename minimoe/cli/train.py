@@ -51,17 +51,20 @@ from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.loading.smollm import smollm_checkpoint
-from minimoe.runs.config import (TrainConfig, add_flags, build_config, differing, loaded_settings, read_run_config,
-                                 read_settings, run_name, settings_of, unread_flags)
-from minimoe.runs.folder import (claim_run_folder, has_training_output, is_run_folder, pick_device, pick_dtype,
-                                 run_lock, set_aside, world)
+from minimoe.runs.compat import read_run_config, read_settings, settings_of
+from minimoe.runs.config import TrainConfig, build_config, differing, loaded_settings
+from minimoe.runs.flags import add_flags
+from minimoe.runs.naming import run_name, unread_flags
+from minimoe.runs.device import pick_device, pick_dtype
+from minimoe.runs.folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
+from minimoe.runs.ranks import world
 from minimoe.runs.provenance import provenance
 from minimoe.runs.sharding import build_sharded, check_sharding
 from minimoe.runs.training import check_install, install_method, train
 
 
 def parser() -> argparse.ArgumentParser:
-    """Every setting's flag (config.add_flags, from TrainConfig's fields and the methods' records), and the
+    """Every setting's flag (flags.add_flags, from TrainConfig's fields and the methods' records), and the
     three that say what to do with the run folder."""
     p = argparse.ArgumentParser(prog="train.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,7 +85,7 @@ NOT_SETTINGS = ("resume", "rerun", "config")
 
 def parse_args(argv=None):
     """The flags, over a --config file's settings or, for `--resume RUN`, the run's own (its config.json,
-    of any version: config.read_settings); flags typed win."""
+    of any version: compat.read_settings); flags typed win."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser().parse_args(argv)
     resume_run = None if args.resume in (None, True) else Path(args.resume)

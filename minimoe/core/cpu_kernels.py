@@ -9,7 +9,7 @@ are from bench/RESULTS.md (2-core Zen 4, torch 2.13):
   per matrix shape (0.5-1 MB each; a compile costs 3-4x a cached call) and cache 1024 of them, and an
   expert's block size is its token count, a new shape nearly every call: 300 distinct row counts of
   one [M, 576] x [576, 1536] product held 223 MiB. Rounded, M takes a few dozen values per expert
-  weight. Exact: the stand-in rows have combine weight 0 (model.Dispatch; tests/test_model.py).
+  weight. Exact: the stand-in rows have combine weight 0 (model.Dispatch; tests/core/test_model.py).
 - `keeps_adapter_dtype`: LoRA's branch runs in the adapters' own dtype (fp32, as in peft), not in the
   base's bf16. In bf16 each expert block size was one more small kernel to compile and keep: 621
   distinct matmul shapes in a step against peft's 98, 0.26 GiB of RSS on OLMoE-2L. An fp32 delta

@@ -4,7 +4,7 @@ reads outside the modules themselves.
 A family is its config.json `model_type`. The record says how its config.json maps onto `MoEConfig`
 (renamed fields, fields it lacks, values it fixes, transformers' defaults for fields it may omit),
 how its checkpoint names our parameters (`layer_keys`), what LoRA adapts by default, which of
-runs/config.py's `RECIPES` trains it, and where to find real checkpoints. The modules read only
+runs/recipes.py's `RECIPES` trains it, and where to find real checkpoints. The modules read only
 `MoEConfig` fields (qk_norm, scoring, biases, ...), never the family's name, so that a family is
 added here, in one record, plus a module in core/ only where it brings a new kind of computation.
 
@@ -30,7 +30,7 @@ class Family:
     architecture: str  # config.json's "architectures" entry, written back on save
     brings: str  # what the family adds to the others, one line (the README's family table)
     hub_examples: tuple[str, ...]  # real checkpoints of the family on the Hugging Face hub
-    recipe: str  # the runs.config.RECIPES preset that trains it (module docstring)
+    recipe: str  # the runs.recipes.RECIPES preset that trains it (module docstring)
     lora_targets: tuple[str, ...]  # lora.TARGETS names (and ALIASES) adapted when --lora-targets is not given
     # our parameter name (per layer) -> its on-disk key, or a tuple of per-expert key patterns ({j}:
     # the expert) concatenated along `out` into our stacked bank (gate rows, then up rows), or a
@@ -69,7 +69,7 @@ def family_of(model_type: str, source: str = "config") -> Family:
     return family
 
 
-# Every record must give these a value (tests/test_families.py holds each record complete).
+# Every record must give these a value (tests/core/test_families.py holds each record complete).
 REQUIRED = ("model_type", "architecture", "brings", "hub_examples", "recipe", "lora_targets")
 
 # Our MoEConfig fields that every family's config.json holds (under its own name: `renames`).

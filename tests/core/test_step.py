@@ -17,7 +17,8 @@ from minimoe.core.step import step_loss
 from minimoe.data.benchmarks import load_examples
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs import training
-from minimoe.runs.config import RECIPES, TrainConfig, method_for
+from minimoe.runs.config import TrainConfig, method_for
+from minimoe.runs.recipes import RECIPES
 
 LAMBDA = 0.7
 

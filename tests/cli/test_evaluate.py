@@ -162,13 +162,14 @@ def test_batch_size_and_order_do_not_change_scores(toy):
 
 
 def test_evaluation_and_validation_run_in_trainings_autocast(toy, tmp_path, monkeypatch):
-    """evaluate.py's forwards run in the autocast that runs.folder.autocast_for picks for the model's device
+    """evaluate.py's forwards run in the autocast that runs.device.autocast_for picks for the model's device
     and dtype, and train.py's validation in the one it picks for the run's: the training step's policy."""
     from contextlib import contextmanager
 
     from minimoe.evaluation import accuracy
     from minimoe.runs import evaluation, training
-    from minimoe.runs.config import RECIPES, TrainConfig
+    from minimoe.runs.config import TrainConfig
+    from minimoe.runs.recipes import RECIPES
     calls, inside, forwards = [], [], []
 
     @contextmanager

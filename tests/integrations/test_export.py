@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_model
+from tests.conftest import tiny_model
 from minimoe.cli.export import main
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import set_router
@@ -15,7 +15,8 @@ from minimoe.integrations.export import export_peft
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs.adapters import export_merged, save_adapter
-from minimoe.runs.config import RECIPES, TrainConfig, method_for
+from minimoe.runs.config import TrainConfig, method_for
+from minimoe.runs.recipes import RECIPES
 from minimoe.runs.training import install_method
 
 # (family, method, tune_router): CE and ACS, with and without affinity tuning, across both families

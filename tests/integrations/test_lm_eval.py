@@ -24,7 +24,7 @@ from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
 from minimoe.runs.adapters import save_adapter  # noqa: E402
 
 TASK = "minimoe_local_mcqa"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,13 @@ the training examples and steps per epoch they give through train.py, and run na
 import pytest
 
 from minimoe.cli import train
-from conftest import tiny_config
+from tests.conftest import tiny_config
 from minimoe.data.benchmarks import BENCHMARKS, Example
-from minimoe.runs.config import (ABLATION_SETTINGS, differing, flag_name, method_for, recipe_train_examples, run_name,
-                                 settings_of)
+from minimoe.runs.compat import settings_of
+from minimoe.runs.config import differing, flag_name, method_for, recipe_train_examples
+from minimoe.runs.naming import ABLATION_SETTINGS, run_name
 from minimoe.runs.training import steps_per_epoch
-from minimoe.study.sweep import ROWS
+from minimoe.study.grid import ROWS
 
 # The paper's Table "Experimental Configuration", value by value (ARC = ARC-Challenge).
 PAPER = {

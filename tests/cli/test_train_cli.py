@@ -14,7 +14,7 @@ from minimoe.core.methods import ALIASES
 from minimoe.loading.tiny import tiny_checkpoint
 from tests.kill import killed_after
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOKE = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "1", "--no-test-eval", "--quiet"]
 
 
@@ -528,7 +528,7 @@ def small_manifests(tmp_path, n=(16, 4, 6)):
     (["--recipe", "olmoe", "--tune-router", "--test-checkpoint", "both"], "both"),
 ])
 def test_test_checkpoint_defaults_to_what_the_paper_reports(flags, expected):
-    from conftest import tiny_config
+    from tests.conftest import tiny_config
     cfg, _ = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
     assert cfg.test_checkpoint == expected
 
@@ -566,7 +566,8 @@ def test_flags_are_train_config_fields_and_help_shows_their_true_defaults():
     --help names every recipe's value (RECIPES, read here on its own)."""
     from dataclasses import MISSING, fields
 
-    from minimoe.runs.config import RECIPES, TrainConfig
+    from minimoe.runs.config import TrainConfig
+    from minimoe.runs.recipes import RECIPES
     parser = train.parser()
     defaults, helps = vars(parser.parse_args([])), option_help(parser)
     config = {f.name: f.default for f in fields(TrainConfig)}
@@ -687,7 +688,8 @@ def test_the_train_size_message_comes_only_when_a_request_cannot_be_met(tmp_path
     """ARC-Challenge's offline train split has 921 examples, under the 2000 its splits are built to hold:
     said once a run asks for more than 921, never when it asks for 64 (nor when the split is built)."""
     from dataclasses import replace
-    from minimoe.runs.config import RECIPES, TrainConfig
+    from minimoe.runs.config import TrainConfig
+    from minimoe.runs.recipes import RECIPES
     cfg = TrainConfig(**RECIPES["tiny"], recipe="tiny", data="arc_challenge", data_dir=str(tmp_path))
     data, _ = train.load_data(replace(cfg, max_train_examples=64))
     assert len(data["train"]) == 64 and "requested" not in caplog.text and "warning" not in capsys.readouterr().err

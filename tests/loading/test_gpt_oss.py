@@ -8,8 +8,8 @@ from transformers.models.gpt_oss import modeling_gpt_oss as oss
 
 from minimoe.core.clamped_experts import ClampedSwiGLUExperts
 from minimoe.loading import gpt_oss as layout
-from tests.test_clamped_experts import from_interleaved
-from tests.test_mxfp4 import quantise_by_spec
+from tests.core.test_clamped_experts import from_interleaved
+from tests.loading.test_mxfp4 import quantise_by_spec
 
 E, D, I, K = 4, 64, 32, 2  # multiples of 32: MXFP4 blocks run along D (gate_up) and I (down)
 
@@ -62,7 +62,7 @@ def test_the_disk_layout_round_trips_exactly():
 
 
 def test_mxfp4_experts_load_to_the_values_their_bits_stand_for():
-    """Quantised by OCP MX's definition (tests/test_mxfp4.py) in the disk layout [E, out, in]; the
+    """Quantised by OCP MX's definition (tests/loading/test_mxfp4.py) in the disk layout [E, out, in]; the
     reference then holds the decoded values, and our experts loaded from the bytes give its outputs."""
     router, ref = reference(1)
     with torch.no_grad():

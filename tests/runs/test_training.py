@@ -1,4 +1,4 @@
-"""Tests for minimoe.runs.training: transformers' Trainer schedule rules over the paper's recipes (tests/test_config.py
+"""Tests for minimoe.runs.training: transformers' Trainer schedule rules over the paper's recipes (tests/runs/test_config.py
 writes its table out), and direct computation of the task loss, the selection rule and the learning-rate groups."""
 import json
 from dataclasses import replace
@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from minimoe.cli import train
-from conftest import NEW_FAMILIES, oracle, tiny_model
-from test_config import PAPER, resolved
+from tests.conftest import NEW_FAMILIES, oracle, tiny_model
+from tests.runs.test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
 from minimoe.core.objectives import load_balancing_loss
 from minimoe.core.scoring import format_choice, format_prompt
@@ -20,7 +20,8 @@ from minimoe.data.benchmarks import load_split
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs import training
 from minimoe.runs.adapters import trainable_parameters
-from minimoe.runs.config import RECIPES, TrainConfig
+from minimoe.runs.config import TrainConfig
+from minimoe.runs.recipes import RECIPES
 from minimoe.runs.config import method_for
 from minimoe.runs.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 
@@ -258,7 +259,7 @@ def test_two_micro_batches_give_the_aux_and_method_terms_of_one_full_batch():
         model.train()
         batches = training.micro_batches(examples, tokenizer, cfg, 0, 1)
         assert len(batches) == accum
-        if accum == 1:  # the full batch's own load-balancing loss (= transformers', tests/test_model.py)
+        if accum == 1:  # the full batch's own load-balancing loss (= transformers', tests/core/test_model.py)
             with torch.no_grad():
                 out = forward_choices(model, batches[0])[0]
                 full_batch_aux = load_balancing_loss(out.routings, batches[0].attention_mask).item()

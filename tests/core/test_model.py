@@ -118,7 +118,7 @@ def test_bf16_packed_answer_logprobs_no_worse_than_reference_bf16(family, tmp_pa
     """The CPU bf16 scoring path (packed rows, block-causal mask, LM head at the answer positions, fp32
     log-softmax): its answer-token log-probs are within 2x of transformers' own bf16 error, both
     against transformers in fp32 on plain per-candidate rows."""
-    from tests.test_scoring import CharTokenizer, examples
+    from tests.core.test_scoring import CharTokenizer, examples
     ref, path = reference_model(family, tmp_path)
     tok, pad = CharTokenizer(), ref.config.pad_token_id
     packed = make_choice_batch(examples(), tok, pad)

@@ -4,6 +4,8 @@ on its local executor. Run names and report keys are checked against the setting
 import csv
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -17,9 +19,12 @@ from scipy.stats import binomtest
 from minimoe.cli import evaluate, sweep
 from minimoe.evaluation.diagnostics import accuracy_table
 from minimoe.loading.tiny import tiny_checkpoint
-from minimoe.study import sweep as sw
+from minimoe.study.grid import ALL_LAYERS, PRESETS, ROWS, grid
+from minimoe.study.launch import queued_job, run_cell, run_on_devices, submit_slurm
+from minimoe.study.report import (COMPARISONS_TITLE, ZERO_SHOT, comparison_table, concentration_table, error_figures,
+                                  group_comparisons, train_seconds, transform_table, write_report)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SMOKE = ["--batch-size", "8", "--epochs", "2", "--quiet"]  # 8 examples: one step per epoch
 
 
@@ -39,8 +44,8 @@ def test_slurm_does_not_submit_again_a_cell_whose_job_slurm_still_holds(tmp_path
         (tmp_path / "submitit" / cell.run.name).mkdir(parents=True)
         (tmp_path / "submitit" / cell.run.name / "job_id").write_text(job_id)
     monkeypatch.setattr(submitit.slurm.slurm, "SlurmJob", lambda folder, job_id: SimpleNamespace(state=states[job_id]))
-    assert sw.queued_job(cells[0], "slurm") == "11" and sw.queued_job(cells[1], "slurm") is None
-    assert sw.queued_job(cells[0], "local") is None  # no queue to ask outside SLURM
+    assert queued_job(cells[0], "slurm") == "11" and queued_job(cells[1], "slurm") is None
+    assert queued_job(cells[0], "local") is None  # no queue to ask outside SLURM
 
     submitted = []
 
@@ -57,7 +62,7 @@ def test_slurm_does_not_submit_again_a_cell_whose_job_slurm_still_holds(tmp_path
             submitted.append(cell)
             return SimpleNamespace(job_id="13")
     monkeypatch.setattr(submitit, "AutoExecutor", Executor)
-    assert len(sw.submit_slurm(cells)) == 1 and submitted == [cells[1]]
+    assert len(submit_slurm(cells)) == 1 and submitted == [cells[1]]
     assert f"{cells[0].run.name} is queued or running as SLURM job 11" in capsys.readouterr().out
     assert (tmp_path / "submitit" / cells[1].run.name / "job_id").read_text() == "13"
 
@@ -71,13 +76,13 @@ def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
     cells = sweep.main(sweep_args(tmp_path, data, "--dry-run"))
     assert [c.state() for c in cells] == ["missing"] * 4
     killed, job = cells[1], cells[3]
-    sw.subprocess.run([sw.sys.executable, "-m", "tests.kill", "--after-epochs", "1", *killed.train_args()], cwd=REPO)
+    subprocess.run([sys.executable, "-m", "tests.kill", "--after-epochs", "1", *killed.train_args()], cwd=REPO)
     assert killed.state() == "partial"
     # the job as --slurm-gpus 2 runs it: two data-parallel processes under torchrun (gloo on CPU)
-    assert [j.result() for j in sw.submit_slurm([job], cluster="local", wait=True, timeout_min=5, nproc=2)] == [0]
+    assert [j.result() for j in submit_slurm([job], cluster="local", wait=True, timeout_min=5, nproc=2)] == [0]
     assert job.state() == "done" and (tmp_path / "submitit" / job.run.name).is_dir()  # the job's identity
     assert json.loads((job.run / "config.json").read_text())["world_size"] == 2
-    text = sw.write_report(cells, tmp_path)
+    text = write_report(cells, tmp_path)
     assert "| TES-IS | missing (0/2) |" in text and "(n=1/2)" in text and "3 of 4 runs not finished" in text
     rows = list(csv.DictReader(open(tmp_path / "report.csv")))
     assert [r["state"] for r in rows] == ["missing", "partial", "missing", "done"]
@@ -108,7 +113,7 @@ def test_grid_runs_resumes_a_killed_cell_and_reports(tmp_path, data, capsys):
 
 def test_grid_sizes_and_report_keys_carry_ablation_settings():
     """The presets' grids have the paper's sizes, and ablation settings part runs and report rows (the
-    run names themselves: tests/test_config.py)."""
+    run names themselves: tests/runs/test_config.py)."""
     # The paper's grid sizes: 2 backbones x 9 rows x 4 benchmarks x 3 seeds; the lambda table's
     # rows are per backbone (Granite: TES and ACS + affinity tuning; OLMoE: frozen ACS), each at two lambdas.
     both = ["ibm-granite/granite-3.1-3b-a800m-base", "allenai/OLMoE-1B-7B-0924-SFT"]
@@ -118,13 +123,13 @@ def test_grid_sizes_and_report_keys_carry_ablation_settings():
     for preset, size in (("main", 216), ("lambda-1e-2", (4 + 2) * 2 * 4 * 3), ("depth-scaled", 2 * 4 * 4 * 3),
                          ("excessive-scaling", 2 * 4 * 3), ("layer-scope", 2 * 3 * 4 * 4 * 3),
                          ("acs-lambda", (2 + 4) * 2 * 4 * 3), ("acs-screen", 2 * 4 * 3)):
-        p = sw.PRESETS[preset]
-        assert len(sw.grid(both, p.benchmarks, p.rows, p.seeds, "runs", settings=p.settings)) == size
-    olmoe_acs = {c.run.name for c in sw.grid(both, ["d"], sw.PRESETS["layer-scope"].rows, (42,), "runs",
-                                           settings=sw.PRESETS["layer-scope"].settings) if "OLMoE" in c.model and "ACS" in c.row}
+        p = PRESETS[preset]
+        assert len(grid(both, p.benchmarks, p.rows, p.seeds, "runs", settings=p.settings)) == size
+    olmoe_acs = {c.run.name for c in grid(both, ["d"], PRESETS["layer-scope"].rows, (42,), "runs",
+                                           settings=PRESETS["layer-scope"].settings) if "OLMoE" in c.model and "ACS" in c.row}
     assert len(olmoe_acs) == 8 and all("lambda0.01" in name for name in olmoe_acs)
     # A setting the method does not read is no part of its name: CE at lambda 1e-2 is the CE run.
-    cells = sw.grid(["org/granite-x"], ["d"], ["CE", "ACS-IS"], (42,), "runs", settings=({}, {"lambda_": 1e-2}))
+    cells = grid(["org/granite-x"], ["d"], ["CE", "ACS-IS"], (42,), "runs", settings=({}, {"lambda_": 1e-2}))
     assert sorted(c.run.name for c in cells) == ["granite-x-d-ACS-IS-lambda0.01-seed42", "granite-x-d-ACS-IS-seed42",
                                                  "granite-x-d-CE-seed42"]
     # Two runs differing only in lambda are two report rows, not a "duplicate run".
@@ -136,7 +141,7 @@ def test_grid_sizes_and_report_keys_carry_ablation_settings():
 
 def test_lambda_table_writes_the_change_from_the_1e3_cell(tmp_path):
     """Δ = mean(lambda 1e-2) - mean(lambda 1e-3), in points, from hand-written metrics."""
-    cells = sw.grid(["org/granite-x"], ["d"], [("TES-IS", "granite"), ("ACS-IS", "olmoe")], (42, 43), tmp_path,
+    cells = grid(["org/granite-x"], ["d"], [("TES-IS", "granite"), ("ACS-IS", "olmoe")], (42, 43), tmp_path,
                     settings=({}, {"lambda_": 1e-2}))
     assert {c.row for c in cells} == {"TES-IS"}  # the OLMoE-only row is not run on Granite
     accs = {(False, 42): 0.60, (False, 43): 0.62, (True, 42): 0.65, (True, 43): 0.66}
@@ -145,14 +150,14 @@ def test_lambda_table_writes_the_change_from_the_1e3_cell(tmp_path):
         out.mkdir(parents=True)
         (c.run / "config.json").write_text("{}")
         (out / "metrics.json").write_text(json.dumps({"accuracy": accs[(bool(c.settings), c.seed)]}))
-    table = sw.write_report(cells, tmp_path)
+    table = write_report(cells, tmp_path)
     assert "| granite-x | TES-IS [lambda=0.01] | 65.50 ± 0.71 [+4.50] |" in table
     assert "| granite-x | TES-IS | 61.00 ± 1.41 |" in table
 
 
 def test_devices_run_one_cell_each_at_a_time():
     """A fake list of two devices: never two cells on one device, both devices used, every cell run once."""
-    cells = sw.grid(["org/olmoe-x"], ["d"], ["CE", "TES-IS", "ACS-IS"], (42, 43), "runs")
+    cells = grid(["org/olmoe-x"], ["d"], ["CE", "TES-IS", "ACS-IS"], (42, 43), "runs")
     busy, seen, lock = set(), [], threading.Lock()
 
     def launch(cell, env):
@@ -166,7 +171,7 @@ def test_devices_run_one_cell_each_at_a_time():
             busy.discard(device)
         return 0
 
-    codes = sw.run_on_devices(cells, ["0", "1"], launch=launch)
+    codes = run_on_devices(cells, ["0", "1"], launch=launch)
     assert sorted(codes) == sorted(c.run for c in cells) and set(codes.values()) == {0}
     assert {d for _, d in seen} == {"0", "1"} and len(seen) == len(cells)
 
@@ -177,18 +182,18 @@ def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data, mo
     examples train.py kept (the first 5), not the uncut split. The table's train row is that split's
     C_t. A finished phase is never run again: the cell, trained and tested, runs evaluate.py alone
     (not train.py --resume, which would score test again), and once done, nothing."""
-    cell = sw.grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path,
+    cell = grid([str(tiny_checkpoint())], [str(data)], ["ACS-IS"], (42,), tmp_path,
                    extra=(*SMOKE, "--max-train-examples", "5"))[0]
-    assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    assert run_cell(cell) == 0 and cell.state() == "done"
     finished = {p: p.stat().st_mtime_ns for p in (cell.run / "eval" / "test" / "metrics.json", cell.run / "metrics.jsonl",
                                                   cell.run / "selection.json")}
-    commands, real_run = [], sw.subprocess.run
-    monkeypatch.setattr(sw.subprocess, "run", lambda command, **kw: commands.append(command) or real_run(command, **kw))
+    commands, real_run = [], subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda command, **kw: commands.append(command) or real_run(command, **kw))
     cell = replace(cell, train_eval=True)
     assert cell.state() == "partial"
-    assert sw.run_cell(cell) == 0 and cell.state() == "done"
+    assert run_cell(cell) == 0 and cell.state() == "done"
     assert [c[1:3] for c in commands] == [["-m", "minimoe.cli.evaluate"]]  # evaluate.py's command, alone
-    assert sw.run_cell(cell) == 0 and len(commands) == 1
+    assert run_cell(cell) == 0 and len(commands) == 1
     assert {p: p.stat().st_mtime_ns for p in finished} == finished
     train = json.loads((cell.run / "eval" / "train" / "metrics.json").read_text())
     trained = [json.loads(line)["id"] for line in (data / "train.jsonl").read_text().splitlines()[:5]]
@@ -197,7 +202,7 @@ def test_train_split_evaluation_feeds_the_concentration_table(tmp_path, data, mo
     with np.load(cell.run / "eval" / "train" / "tokens-train.npz") as z:
         assert sorted(set(z["example"].tolist())) == list(range(5))
         c = z[f"concentration_layer{max(int(k[19:]) for k in z.files if k.startswith('concentration_layer'))}"]
-    assert f"| train | {c.mean():.4f} | {1 / c.mean():.2f} |" in sw.concentration_table([cell])
+    assert f"| train | {c.mean():.4f} | {1 / c.mean():.2f} |" in concentration_table([cell])
 
 
 def write_tokens(path, seed, *, layers=(3,), groups=12, repeats=None, concentration=None):
@@ -216,7 +221,7 @@ def write_tokens(path, seed, *, layers=(3,), groups=12, repeats=None, concentrat
 
 
 def fake_cells(tmp_path, seeds, accs, nlls):
-    cells = sw.grid(["org/granite-x"], ["arc"], ["TES-IS"], seeds, tmp_path)
+    cells = grid(["org/granite-x"], ["arc"], ["TES-IS"], seeds, tmp_path)
     for c, acc, nll in zip(cells, accs, nlls):
         (c.run / "eval" / "test").mkdir(parents=True)
         (c.run / "config.json").write_text("{}")
@@ -247,8 +252,8 @@ def test_transform_table_and_figure_average_groups_across_seeds(tmp_path):
         return (np.searchsorted(xs, x, "left") + np.searchsorted(xs, x, "right") + 1) / 2
     expected = (f"| {pointwise:.4f} | {np.corrcoef(pred, obs)[0, 1]:.4f} | "
                 f"{np.corrcoef(rank(pred), rank(obs))[0, 1]:.4f} | 0.9500 | 65.00 | 2 |")
-    assert expected in sw.transform_table(cells)
-    notes = sw.error_figures(cells, tmp_path / "figures")
+    assert expected in transform_table(cells)
+    notes = error_figures(cells, tmp_path / "figures")
     assert len(notes) == 1 and f"group r {np.corrcoef(pred, obs)[0, 1]:.4f}" in notes[0], notes
     assert (tmp_path / "figures" / "error-prediction-granite-x-arc-TES-IS.png").stat().st_size > 0
 
@@ -261,7 +266,7 @@ def test_concentration_table_is_mean_and_sample_std_over_seeds(tmp_path):
         conc[0] = 0.9  # not constant, so r is defined
         write_tokens(c.run / "eval" / "test" / "tokens-test.npz", c.seed, repeats=3, concentration=conc)
         c_bars.append(conc.mean())
-    table = sw.concentration_table(cells)
+    table = concentration_table(cells)
     n_eff = [1 / c for c in c_bars]
     assert (f"| test | {np.mean(c_bars):.4f} ± {np.std(c_bars, ddof=1):.4f} | "
             f"{np.mean(n_eff):.2f} ± {np.std(n_eff, ddof=1):.2f} |") in table
@@ -271,7 +276,7 @@ def test_concentration_table_is_mean_and_sample_std_over_seeds(tmp_path):
 def test_a_run_scored_at_its_selected_epoch_is_done_and_reported(tmp_path):
     """train.py scores the OLMoE affinity-tuned group at the validation-selected epoch (eval/test-selected;
     its config.json says so): the sweep must count that cell done and report that evaluation."""
-    [cell] = sw.grid(["org/olmoe-x"], ["d"], ["CE + affinity tuning"], (42,), tmp_path)
+    [cell] = grid(["org/olmoe-x"], ["d"], ["CE + affinity tuning"], (42,), tmp_path)
     (cell.run / "eval" / "test-selected").mkdir(parents=True)
     (cell.run / "config.json").write_text(json.dumps({"test_checkpoint": "selected"}))
     assert cell.state() == "partial"
@@ -279,13 +284,13 @@ def test_a_run_scored_at_its_selected_epoch_is_done_and_reported(tmp_path):
               "choice_nll": 1.0, "settings": {}}
     (cell.run / "eval" / "test-selected" / "metrics.json").write_text(json.dumps(record))
     assert cell.state() == "done"
-    assert "50.00" in sw.write_report([cell], tmp_path, ("accuracy",), ())
+    assert "50.00" in write_report([cell], tmp_path, ("accuracy",), ())
 
 
 def test_a_run_asked_for_both_test_evaluations_is_done_only_with_both(tmp_path):
     """--test-checkpoint both: a cell killed after the last epoch's evaluation, before the selected one's,
     is partial (the sweep resumes it and train.py scores the missing one), not done without it."""
-    [cell] = sw.grid(["org/olmoe-x"], ["d"], ["CE"], (42,), tmp_path)
+    [cell] = grid(["org/olmoe-x"], ["d"], ["CE"], (42,), tmp_path)
     (cell.run / "config.json").parent.mkdir(parents=True)
     (cell.run / "config.json").write_text(json.dumps({"test_checkpoint": "both"}))
     for folder, state in (("test", "partial"), ("test-selected", "done")):
@@ -303,7 +308,7 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
             "--out-dir", str(tmp_path)]
     cells = sweep.main([*args, "--dry-run"])
     # The nine rows, and all-layer ACS-IS, TES-IS and TES-IS's control Dual Affinity: 12 x 3 seeds.
-    assert len(cells) == 12 * 3 and {c.row for c in cells} == set(sw.ROWS)
+    assert len(cells) == 12 * 3 and {c.row for c in cells} == set(ROWS)
     assert {c.row for c in cells if c.settings == (("layers", "all"),)} == {"ACS-IS", "Dual Affinity", "TES-IS"}
     assert [(c.row, c.seed) for c in cells if c.zero_shot] == [("CE", 42)]
     assert "--zero-shot" in cells[0].train_args() and "--zero-shot" not in cells[1].train_args()
@@ -317,12 +322,12 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
             if json.loads(x)["kind"] == "epoch"] == [1]
     text = (tmp_path / "report.md").read_text()
     rows = [line.split(" | ")[1] for line in text.splitlines()[2:5]]
-    assert rows == [sw.ZERO_SHOT, "CE", "TES-IS"]  # the zero-shot row first
+    assert rows == [ZERO_SHOT, "CE", "TES-IS"]  # the zero-shot row first
     base = json.loads((ce[0].run / "eval" / "test-base" / "metrics.json").read_text())["accuracy"]
-    assert f"| {sw.ZERO_SHOT} | {100 * base:.2f} |" in text
+    assert f"| {ZERO_SHOT} | {100 * base:.2f} |" in text
     records = [json.loads(x) for x in (ce[1].run / "metrics.jsonl").read_text().splitlines()]
     seconds = sum(r["seconds"] if r["kind"] == "step" else r["val_seconds"] for r in records)
-    assert sw.train_seconds(ce[1].run) == pytest.approx(seconds) and seconds > 0
+    assert train_seconds(ce[1].run) == pytest.approx(seconds) and seconds > 0
     assert f"| TES-IS | {Path(data).name} | {seconds / 60:.1f} | 1 |" in text
     # evaluate.py compare reads the runs' own predictions.jsonl (train.py's format), run folders as given.
     result = evaluate.main(["compare", str(ce[0].run), str(ce[1].run)])
@@ -336,10 +341,10 @@ def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path
     """Group comparisons on hand-made evaluations: all-layer ACS-IS against CE (no all-layer CE in the
     grid), all-layer TES-IS against all-layer Dual Affinity, paired by seed over the seeds where both
     finished; every number against a recount (scipy's binomial test, the bootstrap redrawn by hand)."""
-    from test_compare import reference_bootstrap, write_evaluation
-    rows = ["CE", "ACS-IS", ("ACS-IS", None, sw.ALL_LAYERS), "Dual Affinity", ("Dual Affinity", None, sw.ALL_LAYERS),
-            "TES-IS", ("TES-IS", None, sw.ALL_LAYERS)]
-    cells = sw.grid(["org/granite-x"], ["d"], rows, (42, 43), tmp_path)
+    from tests.study.test_compare import reference_bootstrap, write_evaluation
+    rows = ["CE", "ACS-IS", ("ACS-IS", None, ALL_LAYERS), "Dual Affinity", ("Dual Affinity", None, ALL_LAYERS),
+            "TES-IS", ("TES-IS", None, ALL_LAYERS)]
+    cells = grid(["org/granite-x"], ["d"], rows, (42, 43), tmp_path)
     rng = np.random.default_rng(0)
     ids, gold = [f"q{i}" for i in range(40)], rng.integers(0, 3, 40)
     written = {}
@@ -352,8 +357,8 @@ def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path
         (c.run / "config.json").write_text("{}")
         write_evaluation(c.run / "eval" / "test", ids, gold, pred, nll, seed=c.seed, method=c.row)
         written[(c.row, c.settings, c.seed)] = (pred, nll)
-    report = sw.write_report(cells, tmp_path, tables=("comparisons",))
-    lines = [l for l in report[report.index(sw.COMPARISONS_TITLE):].splitlines() if l.startswith("| ")][1:]
+    report = write_report(cells, tmp_path, tables=("comparisons",))
+    lines = [l for l in report[report.index(COMPARISONS_TITLE):].splitlines() if l.startswith("| ")][1:]
     assert [line.split(" | ")[2:4] for line in lines[:4]] == [
         ["CE", "ACS-IS"], ["CE", "ACS-IS [layers=all]"], ["Dual Affinity", "TES-IS"],
         ["Dual Affinity [layers=all]", "TES-IS [layers=all]"]]
@@ -385,7 +390,7 @@ def test_report_compares_each_method_with_its_parameter_matched_control(tmp_path
     write_evaluation(tes.run / "eval" / "other", ids[:30], gold[:30], gold[:30], np.ones(30), seed=43, method="TES-IS")
     (tes.run / "eval" / "test").rename(tes.run / "eval" / "old")
     (tes.run / "eval" / "other").rename(tes.run / "eval" / "test")
-    text = sw.comparison_table(sw.group_comparisons(cells))
+    text = comparison_table(group_comparisons(cells))
     assert "| Dual Affinity | TES-IS | not compared (below) |" in text
     assert text.count("different questions") == 1 and "- TES-IS vs Dual Affinity, d: " in text
 
@@ -407,7 +412,7 @@ def test_slurm_params_reach_submitit_by_its_names(tmp_path, data, monkeypatch):
 def test_a_grid_of_your_own_with_the_tiny_alias_and_your_own_method_runs_and_reports(tmp_path, data, capsys):
     """No --preset: --rows and --benchmarks make the grid. --models tiny names its runs as train.py does
     (tiny-olmoe-...), and a method that --method-module registers is a row beside CE; both run and are reported."""
-    module = str(Path(__file__).parents[1] / "examples" / "my_method.py")
+    module = str(Path(__file__).parents[2] / "examples" / "my_method.py")
     args = ["--models", "tiny", "--benchmarks", str(data), "--rows", "CE", "biased", "--method-module", module,
             "--seeds", "42", "--out-dir", str(tmp_path)]
     cells = sweep.main([*args, "--", "--batch-size", "8", "--epochs", "1", "--quiet"])
@@ -449,15 +454,15 @@ PAPER_ROWS = ["CE", "ACS-ENLL", "ACS-IS", "CE + affinity tuning", "ACS-ENLL + af
 
 
 def test_the_rows_are_the_papers_named_as_their_runs_name_their_row():
-    """sw.ROWS is named by Method.row of the run each row's flags configure, and those names are the paper's."""
-    assert list(sw.ROWS) == PAPER_ROWS
+    """ROWS is named by Method.row of the run each row's flags configure, and those names are the paper's."""
+    assert list(ROWS) == PAPER_ROWS
 
 
 @pytest.mark.parametrize("row", ["CE", "TES-IS", "tes", "ce", "native", "TES", "my_method"])
 def test_the_sweep_command_and_the_grid_accept_the_same_rows(tmp_path, row, capsys):
-    """One row check (study.sweep.check_row) for `grid` and sweep.py's --rows."""
+    """One row check (study.grid.check_row) for `grid` and sweep.py's --rows."""
     try:
-        sw.grid(["tiny"], ["arc_challenge"], [row], [42], tmp_path)
+        grid(["tiny"], ["arc_challenge"], [row], [42], tmp_path)
         in_grid = True
     except ValueError as e:
         in_grid = False
@@ -475,7 +480,7 @@ def test_the_sweep_command_and_the_grid_accept_the_same_rows(tmp_path, row, caps
 def test_the_help_example_of_your_own_rows_names_what_the_example_file_registers(capsys, monkeypatch):
     """Issue 41 item 7: sweep.py --help's row `my_method` was not the name examples/my_method.py registers."""
     from minimoe.runs.plugins import resolve_method
-    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
     with pytest.raises(SystemExit):
         sweep.main(["--help"])
     text = capsys.readouterr().out

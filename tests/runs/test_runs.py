@@ -1,4 +1,4 @@
-"""The run rules that train.py and evaluate.py share (minimoe.runs.folder): one answer to which device, dtype,
+"""The run rules that train.py and evaluate.py share (minimoe.runs.device, minimoe.runs.folder): one answer to which device, dtype,
 pad id and label a run has, whichever entry point asks."""
 import warnings
 from pathlib import Path
@@ -9,7 +9,8 @@ import torch
 
 from minimoe.core.methods import get_method
 from minimoe.core.scoring import pad_id
-from minimoe.runs.folder import CPU_DTYPE_VARIABLE, AdapterSource, cpu_capabilities, native_bf16, pick_device, pick_dtype
+from minimoe.runs.device import CPU_DTYPE_VARIABLE, cpu_capabilities, native_bf16, pick_device, pick_dtype
+from minimoe.runs.folder import AdapterSource
 
 
 @pytest.mark.parametrize("method, objective, tune, label", [
@@ -58,12 +59,13 @@ def test_auto_device_and_dtype(monkeypatch):
 @pytest.mark.parametrize("device,dtype,on", [("cuda:0", "bfloat16", True), ("cuda", "float32", False),
                                              ("cpu", "bfloat16", False), ("cpu", "float32", False)])
 def test_training_and_evaluation_take_one_autocast_policy(device, dtype, on):
-    """runs.folder.autocast_for: bf16 CUDA autocast for bf16 weights on CUDA, none elsewhere. Training asks with
+    """runs.device.autocast_for: bf16 CUDA autocast for bf16 weights on CUDA, none elsewhere. Training asks with
     the run's names (training.autocast(cfg)), evaluation with its model's torch.device and torch.dtype: one
     answer. (Without CUDA torch builds a CUDA autocast disabled, so its device and dtype are compared.)"""
     from minimoe.runs import training
-    from minimoe.runs.config import RECIPES, TrainConfig
-    from minimoe.runs.folder import autocast_for
+    from minimoe.runs.config import TrainConfig
+    from minimoe.runs.recipes import RECIPES
+    from minimoe.runs.device import autocast_for
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "CUDA is not available ... Disabling autocast"
         trained = training.autocast(TrainConfig(**RECIPES["tiny"], device=device, dtype=dtype))

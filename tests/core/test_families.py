@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import NEW_FAMILIES, tiny_config
+from tests.conftest import NEW_FAMILIES, tiny_config
 from minimoe.cli import evaluate, sweep, train
 from minimoe.cli.train import parse_args, resolve_config
 from minimoe.core.families import CONFIG_FIELDS, FAMILIES, REQUIRED, Family, family_of, register_family
@@ -15,8 +15,8 @@ from minimoe.core.lora import resolve_targets
 from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names, init_weights
 from minimoe.loading.checkpoint import checkpoint_layout, config_from_dict, config_to_dict, read_config, save_pretrained
 from minimoe.loading.tiny import tiny_checkpoint
-from minimoe.runs.config import RECIPES
-from minimoe.study.sweep import guess_recipe
+from minimoe.runs.recipes import RECIPES
+from minimoe.study.grid import guess_recipe
 from tests.kill import killed_after
 
 

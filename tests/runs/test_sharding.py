@@ -26,7 +26,7 @@ from minimoe.runs.config import build_config
 from minimoe.runs.sharding import ShardingRefused, check_sharding, shard
 from tests.conftest import tiny_model
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LR = 2e-3  # the tiny recipe's
 STEPS = ["--max-train-examples", "16", "--batch-size", "8", "--epochs", "1", "--lora-dropout", "0", "--recipe", "tiny",
          "--no-test-eval", "--quiet"]  # 2 optimizer steps of 8 examples: 4 a rank under FSDP

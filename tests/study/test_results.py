@@ -155,7 +155,7 @@ def test_a_run_is_in_one_benchmark_file_and_moves_when_collected_under_another(s
 def test_the_results_readme_counts_the_runs_the_folder_holds():
     """results/README.md says how many runs each file holds ("`sciq.jsonl.gz`, 24 runs"): the files' own count,
     and every file is named."""
-    folder = Path(__file__).resolve().parents[1] / "results"
+    folder = Path(__file__).resolve().parents[2] / "results"
     text = (folder / "README.md").read_text()
     said = {name: int(n) for name, n in re.findall(r"`([\w.+-]+\.jsonl\.gz)`, (\d+) runs", text)}
     held = {path.name: len(results.read_file(path)) for path in sorted(folder.glob(f"*{results.SUFFIX}"))}
@@ -166,7 +166,7 @@ def test_the_study_page_tables_are_the_report_of_results(tmp_path):
     """The study page's split-model tables (docs/study.md: the re-run's cells and paired comparisons) are
     what `sweep.py --results results` regenerates from the repository's results/ folder alone, line for line."""
     from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     records = results.read(root / "results")
     rows = sorted({r["config"]["method"] for r in records})
     assert records and {"native", "acs"} <= set(rows), "results/ holds the study's re-run"

@@ -14,7 +14,7 @@ import pytest
 
 from minimoe.loading.tiny import tiny_checkpoint
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHA = "0123456789abcdef0123456789abcdef01234567"  # the commit the fake hub snapshot claims
 REPO_ID = "someorg/tiny-olmoe"
 

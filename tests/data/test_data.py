@@ -325,7 +325,7 @@ def test_data_revision_overrides_the_pin_and_must_match_the_built_splits(fake_hu
     """revision= (train.py --data-revision) reaches the download; splits built at another revision are
     refused rather than reused; offline copies take no revision."""
     from minimoe.cli import train
-    from conftest import tiny_config
+    from tests.conftest import tiny_config
     other = "f" * 40
     data.load_split("medmcqa", "test", data_dir=tmp_path, source="hub", revision=other)
     assert fake_hub[-1]["revision"] == other

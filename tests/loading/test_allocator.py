@@ -1,5 +1,6 @@
 """keep_freed_memory: a freed big block is reused, not faulted in again (glibc only)."""
 import json
+import mmap
 import os
 import platform
 import subprocess
@@ -73,7 +74,9 @@ def anon_huge_bytes(start: int, end: int) -> int:
 def test_advised_tensor_is_backed_by_huge_pages_and_keeps_its_values():
     from minimoe.loading.allocator import HUGE_PAGE, advise_huge_pages
     import torch
-    block = torch.empty(8 * HUGE_PAGE // 4)  # 16 MB of float32, a fresh mapping of its own
+    # 16 MB of float32 in a fresh mapping of its own: not torch.empty, which after an in-process train.py
+    # (keep_freed_memory: every block from glibc's heap) reuses heap pages already faulted in
+    block = torch.frombuffer(mmap.mmap(-1, 8 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.float32)
     advise_huge_pages(block)
     block.copy_(torch.arange(block.numel(), dtype=torch.float32))
     assert anon_huge_bytes(block.data_ptr(), block.data_ptr() + block.nbytes) >= 7 * HUGE_PAGE  # the whole pages inside
@@ -108,7 +111,7 @@ def kernels(mode, **env):
 
 
 def test_limit_kernel_cache_bounds_the_compiled_kernels_memory():
-    from minimoe.runs.folder import cpu_capabilities, native_bf16
+    from minimoe.runs.device import cpu_capabilities, native_bf16
     if not native_bf16(cpu_capabilities()):
         pytest.skip("no native bf16 on this CPU: its matrix products compile no oneDNN kernels per shape")
     default, limited = kernels("default"), kernels("16")

@@ -1,0 +1,21 @@
+"""The process group as a run sees it: this process's rank and the world size (`world`), and a number
+summed over every rank (`global_sum`); one process without a group is rank 0 of 1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the process group; (0, 1) without one."""
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def global_sum(x: float) -> float:
+    """x summed over the process group (in float64: token counts stay exact)."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item()
