@@ -1,5 +1,5 @@
 """The whole pipeline on transformers-saved tiny checkpoints of DeepSeek-V2, DeepSeek-V3 and gpt-oss: train.py
-with every method (killed and resumed), evaluate.py and sweep.py (tests/test_families.py's pipeline test, here
+with every method (killed and resumed), evaluate.py and sweep.py (tests/core/test_families.py's pipeline test, here
 on a folder transformers wrote), a hub id from an offline cache, and lm-eval's model scoring a local task."""
 import json
 import shutil
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import minimoe
-import tests.test_families as test_families
+import tests.core.test_families as test_families
 import tests.tiny_families as tiny_families
 from minimoe.loading.checkpoint import read_config
 from minimoe.loading.tiny import tiny_checkpoint
-from tests.test_checkpoint import offline, populate_hub_cache  # noqa: F401  (offline: a fixture)
-from tests.test_families_parity import FP32_TOL, batch, rel_err
+from tests.loading.test_checkpoint import offline, populate_hub_cache  # noqa: F401  (offline: a fixture)
+from tests.core.test_families_parity import FP32_TOL, batch, rel_err
 
 # One transformers variant per family: V2's group-limited top-K with low-rank q, V3's sigmoid scores with the
 # correction bias and YaRN, gpt-oss's sinks, sliding layers, biases and YaRN.

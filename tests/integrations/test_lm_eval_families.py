@@ -8,7 +8,7 @@ pytest.importorskip("transformers")
 from minimoe.loading.checkpoint import read_config  # noqa: E402
 from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
 from tests.test_families_pipeline import VARIANTS, transformers_saved, with_tokenizer  # noqa: E402
-from tests.test_lm_eval import TASK, evaluate, task_dir  # noqa: E402,F401  (task_dir: a fixture)
+from tests.integrations.test_lm_eval import TASK, evaluate, task_dir  # noqa: E402,F401  (task_dir: a fixture)
 
 
 def saved(name, tmp_path, monkeypatch):
@@ -16,7 +16,7 @@ def saved(name, tmp_path, monkeypatch):
     families (at the tokenizer's vocabulary, with positions for a question), beside the tiny tokenizer."""
     if name in VARIANTS:
         return transformers_saved(name, tmp_path / "saved", monkeypatch)[1]
-    from tests.test_model import reference_model
+    from tests.core.test_model import reference_model
     base = read_config(tiny_checkpoint())
     _, folder = reference_model(name, tmp_path, vocab_size=base.vocab_size, pad_token_id=base.pad_token_id,
                                 eos_token_id=base.eos_token_id, max_position_embeddings=256)
