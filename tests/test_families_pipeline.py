@@ -1,6 +1,7 @@
 """The whole pipeline on transformers-saved tiny checkpoints of DeepSeek-V2, DeepSeek-V3 and gpt-oss: train.py
 with every method (killed and resumed), evaluate.py and sweep.py (tests/core/test_families.py's pipeline test, here
-on a folder transformers wrote), a hub id from an offline cache, and lm-eval's model scoring a local task."""
+on a folder transformers wrote) and a hub id from an offline cache (lm-eval's model on them:
+tests/integrations/test_lm_eval_families.py)."""
 import json
 import shutil
 
