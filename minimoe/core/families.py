@@ -92,14 +92,17 @@ register_family(Family(
                              "logits_scaling", "attention_multiplier"}),
     fixed={"norm_topk_prob": True, "topk_on_logits": True}))
 
+# Per-expert gate, up and down matrices, as transformers 4.57 stores Qwen's and OLMoE's experts.
+PER_EXPERT_KEYS = {"mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
+                   "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",)}
+
 register_family(Family(
     "olmoe", "OlmoeForCausalLM",
     brings="softmax over all experts, then top-K (renormalised with norm_topk_prob); q/k RMSNorm over the "
            "full projection width; clip_qkv",
     hub_examples=("allenai/OLMoE-1B-7B-0924", "allenai/OLMoE-1B-7B-0125"),
     recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("olmoe",),
-    layer_keys={"mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
-                "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",)},
+    layer_keys=PER_EXPERT_KEYS,
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "norm_topk_prob", "clip_qkv"}),
     fixed={"qk_norm": "full"}))
 
@@ -108,10 +111,6 @@ register_family(Family(
 QWEN_RENAMES = {"moe_intermediate_size": "intermediate_size", "intermediate_size": "dense_intermediate_size"}
 QWEN_FIELDS = frozenset({"router_aux_loss_coef", "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step",
                          "dense_intermediate_size", "use_sliding_window", "sliding_window"})
-# Per-expert gate, up and down matrices, as transformers 4.57 stores Qwen's and OLMoE's experts.
-PER_EXPERT_KEYS = {"mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
-                   "mlp.experts.down_proj.weight": ("mlp.experts.{j}.down_proj.weight",)}
-
 register_family(Family(
     "qwen3_moe", "Qwen3MoeForCausalLM",
     brings="per-head q/k RMSNorm; head_dim as its own field; norm_topk_prob; dense MLP layers among the MoE "

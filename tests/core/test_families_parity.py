@@ -12,24 +12,11 @@ from minimoe.core.families import FAMILIES
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import METHODS, set_router
 from minimoe.loading.checkpoint import checkpoint_layout, to_disk_layout
+from tests.core.test_model import batch, rel_err
 from tests.tiny_families import VARIANTS, family_of, mxfp4_reference_model, reference_model, with_v2_softmax_mscale
 
 FP32_TOL = 2e-5
 DECLARED = [v for v in VARIANTS if family_of(v) in FAMILIES]  # the families declared so far
-
-
-def batch(vocab=128, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (3, 16), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 11:] = 0  # right padding
-    mask[2, 5:] = 0
-    return ids, mask
-
-
-def rel_err(ours, ref, mask):
-    real = mask.bool()
-    return ((ours.float() - ref.float())[real].abs().max() / ref.float()[real].abs().max()).item()
 
 
 @pytest.mark.parametrize("variant", DECLARED)
