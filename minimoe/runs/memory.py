@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from minimoe.core.families import family_of
 from minimoe.core.model import MoEForCausalLM
 from minimoe.loading.checkpoint import (DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files, config_from_dict,
                                         read_config)
@@ -141,7 +142,7 @@ def main(argv=None) -> Estimate:
     if args.gpus < 1:
         p.error(f"--gpus {args.gpus}: expected 1 or more")
     config, folder = model_config(args.model)
-    recipe = args.recipe or {"granitemoe": "granite"}.get(config.model_type, "olmoe")
+    recipe = args.recipe or family_of(config.model_type).recipe
     settings = {"model": args.model, "dtype": args.dtype, "device": "cpu", "method": args.method, "shard": args.shard,
                 "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
                 "gradient_checkpointing": args.gradient_checkpointing or None}

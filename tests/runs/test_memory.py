@@ -72,3 +72,19 @@ def test_lora_figures_count_the_trainable_parameters(tmp_path):
                             "--recipe", "olmoe"])
     assert estimate.lora == estimate.optimizer == 8 * trainable
     assert json.dumps(vars(estimate))  # plain numbers
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "granitemoe", "olmoe", "qwen3_moe"])
+def test_the_recipe_is_the_familys_own(tmp_path, family):
+    """Without --recipe the estimate takes the family record's recipe (its LoRA targets), as train.py does,
+    not a guess that gives every family but Granite OLMoE's: gpt-oss trains Granite's targets (no o_proj)."""
+    from minimoe.core.families import family_of
+    from minimoe.runs.recipes import RECIPES
+    save_pretrained(tiny_model(family), tmp_path / "m")
+    recipe = family_of(family).recipe
+    ours = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32"])
+    named = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32", "--recipe", recipe])
+    assert ours.lora == named.lora
+    other = "olmoe" if recipe == "granite" else "granite"
+    if set(RECIPES[other].get("lora_targets", ())) != set(RECIPES[recipe].get("lora_targets", ())):
+        assert memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32", "--recipe", other]).lora != ours.lora
