@@ -468,6 +468,8 @@ def transformers_routing(name, gate, x, correction):
     """The same router as transformers 4.57 computes it (its own modules where it has one), the oracle."""
     scoring, _ = SCORERS[name]
     E, D = gate.weight.shape
+    if name in ("group-max", "sigmoid-noaux", "topk-on-logits"):  # transformers' own modules: skip without the extra
+        pytest.importorskip("transformers")
     if name == "group-max":
         from transformers import DeepseekV2Config
         from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MoEGate
