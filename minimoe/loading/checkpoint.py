@@ -23,6 +23,8 @@ from safetensors.torch import save_file
 from minimoe.atomic import atomic_directory
 from minimoe.core.families import CONFIG_FIELDS, Converted, family_of
 from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
+from minimoe.core.quantized import pack, quantize_module, quantized_modules
+from minimoe.core.quantized import require as require_quantization
 from minimoe.loading import gpt_oss
 from minimoe.loading.allocator import advise_huge_pages
 
@@ -266,8 +268,13 @@ class WeightFile:
             out.copy_(buffer)
 
 
-def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, revision=None) -> MoEForCausalLM:
-    """Load an official Granite-MoE or OLMoE checkpoint from a folder or a hub repo id."""
+def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, revision=None,
+                    quantize: str | None = None) -> MoEForCausalLM:
+    """Load an official Granite-MoE or OLMoE checkpoint from a folder or a hub repo id.
+    quantize: "nf4" packs the frozen base's large matrices (core/quantized.py) as they are read: each is
+    allocated when its first key is read and packed after its last, so the unpacked model never is whole."""
+    if quantize is not None:
+        require_quantization(quantize)  # before any file is read
     folder = resolve_checkpoint(name_or_path, cache_dir, revision)
     config = read_config(folder)
     if isinstance(dtype, str):
@@ -283,8 +290,11 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
     # Allocate every parameter at its final dtype and device, and note where each disk key lands:
     # a whole parameter, or (OLMoE) one expert's gate, up or down rows inside a stacked bank.
     destination = {}  # disk key -> tensor (a parameter or a contiguous slice of one, or a converted key's buffer)
-    converted = []  # (parameter, conversion, its buffers), converted once every file is read
-    for name, disk in layout.items():
+    converted = {}  # parameter name -> (parameter, conversion, its buffers), converted once its keys are read
+    packed = set() if quantize is None else {f"{m}.weight" for m in quantized_modules(model)}
+    deferred = {}  # --quantize: a packed parameter's disk key -> its name; placed at its first key's read
+
+    def place(name, disk):
         meta = model.get_parameter(name)
         value = torch.empty(meta.shape, dtype=dtype, device=device)
         advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
@@ -296,11 +306,11 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
                 E, out, inner = meta.shape  # MXFP4 stores [E, out, in] as 32-value blocks along in
                 buffers = [torch.empty(E, out, inner // 32, 16, dtype=torch.uint8), torch.empty(E, out, inner // 32, dtype=torch.uint8)]
                 destination.update(zip(mxfp4_keys(disk.key), buffers))
-                converted.append((value, lambda b, s, f=from_mxfp4, k=disk.key: f(b, s, dtype, k), buffers))
+                converted[name] = (value, lambda b, s, f=from_mxfp4, k=disk.key: f(b, s, dtype, k), buffers)
             else:
                 buffer = torch.empty(to_disk(torch.empty(meta.shape, device="meta")).shape, dtype=dtype)
                 destination[disk.key] = buffer
-                converted.append((value, from_disk, [buffer]))
+                converted[name] = (value, from_disk, [buffer])
         elif isinstance(disk, str):
             destination[disk] = value
         else:  # per-expert keys in (expert, part) order; part p fills rows [p*rows, (p+1)*rows)
@@ -311,18 +321,55 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
                 destination[key] = value[j, p * rows:(p + 1) * rows]
         module_name, _, leaf = name.rpartition(".")
         model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
+
+    unread = {}  # --quantize: a packed parameter's name -> its disk keys not read yet
+    for name, disk in layout.items():
+        if name in packed:
+            unread[name] = set(disk_keys(disk, quantized))
+            deferred.update(dict.fromkeys(unread[name], name))
+        else:
+            place(name, disk)
     for file, weights in files.items():  # one file at a time, front to back
         with open(weights.path, "rb", buffering=0) as f:
             for key in weights.keys():
-                if key in destination and where.get(key) == file:
+                if where.get(key) != file:
+                    continue
+                name = deferred.pop(key, None)
+                if name is not None and key not in destination:
+                    place(name, layout[name])
+                if key in destination:
                     weights.read_into(key, destination[key], f)
-    for value, convert, buffers in converted:
+                if name is not None:
+                    unread[name].discard(key)
+                    if not unread[name]:  # its last key: convert and pack it, and drop the unpacked copies
+                        for k in disk_keys(layout[name], quantized):
+                            destination.pop(k, None)
+                        pack_parameter(model, name, converted.pop(name, None), quantize)
+    for value, convert, buffers in converted.values():
         value.copy_(convert(*buffers))
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise KeyError(f"{folder}: no checkpoint key fills parameter {still_meta[0]!r}")
     return model.eval()
+
+
+def disk_keys(disk, mxfp4: set[str]) -> tuple[str, ...]:
+    """The disk keys that fill one parameter of `checkpoint_layout` (mxfp4: the Converted keys stored packed)."""
+    if isinstance(disk, Converted):
+        return mxfp4_keys(disk.key) if disk.key in mxfp4 else (disk.key,)
+    return (disk,) if isinstance(disk, str) else disk
+
+
+def pack_parameter(model, name: str, conversion, fmt: str) -> None:
+    """--quantize: parameter `name`, all of it read, converted (gpt-oss's layouts) and packed in `fmt`;
+    its unpacked tensor is dropped here."""
+    module_name, _, _ = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if conversion is not None:
+        value, convert, buffers = conversion
+        value.copy_(convert(*buffers))
+    quantize_module(module, pack(module.weight.data, fmt, module_name))
 
 
 def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile], dict[str, str]]:
@@ -337,12 +384,7 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
                 raise KeyError(f"{folder}: the shard index puts {key!r} in {file}, which does not hold it")
             where[key] = file
     quantized = mxfp4_stored(layout, where)
-    expected = set()
-    for disk in layout.values():
-        if isinstance(disk, Converted):
-            expected.update(mxfp4_keys(disk.key) if disk.key in quantized else (disk.key,))
-        else:
-            expected.update((disk,) if isinstance(disk, str) else disk)
+    expected = {key for disk in layout.values() for key in disk_keys(disk, quantized)}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
     unexpected = sorted(set(where) - expected - ignored)
     if unexpected:
