@@ -77,6 +77,7 @@ class NF4Weight:
         to_nf4 = _to_nf4()
         self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
         self.parts = [to_nf4(m.detach().contiguous(), NF4_BLOCK, scaler_block) for m in weight.reshape(-1, rows, cols)]
+        self.sample = digest_sample(weight)  # of the unpacked weight: an adapter's base digest is the checkpoint's
 
     def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
         """Write the weight into `out` (its shape; any float dtype, any strides); returns out."""
@@ -94,6 +95,13 @@ class NF4Weight:
         """Bytes held: the packed values, both levels of scales, the per-matrix means and lookup tables."""
         return sum(t.numel() * t.element_size() for q in self.parts
                    for t in (q.quantized_data, q.quantized_scalers, q.quantization_factor, q.scaler_mean, q.nf4))
+
+
+def digest_sample(weight: torch.Tensor) -> torch.Tensor:
+    """<= 4096 values of a weight, strided, in bf16: what the base-weights digest of an adapter reads
+    (runs/adapters.py), kept of a packed weight as it was before packing."""
+    flat = weight.detach().reshape(-1)
+    return flat[::max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16)
 
 
 class _Saved:
@@ -232,6 +240,22 @@ def quantize_model(model: nn.Module, fmt: str) -> nn.Module:
         module = model.get_submodule(name)
         if not is_quantized(module):
             quantize_module(module, pack(module.weight.data, fmt, name))
+    return model
+
+
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Every packed weight back as a plain frozen parameter, dequantised in `dtype` (default the
+    placeholder's): the model a QLoRA merge goes into (export.py --merged)."""
+    for module in model.modules():
+        if is_quantized(module):
+            placeholder, packed = module.weight, module.packed
+            weight = torch.empty(placeholder.shape, dtype=dtype or placeholder.dtype, device=placeholder.device)
+            packed.dequantize_into(weight)
+            del module.weight, module.packed
+            module.__class__ = type(module).__bases__[1]  # the class dequantizing_class mixed into
+            module.weight = nn.Parameter(weight, requires_grad=False)
+            if hasattr(module, "_stack"):  # a LoRA bank aliases its `stacked` buffer again
+                module._stack()
     return model
 
 

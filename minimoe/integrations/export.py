@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from minimoe.atomic import atomic_directory
 from minimoe.core.families import Converted, family_of
 from minimoe.core.model import MoEForCausalLM
+from minimoe.core.quantized import dequantize_model
 from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint
 from minimoe.loading.gpt_oss import interleave
 from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
@@ -176,7 +177,10 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
                          f"(export.py) or base_model=")
     revision = source.run_config.get("model_revision") if base == source.run_config.get("model") else None
     folder = resolve_checkpoint(base, cache_dir or source.run_config.get("cache_dir"), revision)
-    model = load_adapter(from_pretrained(folder), source.folder, allow_other_base=allow_other_base)
+    quantize = source.run_config.get("quantize")  # a QLoRA run merges into its dequantised base (core/quantized.py)
+    model = from_pretrained(folder, quantize=quantize)
+    model = load_adapter(dequantize_model(model) if quantize else model, source.folder,
+                         allow_other_base=allow_other_base)
     tokenizer = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
     export_merged(model, out_dir, copy_files=tokenizer)
     return Path(out_dir)
