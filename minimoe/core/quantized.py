@@ -32,6 +32,7 @@ NF4Tensor per expert, as QLoRA on transformers' per-expert modules packs them). 
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -148,14 +149,15 @@ class Dequantizing:
         k = getattr(self, "k", 0)  # a LoRA bank's [x | a] width: the buffer is its `stacked`
         shape = (*packed.shape[:-1], packed.shape[-1] + k)
         buffer = dequantized_buffer(packed, shape, dtype, placeholder.device)
-        storage = buffer.untyped_storage().data_ptr()
+        storage, device = buffer.untyped_storage().data_ptr(), buffer.device
         rebuild = _Rebuild(packed, shape, dtype, placeholder.device)
+        alive = weakref.ref(buffer)  # autograd keeps the hooks with what they saved: no strong reference here
 
         def pack(t):
-            if type(t) is not torch.Tensor or t.device != buffer.device or t.untyped_storage().data_ptr() != storage:
+            if type(t) is not torch.Tensor or t.device != device or t.untyped_storage().data_ptr() != storage:
                 return t
             rebuild.pending += 1
-            return _Saved(rebuild, t, buffer[..., packed.shape[-1]:].clone() if k else None)
+            return _Saved(rebuild, t, alive()[..., packed.shape[-1]:].clone() if k else None)
 
         def unpack(saved):
             return saved.rebuild.unpack(saved) if isinstance(saved, _Saved) else saved

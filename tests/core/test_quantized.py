@@ -1,0 +1,167 @@
+"""--quantize nf4 (core/quantized.py): the packed base against torchao's own NF4, one dequantised weight
+alive at a time, packing while loading, and every method training on every family with a packed base."""
+import weakref
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("torchao")  # the quant extra (and the test extra); a plain install skips these tests
+
+from tests.conftest import FAMILY_SWITCHES, tiny_model  # noqa: E402
+from minimoe.core import quantized  # noqa: E402
+from minimoe.core.experts import GroupedLinear  # noqa: E402
+from minimoe.core.lora import add_lora  # noqa: E402
+from minimoe.loading.checkpoint import from_pretrained  # noqa: E402
+from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
+
+nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+
+
+def test_a_banks_dequantised_weight_is_torchaos_bit_for_bit():
+    """Each expert of a bank dequantises to torchao's to_nf4(W_e).get_original_weight(), bit for bit; and
+    a packed nn.Linear computes torchao's own quantized linear (linear_nf4) on the same weight, exactly."""
+    g = torch.Generator().manual_seed(0)
+    bank = torch.randn(4, 32, 64, generator=g).to(torch.bfloat16)
+    packed = quantized.NF4Weight(bank)
+    out = packed.dequantize_into(torch.empty_like(bank))
+    reference = torch.stack([nf4_tensor.to_nf4(w, 64, 32).get_original_weight() for w in bank])  # 32 blocks per expert
+    assert torch.equal(out, reference)
+    linear = torch.nn.Linear(64, 128, bias=False).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    expected = nf4_tensor.linear_nf4(x, nf4_tensor.to_nf4(linear.weight.detach(), 64, 128))
+    quantized.quantize_module(linear, quantized.NF4Weight(linear.weight.data))
+    assert torch.equal(linear(x), expected)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
+def test_packed_logits_err_as_the_librarys_own_dequantisation(family):
+    """Every family's logits with the base packed, against the dense model's: the relative error is the one
+    of the dense model whose packed weights are replaced by torchao's own dequantisation (the same
+    numbers in the same code: equal to rounding), and the router gates, embeddings, head, norms and biases
+    are left dense. The measured errors are docs/quantization.md's."""
+    dense = tiny_model(family)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    names = quantized.quantized_modules(dense)
+    assert names and not any(n.endswith((".gate", "embed_tokens", "lm_head")) for n in names)
+    library = tiny_model(family)
+    with torch.no_grad():
+        for name in names:
+            w = library.get_submodule(name).weight
+            w.copy_(quantized.NF4Weight(w).dequantize_into(torch.empty_like(w)))
+        ours = quantized.quantize_model(tiny_model(family), "nf4")
+        y, y_ours, y_lib = (m(ids).logits for m in (dense, ours, library))
+    assert not any(n.endswith(".weight") and n.rpartition(".")[0] in names for n, _ in ours.named_parameters())
+    err, err_lib = ((a - y).norm() / y.norm() for a in (y_ours, y_lib))
+    print(f"{family}: logits relative error {err:.4f}, with torchao's dequantisation {err_lib:.4f}")
+    assert 0 < err < 1 and err <= err_lib * (1 + 1e-5), (family, err.item(), err_lib.item())
+
+
+class LiveDequantised(TorchDispatchMode):
+    """The most tensors of at least `numel` elements (a dequantised bank) alive at once, by storage."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.live, self.peak = numel, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket.__name__ in ("empty", "empty_like", "empty_strided") and out.numel() >= self.numel:
+            key = out.untyped_storage().data_ptr()
+            self.live[key] = weakref.ref(out)
+            self.live = {k: r for k, r in self.live.items() if r() is not None}
+            self.peak = max(self.peak, len(self.live))
+        return out
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_lora_step_holds_one_dequantised_bank_at_a_time(autocast):
+    """A LoRA step (forward and backward, gradient checkpointing off) on a packed base: no more than one
+    bank-sized dequantised buffer is alive at once; autograd keeps the packed weight, not its dequantisation.
+    CPU fp32 (per-block addmm) and bf16 autocast (the GPU recipe's one grouped_mm over [x | a])."""
+    model = quantized.quantize_model(tiny_model("olmoe", intermediate_size=64), "nf4")
+    add_lora(model, rank=4, dropout=0.0, targets=["q", "v", "experts"]).train()
+    banks = [m for m in model.modules() if isinstance(m, GroupedLinear)]
+    assert len(banks) == 4 and all(quantized.is_quantized(b) for b in banks)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with LiveDequantised(min(b.weight.numel() for b in banks)) as live, \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(ids).logits.float().logsumexp(-1).mean().backward()
+    assert live.peak == 1, live.peak
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
+
+
+def test_packed_lora_matches_the_dense_lora_on_the_dequantised_weights():
+    """The LoRA delta joins the packed base as it joins a dense one: a LoRA model on the packed base and one
+    on a dense base holding the dequantised weights give the same loss and LoRA gradients."""
+    packed = quantized.quantize_model(tiny_model("olmoe"), "nf4")
+    dense = tiny_model("olmoe")
+    with torch.no_grad():
+        for name in quantized.quantized_modules(dense):
+            w = dense.get_submodule(name).weight
+            packed.get_submodule(name).packed.dequantize_into(w)
+    for m in (packed, dense):
+        torch.manual_seed(1)
+        add_lora(m, rank=3, dropout=0.0, targets=["q", "v", "experts"]).train()
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for m in (packed, dense):
+        loss = m(ids).logits.logsumexp(-1).mean()
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=0)
+    for n, g in grads[1][1].items():
+        torch.testing.assert_close(grads[0][1][n], g, rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_loading_packs_each_tensor_as_read_and_equals_packing_after_load():
+    """from_pretrained(quantize="nf4") holds the same packed values as packing the loaded model, with no
+    parameter left for a packed weight; the packed bytes are ~4.1 bits a value (values, scales, means)."""
+    read = from_pretrained(tiny_checkpoint(), quantize="nf4")
+    after = quantized.quantize_model(from_pretrained(tiny_checkpoint()), "nf4")
+    for name in quantized.quantized_modules(after):
+        a, b = read.get_submodule(name).packed, after.get_submodule(name).packed
+        for p, q in zip(a.parts, b.parts):
+            assert torch.equal(p.quantized_data, q.quantized_data) and torch.equal(p.quantized_scalers, q.quantized_scalers)
+            assert torch.equal(p.quantization_factor, q.quantization_factor)
+    values = sum(m.weight.numel() for m in read.modules() if quantized.is_quantized(m))
+    assert 4.0 < quantized.packed_bytes(read) * 8 / values < 4.6
+    assert not [n for n in read.state_dict() if n.rpartition(".")[0] in quantized.quantized_modules(read)
+                and n.endswith(".weight")]
+
+
+def test_a_missing_library_names_the_extra(monkeypatch):
+    """Without torchao, --quantize stops naming the extra to install."""
+    monkeypatch.setitem(__import__("sys").modules, "torchao", None)
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[quant\]"'):
+        quantized.require("nf4")
+    with pytest.raises(ImportError, match="quant"):
+        from_pretrained(tiny_checkpoint(), quantize="nf4")
+
+
+@pytest.mark.parametrize("method", ["ce", "tes", "acs", "dual"])
+@pytest.mark.parametrize("family", ["olmoe", "granitemoe", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
+                                    "deepseek_v2", "deepseek_v3"])
+def test_every_method_trains_on_every_family_with_a_packed_base(tmp_path, family, method):
+    """install_method on a packed tiny model, then optimizer steps on one batch: the loss falls."""
+    from tests.test_gpu_path import step_batches
+    from minimoe.runs import training
+    from minimoe.runs.config import TrainConfig, method_for
+    from minimoe.runs.recipes import RECIPES
+    cfg = replace(TrainConfig(**RECIPES["tiny"], method=method), lora_dropout=0.0, batch_size=2, pad_token_id=0,
+                  device="cpu", layers="all", quantize="nf4")
+    model = quantized.quantize_model(tiny_model(family, vocab_size=2048), "nf4")
+    training.install_method(model, cfg, method_for(cfg))
+    model.train()
+    batches = step_batches(tmp_path, cfg)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    losses = [training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, method_for(cfg), s, 1)["task"]
+              for s in range(1, 5)]
+    assert losses[-1] < losses[0], losses
