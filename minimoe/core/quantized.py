@@ -105,6 +105,18 @@ def digest_sample(weight: torch.Tensor) -> torch.Tensor:
     return flat[::max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16)
 
 
+def nf4_bytes(shape, dtype: torch.dtype) -> int:
+    """The bytes NF4Weight holds for a weight of `shape` ([out, in] or [E, out, in]) stored from `dtype`,
+    without packing it: per matrix of n values, n / 2 bytes of 4-bit codes, n / 64 int8 scales, one
+    second-level factor per scaler block, a mean and the 16-entry table in `dtype` (runs/memory.py)."""
+    *lead, rows, cols = shape
+    n = rows * cols
+    blocks = n // NF4_BLOCK
+    itemsize = dtype.itemsize
+    per_matrix = n // 2 + blocks + blocks // math.gcd(blocks, NF4_SCALER_BLOCK) * itemsize + itemsize + 16 * itemsize
+    return math.prod(lead) * per_matrix
+
+
 class _Saved:
     """What autograd keeps of a tensor in a module's dequantised storage: the view's geometry, the
     buffer's non-weight tail (a LoRA bank's s B) and the shared rebuild (`_Rebuild`)."""

@@ -294,9 +294,20 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
     packed = set() if quantize is None else {f"{m}.weight" for m in quantized_modules(model)}
     deferred = {}  # --quantize: a packed parameter's disk key -> its name; placed at its first key's read
 
+    # --quantize: packed parameters are read into staging buffers that are reused once packed, not into one
+    # allocation each: under keep_freed_memory the heap is never trimmed, and a freed block does not always
+    # fit the next matrix. A file may interleave two banks' keys (OLMoE's per-expert gate, up and down), so
+    # there is a pool: free buffers, and the one each parameter being read holds.
+    largest = max((p.numel() for n, p in model.named_parameters() if n in packed), default=0)
+    free, staged = [], {}
+
     def place(name, disk):
         meta = model.get_parameter(name)
-        value = torch.empty(meta.shape, dtype=dtype, device=device)
+        if name in packed:
+            staged[name] = free.pop() if free else torch.empty(largest, dtype=dtype, device=device)
+            value = staged[name][:meta.numel()].view(meta.shape)
+        else:
+            value = torch.empty(meta.shape, dtype=dtype, device=device)
         advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
         if isinstance(disk, Converted):  # read as stored (its shape: ours taken to the disk layout), then converted
             from_disk, to_disk, from_mxfp4 = CONVERSIONS[disk.layout]
@@ -345,6 +356,7 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
                         for k in disk_keys(layout[name], quantized):
                             destination.pop(k, None)
                         pack_parameter(model, name, converted.pop(name, None), quantize)
+                        free.append(staged.pop(name))
     for value, convert, buffers in converted.values():
         value.copy_(convert(*buffers))
     model.tie_weights()
