@@ -121,13 +121,17 @@ def resolve_config(args, model_config) -> tuple[TrainConfig, Method]:
     return cfg, method
 
 
-def check_quantization(cfg: TrainConfig) -> None:
-    """--quantize: its library installed (the quant extra), and not with --shard fsdp, whose all-gather
-    would have to gather the packed tensors (docs/quantization.md says why it is refused)."""
+def check_quantization(cfg: TrainConfig, model_config) -> None:
+    """--quantize: its library installed (the quant extra); mxfp4 for gpt-oss only (the one family released
+    in it); and not with --shard fsdp, whose all-gather would have to gather the packed tensors
+    (docs/quantization.md says why it is refused)."""
     try:
         require_quantization(cfg.quantize)
     except ImportError as e:
         sys.exit(f"train.py: error: {e}")
+    if cfg.quantize == "mxfp4" and model_config.model_type != "gpt_oss":
+        sys.exit(f"train.py: error: --quantize mxfp4 keeps gpt-oss's released MXFP4 experts packed; this model is "
+                 f"{model_config.model_type}; use --quantize nf4")
     if cfg.shard == "fsdp":
         sys.exit(f"train.py: error: --quantize {cfg.quantize} with --shard fsdp is not supported: FSDP2 shards and "
                  f"gathers parameters, and a packed base is no parameter (docs/quantization.md); use one process, "
@@ -196,7 +200,7 @@ def main(argv=None):
     sharded = cfg.shard == "fsdp"  # then no rank ever holds the whole model (minimoe/runs/sharding.py)
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
     if cfg.quantize is not None:
-        check_quantization(cfg)  # the library, and no --shard fsdp: before anything is loaded or written
+        check_quantization(cfg, model_config)  # the library, the family, no --shard fsdp: before anything is written
     model = None if sharded else minimoe.from_pretrained(folder, dtype=cfg.dtype, quantize=cfg.quantize,
                                                          device=cfg.device if cfg.quantize else None)
     typed, default = (vars(parser().parse_args(a)) for a in (list(sys.argv[1:] if argv is None else argv), []))

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from minimoe.core.experts import GroupedLinear, matmul_dtype
 
-FORMATS = ("nf4",)
+FORMATS = ("nf4", "mxfp4")  # mxfp4: gpt-oss's released expert blocks kept as loaded (loading/mxfp4.py)
 NF4_BLOCK = 64  # values per NF4 scale (QLoRA's, torchao's default)
 NF4_SCALER_BLOCK = 256  # scales per second-level scale (torchao's default); smaller where a matrix has fewer
 ROUTER_GATES = ("gate", "shared_expert_gate")  # never packed: every method reads their logits
@@ -49,6 +49,8 @@ def require(fmt: str) -> None:
     """Raise, naming the extra to install, when `fmt`'s library is missing; or when `fmt` is unknown."""
     if fmt not in FORMATS:
         raise ValueError(f"--quantize {fmt!r}: unknown format; expected one of {FORMATS}")
+    if fmt == "mxfp4":
+        return  # our own decoder (loading/mxfp4.py), no library
     try:
         import torchao.quantization.quantize_.workflows.nf4.nf4_tensor  # noqa: F401
     except ImportError as e:
@@ -211,9 +213,9 @@ def dequantizing_class(cls: type) -> type:
 
 
 def quantize_module(module: nn.Module, packed) -> nn.Module:
-    """Store `module.weight` as `packed` (an NF4Weight of it) and dequantise it per forward (module docstring)."""
-    weight = module.weight
-    placeholder = torch.empty((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    """Store `module.weight` as `packed` (an NF4Weight of it, or loading/mxfp4.py's MXFP4Weight: anything
+    with shape, dtype, device, dequantize_into, to, nbytes and sample) and dequantise it per forward."""
+    placeholder = torch.empty((), dtype=packed.dtype, device=packed.device).expand(packed.shape)
     module._parameters.pop("weight", None)
     module.weight, module.packed = placeholder, packed
     if hasattr(module, "k"):
@@ -242,6 +244,9 @@ def quantized_modules(model: nn.Module) -> list[str]:
 
 
 def pack(weight: torch.Tensor, fmt: str, name: str = "weight"):
+    if fmt != "nf4":
+        raise ValueError(f"--quantize {fmt}: packs only what a checkpoint stores so (loading/checkpoint.py); "
+                         f"a dense weight ({name}) packs as nf4")
     require(fmt)
     return NF4Weight(weight, name)
 

@@ -26,7 +26,8 @@ from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
 from minimoe.core.quantized import pack, quantize_module, quantized_modules
 from minimoe.core.quantized import require as require_quantization
 from minimoe.loading import gpt_oss
-from minimoe.loading.allocator import advise_huge_pages
+from minimoe.loading.allocator import advise_huge_pages, mapped_big_blocks
+from minimoe.loading.mxfp4 import MXFP4Weight
 
 # Converted keys (core/families.py): layout -> (disk -> ours, ours -> disk, MXFP4 blocks and scales -> ours
 # or None). Only gpt-oss needs them so far (loading/gpt_oss.py says why).
@@ -35,6 +36,8 @@ CONVERSIONS = {
     "bias_interleaved": (gpt_oss.gate_up_bias_from_disk, gpt_oss.gate_up_bias_to_disk, None),
     "transposed": (gpt_oss.down_from_disk, gpt_oss.down_to_disk, gpt_oss.down_from_mxfp4),
 }
+# --quantize mxfp4: what the packed blocks' rows go through after decoding, per expert (MXFP4Weight)
+MXFP4_ROWS = {"gate_up_interleaved": gpt_oss.gate_up_rows_from_mxfp4, "transposed": None}
 QUANTIZED_ON_DISK = ("mxfp4",)  # quantization_config.quant_method values we dequantise on load
 
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -291,7 +294,13 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
     # a whole parameter, or (OLMoE) one expert's gate, up or down rows inside a stacked bank.
     destination = {}  # disk key -> tensor (a parameter or a contiguous slice of one, or a converted key's buffer)
     converted = {}  # parameter name -> (parameter, conversion, its buffers), converted once its keys are read
-    packed = set() if quantize is None else {f"{m}.weight" for m in quantized_modules(model)}
+    if quantize == "mxfp4":  # the experts the checkpoint stores in MXFP4, kept so; the rest as loaded
+        packed = {n for n, disk in layout.items() if isinstance(disk, Converted) and disk.key in quantized}
+        if not packed:
+            raise ValueError(f"{folder}: --quantize mxfp4 keeps MXFP4 expert blocks as loaded, and this "
+                             f"{config.model_type} checkpoint stores none; use --quantize nf4")
+    else:
+        packed = set() if quantize is None else {f"{m}.weight" for m in quantized_modules(model)}
     deferred = {}  # --quantize: a packed parameter's disk key -> its name; placed at its first key's read
 
     # --quantize: packed parameters are read into staging buffers that are reused once packed, not into one
@@ -303,12 +312,15 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
 
     def place(name, disk):
         meta = model.get_parameter(name)
-        if name in packed:
+        if name in packed and quantize == "mxfp4":
+            value = None  # no dense bank at all: its blocks and scales are kept
+        elif name in packed:
             staged[name] = free.pop() if free else torch.empty(largest, dtype=dtype, device=device)
             value = staged[name][:meta.numel()].view(meta.shape)
         else:
             value = torch.empty(meta.shape, dtype=dtype, device=device)
-        advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
+        if value is not None:
+            advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
         if isinstance(disk, Converted):  # read as stored (its shape: ours taken to the disk layout), then converted
             from_disk, to_disk, from_mxfp4 = CONVERSIONS[disk.layout]
             if disk.key in quantized:
@@ -318,6 +330,9 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
                 buffers = [torch.empty(E, out, inner // 32, 16, dtype=torch.uint8), torch.empty(E, out, inner // 32, dtype=torch.uint8)]
                 destination.update(zip(mxfp4_keys(disk.key), buffers))
                 converted[name] = (value, lambda b, s, f=from_mxfp4, k=disk.key: f(b, s, dtype, k), buffers)
+                if value is None:  # --quantize mxfp4: packed as read (pack_parameter)
+                    converted[name] = (None, lambda b, s, r=MXFP4_ROWS[disk.layout], k=disk.key:
+                                       MXFP4Weight(b.to(device), s.to(device), dtype, r, k), buffers)
             else:
                 buffer = torch.empty(to_disk(torch.empty(meta.shape, device="meta")).shape, dtype=dtype)
                 destination[disk.key] = buffer
@@ -330,8 +345,9 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
             for i, key in enumerate(disk):
                 j, p = divmod(i, parts)
                 destination[key] = value[j, p * rows:(p + 1) * rows]
-        module_name, _, leaf = name.rpartition(".")
-        model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
+        if value is not None:
+            module_name, _, leaf = name.rpartition(".")
+            model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
 
     unread = {}  # --quantize: a packed parameter's name -> its disk keys not read yet
     for name, disk in layout.items():
@@ -356,7 +372,8 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
                         for k in disk_keys(layout[name], quantized):
                             destination.pop(k, None)
                         pack_parameter(model, name, converted.pop(name, None), quantize)
-                        free.append(staged.pop(name))
+                        if name in staged:
+                            free.append(staged.pop(name))
     for value, convert, buffers in converted.values():
         value.copy_(convert(*buffers))
     model.tie_weights()
@@ -378,10 +395,15 @@ def pack_parameter(model, name: str, conversion, fmt: str) -> None:
     its unpacked tensor is dropped here."""
     module_name, _, _ = name.rpartition(".")
     module = model.get_submodule(module_name)
+    if conversion is not None and conversion[0] is None:  # --quantize mxfp4: the blocks and scales, kept
+        _, keep, buffers = conversion
+        quantize_module(module, keep(*buffers))
+        return
     if conversion is not None:
         value, convert, buffers = conversion
         value.copy_(convert(*buffers))
-    quantize_module(module, pack(module.weight.data, fmt, module_name))
+    with mapped_big_blocks():  # the packing's transients, unmapped when freed (allocator.py says why)
+        quantize_module(module, pack(module.weight.data, fmt, module_name))
 
 
 def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile], dict[str, str]]:

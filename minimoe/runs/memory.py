@@ -19,7 +19,8 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   `batch_size * max_length` tokens; with --gradient-checkpointing, one hidden vector per layer plus
   one layer's full set.
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
-NF4 size (core/quantized.py's nf4_bytes, what NF4Weight holds), everything else in the run's dtype, plus
+NF4 size (core/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
+17 bytes per 32 values, as released), everything else in the run's dtype, plus
 the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
 """
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 
 from minimoe.core.families import family_of
+from minimoe.core.experts import GroupedLinear
 from minimoe.core.model import MoEForCausalLM
 from minimoe.core.quantized import nf4_bytes, quantized_modules
 from minimoe.loading.checkpoint import (DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files, config_from_dict,
@@ -77,14 +79,19 @@ def shard_bytes(params, gpus: int) -> int:
                p.element_size() for p in params)
 
 
-def quantized_weights(model, dtype: torch.dtype) -> int:
+def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
     """--quantize nf4: the base's bytes with its large matrices packed (module docstring), on a meta model
     without LoRA: packed sizes, the rest in `dtype`, and the largest packed matrix dequantised in `dtype`."""
-    packed = {f"{name}.weight" for name in quantized_modules(model)}
+    if fmt == "mxfp4":  # gpt-oss's expert banks, as released: 16 bytes of codes and 1 scale per 32 values
+        packed = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, GroupedLinear)}
+        size = lambda shape: math.prod(shape) // 32 * 17  # noqa: E731
+    else:
+        packed = {f"{name}.weight" for name in quantized_modules(model)}
+        size = lambda shape: nf4_bytes(shape, dtype)  # noqa: E731
     params = dict(model.named_parameters())
     dense = sum(p.numel() * dtype.itemsize for n, p in params.items() if n not in packed)
-    nf4 = sum(nf4_bytes(params[n].shape, dtype) for n in packed)
-    return dense + nf4 + max((params[n].numel() * dtype.itemsize for n in packed), default=0)
+    return dense + sum(size(params[n].shape) for n in packed) + max((params[n].numel() * dtype.itemsize
+                                                                     for n in packed), default=0)
 
 
 def estimate(model, cfg, method, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None) -> Estimate:
@@ -92,7 +99,7 @@ def estimate(model, cfg, method, *, gpus: int, gpu_memory: int, shard: str, weig
     installed) under `cfg`'s batch; `weights_total`: the stored bytes when the files' shapes are unknown."""
     from minimoe.runs.training import install_method
     if cfg.quantize is not None:
-        weights_total = quantized_weights(model, DTYPES[cfg.dtype])  # before LoRA wraps the linears
+        weights_total = quantized_weights(model, DTYPES[cfg.dtype], cfg.quantize)  # before LoRA wraps the linears
     install_method(model, cfg, method)
     config = model.config
     base = [p for p in model.parameters() if not p.requires_grad]
@@ -154,7 +161,8 @@ def main(argv=None) -> Estimate:
         p.add_argument(flag, type=int, default=None, help=f"train.py's {flag} (default: the recipe's)")
     p.add_argument("--method", default="ce", help="train.py's --method (its heads count as trainable)")
     p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--quantize", choices=["nf4"], default=None, help="train.py's --quantize: the frozen base in 4 bits")
+    p.add_argument("--quantize", choices=["nf4", "mxfp4"], default=None,
+                   help="train.py's --quantize: the frozen base in 4 bits (mxfp4: gpt-oss's experts as released)")
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error(f"--gpus {args.gpus}: expected 1 or more")

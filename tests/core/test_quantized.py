@@ -178,3 +178,29 @@ def test_train_refuses_quantize_with_fsdp_before_any_folder(tmp_path):
         train.main(["--model", "tiny", "--quantize", "nf4", "--shard", "fsdp", "--out-dir", str(tmp_path / "runs"),
                     "--run-name", "r"])
     assert not (tmp_path / "runs").exists()
+
+
+def test_gpt_oss_mxfp4_kept_packed_gives_the_dequantised_on_load_logits(tmp_path):
+    """--quantize mxfp4: gpt-oss's released expert blocks and scales kept as loaded (no dense bank is
+    built), dequantised per bank at each forward: logits bit for bit those of dequantising on load, in fp32
+    and bf16; the packed bytes are the blocks' and scales' own; a LoRA step trains through them."""
+    pytest.importorskip("transformers")
+    from tests.tiny_families import mxfp4_reference_model
+    mxfp4_reference_model(tmp_path)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    for dtype in ("float32", "bfloat16"):
+        dense = from_pretrained(tmp_path, dtype=dtype)
+        kept = from_pretrained(tmp_path, dtype=dtype, quantize="mxfp4")
+        banks = [m for m in kept.modules() if quantized.is_quantized(m)]
+        assert len(banks) == 2 * kept.config.num_hidden_layers and all(isinstance(m, GroupedLinear) for m in banks)
+        assert quantized.packed_bytes(kept) == sum(m.weight.numel() // 32 * 17 for m in banks)  # 16 bytes + 1 scale
+        with torch.no_grad():
+            assert torch.equal(kept(ids).logits, dense(ids).logits), dtype
+    add_lora(kept, rank=4, dropout=0.0).train()
+    kept(ids).logits.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for n, p in kept.named_parameters() if "lora_A" in n)
+
+
+def test_mxfp4_is_refused_for_a_checkpoint_without_mxfp4_experts():
+    with pytest.raises(ValueError, match="stores none; use --quantize nf4"):
+        from_pretrained(tiny_checkpoint(), quantize="mxfp4")
