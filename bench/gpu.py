@@ -339,16 +339,16 @@ def bank_copies(device, smoke: bool):
         sum(copies.bytes.values()), note=json.dumps(copies.bytes) if copies.bytes else "")
 
 
-def quantized_step(device, smoke: bool, experts: int | None = None):
+def quantized_step(device, smoke: bool, experts: int | None = None, batch: tuple[int, int] = (8, 512)):
     """One LoRA step at one layer of Qwen3-30B-A3B's widths (the GPU recipe: bf16 under autocast, rank 8 on
     q, k, v and the experts, dropout 0, AdamW, batch 8 x 512), its base in bf16 and the same weights packed in
     NF4 (--quantize nf4, core/quantized.py): median step time and peak memory of each. experts: fewer than
-    the 128 (a CPU's memory); the vocabulary is then cut to 2048 too."""
+    the 128 (a CPU's memory); the vocabulary is then cut to 2048 too. batch: (B, T)."""
     from minimoe.core.quantized import quantize_model
     c = config("qwen3_moe", 1, smoke)
     if experts:
         c = replace(c, num_experts=experts, vocab_size=2048)
-    B, T = (2, 64) if smoke else (8, 512)
+    B, T = (2, 64) if smoke else batch
     steps, warmup = (2, 1) if smoke else (5, 2)
     ids = torch.randint(2, c.vocab_size, (B, T), generator=torch.Generator().manual_seed(5)).to(device)
     name = f"qwen3_moe 1L{f' E{experts}' if experts else ''}"

@@ -178,9 +178,9 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
     revision = source.run_config.get("model_revision") if base == source.run_config.get("model") else None
     folder = resolve_checkpoint(base, cache_dir or source.run_config.get("cache_dir"), revision)
     quantize = source.run_config.get("quantize")  # a QLoRA run merges into its dequantised base (core/quantized.py)
-    model = from_pretrained(folder, quantize=quantize)
-    model = load_adapter(dequantize_model(model) if quantize else model, source.folder,
-                         allow_other_base=allow_other_base)
+    model = load_adapter(from_pretrained(folder, quantize=quantize), source.folder, allow_other_base=allow_other_base)
+    if quantize:  # after load_adapter, whose base digest is of the weights as loaded, not as dequantised
+        dequantize_model(model)
     tokenizer = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
     export_merged(model, out_dir, copy_files=tokenizer)
     return Path(out_dir)
