@@ -204,3 +204,25 @@ def test_gpt_oss_mxfp4_kept_packed_gives_the_dequantised_on_load_logits(tmp_path
 def test_mxfp4_is_refused_for_a_checkpoint_without_mxfp4_experts():
     with pytest.raises(ValueError, match="stores none; use --quantize nf4"):
         from_pretrained(tiny_checkpoint(), quantize="mxfp4")
+
+
+def test_gradient_checkpointing_over_a_packed_base_gives_the_same_gradients():
+    """--gradient-checkpointing recomputes each layer in backward (torch.utils.checkpoint, its own
+    saved-tensor hooks) around the packed modules' hooks: the loss and LoRA gradients are unchanged."""
+    results = []
+    for checkpointing in (False, True):
+        model = quantized.quantize_model(tiny_model("qwen3_moe"), "nf4")
+        torch.manual_seed(1)
+        add_lora(model, rank=4, dropout=0.0).train()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+        model.gradient_checkpointing_enable(checkpointing)
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        loss = model(ids).logits.logsumexp(-1).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    for n, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][n], g, rtol=1e-6, atol=1e-8, msg=n)
