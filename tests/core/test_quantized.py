@@ -226,3 +226,20 @@ def test_gradient_checkpointing_over_a_packed_base_gives_the_same_gradients():
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
     for n, g in results[0][1].items():
         torch.testing.assert_close(results[1][1][n], g, rtol=1e-6, atol=1e-8, msg=n)
+
+
+def test_to_moves_the_packed_weight_and_casts_only_what_it_dequantises_to():
+    """model.to(dtype): a packed module's placeholder takes the dtype (its dequantisation's), the packed values
+    stay NF4 (torchao's Tensor.to keeps NF4 for a device and dequantises for a dtype: only devices reach it);
+    the logits are the fp32 packed model's within bf16's rounding."""
+    model = quantized.quantize_model(tiny_model("olmoe"), "nf4")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y32 = model(ids).logits
+        model.to("cpu").to(torch.bfloat16)
+        y16 = model(ids).logits
+    for m in model.modules():
+        if quantized.is_quantized(m):
+            assert m.weight.dtype == torch.bfloat16 and 0 in m.weight.stride()
+            assert all(type(q) is nf4_tensor.NF4Tensor and q.dtype == torch.float32 for q in m.packed.parts)
+    assert (y16.float() - y32).norm() / y32.norm() < 0.05
