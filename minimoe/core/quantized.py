@@ -187,6 +187,10 @@ class Dequantizing:
             if k:
                 self.stacked = None
 
+    def merge(self):  # a LoRA module's: the delta has no packed weight to go into
+        raise ValueError("merge: this LoRA's base weight is packed (--quantize); dequantize_model(model) first, "
+                         "as export.py --merged does")
+
     def _apply(self, fn, recurse=True):
         """.to(device or dtype): the placeholder takes the new dtype (the compute dtype), the packed weight
         the new device; the packed values themselves are never cast."""

@@ -118,6 +118,14 @@ def test_packed_lora_matches_the_dense_lora_on_the_dequantised_weights():
     torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=0)
     for n, g in grads[1][1].items():
         torch.testing.assert_close(grads[0][1][n], g, rtol=1e-5, atol=1e-7, msg=n)
+    from minimoe.core.lora import merge_lora
+    with pytest.raises(ValueError, match="dequantize_model"):
+        merge_lora(packed)
+    quantized.dequantize_model(packed)  # then merging works as on a dense base, with the same weights
+    merge_lora(packed)
+    merge_lora(dense)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, dense(ids).logits, rtol=0, atol=0)
 
 
 def test_loading_packs_each_tensor_as_read_and_equals_packing_after_load():
