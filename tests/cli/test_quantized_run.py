@@ -43,3 +43,16 @@ def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path):
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, packed.eval()(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--quantize", "mxfp4"], "--quantize mxfp4 keeps gpt-oss's released MXFP4 experts packed; this model is olmoe"),
+    (["--quantize", "nf4", "--shard", "fsdp"], "--quantize nf4 with --shard fsdp is not supported"),
+    (["--quantize", "nf4"], r'needs torchao, which is not installed: pip install -e "\.\[quant\]"'),
+])
+def test_bad_quantize_settings_stop_before_any_run_folder(tmp_path, monkeypatch, flags, message):
+    if "torchao" in message:
+        monkeypatch.setitem(__import__("sys").modules, "torchao", None)  # the library missing
+    with pytest.raises(SystemExit, match=message):
+        train.main(["--model", "tiny", "--out-dir", str(tmp_path / "runs"), "--run-name", "r", *flags])
+    assert not (tmp_path / "runs").exists()

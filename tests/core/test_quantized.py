@@ -185,15 +185,6 @@ def test_methods_train_on_every_family_with_a_packed_base(tmp_path, family, meth
     assert losses[-1] < losses[0], losses
 
 
-def test_train_refuses_quantize_with_fsdp_before_any_folder(tmp_path):
-    """--quantize nf4 --shard fsdp stops with one line naming both, before any run folder is written."""
-    from minimoe.cli import train
-    with pytest.raises(SystemExit, match="--quantize nf4 with --shard fsdp"):
-        train.main(["--model", "tiny", "--quantize", "nf4", "--shard", "fsdp", "--out-dir", str(tmp_path / "runs"),
-                    "--run-name", "r"])
-    assert not (tmp_path / "runs").exists()
-
-
 def test_gpt_oss_mxfp4_kept_packed_gives_the_dequantised_on_load_logits(tmp_path):
     """--quantize mxfp4: gpt-oss's released expert blocks and scales kept as loaded (no dense bank is
     built), dequantised per bank at each forward: logits bit for bit those of dequantising on load, in fp32
