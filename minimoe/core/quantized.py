@@ -244,7 +244,7 @@ def quantized_modules(model: nn.Module) -> list[str]:
     but the router gates (module docstring)."""
     return [name for name, m in model.named_modules()
             if ".layers." in f".{name}" and isinstance(m, (nn.Linear, GroupedLinear))
-            and name.rpartition(".")[2] not in ROUTER_GATES]
+            and name.rpartition(".")[2] not in ROUTER_GATES and ".router." not in f".{name}."]  # a method's heads train
 
 
 def pack(weight: torch.Tensor, fmt: str, name: str = "weight"):

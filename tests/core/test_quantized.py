@@ -46,6 +46,10 @@ def test_packed_logits_err_as_the_librarys_own_dequantisation(family):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
     names = quantized.quantized_modules(dense)
     assert names and not any(n.endswith((".gate", "embed_tokens", "lm_head")) for n in names)
+    from minimoe.core.methods import set_router
+    with_heads = tiny_model(family)
+    set_router(with_heads, "dual", layers="all")  # a method's heads (here Dual Affinity's) train: never packed
+    assert quantized.quantized_modules(with_heads) == names
     library = tiny_model(family)
     with torch.no_grad():
         for name in names:
