@@ -41,7 +41,8 @@ from torch.distributed.tensor import DTensor
 
 from minimoe.core.lora import lora_modules
 from minimoe.core.model import MoEForCausalLM
-from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_config, weight_index
+from minimoe.loading.checkpoint import (DTYPES, checkpoint_layout, entry_reads, mxfp4_stored, read_config,
+                                       read_keys, weight_index)
 from minimoe.runs.config import TrainConfig
 
 
@@ -91,30 +92,23 @@ def put_rows(model: nn.Module, values: dict[str, torch.Tensor]):
 
 def read_base_rows(model: MoEForCausalLM, folder: Path) -> int:
     """Each rank reads its rows of every base weight from the checkpoint's safetensors files, and no
-    others (OLMoE's per-expert matrices: the experts of its rows); returns the tensor bytes it read."""
+    others (per-expert and Converted keys: the experts of its rows), through the one-process loader's
+    own map of the family's record (checkpoint.entry_reads); returns the tensor bytes it read."""
     config = model.config
     files, where = weight_index(folder, config)
-    for name, disk in checkpoint_layout(config).items():
+    layout = checkpoint_layout(config)
+    reads, conversions = {}, []
+    for name, disk in layout.items():
         local, first = local_rows(model.get_parameter(name))
-        if not len(local):
-            continue
-        keys = [disk] if isinstance(disk, str) else disk
-        by_file = {}
-        for key in keys:
-            by_file.setdefault(where[key], []).append(key)
-        for file, mine in by_file.items():
-            weights = files[file]
-            with open(weights.path, "rb", buffering=0) as f:
-                if isinstance(disk, str):
-                    weights.read_into(disk, local, f, first_row=first)
-                    continue
-                parts = len(disk) // config.num_experts
-                rows = local.shape[1] // parts
-                for i, key in enumerate(disk):  # (expert, part) order, as checkpoint_layout lists them
-                    j, p = divmod(i, parts)
-                    if key in mine and first <= j < first + len(local):
-                        weights.read_into(key, local[j - first, p * rows:(p + 1) * rows], f)
-    return sum(w.bytes_read for w in files.values())
+        if len(local):
+            planned, convert = entry_reads(disk, local, mxfp4_stored(layout, where), config.num_experts,
+                                           str(folder), first_row=first)
+            reads.update(planned)
+            conversions += [convert] if convert else []
+    read = read_keys(files, where, reads)
+    for convert in conversions:
+        convert()
+    return read
 
 
 def shard(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
@@ -143,25 +137,32 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
         model = MoEForCausalLM(config)
     files, where = weight_index(folder, config)
     layout = checkpoint_layout(config)
+    gates = {name: disk for name, disk in layout.items() if ".mlp.gate." in name}  # read whole: install may copy them
+    reads, conversions = {}, []
     for name, p in list(model.named_parameters()):
-        if name.endswith(".mlp.gate.weight"):  # whole: install may copy or train it
+        if name in gates:
             value = torch.empty(p.shape, dtype=dtype)
-            with open(files[where[layout[name]]].path, "rb", buffering=0) as f:
-                files[where[layout[name]]].read_into(layout[name], value, f)
+            planned, convert = entry_reads(gates[name], value, mxfp4_stored(layout, where), config.num_experts,
+                                           str(folder))
+            reads.update(planned)
+            conversions += [convert] if convert else []
         else:
             value = torch.zeros((), dtype=dtype).expand(p.shape)  # shape and dtype only: one element of storage
         set_parameter(model, name, nn.Parameter(value, requires_grad=False))
+    read = read_keys(files, where, reads)
+    for convert in conversions:
+        convert()
     model.tie_weights()
     install(model)
     base = set(layout) | ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    small = {n: p.detach().to(device) for n, p in model.named_parameters() if n not in base or ".mlp.gate." in n}
+    small = {n: p.detach().to(device) for n, p in model.named_parameters() if n not in base}  # LoRA, heads, copies
     for name, p in list(model.named_parameters()):
         set_parameter(model, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                 requires_grad=p.requires_grad))
     model.tie_weights()
     shard(model, device)
     model.to_empty(device=device)
-    read = read_base_rows(model, folder) + sum(w.bytes_read for w in files.values())  # the rows, and the gates
+    read += read_base_rows(model, folder)  # every base weight's rows, the gates' included
     put_rows(model, small)
     return model, read
 
