@@ -33,16 +33,22 @@ ODD_FAMILY = {"qwen3_moe": dict(dense_intermediate_size=49), "qwen2_moe": dict(s
 CASES = [*FAMILIES, "gpt_oss-mxfp4"]  # gpt-oss's experts as the official checkpoint stores them, too
 
 
+def with_biases(model):
+    """Every bias (init_weights zeroes them) and DeepSeek-V3's selection-only correction bias drawn at
+    random, so that a value left at a placeholder's zeros by the sharded load shows."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
 def checkpoint(case: str, folder):
     """Tiny `case` at odd widths, saved in its family's layout (save_pretrained writes what transformers
     writes: tests/loading); -mxfp4: the experts then replaced by MXFP4 blocks and scales of random bits."""
     family = case.removesuffix("-mxfp4")
-    model = tiny_model(family, **ODD, **ODD_FAMILY.get(family, {}))
-    if family == "deepseek_v3":  # the selection-only bias, away from the zeros a placeholder would hold
-        for layer in model.model.layers:
-            if hasattr(layer.mlp, "gate"):
-                layer.mlp.gate.e_score_correction_bias.data.normal_()
-    save_pretrained(model, folder)
+    save_pretrained(with_biases(tiny_model(family, **ODD, **ODD_FAMILY.get(family, {}))), folder)
     if case.endswith("-mxfp4"):
         g = torch.Generator().manual_seed(0)
         tensors = load_file(folder / "model.safetensors")

@@ -35,6 +35,7 @@ from minimoe.runs.adapters import load_adapter
 from minimoe.runs.config import build_config
 from minimoe.runs.sharding import ShardingRefused, check_sharding, shard
 from tests.conftest import oracle, tiny_model
+from tests.runs.test_sharded_load import with_biases
 
 REPO = Path(__file__).resolve().parents[2]
 LR = 2e-3  # the tiny recipe's
@@ -54,17 +55,14 @@ WIDTHS = {"gpt_oss": dict(max_position_embeddings=256)}  # room for a benchmark 
 
 
 def transformers_saved(family: str, folder: Path) -> Path:
-    """Tiny `family` (conftest's switches) at the tiny tokenizer's vocabulary, read by transformers and
-    written by its own save_pretrained, beside that tokenizer."""
+    """Tiny `family` (conftest's switches; every bias random) at the tiny tokenizer's vocabulary, read by
+    transformers and written by its own save_pretrained, beside that tokenizer."""
     transformers = oracle("transformers")
     tokenizer = tiny_checkpoint()
     ids = read_config(tokenizer)
     model = tiny_model(family, vocab_size=ids.vocab_size, pad_token_id=ids.pad_token_id,
                        eos_token_id=ids.eos_token_id, **WIDTHS.get(family, {}))
-    for name, p in model.named_parameters():
-        if name.endswith("e_score_correction_bias"):  # selection only: large enough to change choices
-            p.data.copy_(0.5 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)))
-    save_pretrained(model, folder / "ours")
+    save_pretrained(with_biases(model), folder / "ours")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder / "ours", dtype=torch.float32)
     theirs.save_pretrained(folder / "saved")
     shutil.copy(tokenizer / "tokenizer.json", folder / "saved" / "tokenizer.json")
