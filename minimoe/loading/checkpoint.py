@@ -7,7 +7,9 @@ unknown model_type, a missing config field or an unreadable file raises an error
 Loading builds the model on the meta device (no random weights are ever allocated), then reads
 every tensor with plain file reads straight into its parameter (OLMoE's per-expert matrices into
 their slice of the stacked `[E, out, in]` banks), so peak memory stays at the checkpoint's size:
-no mmap pages held beside the copies, no second copy of any bank (see `WeightFile`).
+no mmap pages held beside the copies, no second copy of any bank (see `WeightFile`). `entry_reads`
+is the one map from an entry of the family's record to the reads (and conversion) that fill our
+tensor, whole or a range of its rows: the sharded load (runs/sharding.py) reads through it too.
 `dtype=None` keeps the dtype the checkpoint records (`torch_dtype`).
 """
 from __future__ import annotations

@@ -9,12 +9,15 @@ method heads and tuned gates train as DTensors, so AdamW's moments are sharded a
 Decisions:
 - Building (`build_sharded`) never holds the whole base on one rank. The model is made on the meta
   device; its base weights become 1-element placeholders of their shapes, and its native gates
-  (E x D a layer: Dual Affinity copies them, --tune-router trains them) are read whole. `install_method`
-  then draws the LoRA and head initialisation from the seeded CPU generator in the order one process
-  draws them, so FSDP starts from the one-process adapter bit for bit (on the CPU; on CUDA the
-  one-process run draws on the device). Everything then goes back to meta, is sharded, and each rank
-  reads only its own rows from the safetensors files (WeightFile.read_into's `first_row`) and takes
-  its rows of the small trainable values.
+  (E x D a layer, their biases and DeepSeek-V3's correction bias: Dual Affinity copies them) are read
+  whole. `install_method` then draws the LoRA and head initialisation from the seeded CPU generator in
+  the order one process draws them, so FSDP starts from the one-process adapter bit for bit (on the
+  CPU; on CUDA the one-process run draws on the device). Everything then goes back to meta, is sharded,
+  and each rank reads only its own rows of every base weight from the safetensors files, and takes its
+  rows of what the install added (LoRA, heads, gate copies); no base value comes from a placeholder.
+- Each rank reads through the one-process loader's map of the family's record (checkpoint.entry_reads,
+  restricted to the rank's rows: experts, for per-expert, Converted and MXFP4 entries), so that a family
+  cannot load one way whole and another in shards (tests/runs/test_sharded_load.py holds the two equal).
 - Mixed precision: `MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`. The base is stored
   in the run's dtype (bf16 on CUDA), so its all-gathers move bf16; the adapters and heads stay fp32
   as in one process (a param_dtype of bf16 would cast them too), their gradients reduce in fp32, and
