@@ -44,8 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from minimoe.core.lora import lora_modules
 from minimoe.core.model import MoEForCausalLM
-from minimoe.loading.checkpoint import (DTYPES, checkpoint_layout, entry_reads, mxfp4_stored, read_config,
-                                       read_keys, weight_index)
+from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_config, read_entries, weight_index
 from minimoe.runs.config import TrainConfig
 
 
@@ -99,19 +98,12 @@ def read_base_rows(model: MoEForCausalLM, folder: Path) -> int:
     own map of the family's record (checkpoint.entry_reads); returns the tensor bytes it read."""
     config = model.config
     files, where = weight_index(folder, config)
-    layout = checkpoint_layout(config)
-    reads, conversions = {}, []
-    for name, disk in layout.items():
+    targets = []  # (record entry, this rank's rows of its parameter, their first row)
+    for name, disk in checkpoint_layout(config).items():
         local, first = local_rows(model.get_parameter(name))
         if len(local):
-            planned, convert = entry_reads(disk, local, mxfp4_stored(layout, where), config.num_experts,
-                                           str(folder), first_row=first)
-            reads.update(planned)
-            conversions += [convert] if convert else []
-    read = read_keys(files, where, reads)
-    for convert in conversions:
-        convert()
-    return read
+            targets.append((disk, local, first))
+    return read_entries(files, where, targets, config.num_experts, str(folder))
 
 
 def shard(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
@@ -140,21 +132,15 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
         model = MoEForCausalLM(config)
     files, where = weight_index(folder, config)
     layout = checkpoint_layout(config)
-    gates = {name: disk for name, disk in layout.items() if ".mlp.gate." in name}  # read whole: install may copy them
-    reads, conversions = {}, []
+    gates = []  # (record entry, its whole value): the native gates, read whole, since install may copy them
     for name, p in list(model.named_parameters()):
-        if name in gates:
+        if ".mlp.gate." in name and name in layout:
             value = torch.empty(p.shape, dtype=dtype)
-            planned, convert = entry_reads(gates[name], value, mxfp4_stored(layout, where), config.num_experts,
-                                           str(folder))
-            reads.update(planned)
-            conversions += [convert] if convert else []
+            gates.append((layout[name], value, None))
         else:
             value = torch.zeros((), dtype=dtype).expand(p.shape)  # shape and dtype only: one element of storage
         set_parameter(model, name, nn.Parameter(value, requires_grad=False))
-    read = read_keys(files, where, reads)
-    for convert in conversions:
-        convert()
+    read = read_entries(files, where, gates, config.num_experts, str(folder))
     model.tie_weights()
     install(model)
     base = set(layout) | ({"lm_head.weight"} if config.tie_word_embeddings else set())
