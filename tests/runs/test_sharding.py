@@ -11,7 +11,10 @@ between families is the base (its entries on disk, shapes, biases, buffers). The
 are held against one process and the paper in tests/core.
 
 Every sharded and DDP run of the module is one torchrun launch (tests/fsdp_worker.py): starting gloo
-processes and importing torch dominate a tiny run.
+processes and importing torch dominate a tiny run, and inside it a family's run takes a second or two.
+DDP is there per family at that price: its reducer stops at a trainable parameter that no loss reaches,
+and which parameters train depends on the family (dense layers, shared experts, biases); it also tells a
+sharding error from a data-parallel one.
 """
 import json
 import os
