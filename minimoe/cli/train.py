@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import sys
 from contextlib import nullcontext
@@ -294,8 +295,8 @@ def evaluate_commands(run: Path, cfg: TrainConfig) -> list[str]:
     """evaluate.py on the run's test split, as train.py scores it in one process (--test-checkpoint): the
     commands a sharded run prints for it."""
     checkpoints = ("last", "selected") if cfg.test_checkpoint == "both" else (cfg.test_checkpoint,)
-    return [f"python evaluate.py --adapter {run} --checkpoint {c} --split test --eval-dir {eval_dir(run, 'test', c)}"
-            for c in checkpoints]
+    return [shlex.join(["python", "evaluate.py", "--adapter", str(run), "--checkpoint", c, "--split", "test",
+                        "--eval-dir", str(eval_dir(run, "test", c))]) for c in checkpoints]
 
 
 # What config.json records beside the settings (run_record) that changes the trained result; of these,
