@@ -31,7 +31,7 @@ import random
 import shlex
 import shutil
 import sys
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -218,7 +218,7 @@ def main(argv=None):
             model, _ = build_sharded(folder, cfg, lambda m: install_method(m, cfg, method))
         else:
             model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
-        with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
+        with rank0_lock(run, rank):  # one process per run folder; rank 0 writes it
             fit(model, tokenizer, data, cfg, method, run, args, rank, folder)
     except BaseException:
         if created and not has_training_output(run):  # the corrected rerun just works
@@ -229,6 +229,33 @@ def main(argv=None):
         print(f"run folder: {run}")
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def stop_every_rank(refusal: str | None, rank: int):
+    """Under torchrun every rank stops on rank 0's refusal, not rank 0 alone (the others would go on into
+    the collectives, or read another --shard's optimizer state): rank 0 prints it, every rank exits 1. A
+    collective: every rank calls it, with rank 0's finding or None."""
+    if refusal := from_rank0(refusal):
+        sys.exit(refusal if rank == 0 else 1)
+
+
+@contextmanager
+def rank0_lock(run: Path, rank: int):
+    """The run folder's lock (folder.run_lock), held by rank 0 inside the block; under torchrun, a lock that
+    rank 0 cannot take (another process holds it) stops every rank."""
+    if world()[1] == 1:
+        with run_lock(run):
+            yield
+        return
+    with ExitStack() as held:
+        refusal = None
+        if rank == 0:
+            try:
+                held.enter_context(run_lock(run))
+            except OSError as e:
+                refusal = f"train.py: error: {e}"
+        stop_every_rank(refusal, rank)
+        yield
 
 
 def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, args, rank: int, folder: Path):
@@ -246,10 +273,7 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
                            f"{run}/config.json; pass --rerun to start the run again with these settings")
             # every launch of the run is kept: the first one's command line and code, then each resume's
             record["earlier_provenance"] = [*before.get("earlier_provenance", []), before.get("provenance")]
-    # Under torchrun every rank stops on rank 0's refusal, not rank 0 alone (the others would go on into
-    # the collectives, or read another --shard's optimizer state): rank 0 prints it, every rank exits 1.
-    if refusal := from_rank0(refusal):
-        sys.exit(refusal if rank == 0 else 1)
+    stop_every_rank(refusal, rank)
     if rank == 0:
         if not (args.resume and (run / "selection.json").is_file()):  # a finished run's record stays as it is
             with atomic_file(run / "config.json") as tmp:

@@ -38,6 +38,7 @@ from minimoe.loading.checkpoint import from_pretrained, read_config, save_pretra
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs.adapters import load_adapter
 from minimoe.runs.config import build_config
+from minimoe.runs.folder import run_lock
 from minimoe.runs.sharding import ShardingRefused, check_sharding, shard
 from tests.conftest import oracle, tiny_model
 from tests.runs.test_sharded_load import with_biases
@@ -101,14 +102,18 @@ def runs(tmp_path_factory):
     plan += [{"flags": ["--out-dir", str(root / "ddp"), "--run-name", f, *fl]} for f, fl in flags.items()]
     killed = [*sharded[KILLED], "--run-name", "killed"]
     plan += [{"flags": killed, "kill_after_steps": 2}, {"flags": [*killed, "--resume"]}]
-    # --resume of a DDP run with --shard fsdp: refused by rank 0, after the sharded build, on every rank
+    # Refused by rank 0 alone, and so by every rank: a --resume of a DDP run with --shard fsdp (after the
+    # sharded build), and a run folder whose lock this process holds.
     plan += [{"flags": ["--out-dir", str(root / "ddp"), "--run-name", "olmoe", *flags["olmoe"], "--shard", "fsdp",
-                        "--resume"], "refused": True}]
+                        "--resume"], "refused": True},
+             {"flags": ["--out-dir", str(root / "one"), "--run-name", "olmoe", *flags["olmoe"], "--resume"],
+              "refused": True}]
     (root / "plan.json").write_text(json.dumps({"runs": plan}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29523", "-m", "tests.fsdp_worker", str(root / "plan.json")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    with run_lock(root / "one" / "olmoe"):
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                               "29523", "-m", "tests.fsdp_worker", str(root / "plan.json")],
+                              cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return {"root": root, "models": models, "log": done.stderr}
 
@@ -211,13 +216,15 @@ def test_the_evaluate_commands_a_sharded_run_prints_score_it(runs):
         assert json.loads((eval_dir(run, "test", checkpoint) / METRICS).read_text())["n_examples"] == 4
 
 
-def test_a_resume_with_another_shard_is_refused_by_every_rank(runs):
-    """Rank 0 finds the change; every rank then exits with status 1 and rank 0 alone prints the line, rather
-    than rank 1 going on into the collectives (a gloo error) or into the run's DDP optimizer state."""
+def test_what_rank_0_refuses_every_rank_refuses(runs):
+    """A --resume with another --shard, and a run folder another process holds: rank 0 finds it, every rank
+    then exits with status 1 and rank 0 alone prints the line, rather than rank 1 going on into the
+    collectives (a gloo error) or into the run's DDP optimizer state."""
     log = runs["log"]
     assert "rank 0: exit 1: train.py: error: --resume with a different config: ['shard'] differ" in log
-    assert "rank 1: exit 1: 1" in log
-    assert log.count("--resume with a different config") == 1
+    assert f"rank 0: exit 1: train.py: error: {runs['root'] / 'one' / 'olmoe'}: in use by process {os.getpid()}" in log
+    assert log.count("rank 1: exit 1: 1\n") == 2
+    assert log.count("--resume with a different config") == log.count(": in use by process") == 1
     assert "Traceback" not in log
 
 
