@@ -7,7 +7,9 @@ unknown model_type, a missing config field or an unreadable file raises an error
 Loading builds the model on the meta device (no random weights are ever allocated), then reads
 every tensor with plain file reads straight into its parameter (OLMoE's per-expert matrices into
 their slice of the stacked `[E, out, in]` banks), so peak memory stays at the checkpoint's size:
-no mmap pages held beside the copies, no second copy of any bank (see `WeightFile`).
+no mmap pages held beside the copies, no second copy of any bank (see `WeightFile`). `entry_reads`
+is the one map from an entry of the family's record to the reads (and conversion) that fill our
+tensor, whole or a range of its rows: the sharded load (runs/sharding.py) reads through it too.
 `dtype=None` keeps the dtype the checkpoint records (`torch_dtype`).
 """
 from __future__ import annotations
@@ -129,10 +131,15 @@ def mxfp4_keys(key: str) -> tuple[str, str]:
     return key + "_blocks", key + "_scales"
 
 
+def in_mxfp4(disk, where: dict) -> bool:
+    """Whether the checkpoint (`where`: its keys) stores record entry `disk`, a Converted key, as MXFP4
+    blocks and scales instead of itself."""
+    return isinstance(disk, Converted) and disk.key not in where and mxfp4_keys(disk.key)[0] in where
+
+
 def mxfp4_stored(layout: dict, where: dict) -> set[str]:
     """The Converted keys that a checkpoint stores as MXFP4 blocks and scales instead of themselves."""
-    return {disk.key for disk in layout.values()
-            if isinstance(disk, Converted) and disk.key not in where and mxfp4_keys(disk.key)[0] in where}
+    return {disk.key for disk in layout.values() if in_mxfp4(disk, where)}
 
 
 # ----------------------------------------------------------------------------- loading
@@ -278,51 +285,77 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
         model = MoEForCausalLM(config)
     layout = checkpoint_layout(config)
     files, where = weight_index(folder, config)
-    quantized = mxfp4_stored(layout, where)
-
-    # Allocate every parameter at its final dtype and device, and note where each disk key lands:
-    # a whole parameter, or (OLMoE) one expert's gate, up or down rows inside a stacked bank.
-    destination = {}  # disk key -> tensor (a parameter or a contiguous slice of one, or a converted key's buffer)
-    converted = []  # (parameter, conversion, its buffers), converted once every file is read
+    targets = []  # (record entry, the parameter it fills): every parameter at its final dtype and device
     for name, disk in layout.items():
         meta = model.get_parameter(name)
         value = torch.empty(meta.shape, dtype=dtype, device=device)
         advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
-        if isinstance(disk, Converted):  # read as stored (its shape: ours taken to the disk layout), then converted
-            from_disk, to_disk, from_mxfp4 = CONVERSIONS[disk.layout]
-            if disk.key in quantized:
-                if from_mxfp4 is None:
-                    raise KeyError(f"{folder}: {disk.key!r} is stored as MXFP4 blocks and scales; it must be dense")
-                E, out, inner = meta.shape  # MXFP4 stores [E, out, in] as 32-value blocks along in
-                buffers = [torch.empty(E, out, inner // 32, 16, dtype=torch.uint8), torch.empty(E, out, inner // 32, dtype=torch.uint8)]
-                destination.update(zip(mxfp4_keys(disk.key), buffers))
-                converted.append((value, lambda b, s, f=from_mxfp4, k=disk.key: f(b, s, dtype, k), buffers))
-            else:
-                buffer = torch.empty(to_disk(torch.empty(meta.shape, device="meta")).shape, dtype=dtype)
-                destination[disk.key] = buffer
-                converted.append((value, from_disk, [buffer]))
-        elif isinstance(disk, str):
-            destination[disk] = value
-        else:  # per-expert keys in (expert, part) order; part p fills rows [p*rows, (p+1)*rows)
-            parts = len(disk) // config.num_experts
-            rows = meta.shape[1] // parts
-            for i, key in enumerate(disk):
-                j, p = divmod(i, parts)
-                destination[key] = value[j, p * rows:(p + 1) * rows]
+        targets.append((disk, value, None))
         module_name, _, leaf = name.rpartition(".")
         model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
-    for file, weights in files.items():  # one file at a time, front to back
-        with open(weights.path, "rb", buffering=0) as f:
-            for key in weights.keys():
-                if key in destination and where.get(key) == file:
-                    weights.read_into(key, destination[key], f)
-    for value, convert, buffers in converted:
-        value.copy_(convert(*buffers))
+    read_entries(files, where, targets, config.num_experts, str(folder))
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise KeyError(f"{folder}: no checkpoint key fills parameter {still_meta[0]!r}")
     return model.eval()
+
+
+def entry_reads(disk, out: torch.Tensor, where: dict, num_experts: int, source: str,
+                first_row: int | None = None) -> tuple[dict, object]:
+    """One entry of the family's record (checkpoint_layout: a key, per-expert keys, or a Converted key, dense
+    or as MXFP4 blocks and scales when `where`, the checkpoint's keys, says so) -> the reads that fill `out`
+    with our parameter: ({disk key: (tensor its values go to, first row read or None)}, then a conversion
+    to call once they are read, or None). With `first_row`, `out` holds rows [first_row, first_row +
+    len(out)) of our parameter's first dimension and only those are read (a rank's shard, runs/sharding.py);
+    rows are experts for per-expert and Converted keys, whose conversions act within an expert. The one map
+    from a record entry to our tensor: from_pretrained and the sharded load both read through it, so that
+    no family loads one way whole and another way in shards."""
+    if isinstance(disk, str):
+        return {disk: (out, first_row)}, None
+    if isinstance(disk, Converted):  # read as stored (its shape: ours taken to the disk layout), then converted
+        from_disk, to_disk, from_mxfp4 = CONVERSIONS[disk.layout]
+        if in_mxfp4(disk, where):
+            if from_mxfp4 is None:
+                raise KeyError(f"{source}: {disk.key!r} is stored as MXFP4 blocks and scales; it must be dense")
+            E, R, C = out.shape  # MXFP4 stores [E, out, in] as 32-value blocks along in
+            blocks = torch.empty(E, R, C // 32, 16, dtype=torch.uint8)
+            scales = torch.empty(E, R, C // 32, dtype=torch.uint8)
+            planned = dict(zip(mxfp4_keys(disk.key), ((blocks, first_row), (scales, first_row))))
+            return planned, lambda: out.copy_(from_mxfp4(blocks, scales, out.dtype, disk.key))
+        buffer = torch.empty(to_disk(torch.empty(out.shape, device="meta")).shape, dtype=out.dtype)
+        return {disk.key: (buffer, first_row)}, lambda: out.copy_(from_disk(buffer))
+    # per-expert keys in (expert, part) order; part p fills rows [p * width, (p + 1) * width) of its expert
+    parts = len(disk) // num_experts
+    width = out.shape[1] // parts
+    first, end = (0, num_experts) if first_row is None else (first_row, first_row + len(out))
+    return {key: (out[j - first, p * width:(p + 1) * width], None)
+            for i, key in enumerate(disk) for j, p in [divmod(i, parts)] if first <= j < end}, None
+
+
+def read_entries(files: dict, where: dict, targets: list, num_experts: int, source: str) -> int:
+    """Fill each (record entry, our tensor, first row or None) of `targets` (entry_reads) from the files
+    weight_index found: one file at a time and front to back in each, then the conversions; returns the
+    tensor bytes read."""
+    reads, conversions = {}, []
+    for disk, out, first_row in targets:
+        planned, convert = entry_reads(disk, out, where, num_experts, source, first_row)
+        reads.update(planned)
+        conversions += [convert] if convert else []
+    done = 0
+    for file, weights in files.items():
+        mine = [key for key in weights.keys() if key in reads and where.get(key) == file]
+        if not mine:
+            continue
+        before = weights.bytes_read
+        with open(weights.path, "rb", buffering=0) as f:
+            for key in mine:
+                out, first_row = reads[key]
+                weights.read_into(key, out, f, first_row=first_row)
+        done += weights.bytes_read - before
+    for convert in conversions:
+        convert()
+    return done
 
 
 def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile], dict[str, str]]:
