@@ -399,7 +399,7 @@ def test_parameter_names_and_freezing():
     (dict(method="tes", transform="log1p"), "transform"),
     (dict(method="dual", mix=1.5), "mix"),
     (dict(method="dual", mix=-0.1), "mix"),
-    (dict(method="acs", gamma=1.0), "do not apply"),
+    (dict(method="acs", gamma=1.0), "no such option"),
     (dict(method="tes", layers=[0, 3]), "out of range"),
     (dict(method="tes", layers=[-1]), "out of range"),
     (dict(method="tes", layers="last:4"), "last:4"),
