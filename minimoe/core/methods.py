@@ -5,9 +5,10 @@ A record names its policy class, its row label, its options (the policy's keywor
 learning rates, each an `Option` declared once with its default, check and help: train.py's
 `--method-option NAME=VALUE` and the built-in options' own flags (`--gamma 2`) are made from them, and
 set_router and the optimizer take their defaults from them. `Method.configure` gives a record one
-run's choices (the objective, affinity tuning, the option values); train.py resolves --method to one
-configured Method once, and that object installs the router (`set_router`, below), drives the
-training step (step.py), and labels and names the run. A method from your own file joins `METHODS`
+run's choices (the objective, lambda, the layer scope, affinity tuning, the option values), checking
+them all; train.py resolves --method to one configured Method once, and that object installs the
+router (`set_router`, below: the model then holds the same object), drives the training step
+(step.py), and labels and names the run. A method from your own file joins `METHODS`
 through `minimoe.register_method` (plugins.py).
 
 Built in: native (CE), dual (Dual Affinity), tes (TES) and acs (ACS), their policies in routing.py,

@@ -55,6 +55,8 @@ Decisions where the paper is silent, and why:
   init the policy is native exactly.
 - The concentration diagnostic (`native_concentration`) uses the native top-K and native p (the ACS appendix's S_t) even
   under tes/dual, whose executed set may differ.
+- A policy's options are checked once, by its method's record (methods.Option, `Method.configure`),
+  before `from_gate` builds it; the policies do not check them again.
 - `set_router` describes the whole model: layers out of scope get `NativeRouter` back and every gate
   is frozen except in scope with tune_router=True. `router_spec` stores every option with its
   resolved default, so a saved adapter does not change meaning if a default changes; a method from
