@@ -401,9 +401,14 @@ class MoEForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # What was installed on top of the checkpoint, as JSON-ready dicts that rebuild it; adapters
         # save them. None: native routing everywhere (`methods.set_router` sets it), no LoRA (`lora.add_lora`).
-        self.router_spec: dict | None = None
-        self.router_method = None  # the methods.Method that router_spec is the JSON of (set_router)
+        self.router_method = None  # the configured methods.Method installed (set_router); router_spec is its JSON
+        self.router_layers: list[int] = []  # the MoE layers its scope resolved to on this model
         self.lora_spec: dict | None = None
+
+    @property
+    def router_spec(self) -> dict | None:
+        """The installed method's JSON (Method.spec), what an adapter saves; None: native everywhere."""
+        return None if self.router_method is None else self.router_method.spec(self.router_layers)
 
     def gradient_checkpointing_enable(self, enable: bool = True):
         for layer in self.model.layers:

@@ -168,7 +168,7 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
     unless allow_other_base (export.py --allow-other-base).
     """
     source = resolve_adapter(adapter_or_run, checkpoint, flag=None)
-    refuse_routing_heads(method_of(source.router), "export.py --merged")
+    refuse_routing_heads(source.method, "export.py --merged")  # resolved once: load_adapter takes it
     config = json.loads((source.folder / "adapter_config.json").read_text(encoding="utf-8"))
     base = base_model or config.get("base_model")
     if not base:
@@ -176,7 +176,8 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
                          f"(export.py) or base_model=")
     revision = source.run_config.get("model_revision") if base == source.run_config.get("model") else None
     folder = resolve_checkpoint(base, cache_dir or source.run_config.get("cache_dir"), revision)
-    model = load_adapter(from_pretrained(folder), source.folder, allow_other_base=allow_other_base)
+    model = load_adapter(from_pretrained(folder), source.folder, allow_other_base=allow_other_base,
+                         method=source.method)
     tokenizer = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
     export_merged(model, out_dir, copy_files=tokenizer)
     return Path(out_dir)

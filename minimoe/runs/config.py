@@ -27,6 +27,7 @@ from pathlib import Path
 
 from minimoe.core.lora import ALIASES as LORA_ALIASES, TARGETS
 from minimoe.core.methods import ALIASES, METHODS, Method, UnknownOption, declaring, number
+from minimoe.core.objectives import OBJECTIVES
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.plugins import resolve_method
@@ -90,6 +91,20 @@ def method_help() -> str:
     return (f"routing method: {listed}; {aliases}; one of your own with --method-module (README: Adding a "
             f"routing method)")
 
+
+def objective_name(value) -> str:
+    """--objective: a name; whether it is registered is checked once the run's --method-module is imported
+    (Method.configure), since a file of your own may register it."""
+    if not (isinstance(value, str) and value.isidentifier()):
+        raise ValueError(f"{value!r}: expected an objective's name, one of {list(OBJECTIVES)} or one of your own")
+    return value
+
+
+def objective_help() -> str:
+    """--objective's help from objectives.OBJECTIVES."""
+    listed = "; ".join(f"{o.name}: {o.help}" for o in OBJECTIVES.values())
+    return (f"what a supervised method's prediction is fitted with: {listed}; or one of your own, registered by "
+            f"--method-module's file (docs/methods.md)")
 
 
 # ---- the settings
@@ -165,14 +180,13 @@ class TrainConfig:
     # method
     method: str = setting("method", "tes", method_help())
     method_module: str | None = setting("method", None, "a .py file or importable module that registers --method "
-                                        "with minimoe.register_method (recorded in config.json and the adapters)",
+                                        "(or --objective) with minimoe.register_method (register_objective) (recorded in config.json and the adapters)",
                                         metavar="FILE|MODULE")
     method_options: dict | None = setting("method", None, "an option (or head learning rate) of --method, as its "
                                           "record (methods.Method) declares it; repeat for several (default: the "
                                           "record's). config.json holds every option the method reads",
                                           flag="--method-option", type=method_option, metavar="NAME=VALUE")
-    objective: str = setting("method", "is", "Itakura-Saito or exponential NLL for a supervised method",
-                             choices=["is", "enll"])
+    objective: str = setting("method", "is", objective_help(), type=objective_name)
     lambda_: float = setting("method", 1e-3, "method coefficient lambda_m in the total loss", type=NONNEGATIVE,
                              metavar="LAMBDA")
     layers: str | list[int] = setting("method", "final", "supervised MoE layers: final | all | first:N | last:N | 3 | "
@@ -274,9 +288,10 @@ def method_for(settings) -> Method:
     of its fields (missing ones at their defaults)."""
     s = settings if isinstance(settings, dict) else vars(settings)
     record = resolve_method(s.get("method") or TrainConfig.method, s.get("method_module"))
+    lambda_ = TrainConfig.lambda_ if s.get("lambda_") is None else s["lambda_"]
     try:
         return record.configure(s.get("objective") or TrainConfig.objective, bool(s.get("tune_router")),
-                                s.get("method_options"))
+                                s.get("method_options"), lambda_=lambda_, layers=s.get("layers") or TrainConfig.layers)
     except UnknownOption as e:  # core names the option; a run's settings give it as --method-option
         raise ValueError(f"--method-option {e}") from None
 

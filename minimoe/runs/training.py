@@ -67,7 +67,7 @@ from minimoe.runs.tracking import RoutingStats, Tracker
 def install_method(model, cfg: TrainConfig, method: Method):
     """LoRA on the recipe's targets, then the run's routing method (heads trainable, native gate frozen)."""
     add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
-    set_router(model, method, layers=cfg.layers)
+    set_router(model, method)  # its layers, objective and lambda are the method's own
 
 
 def check_install(model_config, cfg: TrainConfig, method: Method, device: str):
@@ -120,7 +120,7 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 
 def loss_settings(cfg: TrainConfig) -> dict:
     """step_loss's keywords from the run's settings: the loss coefficients and the autocast to run in."""
-    return dict(lambda_=cfg.lambda_, is_eps=cfg.is_eps, depth_scaled_lambda=cfg.depth_scaled_lambda,
+    return dict(is_eps=cfg.is_eps, depth_scaled_lambda=cfg.depth_scaled_lambda,
                 aux_coef=cfg.aux_coef, autocast=lambda: autocast(cfg))
 
 
@@ -349,7 +349,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: P
             logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, method, world_size, step)
             seconds = time.perf_counter() - t0
             rate = global_sum(sum(b.real_tokens for b in batches if not b.placeholder)) / seconds
-            loss = logs["task"] + cfg.lambda_ * logs["method"] + cfg.aux_coef * logs["aux"]
+            loss = logs["task"] + method.lambda_ * logs["method"] + cfg.aux_coef * logs["aux"]
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
             if rank == 0:
                 record = {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
