@@ -11,7 +11,9 @@ training step (step.py), and labels and names the run. A method from your own fi
 through `minimoe.register_method` (plugins.py).
 
 Built in: native (CE), dual (Dual Affinity), tes (TES) and acs (ACS), their policies in routing.py,
-their defaults the paper's (gamma = tau = 1, mixing weight 0.5; heads at 1e-5 for TES, 1e-3 for Dual).
+their defaults the paper's (gamma = tau = 1, mixing weight 0.5; heads at 1e-5 for TES, 1e-3 for Dual);
+and the field's baselines: densemixer (DenseMixer, densemixer.py), router (router-only tuning: the
+gates in scope train, no LoRA) and esft (esft.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from minimoe.core.densemixer import DenseMixerRouter
 from minimoe.core.routing import (TRANSFORMS, ConcentrationRouter, DualAffinityRouter, NativeRouter, Scoring,
                                   TokenErrorRouter, _number, moe_blocks, resolve_layers, set_routing_trainable,
                                   tuned_layers)
@@ -92,6 +95,8 @@ class Method:
     # (its heads, if any, only read), so export_peft and export_merged write it
     not_exportable: str | None = NOT_NATIVE
     module: str | None = None  # where a method from outside minimoe was registered from; None: built in
+    lora: bool = True  # False: no LoRA trains (router-only tuning: installed at B = 0 and frozen, the base exactly)
+    tunes_gate: bool = False  # the native gates in scope always train (router-only tuning), without a "+" row
     # One run's choices (`configure`); a registered record has none.
     objective: str | None = None  # is | enll: what a supervised method's prediction is fitted with
     tune_router: bool = False  # the native gate in scope trains too ("+ affinity tuning")
@@ -126,7 +131,7 @@ class Method:
         """The paper's row name: CE, Dual Affinity, TES-IS, ACS-ENLL + affinity tuning, ...; a supervised
         method without an objective (an adapter outside a run) is its label alone: TES, ACS."""
         base = f"{self.label}-{self.objective.upper()}" if self.prediction is not None and self.objective else self.label
-        return base + (" + affinity tuning" if self.tune_router else "")
+        return base + (" + affinity tuning" if self.tune_router and not self.tunes_gate else "")
 
     def configure(self, objective: str | None = None, tune_router: bool = False, options: dict | None = None) -> Method:
         """This method as one run uses it: `options` checked against their declarations, every setting's
@@ -139,7 +144,7 @@ class Method:
                 raise UnknownOption(f"{name}: method {self.name!r} has no such option; it takes "
                                     f"{sorted(self.declared)}")
         values = {name: o.parse(name, given[name]) if name in given else o.default for name, o in self.declared.items()}
-        return replace(self, objective=objective, tune_router=tune_router, values=values)
+        return replace(self, objective=objective, tune_router=tune_router or self.tunes_gate, values=values)
 
 
 class UnknownOption(ValueError):
@@ -164,7 +169,10 @@ for _m in (
                heads={"error_head": ("error_head_lr", Option(1e-5, "error-head learning rate", LR))},
                not_exportable="TES attenuates the native logits with its learned error head "
                               "(a - gamma * phi(e_hat))"),
-        Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None)):
+        Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None),
+        # The field's router-adaptation baselines (docs/methods.md, "Baselines").
+        Method("densemixer", DenseMixerRouter, label="DenseMixer", tunes_gate=True, not_exportable=None),
+        Method("router", NativeRouter, label="Router only", lora=False, tunes_gate=True, not_exportable=None)):
     METHODS[_m.name] = _m
 
 
@@ -203,7 +211,7 @@ def set_router(model, method="native", layers="final", *, tune_router: bool | No
     if unknown:
         raise ValueError(f"set_router: option(s) {unknown} do not apply to method {method.name!r}; "
                          f"it takes {sorted(['tune_router', *method.options])}")
-    tune_router = method.tune_router if tune_router is None else tune_router
+    tune_router = (method.tune_router if tune_router is None else tune_router) or method.tunes_gate
     if not isinstance(tune_router, bool):
         raise ValueError(f"set_router: tune_router={tune_router!r}; expected True or False")
     opts = {name: options.get(name, method.values.get(name, o.default)) for name, o in method.options.items()}

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from minimoe.atomic import atomic_file
-from minimoe.core.lora import add_lora
+from minimoe.core.lora import add_lora, lora_modules
 from minimoe.core.methods import Method
 from minimoe.core.methods import set_router
 from minimoe.core.routing import Scoring
@@ -65,9 +65,13 @@ from minimoe.runs.tracking import RoutingStats, Tracker
 
 
 def install_method(model, cfg: TrainConfig, method: Method):
-    """LoRA on the recipe's targets, then the run's routing method (heads trainable, native gate frozen)."""
+    """LoRA on the recipe's targets, then the run's routing method (heads trainable, native gate frozen
+    unless the method tunes it); a method without LoRA (`Method.lora`) keeps it frozen at its zero start."""
     add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
     set_router(model, method, layers=cfg.layers)
+    if not method.lora:  # router-only tuning: the LoRA stays at its B = 0 start, frozen, so the model is the base's
+        for m in lora_modules(model).values():
+            m.requires_grad_(False)
 
 
 def check_install(model_config, cfg: TrainConfig, method: Method, device: str):
