@@ -25,7 +25,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from minimoe.core import esft
 from minimoe.core.densemixer import DenseMixerRouter
+from minimoe.core.esft import ESFTRouter
 from minimoe.core.routing import (TRANSFORMS, ConcentrationRouter, DualAffinityRouter, NativeRouter, Scoring,
                                   TokenErrorRouter, _number, moe_blocks, resolve_layers, set_routing_trainable,
                                   tuned_layers)
@@ -97,6 +99,10 @@ class Method:
     module: str | None = None  # where a method from outside minimoe was registered from; None: built in
     lora: bool = True  # False: no LoRA trains (router-only tuning: installed at B = 0 and frozen, the base exactly)
     tunes_gate: bool = False  # the native gates in scope always train (router-only tuning), without a "+" row
+    # called once before training's first step (not on a resume) as prepare(model, forwards), forwards yielding
+    # (routings, attention_mask) of the untrained model over the training data (ESFT's expert choice); None: none
+    prepare: Callable | None = None
+    install: Callable | None = None  # install(model), after LoRA and the router: what else trains (ESFT: masks)
     # One run's choices (`configure`); a registered record has none.
     objective: str | None = None  # is | enll: what a supervised method's prediction is fitted with
     tune_router: bool = False  # the native gate in scope trains too ("+ affinity tuning")
@@ -172,7 +178,12 @@ for _m in (
         Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None),
         # The field's router-adaptation baselines (docs/methods.md, "Baselines").
         Method("densemixer", DenseMixerRouter, label="DenseMixer", tunes_gate=True, not_exportable=None),
-        Method("router", NativeRouter, label="Router only", lora=False, tunes_gate=True, not_exportable=None)):
+        Method("router", NativeRouter, label="Router only", lora=False, tunes_gate=True, not_exportable=None),
+        Method("esft", ESFTRouter, label="ESFT", not_exportable=None, prepare=esft.prepare, install=esft.restrict,
+               options={"esft_criterion": Option("token", "which experts train: token-selection ratio or average gate "
+                                                     "score", choices=esft.CRITERIA),
+                        "esft_p": Option(0.2, "cumulative share the chosen experts reach, per layer",
+                                         number(float, 0, 1, low_open=True))})):
     METHODS[_m.name] = _m
 
 

@@ -73,6 +73,8 @@ def install_method(model, cfg: TrainConfig, method: Method):
     if not method.lora:  # router-only tuning: the LoRA stays at its B = 0 start, frozen, so the model is the base's
         for m in lora_modules(model).values():
             m.requires_grad_(False)
+    if method.install is not None:  # ESFT: only the chosen experts' LoRA trains
+        method.install(model)
 
 
 def check_install(model_config, cfg: TrainConfig, method: Method, device: str):
@@ -150,6 +152,18 @@ COMPILE_BUCKET = 64
 
 def length_bucket(cfg: TrainConfig) -> int:
     return COMPILE_BUCKET if cfg.compile else 1
+
+
+def training_routings(model, examples, tokenizer, cfg: TrainConfig, rank: int, world_size: int):
+    """The untrained model's routings over this rank's share of the training examples, without gradient
+    (Method.prepare: ESFT's expert choice) -> yields (routings, attention_mask) per micro-batch."""
+    with torch.no_grad():
+        for b in micro_batches(examples, tokenizer, cfg, rank, world_size):
+            if not b.placeholder:
+                with autocast(cfg):
+                    out = model(b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+                                segment_ids=b.segment_ids, logits_at=b.scored_positions)
+                yield out.routings, b.attention_mask
 
 
 def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: int) -> list[ChoiceBatch]:
@@ -347,6 +361,8 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: P
     warmup = warmup_steps(total, cfg.warmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg.schedule))
     start = restore(run, state, optimizer, scheduler, rank, model if sharded else None) if resume else Position()
+    if method.prepare is not None and not resume:  # a resume has its choice back in the checkpoint's router state
+        method.prepare(model, training_routings(model, data["train"], tokenizer, cfg, rank, world_size))
     ddp = model
     if world_size > 1 and not sharded:
         device = torch.device(cfg.device)

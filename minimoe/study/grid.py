@@ -52,11 +52,12 @@ ROWS = {method_for(flags).row: flags for flags in (
 PAPER_ROWS = tuple(ROWS)
 # The field's router-adaptation baselines (docs/methods.md, "Baselines"), each in the form its paper
 # trains: DenseMixer and router-only tuning on every MoE layer's gate, the load-balancing loss at the
-# family's own coefficient beside CE.
+# family's own coefficient beside CE, ESFT's choice on every MoE layer (LoRA on the chosen experts only).
 BASELINE_ROWS = {
     "DenseMixer": dict(method="densemixer", layers="all"),
     "Router only": dict(method="router", layers="all"),
     "CE + load balancing": dict(method="ce", aux_coef="family"),
+    "ESFT": dict(method="esft", layers="all", lora_targets="experts"),  # its LoRA form: the chosen experts' LoRA
 }
 ROWS.update(BASELINE_ROWS)
 
@@ -138,7 +139,7 @@ PRESETS = {
     "baselines": Preset(
         ("CE", "CE + affinity tuning", "ACS-IS", "Dual Affinity", "TES-IS", *BASELINE_ROWS),
         about="the field's router-adaptation baselines (DenseMixer, router-only tuning, CE with the family's "
-              "load-balancing loss) beside the paper's CE, CE + affinity tuning, ACS-IS, Dual Affinity and TES-IS"),
+              "load-balancing loss, ESFT with LoRA on the chosen experts) beside the paper's CE, CE + affinity tuning, ACS-IS, Dual Affinity and TES-IS"),
     "acs-diagnostics": Preset(
         ("CE + affinity tuning", "ACS-IS + affinity tuning", "ACS-ENLL + affinity tuning"),
         settings=({"lambda_": 1e-2},), benchmarks=("arc_challenge",), tables=("concentration",), train_eval=True,

@@ -30,20 +30,38 @@ def steps(run):
     return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
 
 
-def test_densemixer_trains_its_gates_and_resumes_bitwise(tmp_path, data):
-    """DenseMixer on every MoE layer: LoRA and every gate train; killed after epoch 1 and resumed, the run
-    ends on the uninterrupted run's bits; a fresh evaluate.py gives the run's own test accuracy."""
-    flags = ["--method", "densemixer", "--layers", "all", "--epochs", "2"]
+def test_densemixer_trains_its_gates_evaluates_and_exports(tmp_path, data):
+    """DenseMixer on every MoE layer: LoRA and every gate train; a fresh evaluate.py gives the run's own
+    test accuracy; it routes natively, so it exports to peft (the gates as modules_to_save)."""
+    run = run_train(tmp_path, data, "--method", "densemixer", "--layers", "all", "--epochs", "1")
+    tensors = adapter(run, 1)
+    assert sum(k.endswith(".mlp.gate.weight") for k in tensors) == 4 and any(".lora_B" in k for k in tensors)
+    again = evaluate.main(["--adapter", str(run), "--out-dir", str(tmp_path / "again")])
+    assert again["accuracy"] == json.loads((run / "eval" / "test" / "metrics.json").read_text())["accuracy"]
+    export.main([str(run), str(tmp_path / "peft")])
+    assert len(json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["modules_to_save"]) == 4
+
+
+def test_esft_chooses_its_experts_once_and_resumes_bitwise(tmp_path, data):
+    """ESFT on every MoE layer: the choice is made from the training data before the first step and kept in
+    the adapter; only the chosen experts' LoRA moves; killed after epoch 1 and resumed (no new choice), the
+    run ends on the uninterrupted run's bits."""
+    flags = ["--method", "esft", "--layers", "all", "--epochs", "2", "--no-test-eval"]
     straight = run_train(tmp_path, data, *flags, name="straight")
     with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
         run_train(tmp_path, data, *flags, name="killed")
     resumed = run_train(tmp_path, data, *flags, "--resume", name="killed")
     want, got = adapter(straight, 2), adapter(resumed, 2)
-    assert sum(k.endswith(".mlp.gate.weight") for k in want) == 4 and any(".lora_B" in k for k in want)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
-    again = evaluate.main(["--adapter", str(resumed), "--out-dir", str(tmp_path / "again")])
-    ran = json.loads((straight / "eval" / "test" / "metrics.json").read_text())
-    assert again["accuracy"] == ran["accuracy"]
+    for layer in range(4):
+        prefix = f"model.layers.{layer}."
+        chosen = want[prefix + "mlp.router.chosen"]
+        assert 0 < chosen.sum() < chosen.numel()
+        for bank in ("gate_up_proj", "down_proj"):
+            b = want[f"{prefix}mlp.experts.{bank}.lora_B"]
+            assert b[~chosen].abs().max() == 0 and b[chosen].abs().max() > 0
+        assert not want[prefix + "self_attn.q_proj.lora_B"].any()  # attention's LoRA frozen at zero
+    assert not any(k.endswith(".mlp.gate.weight") for k in want)
 
 
 def test_router_only_trains_the_gates_and_nothing_else_and_exports(tmp_path, data):

@@ -470,6 +470,7 @@ def test_the_baselines_preset_puts_each_baseline_beside_the_papers_rows(tmp_path
     assert names["CE + load balancing"].endswith("-CE-auxfamily-seed42")
     assert names["DenseMixer"].endswith("-DenseMixer-layersall-seed42")
     assert names["Router only"].endswith("-Router_only-layersall-seed42")
+    assert names["ESFT"].endswith("-ESFT-layersall-seed42")
     dense = next(c for c in cells if c.row == "DenseMixer")
     assert dense.train_args()[-4:] == ["--method", "densemixer", "--layers", "all"]
 
