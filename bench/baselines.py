@@ -22,28 +22,31 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
+from minimoe.core.esft import esft_layers  # noqa: E402
 from minimoe.core.methods import get_method  # noqa: E402
 from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights  # noqa: E402
 from minimoe.core.objectives import load_balancing_loss  # noqa: E402
 from minimoe.runs.training import install_method  # noqa: E402
 
-# candidate -> (method, tune_router, with the load-balancing loss)
-CANDIDATES = {"CE": ("native", False, False), "CE + affinity tuning": ("native", True, False),
-              "DenseMixer": ("densemixer", False, False), "Router only": ("router", False, False),
-              "CE + load balancing": ("native", False, True)}
+# candidate -> (method, tune_router, with the load-balancing loss, LoRA targets): as the sweep's rows train
+RECIPE = ("q", "k", "v", "experts")
+CANDIDATES = {"CE": ("native", False, False, RECIPE), "CE + affinity tuning": ("native", True, False, RECIPE),
+              "DenseMixer": ("densemixer", False, False, RECIPE), "Router only": ("router", False, False, RECIPE),
+              "CE + load balancing": ("native", False, True, RECIPE), "ESFT": ("esft", False, False, ("experts",))}
 SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
              num_experts=8, num_experts_per_tok=2)
 
 
-def step_fn(config: MoEConfig, method: str, tune_router: bool, aux: bool, ids, device):
+def step_fn(config: MoEConfig, method: str, tune_router: bool, aux: bool, targets, ids, device):
     """One training step of a fresh model with `method` installed on its MoE layers -> a callable."""
     model = init_weights(MoEForCausalLM(config), generator=torch.Generator().manual_seed(0)).to(device).train()
     cuda = device.type == "cuda"
     if cuda:  # the GPU recipe: a bf16 base under autocast, fp32 LoRA and tuned gates (install_method)
         model.to(torch.bfloat16)
-    cfg = SimpleNamespace(lora_rank=8, lora_alpha=8, lora_dropout=0.0, lora_targets=["q", "k", "v", "experts"],
-                          layers="all")
+    cfg = SimpleNamespace(lora_rank=8, lora_alpha=8, lora_dropout=0.0, lora_targets=list(targets), layers="all")
     install_method(model, cfg, get_method(method).configure(tune_router=tune_router))
+    for mlp in esft_layers(model).values():  # ESFT: a quarter of the experts chosen (training.py chooses from data)
+        mlp.router.chosen[::4] = True
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
 
@@ -58,7 +61,10 @@ def step_fn(config: MoEConfig, method: str, tune_router: bool, aux: bool, ids, d
         optimizer.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)
-    return step, sum(p.numel() for p in params)
+    moving = sum(p.numel() for p in params)  # the parameters that train; ESFT's unchosen experts' rows do not
+    for mlp in esft_layers(model).values():
+        moving -= sum(p[0].numel() for p in mlp.experts.parameters() if p.requires_grad) * int((~mlp.router.chosen).sum())
+    return step, moving
 
 
 def measure(family: str, device, *, tokens: int = 256, rounds: int = 5, smoke: bool = False) -> list[dict]:
@@ -69,8 +75,8 @@ def measure(family: str, device, *, tokens: int = 256, rounds: int = 5, smoke: b
     ids = torch.randint(0, config.vocab_size, (2, tokens // 2), generator=torch.Generator().manual_seed(1)).to(device)
     ce, ce_count = step_fn(config, *CANDIDATES["CE"], ids, device)
     rows = [dict(candidate="CE", model=f"{family} 1L", ratio=1.0, low=1.0, high=1.0, trained=ce_count)]
-    for name, (method, tuned, aux) in list(CANDIDATES.items())[1:]:  # two models alive at a time: CE and this one
-        step, count = step_fn(config, method, tuned, aux, ids, device)
+    for name, candidate in list(CANDIDATES.items())[1:]:  # two models alive at a time: CE and this one
+        step, count = step_fn(config, *candidate, ids, device)
         timing = common.interleaved({name: step, "CE": ce}, rounds)
         ratio, low, high = timing.ratio(name, "CE")
         rows.append(dict(candidate=name, model=f"{family} 1L", ratio=ratio, low=low, high=high, trained=count,

@@ -62,6 +62,8 @@ def test_esft_chooses_its_experts_once_and_resumes_bitwise(tmp_path, data):
             assert b[~chosen].abs().max() == 0 and b[chosen].abs().max() > 0
         assert not want[prefix + "self_attn.q_proj.lora_B"].any()  # attention's LoRA frozen at zero
     assert not any(k.endswith(".mlp.gate.weight") for k in want)
+    export.main([str(straight), str(tmp_path / "peft")])  # the LoRA form exports; the choice is training's own
+    assert not any("router" in k for k in load_file(tmp_path / "peft" / "adapter_model.safetensors"))
 
 
 def test_router_only_trains_the_gates_and_nothing_else_and_exports(tmp_path, data):
