@@ -24,6 +24,8 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
   and of Moonlight-16B-A3B's (DeepSeek-V3's architecture: MLA, shared experts, sigmoid scores), peft on
   transformers 4.57's per-expert modules (bench/lora_peft.py's PEFT_TARGETS).
 - compile: granite8 with `compile_layers`, and in mode="reduce-overhead" (CUDA graphs), beside eager.
+- baselines: DenseMixer, router-only tuning, CE + affinity tuning and CE + load balancing, each one step's
+  time over CE's, one layer at Granite's and OLMoE's widths, 4096 tokens (bench/baselines.py).
 - default: the default run's epoch (eager and --compile) and the scoring of the 500 SciQ test
   questions, on --default-model: its weights, or, for a folder holding only its config.json and
   tokenizer files (they travel; the 1.5 GB weights do not), random weights of its shape: timing only.
@@ -416,8 +418,18 @@ def default_run(device, folder: Path, budget: Budget):
                 note=f"process wall {time.perf_counter() - t0:.0f} s; target <= 5 s")
 
 
+def baseline_steps(device, smoke: bool):
+    """The field's baselines' step time over CE's, one layer at Granite's and OLMoE's widths (bench/baselines.py)."""
+    from bench.baselines import measure
+    for family in ("granitemoe", "olmoe"):
+        for r in measure(family, device, tokens=4096 if device.type == "cuda" and not smoke else 256,
+                         rounds=2 if smoke else 5, smoke=smoke):
+            row("baselines", r["model"], f"{r['candidate']}: step time / CE's", ratio=round(r["ratio"], 3),
+                note=f"[{r['low']:.2f}-{r['high']:.2f}] over interleaved rounds; {r['trained']:,} trained parameters")
+
+
 STAGES = ("parity", "grouped", "syncs", "copies", "attention", "granite8", "olmoe8", "granite32", "olmoe16",
-          "qwen3", "deepseek3", "compile", "default")
+          "qwen3", "deepseek3", "compile", "baselines", "default")
 # --full-depth adds granite32 and olmoe16; today's families run when --only names them
 DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16", "qwen3", "deepseek3"))
 LORA_STAGES = {"granite8": ("granitemoe", 8), "olmoe8": ("olmoe", 8), "granite32": ("granitemoe", 32),
@@ -439,6 +451,7 @@ def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:
                                             plain + compiled)
     else:
         todo["compile"] = lambda: row("compile", "-", "not run on the CPU", note="the CPU recipe's LoRA is fp32")
+    todo["baselines"] = lambda: baseline_steps(device, args.smoke)
     if args.default_model.is_dir() and (args.default_model / "config.json").is_file() and not args.smoke:
         todo["default"] = lambda: default_run(device, args.default_model, budget)
     else:

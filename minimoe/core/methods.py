@@ -12,7 +12,9 @@ router (`set_router`, below: the model then holds the same object), drives the t
 through `minimoe.register_method` (plugins.py).
 
 Built in: native (CE), dual (Dual Affinity), tes (TES) and acs (ACS), their policies in routing.py,
-their defaults the paper's (gamma = tau = 1, mixing weight 0.5; heads at 1e-5 for TES, 1e-3 for Dual).
+their defaults the paper's (gamma = tau = 1, mixing weight 0.5; heads at 1e-5 for TES, 1e-3 for Dual);
+and the field's baselines: densemixer (DenseMixer, densemixer.py), router (router-only tuning: the
+gates in scope train, no LoRA) and esft (esft.py).
 """
 from __future__ import annotations
 
@@ -24,6 +26,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from minimoe.core import esft
+from minimoe.core.densemixer import DenseMixerRouter
+from minimoe.core.esft import ESFTRouter
 from minimoe.core.objectives import get_objective
 from minimoe.core.routing import (TRANSFORMS, ConcentrationRouter, DualAffinityRouter, NativeRouter, Scoring,
                                   TokenErrorRouter, _number, moe_blocks, resolve_layers, set_routing_trainable,
@@ -94,6 +99,12 @@ class Method:
     # (its heads, if any, only read), so export_peft and export_merged write it
     not_exportable: str | None = NOT_NATIVE
     module: str | None = None  # where a method from outside minimoe was registered from; None: built in
+    lora: bool = True  # False: no LoRA trains (router-only tuning: installed at B = 0 and frozen, the base exactly)
+    tunes_gate: bool = False  # the native gates in scope always train (router-only tuning), without a "+" row
+    # called once before training's first step (not on a resume) as prepare(model, forwards), forwards yielding
+    # (routings, attention_mask) of the untrained model over the training data (ESFT's expert choice); None: none
+    prepare: Callable | None = None
+    install: Callable | None = None  # install(model), after LoRA and the router: what else trains (ESFT: masks)
     # One run's choices (`configure`); a registered record has none.
     objective: str | None = None  # a name in objectives.OBJECTIVES: what a supervised method's prediction is fitted with
     tune_router: bool = False  # the native gate in scope trains too ("+ affinity tuning")
@@ -130,7 +141,7 @@ class Method:
         """The paper's row name: CE, Dual Affinity, TES-IS, ACS-ENLL + affinity tuning, ...; a supervised
         method without an objective (an adapter outside a run) is its label alone: TES, ACS."""
         base = f"{self.label}-{self.objective.upper()}" if self.prediction is not None and self.objective else self.label
-        return base + (" + affinity tuning" if self.tune_router else "")
+        return base + (" + affinity tuning" if self.tune_router and not self.tunes_gate else "")
 
     @property
     def policy_options(self) -> dict:
@@ -163,8 +174,8 @@ class Method:
         if objective is not None:
             get_objective(objective)
         values = {name: o.parse(name, given[name]) if name in given else o.default for name, o in self.declared.items()}
-        return replace(self, objective=objective, tune_router=tune_router, values=values, lambda_=lambda_,
-                       layers=layers)
+        return replace(self, objective=objective, tune_router=tune_router or self.tunes_gate, values=values,
+                       lambda_=lambda_, layers=layers)
 
 
 class UnknownOption(ValueError):
@@ -189,7 +200,15 @@ for _m in (
                heads={"error_head": ("error_head_lr", Option(1e-5, "error-head learning rate", LR))},
                not_exportable="TES attenuates the native logits with its learned error head "
                               "(a - gamma * phi(e_hat))"),
-        Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None)):
+        Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None),
+        # The field's router-adaptation baselines (docs/methods.md, "Baselines").
+        Method("densemixer", DenseMixerRouter, label="DenseMixer", tunes_gate=True, not_exportable=None),
+        Method("router", NativeRouter, label="Router only", lora=False, tunes_gate=True, not_exportable=None),
+        Method("esft", ESFTRouter, label="ESFT", not_exportable=None, prepare=esft.prepare, install=esft.restrict,
+               options={"esft_criterion": Option("token", "which experts train: token-selection ratio or average gate "
+                                                     "score", choices=esft.CRITERIA),
+                        "esft_p": Option(0.2, "cumulative share the chosen experts reach, per layer",
+                                         number(float, 0, 1, low_open=True))})):
     METHODS[_m.name] = _m
 
 
@@ -232,6 +251,8 @@ def set_router(model, method="native", layers=None, *, tune_router: bool | None 
                                       layers=record.layers if layers is None else layers, strict=True)
         except ValueError as e:
             raise ValueError(f"set_router: {e}") from None
+    if method.tunes_gate and not method.tune_router:  # a record installed as registered: its gates train all the same
+        method = replace(method, tune_router=True)
     blocks = moe_blocks(model)  # layer index -> MoE block; dense layers are never routed
     scope = resolve_layers(method.layers, list(blocks))
     c = model.config

@@ -87,6 +87,7 @@ class Routing:
     prediction: torch.Tensor | None = None  # [T] supervised (tes: e_hat, acs: C_t); None: not supervised
     expert_scores: torch.Tensor | None = None  # [T, E] tes: per-expert error scores e_hat_{t,i}
     routing_logits: torch.Tensor | None = None  # [T, E] tes, dual: the logits the selection used
+    dense_weights: torch.Tensor | None = None  # [T, E] densemixer: the router's gradient is the dense mixture's
 
 
 def _number(x) -> bool:

@@ -20,8 +20,9 @@ names map onto the checkpoint's through the family's `layer_keys` (core/families
   down_proj's pair into `experts.{j}.down_proj`.
 - Native gates tuned by "+ affinity tuning" go to `modules_to_save` under their full module path,
   so that only the tuned layers are replaced.
-- A method that routes natively (its record's `not_exportable` is None: native, acs) exports as
-  LoRA on native routing does. The others change the routing function itself (an error head's
+- A method that routes natively (its record's `not_exportable` is None: native, acs, and the baselines
+  densemixer, esft, router) exports as LoRA on native routing does; its router state, if any (ESFT's
+  choice of experts), is training's and is left out. The others change the routing function itself (an error head's
   attenuation, a mixed copied gate), which no peft adapter can express: they are refused with an
   error saying so (adapters.refuse_routing_heads).
 - `lora_dropout` is the trained value, except 0 when `target_parameters` is set: peft's
@@ -81,6 +82,8 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
             out[prefix + disk] = t
             saved.append(f"model.layers.{layer}.{disk.removesuffix('.weight')}")
             continue
+        if ".mlp.router." in key:  # state of a method that routes natively (export_peft refuses the others):
+            continue  # read in training only (ESFT's choice of experts), no part of the forward
         if not key.endswith((".lora_A", ".lora_B")):
             raise KeyError(f"export_peft: tensor {key!r} has no peft counterpart; expected LoRA tensors and "
                            "tuned native gates only")

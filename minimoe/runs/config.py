@@ -47,6 +47,17 @@ def device(value: str) -> str:
     return value
 
 
+def aux_coef(value):
+    """--aux-coef: a coefficient >= 0, or `family`: the checkpoint's own router_aux_loss_coef, the weight
+    transformers gives the loss with output_router_logits=True (training.aux_coefficient reads it)."""
+    if value == "family":
+        return value
+    try:
+        return NONNEGATIVE(value)
+    except ValueError:
+        raise ValueError(f"{value!r}: expected a number >= 0, or family (the checkpoint's router_aux_loss_coef)") from None
+
+
 def layer_scope(value):
     """--layers: final | all | first:N | last:N stay names; '3' or '0,3,5' (or a file's [0, 3, 5]) become a
     list of indices."""
@@ -195,8 +206,9 @@ class TrainConfig:
     router_lr: float | None = setting("method", None, "native router learning rate with --tune-router (default: --lr; "
                                       "the paper gives it no rate of its own)", type=POSITIVE)
     depth_scaled_lambda: bool = setting("method", False, "multiply lambda by the number of supervised layers")
-    aux_coef: float = setting("method", 0.0, "load-balancing loss coefficient; the paper trains without it",
-                              type=NONNEGATIVE)
+    aux_coef: float | str = setting("method", 0.0, "load-balancing loss coefficient, or family: the checkpoint's "
+                                    "router_aux_loss_coef, as transformers weighs it; the paper trains without it",
+                                    type=aux_coef)
     is_eps: float = setting("method", 1e-8, "IS observation floor: keeps log and 1/x finite at a zero CE",
                             type=POSITIVE)
     # LoRA and optimisation: the recipe's (RECIPES)
