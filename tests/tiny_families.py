@@ -47,10 +47,11 @@ def family_of(variant: str) -> str:
     return VARIANTS[variant]["model_type"]
 
 
-def reference_model(variant: str, folder, seed: int = 0, shard: bool = False):
-    """transformers' model of `variant` with random weights (norms near 1, the correction bias and sinks
-    large enough to matter), saved by its own save_pretrained into `folder` (sharded: several files)."""
-    kw = {**COMMON, **(MLA if variant.startswith("deepseek") else {}), **VARIANTS[variant]}
+def reference_model(variant: str, folder, seed: int = 0, shard: bool = False, **overrides):
+    """transformers' model of `variant` (config fields `overrides` changed) with random weights (norms near 1,
+    the correction bias and sinks large enough to matter), saved by its own save_pretrained into `folder`
+    (sharded: several files)."""
+    kw = {**COMMON, **(MLA if variant.startswith("deepseek") else {}), **VARIANTS[variant], **overrides}
     config = transformers.AutoConfig.for_model(**kw)
     torch.manual_seed(seed)
     ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
