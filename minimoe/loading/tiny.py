@@ -70,25 +70,25 @@ SMOKE_OLMOE = dict(intermediate_size=64, num_hidden_layers=4, num_key_value_head
                    clip_qkv=None, norm_topk_prob=False)
 
 
-def tiny_config(model_type: str, **overrides) -> MoEConfig:
-    """A toy-width MoEConfig of the family, with its switches (`FAMILY_SWITCHES`) and then `overrides`."""
-    family_of(model_type, "tiny model")  # an unknown one names the families there are
-    if model_type not in FAMILY_SWITCHES:
-        raise ValueError(f"tiny model: {model_type!r} has no tiny switches; add its entry to FAMILY_SWITCHES in "
+def tiny_config(family: str, **overrides) -> MoEConfig:
+    """A toy-width MoEConfig of the family (a model_type), with its switches (`FAMILY_SWITCHES`), then `overrides`."""
+    family_of(family, "tiny model")  # an unknown one names the families there are
+    if family not in FAMILY_SWITCHES:
+        raise ValueError(f"tiny model: {family!r} has no tiny switches; add its entry to FAMILY_SWITCHES in "
                          f"minimoe/loading/tiny.py (families with one: {sorted(FAMILY_SWITCHES)})")
-    kw = dict(model_type=model_type, vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+    kw = dict(model_type=family, vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
               rms_norm_eps=1e-6, rope_theta=10000.0)
-    kw.update(FAMILY_SWITCHES[model_type])
+    kw.update(FAMILY_SWITCHES[family])
     kw.update(overrides)
     return MoEConfig(**kw)
 
 
-def tiny_model(model_type: str, seed: int = 0, std: float = 0.2, **overrides) -> MoEForCausalLM:
+def tiny_model(family: str, seed: int = 0, std: float = 0.2, **overrides) -> MoEForCausalLM:
     """The tests' model: `tiny_config`'s, weights N(0, std) (large enough that numerical differences show in
     the logits) and norm weights moved off 1, so that a misplaced norm weight shows."""
     g = torch.Generator().manual_seed(seed)
-    model = init_weights(MoEForCausalLM(tiny_config(model_type, **overrides)), std=std, generator=g)
+    model = init_weights(MoEForCausalLM(tiny_config(family, **overrides)), std=std, generator=g)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
