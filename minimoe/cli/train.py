@@ -2,6 +2,7 @@
 
     python train.py                                   # default: SmolLM2-135M upcycled to 4 experts, SciQ, TES-IS
     python train.py --model tiny                      # offline smoke run: random tiny OLMoE, ARC-Challenge
+    python train.py --model tiny:qwen3_moe            # the same on a random tiny model of any family (tiny:<model_type>)
     python train.py --config runs/RUN/config.json --seed 43 # a run's settings again, one of them changed
     python train.py --resume runs/RUN                 # continue a killed run with its recorded settings
     python train.py --model ibm-granite/granite-3.1-3b-a800m-base --recipe granite \\
@@ -41,7 +42,7 @@ import torch.distributed as dist
 
 import minimoe
 from minimoe.atomic import atomic_file
-from minimoe.cli import model_path, run_command
+from minimoe.cli import is_tiny, model_path, run_command
 from minimoe.core.families import family_of
 from minimoe.core.methods import Method
 from minimoe.core.model import MoEConfig, compile_layers
@@ -173,7 +174,7 @@ def main(argv=None):
     if args.model is None:  # the default run: a real model, one epoch of SciQ, its zero-shot score first
         args.model, args.data = str(smollm_checkpoint()), args.data or "sciq"
         args.epochs, args.zero_shot = args.epochs or 1, args.zero_shot is not False
-    elif args.model == "tiny":
+    elif is_tiny(args.model):  # tiny or tiny:<model_type>: the smoke recipe (random weights learn at 2e-3)
         args.model, args.recipe = model_path(args.model), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
     folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot

@@ -14,6 +14,7 @@ tensor, whole or a range of its rows: the sharded load (runs/sharding.py) reads 
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -50,7 +51,7 @@ RUN_DTYPES = ("float32", "bfloat16")  # what a model is run and saved in: every 
 def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     family = family_of(d.get("model_type"), source)
     d = {family.renames.get(k, k): v for k, v in d.items()}
-    d = {**family.defaults, **d}
+    d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
     d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
     missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
     if missing:

