@@ -61,20 +61,35 @@ OFFICIAL_NEW = {
 
 
 class BankCopies(TorchDispatchMode):
-    """Bytes written by copying ops (cat, copy_, clone, a dtype or device copy, ...) whose output has at
-    least `numel` elements (a frozen expert bank's size), by op name, while active: a LoRA step on the
-    GPU path should write none (tests/test_gpu_path.py; bench/gpu.py's `copies` stage)."""
+    """Bytes written by copying ops (cat, copy_, clone, a dtype or device copy, ...) whose output is shaped
+    like one of `banks` (frozen expert banks [E, out, in]), by op name, while active; `shapes` names each
+    copy counted (op and shape). A LoRA step on the GPU path should write none (tests/test_gpu_path.py;
+    bench/gpu.py's `copies` stage).
+
+    Shaped like a bank: the bank's leading dims [E], then two dims that cover the bank's last two in
+    either order ([out, in], its transpose, or [W | s B]'s [out, in + k]). Matching by element count
+    alone counted the logits' casts ([B, T, V] at Granite's real widths: 302 MB a step) as bank copies."""
     COPIES = {"cat", "copy_", "clone", "_to_copy", "contiguous", "index_select", "stack"}
 
-    def __init__(self, numel: int):
+    def __init__(self, banks):
         super().__init__()
-        self.numel, self.bytes = numel, {}
+        self.banks = {tuple(b.shape) for b in banks}  # tensors (or anything with .shape) [E, out, in]
+        self.bytes, self.shapes = {}, []
+
+    def bank_shaped(self, shape) -> bool:
+        for bank in self.banks:
+            lead, last = bank[:-2], sorted(bank[-2:])
+            if tuple(shape[:-2]) == lead and len(shape) == len(bank) and all(
+                    s >= b for s, b in zip(sorted(shape[-2:]), last)):
+                return True
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func._overloadpacket.__name__
-        if name in self.COPIES and isinstance(out, torch.Tensor) and out.numel() >= self.numel:
+        if name in self.COPIES and isinstance(out, torch.Tensor) and self.bank_shaped(out.shape):
             self.bytes[name] = self.bytes.get(name, 0) + out.numel() * out.element_size()
+            self.shapes.append(f"{name} {list(out.shape)} {str(out.dtype).removeprefix('torch.')}")
         return out
 
 

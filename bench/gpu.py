@@ -11,7 +11,7 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
 - parity: against transformers on random 3-layer models, fp32 and bf16: max |logit difference|, argmax agreement.
 - grouped: grouped_mm against the per-expert loop (outputs and gradients, one real-width MoE block).
 - syncs: host syncs in one of train.py's optimizer steps (tiny model, TES).
-- copies: bytes a LoRA step copies through cat/copy_/clone on bank-sized tensors (should be 0).
+- copies: bytes a LoRA step copies through cat/copy_/clone/casts on bank-shaped tensors (should be 0).
 - attention: which SDPA backend torch picks per call shape (causal; packed bool mask with GQA) and the
   time of each, beside FlexAttention on the packed rows' block mask.
 - granite8, olmoe8, granite32, olmoe16: the LoRA step and forward against transformers + peft at the
@@ -27,6 +27,8 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
   Qwen3-30B-A3B's widths, the base in bf16 against the same weights packed in NF4 (--quantize nf4):
   step time and peak memory.
 - compile: granite8 with `compile_layers`, and in mode="reduce-overhead" (CUDA graphs), beside eager.
+- baselines: DenseMixer, router-only tuning, CE + affinity tuning and CE + load balancing, each one step's
+  time over CE's, one layer at Granite's and OLMoE's widths, 4096 tokens (bench/baselines.py).
 - default: the default run's epoch (eager and --compile) and the scoring of the 500 SciQ test
   questions, on --default-model: its weights, or, for a folder holding only its config.json and
   tokenizer files (they travel; the 1.5 GB weights do not), random weights of its shape: timing only.
@@ -52,6 +54,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
+from minimoe.core.experts import GroupedLinear  # noqa: E402
 from minimoe.core.lora import add_lora  # noqa: E402
 from minimoe.core.model import MoEConfig, MoEForCausalLM, compile_layers, init_weights  # noqa: E402
 from minimoe.loading.checkpoint import config_from_dict, from_pretrained, save_pretrained  # noqa: E402
@@ -325,18 +328,19 @@ def syncs(step, device, name, metric="host syncs in one LoRA step"):
 
 
 def bank_copies(device, smoke: bool):
-    """Bytes one LoRA step (Granite widths, 1 layer, the GPU recipe) copies on tensors of a bank's size."""
+    """Bytes one LoRA step (Granite widths, 1 layer, the GPU recipe) copies on tensors shaped like a bank
+    (common.BankCopies: the logits' casts, larger than a bank at the real vocabulary, are not one)."""
     c = config("granitemoe", 1, smoke)
-    if smoke:  # the banks stay the largest tensors: a smaller vocabulary (logits, embedding) and batch
+    if smoke:  # a smaller vocabulary (logits, embedding) and batch
         c.vocab_size = 128
     model = add_lora(random_model(c, device), rank=4, dropout=0.0).train()
     ids = torch.randint(2, c.vocab_size, (2, 16 if smoke else 512), device=device,
                         generator=torch.Generator(device).manual_seed(1))
-    bank = model.model.layers[0].mlp.experts.down_proj.weight
-    with common.BankCopies(bank.numel()) as copies, torch.autocast(device.type, dtype=torch.bfloat16):
+    banks = [m.weight for m in model.modules() if isinstance(m, GroupedLinear)]
+    with common.BankCopies(banks) as copies, torch.autocast(device.type, dtype=torch.bfloat16):
         model(ids).logits.float().logsumexp(-1).mean().backward()
-    row("copies", "granitemoe 1L", "bytes copied on bank-sized tensors in one LoRA step (rank 4)",
-        sum(copies.bytes.values()), note=json.dumps(copies.bytes) if copies.bytes else "")
+    row("copies", "granitemoe 1L", "bytes copied on bank-shaped tensors in one LoRA step (rank 4)",
+        sum(copies.bytes.values()), note="; ".join(copies.shapes))
 
 
 def quantized_step(device, smoke: bool, experts: int | None = None, batch: tuple[int, int] = (8, 512)):
@@ -458,8 +462,18 @@ def default_run(device, folder: Path, budget: Budget):
                 note=f"process wall {time.perf_counter() - t0:.0f} s; target <= 5 s")
 
 
+def baseline_steps(device, smoke: bool):
+    """The field's baselines' step time over CE's, one layer at Granite's and OLMoE's widths (bench/baselines.py)."""
+    from bench.baselines import measure
+    for family in ("granitemoe", "olmoe"):
+        for r in measure(family, device, tokens=4096 if device.type == "cuda" and not smoke else 256,
+                         rounds=2 if smoke else 5, smoke=smoke):
+            row("baselines", r["model"], f"{r['candidate']}: step time / CE's", ratio=round(r["ratio"], 3),
+                note=f"[{r['low']:.2f}-{r['high']:.2f}] over interleaved rounds; {r['trained']:,} trained parameters")
+
+
 STAGES = ("parity", "grouped", "syncs", "copies", "attention", "granite8", "olmoe8", "granite32", "olmoe16",
-          "qwen3", "deepseek3", "nf4", "compile", "default")
+          "qwen3", "deepseek3", "nf4", "compile", "baselines", "default")
 # --full-depth adds granite32 and olmoe16; today's families and nf4 (needs torchao) run when --only names them
 DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16", "qwen3", "deepseek3", "nf4"))
 LORA_STAGES = {"granite8": ("granitemoe", 8), "olmoe8": ("olmoe", 8), "granite32": ("granitemoe", 32),
@@ -481,6 +495,7 @@ def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:
                                             plain + compiled)
     else:
         todo["compile"] = lambda: row("compile", "-", "not run on the CPU", note="the CPU recipe's LoRA is fp32")
+    todo["baselines"] = lambda: baseline_steps(device, args.smoke)
     if args.default_model.is_dir() and (args.default_model / "config.json").is_file() and not args.smoke:
         todo["default"] = lambda: default_run(device, args.default_model, budget)
     else:

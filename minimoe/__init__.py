@@ -7,10 +7,11 @@ from minimoe.core.routing import Routing
 from minimoe.integrations.export import export_peft
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer, save_pretrained
 from minimoe.runs.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
-from minimoe.runs.plugins import register_method
+from minimoe.core.objectives import OBJECTIVES, Objective
+from minimoe.runs.plugins import register_method, register_objective
 
 __all__ = ["from_pretrained", "load_tokenizer", "save_pretrained", "generate",
            "CausalLMOutput", "KVCache", "MoEConfig", "MoEForCausalLM", "Routing", "set_router",
-           "Method", "METHODS", "register_method",
+           "Method", "METHODS", "register_method", "Objective", "OBJECTIVES", "register_objective",
            "add_lora", "merge_lora", "unmerge_lora", "save_adapter", "load_adapter", "export_merged",
            "trainable_parameters", "export_peft"]

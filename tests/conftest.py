@@ -1,8 +1,5 @@
-"""Tiny random models of both families, shared by the tests; `oracle`, the reference packages.
-
-Dimensions are multiples of 8 so that the grouped_mm path applies in fp32 and bf16; weights are
-scaled up from the default init (std 0.2) so that numerical differences show in the logits.
-"""
+"""The tests' shared pieces: tiny random models of every family (minimoe/loading/tiny.py's builder, which
+`--model tiny:<model_type>` uses too), the `family` fixture, `oracle`, the reference packages."""
 import importlib
 import json
 import os
@@ -11,8 +8,8 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.data.benchmarks import load_examples
+from minimoe.loading.tiny import tiny_config, tiny_model  # noqa: F401 (the tests import them from here)
 
 # The reference packages the test extra installs (setup.cfg [test]); minimoe never imports them at run time.
 ORACLES = ("transformers", "peft", "lm_eval", "wandb", "tensorboard", "datasets", "submitit")
@@ -42,60 +39,8 @@ def oracle(name: str):
         return MissingOracle(name)
 
 
-FAMILY_SWITCHES = {
-    # Granite: every multiplier away from 1, tied head, GQA.
-    "granitemoe": dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
-                       logits_scaling=6.0, attention_multiplier=0.1, pad_token_id=0, eos_token_id=0),
-    # OLMoE: q/k norms (always), clip_qkv low enough to bite, renormalised top-K, GQA.
-    "olmoe": dict(clip_qkv=0.5, norm_topk_prob=True, pad_token_id=1, eos_token_id=2),
-    # Qwen3-MoE: per-head q/k norms (always), head_dim apart from hidden/heads, biases, a dense layer between
-    # MoE layers, renormalised top-K, a sliding window short enough to bite.
-    "qwen3_moe": dict(head_dim=24, attention_bias=True, num_hidden_layers=3, mlp_only_layers=[1],
-                      dense_intermediate_size=48, norm_topk_prob=True, use_sliding_window=True, sliding_window=5,
-                      pad_token_id=0, eos_token_id=1),
-    # Qwen2-MoE: a gated shared expert, q/k/v biases, top-K not renormalised (decoder_sparse_step: test_model).
-    "qwen2_moe": dict(qkv_bias=True, shared_expert_intermediate_size=40, norm_topk_prob=False, pad_token_id=0,
-                      eos_token_id=1),
-    # Mixtral: per-expert w1/w2/w3, renormalised top-2 (always), a sliding window.
-    "mixtral": dict(sliding_window=6, head_dim=12, pad_token_id=0, eos_token_id=1),
-    # gpt-oss: sinks, biases and top-K on logits (fixed by the family), a sliding layer then a full one,
-    # YaRN, the clamped experts.
-    "gpt_oss": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
-                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                  "truncate": False, "original_max_position_embeddings": 16},
-                    max_position_embeddings=64, pad_token_id=0, eos_token_id=1),
-    # DeepSeek: MLA (low-rank q, rope and no-rope parts, v narrower), a dense first layer, shared experts,
-    # group-limited top-K scaled (V2); sigmoid scores, correction bias, noaux_tc, renormalised (V3).
-    "deepseek_v2": dict(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                        num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, dense_intermediate_size=96,
-                        n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
-                        routed_scaling_factor=2.0, pad_token_id=0, eos_token_id=1),
-    "deepseek_v3": dict(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-                        num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, dense_intermediate_size=96,
-                        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-                        pad_token_id=0, eos_token_id=1),
-}
 # Families beyond the paper's two (the `family` fixture's params; heavy suites run on the paper's two only).
 NEW_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
-
-
-def tiny_config(family: str, **overrides) -> MoEConfig:
-    kw = dict(model_type=family, vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-              rms_norm_eps=1e-6, rope_theta=10000.0)
-    kw.update(FAMILY_SWITCHES[family])
-    kw.update(overrides)
-    return MoEConfig(**kw)
-
-
-def tiny_model(family: str, seed: int = 0, std: float = 0.2, **overrides) -> MoEForCausalLM:
-    g = torch.Generator().manual_seed(seed)
-    model = init_weights(MoEForCausalLM(tiny_config(family, **overrides)), std=std, generator=g)
-    with torch.no_grad():  # norm weights away from 1, so a misplaced norm weight shows
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.eval()
 
 
 @pytest.fixture(autouse=True)

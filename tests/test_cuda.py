@@ -39,7 +39,7 @@ from tests.test_gpu_path import no_expert_loop, step_batches  # noqa: F401 (no_e
 from bench.common import HostSyncs  # importable once test_gpu_path has put the repository root on sys.path
 from tests.core.test_lora import check_dropout_step_equals_peft, check_fused_bank_lora_equals_peft
 from tests.core.test_model import (FP32_TOL, batch, grouped_mm_and_loop_paths, next_token_grads, reference_model,
-                                   rel_err, worst_grad_err)
+                                   rel_err, tiny, worst_grad_err)
 from tests.core.test_scoring import METHODS, CharTokenizer, assert_close, examples, model_with, terms
 from tests.cli.test_train_cli import TIMINGS, adapter, records, run_train
 
@@ -75,7 +75,7 @@ def test_fp32_logits_match_transformers(family, tmp_path):
     """fp32 on the device: our logits against transformers' fp32 eager model on the same device, within
     test_model's FP32_TOL (every config switch on, padded batch). On CUDA the fp32 banks take the
     per-expert loop (grouped_mm there is bf16 only)."""
-    ref, path = reference_model(family, tmp_path)
+    ref = reference_model(tiny(family), path := tmp_path / "ref")
     ref = ref.to(DEVICE)
     ours = minimoe.from_pretrained(path, dtype=torch.float32, device=DEVICE)
     ids, mask = on_device(*batch())
@@ -89,7 +89,7 @@ def test_bf16_logits_no_worse_than_transformers_bf16(family, tmp_path):
     """bf16 on the device, ours in the GPU recipe (bf16 weights under training.autocast): our logits'
     error against transformers' fp32 logits is within 2x of transformers' own bf16 error (test_model's
     rule)."""
-    ref, path = reference_model(family, tmp_path)
+    ref = reference_model(tiny(family), path := tmp_path / "ref")
     ref = ref.to(DEVICE)
     ids, mask = on_device(*batch())
     ours = minimoe.from_pretrained(path, dtype=torch.bfloat16, device=DEVICE)
@@ -106,7 +106,7 @@ def test_bf16_gradients_no_worse_than_transformers_bf16(family, tmp_path):
     """bf16 gradients on the device, ours in the GPU recipe: per weight, our error against transformers'
     fp32 gradient of the next-token CE is within 2x of transformers' own bf16 error (the worst weight of
     each model compared, test_model's rule); nonzero, so that the comparison is not vacuous."""
-    ref, path = reference_model(family, tmp_path)
+    ref = reference_model(tiny(family), path := tmp_path / "ref")
     ref = ref.to(DEVICE)
     ids, mask = on_device(*batch())
     exact = next_token_grads(ref, ids, mask)

@@ -15,6 +15,7 @@ from minimoe.loading.checkpoint import read_config
 from minimoe.loading.tiny import tiny_checkpoint
 from tests.loading.test_checkpoint import offline, populate_hub_cache  # noqa: F401  (offline: a fixture)
 from tests.core.test_families_parity import FP32_TOL, batch, rel_err
+from tests.core.test_model import reference_model
 
 # One transformers variant per family: V2's group-limited top-K with low-rank q, V3's sigmoid scores with the
 # correction bias and YaRN, gpt-oss's sinks, sliding layers, biases and YaRN.
@@ -30,7 +31,7 @@ def transformers_saved(variant: str, folder, monkeypatch):
     for switches in (tiny_families.MLA, tiny_families.VARIANTS[variant]):
         if "max_position_embeddings" in switches:
             monkeypatch.setitem(switches, "max_position_embeddings", 256)
-    ref = tiny_families.reference_model(variant, folder)
+    ref = reference_model(tiny_families.variant_config(variant), folder)
     return ref, with_tokenizer(folder)
 
 

@@ -10,6 +10,7 @@ pytest.importorskip("transformers")  # the oracle: a plain install skips these t
 import transformers
 from safetensors.torch import save_file
 
+from tests.core.test_model import reference_model
 from tests.loading.test_mxfp4 import quantise_by_spec
 
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, rms_norm_eps=1e-6,
@@ -47,41 +48,17 @@ def family_of(variant: str) -> str:
     return VARIANTS[variant]["model_type"]
 
 
-def reference_model(variant: str, folder, seed: int = 0, shard: bool = False):
-    """transformers' model of `variant` with random weights (norms near 1, the correction bias and sinks
-    large enough to matter), saved by its own save_pretrained into `folder` (sharded: several files)."""
-    kw = {**COMMON, **(MLA if variant.startswith("deepseek") else {}), **VARIANTS[variant]}
-    config = transformers.AutoConfig.for_model(**kw)
-    torch.manual_seed(seed)
-    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in ref.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-        for name, b in ref.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # selection only: large enough to change choices
-                b.copy_(0.5 * torch.randn_like(b))
-        ref.model.embed_tokens.weight[config.pad_token_id].zero_()
-    ref.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")
-    return with_v2_softmax_mscale(ref).eval()
-
-
-def with_v2_softmax_mscale(model):
-    """transformers 4.57's DeepSeek-V2 leaves out the YaRN softmax mscale that DeepSeek's code applies (its
-    V3 applies it; fixed upstream in transformers PR 47435): the reference gets it, from V3's yarn_get_mscale."""
-    config = model.config
-    scaling = getattr(config, "rope_scaling", None) or {}
-    if config.model_type == "deepseek_v2" and scaling.get("mscale_all_dim"):
-        from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_get_mscale
-        for layer in model.model.layers:
-            layer.self_attn.scaling *= yarn_get_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
-    return model
+def variant_config(variant: str) -> dict:
+    """`variant`'s transformers config fields at the tiny width (tests/core/test_model.py's reference_model
+    builds and saves its model)."""
+    return {**COMMON, **(MLA if variant.startswith("deepseek") else {}), **VARIANTS[variant]}
 
 
 def mxfp4_reference_model(folder, seed: int = 0):
     """gpt-oss with its experts' gate_up_proj and down_proj written as `_blocks` and `_scales` (uint8), as
     openai/gpt-oss-20b stores them, and a quantization_config saying so. The returned model holds the
     values the bits stand for."""
-    ref = reference_model("gpt_oss", folder, seed)
+    ref = reference_model(variant_config("gpt_oss"), folder, seed)
     path = folder / "model.safetensors"
     from safetensors.torch import load_file
     tensors = load_file(path)

@@ -23,7 +23,7 @@ One name per concept across the scripts (the old spellings are hidden aliases th
     --eval-batch-size  examples per forward in scoring      (evaluate.py's --batch-size)
     --out-dir          where run folders are made: train.py's OUT/<run name>, sweep.py's runs (and its report)
     --eval-dir         evaluate.py's evaluation folder itself (its --out-dir and --out; `report --out` is a file)
-    --model            the base checkpoint: a folder, a hub id or 'tiny' (export.py's --base-model)
+    --model            the base checkpoint: a folder, a hub id, 'tiny' or 'tiny:<model_type>' (export.py's --base-model)
     positional OUT     a folder written whole (export.py, upcycle); positional RUN/DIR: what is read
     --max-train-examples / --max-examples stay apart: the first N training examples of a run, and the
     first N examples of the split that evaluate.py scores.
@@ -52,13 +52,20 @@ def old_name(group, old: str, new: str, **kwargs) -> None:
     group.add_argument(old, action=OldName, new=new, dest=new.lstrip("-").replace("-", "_"), **kwargs)
 
 
+def is_tiny(model: str | None) -> bool:
+    """'tiny' or 'tiny:<model_type>': a random tiny checkpoint that the commands build (minimoe/loading/tiny.py)."""
+    return model == "tiny" or str(model).startswith("tiny:")
+
+
 def model_path(model: str | None) -> str | None:
-    """--model as every command reads it: 'tiny' is the random tiny OLMoE (weights/tiny-olmoe, built on
-    first use), so that its runs are named, found and evaluated alike; anything else as given."""
-    if model != "tiny":
+    """--model as every command reads it: 'tiny' (= 'tiny:olmoe') is the random tiny OLMoE (weights/tiny-olmoe)
+    and 'tiny:<model_type>' a random tiny model of that family (weights/tiny-<model_type>), built on first use,
+    so that their runs are named, found and evaluated alike; an unknown family is an error naming those
+    there are. Anything else as given."""
+    if not is_tiny(model):
         return model
-    from minimoe.loading.tiny import tiny_checkpoint  # torch: only when asked
-    return str(tiny_checkpoint())
+    from minimoe.loading.tiny import tiny_checkpoint, tiny_model_type  # torch: only when asked
+    return str(tiny_checkpoint(tiny_model_type(model)))
 
 
 def run_command(main, prog: str, status: int = 2) -> None:

@@ -71,7 +71,7 @@ def evaluate_parser() -> argparse.ArgumentParser:
     add_plot_command(commands)
     what = p.add_argument_group("what to evaluate")
     what.add_argument("--model", help="base checkpoint: a local folder, a hub id (e.g. allenai/OLMoE-1B-7B-0924-SFT) "
-                                      "or 'tiny' (train.py's random tiny OLMoE). "
+                                      "'tiny' (train.py's random tiny OLMoE) or 'tiny:<model_type>' (any family's). "
                                       "May be left out when --adapter is a run folder: its config.json names it")
     what.add_argument("--model-revision", metavar="REV",
                       help="hub branch, tag or commit of the model (default: the run's, else main; metrics.json "

@@ -54,7 +54,7 @@ def parse_args(argv=None):
                         f"{' '.join(map(str, PAPER_SEEDS))} unless --seeds; with neither, the presets are listed); "
                         + "; ".join(f"{k}: {v.about}" for k, v in PRESETS.items()))
     g.add_argument("--models", nargs="+", metavar="MODEL[=RECIPE]",
-                   help="hub ids, checkpoint folders or 'tiny' (as train.py's --model); =RECIPE names the recipe "
+                   help="hub ids, checkpoint folders, 'tiny' or 'tiny:<model_type>' (as train.py's --model); =RECIPE names the recipe "
                         "when the name does not say granite/olmoe (default: weights/smollm2-135m-moe, train.py's "
                         "default model, built on first use)")
     g.add_argument("--benchmarks", nargs="+", help=f"default: the preset's ({' '.join(BENCHMARKS)} for main)")
@@ -141,9 +141,9 @@ def choose_preset(args, parser) -> Preset:
 
 
 def model_specs(specs) -> tuple[list[str], dict]:
-    """--models MODEL[=RECIPE] ... -> (models as train.py names their runs, {model: recipe}); 'tiny' is the
-    tiny checkpoint's folder with the tiny recipe, as in train.py, so its runs are found where they are."""
-    from minimoe.cli import model_path
+    """--models MODEL[=RECIPE] ... -> (models as train.py names their runs, {model: recipe}); 'tiny' (and
+    'tiny:<model_type>') is the tiny checkpoint's folder with the tiny recipe, as in train.py, so its runs are found where they are."""
+    from minimoe.cli import is_tiny, model_path
     if not specs:
         from minimoe.loading.smollm import smollm_checkpoint
         specs = [str(smollm_checkpoint())]
@@ -152,7 +152,7 @@ def model_specs(specs) -> tuple[list[str], dict]:
         name, _, recipe = spec.partition("=")
         model = model_path(name)
         models.append(model)
-        if recipe or name == "tiny":
+        if recipe or is_tiny(name):
             recipes[model] = recipe or "tiny"
     return models, recipes
 

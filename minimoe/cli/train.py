@@ -2,6 +2,7 @@
 
     python train.py                                   # default: SmolLM2-135M upcycled to 4 experts, SciQ, TES-IS
     python train.py --model tiny                      # offline smoke run: random tiny OLMoE, ARC-Challenge
+    python train.py --model tiny:qwen3_moe            # the same on a random tiny model of any family (tiny:<model_type>)
     python train.py --config runs/RUN/config.json --seed 43 # a run's settings again, one of them changed
     python train.py --resume runs/RUN                 # continue a killed run with its recorded settings
     python train.py --model ibm-granite/granite-3.1-3b-a800m-base --recipe granite \\
@@ -28,9 +29,10 @@ import argparse
 import json
 import os
 import random
+import shlex
 import shutil
 import sys
-from contextlib import nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,7 +42,7 @@ import torch.distributed as dist
 
 import minimoe
 from minimoe.atomic import atomic_file
-from minimoe.cli import model_path, run_command
+from minimoe.cli import is_tiny, model_path, run_command
 from minimoe.core.families import family_of
 from minimoe.core.methods import Method
 from minimoe.core.model import MoEConfig, compile_layers
@@ -58,7 +60,7 @@ from minimoe.runs.flags import add_flags
 from minimoe.runs.naming import run_name, unread_flags
 from minimoe.runs.device import pick_device, pick_dtype
 from minimoe.runs.folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
-from minimoe.runs.ranks import world
+from minimoe.runs.ranks import from_rank0, world
 from minimoe.runs.provenance import provenance
 from minimoe.runs.sharding import build_sharded, check_sharding
 from minimoe.runs.training import check_install, install_method, train
@@ -190,7 +192,7 @@ def main(argv=None):
     if args.model is None:  # the default run: a real model, one epoch of SciQ, its zero-shot score first
         args.model, args.data = str(smollm_checkpoint()), args.data or "sciq"
         args.epochs, args.zero_shot = args.epochs or 1, args.zero_shot is not False
-    elif args.model == "tiny":
+    elif is_tiny(args.model):  # tiny or tiny:<model_type>: the smoke recipe (random weights learn at 2e-3)
         args.model, args.recipe = model_path(args.model), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
     folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
@@ -238,7 +240,7 @@ def main(argv=None):
             model, _ = build_sharded(folder, cfg, lambda m: install_method(m, cfg, method))
         else:
             model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
-        with run_lock(run) if rank == 0 else nullcontext():  # one process per run folder; rank 0 writes it
+        with rank0_lock(run, rank):  # one process per run folder; rank 0 writes it
             fit(model, tokenizer, data, cfg, method, run, args, rank, folder)
     except BaseException:
         if created and not has_training_output(run):  # the corrected rerun just works
@@ -251,9 +253,37 @@ def main(argv=None):
         dist.destroy_process_group()
 
 
+def stop_every_rank(refusal: str | None, rank: int):
+    """Under torchrun every rank stops on rank 0's refusal, not rank 0 alone (the others would go on into
+    the collectives, or read another --shard's optimizer state): rank 0 prints it, every rank exits 1. A
+    collective: every rank calls it, with rank 0's finding or None."""
+    if refusal := from_rank0(refusal):
+        sys.exit(refusal if rank == 0 else 1)
+
+
+@contextmanager
+def rank0_lock(run: Path, rank: int):
+    """The run folder's lock (folder.run_lock), held by rank 0 inside the block; under torchrun, a lock that
+    rank 0 cannot take (another process holds it) stops every rank."""
+    if world()[1] == 1:
+        with run_lock(run):
+            yield
+        return
+    with ExitStack() as held:
+        refusal = None
+        if rank == 0:
+            try:
+                held.enter_context(run_lock(run))
+            except OSError as e:
+                refusal = f"train.py: error: {e}"
+        stop_every_rank(refusal, rank)
+        yield
+
+
 def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, args, rank: int, folder: Path):
     """Inside the run's lock: config.json (checked against the run's on --resume), the zero-shot
     score, training, and the test evaluation. `folder`: the model's checkpoint folder (provenance)."""
+    refusal = None
     if rank == 0:
         record = run_record(cfg, method, model.config, data, provenance(args.model, folder, revision=cfg.model_revision,
                                                                 device=cfg.device))
@@ -261,10 +291,12 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
             before = read_run_config(run / "config.json")
             changed = changed_settings(before, cfg, record)
             if changed:
-                sys.exit(f"train.py: error: --resume with a different config: {changed} differ from {run}/config.json; "
-                         f"pass --rerun to start the run again with these settings")
+                refusal = (f"train.py: error: --resume with a different config: {changed} differ from "
+                           f"{run}/config.json; pass --rerun to start the run again with these settings")
             # every launch of the run is kept: the first one's command line and code, then each resume's
             record["earlier_provenance"] = [*before.get("earlier_provenance", []), before.get("provenance")]
+    stop_every_rank(refusal, rank)
+    if rank == 0:
         if not (args.resume and (run / "selection.json").is_file()):  # a finished run's record stays as it is
             with atomic_file(run / "config.json") as tmp:
                 tmp.write_text(json.dumps(record, indent=2, default=str))
@@ -289,8 +321,8 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
             print(f"test evaluation in {folder} already done; not run again")
         return done
     if cfg.shard == "fsdp" and not cfg.no_test_eval and rank == 0:
-        print(f"train.py: --shard fsdp: the test split is not scored in this process (rank 0 holds a shard of the "
-              f"model); run: python evaluate.py {run}")
+        print(f"train.py: --shard fsdp: the test split is not scored in these processes (rank 0 holds a shard of "
+              f"the model); run: {'; '.join(evaluate_commands(run, cfg))}")
     if rank == 0 and not cfg.no_test_eval and cfg.shard != "fsdp":
         from minimoe.runs.evaluation import evaluate_run
         if cfg.test_checkpoint in ("last", "both") and not scored("last"):  # the in-memory model is the last epoch
@@ -303,6 +335,14 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
                                    device=cfg.device, dtype=cfg.dtype, quiet=cfg.quiet)
             epoch = json.loads((run / "selection.json").read_text())["selected_epoch"]
             print(f"test accuracy (mean-token, validation-selected epoch {epoch}): {metrics['accuracy']:.4f}")
+
+
+def evaluate_commands(run: Path, cfg: TrainConfig) -> list[str]:
+    """evaluate.py on the run's test split, as train.py scores it in one process (--test-checkpoint): the
+    commands a sharded run prints for it."""
+    checkpoints = ("last", "selected") if cfg.test_checkpoint == "both" else (cfg.test_checkpoint,)
+    return [shlex.join(["python", "evaluate.py", "--adapter", str(run), "--checkpoint", c, "--split", "test",
+                        "--eval-dir", str(eval_dir(run, "test", c))]) for c in checkpoints]
 
 
 # What config.json records beside the settings (run_record) that changes the trained result; of these,

@@ -6,7 +6,9 @@ Per expert e, as transformers 4.57's GptOssExperts computes it:
     gate, up = x W_gu[e] + b_gu[e]   (2I values)
     gate = min(gate, limit); up = clamp(up, -limit, limit)
     y = ((up + 1) * gate * sigmoid(alpha * gate)) W_d[e] + b_d[e]
-with alpha 1.702 and limit 7.0 (gpt-oss's `swiglu_limit`), then y times the routing weight.
+with alpha 1.702 and the limit config.json's `swiglu_limit` (7.0 in every release; transformers 4.57
+hard-codes 7.0 whatever the config says: tests/core/test_families_parity.py gives it the file's), then y
+times the routing weight.
 
 Decisions:
 - The banks are `GroupedLinear` [E, out, in] as in core/experts.py, gate rows first, then up rows.

@@ -39,7 +39,9 @@ class Family:
     renames: dict = field(default_factory=dict)  # config.json field -> our MoEConfig field
     config_fields: frozenset = frozenset()  # our fields its config.json has beyond CONFIG_FIELDS (written back)
     fixed: dict = field(default_factory=dict)  # our fields the family hard-codes (not read, not written)
-    defaults: dict = field(default_factory=dict)  # transformers' config defaults for fields config.json may omit
+    # transformers' config defaults for fields config.json may omit (tests/core/test_family_defaults.py holds them
+    # to transformers' config classes); a callable takes config.json's fields, for a default that depends on them
+    defaults: dict = field(default_factory=dict)
     name_hints: tuple[str, ...] = ()  # lowercase parts of a hub id or folder name that mean this family (sweep.py)
     recipe_note: str = ""  # why it trains with `recipe` where the paper gives it none
 
@@ -90,7 +92,9 @@ register_family(Family(
     renames={"num_local_experts": "num_experts"},
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier",
                              "logits_scaling", "attention_multiplier"}),
-    fixed={"norm_topk_prob": True, "topk_on_logits": True}))
+    fixed={"norm_topk_prob": True, "topk_on_logits": True},
+    defaults={"attention_multiplier": 1.0, "max_position_embeddings": 2048, "router_aux_loss_coef": 0.001,
+              "bos_token_id": 1, "eos_token_id": 2}))
 
 # Per-expert gate, up and down matrices, as transformers 4.57 stores Qwen's and OLMoE's experts.
 PER_EXPERT_KEYS = {"mlp.experts.gate_up_proj.weight": ("mlp.experts.{j}.gate_proj.weight", "mlp.experts.{j}.up_proj.weight"),
@@ -104,7 +108,8 @@ register_family(Family(
     recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("olmoe",),
     layer_keys=PER_EXPERT_KEYS,
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "norm_topk_prob", "clip_qkv"}),
-    fixed={"qk_norm": "full"}))
+    fixed={"qk_norm": "full"},
+    defaults={"rms_norm_eps": 1e-5, "pad_token_id": 1, "eos_token_id": 50279}))
 
 # Qwen's config.json: moe_intermediate_size is the expert width (ours: intermediate_size), intermediate_size
 # the dense layers' MLP (ours: dense_intermediate_size); mlp_only_layers and decoder_sparse_step place them.
@@ -121,7 +126,8 @@ register_family(Family(
     layer_keys=PER_EXPERT_KEYS, renames=QWEN_RENAMES,
     config_fields=QWEN_FIELDS | {"attention_bias", "head_dim"},
     fixed={"qk_norm": "head"},
-    defaults={"norm_topk_prob": False, "router_aux_loss_coef": 0.001}))
+    defaults={"norm_topk_prob": False, "router_aux_loss_coef": 0.001, "num_key_value_heads": 4,
+              "max_position_embeddings": 32768, "dense_intermediate_size": 6144}))
 
 register_family(Family(
     "qwen2_moe", "Qwen2MoeForCausalLM",
@@ -133,7 +139,9 @@ register_family(Family(
     layer_keys=PER_EXPERT_KEYS, renames=QWEN_RENAMES,
     config_fields=QWEN_FIELDS | {"qkv_bias", "shared_expert_intermediate_size"},
     fixed={"shared_expert_gate": True},
-    defaults={"qkv_bias": True, "norm_topk_prob": False, "router_aux_loss_coef": 0.001}))
+    defaults={"qkv_bias": True, "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "num_key_value_heads": 16,
+              "max_position_embeddings": 32768, "dense_intermediate_size": 5632,
+              "shared_expert_intermediate_size": 5632}))
 
 register_family(Family(
     "mixtral", "MixtralForCausalLM",
@@ -148,7 +156,13 @@ register_family(Family(
     renames={"num_local_experts": "num_experts"},
     config_fields=frozenset({"router_aux_loss_coef", "head_dim", "sliding_window"}),
     fixed={"norm_topk_prob": True, "use_sliding_window": True},  # a window applies whenever sliding_window is set
-    defaults={"rope_theta": 1e6, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.001}))
+    defaults={"rope_theta": 1e6, "rms_norm_eps": 1e-5, "router_aux_loss_coef": 0.001, "num_key_value_heads": 8,
+              "max_position_embeddings": 4096 * 32, "bos_token_id": 1, "eos_token_id": 2}))
+
+def sliding_then_full(d: dict) -> list[str]:
+    """gpt-oss's layer_types when config.json has none, as GptOssConfig's: sliding, full, sliding, ..."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(d.get("num_hidden_layers") or 0)]
+
 
 register_family(Family(
     "gpt_oss", "GptOssForCausalLM",
@@ -168,7 +182,11 @@ register_family(Family(
     # transformers' GptOssConfig sets attention_bias itself, and its modeling file hard-codes the rest
     fixed={"attention_bias": True, "attention_sinks": True, "router_bias": True, "topk_on_logits": True,
            "norm_topk_prob": True, "use_sliding_window": True, "norm_weight_in_fp32": True, "router_fp32": True},  # the window applies on layer_types' sliding layers
-    defaults={"swiglu_limit": 7.0, "sliding_window": 128, "rope_theta": 150000.0}))
+    defaults={"swiglu_limit": 7.0, "sliding_window": 128, "rope_theta": 150000.0, "num_key_value_heads": 8,
+              "head_dim": 64, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "router_aux_loss_coef": 0.9,
+              "layer_types": sliding_then_full,
+              "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                               "truncate": False, "original_max_position_embeddings": 4096}}))
 
 # DeepSeek's config.json, as Qwen's: moe_intermediate_size is the expert width, intermediate_size the dense
 # layers' (the first first_k_dense_replace); n_shared_experts un-gated shared experts (mlp.shared_experts).
@@ -177,6 +195,8 @@ DEEPSEEK_RENAMES = {"n_routed_experts": "num_experts", "moe_intermediate_size": 
 DEEPSEEK_FIELDS = frozenset({"kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                              "attention_bias", "first_k_dense_replace", "dense_intermediate_size", "n_shared_experts",
                              "routed_scaling_factor", "n_group", "topk_group"})
+# transformers' DeepseekV2Config and DeepseekV3Config agree on these (DeepSeek-V2's and V3's own widths)
+MLA_DEFAULTS = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
 DEEPSEEK_KEYS = {**PER_EXPERT_KEYS, **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared_experts.{p}_proj.weight"
                                        for p in ("gate", "up", "down")}}
 
@@ -191,7 +211,9 @@ register_family(Family(
     layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, config_fields=DEEPSEEK_FIELDS | {"topk_method"},
     # transformers 4.57's V2 gate scores in fp32 and never renormalises the K (DeepSeek-V2's releases say false)
     fixed={"scoring_func": "softmax", "router_fp32": True, "norm_topk_prob": False},
-    defaults={"topk_method": "greedy", "first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "n_shared_experts": 2}))
+    defaults={"topk_method": "greedy", "first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "n_shared_experts": 2,
+              **MLA_DEFAULTS, "max_position_embeddings": 2048, "dense_intermediate_size": 11008,
+              "bos_token_id": 1, "eos_token_id": 2}))
 
 register_family(Family(
     "deepseek_v3", "DeepseekV3ForCausalLM",
@@ -205,4 +227,5 @@ register_family(Family(
     config_fields=DEEPSEEK_FIELDS | {"norm_topk_prob", "rope_interleave"},
     fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True},
     defaults={"first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
-              "n_shared_experts": 1, "norm_topk_prob": True, "rope_interleave": True}))
+              "n_shared_experts": 1, "norm_topk_prob": True, "rope_interleave": True, **MLA_DEFAULTS,
+              "dense_intermediate_size": 18432, "bos_token_id": 0, "eos_token_id": 1}))

@@ -5,13 +5,16 @@ A record names its policy class, its row label, its options (the policy's keywor
 learning rates, each an `Option` declared once with its default, check and help: train.py's
 `--method-option NAME=VALUE` and the built-in options' own flags (`--gamma 2`) are made from them, and
 set_router and the optimizer take their defaults from them. `Method.configure` gives a record one
-run's choices (the objective, affinity tuning, the option values); train.py resolves --method to one
-configured Method once, and that object installs the router (`set_router`, below), drives the
-training step (step.py), and labels and names the run. A method from your own file joins `METHODS`
+run's choices (the objective, lambda, the layer scope, affinity tuning, the option values), checking
+them all; train.py resolves --method to one configured Method once, and that object installs the
+router (`set_router`, below: the model then holds the same object), drives the training step
+(step.py), and labels and names the run. A method from your own file joins `METHODS`
 through `minimoe.register_method` (plugins.py).
 
 Built in: native (CE), dual (Dual Affinity), tes (TES) and acs (ACS), their policies in routing.py,
-their defaults the paper's (gamma = tau = 1, mixing weight 0.5; heads at 1e-5 for TES, 1e-3 for Dual).
+their defaults the paper's (gamma = tau = 1, mixing weight 0.5; heads at 1e-5 for TES, 1e-3 for Dual);
+and the field's baselines: densemixer (DenseMixer, densemixer.py), router (router-only tuning: the
+gates in scope train, no LoRA) and esft (esft.py).
 """
 from __future__ import annotations
 
@@ -23,6 +26,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from minimoe.core import esft
+from minimoe.core.densemixer import DenseMixerRouter
+from minimoe.core.esft import ESFTRouter
+from minimoe.core.objectives import get_objective
 from minimoe.core.routing import (TRANSFORMS, ConcentrationRouter, DualAffinityRouter, NativeRouter, Scoring,
                                   TokenErrorRouter, _number, moe_blocks, resolve_layers, set_routing_trainable,
                                   tuned_layers)
@@ -92,10 +99,18 @@ class Method:
     # (its heads, if any, only read), so export_peft and export_merged write it
     not_exportable: str | None = NOT_NATIVE
     module: str | None = None  # where a method from outside minimoe was registered from; None: built in
+    lora: bool = True  # False: no LoRA trains (router-only tuning: installed at B = 0 and frozen, the base exactly)
+    tunes_gate: bool = False  # the native gates in scope always train (router-only tuning), without a "+" row
+    # called once before training's first step (not on a resume) as prepare(model, forwards), forwards yielding
+    # (routings, attention_mask) of the untrained model over the training data (ESFT's expert choice); None: none
+    prepare: Callable | None = None
+    install: Callable | None = None  # install(model), after LoRA and the router: what else trains (ESFT: masks)
     # One run's choices (`configure`); a registered record has none.
-    objective: str | None = None  # is | enll: what a supervised method's prediction is fitted with
+    objective: str | None = None  # a name in objectives.OBJECTIVES: what a supervised method's prediction is fitted with
     tune_router: bool = False  # the native gate in scope trains too ("+ affinity tuning")
     values: dict = field(default_factory=dict)  # every setting (`settings`) -> its value in the run
+    lambda_: float = 0.0  # lambda_m, the method term's coefficient in the total loss (Eq. total_loss)
+    layers: str | list = "final"  # the layer scope (routing.resolve_layers); set_router resolves it on a model
 
     def __post_init__(self):  # a file of your own may declare an option by its default alone
         self.options = {name: _option(o) for name, o in self.options.items()}
@@ -126,20 +141,41 @@ class Method:
         """The paper's row name: CE, Dual Affinity, TES-IS, ACS-ENLL + affinity tuning, ...; a supervised
         method without an objective (an adapter outside a run) is its label alone: TES, ACS."""
         base = f"{self.label}-{self.objective.upper()}" if self.prediction is not None and self.objective else self.label
-        return base + (" + affinity tuning" if self.tune_router else "")
+        return base + (" + affinity tuning" if self.tune_router and not self.tunes_gate else "")
 
-    def configure(self, objective: str | None = None, tune_router: bool = False, options: dict | None = None) -> Method:
-        """This method as one run uses it: `options` checked against their declarations, every setting's
-        value in `values` (the given one, else its default). A setting that only other registered methods
-        read is left out (--gamma 2 with --method ce: CE has no gamma, as it has no lambda); any other
-        unknown name is an error."""
+    @property
+    def policy_options(self) -> dict:
+        """The policy's keywords (its options, less the heads' learning rates) with their values in the run;
+        a float option's as a float (2 -> 2.0), so that the router spec stays JSON-serialisable."""
+        values = {name: self.values.get(name, o.default) for name, o in self.options.items()}
+        return {name: float(v) if isinstance(self.options[name].default, float) and _number(v) else v
+                for name, v in values.items()}
+
+    def spec(self, layers: list[int]) -> dict:
+        """The JSON an adapter saves of this method installed on `layers` (model.router_spec):
+        set_router(model, **spec) rebuilds it."""
+        return {"method": self.name, "layers": list(layers), "tune_router": self.tune_router, **self.policy_options,
+                **({"module": self.module} if self.module else {})}
+
+    def configure(self, objective: str | None = None, tune_router: bool = False, options: dict | None = None, *,
+                  lambda_: float = 0.0, layers: str | list = "final", strict: bool = False) -> Method:
+        """This method as one run uses it, every check of its choices here: `options` against their
+        declarations, every setting's value in `values` (the given one, else its default); `objective` a
+        registered one (objectives.OBJECTIVES). A setting that only other registered methods read is
+        left out (--gamma 2 with --method ce: CE has no gamma, as it has no lambda) unless `strict`
+        (set_router's keywords); any other unknown name is an error."""
         given = dict(options or {})
         for name in given:
-            if name not in self.declared and not declaring(name):
+            if name not in self.declared and (strict or not declaring(name)):
                 raise UnknownOption(f"{name}: method {self.name!r} has no such option; it takes "
                                     f"{sorted(self.declared)}")
+        if not isinstance(tune_router, bool):
+            raise ValueError(f"tune_router={tune_router!r}; expected True or False")
+        if objective is not None:
+            get_objective(objective)
         values = {name: o.parse(name, given[name]) if name in given else o.default for name, o in self.declared.items()}
-        return replace(self, objective=objective, tune_router=tune_router, values=values)
+        return replace(self, objective=objective, tune_router=tune_router or self.tunes_gate, values=values,
+                       lambda_=lambda_, layers=layers)
 
 
 class UnknownOption(ValueError):
@@ -164,7 +200,15 @@ for _m in (
                heads={"error_head": ("error_head_lr", Option(1e-5, "error-head learning rate", LR))},
                not_exportable="TES attenuates the native logits with its learned error head "
                               "(a - gamma * phi(e_hat))"),
-        Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None)):
+        Method("acs", ConcentrationRouter, label="ACS", prediction="concentration", not_exportable=None),
+        # The field's router-adaptation baselines (docs/methods.md, "Baselines").
+        Method("densemixer", DenseMixerRouter, label="DenseMixer", tunes_gate=True, not_exportable=None),
+        Method("router", NativeRouter, label="Router only", lora=False, tunes_gate=True, not_exportable=None),
+        Method("esft", ESFTRouter, label="ESFT", not_exportable=None, prepare=esft.prepare, install=esft.restrict,
+               options={"esft_criterion": Option("token", "which experts train: token-selection ratio or average gate "
+                                                     "score", choices=esft.CRITERIA),
+                        "esft_p": Option(0.2, "cumulative share the chosen experts reach, per layer",
+                                         number(float, 0, 1, low_open=True))})):
     METHODS[_m.name] = _m
 
 
@@ -183,13 +227,15 @@ def get_method(name: str) -> Method:
     return record
 
 
-def set_router(model, method="native", layers="final", *, tune_router: bool | None = None,
+def set_router(model, method="native", layers=None, *, tune_router: bool | None = None,
                module: str | None = None, **options):
-    """Install `method`'s policy on the layers in scope; record `model.router_spec` (JSON, what an
-    adapter saves) and `model.router_method` (the Method installed, what training and evaluation read).
+    """Install `method`'s policy on the layers in scope; the model then holds that one configured Method
+    (`model.router_method`, what training, evaluation and export read) and the MoE layers its scope
+    resolved to (`model.router_layers`); `model.router_spec` is their JSON, what an adapter saves.
 
-    `method`: a methods.Method, as train.py resolves it (`Method.configure`: its affinity tuning and
-    option values are the defaults of `tune_router` and `options` here), or a registered method's name.
+    `method`: a configured methods.Method, as train.py resolves it (`Method.configure`), installed as it
+    is; or a registered method's name, configured here with `layers` ("final" by default), `tune_router`
+    and `options`. Given beside a configured Method, these make a new one with them changed.
     `set_router(model, **model.router_spec)` rebuilds the same structure; a method from outside minimoe
     must be registered first (its spec's `module`: plugins.method_of imports it, load_adapter's route).
     New heads are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it is in
@@ -197,28 +243,23 @@ def set_router(model, method="native", layers="final", *, tune_router: bool | No
     (`set_routing_trainable`, `tuned_layers`). Install after moving the model to its dtype. Layers out
     of scope get the native policy.
     """
-    if isinstance(method, str):
-        method = get_method(method)
-    unknown = sorted(set(options) - set(method.options))
-    if unknown:
-        raise ValueError(f"set_router: option(s) {unknown} do not apply to method {method.name!r}; "
-                         f"it takes {sorted(['tune_router', *method.options])}")
-    tune_router = method.tune_router if tune_router is None else tune_router
-    if not isinstance(tune_router, bool):
-        raise ValueError(f"set_router: tune_router={tune_router!r}; expected True or False")
-    opts = {name: options.get(name, method.values.get(name, o.default)) for name, o in method.options.items()}
-    for name, o in method.options.items():  # floats in the spec, so that it stays JSON-serialisable
-        if isinstance(o.default, float) and _number(opts[name]):
-            opts[name] = float(opts[name])
+    if isinstance(method, str) or layers is not None or tune_router is not None or options:
+        record = get_method(method) if isinstance(method, str) else method
+        try:
+            method = record.configure(record.objective, record.tune_router if tune_router is None else tune_router,
+                                      {**record.values, **options}, lambda_=record.lambda_,
+                                      layers=record.layers if layers is None else layers, strict=True)
+        except ValueError as e:
+            raise ValueError(f"set_router: {e}") from None
+    if method.tunes_gate and not method.tune_router:  # a record installed as registered: its gates train all the same
+        method = replace(method, tune_router=True)
     blocks = moe_blocks(model)  # layer index -> MoE block; dense layers are never routed
-    scope = resolve_layers(layers, list(blocks))
+    scope = resolve_layers(method.layers, list(blocks))
     c = model.config
     # Build every router first, so that a bad option leaves the model untouched.
-    routers = {i: method.policy.from_gate(mlp.gate, c, **opts) if i in scope else NativeRouter(Scoring.of(c))
-               for i, mlp in blocks.items()}
-    model.router_spec = {"method": method.name, "layers": scope, "tune_router": tune_router, **opts,
-                         **({"module": method.module} if method.module else {})}
-    model.router_method = replace(method, tune_router=tune_router, values={**method.values, **opts})
+    routers = {i: method.policy.from_gate(mlp.gate, c, **method.policy_options) if i in scope
+               else NativeRouter(Scoring.of(c)) for i, mlp in blocks.items()}
+    model.router_method, model.router_layers = method, scope
     tuned = tuned_layers(model.router_spec)
     for i, mlp in blocks.items():
         mlp.router = routers[i]

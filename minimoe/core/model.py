@@ -39,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.clamped_experts import ClampedSwiGLUExperts
+from minimoe.core.densemixer import dense_term
 from minimoe.core.experts import Experts
 from minimoe.core.families import family_of
 from minimoe.core.mlp import DenseMLP
@@ -324,6 +325,8 @@ class MoEBlock(nn.Module):
         if stash is not None and replay is None:
             stash["experts"] = routing.experts.detach()
         y = self.experts(flat, routing.experts, routing.weights)  # [B*T, D]
+        if routing.dense_weights is not None and torch.is_grad_enabled():  # DenseMixer: + 0, dense router gradient
+            y = y + dense_term(self.experts, flat, routing.dense_weights)
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:  # Qwen2-MoE: sigmoid(w . x) per token
@@ -401,9 +404,14 @@ class MoEForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         # What was installed on top of the checkpoint, as JSON-ready dicts that rebuild it; adapters
         # save them. None: native routing everywhere (`methods.set_router` sets it), no LoRA (`lora.add_lora`).
-        self.router_spec: dict | None = None
-        self.router_method = None  # the methods.Method that router_spec is the JSON of (set_router)
+        self.router_method = None  # the configured methods.Method installed (set_router); router_spec is its JSON
+        self.router_layers: list[int] = []  # the MoE layers its scope resolved to on this model
         self.lora_spec: dict | None = None
+
+    @property
+    def router_spec(self) -> dict | None:
+        """The installed method's JSON (Method.spec), what an adapter saves; None: native everywhere."""
+        return None if self.router_method is None else self.router_method.spec(self.router_layers)
 
     def gradient_checkpointing_enable(self, enable: bool = True):
         for layer in self.model.layers:

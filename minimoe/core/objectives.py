@@ -2,6 +2,8 @@
 
 - `itakura_saito`: Eq. token_is_loss, L+/e - log(L+/e) - 1 with the floor L+ = max(L_CE, eps).
 - `exponential_nll`: Eq. token_enll_loss, L/e + log e.
+- `OBJECTIVES`: one `Objective` record per name (is, enll), what --objective, config.json, step.py and the
+  row labels read; one of your own joins it through `minimoe.register_objective` (examples/my_objective.py).
 - `supervision_loss`: Eq. averaged_training_losses, the mean over supervised layers and tokens.
   The total objective (Eq. total_loss) is the trainer's: CE + lambda_m * this + lambda_aux * aux.
 - `load_balancing_loss`: L_aux, the families' Switch-style loss (transformers' load_balancing_loss_func)
@@ -23,9 +25,10 @@ Decisions where the paper is silent, and why:
 """
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
+from typing import Callable
 
-OBJECTIVES = ("is", "enll")
+import torch
 
 
 def _at_least_fp32(x):
@@ -44,7 +47,30 @@ def exponential_nll(pred, observed):
     return _at_least_fp32(observed) / pred + torch.log(pred)
 
 
-def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: float = 1e-8,
+@dataclass(frozen=True)
+class Objective:
+    """One supervision objective: how a layer's prediction is fitted to the observed token CE."""
+    name: str  # --objective, "objective" in config.json; upper-cased it ends the row's label (TES-IS)
+    loss: Callable  # (pred [N], observed [N], eps) -> per-token loss [N]; keep `observed` attached
+    help: str = ""  # --objective's help
+    module: str | None = None  # the file or module that registered it (plugins.register_objective); None: built in
+
+
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
+    Objective("is", itakura_saito, "Itakura-Saito (Eq. token_is_loss)"),
+    Objective("enll", lambda pred, observed, eps: exponential_nll(pred, observed),  # no floor: eps unused
+              "exponential NLL (Eq. token_enll_loss)"))}
+
+
+def get_objective(name: str) -> Objective:
+    """The registered objective called `name`."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; expected one of the registered {list(OBJECTIVES)} (for one of "
+                         f"your own, pass the file that registers it: train.py --method-module)")
+    return OBJECTIVES[name]
+
+
+def supervision_loss(routings, token_ce, mask, objective: str | Objective = "is", *, eps: float = 1e-8,
                      depth_scaled: bool = False, tokens: int | None = None):
     """L_m (Eq. averaged_training_losses) -> scalar.
 
@@ -54,8 +80,10 @@ def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: fl
     mask [B, T] bool: supervised positions (no padding, no ignored or missing target).
     tokens: how many positions `mask` selects, if the caller knows it on the host (no device sync).
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"supervision_loss: unknown objective {objective!r}; expected one of {OBJECTIVES}")
+    try:
+        objective = get_objective(objective) if isinstance(objective, str) else objective
+    except ValueError as e:
+        raise ValueError(f"supervision_loss: {e}") from None
     preds = [r.prediction for r in routings if r is not None and r.prediction is not None]
     if not preds:
         raise ValueError("supervision_loss: no layer is supervised (no Routing has a prediction); install a "
@@ -77,7 +105,7 @@ def supervision_loss(routings, token_ce, mask, objective: str = "is", *, eps: fl
             raise ValueError(f"supervision_loss: a layer's prediction has shape {tuple(pred.shape)}; "
                              f"expected ({m.numel()},) = B*T tokens")
         p = torch.where(m, pred, 1.0)
-        per_token = itakura_saito(p, observed, eps) if objective == "is" else exponential_nll(p, observed)
+        per_token = objective.loss(p, observed, eps)
         total = total + torch.where(m, per_token, 0.0).sum() / count
     return total if depth_scaled else total / len(preds)
 

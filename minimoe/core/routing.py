@@ -55,6 +55,8 @@ Decisions where the paper is silent, and why:
   init the policy is native exactly.
 - The concentration diagnostic (`native_concentration`) uses the native top-K and native p (the ACS appendix's S_t) even
   under tes/dual, whose executed set may differ.
+- A policy's options are checked once, by its method's record (methods.Option, `Method.configure`),
+  before `from_gate` builds it; the policies do not check them again.
 - `set_router` describes the whole model: layers out of scope get `NativeRouter` back and every gate
   is frozen except in scope with tune_router=True. `router_spec` stores every option with its
   resolved default, so a saved adapter does not change meaning if a default changes; a method from
@@ -85,6 +87,7 @@ class Routing:
     prediction: torch.Tensor | None = None  # [T] supervised (tes: e_hat, acs: C_t); None: not supervised
     expert_scores: torch.Tensor | None = None  # [T, E] tes: per-expert error scores e_hat_{t,i}
     routing_logits: torch.Tensor | None = None  # [T, E] tes, dual: the logits the selection used
+    dense_weights: torch.Tensor | None = None  # [T, E] densemixer: the router's gradient is the dense mixture's
 
 
 def _number(x) -> bool:
@@ -256,8 +259,6 @@ class DualAffinityRouter(NativeRouter):
     (its bias too where the gate has one, gpt-oss), mixed before the family's scoring."""
 
     def __init__(self, gate: nn.Linear, scoring: Scoring, mix: float):
-        if not (_number(mix) and 0.0 <= mix <= 1.0):
-            raise ValueError(f"dual: mix={mix!r}; expected a mixing weight in [0, 1]")
         super().__init__(scoring)
         self.mix = float(mix)
         w = gate.weight
@@ -290,12 +291,6 @@ class TokenErrorRouter(NativeRouter):
 
     def __init__(self, hidden_size: int, num_experts: int, scoring: Scoring,
                  gamma: float, tau: float, transform: str, device=None, dtype=None):
-        if not (_number(gamma) and gamma >= 0):
-            raise ValueError(f"tes: gamma={gamma!r}; expected a finite attenuation strength >= 0")
-        if not (_number(tau) and tau > 0):
-            raise ValueError(f"tes: tau={tau!r}; expected a finite reference scale > 0")
-        if transform not in TRANSFORMS:
-            raise ValueError(f"tes: transform={transform!r}; expected one of {TRANSFORMS}")
         super().__init__(scoring)
         self.gamma, self.tau, self.transform = float(gamma), float(tau), transform
         self.error_head = nn.Linear(hidden_size, num_experts, bias=True, device=device, dtype=dtype)

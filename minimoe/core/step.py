@@ -19,11 +19,11 @@ from minimoe.core.objectives import load_balancing_loss, supervision_loss
 from minimoe.core.scoring import choice_loss, choice_scores, forward_choices
 
 
-def step_loss(model, batches, method, counts: dict, world_size: int, *, lambda_: float, is_eps: float = 1e-8,
+def step_loss(model, batches, method, counts: dict, world_size: int, *, is_eps: float = 1e-8,
               depth_scaled_lambda: bool = False, aux_coef: float = 0.0, autocast=nullcontext, stats=None) -> dict:
     """Forward + backward of one optimizer step's micro-batches (this rank's); returns the step's
     logged terms as device scalars (the caller reads them back once). `method`: a configured
-    methods.Method (its prediction and objective); `counts`: the step's examples, supervised tokens
+    methods.Method (its prediction, objective and lambda_); `counts`: the step's examples, supervised tokens
     and rows over every micro-batch and rank; `autocast`: makes the context each forward runs in;
     `stats` (tracking.RoutingStats), when given, gets each real micro-batch's routing.
 
@@ -46,7 +46,7 @@ def step_loss(model, batches, method, counts: dict, world_size: int, *, lambda_:
                 term = supervision_loss(out.routings, batch.at_supervised(-logp), batch.supervised_mask,
                                         method.objective, eps=is_eps, depth_scaled=depth_scaled_lambda,
                                         tokens=batch.supervised_tokens) * share
-                loss = loss + lambda_ * term
+                loss = loss + method.lambda_ * term
                 logs["method"] += term.detach()
             if aux_coef > 0:  # packed rows: each prompt token counts once, not once per candidate
                 aux = load_balancing_loss(out.routings, batch.attention_mask)

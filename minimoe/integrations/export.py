@@ -20,8 +20,9 @@ names map onto the checkpoint's through the family's `layer_keys` (core/families
   down_proj's pair into `experts.{j}.down_proj`.
 - Native gates tuned by "+ affinity tuning" go to `modules_to_save` under their full module path,
   so that only the tuned layers are replaced.
-- A method that routes natively (its record's `not_exportable` is None: native, acs) exports as
-  LoRA on native routing does. The others change the routing function itself (an error head's
+- A method that routes natively (its record's `not_exportable` is None: native, acs, and the baselines
+  densemixer, esft, router) exports as LoRA on native routing does; its router state, if any (ESFT's
+  choice of experts), is training's and is left out. The others change the routing function itself (an error head's
   attenuation, a mixed copied gate), which no peft adapter can express: they are refused with an
   error saying so (adapters.refuse_routing_heads).
 - `lora_dropout` is the trained value, except 0 when `target_parameters` is set: peft's
@@ -82,6 +83,8 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
             out[prefix + disk] = t
             saved.append(f"model.layers.{layer}.{disk.removesuffix('.weight')}")
             continue
+        if ".mlp.router." in key:  # state of a method that routes natively (export_peft refuses the others):
+            continue  # read in training only (ESFT's choice of experts), no part of the forward
         if not key.endswith((".lora_A", ".lora_B")):
             raise KeyError(f"export_peft: tensor {key!r} has no peft counterpart; expected LoRA tensors and "
                            "tuned native gates only")
@@ -169,7 +172,7 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
     unless allow_other_base (export.py --allow-other-base).
     """
     source = resolve_adapter(adapter_or_run, checkpoint, flag=None)
-    refuse_routing_heads(method_of(source.router), "export.py --merged")
+    refuse_routing_heads(source.method, "export.py --merged")  # resolved once: load_adapter takes it
     config = json.loads((source.folder / "adapter_config.json").read_text(encoding="utf-8"))
     base = base_model or config.get("base_model")
     if not base:
@@ -178,7 +181,8 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
     revision = source.run_config.get("model_revision") if base == source.run_config.get("model") else None
     folder = resolve_checkpoint(base, cache_dir or source.run_config.get("cache_dir"), revision)
     quantize = source.run_config.get("quantize")  # a QLoRA run merges into its dequantised base (core/quantized.py)
-    model = load_adapter(from_pretrained(folder, quantize=quantize), source.folder, allow_other_base=allow_other_base)
+    model = load_adapter(from_pretrained(folder, quantize=quantize), source.folder, allow_other_base=allow_other_base,
+                         method=source.method)
     if quantize:  # after load_adapter, whose base digest is of the weights as loaded, not as dequantised
         dequantize_model(model)
     tokenizer = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]

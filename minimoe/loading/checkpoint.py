@@ -7,11 +7,14 @@ unknown model_type, a missing config field or an unreadable file raises an error
 Loading builds the model on the meta device (no random weights are ever allocated), then reads
 every tensor with plain file reads straight into its parameter (OLMoE's per-expert matrices into
 their slice of the stacked `[E, out, in]` banks), so peak memory stays at the checkpoint's size:
-no mmap pages held beside the copies, no second copy of any bank (see `WeightFile`).
+no mmap pages held beside the copies, no second copy of any bank (see `WeightFile`). `entry_reads`
+is the one map from an entry of the family's record to the reads (and conversion) that fill our
+tensor, whole or a range of its rows: the sharded load (runs/sharding.py) reads through it too.
 `dtype=None` keeps the dtype the checkpoint records (`torch_dtype`).
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -53,7 +56,7 @@ RUN_DTYPES = ("float32", "bfloat16")  # what a model is run and saved in: every 
 def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     family = family_of(d.get("model_type"), source)
     d = {family.renames.get(k, k): v for k, v in d.items()}
-    d = {**family.defaults, **d}
+    d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
     d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
     missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
     if missing:
@@ -134,10 +137,15 @@ def mxfp4_keys(key: str) -> tuple[str, str]:
     return key + "_blocks", key + "_scales"
 
 
+def in_mxfp4(disk, where: dict) -> bool:
+    """Whether the checkpoint (`where`: its keys) stores record entry `disk`, a Converted key, as MXFP4
+    blocks and scales instead of itself."""
+    return isinstance(disk, Converted) and disk.key not in where and mxfp4_keys(disk.key)[0] in where
+
+
 def mxfp4_stored(layout: dict, where: dict) -> set[str]:
     """The Converted keys that a checkpoint stores as MXFP4 blocks and scales instead of themselves."""
-    return {disk.key for disk in layout.values()
-            if isinstance(disk, Converted) and disk.key not in where and mxfp4_keys(disk.key)[0] in where}
+    return {disk.key for disk in layout.values() if in_mxfp4(disk, where)}
 
 
 # ----------------------------------------------------------------------------- loading
@@ -274,8 +282,8 @@ class WeightFile:
 def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, revision=None,
                     quantize: str | None = None) -> MoEForCausalLM:
     """Load an official Granite-MoE or OLMoE checkpoint from a folder or a hub repo id.
-    quantize: "nf4" packs the frozen base's large matrices (core/quantized.py) as they are read: each is
-    allocated when its first key is read and packed after its last, so the unpacked model never is whole."""
+    quantize: "nf4" packs the frozen base's large matrices (core/quantized.py) as they are read, one matrix
+    at a time, so the unpacked model never is whole; "mxfp4" keeps gpt-oss's MXFP4 experts as stored."""
     if quantize is not None:
         require_quantization(quantize)  # before any file is read
     folder = resolve_checkpoint(name_or_path, cache_dir, revision)
@@ -288,94 +296,40 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
         model = MoEForCausalLM(config)
     layout = checkpoint_layout(config)
     files, where = weight_index(folder, config)
-    quantized = mxfp4_stored(layout, where)
-
-    # Allocate every parameter at its final dtype and device, and note where each disk key lands:
-    # a whole parameter, or (OLMoE) one expert's gate, up or down rows inside a stacked bank.
-    destination = {}  # disk key -> tensor (a parameter or a contiguous slice of one, or a converted key's buffer)
-    converted = {}  # parameter name -> (parameter, conversion, its buffers), converted once its keys are read
     if quantize == "mxfp4":  # the experts the checkpoint stores in MXFP4, kept so; the rest as loaded
-        packed = {n for n, disk in layout.items() if isinstance(disk, Converted) and disk.key in quantized}
+        packed = {n for n, disk in layout.items() if in_mxfp4(disk, where)}
         if not packed:
             raise ValueError(f"{folder}: --quantize mxfp4 keeps MXFP4 expert blocks as loaded, and this "
                              f"{config.model_type} checkpoint stores none; use --quantize nf4")
     else:
         packed = set() if quantize is None else {f"{m}.weight" for m in quantized_modules(model)}
-    deferred = {}  # --quantize: a packed parameter's disk key -> its name; placed at its first key's read
-
-    # --quantize: packed parameters are read into staging buffers that are reused once packed, not into one
-    # allocation each: under keep_freed_memory the heap is never trimmed, and a freed block does not always
-    # fit the next matrix. A file may interleave two banks' keys (OLMoE's per-expert gate, up and down), so
-    # there is a pool: free buffers, and the one each parameter being read holds.
-    largest = max((p.numel() for n, p in model.named_parameters() if n in packed), default=0)
-    free, staged = [], {}
-
-    def place(name, disk):
-        meta = model.get_parameter(name)
-        if name in packed and quantize == "mxfp4":
-            value = None  # no dense bank at all: its blocks and scales are kept
-        elif name in packed:
-            staged[name] = free.pop() if free else torch.empty(largest, dtype=dtype, device=device)
-            value = staged[name][:meta.numel()].view(meta.shape)
-        else:
-            value = torch.empty(meta.shape, dtype=dtype, device=device)
-        if value is not None:
-            advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
-        if isinstance(disk, Converted):  # read as stored (its shape: ours taken to the disk layout), then converted
-            from_disk, to_disk, from_mxfp4 = CONVERSIONS[disk.layout]
-            if disk.key in quantized:
-                if from_mxfp4 is None:
-                    raise KeyError(f"{folder}: {disk.key!r} is stored as MXFP4 blocks and scales; it must be dense")
-                E, out, inner = meta.shape  # MXFP4 stores [E, out, in] as 32-value blocks along in
-                buffers = [torch.empty(E, out, inner // 32, 16, dtype=torch.uint8), torch.empty(E, out, inner // 32, dtype=torch.uint8)]
-                destination.update(zip(mxfp4_keys(disk.key), buffers))
-                converted[name] = (value, lambda b, s, f=from_mxfp4, k=disk.key: f(b, s, dtype, k), buffers)
-                if value is None:  # --quantize mxfp4: packed as read (pack_parameter)
-                    converted[name] = (None, lambda b, s, r=MXFP4_ROWS[disk.layout], k=disk.key:
-                                       MXFP4Weight(b.to(device), s.to(device), dtype, r, k), buffers)
-            else:
-                buffer = torch.empty(to_disk(torch.empty(meta.shape, device="meta")).shape, dtype=dtype)
-                destination[disk.key] = buffer
-                converted[name] = (value, from_disk, [buffer])
-        elif isinstance(disk, str):
-            destination[disk] = value
-        else:  # per-expert keys in (expert, part) order; part p fills rows [p*rows, (p+1)*rows)
-            parts = len(disk) // config.num_experts
-            rows = meta.shape[1] // parts
-            for i, key in enumerate(disk):
-                j, p = divmod(i, parts)
-                destination[key] = value[j, p * rows:(p + 1) * rows]
-        if value is not None:
-            module_name, _, leaf = name.rpartition(".")
-            model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
-
-    unread = {}  # --quantize: a packed parameter's name -> its disk keys not read yet
+    targets = []  # (record entry, the parameter it fills): every unpacked parameter at its final dtype and device
     for name, disk in layout.items():
-        if name in packed:
-            unread[name] = set(disk_keys(disk, quantized))
-            deferred.update(dict.fromkeys(unread[name], name))
-        else:
-            place(name, disk)
-    for file, weights in files.items():  # one file at a time, front to back
-        with open(weights.path, "rb", buffering=0) as f:
-            for key in weights.keys():
-                if where.get(key) != file:
-                    continue
-                name = deferred.pop(key, None)
-                if name is not None and key not in destination:
-                    place(name, layout[name])
-                if key in destination:
-                    weights.read_into(key, destination[key], f)
-                if name is not None:
-                    unread[name].discard(key)
-                    if not unread[name]:  # its last key: convert and pack it, and drop the unpacked copies
-                        for k in disk_keys(layout[name], quantized):
-                            destination.pop(k, None)
-                        pack_parameter(model, name, converted.pop(name, None), quantize)
-                        if name in staged:
-                            free.append(staged.pop(name))
-    for value, convert, buffers in converted.values():
-        value.copy_(convert(*buffers))
+        if name not in packed:
+            targets.append((disk, place(model, name, torch.empty(model.get_parameter(name).shape, dtype=dtype,
+                                                                 device=device)), None))
+    read_entries(files, where, targets, config.num_experts, str(folder))
+    # --quantize: each packed parameter read whole into one reused staging buffer, then packed, one after the
+    # other, so the unpacked model never is whole. One buffer, not one allocation each: under
+    # keep_freed_memory the heap is never trimmed, and a freed block does not always fit the next matrix.
+    largest = max((model.get_parameter(n).numel() for n in packed), default=0) if quantize == "nf4" else 0
+    stage = torch.empty(largest, dtype=dtype, device=device)
+    for name in (n for n in layout if n in packed):
+        disk, meta = layout[name], model.get_parameter(name)
+        module_name = name.rpartition(".")[0]
+        module = model.get_submodule(module_name)
+        if quantize == "mxfp4":  # the blocks and scales as read, no dense bank at all
+            planned, _ = entry_reads(disk, torch.empty(meta.shape, device="meta"), where, config.num_experts,
+                                     str(folder))
+            read_keys(files, where, planned)
+            blocks, scales = (planned[k][0] for k in mxfp4_keys(disk.key))
+            quantize_module(module, MXFP4Weight(blocks.to(device), scales.to(device), dtype,
+                                                MXFP4_ROWS[disk.layout], disk.key))
+            continue
+        value = place(model, name, stage[:meta.numel()].view(meta.shape))
+        read_entries(files, where, [(disk, value, None)], config.num_experts, str(folder))
+        with mapped_big_blocks():  # the packing's transients, unmapped when freed (allocator.py says why)
+            quantize_module(module, pack(value, quantize, module_name))
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
@@ -390,20 +344,77 @@ def disk_keys(disk, mxfp4: set[str]) -> tuple[str, ...]:
     return (disk,) if isinstance(disk, str) else disk
 
 
-def pack_parameter(model, name: str, conversion, fmt: str) -> None:
-    """--quantize: parameter `name`, all of it read, converted (gpt-oss's layouts) and packed in `fmt`;
-    its unpacked tensor is dropped here."""
-    module_name, _, _ = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    if conversion is not None and conversion[0] is None:  # --quantize mxfp4: the blocks and scales, kept
-        _, keep, buffers = conversion
-        quantize_module(module, keep(*buffers))
-        return
-    if conversion is not None:
-        value, convert, buffers = conversion
-        value.copy_(convert(*buffers))
-    with mapped_big_blocks():  # the packing's transients, unmapped when freed (allocator.py says why)
-        quantize_module(module, pack(module.weight.data, fmt, module_name))
+def entry_reads(disk, out: torch.Tensor, where: dict, num_experts: int, source: str,
+                first_row: int | None = None) -> tuple[dict, object]:
+    """One entry of the family's record (checkpoint_layout: a key, per-expert keys, or a Converted key, dense
+    or as MXFP4 blocks and scales when `where`, the checkpoint's keys, says so) -> the reads that fill `out`
+    with our parameter: ({disk key: (tensor its values go to, first row read or None)}, then a conversion
+    to call once they are read, or None). With `first_row`, `out` holds rows [first_row, first_row +
+    len(out)) of our parameter's first dimension and only those are read (a rank's shard, runs/sharding.py);
+    rows are experts for per-expert and Converted keys, whose conversions act within an expert. The one map
+    from a record entry to our tensor: from_pretrained and the sharded load both read through it, so that
+    no family loads one way whole and another way in shards."""
+    if isinstance(disk, str):
+        return {disk: (out, first_row)}, None
+    if isinstance(disk, Converted):  # read as stored (its shape: ours taken to the disk layout), then converted
+        from_disk, to_disk, from_mxfp4 = CONVERSIONS[disk.layout]
+        if in_mxfp4(disk, where):
+            if from_mxfp4 is None:
+                raise KeyError(f"{source}: {disk.key!r} is stored as MXFP4 blocks and scales; it must be dense")
+            E, R, C = out.shape  # MXFP4 stores [E, out, in] as 32-value blocks along in
+            blocks = torch.empty(E, R, C // 32, 16, dtype=torch.uint8)
+            scales = torch.empty(E, R, C // 32, dtype=torch.uint8)
+            planned = dict(zip(mxfp4_keys(disk.key), ((blocks, first_row), (scales, first_row))))
+            return planned, lambda: out.copy_(from_mxfp4(blocks, scales, out.dtype, disk.key))
+        buffer = torch.empty(to_disk(torch.empty(out.shape, device="meta")).shape, dtype=out.dtype)
+        return {disk.key: (buffer, first_row)}, lambda: out.copy_(from_disk(buffer))
+    # per-expert keys in (expert, part) order; part p fills rows [p * width, (p + 1) * width) of its expert
+    parts = len(disk) // num_experts
+    width = out.shape[1] // parts
+    first, end = (0, num_experts) if first_row is None else (first_row, first_row + len(out))
+    return {key: (out[j - first, p * width:(p + 1) * width], None)
+            for i, key in enumerate(disk) for j, p in [divmod(i, parts)] if first <= j < end}, None
+
+
+def read_entries(files: dict, where: dict, targets: list, num_experts: int, source: str) -> int:
+    """Fill each (record entry, our tensor, first row or None) of `targets` (entry_reads) from the files
+    weight_index found: one file at a time and front to back in each, then the conversions; returns the
+    tensor bytes read."""
+    reads, conversions = {}, []
+    for disk, out, first_row in targets:
+        planned, convert = entry_reads(disk, out, where, num_experts, source, first_row)
+        reads.update(planned)
+        conversions += [convert] if convert else []
+    done = read_keys(files, where, reads)
+    for convert in conversions:
+        convert()
+    return done
+
+
+def read_keys(files: dict, where: dict, reads: dict) -> int:
+    """Each read of `reads` ({disk key: (tensor, first row or None)}, entry_reads'), one file at a time and
+    front to back in each; returns the tensor bytes read."""
+    done = 0
+    for file, weights in files.items():
+        mine = [key for key in weights.keys() if key in reads and where.get(key) == file]
+        if not mine:
+            continue
+        before = weights.bytes_read
+        with open(weights.path, "rb", buffering=0) as f:
+            for key in mine:
+                out, first_row = reads[key]
+                weights.read_into(key, out, f, first_row=first_row)
+        done += weights.bytes_read - before
+    return done
+
+
+def place(model, name: str, value: torch.Tensor) -> torch.Tensor:
+    """`value` made parameter `name` of the meta-built model (its requires_grad kept); returns it."""
+    meta = model.get_parameter(name)
+    advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
+    module_name, _, leaf = name.rpartition(".")
+    model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
+    return value
 
 
 def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile], dict[str, str]]:

@@ -1,9 +1,20 @@
-"""The offline smoke-run checkpoint: a tiny OLMoE-architecture model that `python train.py --model tiny` runs anywhere.
+"""Tiny random models of every family: `python train.py --model tiny:<model_type>`, and the tests' models.
 
-It is written by our own `save_pretrained` in the official layout (config.json, model.safetensors,
-tokenizer.json), so every code path that reads a real checkpoint reads it too. Its tokenizer is a
-byte-level BPE trained with `tokenizers` on the offline benchmarks' question and answer text; its
-weights are random (seeded): it is a pipeline check, not a language model. Built on first use.
+`tiny_config(model_type)` is the one builder: toy widths (multiples of 8, so that grouped_mm applies in
+fp32 and bf16) plus the switches that make the family what it is (`FAMILY_SWITCHES`: Qwen3's dense layer,
+DeepSeek's MLA and shared experts, gpt-oss's sinks and YaRN, ...), so that a test of it exercises each.
+The tests build their models from it (tests/conftest.py); `tiny_checkpoint(model_type)` writes one as a
+checkpoint folder for the command lines.
+
+`--model tiny` (= `tiny:olmoe`) is the offline smoke run's checkpoint, weights/tiny-olmoe, as it has been
+since the first release: wider and deeper than the tests' OLMoE (`SMOKE_OLMOE`), so that its runs and the
+figures docs quote stay. Every other family's is weights/tiny-<model_type>.
+
+A checkpoint is written by our own `save_pretrained` in the official layout (config.json,
+model.safetensors, tokenizer.json), so every code path that reads a real checkpoint reads it too. Its
+tokenizer is a byte-level BPE trained with `tokenizers` on the offline benchmarks' question and answer
+text (built once, for tiny-olmoe; the other families' copy it); its weights are random (seeded): it is a
+pipeline check, not a language model. Built on first use.
 """
 from __future__ import annotations
 
@@ -11,28 +22,111 @@ from pathlib import Path
 
 import torch
 
+from minimoe.core.families import FAMILIES, family_of
 from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, load_examples, train_tokenizer
 from minimoe.loading.checkpoint import atomic_directory, default_weights_dir, write_checkpoint
 
-TINY_NAME = "tiny-olmoe"
 TOKENIZER_TEXTS = ("arc_challenge", "arc_easy", "openbookqa", "sciq")
+PREFIX = "tiny:"  # --model tiny:<model_type>
+
+# Each family's switches at toy widths, on top of `tiny_config`'s common ones.
+FAMILY_SWITCHES = {
+    # Granite: every multiplier away from 1, tied head, GQA.
+    "granitemoe": dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                       logits_scaling=6.0, attention_multiplier=0.1, pad_token_id=0, eos_token_id=0),
+    # OLMoE: q/k norms (always), clip_qkv low enough to bite, renormalised top-K, GQA.
+    "olmoe": dict(clip_qkv=0.5, norm_topk_prob=True, pad_token_id=1, eos_token_id=2),
+    # Qwen3-MoE: per-head q/k norms (always), head_dim apart from hidden/heads, biases, a dense layer between
+    # MoE layers, renormalised top-K, a sliding window short enough to bite.
+    "qwen3_moe": dict(head_dim=24, attention_bias=True, num_hidden_layers=3, mlp_only_layers=[1],
+                      dense_intermediate_size=48, norm_topk_prob=True, use_sliding_window=True, sliding_window=5,
+                      pad_token_id=0, eos_token_id=1),
+    # Qwen2-MoE: a gated shared expert, q/k/v biases, top-K not renormalised (decoder_sparse_step: test_model).
+    "qwen2_moe": dict(qkv_bias=True, shared_expert_intermediate_size=40, norm_topk_prob=False, pad_token_id=0,
+                      eos_token_id=1),
+    # Mixtral: per-expert w1/w2/w3, renormalised top-2 (always), a sliding window.
+    "mixtral": dict(sliding_window=6, head_dim=12, pad_token_id=0, eos_token_id=1),
+    # gpt-oss: sinks, biases and top-K on logits (fixed by the family), a sliding layer then a full one,
+    # YaRN, the clamped experts.
+    "gpt_oss": dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"], swiglu_limit=7.0,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "truncate": False, "original_max_position_embeddings": 16},
+                    max_position_embeddings=64, pad_token_id=0, eos_token_id=1),
+    # DeepSeek: MLA (low-rank q, rope and no-rope parts, v narrower), a dense first layer, shared experts,
+    # group-limited top-K scaled (V2); sigmoid scores, correction bias, noaux_tc, renormalised (V3).
+    "deepseek_v2": dict(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, dense_intermediate_size=96,
+                        n_shared_experts=2, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                        routed_scaling_factor=2.0, pad_token_id=0, eos_token_id=1),
+    "deepseek_v3": dict(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, dense_intermediate_size=96,
+                        n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        pad_token_id=0, eos_token_id=1),
+}
+
+# --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.
+SMOKE_OLMOE = dict(intermediate_size=64, num_hidden_layers=4, num_key_value_heads=4, rms_norm_eps=1e-5,
+                   clip_qkv=None, norm_topk_prob=False)
 
 
-def tiny_config(vocab_size: int, eos: int, pad: int) -> MoEConfig:
-    # Real OLMoE switches (q/k norms, 8 experts top-2 here instead of 64 top-8), toy widths.
-    return MoEConfig(model_type="olmoe", vocab_size=vocab_size, hidden_size=64, intermediate_size=64,
-                     num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, num_experts=8,
-                     num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=1024,
-                     eos_token_id=eos, pad_token_id=pad, torch_dtype="float32")
+def tiny_config(family: str, **overrides) -> MoEConfig:
+    """A toy-width MoEConfig of the family (a model_type), with its switches (`FAMILY_SWITCHES`), then `overrides`."""
+    family_of(family, "tiny model")  # an unknown one names the families there are
+    if family not in FAMILY_SWITCHES:
+        raise ValueError(f"tiny model: {family!r} has no tiny switches; add its entry to FAMILY_SWITCHES in "
+                         f"minimoe/loading/tiny.py (families with one: {sorted(FAMILY_SWITCHES)})")
+    kw = dict(model_type=family, vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+              rms_norm_eps=1e-6, rope_theta=10000.0)
+    kw.update(FAMILY_SWITCHES[family])
+    kw.update(overrides)
+    return MoEConfig(**kw)
 
 
-def build_tiny_checkpoint(folder, *, seed: int = 0, vocab_size: int = 2048) -> Path:
-    folder = Path(folder)
+def tiny_model(family: str, seed: int = 0, std: float = 0.2, **overrides) -> MoEForCausalLM:
+    """The tests' model: `tiny_config`'s, weights N(0, std) (large enough that numerical differences show in
+    the logits) and norm weights moved off 1, so that a misplaced norm weight shows."""
+    g = torch.Generator().manual_seed(seed)
+    model = init_weights(MoEForCausalLM(tiny_config(family, **overrides)), std=std, generator=g)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+def tiny_model_type(name: str) -> str | None:
+    """--model's 'tiny' -> 'olmoe', 'tiny:<model_type>' -> the model_type (an unknown one is an error naming
+    the families there are); anything else -> None (a folder or a hub id)."""
+    if name == "tiny":
+        return "olmoe"
+    if not name.startswith(PREFIX):
+        return None
+    model_type = name[len(PREFIX):]
+    if model_type not in FAMILIES:
+        raise ValueError(f"--model {name}: no family {model_type!r}; expected tiny or tiny:<model_type>, one of "
+                         + ", ".join(f"tiny:{t}" for t in FAMILIES))
+    return model_type
+
+
+def smoke_tokenizer(vocab_size: int = 2048):
     texts = [t for name in TOKENIZER_TEXTS for ex in load_examples(name) for t in (ex.question, *ex.choices)]
-    tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
+    return train_tokenizer(texts, vocab_size=vocab_size)
+
+
+def build_tiny_checkpoint(folder, model_type: str = "olmoe", *, seed: int = 0) -> Path:
+    """A checkpoint folder of the family's tiny model (OLMoE: --model tiny's), weights init_weights(seed)."""
+    folder = Path(folder)
+    if model_type == "olmoe":
+        tokenizer, widths = smoke_tokenizer(), dict(SMOKE_OLMOE, max_position_embeddings=1024)
+    else:  # the smoke checkpoint's tokenizer, built once
+        from tokenizers import Tokenizer
+        tokenizer = Tokenizer.from_file(str(tiny_checkpoint() / "tokenizer.json"))
+        widths = dict(max_position_embeddings=1024)  # benchmark prompts, and lm_eval's context, fit
     vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # rows padded to a multiple of 64, as the releases do
-    config = tiny_config(vocab, tokenizer.token_to_id(EOS_TOKEN), tokenizer.token_to_id(PAD_TOKEN))
+    config = tiny_config(model_type, vocab_size=vocab, eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
+                         pad_token_id=tokenizer.token_to_id(PAD_TOKEN), torch_dtype="float32", **widths)
     model = init_weights(MoEForCausalLM(config), generator=torch.Generator().manual_seed(seed))
     with atomic_directory(folder, "model") as tmp:
         write_checkpoint(model, tmp)
@@ -40,10 +134,9 @@ def build_tiny_checkpoint(folder, *, seed: int = 0, vocab_size: int = 2048) -> P
     return folder
 
 
-def tiny_checkpoint() -> Path:
-    """weights/tiny-olmoe, built on first use."""
-    root = Path(default_weights_dir())
-    folder = root / TINY_NAME
+def tiny_checkpoint(model_type: str = "olmoe") -> Path:
+    """weights/tiny-olmoe (--model tiny) or weights/tiny-<model_type>, built on first use."""
+    folder = Path(default_weights_dir()) / f"tiny-{model_type}"
     if not (folder / "config.json").is_file():
-        build_tiny_checkpoint(folder)
+        build_tiny_checkpoint(folder, model_type)
     return folder

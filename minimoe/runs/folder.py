@@ -79,9 +79,10 @@ class AdapterSource:
 
     @cached_property
     def method(self) -> Method:
-        """The method the adapter was trained with, read back once: its run's (config.json, every
-        setting) or, outside a run, its router spec's; native without one (LoRA alone)."""
-        if self.run_config:
+        """The method the adapter was trained with, resolved once (evaluate.py and export.py hand this object
+        to load_adapter): its run's (config.json, every setting) or, outside a run or where config.json names
+        no method, its router spec's; native without one (LoRA alone)."""
+        if self.run_config.get("method"):
             return method_for(settings_of(self.run_config))
         return method_of(self.router or {"method": "native"})
 

@@ -1,11 +1,15 @@
-"""Methods from your own files: `register_method`, finding them again in a fresh process, and the
-one resolution of a method's name.
+"""Methods and objectives from your own files: `register_method`, `register_objective`, finding them
+again in a fresh process, and the one resolution of a method's name.
 
 A file (or module) of your own defines a policy and calls `minimoe.register_method(Method(...))` at
 import (README: Adding a routing method; examples/my_method.py). train.py's --method-module imports
 it; the record then remembers where it came from (`Method.module`), and config.json and every
 adapter's router spec record that too, so that evaluate.py, --resume and load_adapter import it
 again in a fresh process (`resolve_method`, `method_of`).
+
+An objective of your own (`register_objective`, examples/my_objective.py) comes the same way: its file
+is the run's --method-module (one file may register methods and objectives both), recorded in
+config.json, so that --resume and evaluate.py import it again before --objective is read.
 
 A file is imported under a name of its own in sys.modules (`minimoe_method_<hash of its path>`), so
 that importing it twice, from a relative and an absolute path, registers it once.
@@ -16,11 +20,13 @@ import importlib
 import importlib.util
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import torch.nn as nn
 
 from minimoe.core.methods import ALIASES, METHODS, Method, get_method
+from minimoe.core.objectives import OBJECTIVES, Objective
 
 _source: list[str] = []  # the file or module being imported by import_method_module, while it registers
 
@@ -51,6 +57,24 @@ def register_method(method: Method) -> Method:
                          + (f" (from {known.module})" if known is not None and known.module else " (built in)"))
     METHODS[method.name] = method
     return method
+
+
+def register_objective(objective: Objective) -> Objective:
+    """Add `objective` to objectives.OBJECTIVES: --objective, config.json, the training step and the row
+    labels then take it as they take IS and ENLL. Called at import of the file that defines it, which a
+    run names as its --method-module (recorded here as `Objective.module`)."""
+    if not (isinstance(objective, Objective) and isinstance(objective.name, str) and objective.name.isidentifier()
+            and callable(objective.loss)):
+        raise ValueError(f"register_objective: expected an Objective whose name is an identifier and whose loss is "
+                         f"a function (pred, observed, eps) -> per-token loss; got {objective!r}")
+    if _source:
+        objective = replace(objective, module=_source[-1])
+    known = OBJECTIVES.get(objective.name)
+    if known is not None and (known.module is None or known.module != objective.module):
+        raise ValueError(f"register_objective: an objective named {objective.name!r} is registered already"
+                         + (f" (from {known.module})" if known.module else " (built in)"))
+    OBJECTIVES[objective.name] = objective
+    return objective
 
 
 @contextmanager
@@ -110,5 +134,5 @@ def method_of(router_spec: dict | None) -> Method | None:
     if router_spec is None:
         return None
     record = resolve_method(router_spec["method"], router_spec.get("module"))
-    return record.configure(tune_router=bool(router_spec.get("tune_router")),
+    return record.configure(tune_router=bool(router_spec.get("tune_router")), layers=router_spec.get("layers", "final"),
                             options={k: v for k, v in router_spec.items() if k in record.options})

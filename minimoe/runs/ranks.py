@@ -1,5 +1,6 @@
 """The process group as a run sees it: this process's rank and the world size (`world`), and a number
-summed over every rank (`global_sum`); one process without a group is rank 0 of 1.
+summed over every rank (`global_sum`), rank 0's answer on every rank (`from_rank0`); one process
+without a group is rank 0 of 1.
 """
 from __future__ import annotations
 
@@ -19,3 +20,13 @@ def global_sum(x: float) -> float:
     t = torch.tensor([x], dtype=torch.float64)
     dist.all_reduce(t)
     return t.item()
+
+
+def from_rank0(value):
+    """Rank 0's `value` (any picklable object) on every rank: a collective, every rank calls it; `value`
+    itself without a group."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -9,12 +9,15 @@ method heads and tuned gates train as DTensors, so AdamW's moments are sharded a
 Decisions:
 - Building (`build_sharded`) never holds the whole base on one rank. The model is made on the meta
   device; its base weights become 1-element placeholders of their shapes, and its native gates
-  (E x D a layer: Dual Affinity copies them, --tune-router trains them) are read whole. `install_method`
-  then draws the LoRA and head initialisation from the seeded CPU generator in the order one process
-  draws them, so FSDP starts from the one-process adapter bit for bit (on the CPU; on CUDA the
-  one-process run draws on the device). Everything then goes back to meta, is sharded, and each rank
-  reads only its own rows from the safetensors files (WeightFile.read_into's `first_row`) and takes
-  its rows of the small trainable values.
+  (E x D a layer, their biases and DeepSeek-V3's correction bias: Dual Affinity copies them) are read
+  whole. `install_method` then draws the LoRA and head initialisation from the seeded CPU generator in
+  the order one process draws them, so FSDP starts from the one-process adapter bit for bit (on the
+  CPU; on CUDA the one-process run draws on the device). Everything then goes back to meta, is sharded,
+  and each rank reads only its own rows of every base weight from the safetensors files, and takes its
+  rows of what the install added (LoRA, heads, gate copies); no base value comes from a placeholder.
+- Each rank reads through the one-process loader's map of the family's record (checkpoint.entry_reads,
+  restricted to the rank's rows: experts, for per-expert, Converted and MXFP4 entries), so that a family
+  cannot load one way whole and another in shards (tests/runs/test_sharded_load.py holds the two equal).
 - Mixed precision: `MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`. The base is stored
   in the run's dtype (bf16 on CUDA), so its all-gathers move bf16; the adapters and heads stay fp32
   as in one process (a param_dtype of bf16 would cast them too), their gradients reduce in fp32, and
@@ -41,7 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from minimoe.core.lora import lora_modules
 from minimoe.core.model import MoEForCausalLM
-from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_config, weight_index
+from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_config, read_entries, weight_index
 from minimoe.runs.config import TrainConfig
 
 
@@ -91,30 +94,16 @@ def put_rows(model: nn.Module, values: dict[str, torch.Tensor]):
 
 def read_base_rows(model: MoEForCausalLM, folder: Path) -> int:
     """Each rank reads its rows of every base weight from the checkpoint's safetensors files, and no
-    others (OLMoE's per-expert matrices: the experts of its rows); returns the tensor bytes it read."""
+    others (per-expert and Converted keys: the experts of its rows), through the one-process loader's
+    own map of the family's record (checkpoint.entry_reads); returns the tensor bytes it read."""
     config = model.config
     files, where = weight_index(folder, config)
+    targets = []  # (record entry, this rank's rows of its parameter, their first row)
     for name, disk in checkpoint_layout(config).items():
         local, first = local_rows(model.get_parameter(name))
-        if not len(local):
-            continue
-        keys = [disk] if isinstance(disk, str) else disk
-        by_file = {}
-        for key in keys:
-            by_file.setdefault(where[key], []).append(key)
-        for file, mine in by_file.items():
-            weights = files[file]
-            with open(weights.path, "rb", buffering=0) as f:
-                if isinstance(disk, str):
-                    weights.read_into(disk, local, f, first_row=first)
-                    continue
-                parts = len(disk) // config.num_experts
-                rows = local.shape[1] // parts
-                for i, key in enumerate(disk):  # (expert, part) order, as checkpoint_layout lists them
-                    j, p = divmod(i, parts)
-                    if key in mine and first <= j < first + len(local):
-                        weights.read_into(key, local[j - first, p * rows:(p + 1) * rows], f)
-    return sum(w.bytes_read for w in files.values())
+        if len(local):
+            targets.append((disk, local, first))
+    return read_entries(files, where, targets, config.num_experts, str(folder))
 
 
 def shard(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
@@ -143,25 +132,26 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
         model = MoEForCausalLM(config)
     files, where = weight_index(folder, config)
     layout = checkpoint_layout(config)
+    gates = []  # (record entry, its whole value): the native gates, read whole, since install may copy them
     for name, p in list(model.named_parameters()):
-        if name.endswith(".mlp.gate.weight"):  # whole: install may copy or train it
+        if ".mlp.gate." in name and name in layout:
             value = torch.empty(p.shape, dtype=dtype)
-            with open(files[where[layout[name]]].path, "rb", buffering=0) as f:
-                files[where[layout[name]]].read_into(layout[name], value, f)
+            gates.append((layout[name], value, None))
         else:
             value = torch.zeros((), dtype=dtype).expand(p.shape)  # shape and dtype only: one element of storage
         set_parameter(model, name, nn.Parameter(value, requires_grad=False))
+    read = read_entries(files, where, gates, config.num_experts, str(folder))
     model.tie_weights()
     install(model)
     base = set(layout) | ({"lm_head.weight"} if config.tie_word_embeddings else set())
-    small = {n: p.detach().to(device) for n, p in model.named_parameters() if n not in base or ".mlp.gate." in n}
+    small = {n: p.detach().to(device) for n, p in model.named_parameters() if n not in base}  # LoRA, heads, copies
     for name, p in list(model.named_parameters()):
         set_parameter(model, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                 requires_grad=p.requires_grad))
     model.tie_weights()
     shard(model, device)
     model.to_empty(device=device)
-    read = read_base_rows(model, folder) + sum(w.bytes_read for w in files.values())  # the rows, and the gates
+    read += read_base_rows(model, folder)  # every base weight's rows, the gates' included
     put_rows(model, small)
     return model, read
 

@@ -46,7 +46,8 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from minimoe.atomic import atomic_file
-from minimoe.core.lora import add_lora
+from minimoe.core.families import family_of
+from minimoe.core.lora import add_lora, lora_modules
 from minimoe.core.methods import Method
 from minimoe.core.methods import set_router
 from minimoe.core.routing import Scoring
@@ -65,9 +66,15 @@ from minimoe.runs.tracking import RoutingStats, Tracker
 
 
 def install_method(model, cfg: TrainConfig, method: Method):
-    """LoRA on the recipe's targets, then the run's routing method (heads trainable, native gate frozen)."""
+    """LoRA on the recipe's targets, then the run's routing method (heads trainable, native gate frozen
+    unless the method tunes it); a method without LoRA (`Method.lora`) keeps it frozen at its zero start."""
     add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
-    set_router(model, method, layers=cfg.layers)
+    set_router(model, method)  # its layers, objective and lambda are the method's own
+    if not method.lora:  # router-only tuning: the LoRA stays at its B = 0 start, frozen, so the model is the base's
+        for m in lora_modules(model).values():
+            m.requires_grad_(False)
+    if method.install is not None:  # ESFT: only the chosen experts' LoRA trains
+        method.install(model)
 
 
 def check_install(model_config, cfg: TrainConfig, method: Method, device: str):
@@ -76,6 +83,7 @@ def check_install(model_config, cfg: TrainConfig, method: Method, device: str):
     adapter whose fp32 weights, gradients and AdamW moments (16 bytes a parameter) exceed the
     device's memory."""
     from minimoe.core.model import MoEForCausalLM
+    aux_coefficient(cfg, model_config)  # --aux-coef family on a family without one
     with torch.device("meta"):
         dry = MoEForCausalLM(model_config)
         install_method(dry, cfg, method)
@@ -118,10 +126,23 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
     return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else max(0.0, 1 - progress)
 
 
-def loss_settings(cfg: TrainConfig) -> dict:
+def aux_coefficient(cfg: TrainConfig, model_config=None) -> float:
+    """The load-balancing loss's weight: --aux-coef, or with `family` the checkpoint's router_aux_loss_coef
+    (a family whose config.json carries none, DeepSeek's in transformers 4.57, is refused: give a number)."""
+    if cfg.aux_coef != "family":
+        return cfg.aux_coef
+    if model_config is None:
+        raise ValueError("--aux-coef family: the coefficient is the model's; pass its config")
+    if "router_aux_loss_coef" not in family_of(model_config.model_type).config_fields:
+        raise ValueError(f"--aux-coef family: {model_config.model_type}'s config.json has no router_aux_loss_coef "
+                         f"(transformers 4.57 trains it without a load-balancing loss); give the coefficient as a number")
+    return model_config.router_aux_loss_coef
+
+
+def loss_settings(cfg: TrainConfig, model_config=None) -> dict:
     """step_loss's keywords from the run's settings: the loss coefficients and the autocast to run in."""
-    return dict(lambda_=cfg.lambda_, is_eps=cfg.is_eps, depth_scaled_lambda=cfg.depth_scaled_lambda,
-                aux_coef=cfg.aux_coef, autocast=lambda: autocast(cfg))
+    return dict(is_eps=cfg.is_eps, depth_scaled_lambda=cfg.depth_scaled_lambda,
+                aux_coef=aux_coefficient(cfg, model_config), autocast=lambda: autocast(cfg))
 
 
 # A compiled model's rows are padded to a multiple of this many tokens: torch.compile then sees one
@@ -131,6 +152,18 @@ COMPILE_BUCKET = 64
 
 def length_bucket(cfg: TrainConfig) -> int:
     return COMPILE_BUCKET if cfg.compile else 1
+
+
+def training_routings(model, examples, tokenizer, cfg: TrainConfig, rank: int, world_size: int):
+    """The untrained model's routings over this rank's share of the training examples, without gradient
+    (Method.prepare: ESFT's expert choice) -> yields (routings, attention_mask) per micro-batch."""
+    with torch.no_grad():
+        for b in micro_batches(examples, tokenizer, cfg, rank, world_size):
+            if not b.placeholder:
+                with autocast(cfg):
+                    out = model(b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids,
+                                segment_ids=b.segment_ids, logits_at=b.scored_positions)
+                yield out.routings, b.attention_mask
 
 
 def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: int) -> list[ChoiceBatch]:
@@ -193,7 +226,7 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
               "rows": global_sum(sum(b.input_ids.shape[0] for b in real))}
     core = getattr(model, "module", model)  # under DDP, the model it wraps
     stats = RoutingStats(diagnosed_layers(core), core.config.num_experts, Scoring.of(core.config))
-    terms = step_loss(model, batches, method, counts, world_size, stats=stats, **loss_settings(cfg))
+    terms = step_loss(model, batches, method, counts, world_size, stats=stats, **loss_settings(cfg, core.config))
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = full(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip))  # FSDP: a replicated DTensor
     stats.sum_over_ranks()  # under torchrun: every rank's micro-batches (tracking.py)
@@ -328,6 +361,8 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: P
     warmup = warmup_steps(total, cfg.warmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg.schedule))
     start = restore(run, state, optimizer, scheduler, rank, model if sharded else None) if resume else Position()
+    if method.prepare is not None and not resume:  # a resume has its choice back in the checkpoint's router state
+        method.prepare(model, training_routings(model, data["train"], tokenizer, cfg, rank, world_size))
     ddp = model
     if world_size > 1 and not sharded:
         device = torch.device(cfg.device)
@@ -349,7 +384,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: P
             logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, method, world_size, step)
             seconds = time.perf_counter() - t0
             rate = global_sum(sum(b.real_tokens for b in batches if not b.placeholder)) / seconds
-            loss = logs["task"] + cfg.lambda_ * logs["method"] + cfg.aux_coef * logs["aux"]
+            loss = logs["task"] + method.lambda_ * logs["method"] + aux_coefficient(cfg, model.config) * logs["aux"]
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
             if rank == 0:
                 record = {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,

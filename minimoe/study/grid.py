@@ -37,7 +37,7 @@ from minimoe.runs.recipes import RECIPES
 BENCHMARKS = ("arc_challenge", "openbookqa", "sciq", "medmcqa")
 
 # The accuracy table's nine rows (tab:downstream_accuracy) as train.py flags, named as the run that they
-# configure names its row (Method.row): CE, ACS-ENLL, ..., TES-IS.
+# configure names its row (Method.row): CE, ACS-ENLL, ..., TES-IS; then the baselines' rows.
 ROWS = {method_for(flags).row: flags for flags in (
     dict(method="ce"),
     dict(method="acs", objective="enll"),
@@ -49,6 +49,17 @@ ROWS = {method_for(flags).row: flags for flags in (
     dict(method="tes", objective="enll"),
     dict(method="tes", objective="is"),
 )}
+PAPER_ROWS = tuple(ROWS)
+# The field's router-adaptation baselines (docs/methods.md, "Baselines"), each in the form its paper
+# trains: DenseMixer and router-only tuning on every MoE layer's gate, the load-balancing loss at the
+# family's own coefficient beside CE, ESFT's choice on every MoE layer (LoRA on the chosen experts only).
+BASELINE_ROWS = {
+    "DenseMixer": dict(method="densemixer", layers="all"),
+    "Router only": dict(method="router", layers="all"),
+    "CE + load balancing": dict(method="ce", aux_coef="family"),
+    "ESFT": dict(method="esft", layers="all", lora_targets="experts"),  # its LoRA form: the chosen experts' LoRA
+}
+ROWS.update(BASELINE_ROWS)
 
 
 def check_row(row: str, what: str = "unknown row") -> None:
@@ -77,7 +88,7 @@ class Preset:
 ALL_LAYERS = {"layers": "all"}
 TUNED_ACS_GRANITE = (("ACS-ENLL + affinity tuning", "granite"), ("ACS-IS + affinity tuning", "granite"))
 PRESETS = {
-    "main": Preset(tuple(ROWS), tables=("comparisons",),
+    "main": Preset(PAPER_ROWS, tables=("comparisons",),
                    about="tab:downstream_accuracy, the nine rows, and the paired comparisons within its groups"),
     "lambda-1e-2": Preset(
         (("TES-IS", "granite"), ("TES-ENLL", "granite"), ("ACS-IS + affinity tuning", "granite"),
@@ -125,6 +136,10 @@ PRESETS = {
         tables=("comparisons", "wall_time"), about="the study on a real model (default: train.py's default model): "
         "the nine rows, final layer supervised, plus all-layer ACS-IS, TES-IS and their Dual Affinity control, "
         "offline SciQ and ARC-Easy, one epoch, with the zero-shot row and the paired group comparisons"),
+    "baselines": Preset(
+        ("CE", "CE + affinity tuning", "ACS-IS", "Dual Affinity", "TES-IS", *BASELINE_ROWS),
+        about="the field's router-adaptation baselines (DenseMixer, router-only tuning, CE with the family's "
+              "load-balancing loss, ESFT with LoRA on the chosen experts) beside the paper's CE, CE + affinity tuning, ACS-IS, Dual Affinity and TES-IS"),
     "acs-diagnostics": Preset(
         ("CE + affinity tuning", "ACS-IS + affinity tuning", "ACS-ENLL + affinity tuning"),
         settings=({"lambda_": 1e-2},), benchmarks=("arc_challenge",), tables=("concentration",), train_eval=True,

@@ -19,7 +19,8 @@ from scipy.stats import binomtest
 from minimoe.cli import evaluate, sweep
 from minimoe.evaluation.diagnostics import accuracy_table
 from minimoe.loading.tiny import tiny_checkpoint
-from minimoe.study.grid import ALL_LAYERS, PRESETS, ROWS, grid
+from minimoe.study.grid import ALL_LAYERS, BASELINE_ROWS, PRESETS, ROWS, grid
+from minimoe.study import grid as grid_module
 from minimoe.study.launch import queued_job, run_cell, run_on_devices, submit_slurm
 from minimoe.study.report import (COMPARISONS_TITLE, ZERO_SHOT, comparison_table, concentration_table, error_figures,
                                   group_comparisons, train_seconds, transform_table, write_report)
@@ -308,7 +309,7 @@ def test_study_preset_scores_the_base_model_once_and_reports_zero_shot_and_wall_
             "--out-dir", str(tmp_path)]
     cells = sweep.main([*args, "--dry-run"])
     # The nine rows, and all-layer ACS-IS, TES-IS and TES-IS's control Dual Affinity: 12 x 3 seeds.
-    assert len(cells) == 12 * 3 and {c.row for c in cells} == set(ROWS)
+    assert len(cells) == 12 * 3 and {c.row for c in cells} == set(grid_module.PAPER_ROWS)
     assert {c.row for c in cells if c.settings == (("layers", "all"),)} == {"ACS-IS", "Dual Affinity", "TES-IS"}
     assert [(c.row, c.seed) for c in cells if c.zero_shot] == [("CE", 42)]
     assert "--zero-shot" in cells[0].train_args() and "--zero-shot" not in cells[1].train_args()
@@ -454,8 +455,24 @@ PAPER_ROWS = ["CE", "ACS-ENLL", "ACS-IS", "CE + affinity tuning", "ACS-ENLL + af
 
 
 def test_the_rows_are_the_papers_named_as_their_runs_name_their_row():
-    """ROWS is named by Method.row of the run each row's flags configure, and those names are the paper's."""
-    assert list(ROWS) == PAPER_ROWS
+    """ROWS is named by Method.row of the run each row's flags configure, and those names are the paper's;
+    the baselines' rows follow them."""
+    assert list(grid_module.PAPER_ROWS) == PAPER_ROWS and list(ROWS) == PAPER_ROWS + list(BASELINE_ROWS)
+
+
+def test_the_baselines_preset_puts_each_baseline_beside_the_papers_rows(tmp_path, data):
+    """Each baseline row is one run of its own name (the load-balancing row is CE at --aux-coef family),
+    with the flags train.py takes; the paper's rows keep their runs."""
+    cells = sweep.main(["--preset", "baselines", "--models", str(tiny_checkpoint()), "--benchmarks", str(data),
+                        "--seeds", "42", "--out-dir", str(tmp_path), "--dry-run"])
+    names = {c.row: c.run.name for c in cells}
+    assert set(BASELINE_ROWS) <= set(names) and len(set(names.values())) == len(names)
+    assert names["CE + load balancing"].endswith("-CE-auxfamily-seed42")
+    assert names["DenseMixer"].endswith("-DenseMixer-layersall-seed42")
+    assert names["Router only"].endswith("-Router_only-layersall-seed42")
+    assert names["ESFT"].endswith("-ESFT-layersall-seed42")
+    dense = next(c for c in cells if c.row == "DenseMixer")
+    assert dense.train_args()[-4:] == ["--method", "densemixer", "--layers", "all"]
 
 
 @pytest.mark.parametrize("row", ["CE", "TES-IS", "tes", "ce", "native", "TES", "my_method"])

@@ -20,14 +20,20 @@ def from_interleaved(gate_up, bias):
     return torch.cat((w[:, 0::2], w[:, 1::2]), dim=1), torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=-1)
 
 
-def pair(seed=0):
+def reference(E, D, I, K, std, seed=0):
+    """transformers' gpt-oss router and experts of E experts (D in, I wide, top-K), every weight ~ N(0, std)."""
     cfg = oss.GptOssConfig(num_local_experts=E, num_experts_per_tok=K, hidden_size=D, intermediate_size=I,
                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
     torch.manual_seed(seed)
-    router, ref = oss.GptOssTopKRouter(cfg), oss.GptOssExperts(cfg)
+    router, experts = oss.GptOssTopKRouter(cfg), oss.GptOssExperts(cfg)
     with torch.no_grad():
-        for p in (*router.parameters(), *ref.parameters()):
-            p.normal_(0, 1.0)  # gate/up values of several units: both clamps (7) are hit
+        for p in (*router.parameters(), *experts.parameters()):
+            p.normal_(0, std)
+    return router, experts
+
+
+def pair(seed=0):
+    router, ref = reference(E, D, I, K, std=1.0, seed=seed)  # gate/up values of several units: both clamps (7) are hit
     ours = ClampedSwiGLUExperts(E, D, I)
     with torch.no_grad():
         w, b = from_interleaved(ref.gate_up_proj, ref.gate_up_proj_bias)

@@ -1,10 +1,8 @@
 """Tests for minimoe.core.families: every record complete and read by everything that names a family."""
 import json
-import shutil
 from dataclasses import fields, replace
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.conftest import NEW_FAMILIES, tiny_config
@@ -12,9 +10,9 @@ from minimoe.cli import evaluate, sweep, train
 from minimoe.cli.train import parse_args, resolve_config
 from minimoe.core.families import CONFIG_FIELDS, FAMILIES, REQUIRED, Family, family_of, register_family
 from minimoe.core.lora import resolve_targets
-from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names, init_weights
-from minimoe.loading.checkpoint import checkpoint_layout, config_from_dict, config_to_dict, read_config, save_pretrained
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
+from minimoe.loading.checkpoint import checkpoint_layout, config_from_dict, config_to_dict, read_config
+from minimoe.loading.tiny import build_tiny_checkpoint
 from minimoe.runs.recipes import RECIPES
 from minimoe.study.grid import guess_recipe
 from tests.kill import killed_after
@@ -101,15 +99,9 @@ def test_family_fixed_fields_override_the_file():
 # ---- the whole pipeline on each new family ----------------------------------------------------------------
 
 def family_checkpoint(model_type: str, folder):
-    """A tiny random checkpoint of the family (its fixture switches: dense layers, shared experts, windows),
-    written by save_pretrained beside the tiny checkpoint's tokenizer."""
-    tiny = tiny_checkpoint()
-    base = read_config(tiny)
-    config = tiny_config(model_type, vocab_size=base.vocab_size, pad_token_id=base.pad_token_id,
-                         eos_token_id=base.eos_token_id)
-    save_pretrained(init_weights(MoEForCausalLM(config), generator=torch.Generator().manual_seed(0)), folder)
-    shutil.copy(tiny / "tokenizer.json", folder / "tokenizer.json")
-    return folder
+    """A tiny random checkpoint of the family (its switches: dense layers, shared experts, windows), as
+    `--model tiny:<model_type>` builds it (minimoe/loading/tiny.py)."""
+    return build_tiny_checkpoint(folder, model_type)
 
 
 @pytest.mark.parametrize("model_type", NEW_FAMILIES)

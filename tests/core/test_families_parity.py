@@ -3,6 +3,8 @@ tiny checkpoints saved by transformers itself (tests/tiny_families.py: one per s
 unsharded, and gpt-oss with MXFP4 experts): fp32 logits with and without padding, gradients of every
 weight, bf16 error against transformers' own, a save/load round trip, and a training step of every
 method that reaches every LoRA tensor and the method's head."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,7 +15,8 @@ from minimoe.core.lora import add_lora
 from minimoe.core.methods import METHODS, set_router
 from minimoe.loading.checkpoint import checkpoint_layout, to_disk_layout
 from tests.core.test_model import batch, rel_err
-from tests.tiny_families import VARIANTS, family_of, mxfp4_reference_model, reference_model, with_v2_softmax_mscale
+from tests.core.test_model import reference_model, with_v2_softmax_mscale
+from tests.tiny_families import VARIANTS, family_of, mxfp4_reference_model, variant_config
 
 FP32_TOL = 2e-5
 DECLARED = [v for v in VARIANTS if family_of(v) in FAMILIES]  # the families declared so far
@@ -22,7 +25,7 @@ DECLARED = [v for v in VARIANTS if family_of(v) in FAMILIES]  # the families dec
 @pytest.mark.parametrize("variant", DECLARED)
 @pytest.mark.parametrize("shard", [False, True])
 def test_fp32_logits_match_transformers(variant, shard, tmp_path):
-    ref = reference_model(variant, tmp_path, shard=shard)
+    ref = reference_model(variant_config(variant), tmp_path, shard=shard)
     if shard:
         assert len(list(tmp_path.glob("*.safetensors"))) > 1
     ours = minimoe.from_pretrained(tmp_path, dtype=torch.float32)
@@ -45,6 +48,24 @@ def test_mxfp4_experts_are_dequantised_on_load(tmp_path):
         assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
 
 
+@pytest.mark.skipif("gpt_oss" not in FAMILIES, reason="gpt_oss is not declared")
+def test_gpt_oss_swiglu_limit_is_read_from_config_json(tmp_path):
+    """The experts' clamp is config.json's swiglu_limit: every release and transformers' default say 7.0, and
+    transformers 4.57's GptOssExperts hard-codes 7.0 whatever the config says, so the reference is given the
+    file's limit by hand (as gpt-oss's own code reads it). At 1.5 the clamp bites where 7 does not."""
+    ref = reference_model({**variant_config("gpt_oss"), "swiglu_limit": 1.5}, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["swiglu_limit"] == 1.5
+    ours = minimoe.from_pretrained(tmp_path, dtype=torch.float32)
+    ids, mask = batch()
+    with torch.no_grad():
+        at_7 = ref(ids, attention_mask=mask).logits
+        for layer in ref.model.layers:
+            layer.mlp.experts.limit = ref.config.swiglu_limit
+        at_limit = ref(ids, attention_mask=mask).logits
+        assert rel_err(at_7, at_limit, mask) > 100 * FP32_TOL  # the limit changes the logits
+        assert rel_err(ours(ids, attention_mask=mask).logits, at_limit, mask) <= FP32_TOL
+
+
 def next_token_ce(logits, ids, mask):
     targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
     return F.cross_entropy(logits[:, :-1].float().flatten(0, 1), targets.flatten(), ignore_index=-100)
@@ -53,7 +74,7 @@ def next_token_ce(logits, ids, mask):
 @pytest.mark.parametrize("variant", DECLARED)
 def test_gradients_match_transformers(variant, tmp_path):
     """d(next-token CE)/d(every weight), mapped to transformers' names by the checkpoint table, within 1e-4."""
-    ref = reference_model(variant, tmp_path).train()
+    ref = reference_model(variant_config(variant), tmp_path).train()
     ours = minimoe.from_pretrained(tmp_path).train()
     ids, mask = batch()
     next_token_ce(ours(ids, attention_mask=mask).logits, ids, mask).backward()
@@ -72,7 +93,7 @@ def test_gradients_match_transformers(variant, tmp_path):
 
 @pytest.mark.parametrize("variant", DECLARED)
 def test_bf16_error_at_most_3x_transformers_own(variant, tmp_path):
-    ref = reference_model(variant, tmp_path)
+    ref = reference_model(variant_config(variant), tmp_path)
     ids, mask = batch()
     with torch.no_grad():
         exact = ref(ids, attention_mask=mask).logits
@@ -83,7 +104,7 @@ def test_bf16_error_at_most_3x_transformers_own(variant, tmp_path):
 
 @pytest.mark.parametrize("variant", DECLARED)
 def test_save_and_load_round_trip(variant, tmp_path):
-    reference_model(variant, tmp_path / "ref")
+    reference_model(variant_config(variant), tmp_path / "ref")
     ours = minimoe.from_pretrained(tmp_path / "ref")
     minimoe.save_pretrained(ours, tmp_path / "again")
     again = minimoe.from_pretrained(tmp_path / "again")
@@ -95,7 +116,7 @@ def test_save_and_load_round_trip(variant, tmp_path):
 @pytest.mark.parametrize("variant", DECLARED)
 @pytest.mark.parametrize("method", list(METHODS))
 def test_every_method_trains_a_step_reaching_every_lora_tensor(variant, method, tmp_path):
-    reference_model(variant, tmp_path)
+    reference_model(variant_config(variant), tmp_path)
     model = minimoe.from_pretrained(tmp_path).train()
     add_lora(model, rank=4)
     set_router(model, method)
@@ -121,7 +142,7 @@ def test_kv_cached_decoding_gives_the_full_forward_logits(variant, tmp_path):
     """Prefill 12 tokens into the KV cache, then decode one at a time (sliding windows and sinks on the
     cached keys, MLA's key and value widths): every step's logits equal the full forward's."""
     from minimoe.core.model import KVCache
-    reference_model(variant, tmp_path)
+    reference_model(variant_config(variant), tmp_path)
     model = minimoe.from_pretrained(tmp_path)
     ids, _ = batch()
     with torch.no_grad():
@@ -141,7 +162,7 @@ def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
     from safetensors.torch import load_file
     from minimoe.integrations.export import export_peft
     from minimoe.runs.adapters import save_adapter
-    reference_model(variant, tmp_path / "base")
+    reference_model(variant_config(variant), tmp_path / "base")
     model = minimoe.from_pretrained(tmp_path / "base")
     add_lora(model, rank=4, alpha=12, dropout=0.0)
     g = torch.Generator().manual_seed(1)
@@ -171,7 +192,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(variant, tmp_path):
     """export_merged (W + scale * B A, in the family's on-disk layout) loads in transformers with our logits."""
     import transformers
     from minimoe.runs.adapters import export_merged
-    reference_model(variant, tmp_path / "base")
+    reference_model(variant_config(variant), tmp_path / "base")
     model = minimoe.from_pretrained(tmp_path / "base")
     add_lora(model, rank=4, alpha=12, dropout=0.0)
     g = torch.Generator().manual_seed(2)

@@ -23,19 +23,39 @@ transformers = oracle("transformers")  # its tests skip without the test extra
 FP32_TOL = 2e-5  # max |ours - ref| / max |ref| on the logits
 
 
-def reference_model(family, tmp_path, seed=0, **overrides):
-    """A transformers model with random weights (norms included) saved by transformers; ours loads it."""
-    cfg_dict = config_to_dict(tiny_config(family, **overrides))
-    config = transformers.AutoConfig.for_model(**cfg_dict)
+def reference_model(kw: dict, folder, seed=0, *, shard=False):
+    """transformers' model of the config fields `kw` (`tiny` below, tests/tiny_families.py's variant_config)
+    with random weights (norms near 1, DeepSeek-V3's selection bias large enough to change choices), saved
+    by its own save_pretrained into `folder` (`shard`: several files); ours loads it."""
+    config = transformers.AutoConfig.for_model(**kw)
     torch.manual_seed(seed)
     ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
-        pad = ref.model.embed_tokens.padding_idx
-        ref.model.embed_tokens.weight[pad].zero_()
-    ref.save_pretrained(tmp_path / "ref")
-    return ref.eval(), tmp_path / "ref"
+        for name, b in ref.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # selection only: large enough to change choices
+                b.copy_(0.5 * torch.randn_like(b))
+        ref.model.embed_tokens.weight[config.pad_token_id].zero_()
+    ref.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")
+    return with_v2_softmax_mscale(ref).eval()
+
+
+def tiny(family, **overrides) -> dict:
+    """tests/conftest.py's tiny config of `family` as transformers' config fields."""
+    return config_to_dict(tiny_config(family, **overrides))
+
+
+def with_v2_softmax_mscale(model):
+    """transformers 4.57's DeepSeek-V2 leaves out the YaRN softmax mscale that DeepSeek's code applies (its
+    V3 applies it; fixed upstream in transformers PR 47435): the reference gets it, from V3's yarn_get_mscale."""
+    config = model.config
+    scaling = getattr(config, "rope_scaling", None) or {}
+    if config.model_type == "deepseek_v2" and scaling.get("mscale_all_dim"):
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import yarn_get_mscale
+        for layer in model.model.layers:
+            layer.self_attn.scaling *= yarn_get_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    return model
 
 
 def batch(vocab=128, seed=1):
@@ -54,7 +74,7 @@ def rel_err(ours, ref, mask):
 
 def test_fp32_logits_match_transformers(family, tmp_path):
     """Every config switch on (GQA, Granite multipliers + tied head, OLMoE clip_qkv + norm_topk_prob), padded batch."""
-    ref, path = reference_model(family, tmp_path)
+    ref = reference_model(tiny(family), path := tmp_path / "ref")
     ours = minimoe.from_pretrained(path, dtype=torch.float32)
     ids, mask = batch()
     with torch.no_grad():
@@ -65,7 +85,8 @@ def test_fp32_logits_match_transformers(family, tmp_path):
 
 def test_olmoe_default_switches_match_transformers(tmp_path):
     """The released OLMoE settings: no clip_qkv, norm_topk_prob false (weights keep the selected mass)."""
-    ref, path = reference_model("olmoe", tmp_path, clip_qkv=None, norm_topk_prob=False, num_key_value_heads=4)
+    ref = reference_model(tiny("olmoe", clip_qkv=None, norm_topk_prob=False, num_key_value_heads=4),
+                          path := tmp_path / "ref")
     ours = minimoe.from_pretrained(path)
     ids, mask = batch()
     with torch.no_grad():
@@ -84,7 +105,7 @@ def test_olmoe_default_switches_match_transformers(tmp_path):
 ])
 def test_family_switches_match_transformers(family, switches, tmp_path):
     """Each family's other switches: fp32 logits with and without padding (gradients: the fixture's switches)."""
-    ref, path = reference_model(family, tmp_path, **switches)
+    ref = reference_model(tiny(family, **switches), path := tmp_path / "ref")
     ours = minimoe.from_pretrained(path)
     theirs = [type(getattr(l, "mlp", None) or l.block_sparse_moe).__name__ for l in ref.model.layers]
     assert [type(l.mlp).__name__ for l in ours.model.layers] == ["MoEBlock" if "Sparse" in t else "DenseMLP" for t in theirs]
@@ -96,7 +117,7 @@ def test_family_switches_match_transformers(family, switches, tmp_path):
 
 def test_clip_qkv_actually_clips(tmp_path):
     """Guard for the test above: with clip_qkv=0.5 some projections exceed the clip, so it is exercised."""
-    ref, path = reference_model("olmoe", tmp_path)
+    ref = reference_model(tiny("olmoe"), path := tmp_path / "ref")
     attn = minimoe.from_pretrained(path).model.layers[0].self_attn
     x = torch.randn(1, 16, 64, generator=torch.Generator().manual_seed(0))
     assert attn.q_norm(attn.q_proj(x)).abs().max() > 0.5
@@ -104,7 +125,7 @@ def test_clip_qkv_actually_clips(tmp_path):
 
 def test_bf16_error_no_worse_than_reference_bf16(family, tmp_path):
     """bf16: our error against the fp32 reference is within 2x of transformers' own bf16 error."""
-    ref, path = reference_model(family, tmp_path)
+    ref = reference_model(tiny(family), path := tmp_path / "ref")
     ids, mask = batch()
     with torch.no_grad():
         exact = ref(ids, attention_mask=mask).logits
@@ -119,7 +140,7 @@ def test_bf16_packed_answer_logprobs_no_worse_than_reference_bf16(family, tmp_pa
     log-softmax): its answer-token log-probs are within 2x of transformers' own bf16 error, both
     against transformers in fp32 on plain per-candidate rows."""
     from tests.core.test_scoring import CharTokenizer, examples
-    ref, path = reference_model(family, tmp_path)
+    ref = reference_model(tiny(family), path := tmp_path / "ref")
     tok, pad = CharTokenizer(), ref.config.pad_token_id
     packed = make_choice_batch(examples(), tok, pad)
     rows = make_choice_batch(examples(), tok, pad, packed=False)
@@ -154,7 +175,7 @@ def worst_grad_err(got, exact):
 def test_bf16_gradients_no_worse_than_reference_bf16(family, tmp_path):
     """The CPU bf16 training path's gradients: per weight, our bf16 error against transformers' fp32
     gradient is within 2x of transformers' own bf16 error (the worst weight of each model compared)."""
-    ref, path = reference_model(family, tmp_path)
+    ref = reference_model(tiny(family), path := tmp_path / "ref")
     ids, mask = batch()
     exact = next_token_grads(ref, ids, mask)
     ref_bf16 = next_token_grads(ref.to(torch.bfloat16), ids, mask)
@@ -165,7 +186,7 @@ def test_bf16_gradients_no_worse_than_reference_bf16(family, tmp_path):
 
 def test_gradients_match_transformers(family, tmp_path):
     """d(next-token CE)/d(every weight) equals the reference's, mapped by checkpoint name (fp32)."""
-    ref, path = reference_model(family, tmp_path)
+    ref = reference_model(tiny(family), path := tmp_path / "ref")
     ours = minimoe.from_pretrained(path).train()
     ref.train()
     ids, mask = batch()
@@ -296,7 +317,7 @@ def test_aux_loss_matches_transformers(family, tmp_path):
         pytest.skip("transformers 4.57's gpt-oss feeds its router *scores* (the softmax of the K, zeros elsewhere) "
                     "to load_balancing_loss_func as if they were logits; ours is the Switch loss on the logits "
                     "(docs/families.md)")
-    ref, path = reference_model(family, tmp_path)
+    ref = reference_model(tiny(family), path := tmp_path / "ref")
     ours = minimoe.from_pretrained(path)
     ids, mask = batch()
     with torch.no_grad():

@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("torchao")  # the quant extra (and the test extra); a plain install skips these tests
 
-from tests.conftest import FAMILY_SWITCHES, tiny_model  # noqa: E402
+from minimoe.loading.tiny import FAMILY_SWITCHES, tiny_model  # noqa: E402
 from minimoe.core import quantized  # noqa: E402
 from minimoe.core.experts import GroupedLinear  # noqa: E402
 from minimoe.core.lora import add_lora  # noqa: E402

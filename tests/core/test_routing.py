@@ -16,7 +16,9 @@ from minimoe.core.objectives import itakura_saito, supervision_loss
 from minimoe.core.routing import (ConcentrationRouter, DualAffinityRouter, NativeRouter, Routing, Scoring, TokenErrorRouter,
                                   attenuate, concentration, native_concentration, resolve_layers, select_topk)
 
-FAMILIES = {
+# The routings the tests run under (not core's families.FAMILIES): Granite's softmax over the K, OLMoE's
+# softmax then top-K without and with norm_topk_prob.
+CONFIGS = {
     "granite": dict(model_type="granitemoe", tie_word_embeddings=True, embedding_multiplier=12.0,
                     residual_multiplier=0.22, logits_scaling=6.0, attention_multiplier=0.1),
     "olmoe": dict(model_type="olmoe"),
@@ -29,7 +31,7 @@ def tiny_model(family="olmoe", seed=0, top_k=2):
     torch.manual_seed(seed)
     config = MoEConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=3,
                        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=top_k,
-                       **FAMILIES[family])
+                       **CONFIGS[family])
     return init_weights(MoEForCausalLM(config), std=0.2)
 
 
@@ -124,7 +126,7 @@ def test_pure_log_transform():
 
 # ---- initialisation: routing exactly native ---------------------------------------------------------
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(CONFIGS))
 @pytest.mark.parametrize("method,options", [("dual", {}), ("dual", {"mix": 0.3}), ("tes", {}),
                                             ("tes", {"transform": "log"})])
 def test_new_heads_start_native(family, method, options):
@@ -399,7 +401,7 @@ def test_parameter_names_and_freezing():
     (dict(method="tes", transform="log1p"), "transform"),
     (dict(method="dual", mix=1.5), "mix"),
     (dict(method="dual", mix=-0.1), "mix"),
-    (dict(method="acs", gamma=1.0), "do not apply"),
+    (dict(method="acs", gamma=1.0), "no such option"),
     (dict(method="tes", layers=[0, 3]), "out of range"),
     (dict(method="tes", layers=[-1]), "out of range"),
     (dict(method="tes", layers="last:4"), "last:4"),

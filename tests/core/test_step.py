@@ -7,6 +7,7 @@ examples'. The two micro-batches below differ in gold-answer tokens per example,
 normalisers disagree.
 """
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from minimoe.runs.config import TrainConfig, method_for
 from minimoe.runs.recipes import RECIPES
 
 LAMBDA = 0.7
+MY_OBJECTIVE = Path(__file__).resolve().parents[2] / "examples" / "my_objective.py"
 
 
 def by_hand(model, batches, objective, detach_observed=False):
@@ -46,8 +48,10 @@ def by_hand(model, batches, objective, detach_observed=False):
             if objective == "is":  # Eq. token_is_loss: L+/e - log(L+/e) - 1, L+ = max(L, eps)
                 r = observed.clamp_min(1e-8) / e
                 per_token = r - torch.log(r) - 1
-            else:  # Eq. token_enll_loss: L/e + log e
+            elif objective == "enll":  # Eq. token_enll_loss: L/e + log e
                 per_token = observed / e + torch.log(e)
+            else:  # examples/my_objective.py's squared log error: (log e - log L+)^2
+                per_token = (torch.log(e) - torch.log(observed.clamp_min(1e-8))) ** 2
             method_terms.setdefault(layer, []).append(per_token)
     ce = torch.stack(ce_terms).sum() / examples
     layers = [torch.cat(v) for v in method_terms.values()]
@@ -59,7 +63,8 @@ def setup(method, objective):
     """The tiny model with LoRA and `method` on every layer, and one step of two micro-batches whose
     gold answers have different token counts per example."""
     cfg = replace(TrainConfig(**RECIPES["tiny"]), method=method, objective=objective, layers="all", lambda_=LAMBDA,
-                  lora_dropout=0.0, batch_size=2, pad_token_id=0, device="cpu")
+                  lora_dropout=0.0, batch_size=2, pad_token_id=0, device="cpu",
+                  method_module=None if objective in ("is", "enll") else str(MY_OBJECTIVE))
     tokenizer = load_tokenizer(tiny_checkpoint())
     examples = load_examples("arc_challenge")[:4]
     batches = training.micro_batches(examples, tokenizer, cfg, 0, 1)
@@ -81,11 +86,12 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("objective", ["is", "enll"])
+@pytest.mark.parametrize("objective", ["is", "enll", "sle"])
 @pytest.mark.parametrize("method", ["acs", "tes"])
 def test_step_loss_is_the_papers_total_loss_over_two_micro_batches(method, objective):
     """The logged terms and every trainable parameter's gradient equal those of L_CE + lambda * L_m
-    over the pooled micro-batches, L_m normalised by the step's supervised tokens and layers."""
+    over the pooled micro-batches, L_m normalised by the step's supervised tokens and layers; with an
+    objective from a file of one's own (sle, examples/my_objective.py) as with the paper's two."""
     cfg, model, batches, counts = setup(method, objective)
     model.zero_grad(set_to_none=True)
     logs = step_loss(model, batches, method_for(cfg), counts, world_size=1, **training.loss_settings(cfg))
@@ -111,8 +117,8 @@ def test_the_observed_ce_stays_attached_in_the_method_term(method):
 
     def step(lambda_):
         model.zero_grad(set_to_none=True)
-        step_loss(model, batches, method_for(cfg), counts, world_size=1,
-                  **{**training.loss_settings(cfg), "lambda_": lambda_})
+        step_loss(model, batches, replace(method_for(cfg), lambda_=lambda_), counts, world_size=1,
+                  **training.loss_settings(cfg))
         return grads(model)
     with_term, without = step(LAMBDA), step(0.0)
     got = {n: with_term[n] - without[n] for n in with_term}

@@ -1,6 +1,7 @@
-"""lm-eval's minimoe model on a transformers-saved tiny checkpoint of each of today's families (Qwen3-MoE,
-Qwen2-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, gpt-oss): a local task scores as lm-eval's own `hf` model
-scores it on transformers, offline."""
+"""lm-eval's minimoe model on the tiny OLMoE (tests/integrations/test_lm_eval.py's `sharp`) and on a
+transformers-saved tiny checkpoint of each of today's other families (Qwen3-MoE, Qwen2-MoE, Mixtral,
+DeepSeek-V2, DeepSeek-V3, gpt-oss): a local task scores as lm-eval's own `hf` model scores it on
+transformers, offline. One test, parametrised over the checkpoints."""
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -8,24 +9,27 @@ pytest.importorskip("transformers")
 from minimoe.loading.checkpoint import read_config  # noqa: E402
 from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
 from tests.test_families_pipeline import VARIANTS, transformers_saved, with_tokenizer  # noqa: E402
-from tests.integrations.test_lm_eval import TASK, evaluate, task_dir  # noqa: E402,F401  (task_dir: a fixture)
+from tests.integrations.test_lm_eval import TASK, evaluate, sharp, task_dir  # noqa: E402,F401  (fixtures)
 
 
-def saved(name, tmp_path, monkeypatch):
-    """A tiny checkpoint that transformers saved: tests/tiny_families.py's variants, tests/test_model.py's
-    families (at the tokenizer's vocabulary, with positions for a question), beside the tiny tokenizer."""
+def saved(name, tmp_path, monkeypatch, request):
+    """The tiny OLMoE ("sharp"), or a tiny checkpoint that transformers saved: tests/tiny_families.py's
+    variants, tests/test_model.py's families (at the tokenizer's vocabulary, with positions for a question),
+    beside the tiny tokenizer."""
+    if name == "sharp":
+        return request.getfixturevalue("sharp")
     if name in VARIANTS:
         return transformers_saved(name, tmp_path / "saved", monkeypatch)[1]
-    from tests.core.test_model import reference_model
+    from tests.core.test_model import reference_model, tiny
     base = read_config(tiny_checkpoint())
-    _, folder = reference_model(name, tmp_path, vocab_size=base.vocab_size, pad_token_id=base.pad_token_id,
-                                eos_token_id=base.eos_token_id, max_position_embeddings=256)
+    reference_model(tiny(name, vocab_size=base.vocab_size, pad_token_id=base.pad_token_id,
+                         eos_token_id=base.eos_token_id, max_position_embeddings=256), folder := tmp_path / "ref")
     return with_tokenizer(folder)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", *VARIANTS])
-def test_local_task_scores_as_lm_evals_hf_model(name, task_dir, tmp_path, monkeypatch):
-    folder = saved(name, tmp_path, monkeypatch)
+@pytest.mark.parametrize("name", ["sharp", "qwen3_moe", "qwen2_moe", "mixtral", *VARIANTS])
+def test_local_task_scores_as_lm_evals_hf_model(name, task_dir, tmp_path, monkeypatch, request):
+    folder = saved(name, tmp_path, monkeypatch, request)
     ours = evaluate("minimoe", f"pretrained={folder},dtype=float32", task_dir)
     theirs = evaluate("hf", f"pretrained={folder},dtype=float32,device=cpu", task_dir)
     a, b = ours["results"][TASK], theirs["results"][TASK]

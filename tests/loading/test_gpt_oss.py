@@ -4,25 +4,18 @@ same outputs from our ClampedSwiGLUExperts; and the disk layout round-trips exac
 import pytest
 import torch
 pytest.importorskip("transformers")  # the oracle: a plain install skips these tests
-from transformers.models.gpt_oss import modeling_gpt_oss as oss
 
 from minimoe.core.clamped_experts import ClampedSwiGLUExperts
 from minimoe.loading import gpt_oss as layout
-from tests.core.test_clamped_experts import from_interleaved
+from tests.core.test_clamped_experts import from_interleaved, reference as clamped_reference
 from tests.loading.test_mxfp4 import quantise_by_spec
 
 E, D, I, K = 4, 64, 32, 2  # multiples of 32: MXFP4 blocks run along D (gate_up) and I (down)
 
 
 def reference(seed=0):
-    cfg = oss.GptOssConfig(num_local_experts=E, num_experts_per_tok=K, hidden_size=D, intermediate_size=I,
-                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8)
-    torch.manual_seed(seed)
-    router, experts = oss.GptOssTopKRouter(cfg), oss.GptOssExperts(cfg)
-    with torch.no_grad():
-        for p in (*router.parameters(), *experts.parameters()):
-            p.normal_(0, 0.5)
-    return router, experts
+    """transformers' router and experts at this file's sizes (tests/core/test_clamped_experts.py builds them)."""
+    return clamped_reference(E, D, I, K, std=0.5, seed=seed)
 
 
 def ours_from(gate_up, gate_up_bias, down, down_bias):

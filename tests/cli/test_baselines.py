@@ -1,0 +1,106 @@
+"""The field's baselines (DenseMixer, router-only tuning, the family's load-balancing loss) through the
+same commands as the paper's methods, on the tiny OLMoE: train, kill and resume, evaluate, export."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from minimoe.cli import evaluate, export, train
+from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.runs.training import aux_coefficient
+from tests.conftest import FAMILY_SWITCHES, tiny_config
+from tests.kill import killed_after
+
+SMOKE = ["--model", "tiny", "--batch-size", "4", "--quiet"]
+
+
+def run_train(tmp_path, data, *flags, name="run"):
+    """A run on `data` (conftest: 8 training examples, 4 validation, 4 test): two steps an epoch."""
+    train.main(["--out-dir", str(tmp_path), "--run-name", name, "--data", str(data), *SMOKE, *flags])
+    return tmp_path / name
+
+
+def adapter(run, epoch):
+    return load_file(run / "checkpoints" / f"epoch-{epoch}" / "adapter.safetensors")
+
+
+def steps(run):
+    return [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "step"]
+
+
+def test_densemixer_trains_its_gates_evaluates_and_exports(tmp_path, data):
+    """DenseMixer on every MoE layer: LoRA and every gate train; a fresh evaluate.py gives the run's own
+    test accuracy; it routes natively, so it exports to peft (the gates as modules_to_save)."""
+    run = run_train(tmp_path, data, "--method", "densemixer", "--layers", "all", "--epochs", "1")
+    tensors = adapter(run, 1)
+    assert sum(k.endswith(".mlp.gate.weight") for k in tensors) == 4 and any(".lora_B" in k for k in tensors)
+    again = evaluate.main(["--adapter", str(run), "--out-dir", str(tmp_path / "again")])
+    assert again["accuracy"] == json.loads((run / "eval" / "test" / "metrics.json").read_text())["accuracy"]
+    export.main([str(run), str(tmp_path / "peft")])
+    assert len(json.loads((tmp_path / "peft" / "adapter_config.json").read_text())["modules_to_save"]) == 4
+
+
+def test_esft_chooses_its_experts_once_and_resumes_bitwise(tmp_path, data):
+    """ESFT on every MoE layer: the choice is made from the training data before the first step and kept in
+    the adapter; only the chosen experts' LoRA moves; killed after epoch 1 and resumed (no new choice), the
+    run ends on the uninterrupted run's bits."""
+    flags = ["--method", "esft", "--layers", "all", "--epochs", "2", "--no-test-eval"]
+    straight = run_train(tmp_path, data, *flags, name="straight")
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        run_train(tmp_path, data, *flags, name="killed")
+    resumed = run_train(tmp_path, data, *flags, "--resume", name="killed")
+    want, got = adapter(straight, 2), adapter(resumed, 2)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    for layer in range(4):
+        prefix = f"model.layers.{layer}."
+        chosen = want[prefix + "mlp.router.chosen"]
+        assert 0 < chosen.sum() < chosen.numel()
+        for bank in ("gate_up_proj", "down_proj"):
+            b = want[f"{prefix}mlp.experts.{bank}.lora_B"]
+            assert b[~chosen].abs().max() == 0 and b[chosen].abs().max() > 0
+        assert not want[prefix + "self_attn.q_proj.lora_B"].any()  # attention's LoRA frozen at zero
+    assert not any(k.endswith(".mlp.gate.weight") for k in want)
+    export.main([str(straight), str(tmp_path / "peft")])  # the LoRA form exports; the choice is training's own
+    assert not any("router" in k for k in load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+
+
+def test_router_only_trains_the_gates_and_nothing_else_and_exports(tmp_path, data):
+    """Router-only tuning: every gate moves, the LoRA stays at B = 0 (the model is the base's but for its
+    gates); the run exports to peft (the gates as modules_to_save) and merged."""
+    run = run_train(tmp_path, data, "--method", "router", "--layers", "all", "--epochs", "1", "--no-test-eval")
+    tensors = adapter(run, 1)
+    assert all(not v.any() for k, v in tensors.items() if k.endswith(".lora_B"))
+    base = load_file(tiny_checkpoint() / "model.safetensors")
+    gates = [k for k in tensors if k.endswith(".mlp.gate.weight")]
+    assert len(gates) == 4 and all(not torch.equal(tensors[k], base[k].float()) for k in gates)
+    assert json.loads((run / "config.json").read_text())["method"] == "router"
+    export.main([str(run), str(tmp_path / "peft")])
+    saved = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert len(saved["modules_to_save"]) == 4
+    export.main([str(run), str(tmp_path / "merged"), "--merged"])
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert all(torch.equal(merged[k], tensors[k].to(merged[k].dtype)) for k in gates)
+
+
+def test_the_familys_load_balancing_loss_weighs_the_step_at_its_coefficient(tmp_path, data):
+    """--aux-coef family: the step's loss is task + router_aux_loss_coef * aux, the run named for it."""
+    run = run_train(tmp_path, data, "--method", "ce", "--aux-coef", "family", "--epochs", "1", "--no-test-eval")
+    coef = json.loads((tiny_checkpoint() / "config.json").read_text()).get("router_aux_loss_coef", 0.01)
+    for s in steps(run):
+        assert s["aux"] > 0 and s["loss"] == pytest.approx(s["task"] + coef * s["aux"], rel=1e-6)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
+def test_aux_coef_family_is_the_checkpoints_coefficient_or_refused(family):
+    """Each family's router_aux_loss_coef, as its config.json gives it; DeepSeek's carry none (transformers
+    4.57 adds no load-balancing loss for them): refused by name, a number still works."""
+    config = tiny_config(family, router_aux_loss_coef=0.123)
+    cfg = SimpleNamespace(aux_coef="family")
+    if family.startswith("deepseek"):
+        with pytest.raises(ValueError, match=f"{family}'s config.json has no router_aux_loss_coef"):
+            aux_coefficient(cfg, config)
+        assert aux_coefficient(SimpleNamespace(aux_coef=0.01), config) == 0.01
+    else:
+        assert aux_coefficient(cfg, config) == 0.123

@@ -1,0 +1,48 @@
+"""Each family's `defaults` (core/families.py) against transformers 4.57's own config classes: a config.json
+holding only the fields minimoe requires resolves, field by field, to what transformers' config of that
+model_type gives every field the file omits. Every test and tiny checkpoint sets each field, so a wrong
+default (DeepSeek-V3's routed_scaling_factor 2.5, OLMoE's rms_norm_eps 1e-5, ...) showed nowhere else."""
+from dataclasses import fields
+
+import pytest
+
+from tests.conftest import oracle
+from minimoe.core.families import FAMILIES
+from minimoe.core.model import MoEConfig
+from minimoe.loading.checkpoint import REQUIRED_FIELDS, config_from_dict
+
+# The fields minimoe requires (loading/checkpoint.py), at widths every family's defaults accept: 128 heads
+# divide 1024 and are a multiple of every default num_key_value_heads; 64 experts in DeepSeek-V3's 8 groups;
+# 4 layers past its 3 dense ones.
+REQUIRED = dict(vocab_size=128, hidden_size=1024, intermediate_size=32, num_hidden_layers=4, num_attention_heads=128,
+                num_experts=64, num_experts_per_tok=2)
+
+# Where transformers' value differs from ours in form, not in what the model computes.
+SAME_MEANING = {
+    ("mixtral", "head_dim"): "None: hidden_size / heads, the value MoEConfig fills in",
+    ("deepseek_v2", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
+    ("deepseek_v3", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
+    ("deepseek_v2", "n_group"): "None with greedy top-K: no groups; ours 1 group of every expert, the same selection",
+    ("deepseek_v2", "topk_group"): "None with greedy top-K: no groups; ours 1 group kept, the same selection",
+}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(model_type):
+    transformers = oracle("transformers")
+    assert set(REQUIRED) == set(REQUIRED_FIELDS)
+    family = FAMILIES[model_type]
+    on_disk = {ours: disk for disk, ours in family.renames.items()}  # our field -> its config.json name
+    d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}}
+    ours = config_from_dict(dict(d))
+    reference = transformers.AutoConfig.for_model(**d)
+    wrong, compared = [], 0
+    for name in (f.name for f in fields(MoEConfig)):
+        disk = on_disk.get(name, name)
+        if name in REQUIRED or name in family.fixed or name == "extra" or not hasattr(reference, disk):
+            continue  # given; the modeling file's (Family.fixed); or a field transformers' config lacks
+        compared += 1
+        if getattr(ours, name) != getattr(reference, disk) and (model_type, name) not in SAME_MEANING:
+            wrong.append(f"{name} ({disk}): ours {getattr(ours, name)!r}, transformers {getattr(reference, disk)!r}")
+    assert not wrong, f"{model_type}: defaults unlike transformers' {type(reference).__name__}: " + "; ".join(wrong)
+    assert compared >= 15  # the comparison reached the family's fields, not only a few shared ones
