@@ -23,6 +23,9 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
 - qwen3, deepseek3 (only when named in --only): the same LoRA step at 8 layers of Qwen3-30B-A3B's widths
   and of Moonlight-16B-A3B's (DeepSeek-V3's architecture: MLA, shared experts, sigmoid scores), peft on
   transformers 4.57's per-expert modules (bench/lora_peft.py's PEFT_TARGETS).
+- nf4 (only when named in --only; needs torchao, the quant extra): one LoRA step at one layer of
+  Qwen3-30B-A3B's widths, the base in bf16 against the same weights packed in NF4 (--quantize nf4):
+  step time and peak memory.
 - compile: granite8 with `compile_layers`, and in mode="reduce-overhead" (CUDA graphs), beside eager.
 - baselines: DenseMixer, router-only tuning, CE + affinity tuning and CE + load balancing, each one step's
   time over CE's, one layer at Granite's and OLMoE's widths, 4096 tokens (bench/baselines.py).
@@ -340,6 +343,45 @@ def bank_copies(device, smoke: bool):
         sum(copies.bytes.values()), note="; ".join(copies.shapes))
 
 
+def quantized_step(device, smoke: bool, experts: int | None = None, batch: tuple[int, int] = (8, 512)):
+    """One LoRA step at one layer of Qwen3-30B-A3B's widths (the GPU recipe: bf16 under autocast, rank 8 on
+    q, k, v and the experts, dropout 0, AdamW, batch 8 x 512), its base in bf16 and the same weights packed in
+    NF4 (--quantize nf4, core/quantized.py): median step time and peak memory of each. experts: fewer than
+    the 128 (a CPU's memory); the vocabulary is then cut to 2048 too. batch: (B, T)."""
+    from minimoe.core.quantized import quantize_model
+    c = config("qwen3_moe", 1, smoke)
+    if experts:
+        c = replace(c, num_experts=experts, vocab_size=2048)
+    B, T = (2, 64) if smoke else batch
+    steps, warmup = (2, 1) if smoke else (5, 2)
+    ids = torch.randint(2, c.vocab_size, (B, T), generator=torch.Generator().manual_seed(5)).to(device)
+    name = f"qwen3_moe 1L{f' E{experts}' if experts else ''}"
+    results = {}
+    for side in ("bf16", "nf4"):
+        model = random_model(c, device)
+        if side == "nf4":
+            quantize_model(model, "nf4")
+        add_lora(model, rank=8, dropout=0.0, targets=["q", "k", "v", "experts"]).train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+        def step():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = model(ids).logits.float().logsumexp(-1).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        seconds = statistics.median(timed(step, device, steps, warmup))
+        memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+        results[side] = (seconds, memory)
+        del model, optimizer
+    (t16, m16), (t4, m4) = results["bf16"], results["nf4"]
+    row("nf4", name, f"LoRA step s, NF4 base (B{B} x T{T})", t4, t16, t16 / t4,
+        note="reference: the bf16 base" + (f"; peak {m4:.2f} GiB against {m16:.2f} GiB" if m4 is not None else ""))
+
+
 def attention_backends(device, smoke: bool):
     """Per call shape: the SDPA backend torch picks (torch._fused_sdp_choice) and the forward + backward
     time, beside FlexAttention (compiled on CUDA) on the packed rows' block mask."""
@@ -431,9 +473,9 @@ def baseline_steps(device, smoke: bool):
 
 
 STAGES = ("parity", "grouped", "syncs", "copies", "attention", "granite8", "olmoe8", "granite32", "olmoe16",
-          "qwen3", "deepseek3", "compile", "baselines", "default")
-# --full-depth adds granite32 and olmoe16; today's families run when --only names them
-DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16", "qwen3", "deepseek3"))
+          "qwen3", "deepseek3", "nf4", "compile", "baselines", "default")
+# --full-depth adds granite32 and olmoe16; today's families and nf4 (needs torchao) run when --only names them
+DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16", "qwen3", "deepseek3", "nf4"))
 LORA_STAGES = {"granite8": ("granitemoe", 8), "olmoe8": ("olmoe", 8), "granite32": ("granitemoe", 32),
                "olmoe16": ("olmoe", 16), "qwen3": ("qwen3_moe", 8), "deepseek3": ("deepseek_v3", 8)}
 
@@ -443,7 +485,7 @@ def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:
     plain, peft = ["minimoe"], ["transformers + peft"]
     todo = {"parity": lambda: parity(device, args.smoke), "grouped": lambda: grouped_vs_loop(device, args.smoke),
             "syncs": lambda: training_step_syncs(device), "copies": lambda: bank_copies(device, args.smoke),
-            "attention": lambda: attention_backends(device, args.smoke)}
+            "attention": lambda: attention_backends(device, args.smoke), "nf4": lambda: quantized_step(device, args.smoke)}
     for name, (family, layers) in LORA_STAGES.items():
         todo[name] = lambda f=family, n=2 if args.smoke else layers: lora_step(device, f, n, args.smoke, peak,
                                                                               budget, plain + peft)

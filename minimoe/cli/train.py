@@ -46,6 +46,7 @@ from minimoe.cli import is_tiny, model_path, run_command
 from minimoe.core.families import family_of
 from minimoe.core.methods import Method
 from minimoe.core.model import MoEConfig, compile_layers
+from minimoe.core.quantized import require as require_quantization
 from minimoe.core.scoring import check_max_length, pad_id
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.data.userdata import resolve_data
@@ -122,6 +123,23 @@ def resolve_config(args, model_config) -> tuple[TrainConfig, Method]:
     return cfg, method
 
 
+def check_quantization(cfg: TrainConfig, model_config) -> None:
+    """--quantize: its library installed (the quant extra); mxfp4 for gpt-oss only (the one family released
+    in it); and not with --shard fsdp, whose all-gather would have to gather the packed tensors
+    (docs/quantization.md says why it is refused)."""
+    try:
+        require_quantization(cfg.quantize)
+    except ImportError as e:
+        sys.exit(f"train.py: error: {e}")
+    if cfg.quantize == "mxfp4" and model_config.model_type != "gpt_oss":
+        sys.exit(f"train.py: error: --quantize mxfp4 keeps gpt-oss's released MXFP4 experts packed; this model is "
+                 f"{model_config.model_type}; use --quantize nf4")
+    if cfg.shard == "fsdp":
+        sys.exit(f"train.py: error: --quantize {cfg.quantize} with --shard fsdp is not supported: FSDP2 shards and "
+                 f"gathers parameters, and a packed base is no parameter (docs/quantization.md); use one process, "
+                 f"or --shard ddp")
+
+
 def run_record(cfg: TrainConfig, method: Method, model_config, data: dict, origin: dict) -> dict:
     """config.json: every setting, what the run's readers (evaluate.py, sweep.py, --resume) look up (among
     them each split's size, train as cut, and the sha256 of the manifest it was read from), and what
@@ -183,7 +201,10 @@ def main(argv=None):
     cfg, method = resolve_config(args, model_config)  # the method, device and dtype are resolved here, once
     sharded = cfg.shard == "fsdp"  # then no rank ever holds the whole model (minimoe/runs/sharding.py)
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
-    model = None if sharded else minimoe.from_pretrained(folder, dtype=cfg.dtype)  # checks the checkpoint first
+    if cfg.quantize is not None:
+        check_quantization(cfg, model_config)  # the library, the family, no --shard fsdp: before anything is written
+    model = None if sharded else minimoe.from_pretrained(folder, dtype=cfg.dtype, quantize=cfg.quantize,
+                                                         device=cfg.device if cfg.quantize else None)
     typed, default = (vars(parser().parse_args(a)) for a in (list(sys.argv[1:] if argv is None else argv), []))
     typed = {k: v for k, v in typed.items() if v != default[k]}  # flags typed off their defaults, not a --config's
     if unread := unread_flags(typed, method):

@@ -68,6 +68,7 @@ from minimoe.core import cpu_kernels
 from minimoe.core.experts import GroupedLinear, _grouped_mm_applies, expert_matmul, matmul_dtype
 from minimoe.core.families import family_of
 from minimoe.core.model import MoEForCausalLM, scaled
+from minimoe.core.quantized import carry_quantization
 from minimoe.core.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
@@ -322,6 +323,7 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
                 lora = LoRAGroupedLinear(base, rank, alpha, dropout, blocks, dtype)
             else:
                 lora = LoRALinear(base, rank, alpha, dropout, dtype)
+            lora = carry_quantization(base, lora)  # a packed base stays packed (core/quantized.py)
             setattr(parent, leaf, lora.train(base.training))  # an eval model keeps its dropout off
     model.lora_spec = dict(rank=rank, alpha=alpha, dropout=dropout, targets=targets,
                            dtype=str(dtype).removeprefix("torch."))

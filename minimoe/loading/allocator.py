@@ -18,12 +18,13 @@ peak RSS. The measurements behind both are in bench/RESULTS.md.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
 import sys
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameter numbers, from glibc's <malloc.h>
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_MMAP_MAX = -1, -3, -4  # mallopt parameter numbers, from glibc's <malloc.h>
 MADV_HUGEPAGE, HUGE_PAGE = 14, 2 * 2**20  # from Linux's <sys/mman.h>; x86-64 and arm64 (4 KB base pages)
 # oneDNN's cache of compiled kernels, and the cache of ideep (PyTorch's oneDNN wrapper) that holds
 # them too: each is read once, at its first use; ideep's crashes at 0 (torch 2.13).
@@ -52,7 +53,30 @@ def keep_freed_memory() -> bool:
         return False
     # mallopt returns 1 on success. A trim threshold of -1 turns trimming off (mallopt(3)); the
     # value is a C int, so no byte count could say "never" for more than 2 GB of freed memory.
-    return bool(libc().mallopt(M_MMAP_MAX, 0)) and bool(libc().mallopt(M_TRIM_THRESHOLD, -1))
+    global _KEEPING
+    _KEEPING = bool(libc().mallopt(M_MMAP_MAX, 0)) and bool(libc().mallopt(M_TRIM_THRESHOLD, -1))
+    return _KEEPING
+
+
+_KEEPING = False  # keep_freed_memory() took effect in this process
+
+
+@contextlib.contextmanager
+def mapped_big_blocks(threshold: int = 2**20):
+    """Within: blocks of `threshold` bytes or more get their own mmap again, unmapped when freed, as
+    before keep_freed_memory() (a no-op if it did not take effect). For packing a model as it loads
+    (loading/checkpoint.py, --quantize): each matrix's transients are freed while its small packed
+    tensors stay, so on a heap that is never trimmed the transients stop fitting the holes the packed
+    tensors split, and the heap grew by about twice the checkpoint (measured, docs/quantization.md)."""
+    if not _KEEPING:
+        yield
+        return
+    libc().mallopt(M_MMAP_THRESHOLD, threshold)
+    libc().mallopt(M_MMAP_MAX, 2**16)
+    try:
+        yield
+    finally:
+        libc().mallopt(M_MMAP_MAX, 0)
 
 
 def limit_kernel_cache(capacity: int = KERNEL_CACHE) -> bool:

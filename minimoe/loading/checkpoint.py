@@ -26,8 +26,11 @@ from safetensors.torch import save_file
 from minimoe.atomic import atomic_directory
 from minimoe.core.families import CONFIG_FIELDS, Converted, family_of
 from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
+from minimoe.core.quantized import pack, quantize_module, quantized_modules
+from minimoe.core.quantized import require as require_quantization
 from minimoe.loading import gpt_oss
-from minimoe.loading.allocator import advise_huge_pages
+from minimoe.loading.allocator import advise_huge_pages, mapped_big_blocks
+from minimoe.loading.mxfp4 import MXFP4Weight
 
 # Converted keys (core/families.py): layout -> (disk -> ours, ours -> disk, MXFP4 blocks and scales -> ours
 # or None). Only gpt-oss needs them so far (loading/gpt_oss.py says why).
@@ -36,6 +39,8 @@ CONVERSIONS = {
     "bias_interleaved": (gpt_oss.gate_up_bias_from_disk, gpt_oss.gate_up_bias_to_disk, None),
     "transposed": (gpt_oss.down_from_disk, gpt_oss.down_to_disk, gpt_oss.down_from_mxfp4),
 }
+# --quantize mxfp4: what the packed blocks' rows go through after decoding, per expert (MXFP4Weight)
+MXFP4_ROWS = {"gate_up_interleaved": gpt_oss.gate_up_rows_from_mxfp4, "transposed": None}
 QUANTIZED_ON_DISK = ("mxfp4",)  # quantization_config.quant_method values we dequantise on load
 
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -274,8 +279,13 @@ class WeightFile:
             out.copy_(buffer)
 
 
-def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, revision=None) -> MoEForCausalLM:
-    """Load an official Granite-MoE or OLMoE checkpoint from a folder or a hub repo id."""
+def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, revision=None,
+                    quantize: str | None = None) -> MoEForCausalLM:
+    """Load an official Granite-MoE or OLMoE checkpoint from a folder or a hub repo id.
+    quantize: "nf4" packs the frozen base's large matrices (core/quantized.py) as they are read, one matrix
+    at a time, so the unpacked model never is whole; "mxfp4" keeps gpt-oss's MXFP4 experts as stored."""
+    if quantize is not None:
+        require_quantization(quantize)  # before any file is read
     folder = resolve_checkpoint(name_or_path, cache_dir, revision)
     config = read_config(folder)
     if isinstance(dtype, str):
@@ -286,20 +296,52 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
         model = MoEForCausalLM(config)
     layout = checkpoint_layout(config)
     files, where = weight_index(folder, config)
-    targets = []  # (record entry, the parameter it fills): every parameter at its final dtype and device
+    if quantize == "mxfp4":  # the experts the checkpoint stores in MXFP4, kept so; the rest as loaded
+        packed = {n for n, disk in layout.items() if in_mxfp4(disk, where)}
+        if not packed:
+            raise ValueError(f"{folder}: --quantize mxfp4 keeps MXFP4 expert blocks as loaded, and this "
+                             f"{config.model_type} checkpoint stores none; use --quantize nf4")
+    else:
+        packed = set() if quantize is None else {f"{m}.weight" for m in quantized_modules(model)}
+    targets = []  # (record entry, the parameter it fills): every unpacked parameter at its final dtype and device
     for name, disk in layout.items():
-        meta = model.get_parameter(name)
-        value = torch.empty(meta.shape, dtype=dtype, device=device)
-        advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
-        targets.append((disk, value, None))
-        module_name, _, leaf = name.rpartition(".")
-        model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
+        if name not in packed:
+            targets.append((disk, place(model, name, torch.empty(model.get_parameter(name).shape, dtype=dtype,
+                                                                 device=device)), None))
     read_entries(files, where, targets, config.num_experts, str(folder))
+    # --quantize: each packed parameter read whole into one reused staging buffer, then packed, one after the
+    # other, so the unpacked model never is whole. One buffer, not one allocation each: under
+    # keep_freed_memory the heap is never trimmed, and a freed block does not always fit the next matrix.
+    largest = max((model.get_parameter(n).numel() for n in packed), default=0) if quantize == "nf4" else 0
+    stage = torch.empty(largest, dtype=dtype, device=device)
+    for name in (n for n in layout if n in packed):
+        disk, meta = layout[name], model.get_parameter(name)
+        module_name = name.rpartition(".")[0]
+        module = model.get_submodule(module_name)
+        if quantize == "mxfp4":  # the blocks and scales as read, no dense bank at all
+            planned, _ = entry_reads(disk, torch.empty(meta.shape, device="meta"), where, config.num_experts,
+                                     str(folder))
+            read_keys(files, where, planned)
+            blocks, scales = (planned[k][0] for k in mxfp4_keys(disk.key))
+            quantize_module(module, MXFP4Weight(blocks.to(device), scales.to(device), dtype,
+                                                MXFP4_ROWS[disk.layout], disk.key))
+            continue
+        value = place(model, name, stage[:meta.numel()].view(meta.shape))
+        read_entries(files, where, [(disk, value, None)], config.num_experts, str(folder))
+        with mapped_big_blocks():  # the packing's transients, unmapped when freed (allocator.py says why)
+            quantize_module(module, pack(value, quantize, module_name))
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]
     if still_meta:
         raise KeyError(f"{folder}: no checkpoint key fills parameter {still_meta[0]!r}")
     return model.eval()
+
+
+def disk_keys(disk, mxfp4: set[str]) -> tuple[str, ...]:
+    """The disk keys that fill one parameter of `checkpoint_layout` (mxfp4: the Converted keys stored packed)."""
+    if isinstance(disk, Converted):
+        return mxfp4_keys(disk.key) if disk.key in mxfp4 else (disk.key,)
+    return (disk,) if isinstance(disk, str) else disk
 
 
 def entry_reads(disk, out: torch.Tensor, where: dict, num_experts: int, source: str,
@@ -343,6 +385,15 @@ def read_entries(files: dict, where: dict, targets: list, num_experts: int, sour
         planned, convert = entry_reads(disk, out, where, num_experts, source, first_row)
         reads.update(planned)
         conversions += [convert] if convert else []
+    done = read_keys(files, where, reads)
+    for convert in conversions:
+        convert()
+    return done
+
+
+def read_keys(files: dict, where: dict, reads: dict) -> int:
+    """Each read of `reads` ({disk key: (tensor, first row or None)}, entry_reads'), one file at a time and
+    front to back in each; returns the tensor bytes read."""
     done = 0
     for file, weights in files.items():
         mine = [key for key in weights.keys() if key in reads and where.get(key) == file]
@@ -354,9 +405,16 @@ def read_entries(files: dict, where: dict, targets: list, num_experts: int, sour
                 out, first_row = reads[key]
                 weights.read_into(key, out, f, first_row=first_row)
         done += weights.bytes_read - before
-    for convert in conversions:
-        convert()
     return done
+
+
+def place(model, name: str, value: torch.Tensor) -> torch.Tensor:
+    """`value` made parameter `name` of the meta-built model (its requires_grad kept); returns it."""
+    meta = model.get_parameter(name)
+    advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
+    module_name, _, leaf = name.rpartition(".")
+    model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
+    return value
 
 
 def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile], dict[str, str]]:
@@ -371,12 +429,7 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
                 raise KeyError(f"{folder}: the shard index puts {key!r} in {file}, which does not hold it")
             where[key] = file
     quantized = mxfp4_stored(layout, where)
-    expected = set()
-    for disk in layout.values():
-        if isinstance(disk, Converted):
-            expected.update(mxfp4_keys(disk.key) if disk.key in quantized else (disk.key,))
-        else:
-            expected.update((disk,) if isinstance(disk, str) else disk)
+    expected = {key for disk in layout.values() for key in disk_keys(disk, quantized)}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
     unexpected = sorted(set(where) - expected - ignored)
     if unexpected:

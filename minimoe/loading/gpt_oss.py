@@ -56,9 +56,13 @@ def down_to_disk(w):  # [E, D, I] -> [E, I, D]
 
 def gate_up_from_mxfp4(blocks, scales, dtype, name: str = "gate_up_proj"):
     """MXFP4 [E, 2I, D/32, 16] + [E, 2I, D/32], rows interleaved -> [E, 2I, D] gate rows first."""
-    return split_interleaved(dequantize_mxfp4(blocks, scales, dtype, name), dim=1).contiguous()
+    return gate_up_rows_from_mxfp4(dequantize_mxfp4(blocks, scales, dtype, name)).contiguous()
 
 
 def down_from_mxfp4(blocks, scales, dtype, name: str = "down_proj"):
     """MXFP4 [E, D, I/32, 16] + [E, D, I/32] -> [E, D, I], already our layout."""
     return dequantize_mxfp4(blocks, scales, dtype, name)
+
+
+def gate_up_rows_from_mxfp4(w):  # [E, 2I, D] rows interleaved -> gate rows first (gate_up_from_mxfp4's layout step)
+    return split_interleaved(w, dim=1)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from minimoe.core.quantized import digest_sample
+
 BLOCK = 32  # values per shared scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # |value| of codes 0-7; codes 8-15 are their negatives
 NAN_SCALE = 255  # E8M0's NaN
@@ -49,3 +51,32 @@ def dequantize_mxfp4(blocks, scales, dtype=torch.bfloat16, name: str = "tensor")
         values = torch.ldexp(values, (flat_scales[i].int() - 127)[..., None].to(work))
         flat_out[i] = values.view(R, nb * BLOCK).to(dtype)
     return out
+
+
+class MXFP4Weight:
+    """A bank kept as the checkpoint's MXFP4 blocks and scales (`--quantize mxfp4`, core/quantized.py),
+    dequantised one expert at a time by `dequantize_mxfp4` and `layout` (loading/gpt_oss.py: gate_up's
+    interleaved rows to gate first), the same functions and order as dequantising on load: bit for bit
+    the dense bank. shape: [E, out, in] as ours; dtype: what it dequantises to."""
+
+    def __init__(self, blocks, scales, dtype, layout=None, name: str = "tensor"):
+        self.blocks, self.scales, self.layout, self.name = blocks, scales, layout, name
+        E, out, nb, _ = blocks.shape
+        self.shape, self.dtype, self.device = torch.Size((E, out, nb * BLOCK)), dtype, blocks.device
+        self.sample = None
+        dense = self.dequantize_into(torch.empty(self.shape, dtype=dtype, device=self.device))  # one bank, transient
+        self.sample = digest_sample(dense)  # an adapter's base digest, as of the dequantised-on-load bank
+
+    def dequantize_into(self, out):
+        for e in range(self.shape[0]):
+            w = dequantize_mxfp4(self.blocks[e:e + 1], self.scales[e:e + 1], self.dtype, self.name)
+            out[e].copy_((self.layout(w) if self.layout else w)[0])
+        return out
+
+    def to(self, device):
+        self.blocks, self.scales, self.device = self.blocks.to(device), self.scales.to(device), torch.device(device)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel() + self.scales.numel()

@@ -39,6 +39,7 @@ from minimoe.core.lora import add_lora, lora_modules
 from minimoe.core.methods import Method
 from minimoe.core.methods import set_router
 from minimoe.core.model import MoEForCausalLM
+from minimoe.core.quantized import digest_sample, is_quantized
 from minimoe.core.routing import moe_blocks, tuned_layers
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
 from minimoe.runs.plugins import method_of
@@ -84,14 +85,31 @@ def base_weights_digest(model: MoEForCausalLM) -> str:
     if any(m.merged for m in lora_modules(model).values()):
         raise ValueError("the model's LoRA is merged; unmerge_lora first (the digest is of the base weights)")
     h = hashlib.sha256()
-    for name, p in model.named_parameters():
+    for name, shape, sample in base_samples(model):
         if name.endswith((".lora_A", ".lora_B", ".mlp.gate.weight")) or ".mlp.router." in name:
             continue
-        flat = full(p).detach().reshape(-1)  # sharded (FSDP): gathered one parameter at a time
-        sample = flat[::max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16).view(torch.int16)
-        h.update(f"{name}{tuple(p.shape)}".encode())
-        h.update(sample.cpu().numpy().tobytes())
+        h.update(f"{name}{shape}".encode())
+        h.update(sample().view(torch.int16).cpu().numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def base_samples(model: nn.Module):
+    """(name, shape, its digest sample, lazily) per parameter in named_parameters' order, with a packed
+    weight (core/quantized.py) in its place, sampled as loaded: a QLoRA adapter's digest is its base's."""
+    seen = set()
+    for prefix, module in model.named_modules():
+        entries = list(module._parameters.items())
+        if is_quantized(module):
+            entries.insert(0, ("weight", module.packed))
+        for leaf, p in entries:
+            if p is None or id(p) in seen:
+                continue
+            seen.add(id(p))
+            name = f"{prefix}.{leaf}" if prefix else leaf
+            if is_quantized(module) and p is module.packed:
+                yield name, tuple(p.shape), lambda p=p: p.sample
+            else:  # sharded (FSDP): gathered one parameter at a time
+                yield name, tuple(p.shape), lambda p=p: digest_sample(full(p))
 
 
 def adapter_tensors(model: MoEForCausalLM, gate_layers) -> dict[str, torch.Tensor]:

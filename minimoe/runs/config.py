@@ -162,6 +162,11 @@ class TrainConfig:
                          "or fsdp (FSDP2: the base, LoRA, heads and AdamW state sharded over the ranks; for a model "
                          "that one card cannot hold; minimoe/runs/sharding.py, docs/distributed.md)",
                          choices=["ddp", "fsdp"])
+    quantize: str | None = setting("model", None, "store the frozen base's large matrices in 4 bits and dequantise them "
+                                   "one module at a time (QLoRA): nf4 (torchao's NF4; pip install -e \".[quant]\"); "
+                                   "router gates, norms, embeddings and the LM head stay as loaded; mxfp4: gpt-oss only, "
+                                   "its released MXFP4 experts kept as loaded (docs/quantization.md)",
+                                   choices=["nf4", "mxfp4"])
     pad_token_id: int | None = None  # fills short rows: the checkpoint's pad id, else its eos id (train.py sets it)
     # data
     data: str | None = setting("data", None, "arc_challenge | arc_easy | openbookqa | sciq | medmcqa; or your own: a "

@@ -115,10 +115,11 @@ class Evaluation:
 
 
 def load_model(folder, adapter: AdapterSource | None, *, device: torch.device, dtype: str = "auto",
-               allow_other_base: bool = False):
+               allow_other_base: bool = False, quantize: str | None = None):
     """The checkpoint in `folder` on `device` (runs.pick_device's), in `dtype` ("auto": train.py's rule,
-    runs.pick_dtype), with `adapter` loaded onto it -> (model, tokenizer)."""
-    model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, device)], device=device)
+    runs.pick_dtype), its base packed as `quantize` says (a QLoRA run's: core/quantized.py), with `adapter`
+    loaded onto it -> (model, tokenizer)."""
+    model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, device)], device=device, quantize=quantize)
     tokenizer = load_tokenizer(folder)
     if adapter is not None:
         load_adapter(model, adapter.folder, allow_other_base=allow_other_base, method=adapter.method)
@@ -162,7 +163,8 @@ def load_evaluation(*, base_model: str | None = None, adapter=None, checkpoint: 
 
     torch_device = pick_device(device)
     folder = resolve_checkpoint(base_model, cache_dir, model_revision)  # a hub id: its snapshot at a commit
-    model, tokenizer = load_model(folder, source, device=torch_device, dtype=dtype, allow_other_base=allow_other_base)
+    model, tokenizer = load_model(folder, source, device=torch_device, dtype=dtype, allow_other_base=allow_other_base,
+                                  quantize=run_config.get("quantize"))  # scored on the base it trained on
     keys = _identity(source, base_model=base_model, model=model, data=data, split=split, batch_size=batch_size,
                      max_examples=max_examples, max_length=max_length, split_record=record)
     keys["provenance"] = provenance(base_model, folder, revision=model_revision, device=torch_device)

@@ -18,6 +18,10 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   + top-K * 3 * expert width (each routed expert's gate, up and activation), for the rank's share of
   `batch_size * max_length` tokens; with --gradient-checkpointing, one hidden vector per layer plus
   one layer's full set.
+With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
+NF4 size (core/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
+17 bytes per 32 values, as released), everything else in the run's dtype, plus
+the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
 """
 from __future__ import annotations
@@ -31,7 +35,9 @@ from pathlib import Path
 import torch
 
 from minimoe.core.families import family_of
+from minimoe.core.experts import GroupedLinear
 from minimoe.core.model import MoEForCausalLM
+from minimoe.core.quantized import nf4_bytes, quantized_modules
 from minimoe.loading.checkpoint import (DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files, config_from_dict,
                                         read_config)
 
@@ -73,10 +79,27 @@ def shard_bytes(params, gpus: int) -> int:
                p.element_size() for p in params)
 
 
+def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
+    """--quantize nf4: the base's bytes with its large matrices packed (module docstring), on a meta model
+    without LoRA: packed sizes, the rest in `dtype`, and the largest packed matrix dequantised in `dtype`."""
+    if fmt == "mxfp4":  # gpt-oss's expert banks, as released: 16 bytes of codes and 1 scale per 32 values
+        packed = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, GroupedLinear)}
+        size = lambda shape: math.prod(shape) // 32 * 17  # noqa: E731
+    else:
+        packed = {f"{name}.weight" for name in quantized_modules(model)}
+        size = lambda shape: nf4_bytes(shape, dtype)  # noqa: E731
+    params = dict(model.named_parameters())
+    dense = sum(p.numel() * dtype.itemsize for n, p in params.items() if n not in packed)
+    return dense + sum(size(params[n].shape) for n in packed) + max((params[n].numel() * dtype.itemsize
+                                                                     for n in packed), default=0)
+
+
 def estimate(model, cfg, method, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None) -> Estimate:
     """Bytes per GPU for `model` (a meta-device MoEForCausalLM in the run's dtype, LoRA and `method`
     installed) under `cfg`'s batch; `weights_total`: the stored bytes when the files' shapes are unknown."""
     from minimoe.runs.training import install_method
+    if cfg.quantize is not None:
+        weights_total = quantized_weights(model, DTYPES[cfg.dtype], cfg.quantize)  # before LoRA wraps the linears
     install_method(model, cfg, method)
     config = model.config
     base = [p for p in model.parameters() if not p.requires_grad]
@@ -138,14 +161,19 @@ def main(argv=None) -> Estimate:
         p.add_argument(flag, type=int, default=None, help=f"train.py's {flag} (default: the recipe's)")
     p.add_argument("--method", default="ce", help="train.py's --method (its heads count as trainable)")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--quantize", choices=["nf4", "mxfp4"], default=None,
+                   help="train.py's --quantize: the frozen base in 4 bits (mxfp4: gpt-oss's experts as released)")
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error(f"--gpus {args.gpus}: expected 1 or more")
+    if args.quantize and args.gpus > 1 and args.shard == "fsdp":
+        p.error(f"--quantize {args.quantize} with --shard fsdp: train.py refuses it (docs/quantization.md); "
+                f"pass --shard ddp")
     config, folder = model_config(args.model)
     recipe = args.recipe or family_of(config.model_type).recipe
     settings = {"model": args.model, "dtype": args.dtype, "device": "cpu", "method": args.method, "shard": args.shard,
                 "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
-                "gradient_checkpointing": args.gradient_checkpointing or None}
+                "gradient_checkpointing": args.gradient_checkpointing or None, "quantize": args.quantize}
     cfg, method = build_config(settings, recipe)
     with torch.device("meta"):
         model = MoEForCausalLM(config).to(DTYPES[cfg.dtype])
@@ -158,7 +186,8 @@ def main(argv=None) -> Estimate:
     result = estimate(model, cfg, method, gpus=args.gpus, gpu_memory=int(args.gpu_memory * 2**30),
                       shard=args.shard if args.gpus > 1 else "ddp", weights_total=total)
     print(f"{args.model}: {args.gpus} GPU(s) of {args.gpu_memory:g} GiB, {args.shard if args.gpus > 1 else 'one process'}"
-          f", batch {cfg.batch_size} x {cfg.max_length} tokens, LoRA rank {cfg.lora_rank}, {cfg.dtype}")
+          f", batch {cfg.batch_size} x {cfg.max_length} tokens, LoRA rank {cfg.lora_rank}, {cfg.dtype}"
+          + (f", base in {cfg.quantize}" if cfg.quantize else ""))
     print(table(result))
     return result
 

@@ -88,3 +88,25 @@ def test_the_recipe_is_the_familys_own(tmp_path, family):
     other = "olmoe" if recipe == "granite" else "granite"
     if set(RECIPES[other].get("lora_targets", ())) != set(RECIPES[recipe].get("lora_targets", ())):
         assert memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32", "--recipe", other]).lora != ours.lora
+
+
+@pytest.mark.parametrize("family,fmt", [("olmoe", "nf4"), ("deepseek_v2", "nf4"), ("gpt_oss", "mxfp4")])
+def test_quantized_weight_figures_are_the_real_packed_sizes(tmp_path, family, fmt):
+    """--quantize: the weight figure is what a model loaded with that quantize holds (its remaining
+    parameters, its packed tensors' bytes) plus the largest packed matrix dequantised in the run's dtype.
+    mxfp4: a tiny gpt-oss whose experts are stored in MXFP4, as the release stores them."""
+    pytest.importorskip("torchao" if fmt == "nf4" else "transformers")
+    import torch
+    from minimoe.core.quantized import is_quantized, packed_bytes
+    from minimoe.loading.checkpoint import from_pretrained
+    if fmt == "mxfp4":
+        from tests.tiny_families import mxfp4_reference_model
+        (tmp_path / "m").mkdir()
+        mxfp4_reference_model(tmp_path / "m")
+    else:
+        save_pretrained(tiny_model(family), tmp_path / "m")
+    for dtype in ("float32", "bfloat16"):
+        model = from_pretrained(tmp_path / "m", dtype=dtype, quantize=fmt)
+        largest = max(m.weight.numel() for m in model.modules() if is_quantized(m)) * getattr(torch, dtype).itemsize
+        held = sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model) + largest
+        assert memory.main([str(tmp_path / "m"), "--dtype", dtype, "--quantize", fmt]).weights == held

@@ -1,0 +1,58 @@
+"""A --quantize nf4 run read back as any run is: --resume RUN, evaluate, the peft adapter on the original base,
+and export --merged into the dequantised base."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")  # the quant extra (and the test extra)
+
+from minimoe.cli import train  # noqa: E402
+from minimoe.core.quantized import is_quantized  # noqa: E402
+from minimoe.loading.checkpoint import from_pretrained  # noqa: E402
+from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
+from minimoe.runs.adapters import load_adapter  # noqa: E402
+from tests.kill import killed_after  # noqa: E402
+
+FLAGS = ["--model", "tiny", "--quantize", "nf4", "--method", "ce", "--max-train-examples", "16", "--batch-size", "8",
+         "--epochs", "2", "--no-test-eval", "--quiet", "--lora-dropout", "0"]
+
+
+def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path):
+    flags = ["--out-dir", str(tmp_path), "--run-name", "q", "--data-dir", str(tmp_path / "splits"), *FLAGS]
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        train.main(flags)
+    train.main(["--resume", str(tmp_path / "q")])  # every setting, --quantize among them, from config.json
+    run = tmp_path / "q"
+    assert json.loads((run / "config.json").read_text())["quantize"] == "nf4"
+    assert (run / "checkpoints" / "epoch-2" / "adapter.safetensors").is_file()
+
+    from minimoe.runs.evaluation import load_evaluation
+    evaluation = load_evaluation(adapter=run, max_examples=2, data_dir=tmp_path / "splits", device="cpu",
+                                 dtype="float32")
+    packed = evaluation.model
+    assert any(is_quantized(m) for m in packed.modules())  # scored on the base it trained on
+
+    # The adapter's base digest is the checkpoint's: it loads onto the original, unquantized base.
+    load_adapter(from_pretrained(tiny_checkpoint()), run / "checkpoints" / "epoch-2")
+
+    # --merged: the dequantised base plus the LoRA delta, a dense checkpoint computing what the packed model does.
+    from minimoe.integrations.export import export_merged_adapter
+    merged = from_pretrained(export_merged_adapter(run, tmp_path / "merged"))
+    assert not any(is_quantized(m) for m in merged.modules())
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, packed.eval()(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--quantize", "mxfp4"], "--quantize mxfp4 keeps gpt-oss's released MXFP4 experts packed; this model is olmoe"),
+    (["--quantize", "nf4", "--shard", "fsdp"], "--quantize nf4 with --shard fsdp is not supported"),
+    (["--quantize", "nf4"], r'needs torchao, which is not installed: pip install -e "\.\[quant\]"'),
+])
+def test_bad_quantize_settings_stop_before_any_run_folder(tmp_path, monkeypatch, flags, message):
+    if "torchao" in message:
+        monkeypatch.setitem(__import__("sys").modules, "torchao", None)  # the library missing
+    with pytest.raises(SystemExit, match=message):
+        train.main(["--model", "tiny", "--out-dir", str(tmp_path / "runs"), "--run-name", "r", *flags])
+    assert not (tmp_path / "runs").exists()
