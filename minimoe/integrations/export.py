@@ -136,6 +136,9 @@ def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_
     """
     config, tensors = _adapter_state(adapter_or_run, checkpoint)
     refuse_routing_heads(method_of(config.get("router")), "export_peft")
+    if rows := sorted(k for k in tensors if ".mlp.router.rows." in k):
+        raise ValueError(f"export_peft: refused: the adapter trains expert weights in full ({rows[0]}, ESFT's "
+                         "full form), which peft's LoRA cannot hold; export it merged (export.py --merged)")
     state, targets = peft_tensors(config, tensors)
     base_model = base_model or config.get("base_model")
     if not base_model:
