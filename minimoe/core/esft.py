@@ -16,8 +16,14 @@ Routing is native (`ESFTRouter`), the gate frozen; the router holds the choice a
 the expert banks of the layers in scope, each expert's rows masked to zero gradient unless it is chosen
 (a hook on lora_A [E, r, in] and lora_B [E, out, r], which the optimizer then never moves: B stays 0
 and A's decay changes nothing); every other LoRA is frozen. This is the paper's selection with LoRA on
-the chosen experts (the "LoRA form"); the paper trains the chosen experts' weights in full, which needs
-the bank's rows in the adapter (docs/methods.md: not built).
+the chosen experts (the "LoRA form", the default and the sweep row's).
+
+The paper's "full form" (esft_form="full"): the chosen experts' weights train in full and no LoRA does.
+Their rows of each bank are the router's parameters `rows` [k, out, in] (`take_rows`, once the choice is
+made), so the optimizer's state is theirs alone and the bank is never copied or given a gradient: a
+forward hook on each bank (`attach`) recomputes the chosen experts' row blocks with them. Being router
+state, they travel in the adapter (`fit` sizes them before a load's strict copy); `merged_banks` puts them
+into the banks for the merged export.
 
 Choices where the paper (written for DeepSeek-V2's softmax router) is silent: shares are per layer
 (the release's script normalises the summed scores; here each layer's sum to 1); on sigmoid scorers

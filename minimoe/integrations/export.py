@@ -22,7 +22,8 @@ names map onto the checkpoint's through the family's `layer_keys` (core/families
   so that only the tuned layers are replaced.
 - A method that routes natively (its record's `not_exportable` is None: native, acs, and the baselines
   densemixer, esft, router) exports as LoRA on native routing does; its router state, if any (ESFT's
-  choice of experts), is training's and is left out. The others change the routing function itself (an error head's
+  choice of experts), is training's and is left out. ESFT's full form trains expert weights in full
+  (`.mlp.router.rows.`), which peft's LoRA cannot hold: refused by name (export it merged). The others change the routing function itself (an error head's
   attenuation, a mixed copied gate), which no peft adapter can express: they are refused with an
   error saying so (adapters.refuse_routing_heads).
 - `lora_dropout` is the trained value, except 0 when `target_parameters` is set: peft's
