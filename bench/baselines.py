@@ -28,25 +28,29 @@ from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights  # noqa: 
 from minimoe.core.objectives import load_balancing_loss  # noqa: E402
 from minimoe.runs.training import install_method  # noqa: E402
 
-# candidate -> (method, tune_router, with the load-balancing loss, LoRA targets): as the sweep's rows train
+# candidate -> (method, tune_router, with the load-balancing loss, LoRA targets, method options): as the sweep's
+# rows train; ESFT's full form (no sweep row) beside its LoRA form
 RECIPE = ("q", "k", "v", "experts")
-CANDIDATES = {"CE": ("native", False, False, RECIPE), "CE + affinity tuning": ("native", True, False, RECIPE),
-              "DenseMixer": ("densemixer", False, False, RECIPE), "Router only": ("router", False, False, RECIPE),
-              "CE + load balancing": ("native", False, True, RECIPE), "ESFT": ("esft", False, False, ("experts",))}
+CANDIDATES = {"CE": ("native", False, False, RECIPE, {}), "CE + affinity tuning": ("native", True, False, RECIPE, {}),
+              "DenseMixer": ("densemixer", False, False, RECIPE, {}), "Router only": ("router", False, False, RECIPE, {}),
+              "CE + load balancing": ("native", False, True, RECIPE, {}),
+              "ESFT": ("esft", False, False, ("experts",), {}),
+              "ESFT (full form)": ("esft", False, False, ("experts",), {"esft_form": "full"})}
 SMOKE = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
              num_experts=8, num_experts_per_tok=2)
 
 
-def step_fn(config: MoEConfig, method: str, tune_router: bool, aux: bool, targets, ids, device):
+def step_fn(config: MoEConfig, method: str, tune_router: bool, aux: bool, targets, options: dict, ids, device):
     """One training step of a fresh model with `method` installed on its MoE layers -> a callable."""
     model = init_weights(MoEForCausalLM(config), generator=torch.Generator().manual_seed(0)).to(device).train()
     cuda = device.type == "cuda"
     if cuda:  # the GPU recipe: a bf16 base under autocast, fp32 LoRA and tuned gates (install_method)
         model.to(torch.bfloat16)
     cfg = SimpleNamespace(lora_rank=8, lora_alpha=8, lora_dropout=0.0, lora_targets=list(targets), layers="all")
-    install_method(model, cfg, get_method(method).configure(tune_router=tune_router))
+    install_method(model, cfg, get_method(method).configure(tune_router=tune_router, options=options))
     for mlp in esft_layers(model).values():  # ESFT: a quarter of the experts chosen (training.py chooses from data)
         mlp.router.chosen[::4] = True
+        mlp.router.take_rows(mlp)  # the full form's trainable rows (esft.prepare's step after the choice)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-5)
 

@@ -208,7 +208,11 @@ for _m in (
                options={"esft_criterion": Option("token", "which experts train: token-selection ratio or average gate "
                                                      "score", choices=esft.CRITERIA),
                         "esft_p": Option(0.2, "cumulative share the chosen experts reach, per layer",
-                                         number(float, 0, 1, low_open=True))})):
+                                         number(float, 0, 1, low_open=True)),
+                        "esft_form": Option("lora", "lora: LoRA on the chosen experts; full: their weights train "
+                                                    "in full (the paper's form)", choices=esft.FORMS)},
+               heads={"rows": ("esft_lr", Option(1e-5, "learning rate of the chosen experts' weights (full form)",
+                                                 LR))})):
     METHODS[_m.name] = _m
 
 

@@ -22,7 +22,8 @@ names map onto the checkpoint's through the family's `layer_keys` (core/families
   so that only the tuned layers are replaced.
 - A method that routes natively (its record's `not_exportable` is None: native, acs, and the baselines
   densemixer, esft, router) exports as LoRA on native routing does; its router state, if any (ESFT's
-  choice of experts), is training's and is left out. The others change the routing function itself (an error head's
+  choice of experts), is training's and is left out. ESFT's full form trains expert weights in full
+  (`.mlp.router.rows.`), which peft's LoRA cannot hold: refused by name (export it merged). The others change the routing function itself (an error head's
   attenuation, a mixed copied gate), which no peft adapter can express: they are refused with an
   error saying so (adapters.refuse_routing_heads).
 - `lora_dropout` is the trained value, except 0 when `target_parameters` is set: peft's
@@ -137,6 +138,9 @@ def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_
     """
     config, tensors = _adapter_state(adapter_or_run, checkpoint)
     refuse_routing_heads(method_of(config.get("router")), "export_peft")
+    if rows := sorted(k for k in tensors if ".mlp.router.rows." in k):
+        raise ValueError(f"export_peft: refused: the adapter trains expert weights in full ({rows[0]}, ESFT's "
+                         "full form), which peft's LoRA cannot hold; export it merged (export.py --merged)")
     state, targets = peft_tensors(config, tensors)
     base_model = base_model or config.get("base_model")
     if not base_model:

@@ -15,6 +15,9 @@ Decisions:
   (`routing.tuned_layers`), never read back from requires_grad. An adapter written before that
   with tuned gates and no router spec loads as native routing with those gates tuned, which is
   what it was.
+- Router state whose shape the run decides (ESFT's full form: the chosen experts' rows) is sized from the
+  file before the strict copy (`router.fit`); `export_merged` writes those rows into their banks
+  (`router.merged_banks`).
 - `export_merged` refuses a method whose record says it does not route natively
   (`Method.not_exportable`): the merged checkpoint has no place for its heads, so it would route
   natively and not reproduce minimoe's own evaluation. It puts the exact original weights back
@@ -206,13 +209,17 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
         if installed != {k: router.get(k, False) for k in installed}:
             raise ValueError(f"{path / 'adapter_config.json'}: its router spec is {router}; the method given to "
                              f"load_adapter installs {installed}")
-    want = adapter_tensors(model, config["gate_layers"])
     file = path / "adapter.safetensors"
     try:
         got = load_file(str(file))
     except (SafetensorError, OSError) as e:
         raise ValueError(f"{file}: not a readable safetensors file ({e}); the adapter is truncated or "
                          f"corrupt") from None
+    for i, mlp in moe_blocks(model).items():  # router state sized by the file (ESFT's full form: the chosen rows)
+        if hasattr(mlp.router, "fit"):
+            prefix = f"model.layers.{i}.mlp.router."
+            mlp.router.fit(mlp, {k[len(prefix):]: v for k, v in got.items() if k.startswith(prefix)})
+    want = adapter_tensors(model, config["gate_layers"])
     unexpected, missing = sorted(set(got) - set(want)), sorted(set(want) - set(got))
     if unexpected:
         raise KeyError(f"{file}: unexpected tensor {unexpected[0]!r} ({len(unexpected)} in all)")
@@ -254,6 +261,11 @@ def export_merged(model: MoEForCausalLM, path, *, copy_files=()):
             if mlp.gate.weight.dtype != model.dtype:
                 originals[f"model.layers.{i}.mlp.gate"] = mlp.gate.weight.data
                 mlp.gate.weight.data = mlp.gate.weight.data.to(model.dtype)
+            merged = getattr(mlp.router, "merged_banks", None)  # a method's own expert rows (ESFT's full form)
+            for bank, weight in (merged(mlp) if merged else {}).items():
+                module = getattr(mlp.experts, bank)
+                originals.setdefault(f"model.layers.{i}.mlp.experts.{bank}", module.weight.data)
+                module.weight.data = weight
     try:
         with atomic_directory(path, "merged-model") as tmp:
             write_checkpoint(model, tmp)

@@ -15,7 +15,8 @@ from minimoe.runs.config import FIELDS, flag_name
 # one table of them: sweep.py's --set takes those with a value by their train.py flag (flag_name).
 ABLATION_SETTINGS = {"lambda_": "lambda", "layers": "layers", "transform": "transform", "gamma": "gamma",
                      "error_head_lr": "ehlr", "depth_scaled_lambda": "depthscaled", "aux_coef": "aux",
-                     "esft_criterion": "esft", "esft_p": "esftp"}
+                     "esft_criterion": "esft", "esft_p": "esftp",
+                     "esft_form": "esftform", "esft_lr": "esftlr"}
 
 # Settings that only a supervised method reads (Method.prediction set).
 SUPERVISION_SETTINGS = ("objective", "lambda_", "depth_scaled_lambda", "is_eps")

@@ -354,6 +354,9 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: P
     rank, world_size = world()
     sharded = cfg.shard == "fsdp"  # built sharded already (runs/sharding.py, cli/train.py)
     state = load_latest(run, model, sharded) if resume else None  # before the optimizer (see load_latest)
+    # before the optimizer too: ESFT's full form makes its trainable rows from the choice
+    if method.prepare is not None and not resume:  # a resume has its choice back in the checkpoint's router state
+        method.prepare(model, training_routings(model, data["train"], tokenizer, cfg, rank, world_size))
     optimizer = make_optimizer(model, cfg, method)
     per_step = cfg.batch_size * cfg.grad_accum
     steps = steps_per_epoch(len(data["train"]), cfg)
@@ -361,8 +364,6 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: P
     warmup = warmup_steps(total, cfg.warmup)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, total, warmup, cfg.schedule))
     start = restore(run, state, optimizer, scheduler, rank, model if sharded else None) if resume else Position()
-    if method.prepare is not None and not resume:  # a resume has its choice back in the checkpoint's router state
-        method.prepare(model, training_routings(model, data["train"], tokenizer, cfg, rank, world_size))
     ddp = model
     if world_size > 1 and not sharded:
         device = torch.device(cfg.device)

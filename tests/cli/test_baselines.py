@@ -8,9 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from minimoe.cli import evaluate, export, train
+from minimoe.loading.checkpoint import from_pretrained
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs.training import aux_coefficient
-from tests.conftest import FAMILY_SWITCHES, tiny_config
+from minimoe.loading.tiny import FAMILY_SWITCHES
+from tests.conftest import tiny_config
 from tests.kill import killed_after
 
 SMOKE = ["--model", "tiny", "--batch-size", "4", "--quiet"]
@@ -64,6 +66,39 @@ def test_esft_chooses_its_experts_once_and_resumes_bitwise(tmp_path, data):
     assert not any(k.endswith(".mlp.gate.weight") for k in want)
     export.main([str(straight), str(tmp_path / "peft")])  # the LoRA form exports; the choice is training's own
     assert not any("router" in k for k in load_file(tmp_path / "peft" / "adapter_model.safetensors"))
+
+
+def test_esft_full_form_trains_only_the_chosen_rows_resumes_bitwise_and_evaluates(tmp_path, data, capsys):
+    """ESFT's full form on every MoE layer: the chosen experts' rows train (as router state `rows`, in the
+    adapter), no LoRA and no gate does; the optimizer holds state for those rows only; killed after epoch 1
+    and resumed, the run ends on the uninterrupted run's bits; evaluate.py gives the run's own accuracy;
+    export to peft is refused, naming why (the merged export: tests/integrations/test_export.py)."""
+    flags = ["--method", "esft", "--esft-form", "full", "--layers", "all", "--epochs", "2"]
+    straight = run_train(tmp_path, data, *flags, name="straight")
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        run_train(tmp_path, data, *flags, "--no-test-eval", name="killed")
+    resumed = run_train(tmp_path, data, *flags, "--no-test-eval", "--resume", name="killed")
+    want, got = adapter(straight, 2), adapter(resumed, 2)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    base = from_pretrained(tiny_checkpoint()).model.layers
+    moving = 0
+    for layer in range(4):
+        prefix = f"model.layers.{layer}.mlp."
+        chosen = want[prefix + "router.chosen"]
+        assert 0 < chosen.sum() < chosen.numel()
+        for bank in ("gate_up_proj", "down_proj"):
+            rows, bank_w = want[f"{prefix}router.rows.{bank}"], getattr(base[layer].mlp.experts, bank).weight
+            assert rows.shape == (int(chosen.sum()), *bank_w.shape[1:])
+            assert (rows != bank_w[chosen]).any()  # trained away from the chosen experts' base rows
+            moving += rows.numel()
+    assert not any(k.endswith((".lora_B", ".mlp.gate.weight")) for k in want if want[k].any())  # B still 0
+    state = torch.load(straight / "checkpoints" / "epoch-2" / "training_state.pt", weights_only=False)["optimizer"]
+    assert sum(s["exp_avg"].numel() for s in state["state"].values()) == moving  # the chosen rows' only
+    again = evaluate.main(["--adapter", str(straight), "--out-dir", str(tmp_path / "again")])
+    assert again["accuracy"] == json.loads((straight / "eval" / "test" / "metrics.json").read_text())["accuracy"]
+    with pytest.raises(SystemExit):
+        export.main([str(straight), str(tmp_path / "peft")])
+    assert "trains expert weights in full" in capsys.readouterr().err and not (tmp_path / "peft").exists()
 
 
 def test_router_only_trains_the_gates_and_nothing_else_and_exports(tmp_path, data):

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from minimoe.core.densemixer import dense_weights
 from minimoe.core.methods import set_router
 from minimoe.core.routing import Scoring, moe_blocks
-from tests.conftest import FAMILY_SWITCHES, tiny_model
+from minimoe.loading.tiny import FAMILY_SWITCHES
+from tests.conftest import tiny_model
 
 CASES = {**{f: (f, {}) for f in FAMILY_SWITCHES},
          # top-1 renormalised: the native weight is the constant 1, so the native gate gets no gradient

@@ -6,7 +6,8 @@ import torch
 from minimoe.core import esft
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import set_router
-from tests.conftest import FAMILY_SWITCHES, tiny_model
+from minimoe.loading.tiny import FAMILY_SWITCHES
+from tests.conftest import tiny_model
 
 
 def direct_choice(score: list[float], p: float) -> set[int]:
@@ -76,3 +77,39 @@ def test_only_the_chosen_experts_lora_trains():
             assert p.grad[~chosen].abs().max() == 0 and p.grad[chosen].abs().max() > 0, name
         else:
             assert not p.requires_grad, name  # gates and base
+
+
+def test_the_full_form_trains_the_chosen_rows_and_nothing_else():
+    """--esft-form full: the only trainable parameters are the chosen experts' rows [k, out, in] per bank;
+    after AdamW steps every other tensor of the model (the other experts' rows, attention, gates, LoRA) is
+    bit-identical, the rows have moved, and the forward equals a plain model with those rows in its banks."""
+    model = tiny_model("olmoe").train()
+    add_lora(model, targets=["q", "experts"], dropout=0.0)
+    set_router(model, "esft", layers="all", esft_form="full")
+    esft.restrict(model)
+    layers = esft.esft_layers(model)
+    for i, mlp in layers.items():
+        mlp.router.chosen.copy_(torch.tensor([i % 2 == 0, True, False, False, True, False, False, False]))
+        mlp.router.take_rows(mlp)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert all(".mlp.router.rows." in n for n in trainable)
+    assert {n: tuple(p.shape) for n, p in trainable.items()} == {
+        f"model.layers.{i}.mlp.router.rows.{bank}": (int(mlp.router.chosen.sum()),
+                                                     *getattr(mlp.experts, bank).weight.shape[1:])
+        for i, mlp in layers.items() for bank in esft.BANKS}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW(trainable.values(), lr=1e-2)
+    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        model(ids).logits.square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(after[k], v) != (".mlp.router.rows." in k), k
+    plain = tiny_model("olmoe").eval()  # the same base, the trained rows written into its banks
+    with torch.no_grad():
+        for i, mlp in layers.items():
+            for bank, weight in mlp.router.merged_banks(mlp).items():
+                getattr(plain.model.layers[i].mlp.experts, bank).weight.copy_(weight)
+    torch.testing.assert_close(model.eval()(ids).logits, plain(ids).logits)

@@ -11,6 +11,7 @@ from tests.conftest import tiny_model
 from minimoe.cli.export import main
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import set_router
+from minimoe.core.routing import moe_blocks
 from minimoe.integrations.export import export_peft
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
 from minimoe.loading.tiny import tiny_checkpoint
@@ -124,6 +125,38 @@ def test_merged_export_cli_loads_in_transformers_with_our_logits(family, method,
         want, got, before = model(ids()).logits, hf(ids()).logits, base(ids()).logits
     assert rel_err(before, want) > 1e-2  # the adapter matters
     assert rel_err(got, want) <= 2e-5
+
+
+def test_esft_full_form_merged_export_loads_in_transformers_with_our_logits(tmp_path):
+    """ESFT's full form: `export.py RUN OUT --merged` writes the base with the chosen experts' trained rows in
+    their banks; transformers gives our logits. Its peft export is refused, naming why."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model("olmoe")
+    add_lora(model, rank=4, alpha=12, dropout=0.0, targets=["q", "experts"])
+    set_router(model, "esft", layers="all", esft_form="full")
+    g = torch.Generator().manual_seed(1)
+    for i, mlp in moe_blocks(model).items():
+        mlp.router.chosen.copy_(torch.arange(8) % 3 == i % 3)
+        mlp.router.take_rows(mlp)
+        with torch.no_grad():
+            for rows in mlp.router.rows.values():
+                rows.add_(torch.randn(rows.shape, generator=g) * 0.1)
+    model.eval()
+    save_pretrained(tiny_model("olmoe"), tmp_path / "base")
+    shutil.copyfile(tiny_checkpoint() / "tokenizer.json", tmp_path / "base" / "tokenizer.json")
+    run = tmp_path / "run"
+    save_adapter(model, run / "checkpoints" / "epoch-1", base_model=str(tmp_path / "base"))
+    (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "base")}))
+    (run / "selection.json").write_text(json.dumps({"last_epoch": 1, "selected_epoch": 1}))
+    main([str(run), str(tmp_path / "merged"), "--merged"])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got, before = model(ids()).logits, hf(ids()).logits, base(ids()).logits
+    assert rel_err(before, want) > 1e-2  # the rows matter
+    assert rel_err(got, want) <= 2e-5
+    with pytest.raises(ValueError, match="trains expert weights in full.*peft's LoRA cannot hold"):
+        export_peft(run / "checkpoints" / "epoch-1", tmp_path / "peft")
 
 
 def test_merged_export_cli_refuses_tes_before_loading_anything(tmp_path, capsys):

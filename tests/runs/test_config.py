@@ -123,7 +123,7 @@ def test_flag_name_is_train_pys_flag_for_every_setting_a_sweep_cell_passes():
     fields = {*ABLATION_SETTINGS, *(key for row in ROWS.values() for key in row)}
     assert {flag_name(key): key for key in fields if key in FIELDS}.items() <= options.items()
     for key in fields - set(FIELDS):  # a method option (gamma): its flag sets that option of method_options
-        value = {"transform": "log", "esft_criterion": "gate", "esft_p": "0.5"}.get(key, "2")
+        value = {"transform": "log", "esft_criterion": "gate", "esft_p": "0.5", "esft_form": "full"}.get(key, "2")
         assert parser.parse_args([flag_name(key), value]).method_options.keys() == {key}
 
 
@@ -136,7 +136,7 @@ def test_every_built_in_method_setting_is_a_flag_made_from_its_record():
     parser = train.parser()
     settings = {k: v for m in METHODS.values() if m.module is None for k, v in m.settings.items()}
     assert set(settings) == {"gamma", "tau", "transform", "mix", "error_head_lr", "copied_head_lr", "esft_criterion",
-                             "esft_p"}
+                             "esft_p", "esft_form", "esft_lr"}
     for name, default in settings.items():
         action = parser._option_string_actions[flag_name(name)]
         assert f"(default: {default})" in action.help and not hasattr(TrainConfig, name), name
