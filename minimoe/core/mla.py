@@ -57,7 +57,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(C, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(C, H * (n + v), bias=False)
         self.o_proj = nn.Linear(H * v, D, bias=bias)
-        self.interleaved = getattr(config, "rope_interleave", True)  # DeepSeek-V2's config has no such field: always
+        self.interleaved = getattr(config, "rope_interleave", None) is not False  # None or absent (DeepSeek-V2): interleaved
         self.scale = (n + r) ** -0.5 * yarn_softmax_mscale(config.rope_scaling)
         self.mask_kind = MaskKind()  # DeepSeek's layers all attend causally in full
 
