@@ -32,7 +32,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimoe.core.masks import MaskKind, flex
+from minimoe.core.masks import flex, mask_kind
 from minimoe.core.norms import RMSNorm
 from minimoe.core.rope import apply_rope, deinterleave
 from minimoe.core.sinks import sink_attention
@@ -82,7 +82,7 @@ class Attention(nn.Module):
         self.temperature = config.attn_temperature_tuning and not self.rope
         if config.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/sinks.py)
             self.sinks = nn.Parameter(torch.zeros(H))
-        self.mask_kind = MaskKind(window=config.window(layer_idx), chunk=config.chunk(layer_idx))
+        self.mask_kind = mask_kind(window=config.window(layer_idx), chunk=config.chunk(layer_idx))
         self.takes_block_mask = not config.attention_sinks  # sinks add a key column: a bool mask only
 
     @staticmethod

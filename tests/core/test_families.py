@@ -113,14 +113,15 @@ def family_checkpoint(model_type: str, folder):
 
 
 @pytest.mark.parametrize("model_type", NEW_FAMILIES)
-def test_the_pipeline_runs_on_each_new_family(model_type, tmp_path):
+def test_the_pipeline_runs_on_each_new_family(model_type, tmp_path, methods=("ce", "dual", "acs")):
     """train.py with every method (TES over every MoE layer, killed and resumed), evaluate.py on the run,
-    and sweep.py --models on the folder: a random tiny model of the family, so the numbers are not the point."""
+    and sweep.py --models on the folder: a random tiny model of the family, so the numbers are not the point.
+    `methods`: those trained before TES (tests/test_families_pipeline.py's round-2 families: none)."""
     folder = family_checkpoint(model_type, tmp_path / f"tiny-{model_type}")
     runs = tmp_path / "runs"
     common = ["--model", str(folder), "--out-dir", str(runs), "--data-dir", str(tmp_path / "splits"),
               "--max-train-examples", "8", "--batch-size", "8", "--quiet", "--no-test-eval"]
-    for method in ("ce", "dual", "acs"):
+    for method in methods:
         train.main([*common, "--epochs", "1", "--method", method, "--run-name", method, "--layers", "all"])
         assert json.loads((runs / method / "config.json").read_text())["recipe"] == FAMILIES[model_type].recipe
     tes = [*common, "--epochs", "2", "--method", "tes", "--layers", "all", "--run-name", "tes"]
