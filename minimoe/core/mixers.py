@@ -14,7 +14,8 @@ The interface every mixer keeps (a new one is a class with these three, added to
 - `cache_slot(config, layer_idx, batch_size, max_len, dtype, device)` (static): the layer's entry in
   `KVCache`, which the mixer alone reads and writes (attention: keys and values; a state-space
   layer: its conv and recurrent state);
-- `mask_kind` (a masks.MaskKind: the attention pattern it reads from `inputs.masks`) and
+- `mask_kind` (masks.mask_kind(...): the attention pattern it reads from `inputs.masks`; one shared
+  object per pattern, so that compiled layers do not recompile on the dict key) and
   `takes_block_mask` (False: it needs a bool mask, never a FlexAttention BlockMask).
 
 Decisions:

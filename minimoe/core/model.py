@@ -26,6 +26,9 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
   sigmoid(w . x); Mixtral and Qwen: an optional sliding window, as a bool mask per window size.
   Dense layers (mlp_only_layers, decoder_sparse_step, first_k_dense_replace) run a dense MLP and
   return no Routing (None in the model output): they are never routed.
+- FlexOlmo (`norm_after`): OLMo-2's placement, each branch's output normed before the residual add
+  and no input norm. Llama 4 (`expert_input_scaled`): the combine weight scales the routed expert's
+  input (core/experts.py); Granite's shared expert stores gate and up as one matrix (core/mlp.py).
 - Experts: stacked `[E, out, in]` banks run on token blocks sorted by expert (core/experts.py).
   Under autocast every matmul of a bf16 model runs in bf16, the banks included; nothing in forward or
   backward reads a device value back to the host (no bincount, .item() or boolean indexing).
