@@ -79,7 +79,11 @@ def config_to_dict(config: MoEConfig) -> dict:
     family = family_of(config.model_type)
     written = CONFIG_FIELDS | family.config_fields
     back = {v: k for k, v in family.renames.items()}
-    d = {**config.extra, **{back.get(k, k): getattr(config, k) for k in config_field_names() if k in written}}
+    # A field left None that the family's transformers config cannot read as null (Family.never_null: Llama 4's
+    # no_rope_layer_interval, in a config built here rather than read) is left out: transformers fills in its
+    # default. Elsewhere None is written, as it can mean something (DeepSeek-V2-Lite's q_lora_rank: no q LoRA).
+    d = {**config.extra, **{back.get(k, k): getattr(config, k) for k in config_field_names() if k in written
+                            and not (getattr(config, k) is None and k in family.never_null)}}
     d["architectures"] = [family.architecture]
     if "layer_types" in written and d.get("layer_types") is None:  # gpt-oss's config would alternate them otherwise
         d["layer_types"] = ["sliding_attention" if config.window(i) else "full_attention"

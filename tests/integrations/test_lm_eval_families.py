@@ -1,24 +1,24 @@
 """lm-eval's minimoe model on the tiny OLMoE (tests/integrations/test_lm_eval.py's `sharp`) and on a
 transformers-saved tiny checkpoint of each of today's other families (Qwen3-MoE, Qwen2-MoE, Mixtral,
-DeepSeek-V2, DeepSeek-V3, gpt-oss): a local task scores as lm-eval's own `hf` model scores it on
-transformers, offline. One test, parametrised over the checkpoints."""
+DeepSeek-V2, DeepSeek-V3, gpt-oss, FlexOlmo, GLM-4.5, Llama 4): a local task scores as lm-eval's own `hf`
+model scores it on transformers, offline. One test, parametrised over the checkpoints."""
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("transformers")
 from minimoe.loading.checkpoint import read_config  # noqa: E402
 from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
-from tests.test_families_pipeline import VARIANTS, transformers_saved, with_tokenizer  # noqa: E402
+from tests.test_families_pipeline import ROUND2, VARIANTS, transformers_saved, with_tokenizer  # noqa: E402
 from tests.integrations.test_lm_eval import TASK, evaluate, sharp, task_dir  # noqa: E402,F401  (fixtures)
 
 
 def saved(name, tmp_path, monkeypatch, request):
     """The tiny OLMoE ("sharp"), or a tiny checkpoint that transformers saved: tests/tiny_families.py's
-    variants, tests/test_model.py's families (at the tokenizer's vocabulary, with positions for a question),
-    beside the tiny tokenizer."""
+    variants and round 2's, tests/test_model.py's families (at the tokenizer's vocabulary, with positions for
+    a question), beside the tiny tokenizer."""
     if name == "sharp":
         return request.getfixturevalue("sharp")
-    if name in VARIANTS:
+    if name in VARIANTS + ROUND2:
         return transformers_saved(name, tmp_path / "saved", monkeypatch)[1]
     from tests.core.test_model import reference_model, tiny
     base = read_config(tiny_checkpoint())
@@ -27,7 +27,9 @@ def saved(name, tmp_path, monkeypatch, request):
     return with_tokenizer(folder)
 
 
-@pytest.mark.parametrize("name", ["sharp", "qwen3_moe", "qwen2_moe", "mixtral", *VARIANTS])
+# granitemoeshared is left out (the CI budget): Granite's path through lm-eval is `sharp`'s, and its shared
+# expert is the parity suite's.
+@pytest.mark.parametrize("name", ["sharp", "qwen3_moe", "qwen2_moe", "mixtral", *VARIANTS, "flex_olmo", *ROUND2])
 def test_local_task_scores_as_lm_evals_hf_model(name, task_dir, tmp_path, monkeypatch, request):
     folder = saved(name, tmp_path, monkeypatch, request)
     ours = evaluate("minimoe", f"pretrained={folder},dtype=float32", task_dir)
