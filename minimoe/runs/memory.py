@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import torch
 from minimoe.core.families import family_of
 from minimoe.core.model import MoEForCausalLM
 from minimoe.loading.checkpoint import (DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files, config_from_dict,
-                                        read_config)
+                                        hub_file, read_config)
 
 HEADROOM = 0.9  # of a GPU's memory: CUDA context, allocator fragmentation
 
@@ -103,13 +104,11 @@ def model_config(name: str):
     path = Path(name)
     if path.is_dir():
         return read_config(path), path
-    from huggingface_hub import hf_hub_download
-    return config_from_dict(json.loads(Path(hf_hub_download(name, "config.json")).read_text()), name), None
+    return config_from_dict(json.loads(hub_file(name, "config.json").read_text()), name), None
 
 
 def hub_weights(name: str) -> int:
-    from huggingface_hub import hf_hub_download
-    index = json.loads(Path(hf_hub_download(name, "model.safetensors.index.json")).read_text())
+    index = json.loads(hub_file(name, "model.safetensors.index.json").read_text())
     return int(index["metadata"]["total_size"])
 
 
@@ -163,5 +162,8 @@ def main(argv=None) -> Estimate:
     return result
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # as minimoe.cli.run_command does, without importing the layer above
+    try:
+        main()
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(print(f"python -m minimoe.runs.memory: error: {e}", file=sys.stderr) or 2)

@@ -152,8 +152,9 @@ def test_hub_id_through_offline_cache(tmp_path, offline):
     assert_same_params(model, minimoe.from_pretrained("allenai/OLMoE-tiny", cache_dir=tmp_path / "cache"))
 
 
-def test_hub_id_not_cached_offline_says_so(tmp_path, offline):
-    with pytest.raises(FileNotFoundError, match="not in the local cache"):
+def test_hub_id_not_cached_offline_says_so_and_what_to_do(tmp_path, offline):
+    with pytest.raises(FileNotFoundError, match=r"not in the local cache .* HF_HUB_OFFLINE=1 forbids downloads; pass a "
+                       r"local checkpoint folder .* in its place, or use HF_HUB_OFFLINE=0 to download it"):
         minimoe.from_pretrained("allenai/not-downloaded", cache_dir=tmp_path / "empty")
 
 

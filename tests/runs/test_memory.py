@@ -88,3 +88,22 @@ def test_the_recipe_is_the_familys_own(tmp_path, family):
     other = "olmoe" if recipe == "granite" else "granite"
     if set(RECIPES[other].get("lora_targets", ())) != set(RECIPES[recipe].get("lora_targets", ())):
         assert memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32", "--recipe", other]).lora != ours.lora
+
+
+def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
+    """Issue 47: offline, an uncached hub id was a 29-line traceback here where train.py said it in one line;
+    now both say it in one line, naming the two ways out (a local folder, HF_HUB_OFFLINE=0)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "MINIMOE_WEIGHTS")}
+    env.update(HF_HOME=str(tmp_path / "empty"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "minimoe.runs.memory", "org/not-cached", "--gpus", "4"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stderr)
+    assert done.stderr.splitlines() == [
+        "python -m minimoe.runs.memory: error: org/not-cached@main: not in the local cache (the Hugging Face default) "
+        "and HF_HUB_OFFLINE=1 forbids downloads; pass a local checkpoint folder (config.json and *.safetensors) in its "
+        "place, or use HF_HUB_OFFLINE=0 to download it"]
