@@ -90,6 +90,7 @@ def test_the_recipe_is_the_familys_own(tmp_path, family):
         assert memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32", "--recipe", other]).lora != ours.lora
 
 
+@pytest.mark.plain
 def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
     """Issue 47: offline, an uncached hub id was a 29-line traceback here where train.py said it in one line;
     now both say it in one line, naming the two ways out (a local folder, HF_HUB_OFFLINE=0)."""
