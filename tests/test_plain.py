@@ -112,3 +112,16 @@ def test_ci_runs_the_plain_tests_in_its_second_environment():
     assert re.search(r"^plain:", cfg["tool:pytest"]["markers"], re.M)
     runs = re.findall(r"-m pytest ([^;}\n]*)", (REPO / ".ci" / "run").read_text(encoding="utf-8"))
     assert len(runs) == 2 and "-m plain" not in runs[0] and re.search(r"-m plain\b", runs[1]), runs
+
+
+def test_a_missing_oracle_skips_at_its_first_use_not_when_pytest_inspects_the_file():
+    """`transformers = oracle("transformers")` at a file's top: pytest's collection reads every global's attributes
+    (fixture markers); a skip there skipped the whole file on a plain install, its oracle-free tests too."""
+    from tests.conftest import MissingOracle
+    missing = MissingOracle("transformers")
+    try:
+        assert getattr(missing, "_pytestfixturefunction", None) is None
+    except pytest.skip.Exception:
+        pytest.fail("pytest's look-up of a fixture marker skipped: the whole file would be skipped")
+    with pytest.raises(pytest.skip.Exception, match="transformers is not installed"):
+        missing.AutoConfig
