@@ -25,6 +25,7 @@ def declared_commands() -> dict:
     return {name.strip(): target.strip() for name, target in lines}
 
 
+@pytest.mark.plain
 def test_console_commands_are_declared_and_installed():
     """setup.cfg declares the six; each target imports; where the package is installed with its entry
     points (pip install -e ., as CI does), each command is on PATH, and `--help` prints the script's help."""
@@ -53,6 +54,7 @@ IN_PACKAGE = {"minimoe-train": "train", "minimoe-eval": "evaluate", "minimoe-swe
               "minimoe-export": "export"}  # -> minimoe/cli/
 
 
+@pytest.mark.plain
 def test_console_commands_run_from_a_wheel_without_the_checkout(tmp_path):
     """The commands are the package's functions, not the checkout's scripts: setup.cfg points each at
     minimoe.cli.<script>:command, and a wheel built from the package alone (setup.cfg, README, minimoe/;

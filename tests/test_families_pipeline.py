@@ -1,29 +1,44 @@
-"""The whole pipeline on transformers-saved tiny checkpoints of DeepSeek-V2, DeepSeek-V3 and gpt-oss: train.py
-with every method (killed and resumed), evaluate.py and sweep.py (tests/core/test_families.py's pipeline test, here
-on a folder transformers wrote) and a hub id from an offline cache (lm-eval's model on them:
-tests/integrations/test_lm_eval_families.py)."""
+"""The whole pipeline on a tiny checkpoint of each family beyond the paper's two, saved by transformers 4.57: train.py
+(TES over every MoE layer, killed after epoch 1 and resumed), evaluate.py on the run, sweep.py --models on the folder;
+and a hub id from an offline cache (lm-eval's model on them: tests/integrations/test_lm_eval.py).
+
+One method per family, and it is TES: what a family changes (its router, its dense and sparse layers, its checkpoint
+names) every method meets through the same code, and TES touches the most of it (an error head on every sparse
+layer, trained, checkpointed and resumed). Each method is run on each family's router by
+tests/core/test_families_parity.py (a training step reaching every LoRA tensor and the method's head), and every
+method trains, resumes and is evaluated through train.py on tiny OLMoE by tests/cli/test_train_cli.py. So the
+pipeline runs once per family in CI (the budget: docs/install.md); MINIMOE_ALL_FAMILIES=1 adds CE, Dual Affinity
+and ACS to each."""
 import json
+import os
 import shutil
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import minimoe
-import tests.core.test_families as test_families
 import tests.tiny_families as tiny_families
+from minimoe.cli import evaluate, sweep, train
+from minimoe.core.families import FAMILIES
 from minimoe.loading.checkpoint import read_config
 from minimoe.loading.tiny import tiny_checkpoint
-from tests.loading.test_checkpoint import offline, populate_hub_cache  # noqa: F401  (offline: a fixture)
+from minimoe.study.grid import guess_recipe
+from tests.conftest import ALL_FAMILIES
 from tests.core.test_families_parity import FP32_TOL, batch, rel_err
 from tests.core.test_model import reference_model
+from tests.kill import killed_after
+from tests.loading.test_checkpoint import offline, populate_hub_cache  # noqa: F401  (offline: a fixture)
 
-# One transformers variant per family: V2's group-limited top-K with low-rank q, V3's sigmoid scores with the
+# tests/tiny_families.py's variants: V2's group-limited top-K with low-rank q, V3's sigmoid scores with the
 # correction bias and YaRN, gpt-oss's sinks, sliding layers, biases and YaRN.
 VARIANTS = ["deepseek_v2-group", "deepseek_v3", "gpt_oss"]
 # Issue 49's families whose router or attention is new (GLM's V3 router with partial rotary; Llama 4's top-1
-# sigmoid scaling the input, NoPE and chunked layers): TES only, killed and resumed (the CI budget; every
-# method's training step on them is tests/core/test_families_parity.py's).
+# sigmoid scaling the input, NoPE and chunked layers): tests/tiny_families.py's variants too.
 ROUND2 = ["glm4_moe", "llama4_text"]
+# tests/core/test_model.py's families, with minimoe/loading/tiny.py's switches (dense layers, shared experts,
+# windows, OLMo-2's norm placement).
+FAMILY_SWITCHES = ["qwen3_moe", "qwen2_moe", "mixtral", "granitemoeshared", "flex_olmo"]
 
 
 def transformers_saved(variant: str, folder, monkeypatch):
@@ -37,6 +52,18 @@ def transformers_saved(variant: str, folder, monkeypatch):
             monkeypatch.setitem(switches, "max_position_embeddings", 256)
     ref = reference_model(tiny_families.variant_config(variant), folder)
     return ref, with_tokenizer(folder)
+
+
+def saved(name: str, tmp_path, monkeypatch):
+    """A tiny checkpoint of `name` (a VARIANTS, ROUND2 or FAMILY_SWITCHES entry) that transformers saved, beside
+    the tiny tokenizer."""
+    if name in VARIANTS + ROUND2:
+        return transformers_saved(name, tmp_path / "saved", monkeypatch)[1]
+    from tests.core.test_model import tiny
+    base = read_config(tiny_checkpoint())
+    reference_model(tiny(name, vocab_size=base.vocab_size, pad_token_id=base.pad_token_id,
+                         eos_token_id=base.eos_token_id, max_position_embeddings=256), folder := tmp_path / "ref")
+    return with_tokenizer(folder)
 
 
 def with_tokenizer(folder):
@@ -53,13 +80,30 @@ def with_tokenizer(folder):
     return folder
 
 
-@pytest.mark.parametrize("variant", VARIANTS + ROUND2)
-def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(variant, tmp_path, monkeypatch):
-    folder = tmp_path / "saved"
-    transformers_saved(variant, folder, monkeypatch)
-    monkeypatch.setattr(test_families, "family_checkpoint", lambda model_type, f: folder)
-    methods = () if variant in ROUND2 else ("ce", "dual", "acs")
-    test_families.test_the_pipeline_runs_on_each_new_family(tiny_families.family_of(variant), tmp_path, methods)
+@pytest.mark.parametrize("name", [*FAMILY_SWITCHES, *VARIANTS, *ROUND2])
+def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, monkeypatch):
+    """A random tiny model of the family, so the numbers are not the point: every step runs, and TES's heads sit
+    on the family's sparse layers."""
+    folder = saved(name, tmp_path, monkeypatch)
+    model_type = read_config(folder).model_type
+    runs = tmp_path / "runs"
+    common = ["--model", str(folder), "--out-dir", str(runs), "--data-dir", str(tmp_path / "splits"),
+              "--max-train-examples", "8", "--batch-size", "8", "--quiet", "--no-test-eval", "--layers", "all"]
+    for method in ("ce", "dual", "acs") if os.environ.get(ALL_FAMILIES) == "1" else ():
+        train.main([*common, "--epochs", "1", "--method", method, "--run-name", method])
+    tes = [*common, "--epochs", "2", "--method", "tes", "--run-name", "tes"]
+    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
+        train.main(tes)
+    train.main([*tes, "--resume"])
+    assert json.loads((runs / "tes" / "config.json").read_text())["recipe"] == FAMILIES[model_type].recipe
+    tensors = load_file(runs / "tes" / "checkpoints" / "epoch-2" / "adapter.safetensors")
+    assert {int(k.split(".")[2]) for k in tensors if ".router.error_head." in k} == set(read_config(folder).sparse_layers)
+    metrics = evaluate.main(["--adapter", str(runs / "tes"), "--eval-dir", str(tmp_path / "eval"),
+                             "--eval-batch-size", "8", "--split", "val"])
+    assert 0 <= metrics["accuracy"] <= 1
+    cells = sweep.main(["--models", str(folder), "--benchmarks", "sciq", "--rows", "CE", "--seeds", "42",
+                        "--out-dir", str(tmp_path / "sweep"), "--dry-run", "--", "--max-train-examples", "8"])
+    assert [c.model for c in cells] == [str(folder)] and guess_recipe(str(folder)) == FAMILIES[model_type].recipe
 
 
 @pytest.mark.parametrize("variant", VARIANTS + ROUND2)

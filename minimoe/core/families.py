@@ -241,7 +241,7 @@ register_family(Family(
     brings="Granite MoE plus a shared expert beside the routed ones (shared_intermediate_size), its gate and up "
            "rows stored as one matrix as the routed experts'",
     hub_examples=("ibm-research/moe-7b-1b-active-shared-experts",),
-    recipe="granite", lora_targets=("q", "k", "v", "experts"), name_hints=("active-shared-experts",),
+    recipe="granite", lora_targets=("q", "k", "v", "experts"), name_hints=("active-shared-experts", "granitemoeshared"),
     recipe_note="Granite 3.1's router with a shared expert: Granite's recipe (LoRA on Q/K/V and the routed experts; "
                 "the shared expert is neither routed nor adapted)",
     layer_keys={**GRANITE_KEYS, "mlp.shared_expert.gate_up_proj.weight": "shared_mlp.input_linear.weight",

@@ -14,6 +14,7 @@ tensor, whole or a range of its rows: the sharded load (runs/sharding.py) reads 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -179,14 +180,33 @@ def resolve_checkpoint(name_or_path, cache_dir=None, revision=None) -> Path:
     if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise FileNotFoundError(f"{name}: no such checkpoint folder, and not a hub repo id like 'allenai/OLMoE-1B-7B-0924'")
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
-    try:
+    with not_cached_says_what_to_do(name, revision, cache_dir):
         return Path(snapshot_download(name, revision=revision, cache_dir=hub_cache_dir(cache_dir),
                                       allow_patterns=HUB_FILES))
+
+
+def hub_file(name: str, filename: str, cache_dir=None, revision=None) -> Path:
+    """One file of a hub repo (config.json, the shard index), downloaded alone, with resolve_checkpoint's error."""
+    from huggingface_hub import hf_hub_download
+    with not_cached_says_what_to_do(name, revision, cache_dir):
+        return Path(hf_hub_download(name, filename, revision=revision, cache_dir=hub_cache_dir(cache_dir)))
+
+
+@contextlib.contextmanager
+def not_cached_says_what_to_do(name: str, revision, cache_dir):
+    """huggingface_hub's LocalEntryNotFoundError (not cached, and offline or unreachable) as one line that says
+    why and what to do instead: a local folder, or the download (HF_HUB_OFFLINE=0, a reachable hub)."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        yield
     except LocalEntryNotFoundError as e:
-        raise FileNotFoundError(f"{name}@{revision or 'main'}: not in the local cache "
-                                f"({hub_cache_dir(cache_dir) or 'the Hugging Face default'}) and the hub cannot be "
-                                f"reached (HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', '0')}): {e}") from e
+        why, download = (("HF_HUB_OFFLINE=1 forbids downloads", "HF_HUB_OFFLINE=0 to download it") if constants.HF_HUB_OFFLINE else
+                         ("the hub cannot be reached", "a machine that reaches huggingface.co to download it"))
+        where = hub_cache_dir(cache_dir) or "the Hugging Face default"
+        raise FileNotFoundError(f"{name}@{revision or 'main'}: not in the local cache ({where}) and {why}; pass a "
+                                f"local checkpoint folder (config.json and *.safetensors) in its place, or use "
+                                f"{download}") from e
 
 
 def _weight_files(folder: Path) -> dict[str, list[str]]:

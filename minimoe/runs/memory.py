@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ from minimoe.core.experts import GroupedLinear
 from minimoe.core.model import MoEForCausalLM
 from minimoe.core.quantized import nf4_bytes, quantized_modules
 from minimoe.loading.checkpoint import (DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files, config_from_dict,
-                                        read_config)
+                                        hub_file, read_config)
 
 HEADROOM = 0.9  # of a GPU's memory: CUDA context, allocator fragmentation
 
@@ -126,13 +127,11 @@ def model_config(name: str):
     path = Path(name)
     if path.is_dir():
         return read_config(path), path
-    from huggingface_hub import hf_hub_download
-    return config_from_dict(json.loads(Path(hf_hub_download(name, "config.json")).read_text()), name), None
+    return config_from_dict(json.loads(hub_file(name, "config.json").read_text()), name), None
 
 
 def hub_weights(name: str) -> int:
-    from huggingface_hub import hf_hub_download
-    index = json.loads(Path(hf_hub_download(name, "model.safetensors.index.json")).read_text())
+    index = json.loads(hub_file(name, "model.safetensors.index.json").read_text())
     return int(index["metadata"]["total_size"])
 
 
@@ -192,5 +191,8 @@ def main(argv=None) -> Estimate:
     return result
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # as minimoe.cli.run_command does, without importing the layer above
+    try:
+        main()
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(print(f"python -m minimoe.runs.memory: error: {e}", file=sys.stderr) or 2)

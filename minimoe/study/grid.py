@@ -133,7 +133,8 @@ PRESETS = {
         # One epoch of 448 examples (all of SciQ's offline train split; ARC-Easy's 2000 cut to
         # match) keeps a run to minutes on a CPU; flags after -- override both.
         train_args=("--epochs", "1", "--max-train-examples", "448"),
-        tables=("comparisons", "wall_time"), about="the study on a real model (default: train.py's default model): "
+        tables=("comparisons", "wall_time"), about="the study on a real model (default: train.py's default model, the 4-expert copy; the "
+        "README's results: --models weights/smollm2-split, docs/study.md): "
         "the nine rows, final layer supervised, plus all-layer ACS-IS, TES-IS and their Dual Affinity control, "
         "offline SciQ and ARC-Easy, one epoch, with the zero-shot row and the paired group comparisons"),
     "baselines": Preset(

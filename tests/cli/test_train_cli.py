@@ -660,6 +660,7 @@ def test_relaunch_from_config_json_repeats_the_run_and_flags_beside_it_override(
         k: v for k, v in settings(first).items() if k not in ("lr", "run_name")}
 
 
+@pytest.mark.plain
 def test_yaml_settings_file_starts_a_run_and_unknown_keys_are_named(tmp_path):
     (tmp_path / "mine.yaml").write_text("model: tiny\nmethod: ce\nlora_targets: [q, v]\nmax_train_examples: 8\n"
                                         "batch_size: 8\nepochs: 1\nno_test_eval: true\nquiet: true\n")

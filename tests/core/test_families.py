@@ -3,19 +3,15 @@ import json
 from dataclasses import fields, replace
 
 import pytest
-from safetensors.torch import load_file
 
-from tests.conftest import NEW_FAMILIES, tiny_config
-from minimoe.cli import evaluate, sweep, train
+from tests.conftest import tiny_config
 from minimoe.cli.train import parse_args, resolve_config
 from minimoe.core.families import CONFIG_FIELDS, FAMILIES, REQUIRED, Family, family_of, register_family
 from minimoe.core.lora import resolve_targets
 from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
-from minimoe.loading.checkpoint import checkpoint_layout, config_from_dict, config_to_dict, read_config
-from minimoe.loading.tiny import build_tiny_checkpoint
+from minimoe.loading.checkpoint import checkpoint_layout, config_from_dict, config_to_dict
 from minimoe.runs.recipes import RECIPES
 from minimoe.study.grid import guess_recipe
-from tests.kill import killed_after
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -94,44 +90,3 @@ def test_family_fixed_fields_override_the_file():
     assert config_from_dict(d).norm_topk_prob and config_from_dict(d).topk_on_logits
     assert MoEConfig(**{**vars(tiny_config("olmoe")), "qk_norm": None}).qk_norm == "full"
     assert {f.name for f in fields(Family)} >= set(REQUIRED)
-
-
-# ---- the whole pipeline on each new family ----------------------------------------------------------------
-
-def family_checkpoint(model_type: str, folder):
-    """A tiny random checkpoint of the family (its switches: dense layers, shared experts, windows), as
-    `--model tiny:<model_type>` builds it (minimoe/loading/tiny.py)."""
-    return build_tiny_checkpoint(folder, model_type)
-
-
-# Issue 49's families: TES alone, killed and resumed (the CI budget; every method's training step on them is
-# tests/core/test_families_parity.py's).
-ONE_METHOD = {"granitemoeshared", "flex_olmo"}
-
-
-@pytest.mark.parametrize("model_type", NEW_FAMILIES)
-def test_the_pipeline_runs_on_each_new_family(model_type, tmp_path, methods=None):
-    """train.py with every method (TES over every MoE layer, killed and resumed), evaluate.py on the run,
-    and sweep.py --models on the folder: a random tiny model of the family, so the numbers are not the point.
-    `methods`: those trained before TES (tests/test_families_pipeline.py's round-2 families: none)."""
-    folder = family_checkpoint(model_type, tmp_path / f"tiny-{model_type}")
-    runs = tmp_path / "runs"
-    common = ["--model", str(folder), "--out-dir", str(runs), "--data-dir", str(tmp_path / "splits"),
-              "--max-train-examples", "8", "--batch-size", "8", "--quiet", "--no-test-eval"]
-    methods = methods if methods is not None else () if model_type in ONE_METHOD else ("ce", "dual", "acs")
-    for method in methods:
-        train.main([*common, "--epochs", "1", "--method", method, "--run-name", method, "--layers", "all"])
-        assert json.loads((runs / method / "config.json").read_text())["recipe"] == FAMILIES[model_type].recipe
-    tes = [*common, "--epochs", "2", "--method", "tes", "--layers", "all", "--run-name", "tes"]
-    with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
-        train.main(tes)
-    train.main([*tes, "--resume"])
-    tensors = load_file(runs / "tes" / "checkpoints" / "epoch-2" / "adapter.safetensors")
-    layers = read_config(folder).sparse_layers
-    assert {int(k.split(".")[2]) for k in tensors if ".router.error_head." in k} == set(layers)
-    metrics = evaluate.main(["--adapter", str(runs / "tes"), "--out-dir", str(tmp_path / "eval"),
-                             "--eval-batch-size", "8", "--split", "val"])
-    assert 0 <= metrics["accuracy"] <= 1
-    cells = sweep.main(["--models", str(folder), "--benchmarks", "sciq", "--rows", "CE", "--seeds", "42",
-                        "--out-dir", str(tmp_path / "sweep"), "--dry-run", "--", "--max-train-examples", "8"])
-    assert [c.model for c in cells] == [str(folder)] and guess_recipe(str(folder)) == FAMILIES[model_type].recipe

@@ -220,6 +220,7 @@ def test_read_manifest_missing_empty_and_unicode(tmp_path):
     assert data.read_manifest(tmp_path / "u.jsonl")[0].question == "two\u2028lines é"
 
 
+@pytest.mark.plain
 def test_hub_source_offline_without_cache_says_what_to_do(tmp_path, monkeypatch):
     """With HF_HUB_OFFLINE=1 and an empty cache the hub path fails before any network use, saying the
     data is not cached and pointing at source='offline'."""
@@ -231,6 +232,7 @@ def test_hub_source_offline_without_cache_says_what_to_do(tmp_path, monkeypatch)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.plain
 def test_hub_source_reads_a_cached_snapshot(tmp_path, monkeypatch):
     """The hub reader on a hand-made HF cache (ARC-Challenge parquet shards, offline mode): partitions come
     from the shard names, other configs are ignored, and validation equals the offline copy."""
@@ -348,6 +350,7 @@ def test_prompt_format_is_exact():
     assert format_prompt("q") + format_choice("a") == "Question: q\nAnswer: a"
 
 
+@pytest.mark.plain
 def test_tokenizer_round_trips_and_is_deterministic():
     """Byte-level BPE: any text decodes back to itself; two trainings on the same texts are identical;
     <|endoftext|> = 0 and <|pad|> = 1."""
@@ -366,6 +369,7 @@ def test_tokenizer_round_trips_and_is_deterministic():
         data.train_tokenizer(texts, special_tokens=["<s>"])
 
 
+@pytest.mark.plain
 def test_hub_source_offline_names_the_flag(tmp_path, monkeypatch):
     """Issue 41 item 7: train.py --data-source hub without network pointed at source='offline', a Python
     argument; the command's user needs the flag."""

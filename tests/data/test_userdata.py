@@ -125,6 +125,7 @@ def test_overlap_between_given_splits_is_refused(tmp_path, pool):
     assert not (tmp_path / "splits").exists()
 
 
+@pytest.mark.plain
 def test_hub_dataset_id_is_read_at_its_revision(tmp_path, pool, monkeypatch):
     """A hub id with --data-revision: the snapshot of that commit (a local cache standing in for the Hub,
     HF_HUB_OFFLINE), split by file name, parquet read; splits.json records the commit read."""

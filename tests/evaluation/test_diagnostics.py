@@ -199,6 +199,7 @@ def test_decile_curve_rejects_more_bins_than_groups():
         decile_curve([1.0, 2.0], [1.0, 2.0], bins=3)
 
 
+@pytest.mark.plain
 def test_plot_writes_a_png_atomically(tmp_path):
     rng = np.random.default_rng(3)
     train_pred, test_pred = rng.normal(size=60), rng.normal(size=30)

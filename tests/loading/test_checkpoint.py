@@ -143,6 +143,7 @@ def offline(monkeypatch):
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
 
 
+@pytest.mark.plain
 def test_hub_id_through_offline_cache(tmp_path, offline):
     """A hub repo id resolves to an already-populated cache with HF_HUB_OFFLINE=1 (no network)."""
     model = tiny_model("olmoe")
@@ -152,8 +153,10 @@ def test_hub_id_through_offline_cache(tmp_path, offline):
     assert_same_params(model, minimoe.from_pretrained("allenai/OLMoE-tiny", cache_dir=tmp_path / "cache"))
 
 
-def test_hub_id_not_cached_offline_says_so(tmp_path, offline):
-    with pytest.raises(FileNotFoundError, match="not in the local cache"):
+@pytest.mark.plain
+def test_hub_id_not_cached_offline_says_so_and_what_to_do(tmp_path, offline):
+    with pytest.raises(FileNotFoundError, match=r"not in the local cache .* HF_HUB_OFFLINE=1 forbids downloads; pass a "
+                       r"local checkpoint folder .* in its place, or use HF_HUB_OFFLINE=0 to download it"):
         minimoe.from_pretrained("allenai/not-downloaded", cache_dir=tmp_path / "empty")
 
 
@@ -289,6 +292,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     assert sorted(os.listdir(tmp_path)) == ["m"]
 
 
+@pytest.mark.plain
 def test_load_tokenizer_reads_tokenizer_json_and_special_ids(tmp_path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE(unk_token="<unk>"))

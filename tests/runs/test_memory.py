@@ -110,3 +110,23 @@ def test_quantized_weight_figures_are_the_real_packed_sizes(tmp_path, family, fm
         largest = max(m.weight.numel() for m in model.modules() if is_quantized(m)) * getattr(torch, dtype).itemsize
         held = sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model) + largest
         assert memory.main([str(tmp_path / "m"), "--dtype", dtype, "--quantize", fmt]).weights == held
+
+
+@pytest.mark.plain
+def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
+    """Issue 47: offline, an uncached hub id was a 29-line traceback here where train.py said it in one line;
+    now both say it in one line, naming the two ways out (a local folder, HF_HUB_OFFLINE=0)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "MINIMOE_WEIGHTS")}
+    env.update(HF_HOME=str(tmp_path / "empty"), HF_HUB_OFFLINE="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "minimoe.runs.memory", "org/not-cached", "--gpus", "4"], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stderr)
+    assert done.stderr.splitlines() == [
+        "python -m minimoe.runs.memory: error: org/not-cached@main: not in the local cache (the Hugging Face default) "
+        "and HF_HUB_OFFLINE=1 forbids downloads; pass a local checkpoint folder (config.json and *.safetensors) in its "
+        "place, or use HF_HUB_OFFLINE=0 to download it"]

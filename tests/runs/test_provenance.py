@@ -43,6 +43,7 @@ SMOKE = ["--max-train-examples", "8", "--batch-size", "8", "--epochs", "1", "--n
          "--recipe", "tiny", "--method", "tes"]
 
 
+@pytest.mark.plain
 def test_hub_id_trains_from_the_default_cache_offline_and_config_json_records_what_ran(tmp_path, hf_home):
     done = cli("train.py", "--model", REPO_ID, "--out-dir", str(tmp_path / "runs"), "--run-name", "r",
                "--data-dir", str(tmp_path / "splits"), *SMOKE, hf_home=hf_home, cwd=tmp_path)
@@ -64,6 +65,7 @@ def test_hub_id_trains_from_the_default_cache_offline_and_config_json_records_wh
     assert record["model"] == REPO_ID and record["model_revision"] is None
 
 
+@pytest.mark.plain
 def test_model_revision_selects_the_snapshot_and_an_unknown_one_is_one_line(tmp_path, hf_home):
     out = tmp_path / "eval"
     common = ["--model", REPO_ID, "--data", "arc_challenge", "--data-dir", str(tmp_path / "splits"),

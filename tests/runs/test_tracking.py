@@ -137,6 +137,7 @@ def test_wandb_offline_run_holds_every_metrics_line(tmp_path, monkeypatch):
     assert [history[r["step"]]["val/choice_nll"] for r in epochs] == pytest.approx([r["val_choice_nll"] for r in epochs])
 
 
+@pytest.mark.plain
 def test_plot_draws_several_runs_on_one_png(tmp_path, capsys):
     for name, method in (("a", "ce"), ("b", "acs")):
         train.main(["--out-dir", str(tmp_path), "--run-name", name, "--data-dir", str(tmp_path / "splits"), *SMOKE,
