@@ -249,7 +249,9 @@ register_family(Family(
     renames={"num_local_experts": "num_experts", "shared_intermediate_size": "shared_expert_intermediate_size"},
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier",
                              "logits_scaling", "attention_multiplier", "shared_expert_intermediate_size"}),
-    fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True}))
+    fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True},
+    defaults={"attention_multiplier": 1.0, "max_position_embeddings": 2048, "router_aux_loss_coef": 0.001,
+              "bos_token_id": 1, "eos_token_id": 2}))
 
 register_family(Family(
     "flex_olmo", "FlexOlmoForCausalLM",
@@ -262,7 +264,8 @@ register_family(Family(
     layer_keys=PER_EXPERT_KEYS,
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "norm_topk_prob"}),
     fixed={"qk_norm": "full", "norm_after": True, "norm_weight_in_fp32": True},
-    defaults={"rope_theta": 500000.0, "norm_topk_prob": False, "router_aux_loss_coef": 0.01}))
+    defaults={"rope_theta": 500000.0, "norm_topk_prob": False, "router_aux_loss_coef": 0.01,
+              "pad_token_id": 100277, "eos_token_id": 100257}))
 
 register_family(Family(
     "glm4_moe", "Glm4MoeForCausalLM",
@@ -279,7 +282,8 @@ register_family(Family(
     fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "qk_norm": "head"},
     defaults={"partial_rotary_factor": 0.5, "use_qk_norm": False, "qkv_bias": False, "rms_norm_eps": 1e-5,
               "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
-              "n_shared_experts": 1, "norm_topk_prob": True}))
+              "n_shared_experts": 1, "norm_topk_prob": True, "dense_intermediate_size": 10944,
+              "max_position_embeddings": 131072, "num_key_value_heads": 8}))
 
 # Llama 4's layer holds its MLP as `feed_forward`: the router, the experts stored as x @ W ([E, D, 2I] with
 # the gate columns first, [E, I, D]: `Converted` "transposed"), the shared expert, and a dense layer's MLP.
@@ -312,5 +316,6 @@ register_family(Family(
            "attention_bias": False},
     defaults={"use_qk_norm": True, "no_rope_layer_interval": 4, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
               "attention_chunk_size": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "head_dim": 128,
-              "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1},
+              "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1, "num_key_value_heads": 8,
+              "max_position_embeddings": 131072, "dense_intermediate_size": 16384, "bos_token_id": 1, "eos_token_id": 2},
     never_null=frozenset({"no_rope_layer_interval"})))

@@ -128,7 +128,8 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 
 def aux_coefficient(cfg: TrainConfig, model_config=None) -> float:
     """The load-balancing loss's weight: --aux-coef, or with `family` the checkpoint's router_aux_loss_coef
-    (a family whose config.json carries none, DeepSeek's in transformers 4.57, is refused: give a number)."""
+    (a family whose config.json carries none, DeepSeek's and GLM-4.5's in transformers 4.57, is refused: give
+    a number)."""
     if cfg.aux_coef != "family":
         return cfg.aux_coef
     if model_config is None:

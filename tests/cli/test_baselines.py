@@ -128,11 +128,12 @@ def test_the_familys_load_balancing_loss_weighs_the_step_at_its_coefficient(tmp_
 
 @pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
 def test_aux_coef_family_is_the_checkpoints_coefficient_or_refused(family):
-    """Each family's router_aux_loss_coef, as its config.json gives it; DeepSeek's carry none (transformers
-    4.57 adds no load-balancing loss for them): refused by name, a number still works."""
+    """Each family's router_aux_loss_coef, as its config.json gives it; DeepSeek's and GLM-4.5's carry none
+    (transformers 4.57's configs lack the field and add no load-balancing loss for them): refused by name, a
+    number still works."""
     config = tiny_config(family, router_aux_loss_coef=0.123)
     cfg = SimpleNamespace(aux_coef="family")
-    if family.startswith("deepseek"):
+    if family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
         with pytest.raises(ValueError, match=f"{family}'s config.json has no router_aux_loss_coef"):
             aux_coefficient(cfg, config)
         assert aux_coefficient(SimpleNamespace(aux_coef=0.01), config) == 0.01

@@ -14,7 +14,9 @@ from tests.conftest import tiny_model
 CASES = {**{f: (f, {}) for f in FAMILY_SWITCHES},
          # top-1 renormalised: the native weight is the constant 1, so the native gate gets no gradient
          "olmoe-top1": ("olmoe", dict(num_experts_per_tok=1, norm_topk_prob=True)),
-         "olmoe-norm": ("olmoe", dict(norm_topk_prob=True))}
+         "olmoe-norm": ("olmoe", dict(norm_topk_prob=True)),
+         # the sigmoid of each of the K scales the expert's input; the releases' top-1 is the tiny one's
+         "llama4_text-top2": ("llama4_text", dict(num_experts_per_tok=2))}
 
 
 def block_and_input(case):
@@ -34,9 +36,11 @@ def run(block, x, r):
 
 
 def dense_reference_gate_grad(block, x, r, scoring: Scoring):
-    """d/dW_gate of <r, sum_e w_e(a) E_e(x)>, the experts' outputs held fixed: the dense mixture's
-    router gradient. w from the family's weights written out: softmax p (or sigmoid s), divided by their
-    sum over the native K where the family renormalises, times the scaling factor."""
+    """d/dW_gate of <r, y_dense>, the dense mixture over all E experts: y_dense = sum_e w_e(a) E_e(x), the
+    experts' outputs held fixed, or, where the experts scale their input (Llama 4), sum_e E_e(w_e(a) x), the
+    gradient reaching w_e through the expert. w from the family's weights written out: softmax p (or sigmoid
+    s), divided by their sum over the native K where the family renormalises (norm_topk_prob, or a softmax
+    over the K logits), times the scaling factor."""
     flat = x.reshape(-1, x.shape[-1])
     T, E = flat.shape[0], block.gate.weight.shape[0]
     W = block.gate.weight.detach().requires_grad_(True)
@@ -44,12 +48,16 @@ def dense_reference_gate_grad(block, x, r, scoring: Scoring):
     correction = getattr(block.gate, "e_score_correction_bias", None)
     chosen = scoring.select(a.detach(), correction=correction)[0]  # [T, K] the native top-K
     s = a.softmax(-1) if scoring.func == "softmax" else a.sigmoid()
-    if scoring.normalize or scoring.on_logits:
+    if scoring.normalize or (scoring.on_logits and scoring.func == "softmax"):
         s = s / s.gather(-1, chosen).sum(-1, keepdim=True)
     w = s * scoring.scaling  # [T, E]
-    with torch.no_grad():
-        outs = torch.stack([block.experts(flat, torch.full((T, 1), e), torch.ones(T, 1)) for e in range(E)], 1)
-    dense = (w[..., None] * outs).sum(1)  # [T, D]
+    ones = torch.ones(T, 1)
+    if getattr(block.experts, "scale_input", False):  # the input scaled by hand, the bank's own scale 1
+        dense = sum(block.experts(w[:, e:e + 1] * flat, torch.full((T, 1), e), ones) for e in range(E))  # [T, D]
+    else:
+        with torch.no_grad():
+            outs = torch.stack([block.experts(flat, torch.full((T, 1), e), ones) for e in range(E)], 1)
+        dense = (w[..., None] * outs).sum(1)  # [T, D]
     (grad,) = torch.autograd.grad((dense * r.reshape(T, -1)).sum(), W)
     return grad, w, chosen
 
@@ -77,7 +85,8 @@ def test_densemixer_forward_is_native_and_gate_gradient_is_the_dense_mixtures(ca
 
 def test_dense_weights_equal_the_native_weights_on_the_selection():
     logits = torch.randn(6, 8)
-    for scoring in (Scoring(2), Scoring(2, True), Scoring(3, on_logits=True), Scoring(2, True, "sigmoid", scaling=2.5)):
+    for scoring in (Scoring(2), Scoring(2, True), Scoring(3, on_logits=True), Scoring(2, True, "sigmoid", scaling=2.5),
+                    Scoring(2, func="sigmoid", on_logits=True)):
         experts, weights = scoring.select(logits)
         torch.testing.assert_close(dense_weights(scoring, logits, experts).gather(-1, experts), weights)
 

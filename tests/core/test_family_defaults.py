@@ -24,6 +24,8 @@ SAME_MEANING = {
     ("deepseek_v3", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
     ("deepseek_v2", "n_group"): "None with greedy top-K: no groups; ours 1 group of every expert, the same selection",
     ("deepseek_v2", "topk_group"): "None with greedy top-K: no groups; ours 1 group kept, the same selection",
+    ("llama4_text", "moe_layers"): "None: every decoder_sparse_step-th layer (i + 1) % step == 0, the list "
+                                    "transformers fills in (range(step - 1, layers, step))",
 }
 
 
