@@ -1,0 +1,114 @@
+"""The Mamba-2 token mixer (Granite 4.0-H's mamba layers), in pure PyTorch: the reference and the CPU path.
+
+    in_proj(x) -> z (gate), xBC, dt;  xBC -> causal depthwise conv1d + SiLU -> x, B, C
+    per head h:  state_t = exp(dt_t A_h) state_{t-1} + dt_t x_t B_t^T,   y_t = state_t C_t + D_h x_t
+    out_proj(RMSNorm(y * silu(z)))
+
+Letters: H heads, P head dim (H*P = the inner width), G groups (heads share B and C within a group:
+head h reads group h // (H/G)), N state size, L chunk length, c chunks.
+
+The scan is SSD's chunked form (Mamba-2 paper, "state space duality"): within a chunk the output is a
+masked, decayed attention of C over B (quadratic in L); between chunks the state is carried by a short
+loop over c. It equals transformers 4.57's `torch_forward` (GraniteMoeHybridMambaLayer without the
+mamba-ssm kernels), whose dtype flow it keeps: dt's softplus in the model dtype, the scan in fp32, the
+gated norm's product in fp32 (gate before the norm), cast back before out_proj.
+Parameter names are the checkpoint's (`mamba.in_proj`, `mamba.conv1d`, `mamba.dt_bias`, `mamba.A_log`,
+`mamba.D`, `mamba.norm`, `mamba.out_proj`). Padding and packed rows: core/ssm_common.py.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minimoe.core.ssm_common import RecurrentState, causal_conv1d, masked, pad_to_chunks, run_segments
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm(y * silu(z)) * weight over the whole inner width, in fp32 (Mamba-2's gate before the norm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, y, z):
+        h = y.float() * F.silu(z.float())
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(y.dtype)
+
+
+def ssd_scan(x, dt, A, B, C, chunk: int, state=None):
+    """x [b, T, H, P], dt [b, T, H] (after softplus), A [H] (< 0), B and C [b, T, H, N], state [b, H, P, N]
+    or None (zeros), all fp32 -> (y [b, T, H, P] without the D term, the final state [b, H, P, N])."""
+    b, T, H, P = x.shape
+    a = A * dt  # [b, T, H] log decay of each step
+    xdt = x * dt[..., None]
+    # chunks: [b, c, L, ...]; zero padding at the end is no input and no decay
+    x_, a_, B_, C_ = (pad_to_chunks(t, chunk).unflatten(1, (-1, chunk)) for t in (xdt, a, B, C))
+    acum = a_.cumsum(2)  # [b, c, L, H] log decay from the chunk start to each position
+    # within each chunk: y_t += sum_{s<=t} exp(acum_t - acum_s) (C_t . B_s) x_s dt_s
+    diff = acum[:, :, :, None, :] - acum[:, :, None, :, :]  # [b, c, L(t), L(s), H]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()[None, None, :, :, None]
+    decay = diff.masked_fill(~causal, float("-inf")).exp()
+    scores = torch.einsum("bclhn,bcshn->bclsh", C_, B_) * decay
+    y = torch.einsum("bclsh,bcshp->bclhp", scores, x_)
+    # each chunk's own contribution to the state at its end, then the carry across chunks
+    to_end = (acum[:, :, -1:, :] - acum).exp()  # [b, c, L, H]
+    chunk_states = torch.einsum("bclhn,bclh,bclhp->bchpn", B_, to_end, x_)
+    h = x.new_zeros(b, H, P, B.shape[-1]) if state is None else state
+    entering = []
+    for i in range(x_.shape[1]):
+        entering.append(h)
+        h = h * acum[:, i, -1, :, None, None].exp() + chunk_states[:, i]
+    entering = torch.stack(entering, 1)  # [b, c, H, P, N] the state before each chunk
+    y = y + torch.einsum("bclhn,bchpn,bclh->bclhp", C_, entering, acum.exp())
+    return y.flatten(1, 2)[:, :T], h
+
+
+class Mamba2Mixer(nn.Module):
+    """x [B, T, D] -> [B, T, D]; see the module docstring."""
+
+    def __init__(self, hidden_size: int, n_heads: int, head_dim: int, n_groups: int, state_size: int,
+                 conv_kernel: int, chunk_size: int, eps: float, conv_bias: bool = True, proj_bias: bool = False):
+        super().__init__()
+        if n_heads % n_groups:
+            raise ValueError(f"mamba: mamba_n_heads {n_heads} is not a multiple of mamba_n_groups {n_groups}")
+        self.H, self.P, self.G, self.N, self.chunk = n_heads, head_dim, n_groups, state_size, chunk_size
+        self.inner = n_heads * head_dim
+        self.conv_dim = self.inner + 2 * n_groups * state_size  # x, B, C go through the conv
+        self.in_proj = nn.Linear(hidden_size, self.inner + self.conv_dim + n_heads, bias=proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(n_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(n_heads))
+        self.norm = GatedRMSNorm(self.inner, eps)
+        self.out_proj = nn.Linear(self.inner, hidden_size, bias=proj_bias)
+
+    def forward(self, x, attention_mask=None, segment_ids=None, cache: dict | None = None, layer: int = 0):
+        """attention_mask [B, T] (1 = real) for these positions; segment_ids [B, T]: packed rows;
+        cache: {layer: RecurrentState}, read and written (generation)."""
+        z, u = self.in_proj(masked(x, attention_mask)).split([self.inner, self.conv_dim + self.H], dim=-1)
+        if segment_ids is not None:
+            y = run_segments(self.sequence, u, segment_ids, attention_mask)
+        else:
+            y, state = self.sequence(u, attention_mask, None if cache is None else cache.get(layer))
+            if cache is not None:
+                cache[layer] = state
+        return self.out_proj(self.norm(y, z).to(x.dtype))
+
+    def sequence(self, u, mask, state: RecurrentState | None):
+        """u [B, T, conv_dim + H] (xBC, dt) -> (y [B, T, H*P] fp32, RecurrentState)."""
+        Bt, T, _ = u.shape
+        xBC, dt = u.split([self.conv_dim, self.H], dim=-1)
+        xBC, window = causal_conv1d(masked(xBC, mask), self.conv1d.weight, self.conv1d.bias,
+                                    None if state is None else state.conv)
+        xs, B, C = masked(xBC, mask).split([self.inner, self.G * self.N, self.G * self.N], dim=-1)
+        dt = F.softplus(dt + self.dt_bias)  # [B, T, H] in the model dtype, as the reference
+        A = -torch.exp(self.A_log.float())
+        per_group = self.H // self.G
+        B, C = (t.float().unflatten(-1, (self.G, self.N)).repeat_interleave(per_group, dim=2) for t in (B, C))
+        xs = xs.float().unflatten(-1, (self.H, self.P))
+        y, h = ssd_scan(xs, dt.float(), A, B, C, self.chunk, None if state is None else state.scan)
+        y = y + self.D[:, None] * xs
+        return y.flatten(2), RecurrentState(window, h)
