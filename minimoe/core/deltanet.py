@@ -99,7 +99,6 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, attention_mask=None, segment_ids=None, cache: dict | None = None, layer: int = 0):
         """attention_mask [B, T] (1 = real) for these positions; segment_ids [B, T]: packed rows;
         cache: {layer: RecurrentState}, read and written (generation)."""
-        x = masked(x, attention_mask)
         q, k, v, z, b, a = self.split_projections(self.in_proj_qkvz(x), self.in_proj_ba(x))
         u = torch.cat([q, k, v, b, a], dim=-1)  # the sequential part's input
         if segment_ids is not None:

@@ -88,7 +88,7 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x, attention_mask=None, segment_ids=None, cache: dict | None = None, layer: int = 0):
         """attention_mask [B, T] (1 = real) for these positions; segment_ids [B, T]: packed rows;
         cache: {layer: RecurrentState}, read and written (generation)."""
-        z, u = self.in_proj(masked(x, attention_mask)).split([self.inner, self.conv_dim + self.H], dim=-1)
+        z, u = self.in_proj(x).split([self.inner, self.conv_dim + self.H], dim=-1)
         if segment_ids is not None:
             y = run_segments(self.sequence, u, segment_ids, attention_mask)
         else:
