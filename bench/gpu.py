@@ -341,7 +341,7 @@ def attention_backends(device, smoke: bool):
     time, beside FlexAttention (compiled on CUDA) on the packed rows' block mask."""
     from torch.nn.attention import SDPBackend
 
-    from minimoe.core import model as model_module
+    from minimoe.core import masks
     names = {int(getattr(SDPBackend, n)): n.lower() for n in dir(SDPBackend) if n.isupper()}
     c = config("granitemoe", 1, smoke)
     B, T = (2, 64) if smoke else (8, 512)
@@ -350,7 +350,7 @@ def attention_backends(device, smoke: bool):
     q = torch.randn(B, H, T, d, device=device, dtype=torch.bfloat16, generator=g).requires_grad_()
     k, v = (torch.randn(B, G, T, d, device=device, dtype=torch.bfloat16, generator=g).requires_grad_() for _ in "kv")
     segments = (torch.arange(T, device=device) // (T // 8)).clamp(max=7).expand(B, T)  # a prompt and 7 choices
-    dense = MoEForCausalLM._attention_mask(None, B, T, 0, device, segments)
+    dense = masks.bool_mask(None, B, T, 0, device, segments)
     calls = {"causal (no mask)": dict(attn_mask=None, is_causal=True), "packed bool mask": dict(attn_mask=dense)}
     for shape, kw in calls.items():
         choice = torch._fused_sdp_choice(q, k, v, kw["attn_mask"], 0.0, kw.get("is_causal", False), scale=None,
@@ -362,8 +362,8 @@ def attention_backends(device, smoke: bool):
     if device.type != "cuda":
         row("attention", f"B{B} H{H} G{G} T{T} d{d}", "flex packed block mask: fwd+bwd s", note="no flex backward on the CPU")
         return
-    mask = model_module.block_mask(None, segments, B, T)
-    run = lambda: model_module.flex(True)(q, k, v, block_mask=mask, enable_gqa=True).sum().backward()  # noqa: E731
+    mask = masks.block_mask(None, segments, B, T)
+    run = lambda: masks.flex(True)(q, k, v, block_mask=mask, enable_gqa=True).sum().backward()  # noqa: E731
     t = statistics.median(timed(run, device, steps=10, warmup=2))
     row("attention", f"B{B} H{H} G{G} T{T} d{d}", "flex packed block mask: fwd+bwd s", t, note="compiled flex_attention")
 

@@ -2,7 +2,8 @@
 from minimoe.core.generate import generate
 from minimoe.core.lora import add_lora, merge_lora, unmerge_lora
 from minimoe.core.methods import METHODS, Method, set_router
-from minimoe.core.model import CausalLMOutput, KVCache, MoEConfig, MoEForCausalLM
+from minimoe.core.mixers import KVCache
+from minimoe.core.model import CausalLMOutput, MoEConfig, MoEForCausalLM
 from minimoe.core.routing import Routing
 from minimoe.integrations.export import export_peft
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer, save_pretrained

@@ -96,3 +96,21 @@ def test_tests_import_the_oracles_so_that_a_plain_install_skips_only_their_tests
             bad += [f"{path.name}:{node.lineno}: {n}" for n in names if n.split(".")[0] in ORACLES
                     and n.split(".")[0] not in skipped]
     assert not bad, f"module-level imports of oracle packages (use conftest.oracle): {bad}"
+
+
+def test_no_files_of_core_import_each_other_in_a_circle():
+    """Issue 49 item 2: the files of core/ form no import circle, at any length and lazily or not (mla.py
+    and model.py once imported each other). Each module's imports are followed to every module they reach."""
+    core = {f"minimoe.core.{p.stem}": p for p in (PACKAGE / "core").glob("*.py") if p.stem != "__init__"}
+    edges = {m: {i for i in imported_modules(p) if i in core and i != m} for m, p in core.items()}
+    circles = []
+    for start in edges:
+        seen, todo = set(), list(edges[start])
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += edges[m]
+        if start in seen:
+            circles.append(start)
+    assert not circles, f"core modules that reach themselves through their imports: {sorted(circles)}"

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from minimoe.core.model import KVCache, MoEForCausalLM
+from minimoe.core.mixers import KVCache
+from minimoe.core.model import MoEForCausalLM
 
 
 @torch.no_grad()

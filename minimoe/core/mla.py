@@ -26,14 +26,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimoe.core.model import RMSNorm
+from minimoe.core.attention import KVSlot
+from minimoe.core.masks import MaskKind
+from minimoe.core.norms import RMSNorm
 from minimoe.core.rope import apply_rope, deinterleave, yarn_softmax_mscale
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the references' RMSNorm default, not rms_norm_eps
 
 
 class MLAttention(nn.Module):
-    """Reads the config.json fields of DeepSeek-V2/V3 by their names; forward as model.Attention's."""
+    """Reads the config.json fields of DeepSeek-V2/V3 by their names; a mixer as attention.Attention is."""
+    attribute = "self_attn"  # the checkpoint's name, as attention's
+    takes_block_mask = False  # SDPA with a bool mask: v is narrower than q and k
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -55,8 +59,16 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(H * v, D, bias=bias)
         self.interleaved = getattr(config, "rope_interleave", True)  # DeepSeek-V2's config has no such field: always
         self.scale = (n + r) ** -0.5 * yarn_softmax_mscale(config.rope_scaling)
+        self.mask_kind = MaskKind()  # DeepSeek's layers all attend causally in full
 
-    def forward(self, x, cos, sin, mask, cache=None):  # x [B, T, D]; cos, sin [B, T, r]
+    @staticmethod
+    def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> KVSlot:
+        """Every head's full key and value (the readable form, module docstring)."""
+        n, r, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        return KVSlot(batch_size, config.num_attention_heads, max_len, n + r, v, dtype, device)
+
+    def forward(self, x, inputs, cache: KVSlot | None = None):  # x [B, T, D]; inputs.cos, .sin [B, T, r]
+        cos, sin = inputs.cos, inputs.sin
         B, T, _ = x.shape
         H, n, r, v = self.H, self.n, self.r, self.v
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -71,7 +83,8 @@ class MLAttention(nn.Module):
         q = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, T, n+r]
         k = torch.cat((k_pass, k_rot.expand(B, H, T, r)), dim=-1)
         if cache is not None:
-            k, values = cache.update(self.layer_idx, k, values)  # [B, H, S, n+r], [B, H, S, v]
+            k, values = cache.update(inputs.cache_start, k, values)  # [B, H, S, n+r], [B, H, S, v]
+        mask = inputs.masks[self.mask_kind]
         y = F.scaled_dot_product_attention(q, k, values, attn_mask=mask, is_causal=mask is None,
                                            scale=self.scale)  # [B, H, T, v]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * v))

@@ -1,8 +1,9 @@
-"""The model every family shares: config, attention, the MoE block, causal LM.
+"""The model every family shares: config, the MoE block, the decoder layer, causal LM.
 
 Families differ only by config fields (`MoEConfig`; core/families.py maps each family's config.json onto
-them) and by small modules switched on by those fields: the routed expert bank (core/experts.py), the
-dense MLP of dense layers and shared experts (core/mlp.py), the router's scoring (core/routing.py).
+them) and by small modules switched on by those fields: each layer's token mixer (core/mixers.py: GQA
+attention, MLA, ...), the routed expert bank (core/experts.py), the dense MLP of dense layers and
+shared experts (core/mlp.py), the router's scoring (core/routing.py).
 Letters in shape comments: B batch, T query positions, S key positions, D hidden, H query heads,
 G key/value heads, d head dim, E experts, K experts per token, I expert width, V vocab, N = T*K rows.
 
@@ -19,8 +20,8 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
   pre-expert hidden state and the native affinity logits and returns a `Routing`; every layer's
   `Routing` (logits, selected experts, weights, method readouts) is returned with the logits.
 - Packed answer choices (minimoe/core/scoring.py) pass `segment_ids`: the causal mask also hides other
-  segments than the shared prefix (0) and the query's own, as a bool SDPA mask (every backend). With
-  `logits_at` the LM head runs on the gathered final-normed hidden states only.
+  segments than the shared prefix (0) and the query's own, as a bool SDPA mask (every backend;
+  core/masks.py). With `logits_at` the LM head runs on the gathered final-normed hidden states only.
 - Qwen3: RMSNorm per head on q and k; Qwen2: biases on q, k, v only, and a shared expert scaled by
   sigmoid(w . x); Mixtral and Qwen: an optional sliding window, as a bool mask per window size.
   Dense layers (mlp_only_layers, decoder_sparse_step, first_k_dense_replace) run a dense MLP and
@@ -31,7 +32,6 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -41,10 +41,12 @@ import torch.nn.functional as F
 from minimoe.core.clamped_experts import ClampedSwiGLUExperts
 from minimoe.core.experts import Experts
 from minimoe.core.families import family_of
+from minimoe.core.masks import bool_mask, block_mask
+from minimoe.core.mixers import MIXERS, KVCache, MixerInputs, mixer_for
 from minimoe.core.mlp import DenseMLP
-from minimoe.core.rope import apply_rope, rope_cos_sin, rope_frequencies, rope_type
+from minimoe.core.norms import RMSNorm
+from minimoe.core.rope import rope_cos_sin, rope_frequencies, rope_type
 from minimoe.core.routing import SCORE_FUNCS, TOPK_METHODS, NativeRouter, Routing, Scoring
-from minimoe.core.sinks import sink_attention
 
 
 @dataclass
@@ -67,6 +69,7 @@ class MoEConfig:
     use_sliding_window: bool = False  # attend to the last `sliding_window` positions only (Mixtral: always)
     sliding_window: int | None = None
     layer_types: list | None = None  # per layer "sliding_attention" | "full_attention"; None: every layer alike
+    mixer_types: list | None = None  # per layer a core/mixers.py MIXERS name; None: "mla" with kv_lora_rank, else "attention"
     tie_word_embeddings: bool = False
     norm_topk_prob: bool = False  # renormalise the K selected weights (Granite's top-K on logits always does)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection (and q/k norm)
@@ -153,6 +156,10 @@ class MoEConfig:
         kinds = ("full_attention", "sliding_attention")
         if self.layer_types is not None and not set(self.layer_types) <= set(kinds):
             raise ValueError(f"config: layer_types {self.layer_types!r}; expected each one of {kinds}")
+        if self.mixer_types is not None and (len(self.mixer_types) != self.num_hidden_layers
+                                             or not set(self.mixer_types) <= set(MIXERS)):
+            raise ValueError(f"config: mixer_types {self.mixer_types!r}; expected num_hidden_layers="
+                             f"{self.num_hidden_layers} entries, each one of {sorted(MIXERS)}")
         if self.kv_lora_rank is not None and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
             raise ValueError("config: Multi-head Latent Attention (kv_lora_rank set) needs qk_nope_head_dim, "
                              f"qk_rope_head_dim and v_head_dim >= 1; got {self.qk_nope_head_dim}, "
@@ -201,91 +208,12 @@ class MoEConfig:
 
 # ----------------------------------------------------------------------------- building blocks
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.weight_in_fp32 = eps, weight_in_fp32
-
-    def forward(self, x):
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight_in_fp32:  # gpt-oss: the weight multiplies the fp32 values, one rounding at the end
-            return (self.weight * x32).to(x.dtype)
-        return self.weight * x32.to(x.dtype)  # cast before the weight, as the reference does
-
-
 def position_embeddings(config: MoEConfig, position_ids, dtype):
     """cos, sin [B, T, rope_dim] of `config`'s rope, its rope_scaling included (core/rope.py)."""
     inv_freq, factor = rope_frequencies(config.rope_dim, config.rope_theta, config.rope_scaling,
                                         config.max_position_embeddings)
     return rope_cos_sin(position_ids, inv_freq, factor, dtype)
 
-
-class KVCache:
-    """Preallocated keys and values for every layer: [B, G, S_max, d] each, filled left to right."""
-
-    def __init__(self, config: MoEConfig, batch_size: int, max_len: int, dtype, device):
-        G, dk, dv = config.num_key_value_heads, config.head_dim, config.head_dim
-        if config.kv_lora_rank is not None:  # MLA caches every head's full key and value (core/mla.py)
-            G, dk, dv = config.num_attention_heads, config.qk_nope_head_dim + config.qk_rope_head_dim, config.v_head_dim
-        self.k = [torch.zeros(batch_size, G, max_len, dk, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(batch_size, G, max_len, dv, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.length = 0  # positions filled so far; advanced once per forward by the model
-
-    def update(self, layer: int, k, v):  # k, v [B, G, T, d] -> all keys/values so far [B, G, S, d]
-        end = self.length + k.shape[2]
-        if end > self.k[layer].shape[2]:
-            raise ValueError(f"KV cache holds {self.k[layer].shape[2]} positions; {end} were asked for")
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-
-class Attention(nn.Module):
-    def __init__(self, config: MoEConfig, layer_idx: int):
-        super().__init__()
-        self.config, self.layer_idx = config, layer_idx
-        H, G, d, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
-        qkv_bias = config.attention_bias or config.qkv_bias
-        self.q_proj = nn.Linear(D, H * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(D, G * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(D, G * d, bias=qkv_bias)
-        self.o_proj = nn.Linear(H * d, D, bias=config.attention_bias)
-        if config.qk_norm:  # OLMoE: over the whole projection width, before the head split; Qwen3: per head
-            width = {"full": (H * d, G * d), "head": (d, d)}[config.qk_norm]
-            self.q_norm = RMSNorm(width[0], config.rms_norm_eps)
-            self.k_norm = RMSNorm(width[1], config.rms_norm_eps)
-        if config.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/sinks.py)
-            self.sinks = nn.Parameter(torch.zeros(H))
-
-    def forward(self, x, cos, sin, mask, cache: KVCache | None):  # x [B, T, D]
-        c = self.config
-        B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(B, T, c.num_attention_heads, c.head_dim)  # [B, T, H, d]
-        k = k.view(B, T, c.num_key_value_heads, c.head_dim)  # [B, T, G, d]
-        if c.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        elif c.qk_norm == "full":
-            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
-        if c.clip_qkv is not None:
-            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, d], [B, G, T, d]
-        v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v)  # [B, G, S, d]
-        return self.o_proj(self.attend(q, k, v, mask).transpose(1, 2).reshape(B, T, -1))
-
-    def attend(self, q, k, v, mask):  # q [B, H, T, d], k/v [B, G, S, d], mask bool or None -> [B, H, T, d]
-        if self.config.attention_sinks:
-            return sink_attention(q, k, v, self.sinks, mask, self.config.attention_scale)
-        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask on CUDA: a fused kernel (`block_mask`)
-            return flex(q.is_cuda)(q, k, v, block_mask=mask, scale=self.config.attention_scale, enable_gqa=True)
-        # the readable reference path; query head h reads kv head h // (H/G): the reference's repeat_interleave layout
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                              scale=self.config.attention_scale, enable_gqa=True)
 
 
 # ----------------------------------------------------------------------------- the MoE block
@@ -340,26 +268,27 @@ def scaled(x, factor: float):
 class DecoderLayer(nn.Module):
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
-        if config.kv_lora_rank is not None:  # DeepSeek; imported here: mla.py builds on this file's RMSNorm
-            from minimoe.core.mla import MLAttention
-            self.self_attn = MLAttention(config, layer_idx)
-        else:
-            self.self_attn = Attention(config, layer_idx)
+        mixer = mixer_for(config, layer_idx)  # attention, MLA, ... (core/mixers.py)
+        self.mixer_attribute = type(mixer).attribute  # the checkpoint's name for it: self_attn, ...
+        setattr(self, self.mixer_attribute, mixer)
         self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
         self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size)
-        self.window = config.window(layer_idx)  # sliding attention window, None: full
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
         self.residual_multiplier = config.residual_multiplier
         self.gradient_checkpointing = False  # recompute this block in backward instead of storing it
 
-    def forward(self, h, cos, sin, mask, cache):
-        if self.gradient_checkpointing and torch.is_grad_enabled() and cache is None:
-            return torch.utils.checkpoint.checkpoint(self._forward, h, cos, sin, mask, cache, {}, use_reentrant=False)
-        return self._forward(h, cos, sin, mask, cache, None)
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_attribute)
 
-    def _forward(self, h, cos, sin, mask, cache, stash):
-        h = h + scaled(self.self_attn(self.input_layernorm(h), cos, sin, mask, cache), self.residual_multiplier)
+    def forward(self, h, inputs: MixerInputs, cache=None):  # cache: this layer's slot of a KVCache
+        if self.gradient_checkpointing and torch.is_grad_enabled() and cache is None:
+            return torch.utils.checkpoint.checkpoint(self._forward, h, inputs, cache, {}, use_reentrant=False)
+        return self._forward(h, inputs, cache, None)
+
+    def _forward(self, h, inputs, cache, stash):
+        h = h + scaled(self.mixer(self.input_layernorm(h), inputs, cache), self.residual_multiplier)
         x = self.post_attention_layernorm(h)
         mlp_out, routing = self.mlp(x, stash) if self.sparse else (self.mlp(x), None)
         return h + scaled(mlp_out, self.residual_multiplier), routing
@@ -424,20 +353,11 @@ class MoEForCausalLM(nn.Module):
         """
         c = self.config
         B, T = input_ids.shape
-        start = cache.length if cache is not None else 0
-        if position_ids is None:
-            position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
-        cos, sin = position_embeddings(c, position_ids, h.dtype)
-        flex = input_ids.device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or
-                                                                         segment_ids is not None)
-        flex = flex and not c.attention_sinks and c.kv_lora_rank is None  # sinks and MLA take a bool mask
-        masks = {w: block_mask(attention_mask, segment_ids, B, T, w, position_ids) if flex else
-                 self._attention_mask(attention_mask, B, T, start, input_ids.device, segment_ids, w, position_ids)
-                 for w in {layer.window for layer in self.model.layers}}  # one per window size, None: full
+        inputs = self.mixer_inputs(B, T, h, attention_mask, position_ids, cache, segment_ids)
         routings = []
-        for layer in self.model.layers:
-            h, routing = layer(h, cos, sin, masks[layer.window], cache)
+        for i, layer in enumerate(self.model.layers):
+            h, routing = layer(h, inputs, cache.layers[i] if cache is not None else None)
             routings.append(routing)
         if cache is not None:
             cache.length += T
@@ -446,45 +366,28 @@ class MoEForCausalLM(nn.Module):
             h = h[logits_at]  # [n, D]
         return CausalLMOutput(logits=self.head(h), routings=routings)
 
+    def mixer_inputs(self, B: int, T: int, h, attention_mask=None, position_ids=None, cache: KVCache | None = None,
+                     segment_ids=None) -> MixerInputs:
+        """The rope tables and masks every layer's mixer reads (core/mixers.py), built once for a forward
+        of T positions after the cache's; h: the embeddings (their dtype and device)."""
+        device, start = h.device, cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(start, start + T, device=device).expand(B, T)
+        cos, sin = position_embeddings(self.config, position_ids, h.dtype)
+        mixers = [layer.mixer for layer in self.model.layers]
+        flex = device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or segment_ids is not None)
+        flex = flex and all(m.takes_block_mask for m in mixers)  # sinks and MLA take a bool mask
+        masks = {kind: block_mask(attention_mask, segment_ids, B, T, kind, position_ids) if flex else
+                 bool_mask(attention_mask, B, T, start, device, segment_ids, kind, position_ids)
+                 for kind in {m.mask_kind for m in mixers}}  # one per attention pattern (core/masks.py)
+        return MixerInputs(cos, sin, masks, attention_mask, segment_ids, position_ids, start)
+
     def head(self, hidden):
         """Final-normed hidden states [..., D] -> logits [..., V], Granite's logits_scaling included."""
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:  # Granite divides, as the reference does (not * 1/s: other bits)
             logits = logits / self.config.logits_scaling
         return logits
-
-    @staticmethod
-    def _attention_mask(attention_mask, B, T, start, device, segment_ids=None, window=None, position_ids=None):
-        """None (plain causal, SDPA's fast path) or a bool [B, 1, T, S] mask: causal, not padding and,
-        with segment_ids, block-causal; with `window`, a query sees the last `window` positions only
-        (itself included), as transformers' sliding-window mask. Packed rows (segment_ids) count the
-        window in their `position_ids`, each candidate's own positions, so that a packed candidate
-        sees what it sees alone. A bool mask works with SDPA on every backend, CUDA included."""
-        if attention_mask is None and segment_ids is None and start == 0 and window is None:
-            return None
-        S = start + T
-        q_pos = torch.arange(start, S, device=device)[:, None]
-        k_pos = torch.arange(S, device=device)[None, :]
-        allowed = k_pos <= q_pos  # [T, S] causal
-        if window is not None and segment_ids is None:
-            allowed = allowed & (q_pos - k_pos < window)
-        allowed = allowed[None, None].expand(B, 1, T, S)
-        if segment_ids is not None:
-            if start != 0 or segment_ids.shape != (B, T):
-                raise ValueError(f"segment_ids has shape {tuple(segment_ids.shape)} with {start} cached positions; "
-                                 f"expected {(B, T)} and no KV cache")
-            seg_q, seg_k = segment_ids[:, :, None], segment_ids[:, None, :]  # [B, T, 1], [B, 1, S]
-            allowed = allowed & ((seg_k == 0) | (seg_k == seg_q))[:, None]
-            if window is not None:  # in each candidate's own positions
-                allowed = allowed & (position_ids[:, :, None] - position_ids[:, None, :] < window)[:, None]
-        if attention_mask is not None:
-            if attention_mask.shape != (B, S):
-                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, S)}")
-            allowed = allowed & attention_mask.bool()[:, None, None, :]
-            # A padding query would see no key at all; letting it see itself keeps SDPA finite.
-            # Real queries always see themselves already, so their outputs do not change.
-            allowed = allowed | (torch.arange(S, device=device)[None, :] == q_pos)[None, None]
-        return allowed
 
     @property
     def dtype(self):
@@ -495,36 +398,8 @@ class MoEForCausalLM(nn.Module):
         return self.lm_head.weight.device
 
 
-# Where masked rows run FlexAttention (`block_mask`). Not the CPU: torch 2.13 has no flex backward there.
+# Where masked rows run FlexAttention (masks.block_mask). Not the CPU: torch 2.13 has no flex backward there.
 FLEX_DEVICES = {"cuda"}
-
-
-@functools.cache
-def flex(compiled: bool):
-    """flex_attention, compiled where it runs for speed (CUDA): uncompiled it is torch's unfused reference,
-    which builds the scores it exists to avoid. Imported here, not at the top: it imports dynamo (2 s)."""
-    from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
-
-
-def block_mask(attention_mask, segment_ids, B: int, T: int, window: int | None = None, position_ids=None):
-    """`_attention_mask`'s rule (no cache) as a FlexAttention BlockMask: causal, within segment (or onto
-    the shared prefix, segment 0), within the sliding window (packed rows: in their own positions),
-    onto real keys, and every query onto itself. Why: a bool mask keeps
-    packed GQA rows off the fused SDPA kernels (flash takes no mask; memory-efficient lacks GQA in 2.11),
-    so the math kernel builds fp32 [B, H, T, S] scores; flex skips the masked blocks (unmeasured on a GPU)."""
-    def allowed(b, h, q, k):
-        ok = k <= q
-        if window is not None:
-            ok = ok & ((q - k if segment_ids is None else position_ids[b, q] - position_ids[b, k]) < window)
-        if segment_ids is not None:
-            ok = ok & ((segment_ids[b, k] == 0) | (segment_ids[b, k] == segment_ids[b, q]))
-        if attention_mask is not None:
-            ok = (ok & attention_mask[b, k].bool()) | (k == q)
-        return ok
-    from torch.nn.attention.flex_attention import create_block_mask  # imports dynamo (2 s): only where used
-    device = (segment_ids if segment_ids is not None else attention_mask).device
-    return create_block_mask(allowed, B, None, T, T, device=device)
 
 
 def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:

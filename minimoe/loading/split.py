@@ -244,7 +244,7 @@ def split_model(dense, ids: torch.Tensor, s: SplitSettings):
     (the split MoEForCausalLM sharing dense's other weights, per-layer stats). Layer by layer: each MLP
     is split on the hidden states of the layers already split below it."""
     from dataclasses import replace
-    from minimoe.core.model import MoEForCausalLM, position_embeddings
+    from minimoe.core.model import MoEForCausalLM
     c = dense.config
     config = replace(c, num_experts=s.num_experts, num_experts_per_tok=s.top_k,
                      intermediate_size=check_settings(s, c.intermediate_size))
@@ -257,11 +257,11 @@ def split_model(dense, ids: torch.Tensor, s: SplitSettings):
     g = torch.Generator().manual_seed(s.seed)
     B, L = ids.shape
     h = dense.model.embed_tokens(ids) * c.embedding_multiplier  # [B, L, D]
-    cos, sin = position_embeddings(c, torch.arange(L).expand(B, L), h.dtype)
+    inputs = model.mixer_inputs(B, L, h)  # rope and the causal mask, as the forward builds them
     stats = []
     for i, layer in enumerate(model.model.layers):
         t0 = time.perf_counter()
-        h = h + c.residual_multiplier * layer.self_attn(layer.input_layernorm(h), cos, sin, None, None)
+        h = h + c.residual_multiplier * layer.mixer(layer.input_layernorm(h), inputs)
         x = layer.post_attention_layernorm(h)  # [B, L, D]
         bank = dense.model.layers[i].mlp.experts
         gate_up, down, router, st = split_layer(bank.gate_up_proj.weight[0], bank.down_proj.weight[0],

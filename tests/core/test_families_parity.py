@@ -120,7 +120,7 @@ def test_every_method_trains_a_step_reaching_every_lora_tensor(variant, method, 
 def test_kv_cached_decoding_gives_the_full_forward_logits(variant, tmp_path):
     """Prefill 12 tokens into the KV cache, then decode one at a time (sliding windows and sinks on the
     cached keys, MLA's key and value widths): every step's logits equal the full forward's."""
-    from minimoe.core.model import KVCache
+    from minimoe.core.mixers import KVCache
     reference_model(variant, tmp_path)
     model = minimoe.from_pretrained(tmp_path)
     ids, _ = batch()

@@ -8,7 +8,8 @@ from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
 from minimoe.core.mla import MLAttention
-from minimoe.core.model import MoEForCausalLM
+from minimoe.core.masks import FULL, bool_mask
+from minimoe.core.mixers import MixerInputs
 from minimoe.core.rope import rope_cos_sin, rope_frequencies
 
 FP32_TOL = 2e-5  # max |ours - ref| / max |ref|
@@ -46,7 +47,7 @@ def run_both(cfg, version, ref, ours, padded: bool, B=2, T=20):
     if padded:
         attention_mask = torch.ones(B, T, dtype=torch.long)
         attention_mask[1, :5] = 0  # left padding in row 1
-    mask = MoEForCausalLM._attention_mask(attention_mask, B, T, 0, x.device)  # bool [B, 1, T, S] or None
+    mask = bool_mask(attention_mask, B, T, 0, x.device)  # bool [B, 1, T, S] or None
     additive = None
     causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T)
     allowed = causal if mask is None else mask
@@ -58,7 +59,7 @@ def run_both(cfg, version, ref, ours, padded: bool, B=2, T=20):
                                         cfg.max_position_embeddings)
     cos, sin = rope_cos_sin(pos, inv_freq, factor, x.dtype)
     x2 = x.detach().clone().requires_grad_(True)
-    y = ours(x2, cos, sin, mask)
+    y = ours(x2, MixerInputs(cos, sin, {FULL: mask}, attention_mask, None, pos))
     real = allowed[:, 0].diagonal(dim1=-2, dim2=-1) if attention_mask is None else attention_mask.bool()
     g = torch.randn_like(y_ref)
     (y_ref * g)[real].sum().backward()
