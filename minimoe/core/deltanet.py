@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimoe.core.ssm_common import RecurrentState, causal_conv1d, masked, pad_to_chunks, run_segments
+from minimoe.core.masks import FULL
+from minimoe.core.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence
 
 
 def l2norm(x, eps: float = 1e-6):
@@ -70,24 +71,32 @@ class GatedRMSNormAfter(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """x [B, T, D] -> [B, T, D]; see the module docstring."""
+    """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/mixers.py ("gated_deltanet")."""
+    attribute = "linear_attn"  # the layer's attribute, hence the checkpoint's names (model.layers.i.linear_attn.*)
+    mask_kind, takes_block_mask = FULL, True  # it reads padding and segments itself, never an attention mask
+    chunk = 64  # the delta rule's chunk length, transformers' (any length gives the same values to rounding)
 
-    def __init__(self, hidden_size: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, conv_kernel: int,
-                 eps: float, chunk_size: int = 64):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
-        if v_heads % k_heads:
-            raise ValueError(f"deltanet: linear_num_value_heads {v_heads} is not a multiple of "
-                             f"linear_num_key_heads {k_heads}")
-        self.Hk, self.Hv, self.dk, self.dv, self.chunk = k_heads, v_heads, k_dim, v_dim, chunk_size
-        self.key_dim, self.value_dim = k_heads * k_dim, v_heads * v_dim
+        c = config
+        Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
+        if Hv % Hk:
+            raise ValueError(f"config: linear_num_value_heads {Hv} is not a multiple of linear_num_key_heads {Hk}")
+        self.Hk, self.Hv, self.dk, self.dv = Hk, Hv, c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_dim, self.value_dim = Hk * self.dk, Hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim  # q, k, v go through the conv
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * v_heads, bias=False)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
-        self.dt_bias = nn.Parameter(torch.ones(v_heads))
-        self.A_log = nn.Parameter(torch.log(torch.empty(v_heads).uniform_(1, 16)))
-        self.norm = GatedRMSNormAfter(v_dim, eps)
-        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        self.in_proj_qkvz = nn.Linear(c.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(c.hidden_size, 2 * Hv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.linear_conv_kernel_dim, groups=self.conv_dim,
+                                bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(Hv))
+        self.A_log = nn.Parameter(torch.log(torch.linspace(1, 16, Hv)))
+        self.norm = GatedRMSNormAfter(self.dv, c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+
+    @staticmethod
+    def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> StateSlot:
+        return StateSlot()
 
     def split_projections(self, qkvz, ba):
         """The checkpoint's per-key-head interleaving -> q, k [.., Hk*dk], v, z [.., Hv*dv], b, a [.., Hv]."""
@@ -96,17 +105,9 @@ class GatedDeltaNet(nn.Module):
         b, a = ba.unflatten(-1, (self.Hk, -1)).split([r, r], dim=-1)
         return [t.flatten(-2) for t in (q, k, v, z, b, a)]
 
-    def forward(self, x, attention_mask=None, segment_ids=None, cache: dict | None = None, layer: int = 0):
-        """attention_mask [B, T] (1 = real) for these positions; segment_ids [B, T]: packed rows;
-        cache: {layer: RecurrentState}, read and written (generation)."""
+    def forward(self, x, inputs, cache: StateSlot | None = None):  # inputs: mixers.MixerInputs
         q, k, v, z, b, a = self.split_projections(self.in_proj_qkvz(x), self.in_proj_ba(x))
-        u = torch.cat([q, k, v, b, a], dim=-1)  # the sequential part's input
-        if segment_ids is not None:
-            o = run_segments(self.sequence, u, segment_ids, attention_mask)
-        else:
-            o, state = self.sequence(u, attention_mask, None if cache is None else cache.get(layer))
-            if cache is not None:
-                cache[layer] = state
+        o = run_sequence(self.sequence, torch.cat([q, k, v, b, a], dim=-1), inputs, cache)
         o = self.norm(o.unflatten(-1, (self.Hv, self.dv)), z.unflatten(-1, (self.Hv, self.dv)))
         return self.out_proj(o.flatten(-2))
 

@@ -21,7 +21,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimoe.core.ssm_common import RecurrentState, causal_conv1d, masked, pad_to_chunks, run_segments
+from minimoe.core.masks import FULL
+from minimoe.core.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence
 
 
 class GatedRMSNorm(nn.Module):
@@ -67,34 +68,35 @@ def ssd_scan(x, dt, A, B, C, chunk: int, state=None):
 
 
 class Mamba2Mixer(nn.Module):
-    """x [B, T, D] -> [B, T, D]; see the module docstring."""
+    """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/mixers.py ("mamba2")."""
+    attribute = "mamba"  # the layer's attribute, hence the checkpoint's names (model.layers.i.mamba.*)
+    mask_kind, takes_block_mask = FULL, True  # it reads padding and segments itself, never an attention mask
 
-    def __init__(self, hidden_size: int, n_heads: int, head_dim: int, n_groups: int, state_size: int,
-                 conv_kernel: int, chunk_size: int, eps: float, conv_bias: bool = True, proj_bias: bool = False):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
-        if n_heads % n_groups:
-            raise ValueError(f"mamba: mamba_n_heads {n_heads} is not a multiple of mamba_n_groups {n_groups}")
-        self.H, self.P, self.G, self.N, self.chunk = n_heads, head_dim, n_groups, state_size, chunk_size
-        self.inner = n_heads * head_dim
-        self.conv_dim = self.inner + 2 * n_groups * state_size  # x, B, C go through the conv
-        self.in_proj = nn.Linear(hidden_size, self.inner + self.conv_dim + n_heads, bias=proj_bias)
-        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=conv_bias)
-        self.dt_bias = nn.Parameter(torch.ones(n_heads))
-        self.A_log = nn.Parameter(torch.log(torch.arange(1, n_heads + 1, dtype=torch.float32)))
-        self.D = nn.Parameter(torch.ones(n_heads))
-        self.norm = GatedRMSNorm(self.inner, eps)
-        self.out_proj = nn.Linear(self.inner, hidden_size, bias=proj_bias)
+        c = config
+        H, G = c.mamba_n_heads, c.mamba_n_groups
+        if H % G:
+            raise ValueError(f"config: mamba_n_heads {H} is not a multiple of mamba_n_groups {G}")
+        self.H, self.P, self.G, self.N, self.chunk = H, c.mamba_d_head, G, c.mamba_d_state, c.mamba_chunk_size
+        self.inner = H * c.mamba_d_head
+        self.conv_dim = self.inner + 2 * G * self.N  # x, B, C go through the conv
+        self.in_proj = nn.Linear(c.hidden_size, self.inner + self.conv_dim + H, bias=c.mamba_proj_bias)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.mamba_d_conv, groups=self.conv_dim,
+                                bias=c.mamba_conv_bias)
+        self.dt_bias = nn.Parameter(torch.ones(H))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(H))
+        self.norm = GatedRMSNorm(self.inner, c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=c.mamba_proj_bias)
 
-    def forward(self, x, attention_mask=None, segment_ids=None, cache: dict | None = None, layer: int = 0):
-        """attention_mask [B, T] (1 = real) for these positions; segment_ids [B, T]: packed rows;
-        cache: {layer: RecurrentState}, read and written (generation)."""
+    @staticmethod
+    def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> StateSlot:
+        return StateSlot()
+
+    def forward(self, x, inputs, cache: StateSlot | None = None):  # inputs: mixers.MixerInputs
         z, u = self.in_proj(x).split([self.inner, self.conv_dim + self.H], dim=-1)
-        if segment_ids is not None:
-            y = run_segments(self.sequence, u, segment_ids, attention_mask)
-        else:
-            y, state = self.sequence(u, attention_mask, None if cache is None else cache.get(layer))
-            if cache is not None:
-                cache[layer] = state
+        y = run_sequence(self.sequence, u, inputs, cache)
         return self.out_proj(self.norm(y, z).to(x.dtype))
 
     def sequence(self, u, mask, state: RecurrentState | None):

@@ -38,6 +38,26 @@ class RecurrentState:
         return RecurrentState(self.conv[rows], self.scan[rows])
 
 
+class StateSlot:
+    """A recurrent layer's entry in the generation cache (core/mixers.py's KVCache): its state so far."""
+
+    def __init__(self):
+        self.state: RecurrentState | None = None
+
+
+def run_sequence(sequence, u, inputs, cache: StateSlot | None):
+    """A mixer's sequential part over u [B, T, F] with what the model passes every mixer (mixers.MixerInputs):
+    the padding of these T positions, packed rows (`run_segments`), or the cache's state, carried on."""
+    T = u.shape[1]
+    mask = None if inputs.attention_mask is None else inputs.attention_mask[:, -T:]
+    if inputs.segment_ids is not None:
+        return run_segments(sequence, u, inputs.segment_ids, mask)
+    y, state = sequence(u, mask, None if cache is None else cache.state)
+    if cache is not None:
+        cache.state = state
+    return y
+
+
 def causal_conv1d(u, weight, bias, window=None):
     """Depthwise causal conv then SiLU. u [B, T, C]; weight [C, 1, K] (nn.Conv1d's); window [B, C, K-1]
     the inputs before u (None: zeros) -> (y [B, T, C], the new window [B, C, K-1])."""

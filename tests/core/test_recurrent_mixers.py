@@ -4,11 +4,15 @@ torch_chunk_gated_delta_rule) on the same random weights: outputs in fp32 (unpad
 padded), gradients, bf16 error; and against themselves: a padded row equals the row alone, a packed row
 (prompt + candidates, core/scoring.py's layout) equals each candidate's own row, and a forward in
 pieces through the state cache equals one forward over the whole row."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from minimoe.core.deltanet import GatedDeltaNet
 from minimoe.core.mamba2 import Mamba2Mixer
+from minimoe.core.mixers import MixerInputs
+from minimoe.core.ssm_common import StateSlot
 from tests.conftest import oracle
 
 D = 32
@@ -23,17 +27,33 @@ def pair(kind: str, seed: int = 0):
         from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
         cfg = transformers.GraniteMoeHybridConfig(hidden_size=D, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
                                                   mamba_d_head=8, mamba_chunk_size=8, mamba_d_conv=4)
-        ref, ours = GraniteMoeHybridMambaLayer(cfg, 0), Mamba2Mixer(D, 8, 8, 2, 16, 4, 8, cfg.rms_norm_eps)
+        ref, ours = GraniteMoeHybridMambaLayer(cfg, 0), Mamba2Mixer(SimpleNamespace(**cfg.to_dict()), 0)
     else:
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
         cfg = transformers.Qwen3NextConfig(hidden_size=D, linear_num_key_heads=2, linear_num_value_heads=4,
                                            linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4)
-        ref, ours = Qwen3NextGatedDeltaNet(cfg, 0), GatedDeltaNet(D, 2, 4, 8, 6, 4, cfg.rms_norm_eps, chunk_size=8)
+        ref, ours = Qwen3NextGatedDeltaNet(cfg, 0), GatedDeltaNet(SimpleNamespace(**cfg.to_dict()), 0)
+        ours.chunk = 8
     with torch.no_grad():
         for name, p in ref.named_parameters():
             p.copy_(torch.rand_like(p).log() if name == "A_log" else 0.3 * torch.randn_like(p))
     ours.load_state_dict(ref.state_dict())  # the checkpoint's names, strictly
-    return ref.float(), ours.float()
+    return ref.float(), Run(ours.float())
+
+
+class Run:
+    """ours(x, attention_mask=..., segment_ids=..., cache=...) as the model calls a mixer (mixers.MixerInputs)."""
+
+    def __init__(self, mixer):
+        self.mixer = mixer
+
+    def __call__(self, x, attention_mask=None, segment_ids=None, cache=None):
+        B, T, _ = x.shape
+        inputs = MixerInputs(None, None, {}, attention_mask, segment_ids, torch.arange(T).expand(B, T))
+        return self.mixer(x, inputs, cache)
+
+    def __getattr__(self, name):
+        return getattr(self.mixer, name)
 
 
 def rel(a, b, where=None):
@@ -80,7 +100,8 @@ def test_bf16_error_within_3x_transformers(kind):
     with torch.no_grad():
         exact = ref.double()(x.double()).float()
         ref_err = rel(ref.bfloat16()(x.bfloat16()).float(), exact)
-        our_err = rel(ours.bfloat16()(x.bfloat16()).float(), exact)
+        ours.mixer.bfloat16()
+        our_err = rel(ours(x.bfloat16()).float(), exact)
     assert our_err <= 3 * ref_err, (our_err, ref_err)
 
 
@@ -133,8 +154,8 @@ def test_cache_in_pieces_equals_one_forward(kind):
     x = torch.randn(2, 17, D)
     with torch.no_grad():
         full = ours(x)
-        cache, pieces, start = {}, [], 0
+        cache, pieces, start = StateSlot(), [], 0
         for n in (2, 11, 1, 1, 1, 1):
-            pieces.append(ours(x[:, start:start + n], cache=cache, layer=3))
+            pieces.append(ours(x[:, start:start + n], cache=cache))
             start += n
         assert rel(torch.cat(pieces, 1), full) <= 1e-5
