@@ -5,7 +5,9 @@
 Neither is routed: no method reaches a dense layer or a shared expert (docs/methods.md), and the
 Routing list of the model output holds None for a dense layer. The names (gate_proj, up_proj,
 down_proj) are the checkpoint's, as transformers 4.57 writes them; the MoE block holds a shared
-expert as `shared_expert` with its gate `shared_expert_gate`, the checkpoint's names too.
+expert as `shared_expert` with its gate `shared_expert_gate`, the checkpoint's names too. Granite 4.0-H
+stores its shared expert's gate and up rows as one matrix (`shared_mlp.input_linear`): `fused` holds
+them so, as `gate_up_proj` (gate rows first), one parameter per on-disk tensor.
 """
 from __future__ import annotations
 
@@ -16,11 +18,18 @@ import torch.nn.functional as F
 class DenseMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), x [..., D] -> [..., D], I the hidden width."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, hidden_size: int, intermediate_size: int, fused: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        if fused:
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        else:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)

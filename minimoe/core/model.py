@@ -102,6 +102,28 @@ class MoEConfig:
     v_head_dim: int = 0  # MLA: each head's value width
     rope_interleave: bool = True  # MLA: rope dims stored as interleaved pairs (DeepSeek-V2 always, V3's switch)
     swiglu_limit: float | None = None  # set: gpt-oss's clamped SwiGLU experts with biases (core/clamped_experts.py)
+    # Attention options of the hybrids (core/attention.py) and their norms.
+    position_embedding_type: str | None = "rope"  # anything else: no rope (Granite 4.0-H's "nope")
+    partial_rotary_factor: float = 1.0  # rope on this fraction of each head's dims (Qwen3-Next: 0.25)
+    attn_output_gate: bool = False  # q_proj also gives a per-head gate; output * sigmoid(gate) (Qwen3-Next)
+    norm_zero_centred: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Qwen3-Next)
+    shared_expert_fused: bool = False  # the shared expert's gate and up rows in one matrix (Granite 4.0-H)
+    # Mamba-2 layers (core/mamba2.py; mixer_types "mamba2"), Granite 4.0-H's names.
+    mamba_n_heads: int = 128
+    mamba_d_head: int | str = "auto"  # "auto": mamba_expand * hidden_size / mamba_n_heads (filled in)
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 256
+    mamba_d_conv: int = 4
+    mamba_expand: int = 2
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    # Gated DeltaNet layers (core/deltanet.py; mixer_types "gated_deltanet"), Qwen3-Next's names.
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
     # Granite's multipliers; the OLMoE values leave the forward unchanged.
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -128,6 +150,11 @@ class MoEConfig:
                                  f"num_attention_heads {self.num_attention_heads} (and no head_dim is given)")
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = list(self.mlp_only_layers or [])
+        if self.mamba_d_head in ("auto", None):
+            if (self.mamba_expand * self.hidden_size) % self.mamba_n_heads:
+                raise ValueError(f"config: mamba_n_heads {self.mamba_n_heads} does not divide mamba_expand * "
+                                 f"hidden_size = {self.mamba_expand * self.hidden_size}")
+            self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"config: num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -198,8 +225,8 @@ class MoEConfig:
         return self.sliding_window
 
     @property
-    def rope_dim(self) -> int:  # the dims each head rotates: MLA's rope part, else the whole head
-        return self.qk_rope_head_dim if self.kv_lora_rank is not None else self.head_dim
+    def rope_dim(self) -> int:  # the dims each head rotates: MLA's rope part, else the head or its partial part
+        return self.qk_rope_head_dim if self.kv_lora_rank is not None else int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_scale(self) -> float:
@@ -232,7 +259,8 @@ class MoEBlock(nn.Module):
         self.router = NativeRouter(Scoring.of(config))
         self.router_fp32 = config.router_fp32
         if config.shared_expert_intermediate_size:  # never routed: every token's, beside the routed K (mlp.py)
-            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                                          fused=config.shared_expert_fused)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
 
     def forward(self, x, stash: dict | None = None) -> tuple[torch.Tensor, Routing]:  # x [B, T, D]
@@ -273,8 +301,8 @@ class DecoderLayer(nn.Module):
         setattr(self, self.mixer_attribute, mixer)
         self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
         self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
+        self.input_layernorm = RMSNorm.of(config, config.hidden_size)
+        self.post_attention_layernorm = RMSNorm.of(config, config.hidden_size)
         self.residual_multiplier = config.residual_multiplier
         self.gradient_checkpointing = False  # recompute this block in backward instead of storing it
 
@@ -313,7 +341,7 @@ class Model(nn.Module):
         if not weight.is_meta:
             self.embed_tokens.reset_parameters()
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
+        self.norm = RMSNorm.of(config, config.hidden_size)
 
 
 class MoEForCausalLM(nn.Module):
@@ -412,11 +440,17 @@ def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:
 
 
 def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None):
-    """Random init for tests and tiny models: N(0, std) matrices, unit norms, zero biases."""
+    """Random init for tests and tiny models: N(0, std) matrices, unit norms (zero-centred ones 0), zero
+    biases; the recurrent mixers' dt_bias, A_log and D keep their constructors' values."""
     std = model.config.initializer_range if std is None else std
+    zero_centred = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm) and m.zero_centred}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if name.endswith((".dt_bias", ".A_log", ".D")):
+                continue
+            if name in zero_centred:
+                p.zero_()
+            elif name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()

@@ -105,7 +105,9 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
                 out[f"{prefix}{module}.{ab}.weight"] = t.reshape(E * r, t.shape[-1])
             else:  # [E, out, r] -> [out, r*E], expert fastest
                 out[f"{prefix}{module}.{ab}.weight"] = t.permute(1, 2, 0).reshape(t.shape[1], r * E)
-            params.add(".".join(disk.split(".")[-2:]))  # "input_linear.weight"
+            # "block_sparse_moe.input_linear.weight", not "input_linear.weight": Granite 4.0-H's shared
+            # expert (shared_mlp.input_linear) has a parameter of that name too, which is not adapted
+            params.add(".".join(disk.split(".")[-3:]))
         else:  # per-expert modules: block b of A feeds row block b of B (see lora.LoRAMixin)
             for j in range(E):  # A [E, blocks*r, in] and B [E, blocks*out, r] both split along dim 1
                 for pat, part in zip(disk, t[j].chunk(len(disk), dim=0)):

@@ -49,6 +49,12 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     family = family_of(d.get("model_type"), source)
     d = {family.renames.get(k, k): v for k, v in d.items()}
     d = {**family.defaults, **d}
+    if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/mixers.py)
+        kinds = d.get("mixer_types")
+        if not isinstance(kinds, list) or not set(kinds) <= set(family.layer_kinds):
+            raise ValueError(f"{source}: layer_types {kinds!r}; expected a list of {sorted(family.layer_kinds)}, "
+                             f"one per layer, for model_type {family.model_type!r}")
+        d["mixer_types"] = [family.layer_kinds[k] for k in kinds]
     d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
     missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
     if missing:
@@ -73,6 +79,9 @@ def config_to_dict(config: MoEConfig) -> dict:
     back = {v: k for k, v in family.renames.items()}
     d = {**config.extra, **{back.get(k, k): getattr(config, k) for k in config_field_names() if k in written}}
     d["architectures"] = [family.architecture]
+    if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
+        back_kinds = {v: k for k, v in family.layer_kinds.items()}
+        d["layer_types"] = [back_kinds[m] for m in config.mixer_types]
     if "layer_types" in written and d.get("layer_types") is None:  # gpt-oss's config would alternate them otherwise
         d["layer_types"] = ["sliding_attention" if config.window(i) else "full_attention"
                             for i in range(config.num_hidden_layers)]
