@@ -74,6 +74,17 @@ FAMILY_SWITCHES = {
                         num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, dense_intermediate_size=96,
                         n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
                         pad_token_id=0, eos_token_id=1),
+    # The hybrids (their parity: tests/core/test_families_parity.py): a Mamba-2 layer and a NoPE attention
+    # layer, a fused shared expert (Granite 4.0-H); a Gated DeltaNet layer and a gated attention layer with
+    # partial rotary and zero-centred norms, a gated shared expert (Qwen3-Next).
+    "granitemoehybrid": dict(mixer_types=["mamba2", "attention"], shared_expert_intermediate_size=40,
+                             position_embedding_type="nope", mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+                             mamba_chunk_size=8, embedding_multiplier=12.0, residual_multiplier=0.22,
+                             logits_scaling=6.0, attention_multiplier=0.1, pad_token_id=0, eos_token_id=1),
+    "qwen3_next": dict(mixer_types=["gated_deltanet", "attention"], head_dim=16, partial_rotary_factor=0.25,
+                       shared_expert_intermediate_size=40, norm_topk_prob=True, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                       pad_token_id=0, eos_token_id=1),
 }
 # Families beyond the paper's two (the `family` fixture's params; heavy suites run on the paper's two only).
 NEW_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]

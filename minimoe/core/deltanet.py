@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.masks import FULL
-from minimoe.core.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence
+from minimoe.core.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
 
 
 def l2norm(x, eps: float = 1e-6):
@@ -41,7 +41,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int, state=None):
     decay = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [.., L(t), L(s)]
     kb = k * beta[..., None]
     # (I + strictly lower (beta_t k_t . k_s decay_ts)) W = the chunk's inputs: the delta rule's WY form
-    system = ((kb @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(chunk, device=q.device)
+    system = ((kb @ k.transpose(-1, -2)) * decay).tril(-1) + torch.eye(chunk, dtype=q.dtype, device=q.device)
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, kb * G.exp()[..., None], upper=False, unitriangular=True)
     qk = (q @ k.transpose(-1, -2)) * decay  # [b, H, c, L, L] causal, decayed
@@ -65,9 +65,9 @@ class GatedRMSNormAfter(nn.Module):
         self.eps = eps
 
     def forward(self, o, z):
-        h = o.float()
+        h = wide(o)
         h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
-        return (h * F.silu(z.float())).to(o.dtype)
+        return (h * F.silu(wide(z))).to(o.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -118,9 +118,9 @@ class GatedDeltaNet(nn.Module):
                                     None if state is None else state.conv)
         q, k, v = masked(qkv, mask).split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         r = self.Hv // self.Hk
-        q, k = (l2norm(t.float().unflatten(-1, (self.Hk, self.dk))).repeat_interleave(r, dim=2) for t in (q, k))
-        beta = b.sigmoid().float()  # the sigmoid in the model dtype, as the reference
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o, S = chunk_gated_delta_rule(q * self.dk ** -0.5, k, v.float().unflatten(-1, (self.Hv, self.dv)), g, beta,
+        q, k = (l2norm(wide(t).unflatten(-1, (self.Hk, self.dk))).repeat_interleave(r, dim=2) for t in (q, k))
+        beta = wide(b.sigmoid())  # the sigmoid in the model dtype, as the reference
+        g = -wide(self.A_log).exp() * F.softplus(wide(a) + self.dt_bias)
+        o, S = chunk_gated_delta_rule(q * self.dk ** -0.5, k, wide(v).unflatten(-1, (self.Hv, self.dv)), g, beta,
                                       self.chunk, None if state is None else state.scan)
         return o.flatten(2).to(u.dtype), RecurrentState(window, S)

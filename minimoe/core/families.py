@@ -222,8 +222,8 @@ register_family(Family(
            "(layer_types); attention without rope (position_embedding_type nope) or with it; a shared expert "
            "beside the routed ones; Granite's multipliers and top-K on logits",
     hub_examples=("ibm-granite/granite-4.0-h-tiny", "ibm-granite/granite-4.0-h-small"),
-    recipe="granite", recipe_note="Granite's router (top-K on logits): its recipe; LoRA on the attention "
-                                  "layers' Q/K/V, the routed experts and the Mamba-2 layers' in_proj and out_proj",
+    recipe="granite_hybrid", recipe_note="Granite's recipe (top-K on logits, as its router), LoRA on the attention "
+                                         "layers' Q/K/V, the routed experts and the Mamba-2 layers' in_proj and out_proj",
     lora_targets=("q", "k", "v", "experts", "mamba"), name_hints=("granite-4.0-h", "granitemoehybrid"),
     layer_keys={**FAMILIES["granitemoe"].layer_keys,
                 "mlp.shared_expert.gate_up_proj.weight": "shared_mlp.input_linear.weight",
@@ -243,8 +243,8 @@ register_family(Family(
            "(layer_types); the attention output scaled by a sigmoid gate from q_proj; partial rotary; "
            "zero-centred RMSNorm (1 + w); a gated shared expert",
     hub_examples=("Qwen/Qwen3-Next-80B-A3B-Instruct", "Qwen/Qwen3-Next-80B-A3B-Thinking"),
-    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts", "deltanet"), name_hints=("qwen3-next", "qwen3_next"),
-    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe; LoRA also on the DeltaNet "
+    recipe="qwen3_next", lora_targets=("q", "k", "v", "o", "experts", "deltanet"), name_hints=("qwen3-next", "qwen3_next"),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe, LoRA also on the DeltaNet "
                 "layers' in_proj_qkvz, in_proj_ba and out_proj",
     layer_keys=PER_EXPERT_KEYS, renames={**QWEN_RENAMES, "layer_types": "mixer_types"},
     layer_kinds={"linear_attention": "gated_deltanet", "full_attention": "attention"},

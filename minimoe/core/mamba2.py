@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.masks import FULL
-from minimoe.core.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence
+from minimoe.core.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
 
 
 class GatedRMSNorm(nn.Module):
@@ -34,7 +34,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y, z):
-        h = y.float() * F.silu(z.float())
+        h = wide(y) * F.silu(wide(z))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(y.dtype)
 
@@ -107,10 +107,10 @@ class Mamba2Mixer(nn.Module):
                                     None if state is None else state.conv)
         xs, B, C = masked(xBC, mask).split([self.inner, self.G * self.N, self.G * self.N], dim=-1)
         dt = F.softplus(dt + self.dt_bias)  # [B, T, H] in the model dtype, as the reference
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(wide(self.A_log))
         per_group = self.H // self.G
-        B, C = (t.float().unflatten(-1, (self.G, self.N)).repeat_interleave(per_group, dim=2) for t in (B, C))
-        xs = xs.float().unflatten(-1, (self.H, self.P))
-        y, h = ssd_scan(xs, dt.float(), A, B, C, self.chunk, None if state is None else state.scan)
+        B, C = (wide(t).unflatten(-1, (self.G, self.N)).repeat_interleave(per_group, dim=2) for t in (B, C))
+        xs = wide(xs).unflatten(-1, (self.H, self.P))
+        y, h = ssd_scan(xs, wide(dt), A, B, C, self.chunk, None if state is None else state.scan)
         y = y + self.D[:, None] * xs
         return y.flatten(2), RecurrentState(window, h)

@@ -70,6 +70,11 @@ def causal_conv1d(u, weight, bias, window=None):
     return F.silu(y).transpose(1, 2), x[:, :, x.shape[-1] - (K - 1):]
 
 
+def wide(t):
+    """t in fp32, or in fp64 where it is (the scans run in fp32 at least; fp64 checks them)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def masked(x, mask):
     """x [B, T, ...] with padded positions (mask 0) zeroed; mask None: x."""
     if mask is None:
