@@ -353,6 +353,8 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
         else:
             expected.update((disk,) if isinstance(disk, str) else disk)
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
+    prefixes = family_of(config.model_type).ignored_prefixes
+    ignored |= {k for k in where if prefixes and k.startswith(prefixes)}
     unexpected = sorted(set(where) - expected - ignored)
     if unexpected:
         raise KeyError(f"{folder}: unexpected key {unexpected[0]!r} in {where[unexpected[0]]} "

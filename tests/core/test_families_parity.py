@@ -238,3 +238,20 @@ def test_hybrid_greedy_generation_with_the_state_cache_equals_full_forwards(vari
             for _ in range(6):
                 seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
             assert torch.equal(tokens[r, -6:], seq[0, -6:]), r
+
+
+def test_qwen3_next_loads_past_its_multi_token_prediction_keys(tmp_path):
+    """The hub files hold an `mtp.*` head the causal LM does not use (transformers ignores it on load): the
+    record's ignored_prefixes skips it; any other unexpected key still raises."""
+    from safetensors.torch import load_file, save_file
+    if "qwen3_next" not in DECLARED:
+        pytest.skip("qwen3_next is not declared")
+    ref = reference_model("qwen3_next", tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file({**tensors, "mtp.fc.weight": torch.zeros(4, 4)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    ids, mask = batch()
+    with torch.no_grad():
+        assert rel_err(minimoe.from_pretrained(tmp_path)(ids).logits, ref(ids).logits, torch.ones_like(ids)) <= FP32_TOL
+    save_file({**tensors, "extra.fc.weight": torch.zeros(4, 4)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(KeyError, match="unexpected key 'extra.fc.weight'"):
+        minimoe.from_pretrained(tmp_path)
