@@ -45,6 +45,7 @@ class Family:
     # config.json's per-layer kind (its `layer_types` values) -> our core/mixers.py MIXERS name, for the
     # hybrids, whose layer_types name each layer's token mixer (read into `mixer_types`, written back)
     layer_kinds: dict = field(default_factory=dict)
+    ignored_prefixes: tuple[str, ...] = ()  # on-disk keys we do not load (transformers ignores them too)
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,7 @@ register_family(Family(
                 "layers' in_proj_qkvz, in_proj_ba and out_proj",
     layer_keys=PER_EXPERT_KEYS, renames={**QWEN_RENAMES, "layer_types": "mixer_types"},
     layer_kinds={"linear_attention": "gated_deltanet", "full_attention": "attention"},
+    ignored_prefixes=("mtp.",),  # the multi-token-prediction head of the hub files, unused by the causal LM
     config_fields=DELTANET_FIELDS | {"router_aux_loss_coef", "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step",
                                      "dense_intermediate_size", "attention_bias", "head_dim", "partial_rotary_factor",
                                      "shared_expert_intermediate_size", "mixer_types"},
