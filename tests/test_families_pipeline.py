@@ -1,4 +1,5 @@
-"""The whole pipeline on transformers-saved tiny checkpoints of DeepSeek-V2, DeepSeek-V3 and gpt-oss: train.py
+"""The whole pipeline on transformers-saved tiny checkpoints of DeepSeek-V2, DeepSeek-V3, gpt-oss and the two hybrids
+(Granite 4.0-H, Qwen3-Next): train.py
 with every method (killed and resumed), evaluate.py and sweep.py (tests/core/test_families.py's pipeline test, here
 on a folder transformers wrote) and a hub id from an offline cache (lm-eval's model on them:
 tests/integrations/test_lm_eval_families.py)."""
@@ -19,6 +20,9 @@ from tests.core.test_families_parity import FP32_TOL, batch, rel_err
 # One transformers variant per family: V2's group-limited top-K with low-rank q, V3's sigmoid scores with the
 # correction bias and YaRN, gpt-oss's sinks, sliding layers, biases and YaRN.
 VARIANTS = ["deepseek_v2-group", "deepseek_v3", "gpt_oss"]
+# The hybrids (Mamba-2, Gated DeltaNet): the pipeline and the hub id here; not lm-eval's comparison (its 1e-4
+# absolute tolerance on summed log-likelihoods near -130 is 8e-7 relative, which their scans' rounding reaches).
+HYBRIDS = ["granitemoehybrid", "qwen3_next"]
 
 
 def transformers_saved(variant: str, folder, monkeypatch):
@@ -48,7 +52,7 @@ def with_tokenizer(folder):
     return folder
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + HYBRIDS)
 def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(variant, tmp_path, monkeypatch):
     folder = tmp_path / "saved"
     transformers_saved(variant, folder, monkeypatch)
@@ -56,7 +60,7 @@ def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(variant, tmp_path,
     test_families.test_the_pipeline_runs_on_each_new_family(tiny_families.family_of(variant), tmp_path)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", VARIANTS + HYBRIDS)
 def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, tmp_path, monkeypatch, offline):
     """The hub path (HF_HUB_OFFLINE=1, a cache laid out as huggingface_hub writes it) gives transformers' logits."""
     ref, folder = transformers_saved(variant, tmp_path / "saved", monkeypatch)
