@@ -85,9 +85,28 @@ FAMILY_SWITCHES = {
                        shared_expert_intermediate_size=40, norm_topk_prob=True, linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
                        pad_token_id=0, eos_token_id=1),
+    # Granite with a shared expert (fused gate and up rows), every multiplier away from 1.
+    "granitemoeshared": dict(tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                             logits_scaling=6.0, attention_multiplier=0.1, shared_expert_intermediate_size=40,
+                             pad_token_id=0, eos_token_id=0),
+    # FlexOlmo: norms after each branch (in fp32 with their weight), q/k norms over the projection width.
+    "flex_olmo": dict(norm_topk_prob=True, pad_token_id=1, eos_token_id=2),
+    # GLM-4.5: partial rotary, per-head q/k norms, q/k/v biases, V3's router with groups, a dense first layer.
+    "glm4_moe": dict(head_dim=24, partial_rotary_factor=0.5, use_qk_norm=True, qkv_bias=True, num_hidden_layers=3,
+                     first_k_dense_replace=1, dense_intermediate_size=96, n_shared_experts=1, n_group=4, topk_group=2,
+                     routed_scaling_factor=2.5, norm_topk_prob=True, pad_token_id=0, eos_token_id=1),
+    # Llama 4: top-1 sigmoid scaling the input, a shared expert, a dense layer first, a NoPE layer with temperature
+    # tuning that bites, chunked attention on the rope layers, L2 q/k norm, interleaved rope pairs.
+    "llama4_text": dict(num_hidden_layers=3, num_experts_per_tok=1, head_dim=16, decoder_sparse_step=2,
+                        dense_intermediate_size=48, no_rope_layers=[1, 0, 1], attention_chunk_size=4,
+                        attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, pad_token_id=0, eos_token_id=1),
 }
 # Families beyond the paper's two (the `family` fixture's params; heavy suites run on the paper's two only).
-NEW_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
+NEW_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "granitemoeshared", "flex_olmo"]
+# Families whose router is not a softmax top-K (V3-style sigmoid with groups; top-1 sigmoid scaling the input): as
+# DeepSeek's, their parity suite is tests/core/test_families_parity.py; the `family` tests that read no router's
+# numerics (padding, packing, loading) name them too.
+OTHER_ROUTERS = ["glm4_moe", "llama4_text"]
 
 
 def tiny_config(family: str, **overrides) -> MoEConfig:

@@ -61,6 +61,38 @@ VARIANTS = {
                        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[2], linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
                        linear_conv_kernel_dim=4, max_position_embeddings=64),
+    # Granite MoE with a shared expert: every multiplier away from 1, GQA.
+    "granitemoeshared": dict(model_type="granitemoeshared", intermediate_size=32, num_local_experts=8,
+                             num_experts_per_tok=2, shared_intermediate_size=40, num_key_value_heads=2,
+                             embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=6.0,
+                             attention_multiplier=0.1),
+    # FlexOlmo: norms after each branch, q/k norm over the projection width, GQA, top-K not renormalised.
+    "flex_olmo": dict(model_type="flex_olmo", intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                      num_key_value_heads=2, norm_topk_prob=False),
+    # GLM-4.5: partial rotary, per-head q/k norm, q/k/v biases, V3's router with groups, a dense first layer.
+    "glm4_moe": dict(model_type="glm4_moe", intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                     num_experts_per_tok=2, num_key_value_heads=2, head_dim=24, partial_rotary_factor=0.5,
+                     use_qk_norm=True, attention_bias=True, n_group=4, topk_group=2, n_shared_experts=1,
+                     first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True),
+    # GLM-4.5-Air's switches off: no q/k norm, no biases, one group, not renormalised, every layer MoE.
+    "glm4_moe-plain": dict(model_type="glm4_moe", intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8,
+                           num_experts_per_tok=2, num_key_value_heads=2, partial_rotary_factor=0.25,
+                           use_qk_norm=False, attention_bias=False, n_shared_experts=2, first_k_dense_replace=0,
+                           routed_scaling_factor=1.0, norm_topk_prob=False),
+    # Llama 4: top-1 sigmoid scaling the input, a shared expert, MoE every second layer, a NoPE layer with
+    # temperature tuning (floor_scale small enough to bite), chunked attention (chunk 4), L2 q/k norm, llama3 rope.
+    "llama4_text": dict(model_type="llama4_text", num_hidden_layers=4, intermediate_size=32, intermediate_size_mlp=48,
+                        num_local_experts=8, num_experts_per_tok=1, num_key_value_heads=2, head_dim=16,
+                        interleave_moe_layer_step=2, no_rope_layers=[1, 1, 0, 1], attention_chunk_size=4,
+                        attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, use_qk_norm=True,
+                        max_position_embeddings=64,
+                        rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    # Llama 4 at top-2, every layer MoE, no q/k norm, no temperature tuning, NoPE by the interval rule.
+    "llama4_text-top2": dict(model_type="llama4_text", num_hidden_layers=4, intermediate_size=32,
+                             intermediate_size_mlp=48, num_local_experts=8, num_experts_per_tok=2,
+                             num_key_value_heads=2, head_dim=16, interleave_moe_layer_step=1, no_rope_layer_interval=2,
+                             attention_chunk_size=6, attn_temperature_tuning=False, use_qk_norm=False),
 }
 
 

@@ -122,21 +122,29 @@ class GroupedLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts. gate_up_proj [E, 2I, D] holds the gate rows first, then the up rows."""
+    """E SwiGLU experts. gate_up_proj [E, 2I, D] holds the gate rows first, then the up rows.
+
+    The combine weight scales each expert's output, or with `scale_input` its input, the output then
+    summed unweighted (Llama 4: x * g, cast to the model dtype, is what the expert sees)."""
 
     def __init__(self, config):  # a model.MoEConfig
         super().__init__()
         E, D, I = config.num_experts, config.hidden_size, config.intermediate_size
         self.gate_up_proj = GroupedLinear(E, 2 * I, D)
         self.down_proj = GroupedLinear(E, D, I)
+        self.scale_input = config.expert_input_scaled
 
     def forward(self, x, experts, weights):  # x [T, D], experts/weights [T, K] -> [T, D]
         E = self.gate_up_proj.weight.shape[0]
         # The bank's dtype (or autocast's): an fp32 x against a bf16 bank would leave grouped_mm for the loop.
         x = x.to(matmul_dtype(x, self.gate_up_proj.weight))
         dispatch = Dispatch(experts, E, cpu_kernels.expert_block(x, experts.numel(), E))
-        h = self.gate_up_proj(x[dispatch.token], dispatch)  # [N, 2I]
+        rows = x[dispatch.token]  # [N, D]
+        if self.scale_input:
+            rows = rows * dispatch.row_weights(weights).to(rows.dtype)
+        h = self.gate_up_proj(rows, dispatch)  # [N, 2I]
         gate, up = h.chunk(2, dim=-1)
         y = self.down_proj(F.silu(gate) * up, dispatch)  # [N, D]
-        y = y * dispatch.row_weights(weights).to(y.dtype)
+        if not self.scale_input:
+            y = y * dispatch.row_weights(weights).to(y.dtype)
         return dispatch.combine(y, *experts.shape)

@@ -256,3 +256,85 @@ register_family(Family(
     fixed={"qk_norm": "head", "shared_expert_gate": True, "attn_output_gate": True, "norm_zero_centred": True},
     defaults={"norm_topk_prob": True, "router_aux_loss_coef": 0.001, "partial_rotary_factor": 0.25, "head_dim": 256,
               "shared_expert_intermediate_size": 512}))
+# ----------------------------------------------------------------------------- round 2 (issue 49)
+
+GRANITE_KEYS = {"mlp.gate.weight": "block_sparse_moe.router.layer.weight",
+                "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
+                "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight"}
+register_family(Family(
+    "granitemoeshared", "GraniteMoeSharedForCausalLM",
+    brings="Granite MoE plus a shared expert beside the routed ones (shared_intermediate_size), its gate and up "
+           "rows stored as one matrix as the routed experts'",
+    hub_examples=("ibm-research/moe-7b-1b-active-shared-experts",),
+    recipe="granite", lora_targets=("q", "k", "v", "experts"), name_hints=("active-shared-experts",),
+    recipe_note="Granite 3.1's router with a shared expert: Granite's recipe (LoRA on Q/K/V and the routed experts; "
+                "the shared expert is neither routed nor adapted)",
+    layer_keys={**GRANITE_KEYS, "mlp.shared_expert.gate_up_proj.weight": "shared_mlp.input_linear.weight",
+                "mlp.shared_expert.down_proj.weight": "shared_mlp.output_linear.weight"},
+    renames={"num_local_experts": "num_experts", "shared_intermediate_size": "shared_expert_intermediate_size"},
+    config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier",
+                             "logits_scaling", "attention_multiplier", "shared_expert_intermediate_size"}),
+    fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True}))
+
+register_family(Family(
+    "flex_olmo", "FlexOlmoForCausalLM",
+    brings="OLMo-2's norm placement (each branch's output normed: post_attention_layernorm, post_feedforward_layernorm; "
+           "no input norm), q/k RMSNorm over the full projection width, norms multiplying their weight in fp32; "
+           "OLMoE's softmax router",
+    hub_examples=("allenai/FlexOlmo-7x7B-1T", "allenai/FlexOlmo-7x7B-1T-RT"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("flexolmo",),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe (the paper trains no FlexOlmo)",
+    layer_keys=PER_EXPERT_KEYS,
+    config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "norm_topk_prob"}),
+    fixed={"qk_norm": "full", "norm_after": True, "norm_weight_in_fp32": True},
+    defaults={"rope_theta": 500000.0, "norm_topk_prob": False, "router_aux_loss_coef": 0.01}))
+
+register_family(Family(
+    "glm4_moe", "Glm4MoeForCausalLM",
+    brings="GQA with partial rotary (partial_rotary_factor), optional per-head q/k RMSNorm (use_qk_norm), biases on "
+           "q, k, v; DeepSeek-V3's router (sigmoid scores, selection-only correction bias, noaux_tc group top-K, "
+           "routed_scaling_factor), shared experts and dense first layers",
+    hub_examples=("zai-org/GLM-4.5-Air", "zai-org/GLM-4.5"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("glm-4.5", "glm4"),
+    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe (the paper trains no GLM)",
+    layer_keys=DEEPSEEK_KEYS, renames={**DEEPSEEK_RENAMES, "attention_bias": "qkv_bias"},
+    config_fields=frozenset({"qkv_bias", "head_dim", "partial_rotary_factor", "use_qk_norm", "first_k_dense_replace",
+                             "dense_intermediate_size", "n_shared_experts", "routed_scaling_factor", "n_group",
+                             "topk_group", "norm_topk_prob"}),
+    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "qk_norm": "head"},
+    defaults={"partial_rotary_factor": 0.5, "use_qk_norm": False, "qkv_bias": False, "rms_norm_eps": 1e-5,
+              "first_k_dense_replace": 1, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+              "n_shared_experts": 1, "norm_topk_prob": True}))
+
+# Llama 4's layer holds its MLP as `feed_forward`: the router, the experts stored as x @ W ([E, D, 2I] with
+# the gate columns first, [E, I, D]: `Converted` "transposed"), the shared expert, and a dense layer's MLP.
+LLAMA4_KEYS = {"mlp.gate.weight": "feed_forward.router.weight",
+               "mlp.experts.gate_up_proj.weight": Converted("feed_forward.experts.gate_up_proj", "transposed"),
+               "mlp.experts.down_proj.weight": Converted("feed_forward.experts.down_proj", "transposed"),
+               **{f"mlp.shared_expert.{p}_proj.weight": f"feed_forward.shared_expert.{p}_proj.weight"
+                  for p in ("gate", "up", "down")},
+               **{f"mlp.{p}_proj.weight": f"feed_forward.{p}_proj.weight" for p in ("gate", "up", "down")}}
+register_family(Family(
+    "llama4_text", "Llama4ForCausalLM",
+    brings="top-K on the logits, the sigmoid of the K scaling each expert's input (top-1 in the releases); a shared "
+           "expert; MoE every interleave_moe_layer_step layers, dense between; NoPE layers (no_rope_layers) with "
+           "attention temperature tuning; chunked local attention on rope layers; L2 q/k norm after rope; rope on "
+           "interleaved pairs",
+    hub_examples=("meta-llama/Llama-4-Scout-17B-16E", "meta-llama/Llama-4-Maverick-17B-128E"),
+    recipe="granite", lora_targets=("q", "k", "v", "experts"), name_hints=("llama-4", "llama4"),
+    recipe_note="top-K on the logits, as Granite's router: Granite's recipe, LoRA targets (Q/K/V and the routed "
+                "experts) included; the shared expert and the dense layers are neither routed nor adapted",
+    layer_keys=LLAMA4_KEYS,
+    renames={"num_local_experts": "num_experts", "interleave_moe_layer_step": "decoder_sparse_step",
+             "intermediate_size_mlp": "dense_intermediate_size"},
+    config_fields=frozenset({"head_dim", "router_aux_loss_coef", "use_qk_norm", "no_rope_layers",
+                             "no_rope_layer_interval", "attention_chunk_size",
+                             "layer_types", "attn_temperature_tuning", "floor_scale", "attn_scale", "moe_layers",
+                             "decoder_sparse_step", "dense_intermediate_size"}),
+    # transformers' Llama4TextConfig hard-codes attention_bias False and its modeling file the rest
+    fixed={"scoring_func": "sigmoid", "topk_on_logits": True, "norm_topk_prob": False, "expert_input_scaled": True,
+           "n_shared_experts": 1, "qk_norm": "l2", "rope_interleave": True, "rope_in_fp32": True,
+           "attention_bias": False},
+    defaults={"use_qk_norm": True, "no_rope_layer_interval": 4, "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+              "attention_chunk_size": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "head_dim": 128,
+              "router_aux_loss_coef": 0.001, "decoder_sparse_step": 1}))

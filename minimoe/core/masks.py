@@ -29,7 +29,17 @@ class MaskKind(NamedTuple):
     chunk: int | None = None
 
 
-FULL = MaskKind()
+_KINDS: dict = {}
+
+
+def mask_kind(window: int | None = None, chunk: int | None = None) -> MaskKind:
+    """The one MaskKind object of this pattern: layers share it, so that a compiled layer's lookup of its mask
+    (dynamo guards a dict key by identity) holds for every layer of the pattern, with no recompile."""
+    kind = MaskKind(window, chunk)
+    return _KINDS.setdefault(kind, kind)
+
+
+FULL = mask_kind()
 
 
 def left_padding(attention_mask, B: int, device):
@@ -62,11 +72,12 @@ def bool_mask(attention_mask, B, T, start, device, segment_ids=None, kind: MaskK
                              f"expected {(B, T)} and no KV cache")
         seg_q, seg_k = segment_ids[:, :, None], segment_ids[:, None, :]  # [B, T, 1], [B, 1, S]
         allowed = allowed & ((seg_k == 0) | (seg_k == seg_q))[:, None]
-        pos_q, pos_k = position_ids[:, :, None], position_ids[:, None, :]  # each candidate's own positions
-        if window is not None:
-            allowed = allowed & (pos_q - pos_k < window)[:, None]
-        if chunk is not None:
-            allowed = allowed & (pos_q // chunk == pos_k // chunk)[:, None]
+        if window is not None or chunk is not None:  # in each candidate's own positions
+            pos_q, pos_k = position_ids[:, :, None], position_ids[:, None, :]
+            if window is not None:
+                allowed = allowed & (pos_q - pos_k < window)[:, None]
+            if chunk is not None:
+                allowed = allowed & (pos_q // chunk == pos_k // chunk)[:, None]
     if attention_mask is not None:
         if attention_mask.shape != (B, S):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected {(B, S)}")

@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.attention import KVSlot
-from minimoe.core.masks import MaskKind
+from minimoe.core.masks import FULL
 from minimoe.core.norms import RMSNorm
 from minimoe.core.rope import apply_rope, deinterleave, yarn_softmax_mscale
 
@@ -57,9 +57,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(C, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(C, H * (n + v), bias=False)
         self.o_proj = nn.Linear(H * v, D, bias=bias)
-        self.interleaved = getattr(config, "rope_interleave", True)  # DeepSeek-V2's config has no such field: always
+        self.interleaved = getattr(config, "rope_interleave", None) is not False  # None or absent (DeepSeek-V2): interleaved
         self.scale = (n + r) ** -0.5 * yarn_softmax_mscale(config.rope_scaling)
-        self.mask_kind = MaskKind()  # DeepSeek's layers all attend causally in full
+        self.mask_kind = FULL  # DeepSeek's layers all attend causally in full
 
     @staticmethod
     def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> KVSlot:

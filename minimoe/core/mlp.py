@@ -5,9 +5,9 @@
 Neither is routed: no method reaches a dense layer or a shared expert (docs/methods.md), and the
 Routing list of the model output holds None for a dense layer. The names (gate_proj, up_proj,
 down_proj) are the checkpoint's, as transformers 4.57 writes them; the MoE block holds a shared
-expert as `shared_expert` with its gate `shared_expert_gate`, the checkpoint's names too. Granite 4.0-H
-stores its shared expert's gate and up rows as one matrix (`shared_mlp.input_linear`): `fused` holds
-them so, as `gate_up_proj` (gate rows first), one parameter per on-disk tensor.
+expert as `shared_expert` with its gate `shared_expert_gate`, the checkpoint's names too. Granite's
+shared expert stores its gate and up rows as one matrix (`fused`: gate_up_proj [2I, D], gate rows
+first), as its routed experts are stored.
 """
 from __future__ import annotations
 

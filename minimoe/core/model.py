@@ -32,6 +32,7 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -68,24 +69,39 @@ class MoEConfig:
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2-MoE)
     use_sliding_window: bool = False  # attend to the last `sliding_window` positions only (Mixtral: always)
     sliding_window: int | None = None
-    layer_types: list | None = None  # per layer "sliding_attention" | "full_attention"; None: every layer alike
+    layer_types: list | None = None  # per layer "sliding_attention" | "full_attention" | "chunked_attention"; None: alike
     mixer_types: list | None = None  # per layer a core/mixers.py MIXERS name; None: "mla" with kv_lora_rank, else "attention"
     tie_word_embeddings: bool = False
     norm_topk_prob: bool = False  # renormalise the K selected weights (Granite's top-K on logits always does)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection (and q/k norm)
-    qk_norm: str | None = None  # RMSNorm on q and k: "full" over the projection width (OLMoE), "head" per head (Qwen3)
+    qk_norm: str | None = None  # on q and k: RMSNorm "full" over the projection width (OLMoE), "head" per head
+    # (Qwen3, GLM), or "l2" per head without a weight, after rope, on rope layers only (Llama 4)
+    use_qk_norm: bool = True  # the config.json switch of a family whose q/k norm is optional (GLM, Llama 4); False: none
+    partial_rotary_factor: float = 1.0  # rope turns the first factor * head_dim dims of each head (GLM), the rest pass
+    no_rope_layers: list | None = None  # per layer 1 = rope, 0 = NoPE (Llama 4's name and values); None: rope everywhere
+    no_rope_layer_interval: int | None = None  # no_rope_layers empty or None: every n-th layer NoPE (Llama 4's rule)
+    attention_chunk_size: int | None = None  # "chunked_attention" layers see their own chunk only (Llama 4; with no
+    # layer_types the rope layers are chunked, the NoPE ones full, as Llama4TextConfig fills them in)
+    # Llama 4's attention temperature on NoPE layers: q times 1 + attn_scale * log1p(floor((pos + 1) / floor_scale))
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+    norm_after: bool = False  # OLMo-2 (FlexOlmo): each branch's output normed before the residual add, no input norm
     # Dense layers among the MoE ones: layer i is sparse unless i in mlp_only_layers, (i + 1) % decoder_sparse_step,
     # or i < first_k_dense_replace (Qwen; DeepSeek); a dense layer's MLP is dense_intermediate_size wide.
     mlp_only_layers: list = field(default_factory=list)
+    moe_layers: list | None = None  # set: exactly these layers are sparse (Llama 4's explicit list)
     decoder_sparse_step: int = 1
     first_k_dense_replace: int = 0
     dense_intermediate_size: int | None = None
     shared_expert_intermediate_size: int = 0  # > 0: a shared expert of this width beside the routed ones
     shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(w . x) (Qwen2-MoE)
+    shared_expert_fused: bool = False  # the shared expert's gate and up as one gate_up_proj [2I, D] (Granite's)
     n_shared_experts: int = 0  # DeepSeek: shared experts of intermediate_size each, run as one of n times the width
     # The router's scoring and selection (routing.Scoring reads these; families.py says who uses which).
     scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
-    topk_on_logits: bool = False  # top-K on the logits, then softmax over the K (Granite, gpt-oss)
+    topk_on_logits: bool = False  # top-K on the logits, then softmax (Granite, gpt-oss) or sigmoid (Llama 4) of the K
+    expert_input_scaled: bool = False  # the combine weight scales each expert's input, not its output (Llama 4)
     topk_method: str = "greedy"  # greedy | group_limited_greedy (DeepSeek-V2) | noaux_tc (DeepSeek-V3)
     n_group: int = 1  # expert groups for the group-limited methods
     topk_group: int = 1  # groups kept per token
@@ -100,14 +116,15 @@ class MoEConfig:
     qk_nope_head_dim: int = 0  # MLA: each head's query/key part without rope
     qk_rope_head_dim: int = 0  # MLA: each head's query/key part with rope (one rope key for all heads)
     v_head_dim: int = 0  # MLA: each head's value width
-    rope_interleave: bool = True  # MLA: rope dims stored as interleaved pairs (DeepSeek-V2 always, V3's switch)
+    # rope dims stored as interleaved pairs; None: the mixer's own (MLA: interleaved, DeepSeek-V2 always and V3's
+    # default; GQA attention: halves, but Llama 4's pairs)
+    rope_interleave: bool | None = None
+    rope_in_fp32: bool = False  # GQA: rotate q and k in fp32 and cast once (Llama 4's complex product); else model dtype
     swiglu_limit: float | None = None  # set: gpt-oss's clamped SwiGLU experts with biases (core/clamped_experts.py)
     # Attention options of the hybrids (core/attention.py) and their norms.
     position_embedding_type: str | None = "rope"  # anything else: no rope (Granite 4.0-H's "nope")
-    partial_rotary_factor: float = 1.0  # rope on this fraction of each head's dims (Qwen3-Next: 0.25)
     attn_output_gate: bool = False  # q_proj also gives a per-head gate; output * sigmoid(gate) (Qwen3-Next)
     norm_zero_centred: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Qwen3-Next)
-    shared_expert_fused: bool = False  # the shared expert's gate and up rows in one matrix (Granite 4.0-H)
     # Mamba-2 layers (core/mamba2.py; mixer_types "mamba2"), Granite 4.0-H's names.
     mamba_n_heads: int = 128
     mamba_d_head: int | str = "auto"  # "auto": mamba_expand * hidden_size / mamba_n_heads (filled in)
@@ -155,6 +172,13 @@ class MoEConfig:
                 raise ValueError(f"config: mamba_n_heads {self.mamba_n_heads} does not divide mamba_expand * "
                                  f"hidden_size = {self.mamba_expand * self.hidden_size}")
             self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
+        if not self.use_qk_norm:
+            self.qk_norm = None
+        if not self.no_rope_layers and self.no_rope_layer_interval:
+            self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(self.num_hidden_layers)]
+        if self.attention_chunk_size and self.layer_types is None and self.no_rope_layers:
+            self.layer_types = ["chunked_attention" if self.uses_rope(i) else "full_attention"
+                                for i in range(self.num_hidden_layers)]
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"config: num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -165,8 +189,8 @@ class MoEConfig:
             raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
         rope_type(self.rope_scaling)  # refuses, by name, a type core/rope.py does not compute
         self._check_attention()
-        if self.qk_norm not in (None, "full", "head"):
-            raise ValueError(f"config: qk_norm {self.qk_norm!r}; expected None, 'full' or 'head'")
+        if self.qk_norm not in (None, "full", "head", "l2"):
+            raise ValueError(f"config: qk_norm {self.qk_norm!r}; expected None, 'full', 'head' or 'l2'")
         if self.sliding_window is not None and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
             raise ValueError(f"config: sliding_window {self.sliding_window!r}; expected an int >= 1 or null")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
@@ -180,9 +204,17 @@ class MoEConfig:
         self._check_router()
 
     def _check_attention(self):
-        kinds = ("full_attention", "sliding_attention")
+        kinds = ("full_attention", "sliding_attention", "chunked_attention")
         if self.layer_types is not None and not set(self.layer_types) <= set(kinds):
             raise ValueError(f"config: layer_types {self.layer_types!r}; expected each one of {kinds}")
+        if self.layer_types is not None and "chunked_attention" in self.layer_types and not self.attention_chunk_size:
+            raise ValueError("config: chunked_attention layers need attention_chunk_size >= 1")
+        if self.no_rope_layers is not None and len(self.no_rope_layers) < self.num_hidden_layers:
+            raise ValueError(f"config: no_rope_layers has {len(self.no_rope_layers)} entries; expected at least "
+                             f"num_hidden_layers={self.num_hidden_layers}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rope_dim % 2:
+            raise ValueError(f"config: partial_rotary_factor {self.partial_rotary_factor} turns {self.rope_dim} of "
+                             f"head_dim={self.head_dim} dims; expected a factor in (0, 1] giving an even count")
         if self.mixer_types is not None and (len(self.mixer_types) != self.num_hidden_layers
                                              or not set(self.mixer_types) <= set(MIXERS)):
             raise ValueError(f"config: mixer_types {self.mixer_types!r}; expected num_hidden_layers="
@@ -197,9 +229,8 @@ class MoEConfig:
             raise ValueError(f"config: scoring_func {self.scoring_func!r}; expected one of {SCORE_FUNCS}")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"config: topk_method {self.topk_method!r}; expected one of {TOPK_METHODS}")
-        if self.topk_on_logits and (self.scoring_func != "softmax" or self.topk_method != "greedy"):
-            raise ValueError("config: topk_on_logits (top-K on logits, softmax over the K) takes softmax scoring "
-                             f"and greedy top-K; got {self.scoring_func!r} and {self.topk_method!r}")
+        if self.topk_on_logits and self.topk_method != "greedy":
+            raise ValueError(f"config: topk_on_logits (top-K on logits) takes greedy top-K; got {self.topk_method!r}")
         if self.topk_method != "greedy":
             E, G = self.num_experts, self.n_group
             if G < 1 or E % G or not 1 <= self.topk_group <= G:
@@ -214,6 +245,8 @@ class MoEConfig:
     @property
     def sparse_layers(self) -> list[int]:
         """The MoE layers' indices; the others are dense (the transformers 4.57 rule of each family)."""
+        if self.moe_layers is not None:
+            return sorted(i for i in self.moe_layers if 0 <= i < self.num_hidden_layers)
         return [i for i in range(self.num_hidden_layers) if i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0 and i >= self.first_k_dense_replace]
 
@@ -224,9 +257,20 @@ class MoEConfig:
             return None
         return self.sliding_window
 
+    def chunk(self, layer: int) -> int | None:
+        """Layer's local attention chunk (Llama 4's chunked_attention layers), None for none."""
+        if self.layer_types is None or self.layer_types[layer] != "chunked_attention":
+            return None
+        return self.attention_chunk_size
+
+    def uses_rope(self, layer: int) -> bool:  # False: Llama 4's NoPE layers, every layer of Granite 4.0-H's "nope"
+        return self.position_embedding_type == "rope" and (self.no_rope_layers is None or bool(self.no_rope_layers[layer]))
+
     @property
-    def rope_dim(self) -> int:  # the dims each head rotates: MLA's rope part, else the head or its partial part
-        return self.qk_rope_head_dim if self.kv_lora_rank is not None else int(self.head_dim * self.partial_rotary_factor)
+    def rope_dim(self) -> int:  # the dims each head rotates: MLA's rope part, else the head's first partial_rotary_factor
+        if self.kv_lora_rank is not None:
+            return self.qk_rope_head_dim
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_scale(self) -> float:
@@ -301,8 +345,13 @@ class DecoderLayer(nn.Module):
         setattr(self, self.mixer_attribute, mixer)
         self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
         self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size)
-        self.input_layernorm = RMSNorm.of(config, config.hidden_size)
-        self.post_attention_layernorm = RMSNorm.of(config, config.hidden_size)
+        norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32,
+                                 config.norm_zero_centred)
+        self.norm_after = config.norm_after
+        if self.norm_after:  # OLMo-2's placement (FlexOlmo): each branch's output normed, the checkpoint's names
+            self.post_attention_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        else:  # pre-norm: each branch's input normed
+            self.input_layernorm, self.post_attention_layernorm = norm(), norm()
         self.residual_multiplier = config.residual_multiplier
         self.gradient_checkpointing = False  # recompute this block in backward instead of storing it
 
@@ -316,6 +365,10 @@ class DecoderLayer(nn.Module):
         return self._forward(h, inputs, cache, None)
 
     def _forward(self, h, inputs, cache, stash):
+        if self.norm_after:
+            h = h + scaled(self.post_attention_layernorm(self.mixer(h, inputs, cache)), self.residual_multiplier)
+            mlp_out, routing = self.mlp(h, stash) if self.sparse else (self.mlp(h), None)
+            return h + scaled(self.post_feedforward_layernorm(mlp_out), self.residual_multiplier), routing
         h = h + scaled(self.mixer(self.input_layernorm(h), inputs, cache), self.residual_multiplier)
         x = self.post_attention_layernorm(h)
         mlp_out, routing = self.mlp(x, stash) if self.sparse else (self.mlp(x), None)
@@ -401,7 +454,7 @@ class MoEForCausalLM(nn.Module):
         device, start = h.device, cache.length if cache is not None else 0
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=device).expand(B, T)
-        cos, sin = position_embeddings(self.config, position_ids, h.dtype)
+        cos, sin = position_embeddings(self.config, position_ids, torch.float32 if self.config.rope_in_fp32 else h.dtype)
         mixers = [layer.mixer for layer in self.model.layers]
         flex = device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or segment_ids is not None)
         flex = flex and all(m.takes_block_mask for m in mixers)  # sinks and MLA take a bool mask

@@ -6,9 +6,9 @@ that multiplies cos and sin. `rope_cos_sin` builds cos, sin [B, T, d] in fp32 (c
 for the rotate-half convention every family here uses: pair i is (x[i], x[i + d/2]).
 
 Decisions:
-- Types: none/"default", "linear" and "yarn", the ones the families' published configs use
+- Types: none/"default", "linear", "yarn" and "llama3", the ones the families' published configs use
   (DeepSeek-V2-Lite: yarn, factor 40, mscale = mscale_all_dim = 0.707; gpt-oss-20b: yarn, factor 32,
-  truncate false; Moonlight: none). Any other type is refused by name rather than run wrong.
+  truncate false; Moonlight: none; Llama-4-Scout: llama3, factor 16, low = high freq factor 1). Any other type is refused by name rather than run wrong.
   "dynamic" and "longrope" depend on the sequence length at run time; none of our families uses them.
 - YaRN (Peng et al. 2023): each frequency is interpolated (divided by `factor`) or kept, with a
   linear ramp between the dimensions that turn `beta_fast` and `beta_slow` times over the original
@@ -28,7 +28,7 @@ import math
 
 import torch
 
-ROPE_TYPES = ("default", "linear", "yarn")
+ROPE_TYPES = ("default", "linear", "yarn", "llama3")
 
 
 def rope_type(rope_scaling: dict | None) -> str:
@@ -57,6 +57,8 @@ def rope_frequencies(head_dim: int, theta: float, rope_scaling: dict | None,
     factor = float(rope_scaling["factor"])
     if kind == "linear":
         return inv_freq / factor, 1.0
+    if kind == "llama3":
+        return llama3_frequencies(inv_freq, factor, rope_scaling), 1.0
     # yarn
     s = rope_scaling
     attention_factor = s.get("attention_factor")
@@ -81,6 +83,18 @@ def rope_frequencies(head_dim: int, theta: float, rope_scaling: dict | None,
     keep = 1 - ramp  # 1: high frequency, kept (extrapolated); 0: low frequency, interpolated
     inv_freq = 1.0 / (factor * wavelength) * (1 - keep) + inv_freq * keep
     return inv_freq, float(attention_factor)
+
+
+def llama3_frequencies(inv_freq, factor: float, s: dict):
+    """Llama 3.1's rope: wavelengths beyond the original context over low_freq_factor are divided by
+    `factor`, those below it over high_freq_factor kept, the ones between interpolated smoothly. With
+    low = high freq factor (Llama-4-Scout) nothing lies between: the smoothing's 0/0 is never selected."""
+    low, high, original = s["low_freq_factor"], s["high_freq_factor"], s["original_max_position_embeddings"]
+    wavelength = 2 * math.pi / inv_freq  # [d/2]
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelength - low) / (high - low)
+    between = ~(wavelength < original / high) & ~(wavelength > original / low)
+    return torch.where(between, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 def yarn_softmax_mscale(rope_scaling: dict | None) -> float:

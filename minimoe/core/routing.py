@@ -103,7 +103,9 @@ class Scoring:
       top-K probabilities; renormalised over the K when `normalize` (norm_topk_prob).
     - func softmax, on_logits True (Granite, gpt-oss): top-K on the logits, softmax over the K (which is
       the full softmax renormalised over the K).
-    - func sigmoid (DeepSeek-V3): sigmoid scores; the selection may add `correction` (the checkpoint's
+    - func sigmoid, on_logits True (Llama 4): top-K on the logits, the sigmoid of each of the K (not
+      renormalised unless `normalize`); Llama 4's MoE block scales the expert's input by it.
+    - func sigmoid (DeepSeek-V3, GLM-4.5): sigmoid scores; the selection may add `correction` (the checkpoint's
       e_score_correction_bias [E]) to them, the weights never do.
     - method: greedy (plain top-K); group_limited_greedy (DeepSeek-V2: keep the `topk_group` of
       `n_group` expert groups with the largest max score); noaux_tc (DeepSeek-V3: groups ranked by the
@@ -147,7 +149,12 @@ class Scoring:
         if self.on_logits:
             if experts is None:
                 experts = logits.detach().topk(self.top_k, dim=-1).indices
-            weights = logits.gather(-1, experts).softmax(dim=-1)
+            top = logits.gather(-1, experts)  # [T, K]
+            if self.func == "softmax":
+                weights = top.softmax(dim=-1)
+            else:
+                weights = top.sigmoid()
+                weights = weights / weights.sum(dim=-1, keepdim=True) if self.normalize else weights
         else:
             scores = self.scores(logits)
             if experts is None:
@@ -237,17 +244,14 @@ class NativeRouter(nn.Module):
 
 class ConcentrationRouter(NativeRouter):
     """ACS: native routing; the supervised prediction is C_t over the native top-K, with gradient, from the
-    family's own weights of the K renormalised (`Scoring.shares`)."""
-
-    def __init__(self, scoring: Scoring):
-        if scoring.top_k < 2:
-            raise ValueError(f"acs: num_experts_per_tok is {scoring.top_k}; affinity concentration needs K >= 2 "
-                             "(with K = 1, C_t = 1 for every token and gives no gradient)")
-        super().__init__(scoring)
+    family's own weights of the K renormalised (`Scoring.shares`). With K = 1 (Llama 4) C_t over the
+    top-1 is 1 for every token and has no gradient, so there S is every expert: C_t = sum_i pbar_i^2,
+    pbar the family's scores of all E renormalised (docs/methods.md), in [1/E, 1]."""
 
     def forward(self, x, logits, experts=None, correction=None):
         experts, weights = self.scoring.select(logits, experts, correction)
-        c = concentration(logits, experts, self.scoring)  # [T]
+        S = experts if self.top_k > 1 else torch.arange(logits.shape[-1], device=logits.device).expand(logits.shape)
+        c = concentration(logits, S, self.scoring)  # [T]
         return Routing(logits=logits, experts=experts, weights=weights, prediction=c)
 
 

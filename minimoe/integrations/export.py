@@ -105,8 +105,8 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
                 out[f"{prefix}{module}.{ab}.weight"] = t.reshape(E * r, t.shape[-1])
             else:  # [E, out, r] -> [out, r*E], expert fastest
                 out[f"{prefix}{module}.{ab}.weight"] = t.permute(1, 2, 0).reshape(t.shape[1], r * E)
-            # "block_sparse_moe.input_linear.weight", not "input_linear.weight": Granite 4.0-H's shared
-            # expert (shared_mlp.input_linear) has a parameter of that name too, which is not adapted
+            # "block_sparse_moe.input_linear.weight": peft matches a suffix, and a shared expert's linear
+            # (Granite's shared_mlp.input_linear) would match "input_linear.weight" too
             params.add(".".join(disk.split(".")[-3:]))
         else:  # per-expert modules: block b of A feeds row block b of B (see lora.LoRAMixin)
             for j in range(E):  # A [E, blocks*r, in] and B [E, blocks*out, r] both split along dim 1

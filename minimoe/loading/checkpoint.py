@@ -77,7 +77,10 @@ def config_to_dict(config: MoEConfig) -> dict:
     family = family_of(config.model_type)
     written = CONFIG_FIELDS | family.config_fields
     back = {v: k for k, v in family.renames.items()}
-    d = {**config.extra, **{back.get(k, k): getattr(config, k) for k in config_field_names() if k in written}}
+    # A field left None where the family's transformers config has a default (Llama 4's no_rope_layer_interval,
+    # in a config built here rather than read) is left out: transformers then fills in that default, not null.
+    d = {**config.extra, **{back.get(k, k): getattr(config, k) for k in config_field_names() if k in written
+                            and not (getattr(config, k) is None and family.defaults.get(k) is not None)}}
     d["architectures"] = [family.architecture]
     if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
         back_kinds = {v: k for k, v in family.layer_kinds.items()}

@@ -113,7 +113,7 @@ def test_grouped_expert_lora_equals_per_expert_loop(family, grouped_mm, monkeypa
     model = add_lora(tiny(family), targets=["experts"])
     randomize_lora(model, std=0.2)
     experts = model.model.layers[0].mlp.experts
-    blocks = 1 if family == "granitemoe" else 2  # per-expert families: separate gate_proj / up_proj (w1 / w3) LoRAs
+    blocks = 1 if family.startswith("granitemoe") else 2  # per-expert families: separate gate_proj / up_proj (w1 / w3) LoRAs
     assert experts.gate_up_proj.lora_A.shape == (8, blocks * 8, 64)
     assert experts.gate_up_proj.lora_B.shape == (8, 64, 8)
     g = torch.Generator().manual_seed(3)

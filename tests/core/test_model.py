@@ -15,7 +15,7 @@ from minimoe.core import cpu_kernels
 from minimoe.core.objectives import load_balancing_loss
 from minimoe.core.scoring import forward_choices, make_choice_batch
 from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
-from tests.conftest import oracle, spy_grouped_mm, tiny_config, tiny_model
+from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, oracle, spy_grouped_mm, tiny_config, tiny_model
 
 
 transformers = oracle("transformers")  # its tests skip without the test extra
@@ -185,6 +185,7 @@ def test_gradients_match_transformers(family, tmp_path):
         assert ((ours_grads[key] - want).abs().max() / scale).item() <= 1e-4, key
 
 
+@pytest.mark.parametrize("family", ["granitemoe", "olmoe", *NEW_FAMILIES, *OTHER_ROUTERS])
 def test_padding_gives_unpadded_logits(family):
     """Right-padded rows equal the same rows run alone, at every real position."""
     from tests.conftest import tiny_model

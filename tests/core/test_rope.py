@@ -20,6 +20,11 @@ SCALINGS = [
      "original_max_position_embeddings": 4096},
     {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.5},
     {"rope_type": "yarn", "factor": 8.0, "attention_factor": 1.3},
+    # Llama-4-Scout's entry (factor 16, low = high freq factor 1: no band between), and Llama 3.1's (8, 1, 4)
+    {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+     "original_max_position_embeddings": 8192},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
 ]
 
 

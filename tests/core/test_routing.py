@@ -413,9 +413,14 @@ def test_bad_options_raise_clear_errors(kwargs, match):
     assert type(model.model.layers[2].mlp.router) is NativeRouter  # the model is left as it was
 
 
-def test_acs_with_one_expert_per_token_raises():
-    with pytest.raises(ValueError, match="K >= 2"):
-        set_router(tiny_model(top_k=1), "acs")
+def test_acs_with_one_expert_per_token_supervises_every_experts_concentration():
+    """K = 1: C_t over the top-1 alone is 1 with no gradient, so ACS takes every expert as its set: the
+    model's C_t is sum_i p_i^2 over all E (softmax here), and its gradient reaches the logits."""
+    model = set_router(tiny_model(top_k=1), "acs")
+    r = model(torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))).routings[-1]
+    p = r.logits.detach().softmax(-1)
+    torch.testing.assert_close(r.prediction.detach(), p.pow(2).sum(-1))
+    assert r.prediction.requires_grad and (r.prediction < 1 - 1e-3).all()
 
 
 @pytest.mark.parametrize("name", ["native", "dual", "tes", "acs"])
@@ -443,6 +448,9 @@ SCORERS = {  # name -> (Scoring, whether the layer has a correction bias)
     "sigmoid-noaux": (Scoring(3, normalize=True, func="sigmoid", method="noaux_tc", n_group=4, topk_group=2,
                               scaling=2.5), True),  # DeepSeek-V3
     "sigmoid": (Scoring(3, func="sigmoid"), False),
+    "sigmoid-noaux-glm": (Scoring(3, normalize=True, func="sigmoid", method="noaux_tc", n_group=4, topk_group=2,
+                                  scaling=2.5), True),  # GLM-4.5 (its own module, V3's rule)
+    "sigmoid-top1-on-logits": (Scoring(1, func="sigmoid", on_logits=True), False),  # Llama 4 (scales the input)
 }
 
 
@@ -468,7 +476,8 @@ def transformers_routing(name, gate, x, correction):
     """The same router as transformers 4.57 computes it (its own modules where it has one), the oracle."""
     scoring, _ = SCORERS[name]
     E, D = gate.weight.shape
-    if name in ("group-max", "sigmoid-noaux", "topk-on-logits"):  # transformers' own modules: skip without the extra
+    if name in ("group-max", "sigmoid-noaux", "topk-on-logits", "sigmoid-noaux-glm", "sigmoid-top1-on-logits"):
+        # transformers' own modules: skip without the extra
         pytest.importorskip("transformers")
     if name == "group-max":
         from transformers import DeepseekV2Config
@@ -487,6 +496,22 @@ def transformers_routing(name, gate, x, correction):
         ref.weight.data.copy_(gate.weight)
         ref.e_score_correction_bias.copy_(correction)
         return ref(x)
+    if name == "sigmoid-noaux-glm":
+        from transformers import Glm4MoeConfig
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+        ref = Glm4MoeTopkRouter(Glm4MoeConfig(n_routed_experts=E, hidden_size=D, num_experts_per_tok=3, n_group=4,
+                                              topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True))
+        ref.weight.data.copy_(gate.weight)
+        ref.e_score_correction_bias.copy_(correction)
+        return ref(x)
+    if name == "sigmoid-top1-on-logits":
+        from transformers import Llama4TextConfig
+        from transformers.models.llama4.modeling_llama4 import Llama4Router
+        ref = Llama4Router(Llama4TextConfig(num_local_experts=E, hidden_size=D, num_experts_per_tok=1))
+        ref.weight.data.copy_(gate.weight)
+        scores, logits = ref(x)  # [T, E]: the sigmoid of the top-1 logit, 0 elsewhere
+        experts = logits.topk(1, dim=-1).indices
+        return experts, scores.gather(-1, experts)
     if name == "topk-on-logits":
         from transformers import GptOssConfig
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
@@ -564,17 +589,19 @@ def test_identities_hold_on_every_scorer(name):
     scoring, gate, x, logits, correction = scorer_inputs(name)
     native = NativeRouter(scoring)(x, logits, correction=correction)
     # ACS: C_t = sum of the squared shares of the native K, shares = the family's weights renormalised
-    # (softmax p or sigmoid s), so 1/K <= C_t <= 1 (Eq. affinity_concentration).
+    # (softmax p or sigmoid s), so 1/K <= C_t <= 1 (Eq. affinity_concentration). With K = 1 (Llama 4) the
+    # set is every expert (docs/methods.md): 1/E <= C_t <= 1.
     a = logits.clone().requires_grad_(True)
     c = ConcentrationRouter(scoring)(x, a, correction=correction).prediction
-    s = (a.detach().softmax(-1) if scoring.func == "softmax" else a.detach().sigmoid()).gather(-1, native.experts)
+    S = native.experts if scoring.top_k > 1 else torch.arange(a.shape[-1]).expand(a.shape)
+    s = (a.detach().softmax(-1) if scoring.func == "softmax" else a.detach().sigmoid()).gather(-1, S)
     pbar = s / s.sum(-1, keepdim=True)
     torch.testing.assert_close(c.detach(), pbar.pow(2).sum(-1))
-    assert (c >= 1 / 3 - 1e-6).all() and (c <= 1 + 1e-6).all()
-    c.sum().backward()  # only the selected experts' logits move C_t; for softmax dC/da_i = 2 pbar_i (pbar_i - C_t)
-    unselected = torch.ones_like(a, dtype=torch.bool).scatter(-1, native.experts, False)
+    assert (c >= 1 / S.shape[-1] - 1e-6).all() and (c <= 1 + 1e-6).all() and (c < 1 - 1e-3).any()
+    c.sum().backward()  # only the set's logits move C_t; for softmax dC/da_i = 2 pbar_i (pbar_i - C_t)
+    unselected = torch.ones_like(a, dtype=torch.bool).scatter(-1, S, False)
     if scoring.func == "softmax":
-        expected = torch.zeros_like(a).scatter(-1, native.experts, 2 * pbar * (pbar - c.detach()[:, None]))
+        expected = torch.zeros_like(a).scatter(-1, S, 2 * pbar * (pbar - c.detach()[:, None]))
         torch.testing.assert_close(a.grad, expected, rtol=1e-5, atol=1e-6)
     else:  # sigmoid scores are per expert: an unselected logit does not enter C_t at all
         assert (a.grad[unselected] == 0).all() and (a.grad[~unselected] != 0).any()

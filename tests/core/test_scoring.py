@@ -15,7 +15,7 @@ from minimoe.core.objectives import supervision_loss
 from minimoe.core.scoring import choice_loss, choice_scores, forward_choices, make_choice_batch
 from minimoe.data.benchmarks import Example
 from minimoe.evaluation.accuracy import evaluate_split
-from tests.conftest import tiny_model
+from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, tiny_model
 
 METHODS = {"native": {}, "dual": {}, "tes": {"gamma": 1.0}, "acs": {}}
 
@@ -114,6 +114,7 @@ def full_forward_logprobs(model, prompt, answer):
     return torch.stack([logp[P - 1 + j, t] for j, t in enumerate(answer)])
 
 
+@pytest.mark.parametrize("family", ["granitemoe", "olmoe", *NEW_FAMILIES, *OTHER_ROUTERS])
 def test_packed_scores_equal_a_plain_forward_per_candidate(family):
     model, tok = tiny_model(family), CharTokenizer()
     exs = examples()

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")  # the oracle: a plain install skips these t
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.models.gpt_oss import modeling_gpt_oss as oss
 
-from minimoe.core.masks import MaskKind, bool_mask
+from minimoe.core.masks import bool_mask, mask_kind
 from minimoe.core.rope import apply_rope, rope_cos_sin, rope_frequencies
 from minimoe.core.sinks import sink_attention
 
@@ -37,7 +37,7 @@ def ours(attn, cfg, x, pos, attention_mask):
     cos, sin = rope_cos_sin(pos, *rope_frequencies(d, cfg.rope_theta, cfg.rope_scaling,
                                                    cfg.max_position_embeddings), x.dtype)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    mask = bool_mask(attention_mask, B, T, 0, x.device, kind=MaskKind(window=attn.sliding_window))
+    mask = bool_mask(attention_mask, B, T, 0, x.device, kind=mask_kind(window=attn.sliding_window))
     y = sink_attention(q, k, v, attn.sinks, mask, attn.scaling)
     return attn.o_proj(y.transpose(1, 2).reshape(B, T, H * d))
 

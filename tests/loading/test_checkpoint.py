@@ -375,6 +375,14 @@ def test_full_disk_in_safetensors_names_the_folder(tmp_path, monkeypatch):
      "model.layers.1.mlp.shared_expert.down_proj.weight"),
     ("mixtral", "model.layers.1.block_sparse_moe.experts.5.w3.weight", "model.layers.0.mlp.gate.weight",
      "model.layers.0.block_sparse_moe.gate.weight"),
+    ("granitemoeshared", "model.layers.1.shared_mlp.output_linear.weight", "model.layers.0.shared_mlp.gate_proj.weight",
+     "model.layers.0.shared_mlp.input_linear.weight"),
+    ("flex_olmo", "model.layers.1.post_feedforward_layernorm.weight", "model.layers.0.input_layernorm.weight",
+     "model.layers.0.self_attn.k_norm.weight"),
+    ("glm4_moe", "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.0.self_attn.o_proj.bias",
+     "model.layers.1.mlp.shared_experts.up_proj.weight"),
+    ("llama4_text", "model.layers.1.feed_forward.experts.gate_up_proj", "model.layers.0.feed_forward.router.weight",
+     "model.layers.1.feed_forward.experts.down_proj"),
 ])
 def test_each_new_family_loads_by_hub_id_and_its_bad_keys_are_named(family, missing, unexpected, misshaped,
                                                                        tmp_path, offline):
