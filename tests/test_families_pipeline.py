@@ -1,4 +1,5 @@
-"""The whole pipeline on a tiny checkpoint of each family beyond the paper's two, saved by transformers 4.57: train.py
+"""The whole pipeline on a tiny checkpoint of each family beyond the paper's two (the hybrids included), saved by
+transformers 4.57: train.py
 (TES over every MoE layer, killed after epoch 1 and resumed), evaluate.py on the run, sweep.py --models on the folder;
 and a hub id from an offline cache (lm-eval's model on them: tests/integrations/test_lm_eval.py).
 
@@ -39,6 +40,9 @@ ROUND2 = ["glm4_moe", "llama4_text"]
 # tests/core/test_model.py's families, with minimoe/loading/tiny.py's switches (dense layers, shared experts,
 # windows, OLMo-2's norm placement).
 FAMILY_SWITCHES = ["qwen3_moe", "qwen2_moe", "mixtral", "granitemoeshared", "flex_olmo"]
+# The hybrids (Mamba-2, Gated DeltaNet), TES only as ROUND2; not in lm-eval's comparison (its 1e-4 absolute
+# tolerance on summed log-likelihoods near -130 is 8e-7 relative, which Qwen3-Next's delta rule's rounding reaches).
+HYBRIDS = ["granitemoehybrid", "qwen3_next"]
 
 
 def transformers_saved(variant: str, folder, monkeypatch):
@@ -57,7 +61,7 @@ def transformers_saved(variant: str, folder, monkeypatch):
 def saved(name: str, tmp_path, monkeypatch):
     """A tiny checkpoint of `name` (a VARIANTS, ROUND2 or FAMILY_SWITCHES entry) that transformers saved, beside
     the tiny tokenizer."""
-    if name in VARIANTS + ROUND2:
+    if name in VARIANTS + ROUND2 + HYBRIDS:
         return transformers_saved(name, tmp_path / "saved", monkeypatch)[1]
     from tests.core.test_model import tiny
     base = read_config(tiny_checkpoint())
@@ -80,7 +84,7 @@ def with_tokenizer(folder):
     return folder
 
 
-@pytest.mark.parametrize("name", [*FAMILY_SWITCHES, *VARIANTS, *ROUND2])
+@pytest.mark.parametrize("name", [*FAMILY_SWITCHES, *VARIANTS, *ROUND2, *HYBRIDS])
 def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, monkeypatch):
     """A random tiny model of the family, so the numbers are not the point: every step runs, and TES's heads sit
     on the family's sparse layers."""
@@ -106,7 +110,7 @@ def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, mo
     assert [c.model for c in cells] == [str(folder)] and guess_recipe(str(folder)) == FAMILIES[model_type].recipe
 
 
-@pytest.mark.parametrize("variant", VARIANTS + ROUND2)
+@pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS)
 def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, tmp_path, monkeypatch, offline):
     """The hub path (HF_HUB_OFFLINE=1, a cache laid out as huggingface_hub writes it) gives transformers' logits."""
     ref, folder = transformers_saved(variant, tmp_path / "saved", monkeypatch)

@@ -41,6 +41,27 @@ VARIANTS = {
                     layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                   "truncate": False, "original_max_position_embeddings": 16}),
+    # Granite 4.0-H's switches: Mamba-2 layers (several scan chunks per row, two groups) among NoPE attention
+    # layers, a shared expert, every multiplier away from 1.
+    "granitemoehybrid": dict(model_type="granitemoehybrid", layer_types=["mamba", "attention", "mamba"],
+                             num_key_value_heads=2, intermediate_size=32, shared_intermediate_size=40,
+                             num_local_experts=8, num_experts_per_tok=2, position_embedding_type="nope",
+                             embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=6.0,
+                             attention_multiplier=0.1, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+                             mamba_chunk_size=8, mamba_d_conv=4),
+    "granitemoehybrid-rope": dict(model_type="granitemoehybrid", layer_types=["attention", "mamba", "mamba"],
+                                  num_key_value_heads=4, intermediate_size=32, shared_intermediate_size=24,
+                                  num_local_experts=8, num_experts_per_tok=3, position_embedding_type="rope",
+                                  mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=16,
+                                  mamba_d_conv=3, max_position_embeddings=64),
+    # Qwen3-Next's: Gated DeltaNet layers (two value heads per key head) beside a gated attention layer with
+    # partial rotary and zero-centred norms, a gated shared expert, a dense layer, renormalised top-K.
+    "qwen3_next": dict(model_type="qwen3_next", layer_types=["linear_attention", "full_attention", "linear_attention"],
+                       num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.25, intermediate_size=48,
+                       moe_intermediate_size=32, shared_expert_intermediate_size=40, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[2], linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                       linear_conv_kernel_dim=4, max_position_embeddings=64),
     # Granite MoE with a shared expert: every multiplier away from 1, GQA.
     "granitemoeshared": dict(model_type="granitemoeshared", intermediate_size=32, num_local_experts=8,
                              num_experts_per_tok=2, shared_intermediate_size=40, num_key_value_heads=2,

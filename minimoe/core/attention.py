@@ -14,6 +14,10 @@ One class, its options read from config fields (never the family's name):
   interleaved pairs (`rope_interleave`: Llama 4, whose reference rotates complex pairs), or on no dims
   (a NoPE layer of Llama 4's `no_rope_layers`), where `attn_temperature_tuning` scales q by
   1 + attn_scale * log1p(floor((p + 1) / floor_scale)).
+- a gated output (Qwen3-Next, `attn_output_gate`): q_proj is twice as wide, each head's [query | gate],
+  and the attention output is scaled by sigmoid(gate) before o_proj; no rope on any layer where
+  `position_embedding_type` is not "rope" (Granite 4.0-H's "nope");
+- q/k norms zero-centred (1 + w) where the config says (Qwen3-Next, `norm_zero_centred`).
 
 Decisions:
 - Query head h reads key/value head h // (H/G), transformers' repeat_interleave layout, via SDPA's
@@ -68,17 +72,18 @@ class Attention(nn.Module):
         self.config, self.layer_idx = config, layer_idx
         H, G, d, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
         qkv_bias = config.attention_bias or config.qkv_bias
-        self.q_proj = nn.Linear(D, H * d, bias=qkv_bias)
+        self.gated = config.attn_output_gate  # each head's q_proj rows: [query d | gate d]
+        self.q_proj = nn.Linear(D, H * d * (2 if self.gated else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(D, G * d, bias=qkv_bias)
         self.v_proj = nn.Linear(D, G * d, bias=qkv_bias)
         self.o_proj = nn.Linear(H * d, D, bias=config.attention_bias)
-        self.rope = config.uses_rope(layer_idx)  # False: a NoPE layer (Llama 4)
+        self.rope = config.uses_rope(layer_idx)  # False: a NoPE layer (Llama 4; every layer of Granite 4.0-H's nope)
         self.rope_dim = config.rope_dim if self.rope else 0
         self.qk_norm = config.qk_norm if config.qk_norm != "l2" or self.rope else None  # Llama 4: rope layers only
         if self.qk_norm in ("full", "head"):  # OLMoE: over the whole projection width, before the head split; Qwen3: per head
             width = {"full": (H * d, G * d), "head": (d, d)}[config.qk_norm]
-            self.q_norm = RMSNorm(width[0], config.rms_norm_eps, config.norm_weight_in_fp32)
-            self.k_norm = RMSNorm(width[1], config.rms_norm_eps, config.norm_weight_in_fp32)
+            self.q_norm = RMSNorm(width[0], config.rms_norm_eps, config.norm_weight_in_fp32, config.norm_zero_centred)
+            self.k_norm = RMSNorm(width[1], config.rms_norm_eps, config.norm_weight_in_fp32, config.norm_zero_centred)
         self.temperature = config.attn_temperature_tuning and not self.rope
         if config.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/sinks.py)
             self.sinks = nn.Parameter(torch.zeros(H))
@@ -94,7 +99,9 @@ class Attention(nn.Module):
         c = self.config
         B, T, _ = x.shape
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(B, T, c.num_attention_heads, c.head_dim)  # [B, T, H, d]
+        if self.gated:
+            q, gate = q.view(B, T, c.num_attention_heads, 2 * c.head_dim).chunk(2, dim=-1)  # [B, T, H, d] each
+        q = q.reshape(B, T, c.num_attention_heads, c.head_dim)  # [B, T, H, d]
         k = k.view(B, T, c.num_key_value_heads, c.head_dim)  # [B, T, G, d]
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
@@ -112,8 +119,10 @@ class Attention(nn.Module):
             q = self.temper(q, inputs)
         if cache is not None:
             k, v = cache.update(inputs.cache_start, k, v)  # [B, G, S, d]
-        y = self.attend(q, k, v, inputs.masks[self.mask_kind])
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+        y = self.attend(q, k, v, inputs.masks[self.mask_kind]).transpose(1, 2)  # [B, T, H, d]
+        if self.gated:
+            y = y * torch.sigmoid(gate)
+        return self.o_proj(y.reshape(B, T, -1))
 
     def rotate(self, x, inputs):  # x [B, h, T, d] -> rope on its first rope_dim dims (all of them but GLM's)
         r = self.rope_dim

@@ -45,6 +45,10 @@ class Family:
     name_hints: tuple[str, ...] = ()  # lowercase parts of a hub id or folder name that mean this family (sweep.py)
     recipe_note: str = ""  # why it trains with `recipe` where the paper gives it none
     never_null: frozenset = frozenset()  # our fields its transformers config cannot read as null: not written when None
+    # config.json's per-layer kind (its `layer_types` values) -> our core/mixers.py MIXERS name, for the
+    # hybrids, whose layer_types name each layer's token mixer (read into `mixer_types`, written back)
+    layer_kinds: dict = field(default_factory=dict)
+    ignored_prefixes: tuple[str, ...] = ()  # on-disk keys we do not load (transformers ignores them too)
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,56 @@ register_family(Family(
               "n_shared_experts": 1, "norm_topk_prob": True, "rope_interleave": True, **MLA_DEFAULTS,
               "dense_intermediate_size": 18432, "bos_token_id": 0, "eos_token_id": 1}))
 
+# The hybrids: a token mixer per layer (core/mixers.py), named by config.json's layer_types (`layer_kinds`).
+MAMBA2_FIELDS = frozenset({"mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
+                           "mamba_expand", "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias"})
+DELTANET_FIELDS = frozenset({"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                             "linear_num_key_heads", "linear_num_value_heads"})
+
+register_family(Family(
+    "granitemoehybrid", "GraniteMoeHybridForCausalLM",
+    brings="Mamba-2 layers (in_proj, causal conv1d, chunked SSD scan, gated RMSNorm) among attention layers "
+           "(layer_types); attention without rope (position_embedding_type nope) or with it; a shared expert "
+           "beside the routed ones; Granite's multipliers and top-K on logits",
+    hub_examples=("ibm-granite/granite-4.0-h-tiny", "ibm-granite/granite-4.0-h-small"),
+    recipe="granite_hybrid", recipe_note="Granite's recipe (top-K on logits, as its router), LoRA on the attention "
+                                         "layers' Q/K/V, the routed experts and the Mamba-2 layers' in_proj and out_proj",
+    lora_targets=("q", "k", "v", "experts", "mamba"), name_hints=("granite-4.0-h", "granitemoehybrid"),
+    layer_keys={**FAMILIES["granitemoe"].layer_keys,
+                "mlp.shared_expert.gate_up_proj.weight": "shared_mlp.input_linear.weight",
+                "mlp.shared_expert.down_proj.weight": "shared_mlp.output_linear.weight"},
+    renames={"num_local_experts": "num_experts", "shared_intermediate_size": "shared_expert_intermediate_size",
+             "layer_types": "mixer_types"},
+    layer_kinds={"mamba": "mamba2", "attention": "attention"},
+    config_fields=FAMILIES["granitemoe"].config_fields | MAMBA2_FIELDS | {
+        "shared_expert_intermediate_size", "position_embedding_type", "mixer_types"},
+    fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True},
+    defaults={"position_embedding_type": None, "attention_multiplier": 1.0, "router_aux_loss_coef": 0.001,
+              "shared_expert_intermediate_size": 1024, "max_position_embeddings": 2048, "bos_token_id": 1,
+              "eos_token_id": 2, "mixer_types": lambda d: ["mamba"] * d["num_hidden_layers"]}))  # its config's layers_block_type
+
+register_family(Family(
+    "qwen3_next", "Qwen3NextForCausalLM",
+    brings="Gated DeltaNet layers (causal conv1d, the gated delta rule in chunks) among full-attention layers "
+           "(layer_types); the attention output scaled by a sigmoid gate from q_proj; partial rotary; "
+           "zero-centred RMSNorm (1 + w); a gated shared expert",
+    hub_examples=("Qwen/Qwen3-Next-80B-A3B-Instruct", "Qwen/Qwen3-Next-80B-A3B-Thinking"),
+    recipe="qwen3_next", lora_targets=("q", "k", "v", "o", "experts", "deltanet"), name_hints=("qwen3-next", "qwen3_next"),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe, LoRA also on the DeltaNet "
+                "layers' in_proj_qkvz, in_proj_ba and out_proj",
+    layer_keys=PER_EXPERT_KEYS, renames={**QWEN_RENAMES, "layer_types": "mixer_types"},
+    layer_kinds={"linear_attention": "gated_deltanet", "full_attention": "attention"},
+    ignored_prefixes=("mtp.",),  # the multi-token-prediction head of the hub files, unused by the causal LM
+    config_fields=DELTANET_FIELDS | {"router_aux_loss_coef", "norm_topk_prob", "mlp_only_layers", "decoder_sparse_step",
+                                     "dense_intermediate_size", "attention_bias", "head_dim", "partial_rotary_factor",
+                                     "shared_expert_intermediate_size", "mixer_types"},
+    fixed={"qk_norm": "head", "shared_expert_gate": True, "attn_output_gate": True, "norm_zero_centred": True},
+    defaults={"norm_topk_prob": True, "router_aux_loss_coef": 0.001, "partial_rotary_factor": 0.25, "head_dim": 256,
+              "shared_expert_intermediate_size": 512, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+              "dense_intermediate_size": 5632,
+              # every full_attention_interval-th layer full attention, the others DeltaNet (Qwen3NextConfig's rule)
+              "mixer_types": lambda d: ["full_attention" if (i + 1) % d.get("full_attention_interval", 4) == 0
+                                        else "linear_attention" for i in range(d["num_hidden_layers"])]}))
 # ----------------------------------------------------------------------------- round 2 (issue 49)
 
 GRANITE_KEYS = {"mlp.gate.weight": "block_sparse_moe.router.layer.weight",

@@ -72,8 +72,12 @@ from minimoe.core.quantized import carry_quantization
 from minimoe.core.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
-           "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj"}
-ALIASES = {"experts": ("gate_up", "down")}
+           "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj",
+           # the recurrent mixers' projections (core/mamba2.py, core/deltanet.py), in the layers that have them
+           "mamba_in": "mamba.in_proj", "mamba_out": "mamba.out_proj", "linear_qkvz": "linear_attn.in_proj_qkvz",
+           "linear_ba": "linear_attn.in_proj_ba", "linear_out": "linear_attn.out_proj"}
+ALIASES = {"experts": ("gate_up", "down"), "mamba": ("mamba_in", "mamba_out"),
+           "deltanet": ("linear_qkvz", "linear_ba", "linear_out")}
 # Multi-head Latent Attention (core/mla.py) has no k_proj or v_proj: its queries come from q_b_proj
 # (q_proj without a query low rank) and every head's key and value from kv_b_proj, so "k" and "v"
 # both name kv_b_proj (adapted once). The down-projections q_a_proj and kv_a_proj_with_mqa are
@@ -313,6 +317,8 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
             path = target_path(config, t)
             if path.startswith("mlp.experts") and not layer.sparse:
                 continue  # a dense layer's MLP is not adapted (nor is a shared expert: docs/methods.md)
+            if not path.startswith("mlp.") and path.split(".")[0] != layer.mixer_attribute:
+                continue  # a hybrid's layer: attention targets reach its attention layers, mamba ones its Mamba-2 layers
             parent_name, _, leaf = path.rpartition(".")
             parent, base = layer.get_submodule(parent_name), layer.get_submodule(path)
             if isinstance(base, LoRAMixin):  # MLA's kv_b_proj, named by both "k" and "v"

@@ -6,6 +6,8 @@ A layer's mixer is chosen by the config (`mixer_type`): `config.mixer_types[i]` 
 
     "attention"  core/attention.py  GQA: q/k norms, sinks, sliding windows (its options: config fields)
     "mla"        core/mla.py        DeepSeek's Multi-head Latent Attention
+    "mamba2"     core/mamba2.py     Mamba-2 (Granite 4.0-H's mamba layers): conv1d + chunked SSD scan
+    "gated_deltanet"  core/deltanet.py  Gated DeltaNet (Qwen3-Next's linear_attention layers)
 
 The interface every mixer keeps (a new one is a class with these three, added to `MIXERS`):
 - `Mixer(config, layer_idx)`, an nn.Module; its class attribute `attribute` names the layer's
@@ -32,9 +34,12 @@ from dataclasses import dataclass
 import torch
 
 from minimoe.core.attention import Attention
+from minimoe.core.deltanet import GatedDeltaNet
+from minimoe.core.mamba2 import Mamba2Mixer
 from minimoe.core.mla import MLAttention
 
-MIXERS: dict[str, type] = {"attention": Attention, "mla": MLAttention}
+MIXERS: dict[str, type] = {"attention": Attention, "mla": MLAttention, "mamba2": Mamba2Mixer,
+                           "gated_deltanet": GatedDeltaNet}
 
 
 def register_mixer(name: str, cls: type) -> type:

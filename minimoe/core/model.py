@@ -125,6 +125,26 @@ class MoEConfig:
     rope_interleave: bool | None = None
     rope_in_fp32: bool = False  # GQA: rotate q and k in fp32 and cast once (Llama 4's complex product); else model dtype
     swiglu_limit: float | None = None  # set: gpt-oss's clamped SwiGLU experts with biases (core/clamped_experts.py)
+    # Attention options of the hybrids (core/attention.py) and their norms.
+    position_embedding_type: str | None = "rope"  # anything else: no rope (Granite 4.0-H's "nope")
+    attn_output_gate: bool = False  # q_proj also gives a per-head gate; output * sigmoid(gate) (Qwen3-Next)
+    norm_zero_centred: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Qwen3-Next)
+    # Mamba-2 layers (core/mamba2.py; mixer_types "mamba2"), Granite 4.0-H's names.
+    mamba_n_heads: int = 128
+    mamba_d_head: int | str = "auto"  # "auto": mamba_expand * hidden_size / mamba_n_heads (filled in)
+    mamba_n_groups: int = 1
+    mamba_d_state: int = 256
+    mamba_d_conv: int = 4
+    mamba_expand: int = 2
+    mamba_chunk_size: int = 256
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    # Gated DeltaNet layers (core/deltanet.py; mixer_types "gated_deltanet"), Qwen3-Next's names.
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
     # Granite's multipliers; the OLMoE values leave the forward unchanged.
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -151,6 +171,11 @@ class MoEConfig:
                                  f"num_attention_heads {self.num_attention_heads} (and no head_dim is given)")
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = list(self.mlp_only_layers or [])
+        if self.mamba_d_head in ("auto", None):
+            if (self.mamba_expand * self.hidden_size) % self.mamba_n_heads:
+                raise ValueError(f"config: mamba_n_heads {self.mamba_n_heads} does not divide mamba_expand * "
+                                 f"hidden_size = {self.mamba_expand * self.hidden_size}")
+            self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
         if not self.use_qk_norm:
             self.qk_norm = None
         if not self.no_rope_layers and self.no_rope_layer_interval:
@@ -242,8 +267,8 @@ class MoEConfig:
             return None
         return self.attention_chunk_size
 
-    def uses_rope(self, layer: int) -> bool:
-        return self.no_rope_layers is None or bool(self.no_rope_layers[layer])
+    def uses_rope(self, layer: int) -> bool:  # False: Llama 4's NoPE layers, every layer of Granite 4.0-H's "nope"
+        return self.position_embedding_type == "rope" and (self.no_rope_layers is None or bool(self.no_rope_layers[layer]))
 
     @property
     def rope_dim(self) -> int:  # the dims each head rotates: MLA's rope part, else the head's first partial_rotary_factor
@@ -326,7 +351,8 @@ class DecoderLayer(nn.Module):
         setattr(self, self.mixer_attribute, mixer)
         self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
         self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size)
-        norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
+        norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32,
+                                 config.norm_zero_centred)
         self.norm_after = config.norm_after
         if self.norm_after:  # OLMo-2's placement (FlexOlmo): each branch's output normed, the checkpoint's names
             self.post_attention_layernorm, self.post_feedforward_layernorm = norm(), norm()
@@ -374,7 +400,7 @@ class Model(nn.Module):
         if not weight.is_meta:
             self.embed_tokens.reset_parameters()
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32)
+        self.norm = RMSNorm.of(config, config.hidden_size)
 
 
 class MoEForCausalLM(nn.Module):
@@ -478,11 +504,17 @@ def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:
 
 
 def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None):
-    """Random init for tests and tiny models: N(0, std) matrices, unit norms, zero biases."""
+    """Random init for tests and tiny models: N(0, std) matrices, unit norms (zero-centred ones 0), zero
+    biases; the recurrent mixers' dt_bias, A_log and D keep their constructors' values."""
     std = model.config.initializer_range if std is None else std
+    zero_centred = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm) and m.zero_centred}
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name:
+            if name.endswith((".dt_bias", ".A_log", ".D")):
+                continue
+            if name in zero_centred:
+                p.zero_()
+            elif name.endswith("norm.weight") or "layernorm" in name:
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()

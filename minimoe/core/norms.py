@@ -2,7 +2,9 @@
 MLA's latent norms; kept apart so that the model and every mixer import it without a circle).
 
 Decision, for parity with transformers 4.57: normalise in fp32, cast back to the input dtype, *then*
-multiply by the weight; gpt-oss multiplies the fp32 values and casts once (`weight_in_fp32`).
+multiply by the weight; gpt-oss multiplies the fp32 values and casts once (`weight_in_fp32`);
+Qwen3-Next's weight is zero-centred (`zero_centred`: the scale is 1 + weight, stored 0 at init) and
+multiplies in fp32 too.
 """
 from __future__ import annotations
 
@@ -11,14 +13,21 @@ import torch.nn as nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False):
+    def __init__(self, dim: int, eps: float, weight_in_fp32: bool = False, zero_centred: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.weight_in_fp32 = eps, weight_in_fp32
+        self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
+        self.eps, self.weight_in_fp32, self.zero_centred = eps, weight_in_fp32, zero_centred
+
+    @classmethod
+    def of(cls, config, dim: int) -> "RMSNorm":
+        """The config's kind of norm (its eps, weight_in_fp32, zero-centred weight) over `dim`."""
+        return cls(dim, config.rms_norm_eps, config.norm_weight_in_fp32, config.norm_zero_centred)
 
     def forward(self, x):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.zero_centred:  # Qwen3-Next: (1 + w) in fp32, one rounding at the end
+            return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         if self.weight_in_fp32:  # gpt-oss: the weight multiplies the fp32 values, one rounding at the end
             return (self.weight * x32).to(x.dtype)
         return self.weight * x32.to(x.dtype)  # cast before the weight, as the reference does

@@ -58,6 +58,12 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     family = family_of(d.get("model_type"), source)
     d = {family.renames.get(k, k): v for k, v in d.items()}
     d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
+    if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/mixers.py)
+        kinds = d.get("mixer_types")
+        if not isinstance(kinds, list) or not set(kinds) <= set(family.layer_kinds):
+            raise ValueError(f"{source}: layer_types {kinds!r}; expected a list of {sorted(family.layer_kinds)}, "
+                             f"one per layer, for model_type {family.model_type!r}")
+        d["mixer_types"] = [family.layer_kinds[k] for k in kinds]
     d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
     missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
     if missing:
@@ -86,6 +92,9 @@ def config_to_dict(config: MoEConfig) -> dict:
     d = {**config.extra, **{back.get(k, k): getattr(config, k) for k in config_field_names() if k in written
                             and not (getattr(config, k) is None and k in family.never_null)}}
     d["architectures"] = [family.architecture]
+    if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
+        back_kinds = {v: k for k, v in family.layer_kinds.items()}
+        d["layer_types"] = [back_kinds[m] for m in config.mixer_types]
     if "layer_types" in written and d.get("layer_types") is None:  # gpt-oss's config would alternate them otherwise
         d["layer_types"] = ["sliding_attention" if config.window(i) else "full_attention"
                             for i in range(config.num_hidden_layers)]
@@ -455,6 +464,8 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
     quantized = mxfp4_stored(layout, where)
     expected = {key for disk in layout.values() for key in disk_keys(disk, quantized)}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
+    prefixes = family_of(config.model_type).ignored_prefixes
+    ignored |= {k for k in where if prefixes and k.startswith(prefixes)}
     unexpected = sorted(set(where) - expected - ignored)
     if unexpected:
         raise KeyError(f"{folder}: unexpected key {unexpected[0]!r} in {where[unexpected[0]]} "

@@ -78,6 +78,17 @@ FAMILY_SWITCHES = {
     "llama4_text": dict(num_hidden_layers=3, num_experts_per_tok=1, head_dim=16, decoder_sparse_step=2,
                         dense_intermediate_size=48, no_rope_layers=[1, 0, 1], attention_chunk_size=4,
                         attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, pad_token_id=0, eos_token_id=1),
+    # The hybrids (their parity: tests/core/test_families_parity.py): a Mamba-2 layer and a NoPE attention
+    # layer, a fused shared expert (Granite 4.0-H); a Gated DeltaNet layer and a gated attention layer with
+    # partial rotary and zero-centred norms, a gated shared expert (Qwen3-Next).
+    "granitemoehybrid": dict(mixer_types=["mamba2", "attention"], shared_expert_intermediate_size=40,
+                             position_embedding_type="nope", mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
+                             mamba_chunk_size=8, embedding_multiplier=12.0, residual_multiplier=0.22,
+                             logits_scaling=6.0, attention_multiplier=0.1, pad_token_id=0, eos_token_id=1),
+    "qwen3_next": dict(mixer_types=["gated_deltanet", "attention"], head_dim=16, partial_rotary_factor=0.25,
+                       shared_expert_intermediate_size=40, norm_topk_prob=True, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                       pad_token_id=0, eos_token_id=1),
 }
 
 # --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.

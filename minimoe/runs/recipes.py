@@ -29,6 +29,13 @@ RECIPES = {
     "olmoe": dict(**paper_lora("olmoe"), lr=2e-5, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03,
                   weight_decay=0.0, clip=1.0, epochs=3,
                   train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 5000}),
+    # The hybrids: their router's recipe, LoRA on the family's own targets (the recurrent mixers' projections too).
+    "granite_hybrid": dict(**paper_lora("granitemoehybrid"), lr=1e-4, batch_size=8, grad_accum=2, schedule="cosine",
+                           warmup=0.05, weight_decay=0.0, clip=1.0, epochs=3,
+                           train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 4992}),
+    "qwen3_next": dict(**paper_lora("qwen3_next"), lr=2e-5, batch_size=8, grad_accum=1, schedule="linear",
+                       warmup=0.03, weight_decay=0.0, clip=1.0, epochs=3,
+                       train_examples={"arc_challenge": 2000, "arc_easy": 2000, "default": 5000}),
     # Random tiny weights learn nothing at 2e-5: a larger step so the smoke run visibly trains.
     "tiny": dict(**paper_lora("olmoe"), lr=2e-3, batch_size=8, grad_accum=1, schedule="linear", warmup=0.03,
                  weight_decay=0.0, clip=1.0, epochs=2, train_examples=None),

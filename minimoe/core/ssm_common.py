@@ -1,0 +1,127 @@
+"""What the recurrent token mixers share (core/mamba2.py, core/deltanet.py): the causal depthwise conv1d
+with its window state, padding masks, chunk padding, and packed rows run as a prompt plus candidates
+that each continue from the prompt's state.
+
+Both mixers are: position-wise projections, then a *sequential part* (the causal conv1d and a chunked
+scan whose state is carried from position to position), then position-wise output. The sequential
+part is a function `sequence(u [B, T, F], mask [B, T] | None, state | None) -> (y [B, T, F'], state)`
+of the projections `u`; its `state` (a `RecurrentState`) is the conv window and the scan's state, the
+same thing the generation cache keeps.
+
+Padding, as transformers 4.57 masks it: the mixer's input and the conv's output are zeroed at padded
+positions. From a zero state (left padding) the state then stays zero across the padding, so a
+left-padded row equals the unpadded one; right padding comes after every real token and cannot reach it.
+
+Packed answer choices (core/scoring.py: the prompt is segment 0, candidate c is segment c+1, each
+candidate sees the prompt and itself) cannot run as one left-to-right scan: the state entering a
+candidate must be the prompt's final state, not the previous candidate's. `run_segments` runs the
+prompts once (left-aligned, so each ends at the last column and its final state is the scan's), then
+all candidates as one right-padded batch of pieces, each starting from its row's prompt state; this
+is exactly what a candidate's own unpacked row computes, prompt once instead of once per candidate.
+The piece layout is read on the host (one device sync per forward with `segment_ids`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class RecurrentState:
+    """One recurrent layer's state after the positions it has seen: the conv window and the scan state."""
+    conv: torch.Tensor  # [B, C, K-1] the last K-1 conv inputs (C channels, K the kernel width)
+    scan: torch.Tensor  # [B, H, ...] Mamba-2: [B, H, P, N]; Gated DeltaNet: [B, H, dk, dv]; fp32
+
+    def select(self, rows) -> "RecurrentState":
+        return RecurrentState(self.conv[rows], self.scan[rows])
+
+
+class StateSlot:
+    """A recurrent layer's entry in the generation cache (core/mixers.py's KVCache): its state so far."""
+
+    def __init__(self):
+        self.state: RecurrentState | None = None
+
+
+def run_sequence(sequence, u, inputs, cache: StateSlot | None):
+    """A mixer's sequential part over u [B, T, F] with what the model passes every mixer (mixers.MixerInputs):
+    the padding of these T positions, packed rows (`run_segments`), or the cache's state, carried on."""
+    T = u.shape[1]
+    mask = None if inputs.attention_mask is None else inputs.attention_mask[:, -T:]
+    if inputs.segment_ids is not None:
+        return run_segments(sequence, u, inputs.segment_ids, mask)
+    y, state = sequence(u, mask, None if cache is None else cache.state)
+    if cache is not None:
+        cache.state = state
+    return y
+
+
+def causal_conv1d(u, weight, bias, window=None):
+    """Depthwise causal conv then SiLU. u [B, T, C]; weight [C, 1, K] (nn.Conv1d's); window [B, C, K-1]
+    the inputs before u (None: zeros) -> (y [B, T, C], the new window [B, C, K-1])."""
+    B, T, C = u.shape
+    K = weight.shape[-1]
+    if window is None:
+        window = u.new_zeros(B, C, K - 1)
+    x = torch.cat([window.to(u.dtype), u.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
+    y = F.conv1d(x, weight, bias, groups=C)  # [B, C, T]
+    return F.silu(y).transpose(1, 2), x[:, :, x.shape[-1] - (K - 1):]
+
+
+def wide(t):
+    """t in fp32, or in fp64 where it is (the scans run in fp32 at least; fp64 checks them)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def masked(x, mask):
+    """x [B, T, ...] with padded positions (mask 0) zeroed; mask None: x."""
+    if mask is None:
+        return x
+    return (x * mask.reshape(*mask.shape, *([1] * (x.dim() - 2)))).to(x.dtype)
+
+
+def pad_to_chunks(x, chunk: int, dim: int = 1):
+    """Zero-pad `dim` of x to a multiple of `chunk` (zeros: no input, no decay, so no state change)."""
+    pad = -x.shape[dim] % chunk
+    if pad == 0:
+        return x
+    widths = [0, 0] * (x.dim() - dim - 1) + [0, pad]
+    return F.pad(x, widths)
+
+
+def run_segments(sequence, u, segment_ids, attention_mask=None):
+    """Packed rows (module docstring). u [B, T, F] the sequential part's input; segment_ids [B, T] with the
+    prompt (segment 0) first in each row, then candidates 1, 2, ... -> y [B, T, F'] (zeros at padding)."""
+    B, T, _ = u.shape
+    real = torch.ones_like(segment_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    seg, ok = segment_ids.cpu(), real.cpu()
+    prompt_len = ((seg == 0) & ok).sum(1)  # [B]
+    P = int(prompt_len.max())
+    # prompts, right-aligned: column j of row r holds position j - (P - P_r)
+    src = torch.arange(P)[None, :] - (P - prompt_len)[:, None]  # [B, P]
+    p_mask = src >= 0
+    rows = torch.arange(B)[:, None].expand(B, P)
+    u_p = masked(u[rows, src.clamp(min=0).to(u.device)], p_mask.to(u.device))
+    y_p, state = sequence(u_p, p_mask.to(u.device), None)
+    out = u.new_zeros(B, T, y_p.shape[-1])
+    out[rows[p_mask], src[p_mask].to(u.device)] = y_p[p_mask.to(u.device)]
+    # candidates: one piece each, left-aligned, starting from its row's prompt state
+    pieces = [(r, int(s)) for r in range(B) for s in torch.unique(seg[r][ok[r]]) if s > 0]
+    if not pieces:
+        return out
+    starts, lengths = [], []
+    for r, s in pieces:
+        cols = ((seg[r] == s) & ok[r]).nonzero()[:, 0]
+        starts.append(int(cols[0])), lengths.append(len(cols))
+    L = max(lengths)
+    piece_row = torch.tensor([r for r, _ in pieces])
+    cols = torch.tensor(starts)[:, None] + torch.arange(L)[None, :]  # [N, L]
+    c_mask = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    c_rows = piece_row[:, None].expand_as(cols)
+    dev = u.device
+    u_c = masked(u[c_rows.to(dev), cols.clamp(max=T - 1).to(dev)], c_mask.to(dev))
+    y_c, _ = sequence(u_c, c_mask.to(dev), state.select(piece_row.to(dev)))
+    out[c_rows[c_mask].to(dev), cols[c_mask].to(dev)] = y_c[c_mask.to(dev)]
+    return out
