@@ -57,6 +57,28 @@ OFFICIAL_NEW = {
                         routed_scaling_factor=2.446, norm_topk_prob=True, rms_norm_eps=1e-5, rope_theta=50000.0,
                         max_position_embeddings=8192, tie_word_embeddings=False, pad_token_id=None,
                         eos_token_id=163585),
+    # ibm-granite/granite-4.0-h-tiny's config.json (transformers' GraniteMoeHybridConfig defaults are not a released
+    # model's): 40 layers, 4 of them NoPE attention (5, 15, 25, 35), the rest Mamba-2 (48 heads of 64, state 128, one
+    # group); 64 experts of width 512, top-6, a shared expert of 1024; tied embeddings.
+    "granitemoehybrid": dict(model_type="granitemoehybrid", vocab_size=100352, hidden_size=1536, intermediate_size=512,
+                             shared_intermediate_size=1024, num_hidden_layers=40, num_attention_heads=12,
+                             num_key_value_heads=4, num_local_experts=64, num_experts_per_tok=6,
+                             position_embedding_type="nope", mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128,
+                             mamba_n_groups=1, mamba_expand=2, mamba_d_conv=4, mamba_chunk_size=256,
+                             layer_types=(["mamba"] * 5 + ["attention"] + ["mamba"] * 9 + ["attention"]
+                                          + ["mamba"] * 9 + ["attention"] + ["mamba"] * 9 + ["attention"] + ["mamba"] * 4),
+                             rms_norm_eps=1e-5, tie_word_embeddings=True, pad_token_id=None, eos_token_id=100257),
+    # Qwen/Qwen3-Next-80B-A3B: transformers' Qwen3NextConfig defaults (its docstring: "similar configuration to that of
+    # Qwen3-Next-80B-A3B-Instruct"): 48 layers, every 4th gated full attention (16 heads of 256, 2 kv, a quarter
+    # rotary), the rest Gated DeltaNet (16 key and 32 value heads of 128); 512 experts of width 512, top-10
+    # renormalised, a gated shared expert of 512. The layers' kinds come from the record's interval rule.
+    "qwen3_next": dict(model_type="qwen3_next", vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                       moe_intermediate_size=512, shared_expert_intermediate_size=512, num_hidden_layers=48,
+                       num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
+                       linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                       linear_num_key_heads=16, linear_num_value_heads=32, num_experts=512, num_experts_per_tok=10,
+                       norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
+                       tie_word_embeddings=False, pad_token_id=None, eos_token_id=151645),
 }
 
 

@@ -23,6 +23,10 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
 - qwen3, deepseek3 (only when named in --only): the same LoRA step at 8 layers of Qwen3-30B-A3B's widths
   and of Moonlight-16B-A3B's (DeepSeek-V3's architecture: MLA, shared experts, sigmoid scores), peft on
   transformers 4.57's per-expert modules (bench/lora_peft.py's PEFT_TARGETS).
+- granite4h, qwen3next (only when named in --only): the same at 8 layers of the hybrids, granite-4.0-h-tiny's
+  widths (Mamba-2 layers and one NoPE attention layer) and Qwen3-Next-80B-A3B's (Gated DeltaNet and two gated
+  attention layers); LoRA on q, k, v and the routed experts as above, the recurrent mixers frozen on both sides.
+  transformers runs its torch paths (no mamba_ssm / causal-conv1d / fla kernels are installed).
 - nf4 (only when named in --only; needs torchao, the quant extra): one LoRA step at one layer of
   Qwen3-30B-A3B's widths, the base in bf16 against the same weights packed in NF4 (--quantize nf4):
   step time and peak memory.
@@ -65,7 +69,10 @@ SMOKE_WIDTHS = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_at
                     num_experts=8, num_experts_per_tok=2)
 # The published widths that SMOKE_WIDTHS leaves wide, cut for the CPU (head_dim: hidden / heads, as above).
 SMOKE_EXTRA = dict(head_dim=16, dense_intermediate_size=48, kv_lora_rank=16, qk_nope_head_dim=16,
-                   qk_rope_head_dim=8, v_head_dim=16)
+                   qk_rope_head_dim=8, v_head_dim=16, shared_expert_intermediate_size=40,
+                   # the hybrids' mixers (Mamba-2's head width follows: 2 x 64 / 8; chunks shorter than the rows)
+                   mamba_n_heads=8, mamba_d_head="auto", mamba_d_state=16, mamba_chunk_size=16,
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12)
 
 
 def row(section, model, metric, minimoe=None, reference=None, ratio=None, note=""):
@@ -108,10 +115,15 @@ def timed(fn, device, steps: int, warmup: int) -> list[float]:
 
 def config(family: str, layers: int, smoke: bool) -> MoEConfig:
     if family in common.OFFICIAL_NEW:  # config.json's names, read through the family's record
-        c = config_from_dict(dict(common.OFFICIAL_NEW[family], num_hidden_layers=layers))
+        d = common.OFFICIAL_NEW[family]
+        kinds = {"layer_types": d["layer_types"][:layers]} if "layer_types" in d else {}  # a hybrid's first layers
+        c = config_from_dict({**d, "num_hidden_layers": layers, **kinds})
         if not smoke:
             return c
         mla = {"num_key_value_heads": SMOKE_WIDTHS["num_attention_heads"]} if c.kv_lora_rank else {}  # MLA: one kv head each
+        if c.mixer_types:  # a hybrid's few smoke layers: each of its mixers once, in the order the full depth has them
+            every = list(dict.fromkeys(config_from_dict(dict(d)).mixer_types))
+            mla["mixer_types"] = (every * layers)[:layers]
         return replace(c, **{**SMOKE_WIDTHS, **mla}, **{k: v for k, v in SMOKE_EXTRA.items() if getattr(c, k)})
     d = dict(common.OFFICIAL[family], num_hidden_layers=layers)
     if smoke:
@@ -473,11 +485,13 @@ def baseline_steps(device, smoke: bool):
 
 
 STAGES = ("parity", "grouped", "syncs", "copies", "attention", "granite8", "olmoe8", "granite32", "olmoe16",
-          "qwen3", "deepseek3", "nf4", "compile", "baselines", "default")
-# --full-depth adds granite32 and olmoe16; today's families and nf4 (needs torchao) run when --only names them
-DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16", "qwen3", "deepseek3", "nf4"))
+          "qwen3", "deepseek3", "granite4h", "qwen3next", "nf4", "compile", "baselines", "default")
+# --full-depth adds granite32 and olmoe16; today's families, the hybrids and nf4 (needs torchao) run when --only names them
+DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16", "qwen3", "deepseek3", "granite4h",
+                                                      "qwen3next", "nf4"))
 LORA_STAGES = {"granite8": ("granitemoe", 8), "olmoe8": ("olmoe", 8), "granite32": ("granitemoe", 32),
-               "olmoe16": ("olmoe", 16), "qwen3": ("qwen3_moe", 8), "deepseek3": ("deepseek_v3", 8)}
+               "olmoe16": ("olmoe", 16), "qwen3": ("qwen3_moe", 8), "deepseek3": ("deepseek_v3", 8),
+               "granite4h": ("granitemoehybrid", 8), "qwen3next": ("qwen3_next", 8)}
 
 
 def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:

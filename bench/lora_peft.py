@@ -20,13 +20,15 @@ from bench import common  # noqa: E402
 RANK, ALPHA = 8, 8
 # peft's target_parameters (Granite's 3-D expert weights) refuses lora_dropout != 0, so Granite runs
 # with dropout 0 on both sides; OLMoE with the requested 0.05 on both.
-DROPOUT = {"olmoe": 0.05, "granitemoe": 0.0, "qwen3_moe": 0.0, "deepseek_v3": 0.0}
+DROPOUT = {"olmoe": 0.05, "granitemoe": 0.0, "qwen3_moe": 0.0, "deepseek_v3": 0.0, "granitemoehybrid": 0.0,
+           "qwen3_next": 0.0}
 # Today's families in transformers 4.57 hold per-expert modules: q/k/v (MLA's q_proj or q_b_proj, and kv_b_proj
 # for k and v, as core/lora.py adapts them) and the routed experts only (not the shared experts, not the dense
 # layers' MLP, whose names are the same), as one regex peft matches against the full module name.
 PEFT_TARGETS = {
     "qwen3_moe": r".*\.(self_attn\.(q|k|v)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)",
     "deepseek_v3": r".*\.(self_attn\.(q_proj|q_b_proj|kv_b_proj)|mlp\.experts\.\d+\.(gate|up|down)_proj)",
+    "qwen3_next": r".*\.(self_attn\.(q|k|v)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)",  # not linear_attn's
 }
 
 

@@ -7,14 +7,39 @@ from bench import common, gpu
 from minimoe.core.model import MoEForCausalLM
 
 
-def test_qwen3_and_deepseek3_stages_time_both_sides_in_smoke_mode(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stages, models", [
+    ("qwen3,deepseek3", ("qwen3_moe 2L", "deepseek_v3 2L")),
+    ("granite4h,qwen3next", ("granitemoehybrid 2L", "qwen3_next 2L")),  # the hybrids
+])
+def test_todays_family_stages_time_both_sides_in_smoke_mode(stages, models, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     monkeypatch.setattr(common, "RESULTS", tmp_path)
-    rows = gpu.main(["--smoke", "--device", "cpu", "--only", "qwen3,deepseek3", "--out", "families"])
+    rows = gpu.main(["--smoke", "--device", "cpu", "--only", stages, "--out", "families"])
     assert not [r for r in rows if r["metric"].endswith(("failed", "skipped"))], rows
     steps = {(r["model"], r["metric"].split(":")[0]) for r in rows if r["section"] == "lora"}
-    assert steps == {(m, side) for m in ("qwen3_moe 2L", "deepseek_v3 2L") for side in ("minimoe", "transformers + peft")}
+    assert steps == {(m, side) for m in models for side in ("minimoe", "transformers + peft")}
+    assert not set(stages.split(",")) & set(gpu.DEFAULT_STAGES)  # run only when named
+
+
+@pytest.mark.parametrize("family, real, smoke", [
+    # granite-4.0-h-tiny's first 8 layers: Mamba-2 but the sixth, NoPE attention
+    ("granitemoehybrid", ["mamba2"] * 5 + ["attention"] + ["mamba2"] * 2, ["mamba2", "attention"]),
+    # Qwen3-Next's: every 4th full attention, the rest Gated DeltaNet
+    ("qwen3_next", (["gated_deltanet"] * 3 + ["attention"]) * 2, ["gated_deltanet", "attention"]),
+])
+def test_the_hybrid_stages_time_both_mixers(family, real, smoke):
+    """8 real-width layers hold both of the hybrid's mixers, and so do the smoke mode's 2 layers."""
+    assert gpu.config(family, 8, smoke=False).mixer_types == real
+    assert gpu.config(family, 2, smoke=True).mixer_types == smoke
+
+
+def test_qwen3_next_widths_are_transformers_config_defaults():
+    """The qwen3next stage's widths are Qwen3NextConfig's defaults (Qwen3-Next-80B-A3B's, its docstring says)."""
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.Qwen3NextConfig()
+    ours = common.OFFICIAL_NEW["qwen3_next"]
+    assert {k: getattr(theirs, k) for k in ours if k != "eos_token_id"} == {k: v for k, v in ours.items() if k != "eos_token_id"}
 
 
 @pytest.mark.parametrize("family, layers, total, active", [
@@ -31,7 +56,18 @@ def test_the_real_widths_give_the_published_parameter_counts(family, layers, tot
     assert gpu.config(family, 8, smoke=False).num_hidden_layers == 8
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family, layers, billions", [
+    ("granitemoehybrid", 40, 7),  # granite-4.0-h-tiny's model card: 7B in total
+    ("qwen3_next", 48, 80),       # Qwen3-Next-80B-A3B's: 80B in total
+])
+def test_the_hybrids_real_widths_give_the_published_totals(family, layers, billions):
+    """Only the totals: the cards round the activated count (1B, 3B) and do not say what it counts."""
+    with torch.device("meta"):
+        n = sum(p.numel() for p in MoEForCausalLM(gpu.config(family, layers, smoke=False)).parameters())
+    assert round(n / 1e9) == billions
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "granitemoehybrid", "qwen3_next"])
 def test_peft_adapts_what_minimoe_adapts(family, tmp_path):
     """The two sides time the same LoRA: as many trainable parameters (not the shared experts, not the dense
     layer, whose module names peft would otherwise also match)."""

@@ -172,10 +172,12 @@ class MoEConfig:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = list(self.mlp_only_layers or [])
         if self.mamba_d_head in ("auto", None):
-            if (self.mamba_expand * self.hidden_size) % self.mamba_n_heads:
+            inner = self.mamba_expand * self.hidden_size
+            if inner % self.mamba_n_heads == 0:
+                self.mamba_d_head = inner // self.mamba_n_heads
+            elif "mamba2" in (self.mixer_types or []):  # only Mamba-2 layers read it: other models' widths are free
                 raise ValueError(f"config: mamba_n_heads {self.mamba_n_heads} does not divide mamba_expand * "
-                                 f"hidden_size = {self.mamba_expand * self.hidden_size}")
-            self.mamba_d_head = self.mamba_expand * self.hidden_size // self.mamba_n_heads
+                                 f"hidden_size = {inner}")
         if not self.use_qk_norm:
             self.qk_norm = None
         if not self.no_rope_layers and self.no_rope_layer_interval:

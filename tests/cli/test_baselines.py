@@ -1,5 +1,6 @@
 """The field's baselines (DenseMixer, router-only tuning, the family's load-balancing loss) through the
-same commands as the paper's methods, on the tiny OLMoE: train, kill and resume, evaluate, export."""
+same commands as the paper's methods, on the tiny OLMoE: train, kill and resume, evaluate, export; router-only
+tuning and --aux-coef family on every family."""
 import json
 from types import SimpleNamespace
 
@@ -139,3 +140,30 @@ def test_aux_coef_family_is_the_checkpoints_coefficient_or_refused(family):
         assert aux_coefficient(SimpleNamespace(aux_coef=0.01), config) == 0.01
     else:
         assert aux_coefficient(cfg, config) == 0.123
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
+def test_router_only_tuning_is_defined_on_every_familys_router(family):
+    """install_method("router") on each family's tiny model: what trains is exactly every MoE block's native
+    gate weight (as every method that tunes the gate: gpt-oss's router bias and DeepSeek's and GLM's score
+    correction bias stay frozen); an AdamW step moves each and leaves every other tensor (base, LoRA at B = 0)."""
+    from dataclasses import replace
+
+    from minimoe.core.routing import moe_blocks
+    from minimoe.runs.config import TrainConfig, method_for
+    from minimoe.runs.recipes import RECIPES
+    from minimoe.runs.training import install_method
+    from tests.conftest import tiny_model
+    cfg = replace(TrainConfig(**RECIPES["tiny"], method="router"), layers="all", lora_dropout=0.0, device="cpu")
+    model = tiny_model(family).train()
+    install_method(model, cfg, method_for(cfg))
+    gates = {id(block.gate.weight) for block in moe_blocks(model).values()}
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert gates and trainable == gates, family
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    model(torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))).logits.square().mean().backward()
+    optimizer.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    moved = {n for n, v in model.state_dict().items() if not torch.equal(v, before[n])}
+    assert moved == {names[i] for i in gates}, family

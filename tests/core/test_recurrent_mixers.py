@@ -159,3 +159,16 @@ def test_cache_in_pieces_equals_one_forward(kind):
             pieces.append(ours(x[:, start:start + n], cache=cache))
             start += n
         assert rel(torch.cat(pieces, 1), full) <= 1e-5
+
+
+def test_mamba_heads_must_divide_the_inner_width_only_where_there_are_mamba_layers():
+    """Mamba-2's head width "auto" is mamba_expand * hidden_size / mamba_n_heads: a model with Mamba-2 layers
+    whose heads do not divide it is refused by name; a model without any keeps whatever hidden size it has
+    (the default 128 heads do not divide 2 x 32)."""
+    from minimoe.core.model import MoEConfig
+    kw = dict(model_type="granitemoehybrid", vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    assert MoEConfig(**kw).mamba_d_head == "auto"  # unused
+    assert MoEConfig(**kw, mamba_n_heads=8).mamba_d_head == 8
+    with pytest.raises(ValueError, match="mamba_n_heads 128 does not divide mamba_expand \\* hidden_size = 64"):
+        MoEConfig(**kw, mixer_types=["mamba2", "attention"])
