@@ -29,7 +29,12 @@ from tests.conftest import tiny_model
 ODD = dict(vocab_size=131, num_experts=7)
 ODD_FAMILY = {"qwen3_moe": dict(dense_intermediate_size=49), "qwen2_moe": dict(shared_expert_intermediate_size=41),
               "deepseek_v2": dict(dense_intermediate_size=97, n_group=1, topk_group=1),
-              "deepseek_v3": dict(dense_intermediate_size=97, n_group=1, topk_group=1)}
+              "deepseek_v3": dict(dense_intermediate_size=97, n_group=1, topk_group=1),
+              "glm4_moe": dict(dense_intermediate_size=97, n_group=1, topk_group=1),
+              "llama4_text": dict(dense_intermediate_size=49),
+              "granitemoeshared": dict(shared_expert_intermediate_size=41),
+              "granitemoehybrid": dict(shared_expert_intermediate_size=41),
+              "qwen3_next": dict(shared_expert_intermediate_size=41)}
 CASES = [*FAMILIES, "gpt_oss-mxfp4"]  # gpt-oss's experts as the official checkpoint stores them, too
 
 
