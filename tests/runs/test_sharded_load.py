@@ -29,7 +29,12 @@ from tests.conftest import tiny_model
 ODD = dict(vocab_size=131, num_experts=7)
 ODD_FAMILY = {"qwen3_moe": dict(dense_intermediate_size=49), "qwen2_moe": dict(shared_expert_intermediate_size=41),
               "deepseek_v2": dict(dense_intermediate_size=97, n_group=1, topk_group=1),
-              "deepseek_v3": dict(dense_intermediate_size=97, n_group=1, topk_group=1)}
+              "deepseek_v3": dict(dense_intermediate_size=97, n_group=1, topk_group=1),
+              "glm4_moe": dict(dense_intermediate_size=97, n_group=1, topk_group=1),
+              "llama4_text": dict(dense_intermediate_size=49),
+              "granitemoeshared": dict(shared_expert_intermediate_size=41),
+              "granitemoehybrid": dict(shared_expert_intermediate_size=41),
+              "qwen3_next": dict(shared_expert_intermediate_size=41)}
 CASES = [*FAMILIES, "gpt_oss-mxfp4"]  # gpt-oss's experts as the official checkpoint stores them, too
 
 
@@ -69,14 +74,18 @@ def settings(folder):
 
 
 def build_rank(folder, rank: int, world_size: int) -> tuple[dict, int]:
-    """Rank `rank` of `world_size` built sharded: ({parameter: this rank's rows}, the bytes it read)."""
+    """Rank `rank` of `world_size` built sharded: ({parameter: this rank's rows}, the bytes it read). Its FSDP
+    units are the root and each decoder layer whole, whatever its mixer (attention, Mamba-2, DeltaNet)."""
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
     cfg, method = settings(folder)
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         torch.manual_seed(cfg.seed)  # as train.py seeds every rank before the build
         model, read = build_sharded(folder, cfg, lambda m: install_method(m, cfg, method))
+        units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        assert units == ["", *(f"model.layers.{i}" for i in range(len(model.model.layers)))], units
         return {name: local_rows(p)[0].clone() for name, p in model.named_parameters()}, read
     finally:
         dist.destroy_process_group()
