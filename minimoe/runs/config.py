@@ -220,7 +220,7 @@ class TrainConfig:
     lora_rank: int = setting("lora", help="rank r of each adapter", type=COUNT)
     lora_alpha: float = setting("lora", help="scale alpha; updates are multiplied by alpha / r", type=POSITIVE)
     lora_dropout: float = setting("lora", help="dropout on each adapter's input", type=number(float, 0, 1, high_open=True))
-    lora_targets: list[str] = setting("lora", help="comma list of " + ",".join([*TARGETS, *LORA_ALIASES]), type=names)
+    lora_targets: list[str] = setting("lora", help="comma list of " + ", ".join([*TARGETS, *LORA_ALIASES]), type=names)
     lr: float = setting("optimisation", help="LoRA learning rate (peak of the schedule)", type=POSITIVE)
     batch_size: int = setting("optimisation", help="examples per micro-batch, all ranks together", type=COUNT)
     grad_accum: int = setting("optimisation", help="micro-batches per optimizer step", type=COUNT)

@@ -596,8 +596,8 @@ def test_lora_targets_help_lists_the_lora_names_not_the_method_aliases():
     alias (ce): the two ALIASES tables, lora's and methods', are different things."""
     from minimoe.core import lora, methods
     text = option_help(train.parser())["--lora-targets"]
-    assert "comma list of " + ",".join([*lora.TARGETS, *lora.ALIASES]) + " (" in text
-    assert not any(f"{alias}," in text or f",{alias} " in text for alias in methods.ALIASES)
+    assert "comma list of " + ", ".join([*lora.TARGETS, *lora.ALIASES]) + " (" in text
+    assert not any(f" {alias}," in text or f", {alias} " in text for alias in methods.ALIASES)
 
 
 def test_resume_compares_settings_not_how_config_json_spells_them(tmp_path):
