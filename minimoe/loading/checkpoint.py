@@ -314,7 +314,7 @@ class WeightFile:
 
 def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, revision=None,
                     quantize: str | None = None) -> MoEForCausalLM:
-    """Load an official Granite-MoE or OLMoE checkpoint from a folder or a hub repo id.
+    """Load an official checkpoint of any family in core/families.py from a folder or a hub repo id.
     quantize: "nf4" packs the frozen base's large matrices (core/quantized.py) as they are read, one matrix
     at a time, so the unpacked model never is whole; "mxfp4" keeps gpt-oss's MXFP4 experts as stored."""
     if quantize is not None:
