@@ -105,12 +105,9 @@ def test_tes_and_dual_are_refused_by_both_exports(method, tmp_path):
     assert not (tmp_path / "peft").exists() and not (tmp_path / "merged").exists()
 
 
-@pytest.mark.parametrize("family,method,tune_router", [CASES[1], CASES[2]])
-def test_merged_export_cli_loads_in_transformers_with_our_logits(family, method, tune_router, tmp_path):
-    """`export.py RUN OUT --merged`: the base the run records, its adapter merged in; transformers alone
-    loads the folder (tokenizer files included) and gives our logits with the adapter."""
-    transformers = pytest.importorskip("transformers")
-    model = trained(family, method, tune_router)
+def export_merged_run(model, family: str, tmp_path):
+    """A run folder whose adapter is `model`'s, on a saved tiny `family` base (tmp_path/base, with the tokenizer),
+    exported by `export.py RUN OUT --merged` into tmp_path/merged; returns the run folder."""
     save_pretrained(tiny_model(family), tmp_path / "base")
     shutil.copyfile(tiny_checkpoint() / "tokenizer.json", tmp_path / "base" / "tokenizer.json")
     run = tmp_path / "run"
@@ -118,6 +115,16 @@ def test_merged_export_cli_loads_in_transformers_with_our_logits(family, method,
     (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "base")}))
     (run / "selection.json").write_text(json.dumps({"last_epoch": 1, "selected_epoch": 1}))
     main([str(run), str(tmp_path / "merged"), "--merged"])
+    return run
+
+
+@pytest.mark.parametrize("family,method,tune_router", [CASES[1], CASES[2]])
+def test_merged_export_cli_loads_in_transformers_with_our_logits(family, method, tune_router, tmp_path):
+    """`export.py RUN OUT --merged`: the base the run records, its adapter merged in; transformers alone
+    loads the folder (tokenizer files included) and gives our logits with the adapter."""
+    transformers = pytest.importorskip("transformers")
+    model = trained(family, method, tune_router)
+    export_merged_run(model, family, tmp_path)
     assert (tmp_path / "merged" / "tokenizer.json").read_bytes() == (tmp_path / "base" / "tokenizer.json").read_bytes()
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
@@ -142,13 +149,7 @@ def test_esft_full_form_merged_export_loads_in_transformers_with_our_logits(tmp_
             for rows in mlp.router.rows.values():
                 rows.add_(torch.randn(rows.shape, generator=g) * 0.1)
     model.eval()
-    save_pretrained(tiny_model("olmoe"), tmp_path / "base")
-    shutil.copyfile(tiny_checkpoint() / "tokenizer.json", tmp_path / "base" / "tokenizer.json")
-    run = tmp_path / "run"
-    save_adapter(model, run / "checkpoints" / "epoch-1", base_model=str(tmp_path / "base"))
-    (run / "config.json").write_text(json.dumps({"model": str(tmp_path / "base")}))
-    (run / "selection.json").write_text(json.dumps({"last_epoch": 1, "selected_epoch": 1}))
-    main([str(run), str(tmp_path / "merged"), "--merged"])
+    run = export_merged_run(model, "olmoe", tmp_path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
     base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
     with torch.no_grad():

@@ -67,14 +67,19 @@ def evaluate(model, model_args, task_manager):
                                    log_samples=True, random_seed=0)
 
 
-def test_local_task_scores_as_lm_evals_hf_model(sharp, task_manager):
-    ours = evaluate("minimoe", f"pretrained={sharp},dtype=float32", task_manager)
-    theirs = evaluate("hf", f"pretrained={sharp},dtype=float32,device=cpu", task_manager)
+def scores_as_lm_evals_hf_model(folder, task_manager):
+    """Our model scores the local task on `folder` as lm-eval's own hf model scores it on transformers."""
+    ours = evaluate("minimoe", f"pretrained={folder},dtype=float32", task_manager)
+    theirs = evaluate("hf", f"pretrained={folder},dtype=float32,device=cpu", task_manager)
     a, b = ours["results"][TASK], theirs["results"][TASK]
     assert (a["acc,none"], a["acc_norm,none"]) == (b["acc,none"], b["acc_norm,none"])
     ll = lambda result: [r[0] for s in result["samples"][TASK] for r in s["filtered_resps"]]
     assert ll(ours) == pytest.approx(ll(theirs), abs=1e-4)
     assert len(set(round(x, 3) for x in ll(ours))) > len(ll(ours)) // 2  # spread, not a constant
+
+
+def test_local_task_scores_as_lm_evals_hf_model(sharp, task_manager):
+    scores_as_lm_evals_hf_model(sharp, task_manager)
 
 
 def test_the_console_command_is_lm_evals_own_cli_with_minimoe_registered(sharp, task_dir, task_manager, tmp_path):
@@ -158,11 +163,4 @@ def test_another_familys_transformers_saved_checkpoint_scores_as_lm_evals_hf_mod
                                                                                   monkeypatch):
     if name not in FAMILIES_IN_CI:
         only_in_the_full_matrix("one family in CI (this file's docstring says why)")
-    folder = saved(name, tmp_path, monkeypatch)
-    ours = evaluate("minimoe", f"pretrained={folder},dtype=float32", task_manager)
-    theirs = evaluate("hf", f"pretrained={folder},dtype=float32,device=cpu", task_manager)
-    a, b = ours["results"][TASK], theirs["results"][TASK]
-    assert (a["acc,none"], a["acc_norm,none"]) == (b["acc,none"], b["acc_norm,none"])
-    ll = lambda result: [r[0] for s in result["samples"][TASK] for r in s["filtered_resps"]]
-    assert ll(ours) == pytest.approx(ll(theirs), abs=1e-4)
-    assert len(set(round(x, 3) for x in ll(ours))) > len(ll(ours)) // 2  # spread, not a constant
+    scores_as_lm_evals_hf_model(saved(name, tmp_path, monkeypatch), task_manager)
