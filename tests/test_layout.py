@@ -13,15 +13,20 @@ BELOW = {"cli": {"study", "integrations"}, "study": {"runs"}, "integrations": {"
 ATOMIC = "atomic"  # minimoe/atomic.py: beside the folders, for every one but core
 
 
+def reached(edges: dict, start) -> set:
+    """Every node `start`'s edges reach, at any depth (`start` itself only through a circle)."""
+    seen, todo = set(), list(edges[start])
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo += edges[node]
+    return seen
+
+
 def reachable(folder: str) -> set[str]:
     """What a folder may import: the folders below it, at any depth (an arrow may skip a level)."""
-    seen, todo = set(), list(BELOW[folder])
-    while todo:
-        f = todo.pop()
-        if f not in seen:
-            seen.add(f)
-            todo += BELOW[f]
-    return seen
+    return reached(BELOW, folder)
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -105,12 +110,6 @@ def test_no_files_of_core_import_each_other_in_a_circle():
     edges = {m: {i for i in imported_modules(p) if i in core and i != m} for m, p in core.items()}
     circles = []
     for start in edges:
-        seen, todo = set(), list(edges[start])
-        while todo:
-            m = todo.pop()
-            if m not in seen:
-                seen.add(m)
-                todo += edges[m]
-        if start in seen:
+        if start in reached(edges, start):
             circles.append(start)
     assert not circles, f"core modules that reach themselves through their imports: {sorted(circles)}"
