@@ -38,7 +38,10 @@ def main(path: str):
                 if not (steps or run.get("refused")):
                     raise
                 status = 1 if isinstance(stop.code, str) else stop.code
-                print(stop if steps else f"rank {dist.get_rank()}: exit {status}: {stop}", file=sys.stderr, flush=True)
+                # one write of the whole line: print writes its end apart, and the other rank's line can land
+                # between the two in the shared stderr (seen on a loaded machine)
+                sys.stderr.write(f"{stop}\n" if steps else f"rank {dist.get_rank()}: exit {status}: {stop}\n")
+                sys.stderr.flush()
     dist.destroy_process_group()
 
 
