@@ -209,29 +209,26 @@ def grouped_vs_loop(device, smoke: bool):
 def training_step_syncs(device):
     """Host syncs in one of train.py's optimizer steps (the tiny model, TES at every layer, the GPU
     recipe: bf16 weights under autocast), its logging included."""
-    from dataclasses import replace
 
     from minimoe import load_tokenizer
 
     from minimoe.data.benchmarks import load_split
     from minimoe.loading.tiny import tiny_checkpoint
     from minimoe.runs import training
-    from minimoe.runs.config import TrainConfig, method_for
-    from minimoe.runs.recipes import RECIPES
-    cfg = TrainConfig(**{**RECIPES["tiny"], "method": "tes", "layers": "all", "batch_size": 4, "grad_accum": 2,
-                         "device": str(device), "dtype": "bfloat16", "pad_token_id": 0})
+    from minimoe.runs.config import build_config
+    cfg = build_config({"method": "tes", "layers": "all", "batch_size": 4, "grad_accum": 2, "device": str(device),
+                        "dtype": "bfloat16", "pad_token_id": 0}, "tiny")
     model = from_pretrained(tiny_checkpoint(), dtype=torch.bfloat16).to(device)
-    method = method_for(cfg)
-    training.install_method(model, cfg, method)
+    training.install_method(model, cfg)
     model.train()
     tokenizer = load_tokenizer(tiny_checkpoint())
     examples = load_split("arc_challenge", "train", data_dir=Path(tempfile.mkdtemp()) / "splits")[:8]
-    optimizer = training.make_optimizer(model, cfg, method)
+    optimizer = training.make_optimizer(model, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 
     def step():
         batches = training.micro_batches(examples, tokenizer, cfg, 0, 1)
-        training.optimizer_step(model, batches, len(examples), optimizer, scheduler, replace(cfg), method, 1, 1)
+        training.optimizer_step(model, batches, len(examples), optimizer, scheduler, cfg, 1, 1)
     step()  # warm-up
     syncs(step, device, "tiny TES all layers", "host syncs in one train.py optimizer step, logging included")
 

@@ -93,15 +93,14 @@ def eval_transformers(args, examples, batch_rows: int = 64) -> dict:
 
 def train_epoch(args, examples, packed: bool) -> dict:
     from minimoe.core.step import step_loss
-    from minimoe.runs.config import TrainConfig, method_for
-    from minimoe.runs.recipes import RECIPES
+    from minimoe.runs.config import build_config
     from minimoe.runs.training import install_method, loss_settings, make_optimizer
     torch.manual_seed(0)
     model, tok = from_pretrained(args.model, dtype=args.dtype), load_tokenizer(args.model)
-    cfg = TrainConfig(**RECIPES["granite"], method="ce", device="cpu", dtype=args.dtype)
-    method = method_for(cfg)
-    install_method(model, cfg, method)
-    optimizer = make_optimizer(model, cfg, method)
+    cfg = build_config({"method": "ce", "device": "cpu", "dtype": args.dtype}, "granite")
+    method = cfg.method
+    install_method(model, cfg)
+    optimizer = make_optimizer(model, cfg)
     model.train()
     per_step, tokens, pad = cfg.batch_size * cfg.grad_accum, 0, pad_id(tok)
     t0 = time.perf_counter()

@@ -29,8 +29,7 @@ from minimoe.core.step import step_loss
 from minimoe.loading.checkpoint import to_disk_layout
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs import training
-from minimoe.runs.config import TrainConfig, method_for
-from minimoe.runs.recipes import RECIPES
+from minimoe.runs.config import TrainConfig, build_config
 from minimoe.runs.tracking import RoutingStats
 
 from tests.conftest import CUDA_TESTS_DEVICE, tiny_model
@@ -55,7 +54,7 @@ DEVICE_FLAGS = ["--device", DEVICE] + ([] if ON_CUDA else ["--dtype", "bfloat16"
 
 def gpu_recipe(**settings) -> TrainConfig:
     """The tiny recipe on DEVICE in bf16: on CUDA training.autocast(cfg) is bf16 autocast, on the CPU none."""
-    return replace(TrainConfig(**RECIPES["tiny"]), device=DEVICE, dtype="bfloat16", **settings)
+    return build_config({"device": DEVICE, "dtype": "bfloat16", **settings}, "tiny")
 
 
 def on_device(*tensors):
@@ -65,7 +64,7 @@ def on_device(*tensors):
 def tiny_bf16_model(method_cfg: TrainConfig):
     """The tiny checkpoint in bf16 on DEVICE with the method installed (LoRA and heads fp32), in train mode."""
     model = minimoe.from_pretrained(tiny_checkpoint(), dtype=torch.bfloat16, device=DEVICE)
-    training.install_method(model, method_cfg, method_for(method_cfg))
+    training.install_method(model, method_cfg)
     return model.train()
 
 
@@ -194,7 +193,7 @@ def test_a_gpu_recipe_step_moves_the_fp32_heads_at_1e_5(tmp_path, method, tune, 
     cfg = gpu_recipe(method=method, tune_router=tune, router_lr=1e-5 if tune else None, batch_size=4)
     model = tiny_bf16_model(cfg)
     cfg = replace(cfg, pad_token_id=model.config.pad_token_id)
-    optimizer = training.make_optimizer(model, cfg, method_for(cfg))
+    optimizer = training.make_optimizer(model, cfg)
     groups = {g["name"]: g for g in optimizer.param_groups}
     assert groups.keys() == {"lora", group} and groups[group]["lr"] == 1e-5 and groups["lora"]["lr"] == 2e-3
     slow = groups[group]["params"]
@@ -207,7 +206,7 @@ def test_a_gpu_recipe_step_moves_the_fp32_heads_at_1e_5(tmp_path, method, tune, 
         lambda module, args: autocast_on.append(torch.is_autocast_enabled(DEVICE_TYPE)))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     batches = step_batches(tmp_path, cfg)
-    logs = training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, method_for(cfg), world_size=1, step=1)
+    logs = training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, world_size=1, step=1)
     assert autocast_on and set(autocast_on) == {ON_CUDA}
     assert math.isfinite(logs["task"]) and logs["method"] > 0
     eps = optimizer.defaults["eps"]
@@ -268,7 +267,7 @@ def test_a_training_step_makes_no_host_sync(tmp_path, method, monkeypatch):
     def step():
         stats = RoutingStats(list(range(model.config.num_hidden_layers)), model.config.num_experts,
                              model.config.num_experts_per_tok)
-        return step_loss(model, batches, method_for(cfg), counts, world_size=1, stats=stats,
+        return step_loss(model, batches, cfg.method, counts, world_size=1, stats=stats,
                          **training.loss_settings(cfg))
     step()
     with sync_warnings() as flagged, HostSyncs() as syncs:

@@ -7,7 +7,6 @@ reached the expert banks and fell into the per-expert loop (the GPU-speed issue)
 such op list, so these tests feed the fp32 activations in directly.
 """
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,8 +24,7 @@ from minimoe.core.step import step_loss
 from minimoe.data.benchmarks import load_split
 from minimoe.loading.checkpoint import from_pretrained
 from minimoe.loading.tiny import tiny_checkpoint
-from minimoe.runs.config import TrainConfig, method_for
-from minimoe.runs.recipes import RECIPES
+from minimoe.runs.config import build_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import BankCopies, HostSyncs  # noqa: E402
@@ -82,11 +80,11 @@ def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, metho
     which counts on the host, is off."""
     from minimoe.runs import training
     from minimoe.runs.tracking import RoutingStats
-    cfg = replace(TrainConfig(**RECIPES["tiny"], method=method), lora_dropout=0.0, batch_size=2, pad_token_id=0, device="cpu",
-                  aux_coef=0.01, layers="all")
+    cfg = build_config({"method": method, "lora_dropout": 0.0, "batch_size": 2, "pad_token_id": 0, "device": "cpu",
+                        "aux_coef": 0.01, "layers": "all"}, "tiny")
     batches = step_batches(tmp_path, cfg)
     model = from_pretrained(tiny_checkpoint())
-    training.install_method(model, cfg, method_for(cfg))
+    training.install_method(model, cfg)
     model.train()
     counts = {"examples": 4, "tokens": sum(b.supervised_tokens for b in batches),
               "rows": sum(b.input_ids.shape[0] for b in batches)}
@@ -97,7 +95,7 @@ def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, metho
         monkeypatch.setattr(cpu_kernels, "EXPERT_BLOCK", 1)
         monkeypatch.setattr(model_module.Dispatch, "counts_list", property(lambda self: pytest.fail("the loop ran")))
     with HostSyncs() as syncs:
-        logs = step_loss(model, batches, method_for(cfg), counts, world_size=1, stats=stats,
+        logs = step_loss(model, batches, cfg.method, counts, world_size=1, stats=stats,
                          **training.loss_settings(cfg))
     assert syncs.counts == {}, f"host syncs in a training step: {syncs.counts}"
     assert all(isinstance(v, torch.Tensor) or v == 0.0 for v in logs.values())
@@ -303,11 +301,11 @@ def test_an_optimizer_step_reads_back_once(tmp_path, method, monkeypatch):
     device (no .item(); .cpu() and .tolist() are no op on the CPU, so read_back is counted instead). SGD,
     as AdamW reads its CPU step counter with .item()."""
     from minimoe.runs import training
-    cfg = replace(TrainConfig(**RECIPES["tiny"], method=method), lora_dropout=0.0, batch_size=2, pad_token_id=0,
-                  device="cpu", layers="all")
+    cfg = build_config({"method": method, "lora_dropout": 0.0, "batch_size": 2, "pad_token_id": 0, "device": "cpu",
+                        "layers": "all"}, "tiny")
     batches = step_batches(tmp_path, cfg)
     model = from_pretrained(tiny_checkpoint())
-    training.install_method(model, cfg, method_for(cfg))
+    training.install_method(model, cfg)
     model.train()
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
@@ -315,7 +313,7 @@ def test_an_optimizer_step_reads_back_once(tmp_path, method, monkeypatch):
     read_back = training.read_back
     monkeypatch.setattr(training, "read_back", lambda values: reads.append(len(values)) or read_back(values))
     with HostSyncs() as syncs:
-        logs = training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, method_for(cfg), 1, 1)
+        logs = training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, 1, 1)
     assert syncs.counts == {} and len(reads) == 1, (syncs.counts, reads)
     assert len(logs["routing"]) == model.config.num_hidden_layers and logs["task"] > 0
 
@@ -330,8 +328,8 @@ def test_compiled_layers_recompile_a_bounded_number_of_times_whatever_the_depth(
     from torch._dynamo.utils import counters
     from minimoe.runs import training
     monkeypatch.setattr(cpu_kernels, "EXPERT_BLOCK", 1)
-    cfg = replace(TrainConfig(**RECIPES["tiny"], method="tes"), lora_dropout=0.05, batch_size=2, pad_token_id=0,
-                  device="cpu", compile=True, layers="all")
+    cfg = build_config({"method": "tes", "lora_dropout": 0.05, "batch_size": 2, "pad_token_id": 0, "device": "cpu",
+                        "compile": True, "layers": "all"}, "tiny")
     tokenizer = load_tokenizer(tiny_checkpoint())
     examples = load_split("arc_challenge", "train", data_dir=tmp_path / "splits")
     steps = {}  # one step per length bucket, two buckets
@@ -341,7 +339,7 @@ def test_compiled_layers_recompile_a_bounded_number_of_times_whatever_the_depth(
         if len(steps) == 2:
             break
     model = from_pretrained(tiny_checkpoint(), dtype=torch.bfloat16)
-    training.install_method(model, cfg, method_for(cfg))
+    training.install_method(model, cfg)
     compile_layers(model.train(), backend="aot_eager")
     torch._dynamo.reset()
     counters.clear()
@@ -349,7 +347,7 @@ def test_compiled_layers_recompile_a_bounded_number_of_times_whatever_the_depth(
     for batches in steps.values():
         counts = {"examples": 2, "tokens": sum(b.supervised_tokens for b in batches),
                   "rows": sum(b.input_ids.shape[0] for b in batches)}
-        step_loss(model, batches, method_for(cfg), counts, world_size=1, **settings)
+        step_loss(model, batches, cfg.method, counts, world_size=1, **settings)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         forward_choices(model.eval(), next(iter(steps.values()))[0])
     assert model.config.num_hidden_layers == 4 and len(steps) == 2

@@ -1,6 +1,8 @@
 """A run folder written by an older minimoe (main at 3a854cc, before a method's options moved from
 TrainConfig's own fields into method_options) still loads: its config.json reads into today's
 TrainConfig and method, the sweep calls it done for its cell, and --resume and evaluate.py accept it.
+So does the config.json of main at f907bcb, the last with the method's settings at its top level
+(today's holds the configured method as one mapping, config.method_record).
 
 The fixture is that version's own output, paths scrubbed (tests/fixtures/README.md says how it was
 made): `train.py --model tiny --epochs 1 --max-train-examples 16 --batch-size 8 --eval-batch-size 8
@@ -14,12 +16,13 @@ import pytest
 import torch
 
 from minimoe.cli import evaluate, sweep, train
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.loading.tiny import tiny_checkpoint, tiny_config
 from minimoe.runs.compat import read_settings, settings_of
-from minimoe.runs.config import build_config
+from minimoe.runs.config import build_config, method_record, method_settings
 from minimoe.runs.naming import run_name
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run-3a854cc" / "tiny-olmoe-arc_challenge-TES-IS-gamma2-seed42"
+FLAT = next((Path(__file__).parent / "fixtures" / "run-f907bcb").iterdir())  # the method's settings at the top level
 FLAGS = ["--epochs", "1", "--max-train-examples", "16", "--batch-size", "8", "--eval-batch-size", "8", "--quiet"]
 TES_GAMMA_2 = {"gamma": 2.0, "tau": 1.0, "transform": "started-log", "error_head_lr": 1e-5}
 
@@ -32,8 +35,8 @@ def old_record(**facts) -> dict:
 def test_an_old_config_json_reads_into_todays_settings_and_names_its_own_run():
     record = old_record()
     assert record["gamma"] == 2.0 and record["method_options"] is None  # the old layout, as written
-    cfg, method = build_config(settings_of(record), record["recipe"])
-    assert (cfg.method, cfg.method_options, method.row) == ("tes", TES_GAMMA_2, "TES-IS")
+    method = build_config(settings_of(record), record["recipe"]).method
+    assert (method.name, method.values, method.row) == ("tes", TES_GAMMA_2, "TES-IS")
     assert run_name(record, method) == FIXTURE.name
     assert read_settings(FIXTURE / "config.json")["method_options"] == {  # --config / --resume read it so
         "gamma": 2.0, "tau": 1.0, "transform": "started-log", "mix": 0.5, "error_head_lr": 1e-5, "copied_head_lr": 1e-3}
@@ -76,3 +79,25 @@ def test_resume_and_evaluate_accept_an_old_config_json(tmp_path):
     assert metrics["dtype"] == in_run["dtype"] == "bfloat16"
     assert (metrics["method"], metrics["settings"]) == ("TES-IS", {"gamma": 2.0})
     assert metrics["accuracy"] == in_run["accuracy"]
+
+
+def test_a_config_json_with_the_methods_settings_at_its_top_level_reads_into_the_one_method():
+    """f907bcb's config.json (method, objective, lambda_, layers, tune_router, method_options beside the other
+    settings) builds the configured method that its flags build today, and names its own run; today's
+    record of that method, one mapping, reads back into the same settings, and --config reads either."""
+    record = {**json.loads((FLAT / "config.json").read_text()), "model": str(tiny_checkpoint())}
+    assert record["method"] == "tes" and record["objective"] == "enll"  # the old layout, as written
+    old = build_config(settings_of(record), record["recipe"])
+    flags = ["--model", "tiny", "--method", "tes", "--gamma", "2", "--objective", "enll", "--lambda", "0.01",
+             "--layers", "1,3", "--tune-router"]
+    today = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
+    assert method_settings(old.method) == method_settings(today.method) == {
+        "method": "tes", "method_module": None, "objective": "enll", "lambda_": 0.01, "layers": [1, 3],
+        "tune_router": True, "method_options": {"gamma": 2.0, "tau": 1.0, "transform": "started-log",
+                                                "error_head_lr": 1e-5}}
+    assert old.method.row == record["label"] and run_name(record, old.method) == FLAT.name
+    new = {**record, "method": method_record(old.method)}
+    for key in ("method_module", "method_options", "objective", "lambda_", "layers", "tune_router"):
+        del new[key]  # today's config.json holds them in "method" alone
+    assert method_settings(build_config(settings_of(new), new["recipe"]).method) == method_settings(old.method)
+    assert read_settings(FLAT / "config.json")["lambda_"] == 0.01

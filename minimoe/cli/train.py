@@ -44,7 +44,6 @@ import minimoe
 from minimoe.atomic import atomic_file
 from minimoe.cli import is_tiny, model_path, run_command
 from minimoe.core.families import family_of
-from minimoe.core.methods import Method
 from minimoe.core.model import MoEConfig, compile_layers
 from minimoe.core.quantized import require as require_quantization
 from minimoe.core.scoring import check_max_length, pad_id
@@ -55,7 +54,7 @@ from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.loading.smollm import smollm_checkpoint
 from minimoe.runs.compat import read_run_config, read_settings, settings_of
-from minimoe.runs.config import TrainConfig, build_config, differing, loaded_settings
+from minimoe.runs.config import TrainConfig, build_config, differing, loaded_settings, method_record
 from minimoe.runs.flags import add_flags
 from minimoe.runs.naming import run_name, unread_flags
 from minimoe.runs.device import pick_device, pick_dtype
@@ -108,19 +107,19 @@ def parse_args(argv=None):
     return args
 
 
-def resolve_config(args, model_config) -> tuple[TrainConfig, Method]:
-    """The run's TrainConfig and its method, resolved once (config.build_config): the recipe's values
+def resolve_config(args, model_config) -> TrainConfig:
+    """The run's TrainConfig, its method resolved once (config.build_config): the recipe's values
     (from the checkpoint's model_type unless --recipe), overridden by every setting given; then what the
     model and the machine decide (pad id, device, dtype)."""
     recipe = args.recipe or family_of(model_config.model_type).recipe
-    cfg, method = build_config({k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}, recipe)
+    cfg = build_config({k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}, recipe)
     cfg.pad_token_id = pad_id(model_config)
     cfg.device = str(pick_device(cfg.device))
     cfg.dtype = pick_dtype(cfg.dtype, cfg.device)
     if cfg.compile and not cfg.device.startswith("cuda"):
         sys.exit(f"train.py: error: --compile needs a CUDA device (this run's is {cfg.device}): on the CPU, torch's "
                  f"compiled grouped_mm takes bf16 only, and the CPU recipe runs its LoRA branches in fp32")
-    return cfg, method
+    return cfg
 
 
 def check_quantization(cfg: TrainConfig, model_config) -> None:
@@ -140,11 +139,11 @@ def check_quantization(cfg: TrainConfig, model_config) -> None:
                  f"or --shard ddp")
 
 
-def run_record(cfg: TrainConfig, method: Method, model_config, data: dict, origin: dict) -> dict:
-    """config.json: every setting, what the run's readers (evaluate.py, sweep.py, --resume) look up (among
+def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict:
+    """config.json: every setting (the method as one mapping: config.method_record), what the run's readers (evaluate.py, sweep.py, --resume) look up (among
     them each split's size, train as cut, and the sha256 of the manifest it was read from), and what
     produced it (`origin`: minimoe.runs.provenance)."""
-    return {**vars(cfg), "label": method.row,
+    return {**vars(cfg), "method": method_record(cfg.method), "label": cfg.method.row,
             "world_size": world()[1], "torch_version": torch.__version__,
             "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()},
             "data_sha256": {s: split_sha256(cfg.data, s, cfg.data_dir) for s in data}, "provenance": origin}
@@ -198,7 +197,7 @@ def main(argv=None):
     folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
     tokenizer = minimoe.load_tokenizer(folder)
     model_config = read_config(folder)
-    cfg, method = resolve_config(args, model_config)  # the method, device and dtype are resolved here, once
+    cfg = resolve_config(args, model_config)  # the method, device and dtype are resolved here, once
     sharded = cfg.shard == "fsdp"  # then no rank ever holds the whole model (minimoe/runs/sharding.py)
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
     if cfg.quantize is not None:
@@ -207,14 +206,14 @@ def main(argv=None):
                                                          device=cfg.device if cfg.quantize else None)
     typed, default = (vars(parser().parse_args(a)) for a in (list(sys.argv[1:] if argv is None else argv), []))
     typed = {k: v for k, v in typed.items() if v != default[k]}  # flags typed off their defaults, not a --config's
-    if unread := unread_flags(typed, method):
-        print(f"train.py: warning: {', '.join(unread)} ignored: {method.row} supervises no prediction, so it has "
+    if unread := unread_flags(typed, cfg.method):
+        print(f"train.py: warning: {', '.join(unread)} ignored: {cfg.method.row} supervises no prediction, so it has "
               f"no objective nor lambda (TES and ACS do)", file=sys.stderr)
-    run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), method))  # named by --data as given (sweep.py does so)
+    run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), cfg.method))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     for split, examples in data.items():  # every setting is checked before the run folder is written
         check_max_length(examples, tokenizer, cfg.max_length, f"--max-length, {cfg.data} {split}")
-    check_install(model_config, cfg, method, cfg.device)  # LoRA targets, layers, method options, memory: on meta
+    check_install(model_config, cfg, cfg.device)  # LoRA targets, layers, method options, memory: on meta
     check_sharding(cfg, world()[1])  # --shard fsdp: torchrun, 2 ranks or more
     if args.resume and args.rerun:
         sys.exit("train.py: error: --resume and --rerun: pass one (continue the run, or start it again)")
@@ -237,11 +236,11 @@ def main(argv=None):
     created = rank == 0 and claim_run_folder(run, resume=args.resume)
     try:
         if sharded:  # LoRA and the method installed as one process installs them, then sharded
-            model, _ = build_sharded(folder, cfg, lambda m: install_method(m, cfg, method))
+            model, _ = build_sharded(folder, cfg, lambda m: install_method(m, cfg))
         else:
             model = model.to(device=cfg.device, dtype=getattr(torch, cfg.dtype))
         with rank0_lock(run, rank):  # one process per run folder; rank 0 writes it
-            fit(model, tokenizer, data, cfg, method, run, args, rank, folder)
+            fit(model, tokenizer, data, cfg, run, args, rank, folder)
     except BaseException:
         if created and not has_training_output(run):  # the corrected rerun just works
             shutil.rmtree(run, ignore_errors=True)
@@ -280,12 +279,12 @@ def rank0_lock(run: Path, rank: int):
         yield
 
 
-def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, args, rank: int, folder: Path):
+def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, folder: Path):
     """Inside the run's lock: config.json (checked against the run's on --resume), the zero-shot
     score, training, and the test evaluation. `folder`: the model's checkpoint folder (provenance)."""
     refusal = None
     if rank == 0:
-        record = run_record(cfg, method, model.config, data, provenance(args.model, folder, revision=cfg.model_revision,
+        record = run_record(cfg, model.config, data, provenance(args.model, folder, revision=cfg.model_revision,
                                                                 device=cfg.device))
         if args.resume:
             before = read_run_config(run / "config.json")
@@ -305,12 +304,12 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
             base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
             print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
     if cfg.shard != "fsdp":  # a sharded model was built with them (cli main)
-        install_method(model, cfg, method)
+        install_method(model, cfg)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
     if cfg.compile:
         compile_layers(model)
-    steps_run = train(model, tokenizer, data, cfg, method, run, resume=args.resume)
+    steps_run = train(model, tokenizer, data, cfg, run, resume=args.resume)
 
     def scored(checkpoint: str) -> bool:
         """Scored in full by an earlier call that finished training (a resume after a kill): not again."""
@@ -356,7 +355,7 @@ def changed_settings(before: dict, cfg: TrainConfig, now: dict) -> list[str]:
     wrote it) and this launch (`cfg`, and its record `now`): the settings, both resolved as TrainConfigs
     (config.differing), and what the record holds beside them (the data's sizes and sha256, the model's
     config, the torch version, the world size)."""
-    recorded, _ = build_config(settings_of(before), before.get("recipe") or cfg.recipe)
+    recorded = build_config(settings_of(before), before.get("recipe") or cfg.recipe)
     now = json.loads(json.dumps(now, default=str))  # compared as config.json stores them
     before, now = ({**r, "model_config": model_record(r.get("model_config"))} for r in (before, now))
     return sorted([*differing(recorded, cfg), *(k for k in RECORDED if before.get(k) != now.get(k)

@@ -111,6 +111,9 @@ class Method:
     values: dict = field(default_factory=dict)  # every setting (`settings`) -> its value in the run
     lambda_: float = 0.0  # lambda_m, the method term's coefficient in the total loss (Eq. total_loss)
     layers: str | list = "final"  # the layer scope (routing.resolve_layers); set_router resolves it on a model
+    # the run's file or module of its own (train.py --method-module), imported before this was configured: it
+    # registers this method or the run's objective (so unlike `module`, a built-in method may have one)
+    imports: str | None = None
 
     def __post_init__(self):  # a file of your own may declare an option by its default alone
         self.options = {name: _option(o) for name, o in self.options.items()}
@@ -158,7 +161,8 @@ class Method:
                 **({"module": self.module} if self.module else {})}
 
     def configure(self, objective: str | None = None, tune_router: bool = False, options: dict | None = None, *,
-                  lambda_: float = 0.0, layers: str | list = "final", strict: bool = False) -> Method:
+                  lambda_: float = 0.0, layers: str | list = "final", imports: str | None = None,
+                  strict: bool = False) -> Method:
         """This method as one run uses it, every check of its choices here: `options` against their
         declarations, every setting's value in `values` (the given one, else its default); `objective` a
         registered one (objectives.OBJECTIVES). A setting that only other registered methods read is
@@ -175,7 +179,7 @@ class Method:
             get_objective(objective)
         values = {name: o.parse(name, given[name]) if name in given else o.default for name, o in self.declared.items()}
         return replace(self, objective=objective, tune_router=tune_router or self.tunes_gate, values=values,
-                       lambda_=lambda_, layers=layers)
+                       lambda_=lambda_, layers=layers, imports=imports)
 
 
 class UnknownOption(ValueError):
@@ -252,7 +256,8 @@ def set_router(model, method="native", layers=None, *, tune_router: bool | None 
         try:
             method = record.configure(record.objective, record.tune_router if tune_router is None else tune_router,
                                       {**record.values, **options}, lambda_=record.lambda_,
-                                      layers=record.layers if layers is None else layers, strict=True)
+                                      layers=record.layers if layers is None else layers, imports=record.imports,
+                                      strict=True)
         except ValueError as e:
             raise ValueError(f"set_router: {e}") from None
     if method.tunes_gate and not method.tune_router:  # a record installed as registered: its gates train all the same

@@ -1,9 +1,13 @@
 """Settings from files and records of any version: a run's config.json, a --config settings file (JSON or
 YAML), a sweep cell's flags, read into TrainConfig's fields with the flags' checks (`read_settings`).
 
-Older config.json files (before options moved into method_options, they held the built-in
-methods' options at the top level: "gamma": 1.0, ...) read as today's (`settings_of`); settings an
-older version recorded and this one dropped (`RETIRED`) are read without a word.
+A run's config.json holds its configured method as one mapping ("method": {"name": "tes", "objective":
+"is", "lambda_": 0.001, ...}: config.method_record); it is read back into the method's settings, and so
+through the same checks as the flags, into the one configured Method (config.method_for). Older
+config.json files read as today's (`settings_of`): those that held the method's settings at the top
+level beside the others ("method": "tes", "objective": "is", "lambda_": ...), and before them those
+that also held the built-in methods' options there ("gamma": 1.0, ...); settings an older version
+recorded and this one dropped (`RETIRED`) are read without a word.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ import json
 from pathlib import Path
 
 from minimoe.core.methods import declaring
-from minimoe.runs.config import FIELDS, check_value
+from minimoe.runs.config import FIELDS, RECORD_KEYS, check_value
 
 # ---- settings from files and records
 
@@ -30,7 +34,9 @@ def settings_of(mapping: dict, where: Path | None = None) -> dict:
     but those of a settings file of yours (`where`), which are refused, named."""
     settings, top_level = {}, {}
     for key, value in mapping.items():
-        if key in FIELDS:
+        if key == "method" and isinstance(value, dict):  # config.json's one record of the configured method
+            settings |= method_settings_of(value, where)
+        elif key in FIELDS:
             settings[key] = value
         elif declaring(key):
             top_level[key] = value
@@ -41,6 +47,15 @@ def settings_of(mapping: dict, where: Path | None = None) -> dict:
     if top_level:
         settings["method_options"] = {**top_level, **(settings.get("method_options") or {})}
     return settings
+
+
+def method_settings_of(record: dict, where: Path | None = None) -> dict:
+    """The method's settings (config.MethodSettings) from config.json's "method" mapping (config.method_record)."""
+    keys = {key: setting for setting, key in RECORD_KEYS.items()}
+    if unknown := sorted(set(record) - set(keys)):
+        raise ValueError(f"{where or 'config.json'}: method {unknown}: not part of a configured method; expected "
+                         f"the keys {sorted(keys)}")
+    return {keys[key]: value for key, value in record.items()}
 
 
 def read_run_config(path: Path):

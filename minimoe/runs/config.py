@@ -1,15 +1,19 @@
 """One run's configuration: `TrainConfig`, the one source of train.py's flags, with its value checks;
-and the method a configuration resolves to.
+and its one configured method (`TrainConfig.method`, built from `MethodSettings`).
 
-One source: every setting is a `TrainConfig` field, declared once with its default, its check, its
---help group and text (`setting`); `flags.add_flags` makes train.py's flags from the fields, and a
-settings file (--config, a run's config.json) is read into the same fields with the same checks
-(`compat.read_settings`). A method's options are not fields: they are declared on its `methods.Method`
-record and reach the run through `method_options` alone (--method-option NAME=VALUE; the built-in
-methods' options also have a flag each, made from their records, so `--gamma 2` is `--method-option
-gamma=2`). `build_config` is the one way from settings to a run's TrainConfig and its method,
-resolved once (`method_for`); train.py and the sweep both use it, so a sweep compares a cell's
-configuration with a run's as train.py would resolve them (`differing`).
+One source: every setting is a field, declared once with its default, its check, its --help group and
+text (`setting`); `flags.add_flags` makes train.py's flags from the fields, and a settings file
+(--config, a run's config.json) is read into the same fields with the same checks
+(`compat.read_settings`). The method's own settings (--method, --method-module, --objective,
+--lambda, --layers, --tune-router, --method-option) are `MethodSettings`' fields: they are flags and
+file keys like the others, but a TrainConfig holds only what they build, one configured
+`methods.Method` (`method_for`, the one place they become it), which training, evaluation, export,
+--resume and the sweep read, and config.json records as one mapping (`method_record`). A method's
+options are declared on its record and reach it through method_options alone (--method-option
+NAME=VALUE; the built-in methods' options also have a flag each, made from their records, so
+`--gamma 2` is `--method-option gamma=2`). `build_config` is the one way from settings to a run's
+TrainConfig; train.py and the sweep both use it, so a sweep compares a cell's configuration with a
+run's as train.py would resolve them (`differing`).
 
 Defaults: a field's default is the paper's method rows; LoRA and optimisation have none, the
 per-backbone `recipes.RECIPES` preset gives them; flags and files override both, and --help shows both kinds.
@@ -133,11 +137,43 @@ def setting(group: str, default=MISSING, help: str = "", **flag):
 
 
 @dataclass(kw_only=True)
+class MethodSettings:
+    """The flags (and a settings file's keys) that build a run's one configured method: the record --method
+    names (imported from --method-module first), configured with --objective, --tune-router, lambda, the
+    layer scope and its options (`configured`, the one place they become a Method and are checked together).
+    TrainConfig holds the result, not these; config.json records it as one mapping (`method_record`)."""
+    method: str = setting("method", "tes", method_help())
+    method_module: str | None = setting("method", None, "a .py file or importable module that registers --method "
+                                        "(or --objective) with minimoe.register_method (register_objective) (recorded in config.json and the adapters)",
+                                        metavar="FILE|MODULE")
+    method_options: dict | None = setting("method", None, "an option (or head learning rate) of --method, as its "
+                                          "record (methods.Method) declares it; repeat for several (default: the "
+                                          "record's). config.json holds every option the method reads",
+                                          flag="--method-option", type=method_option, metavar="NAME=VALUE")
+    objective: str = setting("method", "is", objective_help(), type=objective_name)
+    lambda_: float = setting("method", 1e-3, "method coefficient lambda_m in the total loss", type=NONNEGATIVE,
+                             metavar="LAMBDA")
+    layers: str | list[int] = setting("method", "final", "supervised MoE layers: final | all | first:N | last:N | 3 | "
+                                      "0,3,5 (routing.resolve_layers)", type=layer_scope)
+    tune_router: bool = setting("method", False, "unfreeze the native router in scope: \"+ affinity tuning\", any method")
+
+    def configured(self) -> Method:
+        """The configured Method (Method.configure checks the options and the objective against its record)."""
+        record = resolve_method(self.method, self.method_module)
+        try:
+            return record.configure(self.objective, bool(self.tune_router), self.method_options, lambda_=self.lambda_,
+                                    layers=self.layers, imports=self.method_module)
+        except UnknownOption as e:  # core names the option; a run's settings give it as --method-option
+            raise ValueError(f"--method-option {e}") from None
+
+
+@dataclass(kw_only=True)
 class TrainConfig:
     """One run's settings. Defaults are the paper's method rows; LoRA and optimisation have none, a
     RECIPES preset gives them; flags and settings files override both. A field's default is its class
-    attribute (TrainConfig.lambda_), which is what --help shows. config.json is asdict() of this plus
-    values recorded for the run's readers (train.py `run_record`)."""
+    attribute (TrainConfig.max_length), which is what --help shows; `method` is the configured Method that
+    MethodSettings' flags build (build_config). config.json is these fields, the method as one mapping
+    (method_record), plus values recorded for the run's readers (train.py `run_record`)."""
     # model
     model: str | None = setting("model", None, "hub repo id or checkpoint folder; 'tiny': the random tiny OLMoE "
                                 "(offline smoke runs), 'tiny:<model_type>': any family's. Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct "
@@ -193,21 +229,8 @@ class TrainConfig:
                               "answers never", type=COUNT)
     packed: bool = setting("data", True, "one row per (prompt, candidate), the reference path; default: one packed "
                            "row per example, its prompt run once", flag="--per-candidate-rows")
-    # method
-    method: str = setting("method", "tes", method_help())
-    method_module: str | None = setting("method", None, "a .py file or importable module that registers --method "
-                                        "(or --objective) with minimoe.register_method (register_objective) (recorded in config.json and the adapters)",
-                                        metavar="FILE|MODULE")
-    method_options: dict | None = setting("method", None, "an option (or head learning rate) of --method, as its "
-                                          "record (methods.Method) declares it; repeat for several (default: the "
-                                          "record's). config.json holds every option the method reads",
-                                          flag="--method-option", type=method_option, metavar="NAME=VALUE")
-    objective: str = setting("method", "is", objective_help(), type=objective_name)
-    lambda_: float = setting("method", 1e-3, "method coefficient lambda_m in the total loss", type=NONNEGATIVE,
-                             metavar="LAMBDA")
-    layers: str | list[int] = setting("method", "final", "supervised MoE layers: final | all | first:N | last:N | 3 | "
-                                      "0,3,5 (routing.resolve_layers)", type=layer_scope)
-    tune_router: bool = setting("method", False, "unfreeze the native router in scope: \"+ affinity tuning\", any method")
+    # method: the configured method (MethodSettings' flags build it), then the settings of its training
+    method: Method = field(default_factory=lambda: MethodSettings().configured())
     router_lr: float | None = setting("method", None, "native router learning rate with --tune-router (default: --lr; "
                                       "the paper gives it no rate of its own)", type=POSITIVE)
     depth_scaled_lambda: bool = setting("method", False, "multiply lambda by the number of supervised layers")
@@ -253,11 +276,18 @@ class TrainConfig:
                              "(minimoe/runs/tracking.py)", choices=["none", "tensorboard", "wandb"])
 
     def __post_init__(self):
+        if not isinstance(self.method, Method):
+            raise TypeError(f"TrainConfig.method: {self.method!r}; expected a configured methods.Method "
+                            f"(config.method_for builds one from the method's settings)")
         if self.test_checkpoint is None:  # the paper's OLMoE affinity-tuned group is reported at selected epochs
-            self.test_checkpoint = "selected" if self.recipe == "olmoe" and self.tune_router else "last"
+            affinity_tuned = self.method.tune_router and not self.method.tunes_gate
+            self.test_checkpoint = "selected" if self.recipe == "olmoe" and affinity_tuned else "last"
 
 
-FIELDS = {f.name: f for f in fields(TrainConfig)}
+# Every setting a flag, a settings file or a sweep cell names, by name: TrainConfig's fields but its method,
+# and the method's own (MethodSettings), which build TrainConfig.method.
+METHOD_FIELDS = {f.name: f for f in fields(MethodSettings)}
+FIELDS = {**{f.name: f for f in fields(TrainConfig) if f.name != "method"}, **METHOD_FIELDS}
 
 
 def flag_name(key: str) -> str:
@@ -300,24 +330,37 @@ def default_of(key: str):
 # ---- a configuration resolved: its method, its TrainConfig
 
 def method_for(settings) -> Method:
-    """The run's method, resolved once: --method as METHODS names it (its --method-module imported first),
-    configured with --objective, --tune-router and its options. `settings`: a TrainConfig, or a mapping
-    of its fields (missing ones at their defaults)."""
-    s = settings if isinstance(settings, dict) else vars(settings)
-    record = resolve_method(s.get("method") or TrainConfig.method, s.get("method_module"))
-    lambda_ = TrainConfig.lambda_ if s.get("lambda_") is None else s["lambda_"]
-    try:
-        return record.configure(s.get("objective") or TrainConfig.objective, bool(s.get("tune_router")),
-                                s.get("method_options"), lambda_=lambda_, layers=s.get("layers") or TrainConfig.layers)
-    except UnknownOption as e:  # core names the option; a run's settings give it as --method-option
-        raise ValueError(f"--method-option {e}") from None
+    """The run's method, resolved once from its settings (MethodSettings.configured): --method as METHODS
+    names it (its --method-module imported first), configured with --objective, --tune-router, lambda,
+    the layer scope and its options. `settings`: a mapping of settings (others than the method's are
+    not read; a missing or None one is at its default)."""
+    return MethodSettings(**{k: v for k, v in settings.items() if k in METHOD_FIELDS and v is not None}).configured()
 
 
-def build_config(settings: dict, recipe: str) -> tuple[TrainConfig, Method]:
-    """A run's TrainConfig and its method: the recipe's values under `settings` (TrainConfig fields; None:
-    not given), the method named as METHODS names it ("ce" is native), its module's file by absolute path
-    (--resume and evaluate.py find it from any folder), and method_options holding every setting the
-    method reads, with its value. train.py, --resume and the sweep all come through here."""
+# config.json's "method" mapping: each of the method's settings (MethodSettings) -> its key there.
+RECORD_KEYS = {"method": "name", "method_module": "module", "objective": "objective", "lambda_": "lambda_",
+               "layers": "layers", "tune_router": "tune_router", "method_options": "options"}
+
+
+def method_settings(method: Method) -> dict:
+    """The settings that build `method` again (method_for): its name, module, objective, lambda, layer
+    scope, affinity tuning and every option's value."""
+    return {"method": method.name, "method_module": method.imports, "objective": method.objective,
+            "lambda_": method.lambda_, "layers": method.layers, "tune_router": method.tune_router,
+            "method_options": dict(method.values)}
+
+
+def method_record(method: Method) -> dict:
+    """config.json's "method": the run's configured method as one mapping (compat.settings_of reads it back
+    into its settings)."""
+    return {RECORD_KEYS[k]: v for k, v in method_settings(method).items()}
+
+
+def build_config(settings: dict, recipe: str) -> TrainConfig:
+    """A run's TrainConfig: the recipe's values under `settings` (the flags' settings; None: not given),
+    and its one configured method (`method_for`: the method named as METHODS names it, "ce" is native,
+    every option it reads with its value), its module's file by absolute path (--resume and evaluate.py
+    find it from any folder). train.py, --resume and the sweep all come through here."""
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r}: expected one of {sorted(RECIPES)}")
     given = {k: v for k, v in settings.items() if v is not None}
@@ -325,9 +368,8 @@ def build_config(settings: dict, recipe: str) -> tuple[TrainConfig, Method]:
     if module and module.endswith(".py"):
         given["method_module"] = str(Path(module).resolve())
     method = method_for(given)
-    cfg = TrainConfig(**{**RECIPES[recipe], **given, "recipe": recipe, "method": method.name,
-                         "method_options": method.values})
-    return cfg, method
+    others = {k: v for k, v in given.items() if k not in METHOD_FIELDS}
+    return TrainConfig(**{**RECIPES[recipe], **others, "recipe": recipe, "method": method})
 
 
 def recipe_train_examples(cfg: TrainConfig, dataset: str) -> int | None:
@@ -350,13 +392,13 @@ RESUME_MAY_DIFFER = ("cache_dir", "out_dir", "run_name", "data_dir", "save_every
 
 
 def differing(a: TrainConfig, b: TrainConfig, ignore=()) -> list[str]:
-    """The settings that decide a run (all but RESUME_MAY_DIFFER and `ignore`) on which `a` and `b` differ;
-    a method option by its own name (gamma), as its flag names it."""
-    names = [name for name in FIELDS if name not in (*RESUME_MAY_DIFFER, *ignore) and getattr(a, name) != getattr(b, name)]
+    """The settings that decide a run (all but RESUME_MAY_DIFFER and `ignore`) on which `a` and `b` differ:
+    their methods' by the settings that build them (method_settings), a method option by its own name
+    (gamma), as its flag names it."""
+    settings = [{**vars(c), **method_settings(c.method)} for c in (a, b)]
+    names = [name for name in FIELDS if name not in (*RESUME_MAY_DIFFER, *ignore) and settings[0].get(name) != settings[1].get(name)]
     if "method_options" in names:
-        options = [a.method_options or {}, b.method_options or {}]
+        options = [s["method_options"] or {} for s in settings]
         names.remove("method_options")
         names += [k for k in options[0].keys() | options[1].keys() if options[0].get(k) != options[1].get(k)]
     return sorted(names)
-
-

@@ -1,5 +1,6 @@
-"""train.py's flags, made from TrainConfig's fields and the methods' records (`add_flags`): each field's
-default, check, --help group and text become its flag; the built-in methods' options get a flag each
+"""train.py's flags, made from TrainConfig's fields, MethodSettings' (the flags that build its one
+configured method) and the methods' records (`add_flags`): each field's default, check, --help group
+and text become its flag; the built-in methods' options get a flag each
 (`--gamma 2` is `--method-option gamma=2`). The sweep reads a cell's flags with the same parser
 (`flags_parser`), so it lives here beside the settings, below the command lines.
 """
@@ -9,7 +10,7 @@ import argparse
 from dataclasses import MISSING, fields
 
 from minimoe.core.methods import METHODS, declaring
-from minimoe.runs.config import GROUPS, TrainConfig, flag_name
+from minimoe.runs.config import GROUPS, MethodSettings, TrainConfig, flag_name
 from minimoe.runs.recipes import by_recipe
 
 # ---- train.py's flags, made from the fields and the methods' records
@@ -44,12 +45,13 @@ def read_by(name: str) -> str:
 
 
 def add_flags(parser: argparse.ArgumentParser) -> dict:
-    """Every TrainConfig field's flag, in its group (GROUPS), with its default, check and help; after
-    --method-option, one flag per built-in method option (methods.METHODS). Returns the groups."""
+    """Every setting's flag (MethodSettings' fields, which build TrainConfig.method, then TrainConfig's), in
+    its group (GROUPS), with its default, check and help; after --method-option, one flag per built-in
+    method option (methods.METHODS). Returns the groups."""
     groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
-    for f in fields(TrainConfig):
+    for f in (*fields(MethodSettings), *fields(TrainConfig)):
         if "group" not in f.metadata:
-            continue  # derived by train.py: pad_token_id, train_examples
+            continue  # built from other flags (method) or derived by train.py (pad_token_id, train_examples)
         meta = dict(f.metadata)
         group, text = groups[meta.pop("group")], meta.pop("help")
         flag = meta.pop("flag", None) or flag_name(f.name)

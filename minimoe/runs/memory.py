@@ -95,13 +95,13 @@ def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
                                                                      for n in packed), default=0)
 
 
-def estimate(model, cfg, method, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None) -> Estimate:
-    """Bytes per GPU for `model` (a meta-device MoEForCausalLM in the run's dtype, LoRA and `method`
+def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None) -> Estimate:
+    """Bytes per GPU for `model` (a meta-device MoEForCausalLM in the run's dtype, LoRA and `cfg.method`
     installed) under `cfg`'s batch; `weights_total`: the stored bytes when the files' shapes are unknown."""
     from minimoe.runs.training import install_method
     if cfg.quantize is not None:
         weights_total = quantized_weights(model, DTYPES[cfg.dtype], cfg.quantize)  # before LoRA wraps the linears
-    install_method(model, cfg, method)
+    install_method(model, cfg)
     config = model.config
     base = [p for p in model.parameters() if not p.requires_grad]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -173,7 +173,7 @@ def main(argv=None) -> Estimate:
     settings = {"model": args.model, "dtype": args.dtype, "device": "cpu", "method": args.method, "shard": args.shard,
                 "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
                 "gradient_checkpointing": args.gradient_checkpointing or None, "quantize": args.quantize}
-    cfg, method = build_config(settings, recipe)
+    cfg = build_config(settings, recipe)
     with torch.device("meta"):
         model = MoEForCausalLM(config).to(DTYPES[cfg.dtype])
     if folder is None:
@@ -182,7 +182,7 @@ def main(argv=None) -> Estimate:
         total = stored_weights(folder, DTYPES[cfg.dtype])
     else:  # config.json alone: the parameters the config makes, in the run's dtype
         total = None
-    result = estimate(model, cfg, method, gpus=args.gpus, gpu_memory=int(args.gpu_memory * 2**30),
+    result = estimate(model, cfg, gpus=args.gpus, gpu_memory=int(args.gpu_memory * 2**30),
                       shard=args.shard if args.gpus > 1 else "ddp", weights_total=total)
     print(f"{args.model}: {args.gpus} GPU(s) of {args.gpu_memory:g} GiB, {args.shard if args.gpus > 1 else 'one process'}"
           f", batch {cfg.batch_size} x {cfg.max_length} tokens, LoRA rank {cfg.lora_rank}, {cfg.dtype}"

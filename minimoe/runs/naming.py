@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from minimoe.core.methods import Method, declaring
-from minimoe.runs.config import FIELDS, flag_name
+from minimoe.runs.config import FIELDS, flag_name, method_settings
 
 # ---- run identity
 
@@ -39,10 +39,10 @@ def unread_flags(settings: dict, method: Method) -> list[str]:
 
 def ablation_settings(settings: dict, method: Method) -> dict:
     """The settings of ABLATION_SETTINGS off their defaults, by short name (e.g. {"lambda": 0.01}), for the
-    run's configured `method` (its option values) and its other `settings` (a run's config.json, a
-    sweep cell's flags). A method registered from your own file adds its options that are off their
-    defaults, under their own names."""
-    changed = {}
+    run's configured `method` (its lambda, layer scope and option values) and its other `settings` (a
+    run's config.json, a sweep cell's flags). A method registered from your own file adds its options
+    that are off their defaults, under their own names."""
+    settings, changed = {**settings, **method_settings(method)}, {}
     for key, short in ABLATION_SETTINGS.items():
         if not reads(method, key):
             continue

@@ -2,8 +2,8 @@
 
 The step's loss (task CE + lambda * the method's term + aux_coef * load balancing, each normalised
 over the whole optimizer step) is minimoe/core/step.py's `step_loss`; the method it trains is the run's
-`methods.Method`, resolved once by train.py and handed to `install_method`, `make_optimizer` and
-`optimizer_step`. Rows are packed (minimoe/core/scoring.py; `--per-candidate-rows` for the reference
+configured `methods.Method`, resolved once by train.py and held by its TrainConfig (`cfg.method`), which
+`install_method`, `make_optimizer`, `optimizer_step` and `train` read. Rows are packed (minimoe/core/scoring.py; `--per-candidate-rows` for the reference
 layout): each example's prompt runs once, so its LoRA dropout mask is shared by the candidates.
 
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
@@ -48,7 +48,6 @@ from tqdm import tqdm
 from minimoe.atomic import atomic_file
 from minimoe.core.families import family_of
 from minimoe.core.lora import add_lora, lora_modules
-from minimoe.core.methods import Method
 from minimoe.core.methods import set_router
 from minimoe.core.routing import Scoring
 from minimoe.core.scoring import ChoiceBatch, make_choice_batch
@@ -65,9 +64,10 @@ from minimoe.runs.sharding import (full, full_optimizer_state, load_adapter_rows
 from minimoe.runs.tracking import RoutingStats, Tracker
 
 
-def install_method(model, cfg: TrainConfig, method: Method):
-    """LoRA on the recipe's targets, then the run's routing method (heads trainable, native gate frozen
-    unless the method tunes it); a method without LoRA (`Method.lora`) keeps it frozen at its zero start."""
+def install_method(model, cfg: TrainConfig):
+    """LoRA on the recipe's targets, then the run's routing method `cfg.method` (heads trainable, native gate
+    frozen unless the method tunes it); a method without LoRA (`Method.lora`) keeps it frozen at its zero start."""
+    method = cfg.method
     add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
     set_router(model, method)  # its layers, objective and lambda are the method's own
     if not method.lora:  # router-only tuning: the LoRA stays at its B = 0 start, frozen, so the model is the base's
@@ -77,7 +77,7 @@ def install_method(model, cfg: TrainConfig, method: Method):
         method.install(model)
 
 
-def check_install(model_config, cfg: TrainConfig, method: Method, device: str):
+def check_install(model_config, cfg: TrainConfig, device: str):
     """install_method on a copy of the model on the meta device (no memory, no weights): a bad LoRA
     target, layer scope or method option fails here, before any run folder exists; so does an
     adapter whose fp32 weights, gradients and AdamW moments (16 bytes a parameter) exceed the
@@ -86,7 +86,7 @@ def check_install(model_config, cfg: TrainConfig, method: Method, device: str):
     aux_coefficient(cfg, model_config)  # --aux-coef family on a family without one
     with torch.device("meta"):
         dry = MoEForCausalLM(model_config)
-        install_method(dry, cfg, method)
+        install_method(dry, cfg)
     need = 16 * sum(p.numel() for p in dry.parameters() if p.requires_grad)
     if torch.device(device).type == "cuda":
         have = torch.cuda.mem_get_info(torch.device(device))[1]
@@ -108,7 +108,8 @@ def warmup_steps(total: int, fraction: float) -> int:
     return math.ceil(total * fraction)
 
 
-def make_optimizer(model, cfg: TrainConfig, method: Method):
+def make_optimizer(model, cfg: TrainConfig):
+    method = cfg.method
     # A tuned native gate has no rate of its own in the paper: the LoRA rate unless --router-lr.
     heads = {group: method.values[lr] for group, (_, lr) in method.head_groups.items()}
     lrs = {"lora": cfg.lr, **heads, "router": cfg.router_lr or cfg.lr}
@@ -216,8 +217,8 @@ def largest_gradient(trainable):
     return peak
 
 
-def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, method: Method,
-                   world_size: int, step: int = 0) -> dict:
+def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: TrainConfig, world_size: int,
+                   step: int = 0) -> dict:
     """Optimizer step number `step` over this rank's micro-batches of the step's `n_examples` (all
     ranks); returns its loss terms summed over ranks, the gradient norm before clipping, and per-layer
     routing statistics (minimoe/runs/tracking.py). A step that cannot train raises NonFiniteTraining before
@@ -227,7 +228,7 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
               "rows": global_sum(sum(b.input_ids.shape[0] for b in real))}
     core = getattr(model, "module", model)  # under DDP, the model it wraps
     stats = RoutingStats(diagnosed_layers(core), core.config.num_experts, Scoring.of(core.config))
-    terms = step_loss(model, batches, method, counts, world_size, stats=stats, **loss_settings(cfg, core.config))
+    terms = step_loss(model, batches, cfg.method, counts, world_size, stats=stats, **loss_settings(cfg, core.config))
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
     grad_norm = full(torch.nn.utils.clip_grad_norm_(trainable, cfg.clip))  # FSDP: a replicated DTensor
     stats.sum_over_ranks()  # under torchrun: every rank's micro-batches (tracking.py)
@@ -235,7 +236,7 @@ def optimizer_step(model, batches, n_examples: int, optimizer, scheduler, cfg: T
     *values, largest, routing = read_back([*terms.values(), grad_norm, largest_gradient(trainable), stats.flat()])
     logs = dict(zip([*terms, "grad_norm"], values))
     logs = {k: global_sum(v) if k in terms else v for k, v in logs.items()}
-    logs["routing"] = stats.summary(method.predicts_error, routing)
+    logs["routing"] = stats.summary(cfg.method.predicts_error, routing)
     check_step(logs, trainable, step, largest)
     optimizer.step()
     scheduler.step()
@@ -344,21 +345,21 @@ def restore(run: Path, state: dict | None, optimizer, scheduler, rank: int, mode
     return start
 
 
-def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: Path, *, resume: bool = False,
+def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: bool = False,
           on_step: Callable[[Position], object] = lambda position: None,
           on_epoch_end: Callable[[Position], object] = lambda position: None):
-    """Fit `model` (LoRA + `method` already installed) on data["train"]; select on data["val"]. Returns the
+    """Fit `model` (LoRA + `cfg.method` already installed) on data["train"]; select on data["val"]. Returns the
     optimizer steps this call ran: 0 when a resumed run had finished training.
     on_step and on_epoch_end are called with the Position reached after each optimizer step (logged, and
     its step checkpoint written when one is due) and after each epoch (validated and checkpointed): the
     points a killed run resumes from (tests/kill.py stops runs there)."""
-    rank, world_size = world()
+    rank, world_size, method = *world(), cfg.method
     sharded = cfg.shard == "fsdp"  # built sharded already (runs/sharding.py, cli/train.py)
     state = load_latest(run, model, sharded) if resume else None  # before the optimizer (see load_latest)
     # before the optimizer too: ESFT's full form makes its trainable rows from the choice
     if method.prepare is not None and not resume:  # a resume has its choice back in the checkpoint's router state
         method.prepare(model, training_routings(model, data["train"], tokenizer, cfg, rank, world_size))
-    optimizer = make_optimizer(model, cfg, method)
+    optimizer = make_optimizer(model, cfg)
     per_step = cfg.batch_size * cfg.grad_accum
     steps = steps_per_epoch(len(data["train"]), cfg)
     total = steps * cfg.epochs
@@ -383,7 +384,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, method: Method, run: P
             ids = order[s * per_step:(s + 1) * per_step]
             batches = micro_batches([data["train"][j] for j in ids], tokenizer, cfg, rank, world_size)
             step += 1
-            logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, method, world_size, step)
+            logs = optimizer_step(ddp, batches, len(ids), optimizer, scheduler, cfg, world_size, step)
             seconds = time.perf_counter() - t0
             rate = global_sum(sum(b.real_tokens for b in batches if not b.placeholder)) / seconds
             loss = logs["task"] + method.lambda_ * logs["method"] + aux_coefficient(cfg, model.config) * logs["aux"]

@@ -285,11 +285,11 @@ def settings_differ(settings: dict, record: dict) -> list[str]:
     recipe = settings.get("recipe") or record.get("recipe")
     if recipe not in RECIPES:
         return ["recipe"]
-    want, _ = build_config(settings, recipe)
+    want = build_config(settings, recipe)
     ignore = ["pad_token_id", *(k for k in ("device", "dtype") if getattr(want, k) == "auto")]
     if data_kind(want.data, custom=want.field_map is not None or want.prompt_template is not None) == "rows":
         ignore += ["data", "field_map", "prompt_template", "data_revision"]  # resolved by building its manifests
     elif not Path(want.data).is_dir():
         want = replace(want, **loaded_settings(want))
-    have, _ = build_config(settings_of(record), record.get("recipe") or recipe)
+    have = build_config(settings_of(record), record.get("recipe") or recipe)
     return differing(have, want, ignore)

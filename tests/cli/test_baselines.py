@@ -147,16 +147,14 @@ def test_router_only_tuning_is_defined_on_every_familys_router(family):
     """install_method("router") on each family's tiny model: what trains is exactly every MoE block's native
     gate weight (as every method that tunes the gate: gpt-oss's router bias and DeepSeek's and GLM's score
     correction bias stay frozen); an AdamW step moves each and leaves every other tensor (base, LoRA at B = 0)."""
-    from dataclasses import replace
 
     from minimoe.core.routing import moe_blocks
-    from minimoe.runs.config import TrainConfig, method_for
-    from minimoe.runs.recipes import RECIPES
+    from minimoe.runs.config import build_config
     from minimoe.runs.training import install_method
     from tests.conftest import tiny_model
-    cfg = replace(TrainConfig(**RECIPES["tiny"], method="router"), layers="all", lora_dropout=0.0, device="cpu")
+    cfg = build_config({"method": "router", "layers": "all", "lora_dropout": 0.0, "device": "cpu"}, "tiny")
     model = tiny_model(family).train()
-    install_method(model, cfg, method_for(cfg))
+    install_method(model, cfg)
     gates = {id(block.gate.weight) for block in moe_blocks(model).values()}
     trainable = {id(p) for p in model.parameters() if p.requires_grad}
     assert gates and trainable == gates, family

@@ -40,7 +40,7 @@ def test_every_method_trains_and_records_its_run(tmp_path, flags):
     """A few steps of each method: run folder complete, config resolved, heads saved, loss finite."""
     run = run_train(tmp_path, *flags)
     cfg = json.loads((run / "config.json").read_text())
-    assert cfg["method"] == ALIASES.get(flags[1], flags[1])  # ce = native
+    assert cfg["method"]["name"] == ALIASES.get(flags[1], flags[1])  # ce = native
     assert cfg["lr"] == 2e-3 and cfg["lora_rank"] == 8  # recipe + flags resolved
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["kind"] for s in steps] == ["step", "step", "epoch"]
@@ -300,7 +300,7 @@ def test_a_settings_file_value_gets_the_flags_check_before_any_folder(tmp_path, 
 
 def test_single_layer_index_is_a_scope(tmp_path):
     run = run_train(tmp_path, "--method", "tes", "--layers", "3")
-    assert json.loads((run / "config.json").read_text())["layers"] == [3]
+    assert json.loads((run / "config.json").read_text())["method"]["layers"] == [3]
     assert json.loads((run / "checkpoints" / "epoch-1" / "adapter_config.json").read_text())["router"]["layers"] == [3]
 
 
@@ -531,7 +531,7 @@ def small_manifests(tmp_path, n=(16, 4, 6)):
 ])
 def test_test_checkpoint_defaults_to_what_the_paper_reports(flags, expected):
     from tests.conftest import tiny_config
-    cfg, _ = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
+    cfg = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
     assert cfg.test_checkpoint == expected
 
 
@@ -667,7 +667,7 @@ def test_yaml_settings_file_starts_a_run_and_unknown_keys_are_named(tmp_path):
     train.main(["--config", str(tmp_path / "mine.yaml"), "--out-dir", str(tmp_path), "--run-name", "y",
                 "--data-dir", str(tmp_path / "splits")])
     cfg = json.loads((tmp_path / "y" / "config.json").read_text())
-    assert (cfg["method"], cfg["lora_targets"], cfg["max_train_examples"]) == ("native", ["q", "v"], 8)  # ce = native
+    assert (cfg["method"]["name"], cfg["lora_targets"], cfg["max_train_examples"]) == ("native", ["q", "v"], 8)  # ce = native
     (tmp_path / "bad.json").write_text(json.dumps({"model": "tiny", "learning_rate": 1e-3}))
     with pytest.raises(ValueError, match="'learning_rate' is not a setting"):
         train.main(["--config", str(tmp_path / "bad.json"), "--out-dir", str(tmp_path), "--run-name", "bad"])

@@ -65,7 +65,7 @@ def test_a_family_is_one_declaration(declared, tmp_path):
     layout = checkpoint_layout(config)
     assert layout["model.layers.0.mlp.experts.down_proj.weight"][0] == "model.layers.0.mlp.experts.0.down_proj.weight"
     args = parse_args(["--model", "x"])
-    cfg, _ = resolve_config(args, config)
+    cfg = resolve_config(args, config)
     assert cfg.recipe == "granite" and cfg.lr == RECIPES["granite"]["lr"]
     folder = tmp_path / "some-model"
     folder.mkdir()
@@ -76,7 +76,7 @@ def test_a_family_is_one_declaration(declared, tmp_path):
 
 def test_train_and_sweep_take_the_recipe_from_the_record_never_a_default():
     for model_type, family in FAMILIES.items():
-        cfg, _ = resolve_config(parse_args(["--model", "x"]), tiny_config(model_type))
+        cfg = resolve_config(parse_args(["--model", "x"]), tiny_config(model_type))
         assert cfg.recipe == family.recipe
     assert guess_recipe("ibm-granite/granite-3.1-3b-a800m-base") == "granite"
     assert guess_recipe("allenai/OLMoE-1B-7B-0924") == "olmoe"

@@ -1,7 +1,6 @@
 """--quantize nf4 (core/quantized.py): the packed base against torchao's own NF4, one dequantised weight
 alive at a time, packing while loading, and every method training on every family with a packed base."""
 import weakref
-from dataclasses import replace
 
 import pytest
 import torch
@@ -175,17 +174,16 @@ def test_methods_train_on_every_family_with_a_packed_base(tmp_path, family, meth
     """install_method on a packed tiny model, then optimizer steps on one batch: the task loss falls."""
     from tests.test_gpu_path import step_batches
     from minimoe.runs import training
-    from minimoe.runs.config import TrainConfig, method_for
-    from minimoe.runs.recipes import RECIPES
-    cfg = replace(TrainConfig(**RECIPES["tiny"], method=method), lora_dropout=0.0, batch_size=2, pad_token_id=0,
-                  device="cpu", layers="all", quantize="nf4")
+    from minimoe.runs.config import build_config
+    cfg = build_config({"method": method, "lora_dropout": 0.0, "batch_size": 2, "pad_token_id": 0, "device": "cpu",
+                        "layers": "all", "quantize": "nf4"}, "tiny")
     model = quantized.quantize_model(tiny_model(family, vocab_size=2048), "nf4")
-    training.install_method(model, cfg, method_for(cfg))
+    training.install_method(model, cfg)
     model.train()
     batches = step_batches(tmp_path, cfg)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    losses = [training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, method_for(cfg), s, 1)["task"]
+    losses = [training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, s, 1)["task"]
               for s in range(1, 5)]
     assert losses[-1] < losses[0], losses
 

@@ -18,8 +18,7 @@ from minimoe.core.step import step_loss
 from minimoe.data.benchmarks import load_examples
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs import training
-from minimoe.runs.config import TrainConfig, method_for
-from minimoe.runs.recipes import RECIPES
+from minimoe.runs.config import build_config
 
 LAMBDA = 0.7
 MY_OBJECTIVE = Path(__file__).resolve().parents[2] / "examples" / "my_objective.py"
@@ -62,9 +61,9 @@ def by_hand(model, batches, objective, detach_observed=False):
 def setup(method, objective):
     """The tiny model with LoRA and `method` on every layer, and one step of two micro-batches whose
     gold answers have different token counts per example."""
-    cfg = replace(TrainConfig(**RECIPES["tiny"]), method=method, objective=objective, layers="all", lambda_=LAMBDA,
-                  lora_dropout=0.0, batch_size=2, pad_token_id=0, device="cpu",
-                  method_module=None if objective in ("is", "enll") else str(MY_OBJECTIVE))
+    cfg = build_config({"method": method, "objective": objective, "layers": "all", "lambda_": LAMBDA,
+                        "lora_dropout": 0.0, "batch_size": 2, "pad_token_id": 0, "device": "cpu",
+                        "method_module": None if objective in ("is", "enll") else str(MY_OBJECTIVE)}, "tiny")
     tokenizer = load_tokenizer(tiny_checkpoint())
     examples = load_examples("arc_challenge")[:4]
     batches = training.micro_batches(examples, tokenizer, cfg, 0, 1)
@@ -72,7 +71,7 @@ def setup(method, objective):
     assert len(batches) == 2 and per_example[0] != per_example[1], per_example  # the normalisers differ
     torch.manual_seed(0)
     model = from_pretrained(tiny_checkpoint())
-    training.install_method(model, cfg, method_for(cfg))
+    training.install_method(model, cfg)
     with torch.no_grad():  # LoRA's B starts at zero: move it, so that every path carries a gradient
         for name, p in model.named_parameters():
             if p.requires_grad:
@@ -94,7 +93,7 @@ def test_step_loss_is_the_papers_total_loss_over_two_micro_batches(method, objec
     objective from a file of one's own (sle, examples/my_objective.py) as with the paper's two."""
     cfg, model, batches, counts = setup(method, objective)
     model.zero_grad(set_to_none=True)
-    logs = step_loss(model, batches, method_for(cfg), counts, world_size=1, **training.loss_settings(cfg))
+    logs = step_loss(model, batches, cfg.method, counts, world_size=1, **training.loss_settings(cfg))
     got = grads(model)
     model.zero_grad(set_to_none=True)
     ce, method_term = by_hand(model, batches, objective)
@@ -117,7 +116,7 @@ def test_the_observed_ce_stays_attached_in_the_method_term(method):
 
     def step(lambda_):
         model.zero_grad(set_to_none=True)
-        step_loss(model, batches, replace(method_for(cfg), lambda_=lambda_), counts, world_size=1,
+        step_loss(model, batches, replace(cfg.method, lambda_=lambda_), counts, world_size=1,
                   **training.loss_settings(cfg))
         return grads(model)
     with_term, without = step(LAMBDA), step(0.0)

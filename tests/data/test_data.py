@@ -339,7 +339,7 @@ def test_data_revision_overrides_the_pin_and_must_match_the_built_splits(fake_hu
     seen = []
     monkeypatch.setattr(train, "load_split", lambda *a, **kw: seen.append(kw.get("revision")) or [])
     args = train.parse_args(["--data", "sciq", "--data-source", "hub", "--data-revision", other])
-    train.load_data(train.resolve_config(args, tiny_config("olmoe"))[0])
+    train.load_data(train.resolve_config(args, tiny_config("olmoe")))
     assert seen == [other] * 3
 
 

@@ -16,8 +16,7 @@ from minimoe.integrations.export import export_peft
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs.adapters import export_merged, save_adapter
-from minimoe.runs.config import TrainConfig, method_for
-from minimoe.runs.recipes import RECIPES
+from minimoe.runs.config import build_config
 from minimoe.runs.training import install_method
 
 # (family, method, tune_router): CE and ACS, with and without affinity tuning, across both families; ESFT, whose
@@ -174,7 +173,7 @@ def test_merged_export_rounds_a_tuned_fp32_gate_to_the_model_dtype(tmp_path):
     """The official layout has one dtype: a tuned gate is written rounded to bf16 once, and the model
     keeps its fp32 gate afterwards."""
     model = tiny_model("olmoe").to(torch.bfloat16)
-    install_method(model, cfg := TrainConfig(**RECIPES["olmoe"], method="ce", tune_router=True), method_for(cfg))
+    install_method(model, build_config({"method": "ce", "tune_router": True}, "olmoe"))
     gate = model.model.layers[-1].mlp.gate
     with torch.no_grad():
         gate.weight.add_(1e-4)  # a trained gate that bf16 cannot hold exactly

@@ -6,7 +6,7 @@ from minimoe.cli import train
 from tests.conftest import tiny_config
 from minimoe.data.benchmarks import BENCHMARKS, Example
 from minimoe.runs.compat import settings_of
-from minimoe.runs.config import differing, flag_name, method_for, recipe_train_examples
+from minimoe.runs.config import differing, flag_name, method_for, method_settings, recipe_train_examples
 from minimoe.runs.naming import ABLATION_SETTINGS, run_name
 from minimoe.runs.training import steps_per_epoch
 from minimoe.study.grid import ROWS
@@ -35,16 +35,17 @@ def model_config(recipe):
 
 
 def resolved(recipe, *flags):
-    return train.resolve_config(train.parse_args(["--recipe", recipe, *flags]), model_config(recipe))[0]
+    return train.resolve_config(train.parse_args(["--recipe", recipe, *flags]), model_config(recipe))
 
 
 def setting(cfg, key):
-    """A setting of the resolved run: its field, or its method's option (method_options holds every one the
-    method reads; the others at their records' defaults)."""
-    if hasattr(cfg, key):
-        return getattr(cfg, key)
+    """A setting of the resolved run: its field, one of its configured method's (method_settings), or that
+    method's option (its values hold every one the method reads; the others at their records' defaults)."""
+    settings = {**vars(cfg), **method_settings(cfg.method)}
+    if key in settings:
+        return settings[key]
     from minimoe.core.methods import METHODS
-    return cfg.method_options.get(key, next(m.settings[key] for m in METHODS.values() if key in m.settings))
+    return cfg.method.values.get(key, next(m.settings[key] for m in METHODS.values() if key in m.settings))
 
 
 def name(settings):

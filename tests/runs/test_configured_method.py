@@ -1,12 +1,17 @@
 """A configured method is one object (methods.Method, `configure`d): train.py's flags resolve to it once,
-and the model routes with that same object; evaluate.py and export.py --merged resolve a run's method
-once and hand it on (folder.AdapterSource.method -> load_adapter), never by its name again."""
+the run's TrainConfig holds it (and none of its settings beside it), config.json records it as one
+mapping, and the model routes with that same object; evaluate.py and export.py --merged resolve a run's
+method once and hand it on (folder.AdapterSource.method -> load_adapter), never by its name again."""
+import json
+
 import pytest
 
 from minimoe import from_pretrained
 from minimoe.cli import evaluate, export, train
 from minimoe.core.methods import Method
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.loading.tiny import tiny_checkpoint, tiny_config
+from minimoe.runs.compat import settings_of
+from minimoe.runs.config import METHOD_FIELDS, build_config, method_record, method_settings
 from minimoe.runs.training import install_method
 
 
@@ -14,12 +19,28 @@ def test_the_flags_resolve_to_one_object_that_the_router_holds():
     args = train.parse_args(["--model", "tiny", "--method", "tes", "--objective", "enll", "--lambda", "0.01",
                              "--layers", "all", "--tune-router", "--gamma", "2"])
     model = from_pretrained(tiny_checkpoint())
-    cfg, method = train.resolve_config(args, model.config)
+    cfg = train.resolve_config(args, model.config)
+    method = cfg.method
+    assert not METHOD_FIELDS.keys() - {"method"} & vars(cfg).keys()  # held once: no copy of its settings beside it
     assert (method.name, method.objective, method.lambda_, method.layers, method.tune_router, method.values["gamma"]) == (
         "tes", "enll", 0.01, "all", True, 2.0)  # name, objective, lambda, scope, gate, options: on the one object
-    install_method(model, cfg, method)
+    install_method(model, cfg)
     assert model.router_method is method  # not a copy: what training and saving read is what the flags made
     assert model.router_spec == method.spec(list(range(model.config.num_hidden_layers)))
+
+
+def test_config_json_records_the_method_once_and_reads_back_into_it():
+    """run_record writes the configured method as one mapping and none of its settings at the top level;
+    that record builds the same configured method again (as --resume, evaluate.py and the sweep build it)."""
+    flags = ["--model", "tiny", "--method", "dual", "--mix", "0.25", "--layers", "first:2", "--tune-router",
+             "--lambda", "0.5"]
+    cfg = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
+    record = json.loads(json.dumps(train.run_record(cfg, tiny_config("olmoe"), {}, {}), default=str))
+    assert record["method"] == method_record(cfg.method) and not METHOD_FIELDS.keys() - {"method"} & record.keys()
+    again = build_config(settings_of(record), record["recipe"]).method
+    assert method_settings(again) == method_settings(cfg.method) == {
+        "method": "dual", "method_module": None, "objective": "is", "lambda_": 0.5, "layers": "first:2",
+        "tune_router": True, "method_options": {"mix": 0.25, "copied_head_lr": 1e-3}}
 
 
 @pytest.fixture(scope="module")

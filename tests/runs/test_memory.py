@@ -64,9 +64,9 @@ def test_lora_figures_count_the_trainable_parameters(tmp_path):
     from minimoe.runs.config import build_config
     from minimoe.runs.training import install_method
     save_pretrained(tiny_model("olmoe"), tmp_path / "m")
-    cfg, method = build_config({"model": str(tmp_path / "m"), "method": "tes", "lora_rank": 8}, "olmoe")
+    cfg = build_config({"model": str(tmp_path / "m"), "method": "tes", "lora_rank": 8}, "olmoe")
     model = tiny_model("olmoe")
-    install_method(model, cfg, method)
+    install_method(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     estimate = memory.main([str(tmp_path / "m"), "--gpus", "1", "--method", "tes", "--lora-rank", "8",
                             "--recipe", "olmoe"])

@@ -49,7 +49,8 @@ def test_a_method_from_a_file_trains_resumes_loads_evaluates_and_reports(tmp_pat
     [run] = out.iterdir()
     assert run.name.endswith("-Biased-temperature2-seed42")  # label and the option off its default name the run
     cfg = json.loads((run / "config.json").read_text())
-    assert (cfg["method"], cfg["method_module"], cfg["method_options"], cfg["label"]) == (
+    method = cfg["method"]  # the configured method, one mapping (config.method_record)
+    assert (method["name"], method["module"], method["options"], cfg["label"]) == (
         "biased", str(EXAMPLE), {"temperature": 2, "bias_lr": 1e-3}, "Biased")  # every option, the record's defaults too
 
     fresh_process("train.py", "--resume", str(run), cwd=tmp_path)  # finds the method through config.json

@@ -36,7 +36,7 @@ def test_an_objective_from_a_file_trains_and_resumes(tmp_path, monkeypatch):
     [run] = out.iterdir()
     assert "-TES-SLE-" in run.name  # the objective names the row, as IS does TES-IS
     cfg = json.loads((run / "config.json").read_text())
-    assert (cfg["objective"], cfg["method_module"], cfg["label"]) == ("sle", str(EXAMPLE), "TES-SLE")
+    assert (cfg["method"]["objective"], cfg["method"]["module"], cfg["label"]) == ("sle", str(EXAMPLE), "TES-SLE")
     fresh_process("train.py", "--resume", str(run), cwd=tmp_path)  # finds the objective through config.json
     [straight] = (tmp_path / "straight").iterdir()
     resumed, uninterrupted = (load_file(r / "checkpoints" / "epoch-2" / "adapter.safetensors") for r in (run, straight))

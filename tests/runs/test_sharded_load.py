@@ -79,11 +79,11 @@ def build_rank(folder, rank: int, world_size: int) -> tuple[dict, int]:
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    cfg, method = settings(folder)
+    cfg = settings(folder)
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         torch.manual_seed(cfg.seed)  # as train.py seeds every rank before the build
-        model, read = build_sharded(folder, cfg, lambda m: install_method(m, cfg, method))
+        model, read = build_sharded(folder, cfg, lambda m: install_method(m, cfg))
         units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
         assert units == ["", *(f"model.layers.{i}" for i in range(len(model.model.layers)))], units
         return {name: local_rows(p)[0].clone() for name, p in model.named_parameters()}, read
@@ -99,10 +99,10 @@ def test_the_sharded_model_gathered_equals_the_one_process_model(case, world_siz
     reads add up to every tensor byte of the files once, plus the native gates, which each rank reads whole
     (install copies them), and rank 0's is the memory estimate's weights per GPU (runs/memory.py)."""
     folder = checkpoint(case, tmp_path / case)
-    cfg, method = settings(folder)
+    cfg = settings(folder)
     reference = from_pretrained(folder, dtype="float32")
     torch.manual_seed(cfg.seed)
-    install_method(reference, cfg, method)
+    install_method(reference, cfg)
     ranks = [build_rank(folder, r, world_size) for r in range(world_size)]
     for name, want in reference.named_parameters():
         got = torch.cat([rows[name] for rows, _ in ranks])

@@ -231,7 +231,7 @@ def test_the_evaluate_commands_a_sharded_run_prints_score_it(runs):
     they run as printed, each into the folder train.py itself would have written."""
     from minimoe.cli import evaluate
     run = runs["root"] / "fsdp" / "olmoe"
-    cfg, _ = build_config({"test_checkpoint": "both"}, "tiny")
+    cfg = build_config({"test_checkpoint": "both"}, "tiny")
     commands = train.evaluate_commands(run, cfg)
     assert len(commands) == 2
     for command, checkpoint in zip(commands, ("last", "selected")):
@@ -263,7 +263,7 @@ def test_fsdp_is_refused_before_any_run_folder(tmp_path, monkeypatch):
     with pytest.raises(ShardingRefused, match="world size is 1"):
         train.main(flags)
     assert not (tmp_path / "run").exists()
-    cfg, _ = build_config({"model": "tiny", "zero_shot": True, "shard": "fsdp"}, "tiny")
+    cfg = build_config({"model": "tiny", "zero_shot": True, "shard": "fsdp"}, "tiny")
     with pytest.raises(ShardingRefused, match="--zero-shot"):
         check_sharding(cfg, 2)
 

@@ -20,9 +20,7 @@ from minimoe.data.benchmarks import load_split
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs import training
 from minimoe.runs.adapters import trainable_parameters
-from minimoe.runs.config import TrainConfig
-from minimoe.runs.recipes import RECIPES
-from minimoe.runs.config import method_for
+from minimoe.runs.config import build_config
 from minimoe.runs.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 
 transformers = oracle("transformers")  # its tests skip without the test extra
@@ -106,8 +104,8 @@ def test_selection_minimum_validation_nll_ties_to_the_earlier_epoch(tmp_path, nl
     assert json.loads((tmp_path / "run" / "selection.json").read_text())["selected_epoch"] == selected
 
 
-def method_cfg(recipe="olmoe", **method):
-    return TrainConfig(**RECIPES[recipe], **method)
+def method_cfg(recipe="olmoe", **settings):
+    return build_config(settings, recipe)
 
 
 @pytest.mark.parametrize("recipe", PAPER)
@@ -120,23 +118,23 @@ def method_cfg(recipe="olmoe", **method):
 def test_learning_rate_groups(recipe, method, tune, groups):
     model = tiny_model("olmoe")
     cfg = method_cfg(recipe, method=method, tune_router=tune)
-    install_method(model, cfg, method_for(cfg))
-    lrs = {g["name"]: g["lr"] for g in make_optimizer(model, cfg, method_for(cfg)).param_groups}
+    install_method(model, cfg)
+    lrs = {g["name"]: g["lr"] for g in make_optimizer(model, cfg).param_groups}
     assert lrs == {name: PAPER[recipe]["lr"] if lr is None else lr for name, lr in groups.items()}
     if tune:
-        install_method(model := tiny_model("olmoe"), cfg := replace(cfg, router_lr=3e-3), method_for(cfg))
-        assert {g["name"]: g["lr"] for g in make_optimizer(model, cfg, method_for(cfg)).param_groups}["router"] == 3e-3
+        install_method(model := tiny_model("olmoe"), cfg := replace(cfg, router_lr=3e-3))
+        assert {g["name"]: g["lr"] for g in make_optimizer(model, cfg).param_groups}["router"] == 3e-3
 
 
 @pytest.mark.parametrize("method,group,lr", [("tes", "error_head", 3e-4), ("dual", "copied_head", 2e-2)])
 def test_the_optimizer_groups_the_parameters_by_the_method_it_is_given(method, group, lr):
-    """make_optimizer's one source is its `method` argument: the heads' groups and their rates both come
+    """make_optimizer's one source is the run's configured method (cfg.method): the heads' groups and their rates both come
     from it (Method.head_groups), not the groups from the model's own record of what is installed."""
     model = tiny_model("olmoe")
     cfg = method_cfg(method=method, method_options={f"{group}_lr": lr})
-    install_method(model, cfg, method_for(cfg))
+    install_method(model, cfg)
     model.router_method = None  # what the model says it holds is not read
-    groups = make_optimizer(model, cfg, method_for(cfg)).param_groups
+    groups = make_optimizer(model, cfg).param_groups
     assert {g["name"]: g["lr"] for g in groups} == {"lora": cfg.lr, group: lr}
     assert [n for n, p in model.named_parameters() if p.requires_grad and ".mlp.router." in n]
     heads = {id(p) for n, p in model.named_parameters() if ".mlp.router." in n and p.requires_grad}
@@ -150,7 +148,7 @@ def test_trainable_parameters_are_fp32_on_a_bf16_base(family, method, tune):
     """Every trainable parameter (LoRA, error head, copied head, tuned gate) is stored in fp32; the
     frozen base stays bf16; a training step runs and gives them fp32 gradients."""
     model = tiny_model(family).to(torch.bfloat16)
-    install_method(model, cfg := method_cfg(method=method, tune_router=tune, layers="all"), method_for(cfg))
+    install_method(model, method_cfg(method=method, tune_router=tune, layers="all"))
     groups = trainable_parameters(model)
     heads = {"tes": {"error_head"}, "dual": {"copied_head"}}.get(method, set())
     expected = {"lora"} | heads | ({"router"} if tune else set())
@@ -173,7 +171,7 @@ def test_fp32_heads_and_tuned_gate_keep_bf16_logits_bitwise_at_init(family):
     ref = tiny_model(family).to(torch.bfloat16)(ids).logits
     for method, tune in (("dual", False), ("ce", True)):
         model = tiny_model(family).to(torch.bfloat16)
-        install_method(model, cfg := method_cfg(method=method, tune_router=tune, layers="all"), method_for(cfg))
+        install_method(model, method_cfg(method=method, tune_router=tune, layers="all"))
         assert torch.equal(model(ids).logits, ref), (method, tune)
 
 
@@ -189,13 +187,13 @@ def test_a_rank_without_examples_runs_a_placeholder_that_counts_zero(tmp_path):
     assert rank0[1].gold.shape == (1,) and torch.equal(rank1[1].input_ids, rank0[1].input_ids)  # example 4 twice
 
     model = from_pretrained(tiny_checkpoint())
-    training.install_method(model, cfg, method_for(cfg))
+    training.install_method(model, cfg)
     params = [p for p in model.parameters() if p.requires_grad]
     counts = {"examples": 2, "tokens": rank1[0].supervised_mask.sum().item(), "rows": rank1[0].input_ids.shape[0]}
 
     def run(batches):
         model.zero_grad(set_to_none=True)
-        logs = step_loss(model, batches, method_for(cfg), counts, world_size=1, **training.loss_settings(cfg))
+        logs = step_loss(model, batches, cfg.method, counts, world_size=1, **training.loss_settings(cfg))
         return logs, [p.grad.clone() for p in params]
     (alone, grads), (with_placeholder, grads_with) = run(rank1[:1]), run(rank1)
     assert with_placeholder == alone and alone["method"] != 0
@@ -255,7 +253,7 @@ def test_two_micro_batches_give_the_aux_and_method_terms_of_one_full_batch():
                       grad_accum=accum, pad_token_id=0, device="cpu", clip=1e9)
         torch.manual_seed(0)
         model = from_pretrained(tiny_checkpoint())
-        install_method(model, cfg, method_for(cfg))
+        install_method(model, cfg)
         model.train()
         batches = training.micro_batches(examples, tokenizer, cfg, 0, 1)
         assert len(batches) == accum
@@ -267,8 +265,7 @@ def test_two_micro_batches_give_the_aux_and_method_terms_of_one_full_batch():
         before = {n: p.detach().clone() for n, p in params.items()}
         optimizer = torch.optim.SGD(params.values(), lr=1.0)  # the update is minus the step's gradient
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-        logs = training.optimizer_step(model, batches, len(examples), optimizer, scheduler, cfg, method_for(cfg),
-                                       world_size=1)
+        logs = training.optimizer_step(model, batches, len(examples), optimizer, scheduler, cfg, world_size=1)
         results.append((logs, {n: before[n] - p.detach() for n, p in params.items()}))
     (full, full_grads), (accumulated, accumulated_grads) = results
     assert full["aux"] == pytest.approx(full_batch_aux, rel=1e-6) and full["method"] > 0
