@@ -140,9 +140,10 @@ def check_quantization(cfg: TrainConfig, model_config) -> None:
 
 
 def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict:
-    """config.json: every setting (the method as one mapping: config.method_record), what the run's readers (evaluate.py, sweep.py, --resume) look up (among
-    them each split's size, train as cut, and the sha256 of the manifest it was read from), and what
-    produced it (`origin`: minimoe.runs.provenance)."""
+    """config.json: every setting (the configured method as one mapping: config.method_record), what the
+    run's readers (evaluate.py, sweep.py, --resume) look up (among them each split's size, train as cut,
+    and the sha256 of the manifest it was read from), and what produced it (`origin`:
+    minimoe.runs.provenance)."""
     return {**vars(cfg), "method": method_record(cfg.method), "label": cfg.method.row,
             "world_size": world()[1], "torch_version": torch.__version__,
             "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()},

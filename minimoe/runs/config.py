@@ -396,7 +396,8 @@ def differing(a: TrainConfig, b: TrainConfig, ignore=()) -> list[str]:
     their methods' by the settings that build them (method_settings), a method option by its own name
     (gamma), as its flag names it."""
     settings = [{**vars(c), **method_settings(c.method)} for c in (a, b)]
-    names = [name for name in FIELDS if name not in (*RESUME_MAY_DIFFER, *ignore) and settings[0].get(name) != settings[1].get(name)]
+    names = [name for name in FIELDS
+             if name not in (*RESUME_MAY_DIFFER, *ignore) and settings[0].get(name) != settings[1].get(name)]
     if "method_options" in names:
         options = [s["method_options"] or {} for s in settings]
         names.remove("method_options")

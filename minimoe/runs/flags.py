@@ -49,9 +49,11 @@ def add_flags(parser: argparse.ArgumentParser) -> dict:
     its group (GROUPS), with its default, check and help; after --method-option, one flag per built-in
     method option (methods.METHODS). Returns the groups."""
     groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
-    for f in (*fields(MethodSettings), *fields(TrainConfig)):
+    # TrainConfig's fields in order, its method's flags where the method stands (so --help and usage keep it)
+    settings = [g for f in fields(TrainConfig) for g in (fields(MethodSettings) if f.name == "method" else [f])]
+    for f in settings:
         if "group" not in f.metadata:
-            continue  # built from other flags (method) or derived by train.py (pad_token_id, train_examples)
+            continue  # derived by train.py: pad_token_id, train_examples
         meta = dict(f.metadata)
         group, text = groups[meta.pop("group")], meta.pop("help")
         flag = meta.pop("flag", None) or flag_name(f.name)

@@ -110,7 +110,7 @@ def test_router_only_trains_the_gates_and_nothing_else_and_exports(tmp_path, dat
     base = load_file(tiny_checkpoint() / "model.safetensors")
     gates = [k for k in tensors if k.endswith(".mlp.gate.weight")]
     assert len(gates) == 4 and all(not torch.equal(tensors[k], base[k].float()) for k in gates)
-    assert json.loads((run / "config.json").read_text())["method"] == "router"
+    assert json.loads((run / "config.json").read_text())["method"]["name"] == "router"
     export.main([str(run), str(tmp_path / "peft")])
     saved = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert len(saved["modules_to_save"]) == 4

@@ -419,7 +419,7 @@ def test_a_grid_of_your_own_with_the_tiny_alias_and_your_own_method_runs_and_rep
     cells = sweep.main([*args, "--", "--batch-size", "8", "--epochs", "1", "--quiet"])
     assert [c.run.name for c in cells] == ["tiny-olmoe-arc-CE-seed42", "tiny-olmoe-arc-Biased-seed42"]
     assert [c.state() for c in cells] == ["done", "done"]
-    assert json.loads((cells[1].run / "config.json").read_text())["method"] == "biased"
+    assert json.loads((cells[1].run / "config.json").read_text())["method"]["name"] == "biased"
     table = (tmp_path / "report.md").read_text()
     assert "| tiny-olmoe | CE | " in table and "| tiny-olmoe | Biased | " in table and "missing" not in table
 

@@ -563,16 +563,17 @@ def option_help(parser) -> dict:
 
 
 def test_flags_are_train_config_fields_and_help_shows_their_true_defaults():
-    """One configuration: every flag is a TrainConfig field and back (but what resolve_config derives);
-    a flag's default is its field's, and --help shows it; a recipe field's flag defaults to None and
-    --help names every recipe's value (RECIPES, read here on its own)."""
+    """One configuration: every flag is a setting and back (a TrainConfig field, or for its one configured
+    method a MethodSettings field; but what resolve_config derives); a flag's default is its field's, and
+    --help shows it; a recipe field's flag defaults to None and --help names every recipe's value
+    (RECIPES, read here on its own)."""
     from dataclasses import MISSING, fields
 
-    from minimoe.runs.config import TrainConfig
+    from minimoe.runs.config import MethodSettings, TrainConfig
     from minimoe.runs.recipes import RECIPES
     parser = train.parser()
     defaults, helps = vars(parser.parse_args([])), option_help(parser)
-    config = {f.name: f.default for f in fields(TrainConfig)}
+    config = {f.name: f.default for f in (*fields(TrainConfig), *fields(MethodSettings))}
     assert set(defaults) - set(train.NOT_SETTINGS) == set(config) - {"pad_token_id", "train_examples"}
     for name, value in defaults.items():
         if name not in config:

@@ -126,7 +126,7 @@ def test_wandb_offline_run_holds_every_metrics_line(tmp_path, monkeypatch):
         elif record.WhichOneof("record_type") == "run":
             config = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
                       for item in record.run.config.update}
-    assert config["method"] == "tes" and config["report_to"] == "wandb"  # the run's config.json
+    assert config["method"]["name"] == "tes" and config["report_to"] == "wandb"  # the run's config.json
     assert set().union(*history.values()) - {"_step", "_runtime", "_timestamp"} == EXPECTED_TAGS
     steps = [r for r in records if r["kind"] == "step"]
     assert sorted(history) == [r["step"] for r in steps] == [1, 2, 3, 4]

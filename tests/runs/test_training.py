@@ -128,8 +128,9 @@ def test_learning_rate_groups(recipe, method, tune, groups):
 
 @pytest.mark.parametrize("method,group,lr", [("tes", "error_head", 3e-4), ("dual", "copied_head", 2e-2)])
 def test_the_optimizer_groups_the_parameters_by_the_method_it_is_given(method, group, lr):
-    """make_optimizer's one source is the run's configured method (cfg.method): the heads' groups and their rates both come
-    from it (Method.head_groups), not the groups from the model's own record of what is installed."""
+    """make_optimizer's one source is the run's configured method (cfg.method): the heads' groups and their
+    rates both come from it (Method.head_groups), not the groups from the model's own record of what is
+    installed."""
     model = tiny_model("olmoe")
     cfg = method_cfg(method=method, method_options={f"{group}_lr": lr})
     install_method(model, cfg)
