@@ -47,7 +47,7 @@ from minimoe.core.families import family_of
 from minimoe.core.methods import Method
 from minimoe.core.model import MoEConfig, compile_layers
 from minimoe.core.quantized import require as require_quantization
-from minimoe.core.scoring import check_max_length, pad_id
+from minimoe.core.choices import check_max_length, pad_id
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.data.userdata import resolve_data
 from minimoe.evaluation.folders import METRICS, eval_dir

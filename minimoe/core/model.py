@@ -19,7 +19,7 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
 - Routing is a swappable module (`MoEBlock.router`, see minimoe/core/routing.py). It sees the
   pre-expert hidden state and the native affinity logits and returns a `Routing`; every layer's
   `Routing` (logits, selected experts, weights, method readouts) is returned with the logits.
-- Packed answer choices (minimoe/core/scoring.py) pass `segment_ids`: the causal mask also hides other
+- Packed answer choices (minimoe/core/choices.py) pass `segment_ids`: the causal mask also hides other
   segments than the shared prefix (0) and the query's own, as a bool SDPA mask (every backend;
   core/masks.py). With `logits_at` the LM head runs on the gathered final-normed hidden states only.
 - Qwen3: RMSNorm per head on q and k; Qwen2: biases on q, k, v only, and a shared expert scaled by
@@ -440,7 +440,7 @@ class MoEForCausalLM(nn.Module):
                 segment_ids=None, logits_at=None):
         """input_ids [B, T]; attention_mask [B, S] (1 = real token, covers cached positions too).
 
-        segment_ids [B, T]: a block-causal layout (packed answer choices, minimoe/core/scoring.py): a token of
+        segment_ids [B, T]: a block-causal layout (packed answer choices, minimoe/core/choices.py): a token of
         segment s > 0 sees segment 0 and its own segment, causally; segment 0 sees segment 0 only.
         logits_at: (rows, cols) index tensors, n each: the LM head runs at those positions only and
         logits are [n, V] (gathered after the final norm, so no [B, T, V] tensor is built).

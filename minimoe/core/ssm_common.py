@@ -12,7 +12,7 @@ Padding, as transformers 4.57 masks it: the mixer's input and the conv's output 
 positions. From a zero state (left padding) the state then stays zero across the padding, so a
 left-padded row equals the unpadded one; right padding comes after every real token and cannot reach it.
 
-Packed answer choices (core/scoring.py: the prompt is segment 0, candidate c is segment c+1, each
+Packed answer choices (core/choices.py: the prompt is segment 0, candidate c is segment c+1, each
 candidate sees the prompt and itself) cannot run as one left-to-right scan: the state entering a
 candidate must be the prompt's final state, not the previous candidate's. `run_segments` runs the
 prompts once (left-aligned, so each ends at the last column and its final state is the scan's), then

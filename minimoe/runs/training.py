@@ -3,7 +3,7 @@
 The step's loss (task CE + lambda * the method's term + aux_coef * load balancing, each normalised
 over the whole optimizer step) is minimoe/core/step.py's `step_loss`; the method it trains is the run's
 `methods.Method`, resolved once by train.py and handed to `install_method`, `make_optimizer` and
-`optimizer_step`. Rows are packed (minimoe/core/scoring.py; `--per-candidate-rows` for the reference
+`optimizer_step`. Rows are packed (minimoe/core/choices.py; `--per-candidate-rows` for the reference
 layout): each example's prompt runs once, so its LoRA dropout mask is shared by the candidates.
 
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
@@ -51,7 +51,7 @@ from minimoe.core.lora import add_lora, lora_modules
 from minimoe.core.methods import Method
 from minimoe.core.methods import set_router
 from minimoe.core.routing import Scoring
-from minimoe.core.scoring import ChoiceBatch, make_choice_batch
+from minimoe.core.choices import ChoiceBatch, make_choice_batch
 from minimoe.core.step import step_loss
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
 from minimoe.runs.adapters import load_adapter, save_adapter, trainable_parameters

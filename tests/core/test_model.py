@@ -13,7 +13,7 @@ import minimoe.core.experts as mm
 import minimoe.core.model as model_module
 from minimoe.core import cpu_kernels
 from minimoe.core.objectives import load_balancing_loss
-from minimoe.core.scoring import forward_choices, make_choice_batch
+from minimoe.core.choices import forward_choices, make_choice_batch
 from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
 from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, oracle, spy_grouped_mm, tiny_config, tiny_model
 
@@ -139,7 +139,7 @@ def test_bf16_packed_answer_logprobs_no_worse_than_reference_bf16(family, tmp_pa
     """The CPU bf16 scoring path (packed rows, block-causal mask, LM head at the answer positions, fp32
     log-softmax): its answer-token log-probs are within 2x of transformers' own bf16 error, both
     against transformers in fp32 on plain per-candidate rows."""
-    from tests.core.test_scoring import CharTokenizer, examples
+    from tests.core.test_choices import CharTokenizer, examples
     ref = reference_model(tiny(family), path := tmp_path / "ref")
     tok, pad = CharTokenizer(), ref.config.pad_token_id
     packed = make_choice_batch(examples(), tok, pad)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from minimoe import from_pretrained, load_tokenizer
-from minimoe.core.scoring import forward_choices
+from minimoe.core.choices import forward_choices
 from minimoe.core.step import step_loss
 from minimoe.data.benchmarks import load_examples
 from minimoe.loading.tiny import tiny_checkpoint
