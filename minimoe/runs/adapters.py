@@ -45,7 +45,7 @@ from minimoe.core.model import MoEForCausalLM
 from minimoe.core.quantized import digest_sample, is_quantized
 from minimoe.core.routing import moe_blocks, tuned_layers
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
-from minimoe.runs.plugins import method_of
+from minimoe.runs.registry import method_of
 from minimoe.runs.sharding import full
 
 FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
@@ -157,7 +157,7 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
 
     `method`: the configured Method the caller resolved already (folder.AdapterSource.method), installed as
     it is, which must be the one the adapter's router spec names, on its layers; None: resolved here from
-    that spec (plugins.method_of).
+    that spec (registry.method_of).
 
     An adapter trained on other base weights of the same shapes (fingerprint "base_weights") is
     refused unless allow_other_base; other shapes are refused always.

@@ -60,15 +60,15 @@ def test_every_method_trains_and_records_its_run(tmp_path, flags):
 def test_the_method_is_resolved_once_per_run(tmp_path, monkeypatch):
     """train.py turns --method into its Method once; installing the router, the optimizer, every step
     and the run's name and label use that object. Every name-to-record look-up ends in methods.get_method
-    (plugins.resolve_method's, and set_router's for a name): counted over a whole two-step run."""
+    (registry.resolve_method's, and set_router's for a name): counted over a whole two-step run."""
     from minimoe.core import methods
-    from minimoe.runs import plugins
+    from minimoe.runs import registry
     original, calls = methods.get_method, []
 
     def counted(name):
         calls.append(name)
         return original(name)
-    monkeypatch.setattr(plugins, "get_method", counted)
+    monkeypatch.setattr(registry, "get_method", counted)
     monkeypatch.setattr(methods, "get_method", counted)
     run_train(tmp_path, "--method", "tes", "--batch-size", "4", "--grad-accum", "2")
     assert calls == ["tes"]
