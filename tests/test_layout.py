@@ -36,7 +36,7 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("minimoe")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minimoe"):
-            for a in node.names:  # `from minimoe.runs import evaluation` imports the module minimoe.runs.evaluation
+            for a in node.names:  # `from minimoe.runs import eval_run` imports the module minimoe.runs.eval_run
                 sub = f"{node.module}.{a.name}"
                 found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).is_file() else node.module)
     return found

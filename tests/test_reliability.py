@@ -23,8 +23,8 @@ from minimoe.data.benchmarks import check_disjoint, load_examples, load_split
 from minimoe.integrations.export import export_peft
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.loading.upcycle import upcycle
-from minimoe.runs.evaluation import load_evaluation, score
-from minimoe.runs.folder import run_lock
+from minimoe.runs.eval_run import load_evaluation, score
+from minimoe.runs.run_folder import run_lock
 from minimoe.runs.training import write_selection
 from minimoe.study.grid import Cell
 from minimoe.study.report import report, write_report

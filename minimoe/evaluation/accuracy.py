@@ -2,7 +2,7 @@
 
 `evaluate_split` scores a model; `diagnostics_report` turns its token arrays into the paper's routing
 diagnostics. What to evaluate (a run, an adapter, a base model) and the evaluation folder it writes
-are minimoe/runs/evaluation.py's, which calls these.
+are minimoe/runs/eval_run.py's, which calls these.
 
 Scoring (paper, "Experimental Configuration"): all candidates of `batch_size` examples run in one
 forward (`make_choice_batch`). Examples are sorted by a length proxy

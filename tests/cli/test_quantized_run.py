@@ -27,7 +27,7 @@ def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path):
     assert json.loads((run / "config.json").read_text())["quantize"] == "nf4"
     assert (run / "checkpoints" / "epoch-2" / "adapter.safetensors").is_file()
 
-    from minimoe.runs.evaluation import load_evaluation
+    from minimoe.runs.eval_run import load_evaluation
     evaluation = load_evaluation(adapter=run, max_examples=2, data_dir=tmp_path / "splits", device="cpu",
                                  dtype="float32")
     packed = evaluation.model

@@ -38,7 +38,7 @@ from minimoe.loading.checkpoint import from_pretrained, read_config, save_pretra
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.runs.adapters import load_adapter
 from minimoe.runs.config import build_config
-from minimoe.runs.folder import run_lock
+from minimoe.runs.run_folder import run_lock
 from minimoe.runs.sharding import ShardingRefused, check_sharding, shard
 from tests.conftest import oracle, tiny_model
 from tests.runs.test_sharded_load import with_biases

@@ -287,7 +287,7 @@ def test_the_loops_hooks_see_each_position_a_checkpoint_resumes_from(tmp_path):
     from unittest import mock
 
     from minimoe.data.benchmarks import load_examples
-    from minimoe.runs.folder import latest_checkpoint
+    from minimoe.runs.run_folder import latest_checkpoint
     seen = {"step": [], "epoch": []}
     run = tmp_path / "run"
 

@@ -29,7 +29,7 @@ from minimoe.loading.checkpoint import DTYPES, atomic_directory, from_pretrained
 from minimoe.runs.adapters import load_adapter
 from minimoe.runs.naming import ablation_settings
 from minimoe.runs.device import autocast_for, pick_device, pick_dtype
-from minimoe.runs.folder import AdapterSource, read_json, resolve_adapter
+from minimoe.runs.run_folder import AdapterSource, read_json, resolve_adapter
 from minimoe.runs.provenance import provenance
 
 log = logging.getLogger(__name__)
