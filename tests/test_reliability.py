@@ -20,7 +20,7 @@ from minimoe.cli import evaluate, sweep
 from minimoe.cli import train
 from minimoe.core.lora import add_lora
 from minimoe.data.benchmarks import check_disjoint, load_examples, load_split
-from minimoe.integrations.export import export_peft
+from minimoe.integrations.hf_export import export_peft
 from minimoe.loading.tiny import tiny_checkpoint
 from minimoe.loading.upcycle import upcycle
 from minimoe.runs.eval_run import load_evaluation, score
@@ -302,7 +302,7 @@ def test_written_files_take_the_umask_as_a_plain_open_does(tmp_path, umask):
     """Issue 41 item 5: safetensors writes 0600, so adapters, checkpoints and exports were unreadable to a
     colleague under umask 022; every file minimoe writes gets 0666 less the umask, as open() gives."""
     from minimoe.atomic import atomic_file
-    from minimoe.integrations.export import export_merged_adapter
+    from minimoe.integrations.hf_export import export_merged_adapter
     from minimoe.loading.checkpoint import save_pretrained
     from minimoe.runs.adapters import save_adapter
     model = add_lora(train.minimoe.from_pretrained(tiny_checkpoint()))

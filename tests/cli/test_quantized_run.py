@@ -37,7 +37,7 @@ def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path):
     load_adapter(from_pretrained(tiny_checkpoint()), run / "checkpoints" / "epoch-2")
 
     # --merged: the dequantised base plus the LoRA delta, a dense checkpoint computing what the packed model does.
-    from minimoe.integrations.export import export_merged_adapter
+    from minimoe.integrations.hf_export import export_merged_adapter
     merged = from_pretrained(export_merged_adapter(run, tmp_path / "merged"))
     assert not any(is_quantized(m) for m in merged.modules())
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -160,7 +160,7 @@ def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
     import peft
     import transformers
     from safetensors.torch import load_file
-    from minimoe.integrations.export import export_peft
+    from minimoe.integrations.hf_export import export_peft
     from minimoe.runs.adapters import save_adapter
     reference_model(variant_config(variant), tmp_path / "base")
     model = minimoe.from_pretrained(tmp_path / "base")
