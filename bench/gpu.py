@@ -214,7 +214,7 @@ def training_step_syncs(device):
     from minimoe import load_tokenizer
 
     from minimoe.data.benchmarks import load_split
-    from minimoe.loading.tiny import tiny_checkpoint
+    from minimoe.making.tiny import tiny_checkpoint
     from minimoe.runs import training
     from minimoe.runs.config import TrainConfig, method_for
     from minimoe.runs.recipes import RECIPES

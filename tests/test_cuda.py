@@ -27,7 +27,7 @@ from minimoe.core.lora import add_lora
 from minimoe.core.choices import make_choice_batch
 from minimoe.core.step import step_loss
 from minimoe.loading.checkpoint import to_disk_layout
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import training
 from minimoe.runs.config import TrainConfig, method_for
 from minimoe.runs.recipes import RECIPES

@@ -24,7 +24,7 @@ from minimoe.core.choices import forward_choices, make_choice_batch
 from minimoe.core.step import step_loss
 from minimoe.data.benchmarks import load_split
 from minimoe.loading.checkpoint import from_pretrained
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.config import TrainConfig, method_for
 from minimoe.runs.recipes import RECIPES
 

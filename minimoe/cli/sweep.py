@@ -145,7 +145,7 @@ def model_specs(specs) -> tuple[list[str], dict]:
     'tiny:<model_type>') is the tiny checkpoint's folder with the tiny recipe, as in train.py, so its runs are found where they are."""
     from minimoe.cli import is_tiny, model_path
     if not specs:
-        from minimoe.loading.smollm import smollm_checkpoint
+        from minimoe.making.smollm import smollm_checkpoint
         specs = [str(smollm_checkpoint())]
     models, recipes = [], {}
     for spec in specs:

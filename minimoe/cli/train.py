@@ -53,7 +53,7 @@ from minimoe.data.userdata import resolve_data
 from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import read_config, resolve_checkpoint
-from minimoe.loading.smollm import smollm_checkpoint
+from minimoe.making.smollm import smollm_checkpoint
 from minimoe.runs.compat import read_run_config, read_settings, settings_of
 from minimoe.runs.config import TrainConfig, build_config, differing, loaded_settings
 from minimoe.runs.flags import add_flags

@@ -18,7 +18,7 @@ from scipy.stats import binomtest
 
 from minimoe.cli import evaluate, sweep
 from minimoe.evaluation.diagnostics import accuracy_table
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.study.grid import ALL_LAYERS, BASELINE_ROWS, PRESETS, ROWS, grid
 from minimoe.study import grid as grid_module
 from minimoe.study.launch import queued_job, run_cell, run_on_devices, submit_slurm

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from minimoe.cli import train
 from minimoe.core.methods import ALIASES
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[2]

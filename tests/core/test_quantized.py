@@ -10,12 +10,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("torchao")  # the quant extra (and the test extra); a plain install skips these tests
 
-from minimoe.loading.tiny import FAMILY_SWITCHES, tiny_model  # noqa: E402
+from minimoe.making.tiny import FAMILY_SWITCHES, tiny_model  # noqa: E402
 from minimoe.core import quantized  # noqa: E402
 from minimoe.core.experts import GroupedLinear  # noqa: E402
 from minimoe.core.lora import add_lora  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained  # noqa: E402
-from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
+from minimoe.making.tiny import tiny_checkpoint  # noqa: E402
 
 nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
 

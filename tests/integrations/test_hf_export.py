@@ -14,7 +14,7 @@ from minimoe.core.methods import set_router
 from minimoe.core.routing import moe_blocks
 from minimoe.integrations.hf_export import export_peft
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.adapters import export_merged, save_adapter
 from minimoe.runs.config import TrainConfig, method_for
 from minimoe.runs.recipes import RECIPES

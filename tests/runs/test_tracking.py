@@ -16,7 +16,7 @@ from minimoe.core.choices import forward_choices, make_choice_batch
 from minimoe.data.benchmarks import load_split
 from minimoe.evaluation.accuracy import evaluate_split
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.tracking import RoutingStats
 
 SMOKE = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "2", "--no-test-eval",

@@ -17,7 +17,7 @@ from minimoe.core.choices import format_choice, format_prompt
 from minimoe.core.choices import forward_choices
 from minimoe.core.step import step_loss
 from minimoe.data.benchmarks import load_split
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import training
 from minimoe.runs.adapters import trainable_parameters
 from minimoe.runs.config import TrainConfig
