@@ -20,7 +20,7 @@ from minimoe.runs.config import TrainConfig, method_for
 from minimoe.runs.recipes import RECIPES
 from minimoe.runs.training import install_method
 
-# (family, method, tune_router): CE and ACS, with and without affinity tuning, across both families; ESFT, whose
+# (family, method, tune_router): CE and ACS, with and without affinity tuning, on Granite and OLMoE; ESFT, whose
 # router state (its choice of experts) is training's and stays out of the export
 CASES = [("granitemoe", "native", False), ("granitemoe", "acs", True), ("olmoe", "native", True), ("olmoe", "acs", False),
          ("olmoe", "esft", False)]
