@@ -23,8 +23,8 @@ import torch
 
 import minimoe
 from minimoe.core import cpu_kernels
-from minimoe.core.lora import add_lora
 from minimoe.core.choices import make_choice_batch
+from minimoe.core.lora import add_lora
 from minimoe.core.step import step_loss
 from minimoe.loading.checkpoint import to_disk_layout
 from minimoe.making.tiny import tiny_checkpoint

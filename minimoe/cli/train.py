@@ -43,11 +43,11 @@ import torch.distributed as dist
 import minimoe
 from minimoe.atomic import atomic_file
 from minimoe.cli import is_tiny, model_path, run_command
+from minimoe.core.choices import check_max_length, pad_id
 from minimoe.core.families import family_of
 from minimoe.core.methods import Method
 from minimoe.core.model import MoEConfig, compile_layers
 from minimoe.core.quantized import require as require_quantization
-from minimoe.core.choices import check_max_length, pad_id
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.data.userdata import resolve_data
 from minimoe.evaluation.folders import METRICS, eval_dir

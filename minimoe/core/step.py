@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from minimoe.core.objectives import load_balancing_loss, supervision_loss
 from minimoe.core.choices import choice_loss, choice_scores, forward_choices
+from minimoe.core.objectives import load_balancing_loss, supervision_loss
 
 
 def step_loss(model, batches, method, counts: dict, world_size: int, *, is_eps: float = 1e-8,

@@ -46,12 +46,12 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from minimoe.atomic import atomic_file
+from minimoe.core.choices import ChoiceBatch, make_choice_batch
 from minimoe.core.families import family_of
 from minimoe.core.lora import add_lora, lora_modules
 from minimoe.core.methods import Method
 from minimoe.core.methods import set_router
 from minimoe.core.routing import Scoring
-from minimoe.core.choices import ChoiceBatch, make_choice_batch
 from minimoe.core.step import step_loss
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
 from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter, trainable_parameters

@@ -12,8 +12,8 @@ import minimoe
 import minimoe.core.experts as mm
 import minimoe.core.model as model_module
 from minimoe.core import cpu_kernels
-from minimoe.core.objectives import load_balancing_loss
 from minimoe.core.choices import forward_choices, make_choice_batch
+from minimoe.core.objectives import load_balancing_loss
 from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
 from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, oracle, spy_grouped_mm, tiny_config, tiny_model
 

@@ -12,9 +12,9 @@ from minimoe.cli import train
 from tests.conftest import NEW_FAMILIES, oracle, tiny_model
 from tests.runs.test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
-from minimoe.core.objectives import load_balancing_loss
 from minimoe.core.choices import format_choice, format_prompt
 from minimoe.core.choices import forward_choices
+from minimoe.core.objectives import load_balancing_loss
 from minimoe.core.step import step_loss
 from minimoe.data.benchmarks import load_split
 from minimoe.making.tiny import tiny_checkpoint
