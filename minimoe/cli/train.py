@@ -56,12 +56,12 @@ from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.making.smollm import smollm_checkpoint
 from minimoe.runs.compat import read_run_config, read_settings, settings_of
 from minimoe.runs.config import TrainConfig, build_config, differing, loaded_settings
+from minimoe.runs.device import pick_device, pick_dtype
 from minimoe.runs.flags import add_flags
 from minimoe.runs.naming import run_name, unread_flags
-from minimoe.runs.device import pick_device, pick_dtype
-from minimoe.runs.run_folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
-from minimoe.runs.ranks import from_rank0, world
 from minimoe.runs.provenance import provenance
+from minimoe.runs.ranks import from_rank0, world
+from minimoe.runs.run_folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
 from minimoe.runs.sharding import build_sharded, check_sharding
 from minimoe.runs.training import check_install, install_method, train
 

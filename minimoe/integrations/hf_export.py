@@ -48,8 +48,8 @@ from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint
 from minimoe.loading.gpt_oss import interleave
 from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
                                    refuse_routing_heads)
-from minimoe.runs.run_folder import resolve_adapter  # a run folder resolves through selection.json
 from minimoe.runs.registry import method_of
+from minimoe.runs.run_folder import resolve_adapter  # a run folder resolves through selection.json
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys
 

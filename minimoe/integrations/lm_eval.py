@@ -46,8 +46,8 @@ from minimoe.core.choices import pad_id
 from minimoe.core.choices import forward_choices, pack_choices
 from minimoe.core.generate import generate
 from minimoe.loading.checkpoint import resolve_checkpoint
-from minimoe.runs.eval_run import load_model
 from minimoe.runs.device import pick_device
+from minimoe.runs.eval_run import load_model
 from minimoe.runs.run_folder import read_json, resolve_adapter
 
 log = logging.getLogger(__name__)

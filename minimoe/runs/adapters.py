@@ -45,8 +45,8 @@ from minimoe.core.model import MoEForCausalLM
 from minimoe.core.quantized import digest_sample, is_quantized
 from minimoe.core.routing import moe_blocks, tuned_layers
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
-from minimoe.runs.registry import method_of
 from minimoe.runs.ranks import full
+from minimoe.runs.registry import method_of
 from minimoe.runs.sharding import put_rows
 
 FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",

@@ -57,10 +57,10 @@ from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
 from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter, trainable_parameters
 from minimoe.runs.config import TrainConfig
 from minimoe.runs.device import autocast_for
+from minimoe.runs.ranks import full, global_sum, world
 from minimoe.runs.run_folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints,
                                  latest_checkpoint, params_device, read_json, read_metrics, remove_orphans, save_state,
                                  set_rng_state, truncate_metrics)
-from minimoe.runs.ranks import full, global_sum, world
 from minimoe.runs.sharding import full_optimizer_state, load_optimizer_rows
 from minimoe.runs.tracking import RoutingStats, Tracker
 

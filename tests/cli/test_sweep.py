@@ -19,8 +19,8 @@ from scipy.stats import binomtest
 from minimoe.cli import evaluate, sweep
 from minimoe.evaluation.diagnostics import accuracy_table
 from minimoe.making.tiny import tiny_checkpoint
-from minimoe.study.grid import ALL_LAYERS, BASELINE_ROWS, PRESETS, ROWS, grid
 from minimoe.study import grid as grid_module
+from minimoe.study.grid import ALL_LAYERS, BASELINE_ROWS, PRESETS, ROWS, grid
 from minimoe.study.launch import queued_job, run_cell, run_on_devices, submit_slurm
 from minimoe.study.report import (COMPARISONS_TITLE, ZERO_SHOT, comparison_table, concentration_table, error_figures,
                                   group_comparisons, train_seconds, transform_table, write_report)

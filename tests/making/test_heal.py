@@ -13,9 +13,9 @@ import torch.nn.functional as F
 import minimoe
 from minimoe.data.benchmarks import train_tokenizer
 from minimoe.loading.checkpoint import load_tokenizer, save_pretrained
-from minimoe.making.split import SplitSettings, held_out, prose_documents, record, split_model, token_rows
 from minimoe.making.heal import (PROBE_ROWS, PROMPT_TOKENS, HealError, HealSettings, distil, heal, healing_text,
                                 kl_divergence, main, unfitted_documents)
+from minimoe.making.split import SplitSettings, held_out, prose_documents, record, split_model, token_rows
 from tests.conftest import tiny_model
 
 E, K, SHARED, I = 4, 2, 16, 48  # (I - SHARED) / E = 8 own neurons per expert, M = 24

@@ -21,8 +21,8 @@ from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import training
 from minimoe.runs.adapters import trainable_parameters
 from minimoe.runs.config import TrainConfig
-from minimoe.runs.recipes import RECIPES
 from minimoe.runs.config import method_for
+from minimoe.runs.recipes import RECIPES
 from minimoe.runs.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 
 transformers = oracle("transformers")  # its tests skip without the test extra
