@@ -21,6 +21,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 class MaskKind(NamedTuple):
@@ -110,9 +111,21 @@ def block_mask(attention_mask, segment_ids, B: int, T: int, kind: MaskKind = FUL
     return create_block_mask(allowed, B, None, T, T, device=device)
 
 
+FLEX_MIN_HEAD_DIM = 16  # inductor's flex kernel refuses smaller heads ("must be at least 16")
+
+
+def flex_applies() -> bool:
+    """False under a user's TorchDispatchMode (a FLOP counter, bench/common.py's HostSyncs): dynamo will not
+    compile flex there, and in torch 2.11 the eager fallback failed and left every later compiled flex call
+    failing in that process (seen on an H200). SDPA's bool mask serves those forwards instead."""
+    return not is_in_torch_dispatch_mode(include_infra_modes=False)
+
+
 @functools.cache
 def flex(compiled: bool):
     """flex_attention, compiled where it runs for speed (CUDA): uncompiled it is torch's unfused reference,
-    which builds the scores it exists to avoid. Imported here, not at the top: it imports dynamo (2 s)."""
+    which builds the scores it exists to avoid. Imported here, not at the top: it imports dynamo (2 s).
+    Shapes are dynamic after the first recompile: rows change length from batch to batch, and with
+    dynamic=False each new length compiled anew until dynamo's limit of 8 sent flex to its eager path."""
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    return torch.compile(flex_attention) if compiled else flex_attention

@@ -47,7 +47,7 @@ from minimoe.core.clamped_experts import ClampedSwiGLUExperts
 from minimoe.core.densemixer import dense_term
 from minimoe.core.experts import Experts
 from minimoe.core.families import family_of
-from minimoe.core.masks import bool_mask, block_mask
+from minimoe.core.masks import block_mask, bool_mask, flex_applies
 from minimoe.core.mixers import MIXERS, KVCache, MixerInputs, mixer_for
 from minimoe.core.mlp import DenseMLP
 from minimoe.core.norms import RMSNorm
@@ -474,7 +474,7 @@ class MoEForCausalLM(nn.Module):
         cos, sin = position_embeddings(self.config, position_ids, torch.float32 if self.config.rope_in_fp32 else h.dtype)
         mixers = [layer.mixer for layer in self.model.layers]
         flex = device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or segment_ids is not None)
-        flex = flex and all(m.takes_block_mask for m in mixers)  # sinks and MLA take a bool mask
+        flex = flex and all(m.takes_block_mask for m in mixers) and flex_applies()  # sinks, MLA, small heads: bool
         masks = {kind: block_mask(attention_mask, segment_ids, B, T, kind, position_ids) if flex else
                  bool_mask(attention_mask, B, T, start, device, segment_ids, kind, position_ids)
                  for kind in {m.mask_kind for m in mixers}}  # one per attention pattern (core/masks.py)
