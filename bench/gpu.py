@@ -254,12 +254,18 @@ def measure_side(side: str, folder, family: str, ids, device, steps: int, warmup
             compile_layers(model, mode="reduce-overhead")
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    # CUDA graph trees reuse their output buffers from one replay to the next: each forward says a new step
+    # began (without it the H200 run failed: "accessing tensor output of CUDAGraphs that has been overwritten").
+    graphs = side == "minimoe compiled + CUDA graphs"
+    begin = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
 
     def forward():
+        begin()
         with torch.no_grad(), autocast:
             model(input_ids=ids, **kw)
 
     def step():
+        begin()
         with autocast:
             logits = model(input_ids=ids, **kw).logits
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
