@@ -76,6 +76,7 @@ SMOKE_EXTRA = dict(head_dim=16, dense_intermediate_size=48, kv_lora_rank=16, qk_
 
 
 def row(section, model, metric, minimoe=None, reference=None, ratio=None, note=""):
+    note = " ".join(str(note).split())  # an error's lines would break the table's row
     ROWS.append(dict(section=section, model=model, metric=metric, minimoe=minimoe, reference=reference,
                      ratio=ratio, note=note))
     for path in STREAM:

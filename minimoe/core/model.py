@@ -496,8 +496,11 @@ class MoEForCausalLM(nn.Module):
         return self.lm_head.weight.device
 
 
-# Where masked rows run FlexAttention (masks.block_mask). Not the CPU: torch 2.13 has no flex backward there.
-FLEX_DEVICES = {"cuda"}
+# Where masked rows run FlexAttention (masks.block_mask); none by default. Measured on an H200 (torch 2.11,
+# bench/gpu.py's attention stage, Granite's heads, 8 x 512 rows): SDPA took the packed rows' bool mask with GQA
+# on cuDNN in 0.51 ms forward and backward, compiled flex 1.16 ms. Add "cuda" to try flex where rows are long
+# and mostly masked (it skips whole blocks; unmeasured). Never the CPU: torch 2.13 has no flex backward there.
+FLEX_DEVICES: set[str] = set()
 
 
 def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:
