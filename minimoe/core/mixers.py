@@ -69,6 +69,7 @@ class MixerInputs:
     segment_ids: torch.Tensor | None  # [B, T] packed rows (core/choices.py), or None
     position_ids: torch.Tensor  # [B, T]
     cache_start: int = 0  # positions already in the cache (S = cache_start + T)
+    segment_plan: object = None  # packed rows' layout for the recurrent mixers, read once (ssm_common.segment_plan)
 
 
 class KVCache:
