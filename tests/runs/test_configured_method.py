@@ -9,7 +9,7 @@ import pytest
 from minimoe import from_pretrained
 from minimoe.cli import evaluate, export, train
 from minimoe.core.methods import Method
-from minimoe.loading.tiny import tiny_checkpoint, tiny_config
+from minimoe.making.tiny import tiny_checkpoint, tiny_config
 from minimoe.runs.compat import settings_of
 from minimoe.runs.config import METHOD_FIELDS, build_config, method_record, method_settings
 from minimoe.runs.training import install_method
