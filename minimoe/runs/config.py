@@ -158,11 +158,15 @@ class MethodSettings:
     tune_router: bool = setting("method", False, "unfreeze the native router in scope: \"+ affinity tuning\", any method")
 
     def configured(self) -> Method:
-        """The configured Method (Method.configure checks the options and the objective against its record)."""
-        record = resolve_method(self.method, self.method_module)
+        """The configured Method, every check of the method's settings made here: each value by its own
+        check (check_value, as a flag or a settings file is read: one read so passes again), then
+        Method.configure's, of the options and the objective against the method's record."""
+        s = {f.name: None if getattr(self, f.name) is None else check_value(f.name, getattr(self, f.name))
+             for f in fields(self)}
+        record = resolve_method(s["method"], s["method_module"])
         try:
-            return record.configure(self.objective, bool(self.tune_router), self.method_options, lambda_=self.lambda_,
-                                    layers=self.layers, imports=self.method_module)
+            return record.configure(s["objective"], bool(s["tune_router"]), s["method_options"], lambda_=s["lambda_"],
+                                    layers=s["layers"], imports=s["method_module"])
         except UnknownOption as e:  # core names the option; a run's settings give it as --method-option
             raise ValueError(f"--method-option {e}") from None
 

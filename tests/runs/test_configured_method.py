@@ -11,7 +11,7 @@ from minimoe.cli import evaluate, export, train
 from minimoe.core.methods import Method
 from minimoe.making.tiny import tiny_checkpoint, tiny_config
 from minimoe.runs.compat import settings_of
-from minimoe.runs.config import METHOD_FIELDS, build_config, method_record, method_settings
+from minimoe.runs.config import METHOD_FIELDS, build_config, method_for, method_record, method_settings
 from minimoe.runs.training import install_method
 
 
@@ -69,3 +69,13 @@ def test_evaluate_resolves_the_method_once(run, tmp_path, configured):
 def test_a_merged_export_resolves_the_method_once(run, tmp_path, configured):
     export.main([str(run), str(tmp_path / "merged"), "--merged"])
     assert configured == ["acs"]
+
+
+def test_the_method_is_checked_in_one_place_whatever_built_its_settings():
+    """MethodSettings.configured checks every value of the method's settings as a flag's is checked, so a
+    mapping from Python (a bench script, a run's config.json read by evaluate.py) is refused or read alike."""
+    with pytest.raises(ValueError, match="lambda_: -1: expected a number >= 0"):
+        method_for({"method": "tes", "lambda_": -1})
+    with pytest.raises(ValueError, match="method_options: gamma: -2: expected a number >= 0"):
+        method_for({"method": "tes", "method_options": {"gamma": -2}})
+    assert method_for({"method": "tes", "layers": "0,3"}).layers == [0, 3]  # read as --layers 0,3 reads it
