@@ -31,7 +31,7 @@ from minimoe.core.objectives import OBJECTIVES
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.plugins import resolve_method
-from minimoe.runs.recipes import RECIPES, by_recipe_counts
+from minimoe.runs.recipes import RECIPES, SELECTED_WHEN_TUNED, by_recipe_counts
 
 # ---- what a value may be: each check reads a flag's text or a settings file's value, raises ValueError
 
@@ -220,7 +220,8 @@ class TrainConfig:
     lora_rank: int = setting("lora", help="rank r of each adapter", type=COUNT)
     lora_alpha: float = setting("lora", help="scale alpha; updates are multiplied by alpha / r", type=POSITIVE)
     lora_dropout: float = setting("lora", help="dropout on each adapter's input", type=number(float, 0, 1, high_open=True))
-    lora_targets: list[str] = setting("lora", help="comma list of " + ", ".join([*TARGETS, *LORA_ALIASES]), type=names)
+    lora_targets: list[str] | None = setting("lora", None, "comma list of " + ", ".join([*TARGETS, *LORA_ALIASES]) +
+                                             " (default: the model's family's, Family.lora_targets)", type=names)
     lr: float = setting("optimisation", help="LoRA learning rate (peak of the schedule)", type=POSITIVE)
     batch_size: int = setting("optimisation", help="examples per micro-batch, all ranks together", type=COUNT)
     grad_accum: int = setting("optimisation", help="micro-batches per optimizer step", type=COUNT)
@@ -254,7 +255,7 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.test_checkpoint is None:  # the paper's OLMoE affinity-tuned group is reported at selected epochs
-            self.test_checkpoint = "selected" if self.recipe == "olmoe" and self.tune_router else "last"
+            self.test_checkpoint = "selected" if self.recipe in SELECTED_WHEN_TUNED and self.tune_router else "last"
 
 
 FIELDS = {f.name: f for f in fields(TrainConfig)}
