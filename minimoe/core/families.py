@@ -246,7 +246,7 @@ register_family(Family(
            "YaRN; experts in MXFP4 in the official checkpoint, dequantised on load",
     hub_examples=("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
     recipe="granite", recipe_note="top-K on logits then softmax over the K, as Granite's router: its recipe, "
-                                  "LoRA targets (Q/K/V and the routed experts) included",
+                                  "and Granite's LoRA targets (Q/K/V and the routed experts)",
     lora_targets=("q", "k", "v", "experts"), name_hints=("gpt-oss", "gpt_oss"),
     layer_keys={"mlp.gate.weight": "mlp.router.weight", "mlp.gate.bias": "mlp.router.bias",
                 "mlp.experts.gate_up_proj.weight": Converted("mlp.experts.gate_up_proj", GATE_UP_INTERLEAVED),
@@ -433,8 +433,8 @@ register_family(Family(
            "interleaved pairs",
     hub_examples=("meta-llama/Llama-4-Scout-17B-16E", "meta-llama/Llama-4-Maverick-17B-128E"),
     recipe="granite", lora_targets=("q", "k", "v", "experts"), name_hints=("llama-4", "llama4"),
-    recipe_note="top-K on the logits, as Granite's router: Granite's recipe, LoRA targets (Q/K/V and the routed "
-                "experts) included; the shared expert and the dense layers are neither routed nor adapted",
+    recipe_note="top-K on the logits, as Granite's router: Granite's recipe, and its LoRA targets (Q/K/V and the "
+                "routed experts); the shared expert and the dense layers are neither routed nor adapted",
     layer_keys=LLAMA4_KEYS, write_defaults={"layer_types": attention_kinds},  # None: chunks off, every layer full
     renames={"num_local_experts": "num_experts", "interleave_moe_layer_step": "decoder_sparse_step",
              "intermediate_size_mlp": "dense_intermediate_size"},

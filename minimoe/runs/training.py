@@ -66,8 +66,9 @@ from minimoe.runs.tracking import RoutingStats, Tracker
 
 
 def install_method(model, cfg: TrainConfig, method: Method):
-    """LoRA on the recipe's targets, then the run's routing method (heads trainable, native gate frozen
-    unless the method tunes it); a method without LoRA (`Method.lora`) keeps it frozen at its zero start."""
+    """LoRA on the run's targets (None: the family's), then the run's routing method (heads trainable, native
+    gate frozen unless the method tunes it); a method without LoRA (`Method.lora`) keeps it frozen at its zero
+    start."""
     add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
     set_router(model, method)  # its layers, objective and lambda are the method's own
     if not method.lora:  # router-only tuning: the LoRA stays at its B = 0 start, frozen, so the model is the base's

@@ -59,7 +59,7 @@ def test_the_verdict_and_the_table(tmp_path, capsys):
 
 def test_lora_figures_count_the_trainable_parameters(tmp_path):
     """8 bytes a trainable parameter for weights + gradients, 8 for AdamW's moments: the same count as the
-    optimizer train.py makes (LoRA rank 8 on the recipe's targets, TES's error head)."""
+    optimizer train.py makes (LoRA rank 8 on the family's targets, TES's error head)."""
     import torch
     from minimoe.runs.config import build_config
     from minimoe.runs.training import install_method
