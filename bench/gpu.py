@@ -76,6 +76,7 @@ SMOKE_EXTRA = dict(head_dim=16, dense_intermediate_size=48, kv_lora_rank=16, qk_
 
 
 def row(section, model, metric, minimoe=None, reference=None, ratio=None, note=""):
+    note = " ".join(str(note).split())  # an error's lines would break the table's row
     ROWS.append(dict(section=section, model=model, metric=metric, minimoe=minimoe, reference=reference,
                      ratio=ratio, note=note))
     for path in STREAM:
@@ -214,7 +215,7 @@ def training_step_syncs(device):
     from minimoe import load_tokenizer
 
     from minimoe.data.benchmarks import load_split
-    from minimoe.loading.tiny import tiny_checkpoint
+    from minimoe.making.tiny import tiny_checkpoint
     from minimoe.runs import training
     from minimoe.runs.config import TrainConfig, method_for
     from minimoe.runs.recipes import RECIPES
@@ -254,12 +255,18 @@ def measure_side(side: str, folder, family: str, ids, device, steps: int, warmup
             compile_layers(model, mode="reduce-overhead")
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    # CUDA graph trees reuse their output buffers from one replay to the next: each forward says a new step
+    # began (without it the H200 run failed: "accessing tensor output of CUDAGraphs that has been overwritten").
+    graphs = side == "minimoe compiled + CUDA graphs"
+    begin = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
 
     def forward():
+        begin()
         with torch.no_grad(), autocast:
             model(input_ids=ids, **kw)
 
     def step():
+        begin()
         with autocast:
             logits = model(input_ids=ids, **kw).logits
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())

@@ -23,7 +23,7 @@ from lm_eval.tasks import TaskManager
 from minimoe.atomic import atomic_file
 from minimoe.data.benchmarks import load_split
 from minimoe.integrations.lm_eval import write_mcqa_task
-from minimoe.loading.smollm import smollm_checkpoint
+from minimoe.making.smollm import smollm_checkpoint
 
 TASK, TOLERANCE = "arc_easy_offline", 1e-4
 

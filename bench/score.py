@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minimoe.core.scoring import pad_id  # noqa: E402
-from minimoe.core.scoring import make_choice_batch  # noqa: E402
+from minimoe.core.choices import pad_id  # noqa: E402
+from minimoe.core.choices import make_choice_batch  # noqa: E402
 from minimoe.data.benchmarks import load_split  # noqa: E402
 from minimoe.evaluation.accuracy import evaluate_split  # noqa: E402
 from minimoe.loading.allocator import keep_freed_memory  # noqa: E402

@@ -1,4 +1,4 @@
-"""Does routing matter in the split model? Controls for split-upcycled SmolLM2-135M (minimoe/loading/split.py).
+"""Does routing matter in the split model? Controls for split-upcycled SmolLM2-135M (minimoe/making/split.py).
 
     python bench/split.py                                   # the default setting and two others: ~1 h on 2 cores
     python bench/split.py --settings 16,8,384,0.1 --controls fitted "all permuted"   # one setting: E,K,shared
@@ -14,7 +14,7 @@ model), timing the split, and reports for dense SmolLM2 and for the split model 
   uninformed choices;
 - oracle: each token runs the K experts whose own groups give the largest output norms (all E are run
   to find them), weighted by the fitted router's renormalised softmax over those K;
-held-out prose NLL (nats/token on 8,192 tokens of documents the split never fits on, minimoe/loading/split.py
+held-out prose NLL (nats/token on 8,192 tokens of documents the split never fits on, minimoe/making/split.py
 `held_out`), SciQ and ARC-Easy zero-shot test accuracy (500 questions each, minimoe's scorer:
 `evaluate_split`, mean-token). Results: bench/results/split-*.json; the table is printed as markdown.
 """
@@ -36,9 +36,9 @@ from minimoe.data.benchmarks import load_split  # noqa: E402
 from minimoe.evaluation.accuracy import evaluate_split  # noqa: E402
 from minimoe.loading.allocator import keep_freed_memory  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
-from minimoe.loading.smollm import fetch_gguf  # noqa: E402
-from minimoe.loading.split import SplitSettings, held_out, neuron_activations, prose_documents, token_rows  # noqa: E402
-from minimoe.loading.upcycle import upcycle  # noqa: E402
+from minimoe.making.smollm import fetch_gguf  # noqa: E402
+from minimoe.making.split import SplitSettings, held_out, neuron_activations, prose_documents, token_rows  # noqa: E402
+from minimoe.making.upcycle import upcycle  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SETTINGS = ["16,8,384", "16,8,384,1", "16,8,0,1"]  # E,K,shared[,router std]: the default first

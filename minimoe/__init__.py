@@ -7,11 +7,11 @@ from minimoe.core.methods import METHODS, Method, set_router
 from minimoe.core.mixers import KVCache
 from minimoe.core.model import CausalLMOutput, MoEConfig, MoEForCausalLM
 from minimoe.core.routing import Routing
-from minimoe.integrations.export import export_peft
+from minimoe.integrations.hf_export import export_peft
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer, save_pretrained
 from minimoe.runs.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
 from minimoe.core.objectives import OBJECTIVES, Objective
-from minimoe.runs.plugins import register_method, register_objective
+from minimoe.runs.registry import register_method, register_objective
 
 __all__ = ["from_pretrained", "load_tokenizer", "save_pretrained", "generate",
            "CausalLMOutput", "KVCache", "MoEConfig", "MoEForCausalLM", "Routing", "set_router",

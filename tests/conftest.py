@@ -1,4 +1,4 @@
-"""The tests' shared pieces: tiny random models of every family (minimoe/loading/tiny.py's builder, which
+"""The tests' shared pieces: tiny random models of every family (minimoe/making/tiny.py's builder, which
 `--model tiny:<model_type>` uses too), the `family` fixture, `oracle`, the reference packages."""
 import importlib
 import json
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minimoe.data.benchmarks import load_examples
-from minimoe.loading.tiny import tiny_config, tiny_model  # noqa: F401 (the tests import them from here)
+from minimoe.making.tiny import tiny_config, tiny_model  # noqa: F401 (the tests import them from here)
 
 # The reference packages the test extra installs (setup.cfg [test]); minimoe never imports them at run time.
 ORACLES = ("transformers", "peft", "lm_eval", "wandb", "tensorboard", "datasets", "submitit")

@@ -118,7 +118,7 @@ def test_gpu_benchmark_default_stage_makes_random_weights_of_the_default_models_
 
     from bench import gpu
     from minimoe import load_tokenizer
-    from minimoe.loading.tiny import tiny_checkpoint
+    from minimoe.making.tiny import tiny_checkpoint
     light = tmp_path / "light"
     light.mkdir()
     for name in ("config.json", "tokenizer.json"):

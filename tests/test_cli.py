@@ -14,7 +14,7 @@ from minimoe.cli import train
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = {"minimoe-train": "train.py", "minimoe-eval": "evaluate.py", "minimoe-sweep": "sweep.py",
-            "minimoe-export": "export.py", "minimoe-upcycle": "python -m minimoe.loading.upcycle",
+            "minimoe-export": "export.py", "minimoe-upcycle": "python -m minimoe.making.upcycle",
             "minimoe-lm-eval": "lm-eval"}  # what --help names
 
 

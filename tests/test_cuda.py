@@ -1,7 +1,7 @@
 """The GPU path on a CUDA device (the GPU-speed issue). Every test here is marked `cuda`: it runs only
 where CUDA is present and is skipped elsewhere (tests/conftest.py, `cpu_unless_marked_cuda`). Each one
 holds the device to an oracle the CPU tests already use (tests/core/test_model.py, test_lora.py,
-test_scoring.py, test_gpu_path.py, test_train_cli.py), in the GPU recipe where training is concerned:
+test_choices.py, test_gpu_path.py, test_train_cli.py), in the GPU recipe where training is concerned:
 bf16 base weights, CUDA autocast (`training.autocast`), fp32 adapters and method heads.
 
 MINIMOE_CUDA_TESTS_DEVICE=cpu runs these tests' logic on the CPU, as a check of the tests themselves:
@@ -23,11 +23,11 @@ import torch
 
 import minimoe
 from minimoe.core import cpu_kernels
+from minimoe.core.choices import make_choice_batch
 from minimoe.core.lora import add_lora
-from minimoe.core.scoring import make_choice_batch
 from minimoe.core.step import step_loss
 from minimoe.loading.checkpoint import to_disk_layout
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import training
 from minimoe.runs.config import TrainConfig, method_for
 from minimoe.runs.recipes import RECIPES
@@ -38,9 +38,10 @@ from tests.kill import killed_after
 from tests.test_gpu_path import no_expert_loop, step_batches  # noqa: F401 (no_expert_loop: a fixture)
 from bench.common import HostSyncs  # importable once test_gpu_path has put the repository root on sys.path
 from tests.core.test_lora import check_dropout_step_equals_peft, check_fused_bank_lora_equals_peft
+from tests.core.test_masks import packed_rows
 from tests.core.test_model import (FP32_TOL, batch, grouped_mm_and_loop_paths, next_token_grads, reference_model,
                                    rel_err, tiny, worst_grad_err)
-from tests.core.test_scoring import METHODS, CharTokenizer, assert_close, examples, model_with, terms
+from tests.core.test_choices import METHODS, CharTokenizer, assert_close, examples, model_with, terms
 from tests.cli.test_train_cli import TIMINGS, adapter, records, run_train
 
 pytestmark = pytest.mark.cuda
@@ -167,7 +168,7 @@ def test_dropout_step_equals_peft(tmp_path):
 
 @pytest.mark.parametrize("method", list(METHODS))
 def test_packed_rows_equal_per_candidate_rows(family, method):
-    """test_scoring's oracle on the device, fp32 with LoRA under every routing method, prompts cut from
+    """test_choices's oracle on the device, fp32 with LoRA under every routing method, prompts cut from
     the left (max_length 40): packed rows and per-candidate rows give the same scores, choice loss,
     TES/ACS supervision term, their gradients and diagnostics, within 1e-5."""
     model, tok = model_with(family, method).to(DEVICE), CharTokenizer()
@@ -271,8 +272,10 @@ def test_a_training_step_makes_no_host_sync(tmp_path, method, monkeypatch):
         return step_loss(model, batches, method_for(cfg), counts, world_size=1, stats=stats,
                          **training.loss_settings(cfg))
     step()
-    with sync_warnings() as flagged, HostSyncs() as syncs:
+    with sync_warnings() as flagged:  # apart from HostSyncs: under a dispatch mode packed rows leave flex (masks.py)
         logs = step()
+    with HostSyncs() as syncs:
+        step()
     assert flagged == [], "synchronizing CUDA calls in a training step:\n" + "\n".join(flagged)
     assert syncs.counts == {}, f"host syncs in a training step: {syncs.counts}"
     assert logs["task"].device.type == DEVICE_TYPE
@@ -352,8 +355,7 @@ def test_flex_attention_backward_equals_sdpa(family, monkeypatch):
     """Packed, padded rows through FlexAttention (CUDA's path) and through the SDPA reference: logits and
     every parameter's gradient agree (fp32, so that the two kernels' accumulation orders are all that differ)."""
     from minimoe.core import model as model_module
-    from tests.core.test_model import packed_rows
-    seg, pad = on_device(*packed_rows())
+    seg, pad = on_device(*packed_rows()[:2])
     results = []
     for flex in (True, False):
         monkeypatch.setattr(model_module, "FLEX_DEVICES", {"cuda"} if flex else set())

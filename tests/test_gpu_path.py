@@ -17,14 +17,14 @@ from tests.conftest import tiny_model
 from minimoe import load_tokenizer
 from minimoe.core import cpu_kernels
 from minimoe.core import experts as model_module
+from minimoe.core.choices import forward_choices, make_choice_batch
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import set_router
 from minimoe.core.model import compile_layers
-from minimoe.core.scoring import forward_choices, make_choice_batch
 from minimoe.core.step import step_loss
 from minimoe.data.benchmarks import load_split
 from minimoe.loading.checkpoint import from_pretrained
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.config import TrainConfig, method_for
 from minimoe.runs.recipes import RECIPES
 

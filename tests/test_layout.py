@@ -7,7 +7,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "minimoe"
 # The README's architecture picture: each folder and the folders drawn right below it.
-BELOW = {"cli": {"study", "integrations"}, "study": {"runs"}, "integrations": {"runs"},
+BELOW = {"cli": {"study", "integrations", "making"}, "study": {"runs"}, "integrations": {"runs"}, "making": {"runs"},
          "runs": {"loading", "evaluation"}, "loading": {"data"}, "data": {"core"}, "evaluation": {"core"},
          "core": set()}
 ATOMIC = "atomic"  # minimoe/atomic.py: beside the folders, for every one but core
@@ -36,7 +36,7 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("minimoe")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minimoe"):
-            for a in node.names:  # `from minimoe.runs import evaluation` imports the module minimoe.runs.evaluation
+            for a in node.names:  # `from minimoe.runs import eval_run` imports the module minimoe.runs.eval_run
                 sub = f"{node.module}.{a.name}"
                 found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).is_file() else node.module)
     return found
@@ -84,6 +84,25 @@ def test_the_readme_layout_names_every_module_in_its_folder():
     assert modules == listed, (sorted(modules - listed), sorted(listed - modules))
 
 
+def test_the_readme_architecture_box_names_every_file_of_each_folder():
+    """Issue 50 item 4: each folder's box in the README's architecture picture names its files, all and only
+    (core's 9 of 16 once). A box is read from its `| folder/` line down to its bottom edge, between its walls."""
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    picture = text[text.index("```text\n", text.index("**Architecture.**")) + 8:]
+    lines = picture[:picture.index("```")].splitlines()
+    wrong = {}
+    for folder in BELOW:
+        (row, col), = [(i, line.index(f"| {folder}/")) for i, line in enumerate(lines) if f"| {folder}/" in line]
+        named = set()
+        while lines[row][col] == "|":
+            named |= set(re.findall(r"\w+", lines[row][col + 1:lines[row].index("|", col + 1)]))
+            row += 1
+        files = {p.stem for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__"}
+        if named - {folder} != files:
+            wrong[folder] = (sorted(files - named), sorted(named - files - {folder}))
+    assert not wrong, f"folder: (files the box leaves out, names it has that are no file): {wrong}"
+
+
 def test_tests_import_the_oracles_so_that_a_plain_install_skips_only_their_tests():
     """Issue 41 item 4: .ci/run's second environment (a plain pip install -e .) has no oracle package. A test
     file that imports one at module level (not through conftest's oracle() or after a module-level
@@ -103,13 +122,23 @@ def test_tests_import_the_oracles_so_that_a_plain_install_skips_only_their_tests
     assert not bad, f"module-level imports of oracle packages (use conftest.oracle): {bad}"
 
 
-def test_no_files_of_core_import_each_other_in_a_circle():
-    """Issue 49 item 2: the files of core/ form no import circle, at any length and lazily or not (mla.py
-    and model.py once imported each other). Each module's imports are followed to every module they reach."""
-    core = {f"minimoe.core.{p.stem}": p for p in (PACKAGE / "core").glob("*.py") if p.stem != "__init__"}
-    edges = {m: {i for i in imported_modules(p) if i in core and i != m} for m, p in core.items()}
-    circles = []
-    for start in edges:
-        if start in reached(edges, start):
-            circles.append(start)
-    assert not circles, f"core modules that reach themselves through their imports: {sorted(circles)}"
+def module_of(path: Path) -> str:
+    """minimoe/runs/config.py -> minimoe.runs.config; minimoe/cli/__init__.py -> minimoe.cli."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_circles(package: Path) -> list[str]:
+    """The modules of `package` that reach themselves through their imports, at any length (two files that
+    import each other are the shortest circle) and lazily or not (an import inside a function counts)."""
+    files = {module_of(p): p for p in package.rglob("*.py")}
+    edges = {m: {i for i in imported_modules(p) if i in files and i != m} for m, p in files.items()}
+    return sorted(m for m in edges if m in reached(edges, m))
+
+
+def test_no_files_import_each_other_in_any_folder():
+    """Issue 49 item 2, issue 50 item 4: no two files of minimoe import each other, at any length of the
+    circle and lazily or not, in any folder (mla.py and model.py once did in core/; runs/adapters.py and
+    runs/sharding.py in runs/, one of them from inside a function)."""
+    circles = import_circles(PACKAGE)
+    assert not circles, f"modules that reach themselves through their imports: {circles}"

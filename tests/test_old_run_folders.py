@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minimoe.cli import evaluate, sweep, train
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.compat import read_settings, settings_of
 from minimoe.runs.config import build_config
 from minimoe.runs.naming import run_name

@@ -20,11 +20,11 @@ from minimoe.cli import evaluate, sweep
 from minimoe.cli import train
 from minimoe.core.lora import add_lora
 from minimoe.data.benchmarks import check_disjoint, load_examples, load_split
-from minimoe.integrations.export import export_peft
-from minimoe.loading.tiny import tiny_checkpoint
-from minimoe.loading.upcycle import upcycle
-from minimoe.runs.evaluation import load_evaluation, score
-from minimoe.runs.folder import run_lock
+from minimoe.integrations.hf_export import export_peft
+from minimoe.making.tiny import tiny_checkpoint
+from minimoe.making.upcycle import upcycle
+from minimoe.runs.eval_run import load_evaluation, score
+from minimoe.runs.run_folder import run_lock
 from minimoe.runs.training import write_selection
 from minimoe.study.grid import Cell
 from minimoe.study.report import report, write_report
@@ -276,7 +276,7 @@ def test_locks_errors_and_leftovers(tmp_path, data):
                                                f"expected a run folder (config.json, checkpoints/, selection.json) "
                                                f"or an adapter folder (adapter_config.json)"]
     (tmp_path / "bad.gguf").write_bytes(b"GGUF" + b"\0" * 40)
-    out = cli("-m", "minimoe.loading.upcycle", tmp_path / "bad.gguf", tmp_path / "up")
+    out = cli("-m", "minimoe.making.upcycle", tmp_path / "bad.gguf", tmp_path / "up")
     assert out.returncode == 2 and "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert out.stderr.startswith(f"upcycle: error: {tmp_path / 'bad.gguf'}: cannot be read")
 
@@ -302,7 +302,7 @@ def test_written_files_take_the_umask_as_a_plain_open_does(tmp_path, umask):
     """Issue 41 item 5: safetensors writes 0600, so adapters, checkpoints and exports were unreadable to a
     colleague under umask 022; every file minimoe writes gets 0666 less the umask, as open() gives."""
     from minimoe.atomic import atomic_file
-    from minimoe.integrations.export import export_merged_adapter
+    from minimoe.integrations.hf_export import export_merged_adapter
     from minimoe.loading.checkpoint import save_pretrained
     from minimoe.runs.adapters import save_adapter
     model = add_lora(train.minimoe.from_pretrained(tiny_checkpoint()))

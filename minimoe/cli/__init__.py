@@ -5,7 +5,7 @@
     minimoe-eval     python evaluate.py                   minimoe/cli/evaluate.py          minimoe.cli.evaluate:command
     minimoe-sweep    python sweep.py                      minimoe/cli/sweep.py             minimoe.cli.sweep:command
     minimoe-export   python export.py                     minimoe/cli/export.py            minimoe.cli.export:command
-    minimoe-upcycle  python -m minimoe.loading.upcycle    minimoe/loading/upcycle.py       minimoe.loading.upcycle:main
+    minimoe-upcycle  python -m minimoe.making.upcycle    minimoe/making/upcycle.py       minimoe.making.upcycle:main
                      python -m minimoe.study.results      minimoe/study/results.py         (collect runs into results/)
                      python -m minimoe.runs.memory        minimoe/runs/memory.py           (what fits on how many GPUs)
     minimoe-lm-eval  python -m minimoe.integrations.lm_eval                                minimoe.cli:lm_eval (lm-eval's
@@ -53,7 +53,7 @@ def old_name(group, old: str, new: str, **kwargs) -> None:
 
 
 def is_tiny(model: str | None) -> bool:
-    """'tiny' or 'tiny:<model_type>': a random tiny checkpoint that the commands build (minimoe/loading/tiny.py)."""
+    """'tiny' or 'tiny:<model_type>': a random tiny checkpoint that the commands build (minimoe/making/tiny.py)."""
     return model == "tiny" or str(model).startswith("tiny:")
 
 
@@ -64,7 +64,7 @@ def model_path(model: str | None) -> str | None:
     there are. Anything else as given."""
     if not is_tiny(model):
         return model
-    from minimoe.loading.tiny import tiny_checkpoint, tiny_model_type  # torch: only when asked
+    from minimoe.making.tiny import tiny_checkpoint, tiny_model_type  # torch: only when asked
     return str(tiny_checkpoint(tiny_model_type(model)))
 
 

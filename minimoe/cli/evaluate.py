@@ -203,7 +203,7 @@ def add_plot_command(commands):
 
 def report(args) -> str:
     from minimoe.atomic import check_owned_file, write_owned_file
-    from minimoe.runs.evaluation import accuracy_report
+    from minimoe.runs.eval_run import accuracy_report
     if args.out is not None:
         check_owned_file(args.out)  # before the work: replaces only a report it wrote before, never README.md
     table, notes = accuracy_report(args.paths, seeds=args.seeds, split=args.split)
@@ -267,7 +267,7 @@ def main(argv=None):
     args.data, args.model = own_data(args, parser), model_path(args.model)
     from minimoe.atomic import check_replaceable
     from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
-    from minimoe.runs.evaluation import load_evaluation, score  # after argument checks: torch takes seconds to import
+    from minimoe.runs.eval_run import load_evaluation, score  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     limit_kernel_cache()  # bf16 on the CPU: one compiled kernel per matrix shape, a few hundred kept
     check_replaceable(args.eval_dir, "evaluation")  # never replace a run, runs/ or an adapter; fail before loading

@@ -11,14 +11,14 @@ or, for --merged, with transformers alone (or any server that loads the base mod
     model = AutoModelForCausalLM.from_pretrained(OUT)
 Runs of a method that routes natively (CE, ACS) export, with or without affinity tuning; the others are
 refused, saying why (their heads change the routing function: routing.Method.not_exportable). See
-minimoe/integrations/export.py for the layout.
+minimoe/integrations/hf_export.py for the layout.
 """
 from __future__ import annotations
 
 import argparse
 
 from minimoe.cli import model_path, old_name, run_command
-from minimoe.integrations.export import export_merged_adapter, export_peft
+from minimoe.integrations.hf_export import export_merged_adapter, export_peft
 
 
 def main(argv=None):

@@ -32,8 +32,8 @@ from minimoe.cli import run_command, train
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
 from minimoe.runs.config import check_value, default_of, flag_name
 from minimoe.runs.naming import ABLATION_SETTINGS
-from minimoe.runs.folder import set_aside
-from minimoe.runs.plugins import import_method_module
+from minimoe.runs.registry import import_method_module
+from minimoe.runs.run_folder import set_aside
 from minimoe.study.grid import BENCHMARKS, PRESETS, ROWS, Preset, check_row, grid
 from minimoe.study.launch import run_local, run_on_devices, submit_slurm, visible_devices
 from minimoe.study.report import claim_out_dir, write_report
@@ -145,7 +145,7 @@ def model_specs(specs) -> tuple[list[str], dict]:
     'tiny:<model_type>') is the tiny checkpoint's folder with the tiny recipe, as in train.py, so its runs are found where they are."""
     from minimoe.cli import is_tiny, model_path
     if not specs:
-        from minimoe.loading.smollm import smollm_checkpoint
+        from minimoe.making.smollm import smollm_checkpoint
         specs = [str(smollm_checkpoint())]
     models, recipes = [], {}
     for spec in specs:

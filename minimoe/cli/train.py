@@ -20,7 +20,7 @@ optimizer/scheduler/RNG state; with --save-every-steps N also the latest mid-epo
 checkpoints/step-<global step>), selection.json (the validation-NLL selection, fixed before any
 test evaluation), eval/test-base/ (the base model before training, with --zero-shot), eval/test/
 (the test scoring of the last epoch; eval/test-selected/ for the selected one, see
---test-checkpoint) and train.lock (held by the training process; see minimoe/runs/folder.py for the run
+--test-checkpoint) and train.lock (held by the training process; see minimoe/runs/run_folder.py for the run
 folder's rules).
 """
 from __future__ import annotations
@@ -43,25 +43,25 @@ import torch.distributed as dist
 import minimoe
 from minimoe.atomic import atomic_file
 from minimoe.cli import is_tiny, model_path, run_command
+from minimoe.core.choices import check_max_length, pad_id
 from minimoe.core.families import FAMILIES, family_of
 from minimoe.core.methods import Method
 from minimoe.core.model import MoEConfig, compile_layers
 from minimoe.core.quantized import require as require_quantization
-from minimoe.core.scoring import check_max_length, pad_id
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.data.userdata import resolve_data
 from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import read_config, resolve_checkpoint
-from minimoe.loading.smollm import smollm_checkpoint
+from minimoe.making.smollm import smollm_checkpoint
 from minimoe.runs.compat import read_run_config, read_settings, settings_of
 from minimoe.runs.config import TrainConfig, build_config, differing, loaded_settings
+from minimoe.runs.device import pick_device, pick_dtype
 from minimoe.runs.flags import add_flags
 from minimoe.runs.naming import run_name, unread_flags
-from minimoe.runs.device import pick_device, pick_dtype
-from minimoe.runs.folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
-from minimoe.runs.ranks import from_rank0, world
 from minimoe.runs.provenance import provenance
+from minimoe.runs.ranks import from_rank0, world
+from minimoe.runs.run_folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
 from minimoe.runs.sharding import build_sharded, check_sharding
 from minimoe.runs.training import check_install, install_method, train
 
@@ -303,7 +303,7 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
             with atomic_file(run / "config.json") as tmp:
                 tmp.write_text(json.dumps(record, indent=2, default=str))
         if cfg.zero_shot and not (eval_dir(run, checkpoint="base") / METRICS).is_file():
-            from minimoe.runs.evaluation import evaluate_zero_shot  # before LoRA and the method exist
+            from minimoe.runs.eval_run import evaluate_zero_shot  # before LoRA and the method exist
             base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
             print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
     if cfg.shard != "fsdp":  # a sharded model was built with them (cli main)
@@ -326,7 +326,7 @@ def fit(model, tokenizer, data, cfg: TrainConfig, method: Method, run: Path, arg
         print(f"train.py: --shard fsdp: the test split is not scored in these processes (rank 0 holds a shard of "
               f"the model); run: {'; '.join(evaluate_commands(run, cfg))}")
     if rank == 0 and not cfg.no_test_eval and cfg.shard != "fsdp":
-        from minimoe.runs.evaluation import evaluate_run
+        from minimoe.runs.eval_run import evaluate_run
         if cfg.test_checkpoint in ("last", "both") and not scored("last"):  # the in-memory model is the last epoch
             metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, examples=data["test"],
                                    quiet=cfg.quiet)

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimoe.core.masks import flex, mask_kind
+from minimoe.core.masks import FLEX_MIN_HEAD_DIM, flex, mask_kind
 from minimoe.core.norms import RMSNorm
 from minimoe.core.rope import apply_rope, deinterleave
 from minimoe.core.sinks import sink_attention
@@ -88,7 +88,9 @@ class Attention(nn.Module):
         if config.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/sinks.py)
             self.sinks = nn.Parameter(torch.zeros(H))
         self.mask_kind = mask_kind(window=config.window(layer_idx), chunk=config.chunk(layer_idx))
-        self.takes_block_mask = not config.attention_sinks  # sinks add a key column: a bool mask only
+        # Sinks add a key column: a bool mask only. Inductor's flex kernel takes head dims of 16 or more (torch
+        # 2.11 refused a tiny Mixtral's 12 on an H200): smaller heads keep SDPA's bool mask.
+        self.takes_block_mask = not config.attention_sinks and d >= FLEX_MIN_HEAD_DIM
 
     @staticmethod
     def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> KVSlot:

@@ -2,8 +2,8 @@
 
 A mask is made per kind of attention pattern among the layers (`MaskKind`: full causal, a sliding
 window, or chunked local attention), as a bool [B, 1, T, S] tensor (`bool_mask`: SDPA on every
-backend) or a FlexAttention BlockMask (`block_mask`: CUDA, no KV cache). Both follow one rule:
-causal; within segment (packed answer choices: a token sees the shared prefix, segment 0, and its
+backend) or a FlexAttention BlockMask (`block_mask`: opt-in, model.FLEX_DEVICES, no KV cache). Both
+follow one rule: causal; within segment (packed answer choices: a token sees the shared prefix, segment 0, and its
 own segment); within the window or chunk; onto real keys (not padding); and every query onto itself,
 so that a padding query keeps SDPA finite (real queries see themselves already).
 
@@ -21,6 +21,7 @@ import functools
 from typing import NamedTuple
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 
 class MaskKind(NamedTuple):
@@ -87,9 +88,9 @@ def bool_mask(attention_mask, B, T, start, device, segment_ids=None, kind: MaskK
 
 
 def block_mask(attention_mask, segment_ids, B: int, T: int, kind: MaskKind = FULL, position_ids=None):
-    """`bool_mask`'s rule (no cache) as a FlexAttention BlockMask. Why: a bool mask keeps packed GQA rows
-    off the fused SDPA kernels (flash takes no mask; memory-efficient lacks GQA in 2.11), so the math
-    kernel builds fp32 [B, H, T, S] scores; flex skips the masked blocks (unmeasured on a GPU)."""
+    """`bool_mask`'s rule (no cache) as a FlexAttention BlockMask, which skips fully masked blocks. Opt-in:
+    on an H200 with torch 2.11, SDPA ran packed GQA rows' bool mask on cuDNN, 2.3x faster than compiled
+    flex at 8 x 512 (model.FLEX_DEVICES says where it runs)."""
     window, chunk = kind
     device = (segment_ids if segment_ids is not None else attention_mask).device
     pad = left_padding(attention_mask, B, device)
@@ -110,9 +111,21 @@ def block_mask(attention_mask, segment_ids, B: int, T: int, kind: MaskKind = FUL
     return create_block_mask(allowed, B, None, T, T, device=device)
 
 
+FLEX_MIN_HEAD_DIM = 16  # inductor's flex kernel refuses smaller heads ("must be at least 16")
+
+
+def flex_applies() -> bool:
+    """False under a user's TorchDispatchMode (a FLOP counter, bench/common.py's HostSyncs): dynamo will not
+    compile flex there, and in torch 2.11 the eager fallback failed and left every later compiled flex call
+    failing in that process (seen on an H200). SDPA's bool mask serves those forwards instead."""
+    return not is_in_torch_dispatch_mode(include_infra_modes=False)
+
+
 @functools.cache
 def flex(compiled: bool):
     """flex_attention, compiled where it runs for speed (CUDA): uncompiled it is torch's unfused reference,
-    which builds the scores it exists to avoid. Imported here, not at the top: it imports dynamo (2 s)."""
+    which builds the scores it exists to avoid. Imported here, not at the top: it imports dynamo (2 s).
+    Shapes are dynamic after the first recompile: rows change length from batch to batch, and with
+    dynamic=False each new length compiled anew until dynamo's limit of 8 sent flex to its eager path."""
     from torch.nn.attention.flex_attention import flex_attention
-    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+    return torch.compile(flex_attention) if compiled else flex_attention

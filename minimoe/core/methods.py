@@ -9,7 +9,7 @@ run's choices (the objective, lambda, the layer scope, affinity tuning, the opti
 them all; train.py resolves --method to one configured Method once, and that object installs the
 router (`set_router`, below: the model then holds the same object), drives the training step
 (step.py), and labels and names the run. A method from your own file joins `METHODS`
-through `minimoe.register_method` (plugins.py).
+through `minimoe.register_method` (registry.py).
 
 Built in: native (CE), dual (Dual Affinity), tes (TES) and acs (ACS), their policies in routing.py,
 their defaults the paper's (gamma = tau = 1, mixing weight 0.5; heads at 1e-5 for TES, 1e-3 for Dual);
@@ -241,7 +241,7 @@ def set_router(model, method="native", layers=None, *, tune_router: bool | None 
     is; or a registered method's name, configured here with `layers` ("final" by default), `tune_router`
     and `options`. Given beside a configured Method, these make a new one with them changed.
     `set_router(model, **model.router_spec)` rebuilds the same structure; a method from outside minimoe
-    must be registered first (its spec's `module`: plugins.method_of imports it, load_adapter's route).
+    must be registered first (its spec's `module`: registry.method_of imports it, load_adapter's route).
     New heads are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it is in
     scope and tune_router=True ("+ affinity tuning"), and then it is moved to fp32
     (`set_routing_trainable`, `tuned_layers`). Install after moving the model to its dtype. Layers out

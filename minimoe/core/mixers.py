@@ -66,9 +66,10 @@ class MixerInputs:
     sin: torch.Tensor | None
     masks: dict  # masks.MaskKind -> bool [B, 1, T, S] mask, a FlexAttention BlockMask, or None (plain causal)
     attention_mask: torch.Tensor | None  # [B, S] padding, 1 = real token (cached positions included), or None
-    segment_ids: torch.Tensor | None  # [B, T] packed rows (core/scoring.py), or None
+    segment_ids: torch.Tensor | None  # [B, T] packed rows (core/choices.py), or None
     position_ids: torch.Tensor  # [B, T]
     cache_start: int = 0  # positions already in the cache (S = cache_start + T)
+    segment_plan: object = None  # packed rows' layout for the recurrent mixers, read once (ssm_common.segment_plan)
 
 
 class KVCache:

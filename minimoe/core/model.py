@@ -19,7 +19,7 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
 - Routing is a swappable module (`MoEBlock.router`, see minimoe/core/routing.py). It sees the
   pre-expert hidden state and the native affinity logits and returns a `Routing`; every layer's
   `Routing` (logits, selected experts, weights, method readouts) is returned with the logits.
-- Packed answer choices (minimoe/core/scoring.py) pass `segment_ids`: the causal mask also hides other
+- Packed answer choices (minimoe/core/choices.py) pass `segment_ids`: the causal mask also hides other
   segments than the shared prefix (0) and the query's own, as a bool SDPA mask (every backend;
   core/masks.py). With `logits_at` the LM head runs on the gathered final-normed hidden states only.
 - Qwen3: RMSNorm per head on q and k; Qwen2: biases on q, k, v only, and a shared expert scaled by
@@ -35,6 +35,7 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field, fields
 
@@ -46,7 +47,7 @@ from minimoe.core.clamped_experts import ClampedSwiGLUExperts
 from minimoe.core.densemixer import dense_term
 from minimoe.core.experts import Experts
 from minimoe.core.families import family_of
-from minimoe.core.masks import bool_mask, block_mask
+from minimoe.core.masks import block_mask, bool_mask, flex_applies
 from minimoe.core.mixers import MIXERS, KVCache, MixerInputs, mixer_for
 from minimoe.core.mlp import DenseMLP
 from minimoe.core.norms import RMSNorm
@@ -323,7 +324,10 @@ class MoEBlock(nn.Module):
         # (DeepSeek's in fp32: then the router's input is the upcast hidden state, heads included).
         gx = flat.float() if self.router_fp32 else flat
         bias = self.gate.bias.to(gx.dtype) if self.gate.bias is not None else None
-        logits = F.linear(gx, self.gate.weight.to(gx.dtype), bias).float()  # [B*T, E]
+        # Autocast would run an fp32 router's F.linear in bf16 all the same (seen on an H200: gpt-oss picked
+        # other experts than its fp32 model on 1% of tokens, 0.24 logit error against 0.03 without autocast).
+        with torch.autocast(flat.device.type, enabled=False) if self.router_fp32 else contextlib.nullcontext():
+            logits = F.linear(gx, self.gate.weight.to(gx.dtype), bias).float()  # [B*T, E]
         correction = getattr(self.gate, "e_score_correction_bias", None)
         extra = {} if correction is None else {"correction": correction}  # a policy of your own may not take it
         routing = self.router(gx, logits, experts=replay, **extra)
@@ -440,7 +444,7 @@ class MoEForCausalLM(nn.Module):
                 segment_ids=None, logits_at=None):
         """input_ids [B, T]; attention_mask [B, S] (1 = real token, covers cached positions too).
 
-        segment_ids [B, T]: a block-causal layout (packed answer choices, minimoe/core/scoring.py): a token of
+        segment_ids [B, T]: a block-causal layout (packed answer choices, minimoe/core/choices.py): a token of
         segment s > 0 sees segment 0 and its own segment, causally; segment 0 sees segment 0 only.
         logits_at: (rows, cols) index tensors, n each: the LM head runs at those positions only and
         logits are [n, V] (gathered after the final norm, so no [B, T, V] tensor is built).
@@ -470,7 +474,7 @@ class MoEForCausalLM(nn.Module):
         cos, sin = position_embeddings(self.config, position_ids, torch.float32 if self.config.rope_in_fp32 else h.dtype)
         mixers = [layer.mixer for layer in self.model.layers]
         flex = device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or segment_ids is not None)
-        flex = flex and all(m.takes_block_mask for m in mixers)  # sinks and MLA take a bool mask
+        flex = flex and all(m.takes_block_mask for m in mixers) and flex_applies()  # sinks, MLA, small heads: bool
         masks = {kind: block_mask(attention_mask, segment_ids, B, T, kind, position_ids) if flex else
                  bool_mask(attention_mask, B, T, start, device, segment_ids, kind, position_ids)
                  for kind in {m.mask_kind for m in mixers}}  # one per attention pattern (core/masks.py)
@@ -492,8 +496,11 @@ class MoEForCausalLM(nn.Module):
         return self.lm_head.weight.device
 
 
-# Where masked rows run FlexAttention (masks.block_mask). Not the CPU: torch 2.13 has no flex backward there.
-FLEX_DEVICES = {"cuda"}
+# Where masked rows run FlexAttention (masks.block_mask); none by default. Measured on an H200 (torch 2.11,
+# bench/gpu.py's attention stage, Granite's heads, 8 x 512 rows): SDPA took the packed rows' bool mask with GQA
+# on cuDNN in 0.51 ms forward and backward, compiled flex 1.16 ms. Add "cuda" to try flex where rows are long
+# and mostly masked (it skips whole blocks; unmeasured). Never the CPU: torch 2.13 has no flex backward there.
+FLEX_DEVICES: set[str] = set()
 
 
 def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:

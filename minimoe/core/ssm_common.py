@@ -12,17 +12,19 @@ Padding, as transformers 4.57 masks it: the mixer's input and the conv's output 
 positions. From a zero state (left padding) the state then stays zero across the padding, so a
 left-padded row equals the unpadded one; right padding comes after every real token and cannot reach it.
 
-Packed answer choices (core/scoring.py: the prompt is segment 0, candidate c is segment c+1, each
+Packed answer choices (core/choices.py: the prompt is segment 0, candidate c is segment c+1, each
 candidate sees the prompt and itself) cannot run as one left-to-right scan: the state entering a
 candidate must be the prompt's final state, not the previous candidate's. `run_segments` runs the
 prompts once (left-aligned, so each ends at the last column and its final state is the scan's), then
 all candidates as one right-padded batch of pieces, each starting from its row's prompt state; this
 is exactly what a candidate's own unpacked row computes, prompt once instead of once per candidate.
-The piece layout is read on the host (one device sync per forward with `segment_ids`).
+The piece layout is read on the host once per forward (`segment_plan`, one device sync) and kept on the
+forward's MixerInputs for every recurrent layer after the first.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +53,9 @@ def run_sequence(sequence, u, inputs, cache: StateSlot | None):
     T = u.shape[1]
     mask = None if inputs.attention_mask is None else inputs.attention_mask[:, -T:]
     if inputs.segment_ids is not None:
-        return run_segments(sequence, u, inputs.segment_ids, mask)
+        if inputs.segment_plan is None:  # the first recurrent layer of this forward reads it; the others reuse it
+            inputs.segment_plan = segment_plan(inputs.segment_ids, mask)
+        return run_segments(sequence, u, inputs.segment_plan)
     y, state = sequence(u, mask, None if cache is None else cache.state)
     if cache is not None:
         cache.state = state
@@ -91,26 +95,34 @@ def pad_to_chunks(x, chunk: int, dim: int = 1):
     return F.pad(x, widths)
 
 
-def run_segments(sequence, u, segment_ids, attention_mask=None):
-    """Packed rows (module docstring). u [B, T, F] the sequential part's input; segment_ids [B, T] with the
-    prompt (segment 0) first in each row, then candidates 1, 2, ... -> y [B, T, F'] (zeros at padding)."""
-    B, T, _ = u.shape
-    real = torch.ones_like(segment_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-    seg, ok = segment_ids.cpu(), real.cpu()
+class SegmentPlan(NamedTuple):
+    """Where packed rows' prompts and candidates sit (device index tensors), for `run_segments`."""
+    rows: torch.Tensor  # [B, P] each prompt column's row
+    src: torch.Tensor  # [B, P] its position in the row (prompts right-aligned; clamped where p_mask is False)
+    p_mask: torch.Tensor  # [B, P] a real prompt position
+    c_rows: torch.Tensor | None  # [N, L] each candidate piece's row (None: no candidates)
+    cols: torch.Tensor | None  # [N, L] its positions (clamped where c_mask is False)
+    c_mask: torch.Tensor | None  # [N, L] a real candidate position
+    piece_row: torch.Tensor | None  # [N] the row whose prompt state each piece starts from
+
+
+def segment_plan(segment_ids, attention_mask=None) -> SegmentPlan:
+    """segment_ids [B, T] (the prompt, segment 0, first in each row, then candidates 1, 2, ...) and padding
+    -> the layout `run_segments` gathers by, read on the host (one device sync)."""
+    B, T = segment_ids.shape
+    dev = segment_ids.device
+    seg = segment_ids.cpu()
+    ok = torch.ones_like(seg, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu()
     prompt_len = ((seg == 0) & ok).sum(1)  # [B]
     P = int(prompt_len.max())
     # prompts, right-aligned: column j of row r holds position j - (P - P_r)
     src = torch.arange(P)[None, :] - (P - prompt_len)[:, None]  # [B, P]
     p_mask = src >= 0
     rows = torch.arange(B)[:, None].expand(B, P)
-    u_p = masked(u[rows, src.clamp(min=0).to(u.device)], p_mask.to(u.device))
-    y_p, state = sequence(u_p, p_mask.to(u.device), None)
-    out = u.new_zeros(B, T, y_p.shape[-1])
-    out[rows[p_mask], src[p_mask].to(u.device)] = y_p[p_mask.to(u.device)]
-    # candidates: one piece each, left-aligned, starting from its row's prompt state
     pieces = [(r, int(s)) for r in range(B) for s in torch.unique(seg[r][ok[r]]) if s > 0]
     if not pieces:
-        return out
+        return SegmentPlan(rows.to(dev), src.clamp(min=0).to(dev), p_mask.to(dev), None, None, None, None)
+    # candidates: one piece each, left-aligned, starting from its row's prompt state
     starts, lengths = [], []
     for r, s in pieces:
         cols = ((seg[r] == s) & ok[r]).nonzero()[:, 0]
@@ -120,8 +132,21 @@ def run_segments(sequence, u, segment_ids, attention_mask=None):
     cols = torch.tensor(starts)[:, None] + torch.arange(L)[None, :]  # [N, L]
     c_mask = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
     c_rows = piece_row[:, None].expand_as(cols)
-    dev = u.device
-    u_c = masked(u[c_rows.to(dev), cols.clamp(max=T - 1).to(dev)], c_mask.to(dev))
-    y_c, _ = sequence(u_c, c_mask.to(dev), state.select(piece_row.to(dev)))
-    out[c_rows[c_mask].to(dev), cols[c_mask].to(dev)] = y_c[c_mask.to(dev)]
+    return SegmentPlan(rows.to(dev), src.clamp(min=0).to(dev), p_mask.to(dev), c_rows.to(dev),
+                       cols.clamp(max=T - 1).to(dev), c_mask.to(dev), piece_row.to(dev))
+
+
+def run_segments(sequence, u, plan: SegmentPlan):
+    """Packed rows (module docstring). u [B, T, F] the sequential part's input, laid out by `plan`
+    -> y [B, T, F'] (zeros at padding)."""
+    B, T, _ = u.shape
+    u_p = masked(u[plan.rows, plan.src], plan.p_mask)
+    y_p, state = sequence(u_p, plan.p_mask, None)
+    out = u.new_zeros(B, T, y_p.shape[-1])
+    out[plan.rows[plan.p_mask], plan.src[plan.p_mask]] = y_p[plan.p_mask]
+    if plan.c_rows is None:
+        return out
+    u_c = masked(u[plan.c_rows, plan.cols], plan.c_mask)
+    y_c, _ = sequence(u_c, plan.c_mask, state.select(plan.piece_row))
+    out[plan.c_rows[plan.c_mask], plan.cols[plan.c_mask]] = y_c[plan.c_mask]
     return out

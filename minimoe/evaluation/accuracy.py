@@ -2,7 +2,7 @@
 
 `evaluate_split` scores a model; `diagnostics_report` turns its token arrays into the paper's routing
 diagnostics. What to evaluate (a run, an adapter, a base model) and the evaluation folder it writes
-are minimoe/runs/evaluation.py's, which calls these.
+are minimoe/runs/eval_run.py's, which calls these.
 
 Scoring (paper, "Experimental Configuration"): all candidates of `batch_size` examples run in one
 forward (`make_choice_batch`). Examples are sorted by a length proxy
@@ -40,7 +40,7 @@ Decisions where neither the paper nor train.py fixes the answer:
 - Decile curves need >= 10 groups in each population and non-constant train group means; else
   they are null with "deciles_skipped" saying why (a fresh error head predicts one constant).
 
-Rows are packed (minimoe/core/scoring.py): one row per example, its prompt once and every candidate
+Rows are packed (minimoe/core/choices.py): one row per example, its prompt once and every candidate
 behind a block-causal mask, the LM head only at answer positions; `packed=False` scores one row per
 candidate, the reference path, with the same scores to rounding.
 """
@@ -54,9 +54,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from minimoe.core.routing import Scoring, moe_blocks, native_concentration
-from minimoe.core.scoring import (Example, by_example, choice_loss, choice_scores, forward_choices, make_choice_batch,
+from minimoe.core.choices import (Example, by_example, choice_loss, choice_scores, forward_choices, make_choice_batch,
                                   pad_id, predictions)
+from minimoe.core.routing import Scoring, moe_blocks, native_concentration
 from minimoe.evaluation.diagnostics import (concentration_summary, decile_curve, error_prediction_summary,
                                             group_by_layer_token, population_moments)
 from minimoe.evaluation.folders import plot_file

@@ -20,7 +20,7 @@ Decisions (matching lm-eval's `hf` model, which the tests compare against on the
 - Tokens: no special tokens; a context's trailing spaces move to the continuation; the
   continuation's tokens are those of context + continuation past the context's (HFLM._encode_pair).
   An empty context becomes the prefix token (bos, else eos).
-- loglikelihood: requests with the same context tokens are one packed row (minimoe/core/scoring.py): the
+- loglikelihood: requests with the same context tokens are one packed row (minimoe/core/choices.py): the
   context runs once and every continuation attends to it alone, as in our answer-choice scoring.
   Contexts longer than max_length lose their start (enough for the longest continuation of the row).
 - loglikelihood_rolling: lm-eval's disjoint rolling windows of max_length tokens, each scored as a
@@ -42,13 +42,13 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from minimoe.core.choices import pad_id
+from minimoe.core.choices import forward_choices, pack_choices
 from minimoe.core.generate import generate
-from minimoe.core.scoring import pad_id
-from minimoe.core.scoring import forward_choices, pack_choices
 from minimoe.loading.checkpoint import resolve_checkpoint
-from minimoe.runs.evaluation import load_model
 from minimoe.runs.device import pick_device
-from minimoe.runs.folder import read_json, resolve_adapter
+from minimoe.runs.eval_run import load_model
+from minimoe.runs.run_folder import read_json, resolve_adapter
 
 log = logging.getLogger(__name__)
 

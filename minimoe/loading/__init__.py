@@ -1,1 +1,1 @@
-"""Checkpoints in and out: official safetensors, the tokenizer, upcycling a dense model."""
+"""Checkpoints in and out: official safetensors, the tokenizer, gpt-oss's expert layout and MXFP4 blocks."""

@@ -45,8 +45,9 @@ from minimoe.core.model import MoEForCausalLM
 from minimoe.core.quantized import digest_sample, is_quantized
 from minimoe.core.routing import moe_blocks, tuned_layers
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
-from minimoe.runs.plugins import method_of
-from minimoe.runs.sharding import full
+from minimoe.runs.ranks import full
+from minimoe.runs.registry import method_of
+from minimoe.runs.sharding import put_rows
 
 FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
                "num_experts_per_tok", "intermediate_size")
@@ -155,9 +156,9 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
                  method: Method | None = None) -> MoEForCausalLM:
     """Restore a saved adapter into `model` (a base model, or one with the same LoRA); strict.
 
-    `method`: the configured Method the caller resolved already (folder.AdapterSource.method), installed as
+    `method`: the configured Method the caller resolved already (run_folder.AdapterSource.method), installed as
     it is, which must be the one the adapter's router spec names, on its layers; None: resolved here from
-    that spec (plugins.method_of).
+    that spec (registry.method_of).
 
     An adapter trained on other base weights of the same shapes (fingerprint "base_weights") is
     refused unless allow_other_base; other shapes are refused always.
@@ -232,6 +233,19 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
         for k, t in got.items():
             want[k].copy_(t)
     return model
+
+
+def load_adapter_rows(model: MoEForCausalLM, folder: Path):
+    """A run's own checkpoint (checkpoints/epoch-N or step-G, written by this run: config.json is checked
+    equal on --resume) into the sharded model: each rank its rows. Strict on the tensor names."""
+    file = folder / "adapter.safetensors"
+    got = load_file(str(file))
+    want = adapter_tensors(model, gate_layers(model))
+    if set(got) != set(want):
+        odd = sorted(set(got) ^ set(want))
+        raise KeyError(f"{file}: tensor {odd[0]!r} is {'unexpected' if odd[0] in got else 'missing'} "
+                       f"({len(odd)} differ); expected this run's adapter")
+    put_rows(model, {k: v.to(want[k].dtype) for k, v in got.items()})
 
 
 def refuse_routing_heads(method: Method | None, what: str):

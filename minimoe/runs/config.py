@@ -30,8 +30,8 @@ from minimoe.core.methods import ALIASES, METHODS, Method, UnknownOption, declar
 from minimoe.core.objectives import OBJECTIVES
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.loading.checkpoint import RUN_DTYPES
-from minimoe.runs.plugins import resolve_method
 from minimoe.runs.recipes import RECIPES, SELECTED_WHEN_TUNED, by_recipe_counts
+from minimoe.runs.registry import resolve_method
 
 # ---- what a value may be: each check reads a flag's text or a settings file's value, raises ValueError
 

@@ -1,11 +1,12 @@
 """The process group as a run sees it: this process's rank and the world size (`world`), and a number
-summed over every rank (`global_sum`), rank 0's answer on every rank (`from_rank0`); one process
-without a group is rank 0 of 1.
+summed over every rank (`global_sum`), rank 0's answer on every rank (`from_rank0`), a sharded tensor
+gathered whole (`full`); one process without a group is rank 0 of 1.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 
 def world() -> tuple[int, int]:
@@ -30,3 +31,8 @@ def from_rank0(value):
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def full(tensor) -> torch.Tensor:
+    """A DTensor gathered whole on every rank (a collective: every rank calls it); a tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

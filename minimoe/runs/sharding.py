@@ -39,7 +39,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
 from minimoe.core.lora import lora_modules
@@ -77,11 +76,6 @@ def local_rows(param) -> tuple[torch.Tensor, int]:
     rank, size = param.device_mesh.get_local_rank(), param.device_mesh.size()
     first = min(rank * math.ceil(param.shape[0] / size), param.shape[0])
     return local, first
-
-
-def full(tensor) -> torch.Tensor:
-    """A DTensor gathered whole on every rank (a collective: every rank calls it); a tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def put_rows(model: nn.Module, values: dict[str, torch.Tensor]):
@@ -159,20 +153,6 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
 def set_parameter(model: nn.Module, name: str, param: nn.Parameter):
     module, _, leaf = name.rpartition(".")
     model.get_submodule(module)._parameters[leaf] = param
-
-
-def load_adapter_rows(model: MoEForCausalLM, folder: Path):
-    """A run's own checkpoint (checkpoints/epoch-N or step-G, written by this run: config.json is checked
-    equal on --resume) into the sharded model: each rank its rows. Strict on the tensor names."""
-    from minimoe.runs.adapters import adapter_tensors, gate_layers
-    file = folder / "adapter.safetensors"
-    got = load_file(str(file))
-    want = adapter_tensors(model, gate_layers(model))
-    if set(got) != set(want):
-        odd = sorted(set(got) ^ set(want))
-        raise KeyError(f"{file}: tensor {odd[0]!r} is {'unexpected' if odd[0] in got else 'missing'} "
-                       f"({len(odd)} differ); expected this run's adapter")
-    put_rows(model, {k: v.to(want[k].dtype) for k, v in got.items()})
 
 
 def full_optimizer_state(model, optimizer) -> dict:

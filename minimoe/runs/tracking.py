@@ -186,7 +186,7 @@ def plot_training_curves(runs: list[Path], out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     from minimoe.atomic import atomic_file
-    from minimoe.runs.folder import read_metrics
+    from minimoe.runs.run_folder import read_metrics
     logs = {}
     for run in map(Path, runs):
         if not (run / "metrics.jsonl").is_file():

@@ -3,7 +3,7 @@
 The step's loss (task CE + lambda * the method's term + aux_coef * load balancing, each normalised
 over the whole optimizer step) is minimoe/core/step.py's `step_loss`; the method it trains is the run's
 `methods.Method`, resolved once by train.py and handed to `install_method`, `make_optimizer` and
-`optimizer_step`. Rows are packed (minimoe/core/scoring.py; `--per-candidate-rows` for the reference
+`optimizer_step`. Rows are packed (minimoe/core/choices.py; `--per-candidate-rows` for the reference
 layout): each example's prompt runs once, so its LoRA dropout mask is shared by the candidates.
 
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e
@@ -13,7 +13,7 @@ the uninterrupted run on CPU, and within CUDA's kernel nondeterminism on a GPU (
 (`load_latest` and `restore` put the checkpoint back; `train` is the loop). A mid-epoch checkpoint
 (--save-every-steps) resumes by skipping the epoch's first `epoch_step` steps of that same order, not
 by reshuffling. The run folder's rules (lock, log truncation, safe state files, fallback past a corrupt checkpoint) are in
-minimoe/runs/folder.py.
+minimoe/runs/run_folder.py.
 
 Configuration: minimoe/runs/config.py (`TrainConfig`), recipes.py (the recipes), naming.py (run names).
 
@@ -46,22 +46,22 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from minimoe.atomic import atomic_file
+from minimoe.core.choices import ChoiceBatch, make_choice_batch
 from minimoe.core.families import family_of
 from minimoe.core.lora import add_lora, lora_modules
 from minimoe.core.methods import Method
 from minimoe.core.methods import set_router
 from minimoe.core.routing import Scoring
-from minimoe.core.scoring import ChoiceBatch, make_choice_batch
 from minimoe.core.step import step_loss
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
-from minimoe.runs.adapters import load_adapter, save_adapter, trainable_parameters
+from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter, trainable_parameters
 from minimoe.runs.config import TrainConfig
 from minimoe.runs.device import autocast_for
-from minimoe.runs.folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints,
+from minimoe.runs.ranks import full, global_sum, world
+from minimoe.runs.run_folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints,
                                  latest_checkpoint, params_device, read_json, read_metrics, remove_orphans, save_state,
                                  set_rng_state, truncate_metrics)
-from minimoe.runs.ranks import global_sum, world
-from minimoe.runs.sharding import (full, full_optimizer_state, load_adapter_rows, load_optimizer_rows)
+from minimoe.runs.sharding import full_optimizer_state, load_optimizer_rows
 from minimoe.runs.tracking import RoutingStats, Tracker
 
 
@@ -263,7 +263,7 @@ def read_back(values) -> list:
 
 
 def autocast(cfg: TrainConfig):
-    return autocast_for(cfg.device, cfg.dtype)  # evaluation's too (runs/evaluation.py)
+    return autocast_for(cfg.device, cfg.dtype)  # evaluation's too (runs/eval_run.py)
 
 
 def score_split(model, tokenizer, examples, cfg: TrainConfig) -> dict:
@@ -308,7 +308,7 @@ def save_step(run: Path, model, optimizer, scheduler, epoch: int, epoch_step: in
 
 @dataclass
 class Position:
-    """Where training stands, as a checkpoint's training state records it (minimoe/runs/folder.py)."""
+    """Where training stands, as a checkpoint's training state records it (minimoe/runs/run_folder.py)."""
     epoch: int = 0  # epochs complete
     epoch_step: int = 0  # steps of the next epoch done: a mid-epoch checkpoint; 0 after an epoch's
     step: int = 0  # optimizer steps in all: the schedule's position

@@ -20,7 +20,7 @@ from minimoe.evaluation import diagnostics
 from minimoe.evaluation.diagnostics import partial_reason
 from minimoe.evaluation.folders import METRICS, eval_dir, tokens_file
 from minimoe.runs.naming import ablation_settings
-from minimoe.runs.folder import read_metrics
+from minimoe.runs.run_folder import read_metrics
 from minimoe.study import compare
 from minimoe.study.grid import Cell
 

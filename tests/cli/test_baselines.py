@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from minimoe.cli import evaluate, export, train
 from minimoe.loading.checkpoint import from_pretrained
-from minimoe.loading.tiny import FAMILY_SWITCHES, tiny_checkpoint
+from minimoe.making.tiny import FAMILY_SWITCHES, tiny_checkpoint
 from minimoe.runs.training import aux_coefficient
 from tests.conftest import tiny_config
 from tests.kill import killed_after
@@ -72,7 +72,7 @@ def test_esft_full_form_trains_only_the_chosen_rows_resumes_bitwise_and_evaluate
     """ESFT's full form on every MoE layer: the chosen experts' rows train (as router state `rows`, in the
     adapter), no LoRA and no gate does; the optimizer holds state for those rows only; killed after epoch 1
     and resumed, the run ends on the uninterrupted run's bits; evaluate.py gives the run's own accuracy;
-    export to peft is refused, naming why (the merged export: tests/integrations/test_export.py)."""
+    export to peft is refused, naming why (the merged export: tests/integrations/test_hf_export.py)."""
     flags = ["--method", "esft", "--esft-form", "full", "--layers", "all", "--epochs", "2"]
     straight = run_train(tmp_path, data, *flags, name="straight")
     with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):

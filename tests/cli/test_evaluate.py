@@ -20,7 +20,7 @@ from minimoe.core.routing import ConcentrationRouter, Scoring, native_concentrat
 from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, Example, train_tokenizer
 from minimoe.evaluation.accuracy import TokenArrays, diagnostics_report, evaluate_split, json_safe
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
-from minimoe.runs.folder import resolve_adapter
+from minimoe.runs.run_folder import resolve_adapter
 
 WORDS = ("red", "blue", "green", "stone", "water", "light", "heavy", "plant", "animal", "energy", "metal", "cloud",
          "river", "sun", "moon", "seed", "leaf", "magnet", "sound", "heat", "ice", "salt", "sugar", "wind")
@@ -167,7 +167,7 @@ def test_evaluation_and_validation_run_in_trainings_autocast(toy, tmp_path, monk
     from contextlib import contextmanager
 
     from minimoe.evaluation import accuracy
-    from minimoe.runs import evaluation, training
+    from minimoe.runs import eval_run, training
     from minimoe.runs.config import TrainConfig
     from minimoe.runs.recipes import RECIPES
     calls, inside, forwards = [], [], []
@@ -187,7 +187,7 @@ def test_evaluation_and_validation_run_in_trainings_autocast(toy, tmp_path, monk
     def policy(device, dtype):
         calls.append((torch.device(device).type, str(dtype).removeprefix("torch.")))
         return context()
-    monkeypatch.setattr(evaluation, "autocast_for", policy)
+    monkeypatch.setattr(eval_run, "autocast_for", policy)
     monkeypatch.setattr(training, "autocast_for", policy)
     folder = toy["models"]["olmoe"]
     evaluate.main(["--model", str(folder), "--data", str(toy["data"] / "test.jsonl"), "--out-dir", str(tmp_path / "e"),
@@ -322,7 +322,7 @@ def test_tes_run_folder_gives_error_prediction_diagnostics_and_plot(toy, tmp_pat
     # train.py's route: the model it holds (here: rebuilt from the last epoch) gives the same file.
     from minimoe.loading.checkpoint import load_tokenizer
     from minimoe.runs.adapters import load_adapter
-    from minimoe.runs.evaluation import evaluate_run
+    from minimoe.runs.eval_run import evaluate_run
     model = load_adapter(from_pretrained(toy["models"]["olmoe"]), run / "checkpoints" / "epoch-2")
     in_memory = evaluate_run(run, model=model, tokenizer=load_tokenizer(toy["models"]["olmoe"]), batch_size=8)
     # provenance: the loading process's for evaluate.py, the training process's (config.json) in memory
@@ -342,10 +342,10 @@ def test_train_population_of_a_cut_run_is_exactly_its_trained_examples(toy, tmp_
     train.py and from evaluate.py --adapter RUN, score exactly the examples the loop trained on
     (recorded from the loop), not the uncut split."""
     from minimoe.cli import train
-    from minimoe.runs import evaluation
+    from minimoe.runs import eval_run
     from minimoe.runs import training
     trained, scored = set(), []
-    real_batches, real_evaluate = training.micro_batches, evaluation.evaluate_split
+    real_batches, real_evaluate = training.micro_batches, eval_run.evaluate_split
 
     def record_trained(examples, *args):
         trained.update(ex.id for ex in examples)
@@ -355,7 +355,7 @@ def test_train_population_of_a_cut_run_is_exactly_its_trained_examples(toy, tmp_
         scored.append([ex.id for ex in examples])
         return real_evaluate(model, tokenizer, examples, **kw)
     monkeypatch.setattr(training, "micro_batches", record_trained)
-    monkeypatch.setattr(evaluation, "evaluate_split", record_scored)
+    monkeypatch.setattr(eval_run, "evaluate_split", record_scored)
     train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(toy["data"]),
                 "--method", "tes", "--max-train-examples", "7", "--batch-size", "4", "--epochs", "1", "--quiet"])
     run = tmp_path / "run"
@@ -486,7 +486,7 @@ def test_evaluate_run_refuses_examples_without_the_model_they_go_with(tmp_path):
     """evaluate_run scores a model in memory on the examples it is handed, or loads the run's checkpoint
     and its own splits: examples without a model would be dropped unread, so they are refused, before
     any output."""
-    from minimoe.runs.evaluation import evaluate_run
+    from minimoe.runs.eval_run import evaluate_run
     with pytest.raises(ValueError, match="examples and train_examples go with an in-memory model"):
         evaluate_run(tmp_path / "run", examples=[Example("q1", "Which?", ["a", "b"], 0, {})])
     assert not (tmp_path / "run").exists()

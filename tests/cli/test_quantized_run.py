@@ -10,7 +10,7 @@ pytest.importorskip("torchao")  # the quant extra (and the test extra)
 from minimoe.cli import train  # noqa: E402
 from minimoe.core.quantized import is_quantized  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained  # noqa: E402
-from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
+from minimoe.making.tiny import tiny_checkpoint  # noqa: E402
 from minimoe.runs.adapters import load_adapter  # noqa: E402
 from tests.kill import killed_after  # noqa: E402
 
@@ -27,7 +27,7 @@ def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path):
     assert json.loads((run / "config.json").read_text())["quantize"] == "nf4"
     assert (run / "checkpoints" / "epoch-2" / "adapter.safetensors").is_file()
 
-    from minimoe.runs.evaluation import load_evaluation
+    from minimoe.runs.eval_run import load_evaluation
     evaluation = load_evaluation(adapter=run, max_examples=2, data_dir=tmp_path / "splits", device="cpu",
                                  dtype="float32")
     packed = evaluation.model
@@ -37,7 +37,7 @@ def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path):
     load_adapter(from_pretrained(tiny_checkpoint()), run / "checkpoints" / "epoch-2")
 
     # --merged: the dequantised base plus the LoRA delta, a dense checkpoint computing what the packed model does.
-    from minimoe.integrations.export import export_merged_adapter
+    from minimoe.integrations.hf_export import export_merged_adapter
     merged = from_pretrained(export_merged_adapter(run, tmp_path / "merged"))
     assert not any(is_quantized(m) for m in merged.modules())
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -18,9 +18,9 @@ from scipy.stats import binomtest
 
 from minimoe.cli import evaluate, sweep
 from minimoe.evaluation.diagnostics import accuracy_table
-from minimoe.loading.tiny import tiny_checkpoint
-from minimoe.study.grid import ALL_LAYERS, BASELINE_ROWS, PRESETS, ROWS, grid
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.study import grid as grid_module
+from minimoe.study.grid import ALL_LAYERS, BASELINE_ROWS, PRESETS, ROWS, grid
 from minimoe.study.launch import queued_job, run_cell, run_on_devices, submit_slurm
 from minimoe.study.report import (COMPARISONS_TITLE, ZERO_SHOT, comparison_table, concentration_table, error_figures,
                                   group_comparisons, train_seconds, transform_table, write_report)
@@ -496,7 +496,7 @@ def test_the_sweep_command_and_the_grid_accept_the_same_rows(tmp_path, row, caps
 
 def test_the_help_example_of_your_own_rows_names_what_the_example_file_registers(capsys, monkeypatch):
     """Issue 41 item 7: sweep.py --help's row `my_method` was not the name examples/my_method.py registers."""
-    from minimoe.runs.plugins import resolve_method
+    from minimoe.runs.registry import resolve_method
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     with pytest.raises(SystemExit):
         sweep.main(["--help"])

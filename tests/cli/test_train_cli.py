@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from minimoe.cli import train
 from minimoe.core.methods import ALIASES
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,15 +60,15 @@ def test_every_method_trains_and_records_its_run(tmp_path, flags):
 def test_the_method_is_resolved_once_per_run(tmp_path, monkeypatch):
     """train.py turns --method into its Method once; installing the router, the optimizer, every step
     and the run's name and label use that object. Every name-to-record look-up ends in methods.get_method
-    (plugins.resolve_method's, and set_router's for a name): counted over a whole two-step run."""
+    (registry.resolve_method's, and set_router's for a name): counted over a whole two-step run."""
     from minimoe.core import methods
-    from minimoe.runs import plugins
+    from minimoe.runs import registry
     original, calls = methods.get_method, []
 
     def counted(name):
         calls.append(name)
         return original(name)
-    monkeypatch.setattr(plugins, "get_method", counted)
+    monkeypatch.setattr(registry, "get_method", counted)
     monkeypatch.setattr(methods, "get_method", counted)
     run_train(tmp_path, "--method", "tes", "--batch-size", "4", "--grad-accum", "2")
     assert calls == ["tes"]
@@ -344,7 +344,7 @@ def records(run):
 def test_resume_does_not_score_the_base_model_again(tmp_path, monkeypatch):
     """--zero-shot scores the base model before training; a run killed after that, resumed, keeps
     eval/test-base as it is and does not run it again (it is the same number, at the cost of a test pass)."""
-    from minimoe.runs import evaluation
+    from minimoe.runs import eval_run
     data = manifests(tmp_path, train=lambda pool: pool[:16], val=lambda pool: pool[16:20], test=lambda pool: pool[20:26])
     flags = ["--data", str(data), "--method", "ce", "--epochs", "2", "--zero-shot"]
     with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
@@ -356,7 +356,7 @@ def test_resume_does_not_score_the_base_model_again(tmp_path, monkeypatch):
 
     def again(*args, **kwargs):
         raise AssertionError("the base model was scored again on resume")
-    monkeypatch.setattr(evaluation, "evaluate_zero_shot", again)
+    monkeypatch.setattr(eval_run, "evaluate_zero_shot", again)
     run_train(tmp_path, *flags, "--resume", name="killed")
     assert base.stat().st_mtime_ns == written
     assert json.loads((tmp_path / "killed" / "selection.json").read_text())["last_epoch"] == 2
@@ -365,18 +365,18 @@ def test_resume_does_not_score_the_base_model_again(tmp_path, monkeypatch):
 def test_resume_after_a_kill_between_the_test_evaluations_runs_only_the_missing_one(tmp_path, monkeypatch):
     """--test-checkpoint both, killed while scoring the selected epoch: the resumed run scores that one
     and leaves the last epoch's finished evaluation as it is."""
-    from minimoe.runs import evaluation
+    from minimoe.runs import eval_run
     data = manifests(tmp_path, train=lambda pool: pool[:8], val=lambda pool: pool[16:20], test=lambda pool: pool[20:26])
     flags = ["--out-dir", str(tmp_path), "--run-name", "run", "--model", "tiny", "--data", str(data), "--method", "ce",
              "--batch-size", "8", "--epochs", "1", "--quiet", "--test-checkpoint", "both"]
-    calls, real = [], evaluation.evaluate_run
+    calls, real = [], eval_run.evaluate_run
 
     def evaluate_run(run, split="test", *, checkpoint=None, **kw):
         calls.append(checkpoint)
         if checkpoint == "selected" and len(calls) == 2:
             raise SystemExit("killed while scoring the selected epoch")
         return real(run, split, checkpoint=checkpoint, **kw)
-    monkeypatch.setattr(evaluation, "evaluate_run", evaluate_run)
+    monkeypatch.setattr(eval_run, "evaluate_run", evaluate_run)
     with pytest.raises(SystemExit, match="killed while scoring"):
         train.main(flags)
     eval_dir = tmp_path / "run" / "eval"
@@ -494,7 +494,7 @@ def test_training_state_round_trips_with_weights_only_and_a_full_disk_names_the_
 
     import numpy as np
 
-    from minimoe.runs import folder as runs
+    from minimoe.runs import run_folder as runs
     optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))])
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     path = tmp_path / "training_state.pt"

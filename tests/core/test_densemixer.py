@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from minimoe.core.densemixer import dense_weights
 from minimoe.core.methods import set_router
 from minimoe.core.routing import Scoring, moe_blocks
-from minimoe.loading.tiny import FAMILY_SWITCHES
+from minimoe.making.tiny import FAMILY_SWITCHES
 from tests.conftest import tiny_model
 
 CASES = {**{f: (f, {}) for f in FAMILY_SWITCHES},

@@ -6,7 +6,7 @@ import torch
 from minimoe.core import esft
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import set_router
-from minimoe.loading.tiny import FAMILY_SWITCHES
+from minimoe.making.tiny import FAMILY_SWITCHES
 from tests.conftest import tiny_model
 
 

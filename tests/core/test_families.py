@@ -102,12 +102,12 @@ def test_family_fixed_fields_override_the_file():
 
 
 # Where a module may name a family by its model_type: the records, and the builders that make a model of
-# one on purpose (loading/tiny.py's tiny models; the upcycler, which writes a Granite-MoE checkpoint).
+# one on purpose (making/tiny.py's tiny models; making/upcycle.py, which writes a Granite-MoE checkpoint).
 # "olmoe" is also the paper's name for a recipe (recipes are named for the backbone that trained them):
 # allowed as a recipe name where recipes are declared (runs/recipes.py) and the paper's grid picks them.
 REPO = Path(__file__).resolve().parents[2]
-ALLOWED = {"minimoe/core/families.py": set(FAMILIES), "minimoe/loading/tiny.py": set(FAMILIES),
-           "minimoe/loading/upcycle.py": {"granitemoe"},
+ALLOWED = {"minimoe/core/families.py": set(FAMILIES), "minimoe/making/tiny.py": set(FAMILIES),
+           "minimoe/making/upcycle.py": {"granitemoe"},
            "minimoe/runs/recipes.py": set(RECIPES) & set(FAMILIES), "minimoe/study/grid.py": set(RECIPES) & set(FAMILIES)}
 
 

@@ -160,7 +160,7 @@ def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
     import peft
     import transformers
     from safetensors.torch import load_file
-    from minimoe.integrations.export import export_peft
+    from minimoe.integrations.hf_export import export_peft
     from minimoe.runs.adapters import save_adapter
     reference_model(variant_config(variant), tmp_path / "base")
     model = minimoe.from_pretrained(tmp_path / "base")
@@ -222,8 +222,8 @@ def test_hybrid_packed_rows_equal_per_candidate_rows(variant, method, tmp_path):
     the family's default targets, the Mamba-2 or DeltaNet projections included) equal per-candidate rows.
     In fp64: in fp32 the delta rule's chunked solve amplifies rounding, and Qwen3-Next's gradients of the
     two layouts differ by 7e-5 of their largest entry (2.4e-7 in fp64, where norms and router stay fp32)."""
-    from minimoe.core.scoring import make_choice_batch
-    from tests.core.test_scoring import CharTokenizer, assert_close, examples, terms
+    from minimoe.core.choices import make_choice_batch
+    from tests.core.test_choices import CharTokenizer, assert_close, examples, terms
     reference_model(variant_config(variant), tmp_path)
     model = minimoe.from_pretrained(tmp_path, dtype=torch.float64)
     set_router(model, method, layers="all", **({"gamma": 1.0} if method == "tes" else {}))

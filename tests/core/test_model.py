@@ -4,6 +4,8 @@ The reference model is built and randomised by transformers itself and saved wit
 save_pretrained; ours loads those files through the same `from_pretrained` that reads official
 checkpoints. Gradients are compared parameter by parameter, mapped through the checkpoint name table.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,8 +14,8 @@ import minimoe
 import minimoe.core.experts as mm
 import minimoe.core.model as model_module
 from minimoe.core import cpu_kernels
+from minimoe.core.choices import forward_choices, make_choice_batch
 from minimoe.core.objectives import load_balancing_loss
-from minimoe.core.scoring import forward_choices, make_choice_batch
 from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
 from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, oracle, spy_grouped_mm, tiny_config, tiny_model
 
@@ -123,14 +125,26 @@ def test_clip_qkv_actually_clips(tmp_path):
     assert attn.q_norm(attn.q_proj(x)).abs().max() > 0.5
 
 
-def test_bf16_error_no_worse_than_reference_bf16(family, tmp_path):
-    """bf16: our error against the fp32 reference is within 2x of transformers' own bf16 error."""
+# The GPU recipe runs a bf16 model under autocast; the CPU replays it under CPU autocast, which makes the
+# same dtype choices (an fp32 router's F.linear ran in bf16 there until the router left autocast).
+GPU_RECIPE = pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast"])
+
+
+def bf16_recipe(autocast: bool):
+    return torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+
+
+@GPU_RECIPE
+def test_bf16_error_no_worse_than_reference_bf16(family, tmp_path, autocast):
+    """bf16: our error against the fp32 reference is within 2x of transformers' own bf16 error, with
+    and without autocast."""
     ref = reference_model(tiny(family), path := tmp_path / "ref")
     ids, mask = batch()
     with torch.no_grad():
         exact = ref(ids, attention_mask=mask).logits
         ref_bf16 = ref.to(torch.bfloat16)(ids, attention_mask=mask).logits
-        ours_bf16 = minimoe.from_pretrained(path, dtype=torch.bfloat16)(ids, attention_mask=mask).logits
+        with bf16_recipe(autocast):
+            ours_bf16 = minimoe.from_pretrained(path, dtype=torch.bfloat16)(ids, attention_mask=mask).logits
     assert ours_bf16.dtype == torch.bfloat16
     assert rel_err(ours_bf16, exact, mask) <= 2 * rel_err(ref_bf16, exact, mask)
 
@@ -139,7 +153,7 @@ def test_bf16_packed_answer_logprobs_no_worse_than_reference_bf16(family, tmp_pa
     """The CPU bf16 scoring path (packed rows, block-causal mask, LM head at the answer positions, fp32
     log-softmax): its answer-token log-probs are within 2x of transformers' own bf16 error, both
     against transformers in fp32 on plain per-candidate rows."""
-    from tests.core.test_scoring import CharTokenizer, examples
+    from tests.core.test_choices import CharTokenizer, examples
     ref = reference_model(tiny(family), path := tmp_path / "ref")
     tok, pad = CharTokenizer(), ref.config.pad_token_id
     packed = make_choice_batch(examples(), tok, pad)
@@ -172,15 +186,18 @@ def worst_grad_err(got, exact):
     return max(((got[k] - want).abs().max() / want.abs().max().clamp(min=1e-8)).item() for k, want in exact.items())
 
 
-def test_bf16_gradients_no_worse_than_reference_bf16(family, tmp_path):
-    """The CPU bf16 training path's gradients: per weight, our bf16 error against transformers' fp32
-    gradient is within 2x of transformers' own bf16 error (the worst weight of each model compared)."""
+@GPU_RECIPE
+def test_bf16_gradients_no_worse_than_reference_bf16(family, tmp_path, autocast):
+    """The bf16 training path's gradients, with and without autocast: per weight, our bf16 error against
+    transformers' fp32 gradient is within 2x of transformers' own bf16 error (the worst weight of each
+    model compared)."""
     ref = reference_model(tiny(family), path := tmp_path / "ref")
     ids, mask = batch()
     exact = next_token_grads(ref, ids, mask)
     ref_bf16 = next_token_grads(ref.to(torch.bfloat16), ids, mask)
     ours = minimoe.from_pretrained(path, dtype=torch.bfloat16)
-    ours_bf16 = to_disk_layout(ours.config, next_token_grads(ours, ids, mask))
+    with bf16_recipe(autocast):
+        ours_bf16 = to_disk_layout(ours.config, next_token_grads(ours, ids, mask))
     assert 0 < worst_grad_err(ours_bf16, exact) <= 2 * worst_grad_err(ref_bf16, exact)
 
 

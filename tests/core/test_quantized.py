@@ -5,17 +5,18 @@ from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("torchao")  # the quant extra (and the test extra); a plain install skips these tests
 
-from minimoe.loading.tiny import FAMILY_SWITCHES, tiny_model  # noqa: E402
+from minimoe.making.tiny import FAMILY_SWITCHES, tiny_model  # noqa: E402
 from minimoe.core import quantized  # noqa: E402
 from minimoe.core.experts import GroupedLinear  # noqa: E402
 from minimoe.core.lora import add_lora  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained  # noqa: E402
-from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
+from minimoe.making.tiny import tiny_checkpoint  # noqa: E402
 
 nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
 
@@ -170,23 +171,44 @@ FAMILY_METHOD = [("olmoe", m) for m in ("ce", "tes", "acs", "dual")] + [
          "flex_olmo", "glm4_moe", "llama4_text", "granitemoehybrid", "qwen3_next"])]
 
 
+def dense_twin(packed: nn.Module, family: str) -> nn.Module:
+    """The tiny model of `family` holding the packed model's dequantised weights, dense."""
+    dense = tiny_model(family, vocab_size=2048)
+    with torch.no_grad():
+        for name in quantized.quantized_modules(packed):
+            packed.get_submodule(name).packed.dequantize_into(dense.get_submodule(name).weight)
+    return dense
+
+
 @pytest.mark.parametrize("family,method", FAMILY_METHOD)
 def test_methods_train_on_every_family_with_a_packed_base(tmp_path, family, method):
-    """install_method on a packed tiny model, then optimizer steps on one batch: the task loss falls."""
+    """install_method on a packed tiny model: the first optimizer step's gradients (LoRA, the method's
+    heads) equal those of the same model dense on the dequantised weights, so backward runs through every
+    packed layer; then further steps on the batch lower the task loss."""
     from tests.test_gpu_path import step_batches
     from minimoe.runs import training
     from minimoe.runs.config import TrainConfig, method_for
     from minimoe.runs.recipes import RECIPES
     cfg = replace(TrainConfig(**RECIPES["tiny"], method=method), lora_dropout=0.0, batch_size=2, pad_token_id=0,
                   device="cpu", layers="all", quantize="nf4")
-    model = quantized.quantize_model(tiny_model(family, vocab_size=2048), "nf4")
-    training.install_method(model, cfg, method_for(cfg))
-    model.train()
+    packed = quantized.quantize_model(tiny_model(family, vocab_size=2048), "nf4")
     batches = step_batches(tmp_path, cfg)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
-    losses = [training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, method_for(cfg), s, 1)["task"]
-              for s in range(1, 5)]
+    runs = []
+    for model in (packed, dense_twin(packed, family)):
+        torch.manual_seed(0)
+        training.install_method(model, cfg, method_for(cfg))
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        grads = {}
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs, m=model: grads.update(
+            {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None} if not grads else {}))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        step = lambda s: training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, method_for(cfg), s, 1)
+        runs.append((grads, [step(s)["task"] for s in range(1, 5 if model is packed else 2)]))
+    (got, losses), (want, _) = runs
+    assert got.keys() == want.keys() and any("lora_A" in n for n in got)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
     assert losses[-1] < losses[0], losses
 
 

@@ -2,7 +2,7 @@
 layers on their pure-PyTorch paths (GraniteMoeHybridMambaLayer.torch_forward, Qwen3NextGatedDeltaNet with
 torch_chunk_gated_delta_rule) on the same random weights: outputs in fp32 (unpadded, left and right
 padded), gradients, bf16 error; and against themselves: a padded row equals the row alone, a packed row
-(prompt + candidates, core/scoring.py's layout) equals each candidate's own row, and a forward in
+(prompt + candidates, core/choices.py's layout) equals each candidate's own row, and a forward in
 pieces through the state cache equals one forward over the whole row."""
 from types import SimpleNamespace
 
@@ -122,7 +122,7 @@ def test_padding_does_not_leak(kind):
 
 @pytest.mark.parametrize("kind", ["mamba2", "gated_deltanet"])
 def test_packed_row_equals_each_candidate_alone(kind):
-    """A prompt (segment 0) then candidates 1..3, right-padded, as core/scoring.py packs them: the prompt's
+    """A prompt (segment 0) then candidates 1..3, right-padded, as core/choices.py packs them: the prompt's
     outputs equal the prompt alone, each candidate's equal its own row (prompt + candidate)."""
     _, ours = pair(kind)
     lengths = [[9, 4, 11, 2], [3, 6, 1, 5]]  # prompt, then candidates, per row
@@ -172,3 +172,21 @@ def test_mamba_heads_must_divide_the_inner_width_only_where_there_are_mamba_laye
     assert MoEConfig(**kw, mamba_n_heads=8).mamba_d_head == 8
     with pytest.raises(ValueError, match="mamba_n_heads 128 does not divide mamba_expand \\* hidden_size = 64"):
         MoEConfig(**kw, mixer_types=["mamba2", "attention"])
+
+
+def test_packed_rows_read_their_layout_once_per_forward(monkeypatch):
+    """The packed rows' layout is read on the host (a device sync on a GPU) once per forward, however many
+    recurrent layers the model has: the first reads it, the others reuse it (ssm_common.segment_plan)."""
+    from minimoe.core import ssm_common
+    from tests.conftest import tiny_model
+    model = tiny_model("granitemoehybrid", num_hidden_layers=4, mixer_types=["mamba2", "mamba2", "attention", "mamba2"])
+    reads = []
+    plan = ssm_common.segment_plan
+    monkeypatch.setattr(ssm_common, "segment_plan", lambda *a: reads.append(1) or plan(*a))
+    segments = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 0], [0, 0, 1, 2, 2, 2, 0, 0]])
+    mask = torch.tensor([[1] * 7 + [0], [1] * 6 + [0] * 2])
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for _ in range(2):
+            model(ids, attention_mask=mask, segment_ids=segments)
+    assert len(reads) == 2

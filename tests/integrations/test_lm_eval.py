@@ -27,7 +27,7 @@ from minimoe.core.methods import set_router  # noqa: E402
 from minimoe.data.benchmarks import load_split  # noqa: E402
 from minimoe.integrations.lm_eval import MiniMoELM, write_mcqa_task  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained  # noqa: E402
-from minimoe.loading.tiny import tiny_checkpoint  # noqa: E402
+from minimoe.making.tiny import tiny_checkpoint  # noqa: E402
 from minimoe.runs.adapters import save_adapter  # noqa: E402
 from tests.conftest import only_in_the_full_matrix  # noqa: E402
 from tests.test_families_pipeline import FAMILY_SWITCHES, ROUND2, VARIANTS, saved  # noqa: E402

@@ -6,7 +6,7 @@ import pytest
 from minimoe import from_pretrained
 from minimoe.cli import evaluate, export, train
 from minimoe.core.methods import Method
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.training import install_method
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 SHA = "0123456789abcdef0123456789abcdef01234567"  # the commit the fake hub snapshot claims

@@ -15,7 +15,7 @@ from minimoe.cli import train
 from minimoe.cli import evaluate
 from minimoe.core.methods import Method
 from minimoe.core.routing import NativeRouter
-from minimoe.runs.plugins import register_method, resolve_method
+from minimoe.runs.registry import register_method, resolve_method
 from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[2]

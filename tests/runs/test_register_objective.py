@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from minimoe.cli import train
 from minimoe.core.objectives import OBJECTIVES, Objective, itakura_saito
-from minimoe.runs.plugins import register_objective
+from minimoe.runs.registry import register_objective
 from tests.kill import killed_after
 from tests.runs.test_register_method import fresh_process
 

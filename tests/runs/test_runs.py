@@ -1,4 +1,4 @@
-"""The run rules that train.py and evaluate.py share (minimoe.runs.device, minimoe.runs.folder): one answer to which device, dtype,
+"""The run rules that train.py and evaluate.py share (minimoe.runs.device, minimoe.runs.run_folder): one answer to which device, dtype,
 pad id and label a run has, whichever entry point asks."""
 import warnings
 from pathlib import Path
@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from minimoe.core.choices import pad_id
 from minimoe.core.methods import get_method
-from minimoe.core.scoring import pad_id
 from minimoe.runs.device import CPU_DTYPE_VARIABLE, cpu_capabilities, native_bf16, pick_device, pick_dtype
-from minimoe.runs.folder import AdapterSource
+from minimoe.runs.run_folder import AdapterSource
 
 
 @pytest.mark.parametrize("method, objective, tune, label", [

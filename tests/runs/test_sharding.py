@@ -35,10 +35,10 @@ from minimoe.core.lora import add_lora, merge_lora
 from minimoe.data.benchmarks import load_examples
 from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.loading.checkpoint import from_pretrained, read_config, save_pretrained
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.adapters import load_adapter
 from minimoe.runs.config import build_config
-from minimoe.runs.folder import run_lock
+from minimoe.runs.run_folder import run_lock
 from minimoe.runs.sharding import ShardingRefused, check_sharding, shard
 from tests.conftest import oracle, tiny_model
 from tests.runs.test_sharded_load import with_biases

@@ -10,13 +10,13 @@ import torch
 
 from minimoe.cli import evaluate
 from minimoe.cli import train
+from minimoe.core.choices import pad_id
+from minimoe.core.choices import forward_choices, make_choice_batch
 from minimoe.core.methods import set_router
-from minimoe.core.scoring import pad_id
-from minimoe.core.scoring import forward_choices, make_choice_batch
 from minimoe.data.benchmarks import load_split
 from minimoe.evaluation.accuracy import evaluate_split
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.tracking import RoutingStats
 
 SMOKE = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "2", "--no-test-eval",

@@ -12,17 +12,17 @@ from minimoe.cli import train
 from tests.conftest import NEW_FAMILIES, oracle, tiny_model
 from tests.runs.test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
+from minimoe.core.choices import format_choice, format_prompt
+from minimoe.core.choices import forward_choices
 from minimoe.core.objectives import load_balancing_loss
-from minimoe.core.scoring import format_choice, format_prompt
-from minimoe.core.scoring import forward_choices
 from minimoe.core.step import step_loss
 from minimoe.data.benchmarks import load_split
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import training
 from minimoe.runs.adapters import trainable_parameters
 from minimoe.runs.config import TrainConfig
-from minimoe.runs.recipes import RECIPES
 from minimoe.runs.config import method_for
+from minimoe.runs.recipes import RECIPES
 from minimoe.runs.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 
 transformers = oracle("transformers")  # its tests skip without the test extra
@@ -287,7 +287,7 @@ def test_the_loops_hooks_see_each_position_a_checkpoint_resumes_from(tmp_path):
     from unittest import mock
 
     from minimoe.data.benchmarks import load_examples
-    from minimoe.runs.folder import latest_checkpoint
+    from minimoe.runs.run_folder import latest_checkpoint
     seen = {"step": [], "epoch": []}
     run = tmp_path / "run"
 

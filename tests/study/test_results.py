@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from minimoe.cli import evaluate, sweep
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.study import compare, results
 
 ROWS = ["CE", "ACS-IS"]  # ACS-IS's control is CE: the report's group table has one line

@@ -1,4 +1,4 @@
-"""minimoe.loading.split: splitting a dense Llama's MLP neurons into distinct experts with a fitted router.
+"""minimoe.making.split: splitting a dense Llama's MLP neurons into distinct experts with a fitted router.
 
 References: transformers' LlamaForCausalLM (the dense model the split must equal when K = E with a
 zero router) and GraniteMoeForCausalLM (which must load the written checkpoint with our logits);
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import minimoe
-from minimoe.loading.split import SplitError, SplitSettings, neuron_activations, split_layer
-from minimoe.loading.upcycle import upcycle
+from minimoe.making.split import SplitError, SplitSettings, neuron_activations, split_layer
+from minimoe.making.upcycle import upcycle
 
 transformers = pytest.importorskip("transformers")
 
@@ -190,7 +190,7 @@ def test_activations_are_swiglu():
 
 
 # ---------------------------------------------------------------------------------------------------
-# Each documented step of minimoe/loading/split.py against a computation of its own in the test: plain torch,
+# Each documented step of minimoe/making/split.py against a computation of its own in the test: plain torch,
 # neuron by neuron or token by token, not split.py's functions. The layer is random; every test first
 # checks that its data tells the documented choice from the plausible wrong ones (otherwise it could
 # not fail), then checks split_layer's output.
@@ -347,7 +347,7 @@ def test_repair_is_the_joint_least_squares_fit_of_the_down_projections_given_the
 def test_balanced_assignment_fills_the_most_similar_pairs_first_under_the_size_cap():
     """Step 3's assignment on a case worked by hand: pairs by similarity .95 (1, 0), .9 (0, 0): group 0 is
     full; .8 (0, 1) row 0 has a group; .5 (2, 0) full; .4 (2, 1); .3 (3, 1) -> [0, 0, 1, 1]."""
-    from minimoe.loading.split import balanced_assign
+    from minimoe.making.split import balanced_assign
     sim = torch.tensor([[0.9, 0.8], [0.95, 0.1], [0.5, 0.4], [0.2, 0.3]])
     assert balanced_assign(sim, 2).tolist() == [0, 0, 1, 1]
 
@@ -356,8 +356,8 @@ def test_each_layer_is_split_on_the_hidden_states_of_the_split_layers_below(dens
     """Step 1: layer 1's shared set is the top N by importance on the MLP inputs of the model being
     built (its split layer 0 below), recomputed here from that model's forward pass, and differs from
     the top N on the dense model's own layer-1 inputs."""
-    from minimoe.loading.split import split_model
-    from minimoe.loading.upcycle import assemble, moe_config, read_llama_folder, upcycle_tensors
+    from minimoe.making.split import split_model
+    from minimoe.making.upcycle import assemble, moe_config, read_llama_folder, upcycle_tensors
     llama, tensors, _ = read_llama_folder(dense[0])
     config = moe_config(llama, 1, 1, torch.float32)
     one = assemble(config, upcycle_tensors(config, tensors, seed=0, noise=0.0, dtype=torch.float32))
@@ -389,7 +389,7 @@ def test_the_held_out_fifth_of_the_prose_is_never_fitted(dense, tmp_path, monkey
     """The fitting text: the documents whose sha256(id) is 0 mod 5, counted here with hashlib, are kept
     for bench/split.py's held-out NLL; the upcycler fits on all the others and on none of those."""
     import hashlib
-    from minimoe.loading import split as splitting
+    from minimoe.making import split as splitting
     seen = []
     token_rows = splitting.token_rows
     monkeypatch.setattr(splitting, "token_rows", lambda tok, docs, *a: seen.append(docs) or token_rows(tok, docs, *a))

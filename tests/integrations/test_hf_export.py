@@ -1,4 +1,4 @@
-"""Tests for minimoe.integrations.export: peft + transformers (the test-only oracle) load an exported adapter with our logits."""
+"""Tests for minimoe.integrations.hf_export: peft + transformers (the test-only oracle) load an exported adapter with our logits."""
 import json
 import re
 import shutil
@@ -12,15 +12,15 @@ from minimoe.cli.export import main
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import set_router
 from minimoe.core.routing import moe_blocks
-from minimoe.integrations.export import export_peft
+from minimoe.integrations.hf_export import export_peft
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
-from minimoe.loading.tiny import tiny_checkpoint
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.adapters import export_merged, save_adapter
 from minimoe.runs.config import TrainConfig, method_for
 from minimoe.runs.recipes import RECIPES
 from minimoe.runs.training import install_method
 
-# (family, method, tune_router): CE and ACS, with and without affinity tuning, across both families; ESFT, whose
+# (family, method, tune_router): CE and ACS, with and without affinity tuning, on Granite and OLMoE; ESFT, whose
 # router state (its choice of experts) is training's and stays out of the export
 CASES = [("granitemoe", "native", False), ("granitemoe", "acs", True), ("olmoe", "native", True), ("olmoe", "acs", False),
          ("olmoe", "esft", False)]

@@ -1,8 +1,8 @@
 """Split upcycling: a dense Llama's MLP neurons become E distinct experts, with a fitted router (Granite-MoE).
 
-    python -m minimoe.loading.upcycle SmolLM2-135M-Instruct.Q4_1.gguf weights/smollm2-split --mode split --experts 16 --top-k 8
+    python -m minimoe.making.upcycle SmolLM2-135M-Instruct.Q4_1.gguf weights/smollm2-split --mode split --experts 16 --top-k 8
 
-Copy upcycling (minimoe/loading/upcycle.py) makes E identical experts, so the router cannot change the output.
+Copy upcycling (minimoe/making/upcycle.py) makes E identical experts, so the router cannot change the output.
 Here each layer's I MLP neurons are divided instead (T = fitting tokens, D = hidden, N = shared neurons,
 E = experts, G = (I - N) / E neurons of one expert's own group, K = experts per token):
 

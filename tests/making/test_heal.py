@@ -1,4 +1,4 @@
-"""minimoe.study.heal: distilling the dense model into a split one, on a tiny random split of a tiny dense Granite.
+"""minimoe.making.heal: distilling the dense model into a split one, on a tiny random split of a tiny dense Granite.
 
 References: torch's own F.kl_div for the loss; the student's weights before healing for what a stage
 may change (bit for bit where nothing may, a per-expert factor on the own-group down columns where
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 import minimoe
 from minimoe.data.benchmarks import train_tokenizer
 from minimoe.loading.checkpoint import load_tokenizer, save_pretrained
-from minimoe.loading.split import SplitSettings, held_out, prose_documents, record, split_model, token_rows
-from minimoe.study.heal import (PROBE_ROWS, PROMPT_TOKENS, HealError, HealSettings, distil, heal, healing_text,
+from minimoe.making.heal import (PROBE_ROWS, PROMPT_TOKENS, HealError, HealSettings, distil, heal, healing_text,
                                 kl_divergence, main, unfitted_documents)
+from minimoe.making.split import SplitSettings, held_out, prose_documents, record, split_model, token_rows
 from tests.conftest import tiny_model
 
 E, K, SHARED, I = 4, 2, 16, 48  # (I - SHARED) / E = 8 own neurons per expert, M = 24
@@ -186,7 +186,7 @@ def test_both_stages_in_bf16_train_the_fp32_model_and_nothing_outside_the_mlps(f
 
 def spy_training_kl(monkeypatch) -> list:
     """Record each KL that distil trains on (its student logits carry a gradient): (teacher arg, student arg, loss)."""
-    import minimoe.study.heal as heal_module
+    import minimoe.making.heal as heal_module
     calls, real = [], heal_module.kl_divergence
 
     def spy(a, b):
@@ -243,7 +243,7 @@ def test_experts_stage_trains_the_banks_and_the_routers_only(folders):
 def test_the_probe_rows_are_never_trained_on(folders, tmp_path, monkeypatch):
     """heal's first PROBE_ROWS rows of healing text only measure: no row the student trains on (a forward
     with gradients) is one of them, in either stage, and every other row is trained on once."""
-    import minimoe.study.heal as heal_module
+    import minimoe.making.heal as heal_module
     trained, real = [], heal_module.from_pretrained
 
     def loaded(*args, **kwargs):

@@ -27,10 +27,10 @@ from minimoe.evaluation.diagnostics import (PAPER_SEEDS, accuracy_table, collect
 from minimoe.evaluation.folders import METRICS, PREDICTIONS, eval_dir, tokens_file
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer, resolve_checkpoint
 from minimoe.runs.adapters import load_adapter
-from minimoe.runs.naming import ablation_settings
 from minimoe.runs.device import autocast_for, pick_device, pick_dtype
-from minimoe.runs.folder import AdapterSource, read_json, resolve_adapter
+from minimoe.runs.naming import ablation_settings
 from minimoe.runs.provenance import provenance
+from minimoe.runs.run_folder import AdapterSource, read_json, resolve_adapter
 
 log = logging.getLogger(__name__)
 

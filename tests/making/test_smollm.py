@@ -5,7 +5,7 @@ import zipfile
 
 import pytest
 
-from minimoe.loading import smollm
+from minimoe.making import smollm
 
 
 def test_unreachable_registry_says_what_to_do(tmp_path, monkeypatch):

@@ -49,7 +49,7 @@ from minimoe.core.methods import Method
 from minimoe.evaluation.folders import EVAL, is_base
 from minimoe.runs.compat import settings_of
 from minimoe.runs.config import method_for
-from minimoe.runs.plugins import method_of
+from minimoe.runs.registry import method_of
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from minimoe.core.choices import choice_loss, choice_scores, forward_choices, make_choice_batch
 from minimoe.core.lora import add_lora
 from minimoe.core.methods import set_router
 from minimoe.core.objectives import supervision_loss
-from minimoe.core.scoring import choice_loss, choice_scores, forward_choices, make_choice_batch
 from minimoe.data.benchmarks import Example
 from minimoe.evaluation.accuracy import evaluate_split
 from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, tiny_model

@@ -1,10 +1,10 @@
 """Healing a split model: its next-token distribution distilled from the dense model it was split from.
 
-    python -m minimoe.loading.upcycle SmolLM2-135M-Instruct.Q4_1.gguf weights/smollm2-dense --experts 1 --top-k 1
-    python -m minimoe.study.heal weights/smollm2-split weights/smollm2-split-healed --teacher weights/smollm2-dense \
+    python -m minimoe.making.upcycle SmolLM2-135M-Instruct.Q4_1.gguf weights/smollm2-dense --experts 1 --top-k 1
+    python -m minimoe.making.heal weights/smollm2-split weights/smollm2-split-healed --teacher weights/smollm2-dense \
         --tokens 300000 --stage routers --dtype bfloat16
 
-The student is a split MoE (minimoe/loading/split.py; its folder holds split.json). The teacher computes the
+The student is a split MoE (minimoe/making/split.py; its folder holds split.json). The teacher computes the
 dense model's logits with the student's tokenizer: the one-expert copy above, or the default model
 weights/smollm2-135m-moe (4 identical experts: the same logits for twice the MLP work). The loss, at
 temperature 1 over the full vocabulary (T = tokens, V = vocab, p = softmax of the logits):
@@ -49,7 +49,7 @@ from torch.nn.utils import parametrize
 from minimoe.atomic import atomic_directory, check_replaceable
 from minimoe.core.generate import generate
 from minimoe.loading.checkpoint import RUN_DTYPES, from_pretrained, load_tokenizer, read_config, write_checkpoint
-from minimoe.loading.split import held_out, prose_documents, token_rows
+from minimoe.making.split import held_out, prose_documents, token_rows
 from minimoe.runs.provenance import file_digest, git_commit
 
 STAGES = {"routers": ("routers",), "experts": ("experts",), "both": ("routers", "experts")}
@@ -121,7 +121,7 @@ def check_pair(student: Path, teacher: Path) -> dict:
     """-> the student's split settings (split.json); raises HealError for a student that is no split or a teacher
     whose vocabulary differs (the KL compares distributions over the same tokens)."""
     if not (student / "split.json").is_file():
-        raise HealError(f"{student}: no split.json; expected a split model (python -m minimoe.loading.upcycle GGUF OUT "
+        raise HealError(f"{student}: no split.json; expected a split model (python -m minimoe.making.upcycle GGUF OUT "
                         f"--mode split), whose record says which down columns are shared")
     s, t = read_config(student), read_config(teacher)
     if s.vocab_size != t.vocab_size:
@@ -281,7 +281,7 @@ def heal(student, out, teacher, s: HealSettings = HealSettings()) -> dict:
 
 def main(argv=None):
     d = HealSettings()
-    p = argparse.ArgumentParser(prog="python -m minimoe.study.heal", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m minimoe.making.heal", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("student", help="a split model's folder (with split.json)")
     p.add_argument("out", help="the healed model's folder (replaced whole, atomically)")

@@ -2,8 +2,9 @@
 
 `export_peft(adapter_or_run, out_dir)` writes `adapter_config.json` and `adapter_model.safetensors`
 such that `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)`
-gives minimoe's logits with the adapter (tests/integrations/test_export.py holds this for both families). Our
-names map onto the checkpoint's through the family's `layer_keys` (core/families.py), the one name table:
+gives minimoe's logits with the adapter (tests/core/test_families_parity.py holds this for every family,
+tests/integrations/test_hf_export.py for each exportable method). Our names map onto the checkpoint's
+through the family's `layer_keys` (core/families.py), the one name table:
 - Attention LoRA keeps its modules and shapes: `q_proj.lora_A [r, D]`, `lora_B [out, r]`.
 - Granite's fused expert banks are 3-D parameters in transformers (`input_linear.weight [E, 2I, D]`,
   `output_linear.weight`), so they go through peft's `target_parameters` (its ParamWrapper), which
@@ -47,8 +48,8 @@ from minimoe.core.quantized import dequantize_model
 from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint
 from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
                                    refuse_routing_heads)
-from minimoe.runs.folder import resolve_adapter  # a run folder resolves through selection.json
-from minimoe.runs.plugins import method_of
+from minimoe.runs.registry import method_of
+from minimoe.runs.run_folder import resolve_adapter  # a run folder resolves through selection.json
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys
 

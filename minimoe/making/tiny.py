@@ -101,7 +101,7 @@ def tiny_config(family: str, **overrides) -> MoEConfig:
     family_of(family, "tiny model")  # an unknown one names the families there are
     if family not in FAMILY_SWITCHES:
         raise ValueError(f"tiny model: {family!r} has no tiny switches; add its entry to FAMILY_SWITCHES in "
-                         f"minimoe/loading/tiny.py (families with one: {sorted(FAMILY_SWITCHES)})")
+                         f"minimoe/making/tiny.py (families with one: {sorted(FAMILY_SWITCHES)})")
     kw = dict(model_type=family, vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
               rms_norm_eps=1e-6, rope_theta=10000.0)

@@ -1,13 +1,13 @@
 """Sparse upcycling: a dense Llama-family model -> a Granite-MoE checkpoint that computes the same logits.
 
-    python -m minimoe.loading.upcycle HuggingFaceTB/SmolLM2-135M-Instruct weights/smollm2-moe --experts 4 --top-k 2
-    python -m minimoe.loading.upcycle SmolLM2-135M-Instruct.Q4_1.gguf weights/smollm2-135m-moe
-    python -m minimoe.loading.upcycle SmolLM2-135M-Instruct.Q4_1.gguf weights/smollm2-split --mode split   # 16 experts, top-8
+    python -m minimoe.making.upcycle HuggingFaceTB/SmolLM2-135M-Instruct weights/smollm2-moe --experts 4 --top-k 2
+    python -m minimoe.making.upcycle SmolLM2-135M-Instruct.Q4_1.gguf weights/smollm2-135m-moe
+    python -m minimoe.making.upcycle SmolLM2-135M-Instruct.Q4_1.gguf weights/smollm2-split --mode split   # 16 experts, top-8
 
 Sources: a folder (or hub id) in the `LlamaForCausalLM` safetensors layout, or a llama.cpp `.gguf` file.
 
 --mode split divides the neurons among the experts instead and fits a router, so that the choice of
-experts matters (minimoe/loading/split.py); what follows describes the default copy mode, which split mode
+experts matters (minimoe/making/split.py); what follows describes the default copy mode, which split mode
 also uses for everything but the MLPs.
 
 Why the result is exact: every expert is a copy of the dense MLP (gate rows then up rows into
@@ -262,7 +262,7 @@ def upcycle(source, out_dir, *, num_experts: int = 4, top_k: int = 2, seed: int 
     """Write a Granite-MoE checkpoint (config.json, model.safetensors, tokenizer.json) into `out_dir`, atomically.
 
     mode "copy": E copies of each MLP (exact). mode "split": the neurons divided among E experts with a
-    fitted router (minimoe/loading/split.py); `split` holds SplitSettings fields beyond experts, top-k and seed,
+    fitted router (minimoe/making/split.py); `split` holds SplitSettings fields beyond experts, top-k and seed,
     and the folder also gets split.json. dtype None keeps the source's: fp32 for GGUF (dequantised), the
     config's torch_dtype for safetensors.
     """
@@ -293,7 +293,7 @@ def upcycle(source, out_dir, *, num_experts: int = 4, top_k: int = 2, seed: int 
         config = moe_config(llama, num_experts, top_k, dtype)
         model = assemble(config, upcycle_tensors(config, dense, seed=seed, noise=noise, dtype=dtype))
     else:  # split in fp32 from the one-expert copy (the dense model), then cast
-        from minimoe.loading import split as splitting
+        from minimoe.making import split as splitting
         settings = splitting.SplitSettings(num_experts=num_experts, top_k=top_k, seed=seed, **(split or {}))
         splitting.check_settings(settings, llama["intermediate_size"])
         t0 = time.perf_counter()
@@ -341,15 +341,15 @@ def assemble(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> MoEForCausa
 
 def main(argv=None):
     from minimoe.loading.allocator import keep_freed_memory
-    from minimoe.loading.split import SplitError, SplitSettings
+    from minimoe.making.split import SplitError, SplitSettings
     d = SplitSettings()
-    p = argparse.ArgumentParser(prog="python -m minimoe.loading.upcycle", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m minimoe.making.upcycle", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="a .gguf file, or a LlamaForCausalLM safetensors folder or hub id")
     p.add_argument("out", help="output checkpoint folder (replaced whole, atomically)")
     p.add_argument("--mode", choices=["copy", "split"], default="copy",
                    help="copy: every expert is the dense MLP (exact); split: the neurons divided among the experts "
-                        "with a fitted router (minimoe/loading/split.py) (default copy)")
+                        "with a fitted router (minimoe/making/split.py) (default copy)")
     p.add_argument("--experts", type=int, help="experts per layer (default 4 copy, 16 split)")
     p.add_argument("--top-k", type=int, help="experts run per token (default 2 copy, 8 split)")
     p.add_argument("--seed", type=int, default=0, help="router init seed (copy), clustering and text order (split) "

@@ -1,11 +1,11 @@
-"""minimoe/loading/tiny.py: one builder of tiny models for the tests and for `--model tiny:<model_type>`."""
+"""minimoe/making/tiny.py: one builder of tiny models for the tests and for `--model tiny:<model_type>`."""
 import pytest
 import torch
 
 import minimoe
 from minimoe.core.families import FAMILIES
 from minimoe.loading.checkpoint import read_config
-from minimoe.loading.tiny import FAMILY_SWITCHES, build_tiny_checkpoint, tiny_checkpoint, tiny_model_type
+from minimoe.making.tiny import FAMILY_SWITCHES, build_tiny_checkpoint, tiny_checkpoint, tiny_model_type
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))

@@ -1,4 +1,4 @@
-"""minimoe.loading.upcycle: a dense Llama upcycled into Granite-MoE computes transformers' LlamaForCausalLM.
+"""minimoe.making.upcycle: a dense Llama upcycled into Granite-MoE computes transformers' LlamaForCausalLM.
 
 References: transformers' LlamaForCausalLM on the same safetensors folder or GGUF file (transformers
 does its own GGUF dequantisation and q/k unpermutation), and transformers' GGUF tokenizer. The GGUF
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import minimoe
-from minimoe.loading.upcycle import UpcycleError, upcycle
+from minimoe.making.upcycle import UpcycleError, upcycle
 
 transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
@@ -269,7 +269,7 @@ def test_bad_gguf_sources_raise(tmp_path, bpe, case, match):
 
 @pytest.mark.parametrize("flags", [["--shared", "8"], ["--fit-tokens", "64"], ["--router-std", "0"], ["--no-repair"]])
 def test_split_flags_are_refused_in_copy_mode(tmp_path, capsys, flags):
-    from minimoe.loading.upcycle import main
+    from minimoe.making.upcycle import main
     with pytest.raises(SystemExit) as e:  # before the source is read: nothing is written
         main([str(tmp_path / "missing.gguf"), str(tmp_path / "out"), *flags])
     assert e.value.code == 2
