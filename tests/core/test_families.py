@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tiny_config
-from minimoe.cli.train import parse_args, resolve_config
+from minimoe.cli.train import check_quantization, parse_args, resolve_config
 from minimoe.core.families import CONFIG_FIELDS, FAMILIES, REQUIRED, Family, family_of, register_family
 from minimoe.core.lora import TARGETS, resolve_targets
 from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
@@ -99,6 +99,21 @@ def test_family_fixed_fields_override_the_file():
     assert config_from_dict(d).norm_topk_prob and config_from_dict(d).topk_on_logits
     assert MoEConfig(**{**vars(tiny_config("olmoe")), "qk_norm": None}).qk_norm == "full"
     assert {f.name for f in fields(Family)} >= set(REQUIRED)
+
+
+def test_mxfp4_is_kept_packed_for_the_one_family_released_in_it():
+    """train.py --quantize mxfp4 reads the record (Family.packed_release): gpt-oss's release stores its experts
+    in MXFP4 (openai/gpt-oss-20b), no other family's does; the others are refused before any run folder."""
+    accepted = []
+    for model_type in FAMILIES:
+        config = tiny_config(model_type)
+        cfg, _ = resolve_config(parse_args(["--model", "x", "--quantize", "mxfp4"]), config)
+        try:
+            check_quantization(cfg, config)
+            accepted.append(model_type)
+        except SystemExit as e:
+            assert f"this model is {model_type}; use --quantize nf4" in str(e)
+    assert accepted == ["gpt_oss"]
 
 
 # Where a module may name a family by its model_type: the records, and the builders that make a model of
