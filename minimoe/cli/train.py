@@ -113,7 +113,8 @@ def resolve_config(args, model_config) -> tuple[TrainConfig, Method]:
     (from the checkpoint's model_type unless --recipe), overridden by every setting given; then what the
     model and the machine decide (pad id, LoRA's targets unless given: the family's, device, dtype)."""
     family = family_of(model_config.model_type)
-    cfg, method = build_config({k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}, args.recipe or family.recipe)
+    settings = {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}
+    cfg, method = build_config(settings, args.recipe or family.recipe)
     cfg.pad_token_id = pad_id(model_config)
     cfg.lora_targets = cfg.lora_targets or list(family.lora_targets)
     cfg.device = str(pick_device(cfg.device))
@@ -126,8 +127,8 @@ def resolve_config(args, model_config) -> tuple[TrainConfig, Method]:
 
 def check_quantization(cfg: TrainConfig, model_config) -> None:
     """--quantize: its library installed (the quant extra); mxfp4 for the families released in it only
-    (Family.packed_release: gpt-oss); and not with --shard fsdp, whose all-gather would have to gather the packed tensors
-    (docs/quantization.md says why it is refused)."""
+    (Family.packed_release: gpt-oss); and not with --shard fsdp, whose all-gather would have to gather the
+    packed tensors (docs/quantization.md says why it is refused)."""
     try:
         require_quantization(cfg.quantize)
     except ImportError as e:

@@ -61,7 +61,7 @@ class Family:
     # a lora.TARGETS name -> the modules it adapts in this family's layers instead of TARGETS's: the first
     # of them a layer has (DeepSeek's MLA: `MLA_LORA_PATHS`)
     lora_paths: dict = field(default_factory=dict)
-    packed_release: str | None = None  # the packed format its released experts are stored in ("mxfp4": --quantize mxfp4)
+    packed_release: str | None = None  # the packed format of its released experts ("mxfp4": --quantize mxfp4)
 
 
 @dataclass(frozen=True)

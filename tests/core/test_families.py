@@ -123,7 +123,8 @@ def test_mxfp4_is_kept_packed_for_the_one_family_released_in_it():
 REPO = Path(__file__).resolve().parents[2]
 ALLOWED = {"minimoe/core/families.py": set(FAMILIES), "minimoe/making/tiny.py": set(FAMILIES),
            "minimoe/making/upcycle.py": {"granitemoe"},
-           "minimoe/runs/recipes.py": set(RECIPES) & set(FAMILIES), "minimoe/study/grid.py": set(RECIPES) & set(FAMILIES)}
+           "minimoe/runs/recipes.py": set(RECIPES) & set(FAMILIES),
+           "minimoe/study/grid.py": set(RECIPES) & set(FAMILIES)}
 
 
 def family_names(source: str) -> list[tuple[int, str]]:
@@ -154,4 +155,5 @@ def test_no_module_outside_the_records_and_the_builders_names_a_family():
              for line, name in family_names(path.read_text(encoding="utf-8")) if name not in ALLOWED.get(rel, ())]
     found += [f"{path.relative_to(REPO).as_posix()}: a module named for a family" for path in files
               if path.stem in FAMILIES]
-    assert not found, "a family named outside its record (put the fact on core/families.py's record):\n" + "\n".join(found)
+    assert not found, "a family named outside its record (put the fact on its core/families.py record):\n" + \
+        "\n".join(found)
