@@ -62,6 +62,9 @@ class Family:
     # of them a layer has (DeepSeek's MLA: `MLA_LORA_PATHS`)
     lora_paths: dict = field(default_factory=dict)
     packed_release: str | None = None  # the packed format of its released experts ("mxfp4": --quantize mxfp4)
+    # whether transformers trains it with its config's router_aux_loss_coef (output_router_logits=True): what
+    # --aux-coef family reads; Llama 4's config.json carries one that its modeling file never applies
+    applies_aux_loss: bool = True
 
 
 @dataclass(frozen=True)
@@ -436,6 +439,7 @@ register_family(Family(
     recipe_note="top-K on the logits, as Granite's router: Granite's recipe, and its LoRA targets (Q/K/V and the "
                 "routed experts); the shared expert and the dense layers are neither routed nor adapted",
     layer_keys=LLAMA4_KEYS, write_defaults={"layer_types": attention_kinds},  # None: chunks off, every layer full
+    applies_aux_loss=False,  # transformers 4.57's Llama4ForCausalLM returns no aux loss whatever its config says
     renames={"num_local_experts": "num_experts", "interleave_moe_layer_step": "decoder_sparse_step",
              "intermediate_size_mlp": "dense_intermediate_size"},
     config_fields=frozenset({"head_dim", "router_aux_loss_coef", "use_qk_norm", "no_rope_layers",
