@@ -44,7 +44,7 @@ import minimoe
 from minimoe.atomic import atomic_file
 from minimoe.cli import is_tiny, model_path, run_command
 from minimoe.core.choices import check_max_length, pad_id
-from minimoe.core.families import family_of
+from minimoe.core.families import FAMILIES, family_of
 from minimoe.core.model import MoEConfig, compile_layers
 from minimoe.core.quantized import require as require_quantization
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
@@ -110,10 +110,12 @@ def parse_args(argv=None):
 def resolve_config(args, model_config) -> TrainConfig:
     """The run's TrainConfig, its method resolved once (config.build_config): the recipe's values
     (from the checkpoint's model_type unless --recipe), overridden by every setting given; then what the
-    model and the machine decide (pad id, device, dtype)."""
-    recipe = args.recipe or family_of(model_config.model_type).recipe
-    cfg = build_config({k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}, recipe)
+    model and the machine decide (pad id, LoRA's targets unless given: the family's, device, dtype)."""
+    family = family_of(model_config.model_type)
+    settings = {k: v for k, v in vars(args).items() if k not in NOT_SETTINGS}
+    cfg = build_config(settings, args.recipe or family.recipe)
     cfg.pad_token_id = pad_id(model_config)
+    cfg.lora_targets = cfg.lora_targets or list(family.lora_targets)
     cfg.device = str(pick_device(cfg.device))
     cfg.dtype = pick_dtype(cfg.dtype, cfg.device)
     if cfg.compile and not cfg.device.startswith("cuda"):
@@ -123,16 +125,17 @@ def resolve_config(args, model_config) -> TrainConfig:
 
 
 def check_quantization(cfg: TrainConfig, model_config) -> None:
-    """--quantize: its library installed (the quant extra); mxfp4 for gpt-oss only (the one family released
-    in it); and not with --shard fsdp, whose all-gather would have to gather the packed tensors
-    (docs/quantization.md says why it is refused)."""
+    """--quantize: its library installed (the quant extra); mxfp4 for the families released in it only
+    (Family.packed_release: gpt-oss); and not with --shard fsdp, whose all-gather would have to gather the
+    packed tensors (docs/quantization.md says why it is refused)."""
     try:
         require_quantization(cfg.quantize)
     except ImportError as e:
         sys.exit(f"train.py: error: {e}")
-    if cfg.quantize == "mxfp4" and model_config.model_type != "gpt_oss":
-        sys.exit(f"train.py: error: --quantize mxfp4 keeps gpt-oss's released MXFP4 experts packed; this model is "
-                 f"{model_config.model_type}; use --quantize nf4")
+    if cfg.quantize == "mxfp4" and family_of(model_config.model_type).packed_release != "mxfp4":
+        released = ", ".join(f.model_type for f in FAMILIES.values() if f.packed_release == "mxfp4")
+        sys.exit(f"train.py: error: --quantize mxfp4 keeps released MXFP4 experts packed, as {released} stores "
+                 f"them; this model is {model_config.model_type}; use --quantize nf4")
     if cfg.shard == "fsdp":
         sys.exit(f"train.py: error: --quantize {cfg.quantize} with --shard fsdp is not supported: FSDP2 shards and "
                  f"gathers parameters, and a packed base is no parameter (docs/quantization.md); use one process, "

@@ -3,7 +3,9 @@ reads outside the modules themselves.
 
 A family is its config.json `model_type`. The record says how its config.json maps onto `MoEConfig`
 (renamed fields, fields it lacks, values it fixes, transformers' defaults for fields it may omit),
-how its checkpoint names our parameters (`layer_keys`), what LoRA adapts by default, which of
+how its checkpoint names and stores our parameters (`layer_keys`, with a `Converted` entry's `Layout` for
+a tensor stored in another layout than ours), how config.json gets a field we leave None
+(`write_defaults`), what LoRA adapts by default and where (`lora_targets`, `lora_paths`), which of
 runs/recipes.py's `RECIPES` trains it, and where to find real checkpoints. The modules read only
 `MoEConfig` fields (qk_norm, scoring, biases, ...), never the family's name, so that a family is
 added here, in one record, plus a module in core/ only where it brings a new kind of computation.
@@ -12,7 +14,8 @@ Decisions:
 - The recipe is named, not held: recipes are run settings (runs/, which core may not import), and
   the paper gives two, Granite's and OLMoE's. A family the paper did not train names the recipe of
   the nearer scoring rule (softmax over all experts: OLMoE's; top-K on logits: Granite's), and says
-  so in `recipe_note`; `--recipe` overrides it. LoRA's targets come from the family, not the recipe.
+  so in `recipe_note`; `--recipe` overrides it. LoRA's targets come from the family, not the recipe: a
+  recipe holds no family's facts, so one recipe trains every family that names it (the hybrids too).
 - config.json is written as the family's transformers config writes it: the fields every family has
   (`CONFIG_FIELDS`) and the family's own (`config_fields`); our other fields keep their defaults.
 - `fixed` values are not read from config.json and not written back: they are what the family's
@@ -22,6 +25,9 @@ Decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -49,14 +55,72 @@ class Family:
     # hybrids, whose layer_types name each layer's token mixer (read into `mixer_types`, written back)
     layer_kinds: dict = field(default_factory=dict)
     ignored_prefixes: tuple[str, ...] = ()  # on-disk keys we do not load (transformers ignores them too)
+    # our field left None -> a callable of the MoEConfig giving what config.json gets instead, where the family's
+    # transformers config would fill in another value than the one our model runs with
+    write_defaults: dict = field(default_factory=dict)
+    # a lora.TARGETS name -> the modules it adapts in this family's layers instead of TARGETS's: the first
+    # of them a layer has (DeepSeek's MLA: `MLA_LORA_PATHS`)
+    lora_paths: dict = field(default_factory=dict)
+    packed_release: str | None = None  # the packed format of its released experts ("mxfp4": --quantize mxfp4)
+    # whether transformers trains it with its config's router_aux_loss_coef (output_router_logits=True): what
+    # --aux-coef family reads; Llama 4's config.json carries one that its modeling file never applies
+    applies_aux_loss: bool = True
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a tensor stored in another layout than our parameter's converts (a `Converted` entry names one).
+    Each acts within an expert (the first dimension), so a rank's shard of experts converts alone."""
+    name: str
+    from_disk: Callable  # the stored tensor -> ours
+    to_disk: Callable  # ours -> as stored: what we save, in the layout transformers reads
+    # MXFP4 (loading/mxfp4.py) stores a matrix as [E, out, in] whatever its dense layout: what the decoded
+    # matrix goes through to be ours; None: never stored so (a bias), an MXFP4 form is refused
+    from_packed: Callable | None = None
 
 
 @dataclass(frozen=True)
 class Converted:
-    """An on-disk tensor stored in another layout than our parameter's: `layout` names the conversion
-    (loading/checkpoint.py's CONVERSIONS holds each one's load and save, and its MXFP4 form if any)."""
+    """An on-disk tensor stored in another layout than our parameter's (`layout` converts it)."""
     key: str
-    layout: str
+    layout: Layout
+
+
+def split_interleaved(x, dim: int):
+    """[..., 2I, ...] with gate/up alternating along `dim` -> the gates, then the ups."""
+    x = x.movedim(dim, -1)
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1).movedim(-1, dim)
+
+
+def interleave(x, dim: int):
+    """split_interleaved's inverse: gates then ups along `dim` -> alternating."""
+    x = x.movedim(dim, -1)
+    gate, up = x.chunk(2, dim=-1)
+    return torch.stack((gate, up), dim=-1).flatten(-2).movedim(-1, dim)
+
+
+def transposed(w):  # [E, a, b] -> [E, b, a]: a bank stored as x @ W ([E, in, out]) <-> ours ([E, out, in])
+    return w.transpose(1, 2).contiguous()
+
+
+def gate_up_from_disk(w):  # [E, D, 2I] as x @ W, gate/up columns interleaved -> [E, 2I, D] gate rows first
+    return split_interleaved(w.transpose(1, 2), dim=1).contiguous()
+
+
+def gate_up_to_disk(w):  # [E, 2I, D] -> [E, D, 2I] interleaved
+    return interleave(w, dim=1).transpose(1, 2).contiguous()
+
+
+# The layouts of the banks stored as x @ W. gpt-oss (transformers 4.57's GptOssExperts, and the official
+# checkpoint): gate_up_proj [E, D, 2I] with column 2i the gate of unit i and column 2i+1 its up,
+# gate_up_proj_bias [E, 2I] interleaved the same way, down_proj [E, I, D]; or, in openai/gpt-oss-20b, the
+# matrices as MXFP4 blocks and scales of [E, out, in] (gate_up's 2I rows interleaved as above). Llama 4:
+# gate_up_proj [E, D, 2I] gate columns first, down_proj [E, I, D]. Ours: [E, out, in], gate rows then up rows.
+GATE_UP_INTERLEAVED = Layout("gate_up_interleaved", gate_up_from_disk, gate_up_to_disk,
+                             from_packed=lambda w: split_interleaved(w, dim=1))  # [E, 2I, D] rows interleaved
+BIAS_INTERLEAVED = Layout("bias_interleaved", lambda b: split_interleaved(b, dim=1).contiguous(),
+                          lambda b: interleave(b, dim=1).contiguous())  # [E, 2I]: no MXFP4 form
+TRANSPOSED = Layout("transposed", transposed, transposed, from_packed=lambda w: w)  # MXFP4's [E, out, in] is ours
 
 
 FAMILIES: dict[str, Family] = {}
@@ -86,6 +150,9 @@ CONFIG_FIELDS = frozenset({
     "max_position_embeddings", "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
     "initializer_range", "hidden_act", "rope_scaling", "torch_dtype"})
 
+# Granite's attention_multiplier left None is our 1/sqrt(head_dim), which its config would read as 1.0.
+GRANITE_WRITE = {"attention_multiplier": lambda config: config.attention_scale}
+
 register_family(Family(
     "granitemoe", "GraniteMoeForCausalLM",
     brings="top-K on logits then softmax over the K; embedding, residual, attention and logits multipliers",
@@ -97,7 +164,7 @@ register_family(Family(
     renames={"num_local_experts": "num_experts"},
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier",
                              "logits_scaling", "attention_multiplier"}),
-    fixed={"norm_topk_prob": True, "topk_on_logits": True},
+    fixed={"norm_topk_prob": True, "topk_on_logits": True}, write_defaults=GRANITE_WRITE,
     defaults={"attention_multiplier": 1.0, "max_position_embeddings": 2048, "router_aux_loss_coef": 0.001,
               "bos_token_id": 1, "eos_token_id": 2}))
 
@@ -169,6 +236,12 @@ def sliding_then_full(d: dict) -> list[str]:
     return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(d.get("num_hidden_layers") or 0)]
 
 
+def attention_kinds(config) -> list[str]:
+    """layer_types as our model runs the layers (MoEConfig.window), written for a config that holds none:
+    transformers' config would fill in its own (GptOssConfig's alternate)."""
+    return ["sliding_attention" if config.window(i) else "full_attention" for i in range(config.num_hidden_layers)]
+
+
 register_family(Family(
     "gpt_oss", "GptOssForCausalLM",
     brings="attention sinks; sliding and full layers alternating (layer_types); biases on attention, router and "
@@ -176,12 +249,13 @@ register_family(Family(
            "YaRN; experts in MXFP4 in the official checkpoint, dequantised on load",
     hub_examples=("openai/gpt-oss-20b", "openai/gpt-oss-120b"),
     recipe="granite", recipe_note="top-K on logits then softmax over the K, as Granite's router: its recipe, "
-                                  "LoRA targets (Q/K/V and the routed experts) included",
+                                  "and Granite's LoRA targets (Q/K/V and the routed experts)",
     lora_targets=("q", "k", "v", "experts"), name_hints=("gpt-oss", "gpt_oss"),
     layer_keys={"mlp.gate.weight": "mlp.router.weight", "mlp.gate.bias": "mlp.router.bias",
-                "mlp.experts.gate_up_proj.weight": Converted("mlp.experts.gate_up_proj", "gate_up_interleaved"),
-                "mlp.experts.gate_up_proj_bias": Converted("mlp.experts.gate_up_proj_bias", "bias_interleaved"),
-                "mlp.experts.down_proj.weight": Converted("mlp.experts.down_proj", "transposed")},
+                "mlp.experts.gate_up_proj.weight": Converted("mlp.experts.gate_up_proj", GATE_UP_INTERLEAVED),
+                "mlp.experts.gate_up_proj_bias": Converted("mlp.experts.gate_up_proj_bias", BIAS_INTERLEAVED),
+                "mlp.experts.down_proj.weight": Converted("mlp.experts.down_proj", TRANSPOSED)},
+    packed_release="mxfp4", write_defaults={"layer_types": attention_kinds},
     renames={"num_local_experts": "num_experts"},
     config_fields=frozenset({"router_aux_loss_coef", "head_dim", "sliding_window", "layer_types", "swiglu_limit"}),
     # transformers' GptOssConfig sets attention_bias itself, and its modeling file hard-codes the rest
@@ -202,6 +276,12 @@ DEEPSEEK_FIELDS = frozenset({"kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", 
                              "routed_scaling_factor", "n_group", "topk_group"})
 # transformers' DeepseekV2Config and DeepseekV3Config agree on these (DeepSeek-V2's and V3's own widths)
 MLA_DEFAULTS = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
+# LoRA on Multi-head Latent Attention (core/mla.py), which has no k_proj or v_proj: its queries come from
+# q_b_proj (q_proj without a query low rank, as DeepSeek-V2-Lite) and every head's key and value from
+# kv_b_proj, so "k" and "v" both name kv_b_proj (adapted once). The down-projections q_a_proj and
+# kv_a_proj_with_mqa are compressions already, and the latter carries the rope key all heads share: not
+# adapted (docs/families.md).
+MLA_LORA_PATHS = {"q": ("self_attn.q_b_proj",), "k": ("self_attn.kv_b_proj",), "v": ("self_attn.kv_b_proj",)}
 DEEPSEEK_KEYS = {**PER_EXPERT_KEYS, **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared_experts.{p}_proj.weight"
                                        for p in ("gate", "up", "down")}}
 
@@ -212,8 +292,9 @@ register_family(Family(
     hub_examples=("deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
     recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("deepseek-v2",),
     recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
-                "k and v: kv_b_proj; core/lora.py)",
+                "k and v: kv_b_proj; MLA_LORA_PATHS)",
     layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, config_fields=DEEPSEEK_FIELDS | {"topk_method"},
+    lora_paths=MLA_LORA_PATHS,
     # transformers 4.57's V2 gate scores in fp32 and never renormalises the K (DeepSeek-V2's releases say false)
     fixed={"scoring_func": "softmax", "router_fp32": True, "norm_topk_prob": False},
     defaults={"topk_method": "greedy", "first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "n_shared_experts": 2,
@@ -227,8 +308,8 @@ register_family(Family(
     hub_examples=("moonshotai/Moonlight-16B-A3B", "deepseek-ai/DeepSeek-V3"),
     recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("deepseek-v3", "moonlight"),
     recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
-                "k and v: kv_b_proj; core/lora.py)",
-    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES,
+                "k and v: kv_b_proj; MLA_LORA_PATHS)",
+    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS,
     config_fields=DEEPSEEK_FIELDS | {"norm_topk_prob", "rope_interleave"},
     fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True},
     defaults={"first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
@@ -247,8 +328,8 @@ register_family(Family(
            "(layer_types); attention without rope (position_embedding_type nope) or with it; a shared expert "
            "beside the routed ones; Granite's multipliers and top-K on logits",
     hub_examples=("ibm-granite/granite-4.0-h-tiny", "ibm-granite/granite-4.0-h-small"),
-    recipe="granite_hybrid", recipe_note="Granite's recipe (top-K on logits, as its router), LoRA on the attention "
-                                         "layers' Q/K/V, the routed experts and the Mamba-2 layers' in_proj and out_proj",
+    recipe="granite", recipe_note="top-K on logits, as Granite's router: Granite's recipe; LoRA on the attention "
+                                  "layers' Q/K/V, the routed experts and the Mamba-2 layers' in_proj and out_proj",
     lora_targets=("q", "k", "v", "experts", "mamba"), name_hints=("granite-4.0-h", "granitemoehybrid"),
     layer_keys={**FAMILIES["granitemoe"].layer_keys,
                 "mlp.shared_expert.gate_up_proj.weight": "shared_mlp.input_linear.weight",
@@ -258,7 +339,7 @@ register_family(Family(
     layer_kinds={"mamba": "mamba2", "attention": "attention"},
     config_fields=FAMILIES["granitemoe"].config_fields | MAMBA2_FIELDS | {
         "shared_expert_intermediate_size", "position_embedding_type", "mixer_types"},
-    fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True},
+    fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True}, write_defaults=GRANITE_WRITE,
     defaults={"position_embedding_type": None, "attention_multiplier": 1.0, "router_aux_loss_coef": 0.001,
               "shared_expert_intermediate_size": 1024, "max_position_embeddings": 2048, "bos_token_id": 1,
               "eos_token_id": 2, "mixer_types": lambda d: ["mamba"] * d["num_hidden_layers"]}))  # its config's layers_block_type
@@ -269,8 +350,8 @@ register_family(Family(
            "(layer_types); the attention output scaled by a sigmoid gate from q_proj; partial rotary; "
            "zero-centred RMSNorm (1 + w); a gated shared expert",
     hub_examples=("Qwen/Qwen3-Next-80B-A3B-Instruct", "Qwen/Qwen3-Next-80B-A3B-Thinking"),
-    recipe="qwen3_next", lora_targets=("q", "k", "v", "o", "experts", "deltanet"), name_hints=("qwen3-next", "qwen3_next"),
-    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe, LoRA also on the DeltaNet "
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts", "deltanet"), name_hints=("qwen3-next", "qwen3_next"),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe; LoRA also on the DeltaNet "
                 "layers' in_proj_qkvz, in_proj_ba and out_proj",
     layer_keys=PER_EXPERT_KEYS, renames={**QWEN_RENAMES, "layer_types": "mixer_types"},
     layer_kinds={"linear_attention": "gated_deltanet", "full_attention": "attention"},
@@ -303,7 +384,7 @@ register_family(Family(
     renames={"num_local_experts": "num_experts", "shared_intermediate_size": "shared_expert_intermediate_size"},
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier",
                              "logits_scaling", "attention_multiplier", "shared_expert_intermediate_size"}),
-    fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True},
+    fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True}, write_defaults=GRANITE_WRITE,
     defaults={"attention_multiplier": 1.0, "max_position_embeddings": 2048, "router_aux_loss_coef": 0.001,
               "bos_token_id": 1, "eos_token_id": 2}))
 
@@ -342,8 +423,8 @@ register_family(Family(
 # Llama 4's layer holds its MLP as `feed_forward`: the router, the experts stored as x @ W ([E, D, 2I] with
 # the gate columns first, [E, I, D]: `Converted` "transposed"), the shared expert, and a dense layer's MLP.
 LLAMA4_KEYS = {"mlp.gate.weight": "feed_forward.router.weight",
-               "mlp.experts.gate_up_proj.weight": Converted("feed_forward.experts.gate_up_proj", "transposed"),
-               "mlp.experts.down_proj.weight": Converted("feed_forward.experts.down_proj", "transposed"),
+               "mlp.experts.gate_up_proj.weight": Converted("feed_forward.experts.gate_up_proj", TRANSPOSED),
+               "mlp.experts.down_proj.weight": Converted("feed_forward.experts.down_proj", TRANSPOSED),
                **{f"mlp.shared_expert.{p}_proj.weight": f"feed_forward.shared_expert.{p}_proj.weight"
                   for p in ("gate", "up", "down")},
                **{f"mlp.{p}_proj.weight": f"feed_forward.{p}_proj.weight" for p in ("gate", "up", "down")}}
@@ -355,9 +436,10 @@ register_family(Family(
            "interleaved pairs",
     hub_examples=("meta-llama/Llama-4-Scout-17B-16E", "meta-llama/Llama-4-Maverick-17B-128E"),
     recipe="granite", lora_targets=("q", "k", "v", "experts"), name_hints=("llama-4", "llama4"),
-    recipe_note="top-K on the logits, as Granite's router: Granite's recipe, LoRA targets (Q/K/V and the routed "
-                "experts) included; the shared expert and the dense layers are neither routed nor adapted",
-    layer_keys=LLAMA4_KEYS,
+    recipe_note="top-K on the logits, as Granite's router: Granite's recipe, and its LoRA targets (Q/K/V and the "
+                "routed experts); the shared expert and the dense layers are neither routed nor adapted",
+    layer_keys=LLAMA4_KEYS, write_defaults={"layer_types": attention_kinds},  # None: chunks off, every layer full
+    applies_aux_loss=False,  # transformers 4.57's Llama4ForCausalLM returns no aux loss whatever its config says
     renames={"num_local_experts": "num_experts", "interleave_moe_layer_step": "decoder_sparse_step",
              "intermediate_size_mlp": "dense_intermediate_size"},
     config_fields=frozenset({"head_dim", "router_aux_loss_coef", "use_qk_norm", "no_rope_layers",

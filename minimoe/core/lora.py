@@ -78,18 +78,20 @@ TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_p
            "linear_ba": "linear_attn.in_proj_ba", "linear_out": "linear_attn.out_proj"}
 ALIASES = {"experts": ("gate_up", "down"), "mamba": ("mamba_in", "mamba_out"),
            "deltanet": ("linear_qkvz", "linear_ba", "linear_out")}
-# Multi-head Latent Attention (core/mla.py) has no k_proj or v_proj: its queries come from q_b_proj
-# (q_proj without a query low rank) and every head's key and value from kv_b_proj, so "k" and "v"
-# both name kv_b_proj (adapted once). The down-projections q_a_proj and kv_a_proj_with_mqa are
-# compressions already, and the latter carries the rope key all heads share: not adapted (docs/families.md).
-MLA_TARGETS = {"q": "self_attn.q_b_proj", "k": "self_attn.kv_b_proj", "v": "self_attn.kv_b_proj"}
 
 
-def target_path(config, t: str) -> str:
-    """The module that target `t` adapts in each layer of a model of `config`."""
-    if config.kv_lora_rank is not None and t in MLA_TARGETS and not (t == "q" and config.q_lora_rank is None):
-        return MLA_TARGETS[t]
-    return TARGETS[t]
+def target_path(layer: nn.Module, paths: dict, t: str) -> str:
+    """The module that target `t` adapts in `layer`: the first of the family's own paths for it that the
+    layer has (`paths`: Family.lora_paths, DeepSeek's MLA projections), else TARGETS's."""
+    return next((p for p in paths.get(t, ()) if has_submodule(layer, p)), TARGETS[t])
+
+
+def has_submodule(module: nn.Module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 class LoRAMixin:
@@ -310,11 +312,12 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
         raise ValueError(f"add_lora: dropout must be in [0, 1), got {dropout!r}")
     if lora_modules(model):
         raise ValueError("add_lora: the model already has LoRA modules")
-    targets = resolve_targets(family_of(config.model_type).lora_targets if targets is None else targets)
+    family = family_of(config.model_type)
+    targets = resolve_targets(family.lora_targets if targets is None else targets)
     model.requires_grad_(False)  # the base; LoRA's parameters below are new and train
     for i, layer in enumerate(model.model.layers):
         for t in targets:
-            path = target_path(config, t)
+            path = target_path(layer, family.lora_paths, t)
             if path.startswith("mlp.experts") and not layer.sparse:
                 continue  # a dense layer's MLP is not adapted (nor is a shared expert: docs/methods.md)
             if not path.startswith("mlp.") and path.split(".")[0] != layer.mixer_attribute:
@@ -324,7 +327,7 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
             if isinstance(base, LoRAMixin):  # MLA's kv_b_proj, named by both "k" and "v"
                 continue
             if isinstance(base, GroupedLinear):
-                disk = family_of(config.model_type).layer_keys.get(f"{path}.weight")
+                disk = family.layer_keys.get(f"{path}.weight")
                 blocks = len(disk) if isinstance(disk, tuple) else 1  # one LoRA per on-disk matrix
                 lora = LoRAGroupedLinear(base, rank, alpha, dropout, blocks, dtype)
             else:

@@ -10,11 +10,12 @@ through the family's `layer_keys` (core/families.py), the one name table:
   `output_linear.weight`), so they go through peft's `target_parameters` (its ParamWrapper), which
   stores A as [E*r, in] with the expert index slowest and B as [out, r*E] with the expert index
   fastest: A = ours.reshape(E*r, in), B = ours.permute(1, 2, 0).reshape(out, r*E).
-- gpt-oss stores its banks as x @ W (`gate_up_proj [E, D, 2I]`, gate and up columns interleaved;
-  `down_proj [E, I, D]`), which peft's ParamWrapper adapts as W[e] += B_e A_e with W[e] taken as
-  [out, in] = its two last dims. Our delta is (B A) of [out, in] = W^T, so peft's B_e is our A_e^T and
-  its A_e our B_e^T, gate_up's columns interleaved as the checkpoint's (loading/gpt_oss.py). Both are
-  parameters of one module (`mlp.experts`), which peft wraps once per parameter in the module's
+- A bank stored in another layout (a `Converted` entry of the record: gpt-oss's and Llama 4's x @ W,
+  `gate_up_proj [E, D, 2I]`, `down_proj [E, I, D]`) is adapted by peft's ParamWrapper as W[e] += B_e A_e
+  with W[e] taken as [out', in'] = its two last dims. Each such layout reorders our [out, in] rows, then
+  transposes (`Layout.to_disk`), so our delta B A stored is A^T to_disk(B): peft's B_e is our A_e^T and
+  its A_e is to_disk(our B_e) (gate_up's columns interleaved as the checkpoint's, where they are). The
+  banks are parameters of one module (`mlp.experts`), which peft wraps once per parameter in the module's
   parameter order: the first one's keys sit under one `base_layer.` per later wrapper.
 - OLMoE keeps per-expert modules on transformers 4.x: our fused gate_up pair splits into rank-r
   LoRAs on `experts.{j}.gate_proj` (A rows [0, r), B rows [0, I)) and `up_proj` (the rest), and
@@ -45,7 +46,6 @@ from minimoe.core.families import Converted, family_of
 from minimoe.core.model import MoEForCausalLM
 from minimoe.core.quantized import dequantize_model
 from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint
-from minimoe.loading.gpt_oss import interleave
 from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
                                    refuse_routing_heads)
 from minimoe.runs.registry import method_of
@@ -92,14 +92,13 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
                            "tuned native gates only")
         base, _, ab = name.rpartition(".")  # e.g. "mlp.experts.gate_up_proj", "lora_A"
         disk = table.get(f"{base}.weight", f"{base}.weight")
-        if isinstance(disk, Converted):  # a bank stored as x @ W (gpt-oss): peft's B_e = A_e^T, A_e = B_e^T
+        if isinstance(disk, Converted):  # a bank stored as x @ W: peft's B_e = A_e^T, A_e = to_disk(B_e)
             module, _, param = disk.key.rpartition(".")
             pieces = wrapped.setdefault(prefix + module, {}).setdefault(param, {})
             if ab == "lora_A":  # ours [E, r, in] -> peft's B [out', r*E] (out' = our in), expert fastest
                 pieces["lora_B"] = t.permute(2, 1, 0).reshape(t.shape[-1], r * E)
-            else:  # ours [E, out, r] -> peft's A [E*r, in'] (in' = our out, interleaved as on disk), expert slowest
-                u = interleave(t, dim=1) if disk.layout == "gate_up_interleaved" else t
-                pieces["lora_A"] = u.transpose(1, 2).reshape(E * r, t.shape[1])
+            else:  # ours [E, out, r] -> [E, r, in'] (in' = our out, in the disk's order) -> peft's A [E*r, in']
+                pieces["lora_A"] = disk.layout.to_disk(t).reshape(E * r, t.shape[1])
             params.add(f"{module.rpartition('.')[2]}.{param}")  # "experts.gate_up_proj"
         elif isinstance(disk, str) and t.dim() == 2:  # a linear layer: same module, same shapes
             module = disk.removesuffix(".weight")

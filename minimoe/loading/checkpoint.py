@@ -29,19 +29,9 @@ from minimoe.core.families import CONFIG_FIELDS, Converted, family_of
 from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
 from minimoe.core.quantized import pack, quantize_module, quantized_modules
 from minimoe.core.quantized import require as require_quantization
-from minimoe.loading import gpt_oss
 from minimoe.loading.allocator import advise_huge_pages, mapped_big_blocks
-from minimoe.loading.mxfp4 import MXFP4Weight
+from minimoe.loading.mxfp4 import MXFP4Weight, dequantize_mxfp4
 
-# Converted keys (core/families.py): layout -> (disk -> ours, ours -> disk, MXFP4 blocks and scales -> ours
-# or None). Only gpt-oss needs them so far (loading/gpt_oss.py says why).
-CONVERSIONS = {
-    "gate_up_interleaved": (gpt_oss.gate_up_from_disk, gpt_oss.gate_up_to_disk, gpt_oss.gate_up_from_mxfp4),
-    "bias_interleaved": (gpt_oss.gate_up_bias_from_disk, gpt_oss.gate_up_bias_to_disk, None),
-    "transposed": (gpt_oss.down_from_disk, gpt_oss.down_to_disk, gpt_oss.down_from_mxfp4),
-}
-# --quantize mxfp4: what the packed blocks' rows go through after decoding, per expert (MXFP4Weight)
-MXFP4_ROWS = {"gate_up_interleaved": gpt_oss.gate_up_rows_from_mxfp4, "transposed": None}
 QUANTIZED_ON_DISK = ("mxfp4",)  # quantization_config.quant_method values we dequantise on load
 
 REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -95,11 +85,9 @@ def config_to_dict(config: MoEConfig) -> dict:
     if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
         back_kinds = {v: k for k, v in family.layer_kinds.items()}
         d["layer_types"] = [back_kinds[m] for m in config.mixer_types]
-    if "layer_types" in written and d.get("layer_types") is None:  # gpt-oss's config would alternate them otherwise
-        d["layer_types"] = ["sliding_attention" if config.window(i) else "full_attention"
-                            for i in range(config.num_hidden_layers)]
-    if "attention_multiplier" in written and d.get("attention_multiplier") is None:
-        d["attention_multiplier"] = config.attention_scale
+    for name, default in family.write_defaults.items():  # None, which the family's config would fill in otherwise
+        if d.get(back.get(name, name)) is None:
+            d[back.get(name, name)] = default(config)
     return d
 
 
@@ -120,7 +108,7 @@ def read_config(folder: Path) -> MoEConfig:
 
 def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str | Converted]:
     """Our parameter name -> its on-disk key (str), per-expert keys (tuple, in concatenation order) or a
-    Converted key (stored in another layout: CONVERSIONS).
+    Converted key (stored in another layout: its `Layout` converts it).
 
     Read off the model's own parameters (built on the meta device), each under its own name unless the
     family's `layer_keys` renames it: whatever modules a family's config switches on (biases, q/k norms,
@@ -160,6 +148,11 @@ def in_mxfp4(disk, where: dict) -> bool:
 def mxfp4_stored(layout: dict, where: dict) -> set[str]:
     """The Converted keys that a checkpoint stores as MXFP4 blocks and scales instead of themselves."""
     return {disk.key for disk in layout.values() if in_mxfp4(disk, where)}
+
+
+def from_mxfp4(disk: Converted, blocks, scales, dtype):
+    """A Converted key's MXFP4 blocks and scales (its matrix as [E, out, in]) -> our tensor, through its layout."""
+    return disk.layout.from_packed(dequantize_mxfp4(blocks, scales, dtype, disk.key))
 
 
 # ----------------------------------------------------------------------------- loading
@@ -357,7 +350,7 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
             read_keys(files, where, planned)
             blocks, scales = (planned[k][0] for k in mxfp4_keys(disk.key))
             quantize_module(module, MXFP4Weight(blocks.to(device), scales.to(device), dtype,
-                                                MXFP4_ROWS[disk.layout], disk.key))
+                                                disk.layout.from_packed, disk.key))
             continue
         value = place(model, name, stage[:meta.numel()].view(meta.shape))
         read_entries(files, where, [(disk, value, None)], config.num_experts, str(folder))
@@ -390,17 +383,16 @@ def entry_reads(disk, out: torch.Tensor, where: dict, num_experts: int, source: 
     if isinstance(disk, str):
         return {disk: (out, first_row)}, None
     if isinstance(disk, Converted):  # read as stored (its shape: ours taken to the disk layout), then converted
-        from_disk, to_disk, from_mxfp4 = CONVERSIONS[disk.layout]
         if in_mxfp4(disk, where):
-            if from_mxfp4 is None:
+            if disk.layout.from_packed is None:
                 raise KeyError(f"{source}: {disk.key!r} is stored as MXFP4 blocks and scales; it must be dense")
             E, R, C = out.shape  # MXFP4 stores [E, out, in] as 32-value blocks along in
             blocks = torch.empty(E, R, C // 32, 16, dtype=torch.uint8)
             scales = torch.empty(E, R, C // 32, dtype=torch.uint8)
             planned = dict(zip(mxfp4_keys(disk.key), ((blocks, first_row), (scales, first_row))))
-            return planned, lambda: out.copy_(from_mxfp4(blocks, scales, out.dtype, disk.key))
-        buffer = torch.empty(to_disk(torch.empty(out.shape, device="meta")).shape, dtype=out.dtype)
-        return {disk.key: (buffer, first_row)}, lambda: out.copy_(from_disk(buffer))
+            return planned, lambda: out.copy_(from_mxfp4(disk, blocks, scales, out.dtype))
+        buffer = torch.empty(disk.layout.to_disk(torch.empty(out.shape, device="meta")).shape, dtype=out.dtype)
+        return {disk.key: (buffer, first_row)}, lambda: out.copy_(disk.layout.from_disk(buffer))
     # per-expert keys in (expert, part) order; part p fills rows [p * width, (p + 1) * width) of its expert
     parts = len(disk) // num_experts
     width = out.shape[1] // parts
@@ -487,7 +479,7 @@ def to_disk_layout(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> dict[
             out[disk] = value.contiguous()
             continue
         if isinstance(disk, Converted):  # saved dense, in the layout transformers reads (MXFP4 is never written)
-            out[disk.key] = CONVERSIONS[disk.layout][1](value)
+            out[disk.key] = disk.layout.to_disk(value)
             continue
         parts = len(disk) // config.num_experts
         rows = value.shape[1] // parts

@@ -34,7 +34,7 @@ from minimoe.core.methods import ALIASES, METHODS, Method, UnknownOption, declar
 from minimoe.core.objectives import OBJECTIVES
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.loading.checkpoint import RUN_DTYPES
-from minimoe.runs.recipes import RECIPES, by_recipe_counts
+from minimoe.runs.recipes import RECIPES, SELECTED_WHEN_TUNED, by_recipe_counts
 from minimoe.runs.registry import resolve_method
 
 # ---- what a value may be: each check reads a flag's text or a settings file's value, raises ValueError
@@ -247,7 +247,8 @@ class TrainConfig:
     lora_rank: int = setting("lora", help="rank r of each adapter", type=COUNT)
     lora_alpha: float = setting("lora", help="scale alpha; updates are multiplied by alpha / r", type=POSITIVE)
     lora_dropout: float = setting("lora", help="dropout on each adapter's input", type=number(float, 0, 1, high_open=True))
-    lora_targets: list[str] = setting("lora", help="comma list of " + ", ".join([*TARGETS, *LORA_ALIASES]), type=names)
+    lora_targets: list[str] | None = setting("lora", None, "comma list of " + ", ".join([*TARGETS, *LORA_ALIASES]) +
+                                             " (default: the model's family's, Family.lora_targets)", type=names)
     lr: float = setting("optimisation", help="LoRA learning rate (peak of the schedule)", type=POSITIVE)
     batch_size: int = setting("optimisation", help="examples per micro-batch, all ranks together", type=COUNT)
     grad_accum: int = setting("optimisation", help="micro-batches per optimizer step", type=COUNT)
@@ -285,7 +286,7 @@ class TrainConfig:
                             f"(config.method_for builds one from the method's settings)")
         if self.test_checkpoint is None:  # the paper's OLMoE affinity-tuned group is reported at selected epochs
             affinity_tuned = self.method.tune_router and not self.method.tunes_gate
-            self.test_checkpoint = "selected" if self.recipe == "olmoe" and affinity_tuned else "last"
+            self.test_checkpoint = "selected" if self.recipe in SELECTED_WHEN_TUNED and affinity_tuned else "last"
 
 
 # Every setting a flag, a settings file or a sweep cell names, by name: TrainConfig's fields but its method,

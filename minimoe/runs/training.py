@@ -66,8 +66,9 @@ from minimoe.runs.tracking import RoutingStats, Tracker
 
 
 def install_method(model, cfg: TrainConfig):
-    """LoRA on the recipe's targets, then the run's routing method `cfg.method` (heads trainable, native gate
-    frozen unless the method tunes it); a method without LoRA (`Method.lora`) keeps it frozen at its zero start."""
+    """LoRA on the run's targets (None: the family's), then the run's routing method `cfg.method` (heads
+    trainable, native gate frozen unless the method tunes it); a method without LoRA (`Method.lora`) keeps it
+    frozen at its zero start."""
     method = cfg.method
     add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
     set_router(model, method)  # its layers, objective and lambda are the method's own
@@ -136,9 +137,13 @@ def aux_coefficient(cfg: TrainConfig, model_config=None) -> float:
         return cfg.aux_coef
     if model_config is None:
         raise ValueError("--aux-coef family: the coefficient is the model's; pass its config")
-    if "router_aux_loss_coef" not in family_of(model_config.model_type).config_fields:
-        raise ValueError(f"--aux-coef family: {model_config.model_type}'s config.json has no router_aux_loss_coef "
-                         f"(transformers 4.57 trains it without a load-balancing loss); give the coefficient as a number")
+    family, name = family_of(model_config.model_type), model_config.model_type
+    if "router_aux_loss_coef" not in family.config_fields:
+        raise ValueError(f"--aux-coef family: {name}'s config.json has no router_aux_loss_coef (transformers 4.57 "
+                         f"trains it without a load-balancing loss); give the coefficient as a number")
+    if not family.applies_aux_loss:
+        raise ValueError(f"--aux-coef family: transformers 4.57 never applies {name}'s router_aux_loss_coef (it trains "
+                         f"without a load-balancing loss); give the coefficient as a number")
     return model_config.router_aux_loss_coef
 
 

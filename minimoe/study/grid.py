@@ -280,13 +280,14 @@ def settings_differ(settings: dict, record: dict) -> list[str]:
     parsed) and a run's config.json (`record`, as any version wrote it) differ, each built into a
     TrainConfig by config.build_config as train.py builds it, but without loading the model: the recipe
     is the cell's, else the run's; what loading a registered benchmark resolves is resolved alike
-    (config.loaded_settings); the model's pad id is not compared, nor device and dtype where the cell
-    leaves them to the machine (auto)."""
+    (config.loaded_settings); the model's pad id is not compared, nor LoRA's targets where the cell leaves
+    them to the model's family, nor device and dtype where the cell leaves them to the machine (auto)."""
     recipe = settings.get("recipe") or record.get("recipe")
     if recipe not in RECIPES:
         return ["recipe"]
     want = build_config(settings, recipe)
-    ignore = ["pad_token_id", *(k for k in ("device", "dtype") if getattr(want, k) == "auto")]
+    ignore = ["pad_token_id", *(k for k in ("device", "dtype") if getattr(want, k) == "auto"),
+              *(["lora_targets"] if want.lora_targets is None else [])]
     if data_kind(want.data, custom=want.field_map is not None or want.prompt_template is not None) == "rows":
         ignore += ["data", "field_map", "prompt_template", "data_revision"]  # resolved by building its manifests
     elif not Path(want.data).is_dir():

@@ -12,7 +12,7 @@ from minimoe.cli import evaluate, export, train
 from minimoe.loading.checkpoint import from_pretrained
 from minimoe.making.tiny import FAMILY_SWITCHES, tiny_checkpoint
 from minimoe.runs.training import aux_coefficient
-from tests.conftest import tiny_config
+from tests.conftest import oracle, tiny_config
 from tests.kill import killed_after
 
 SMOKE = ["--model", "tiny", "--batch-size", "4", "--quiet"]
@@ -127,19 +127,31 @@ def test_the_familys_load_balancing_loss_weighs_the_step_at_its_coefficient(tmp_
         assert s["aux"] > 0 and s["loss"] == pytest.approx(s["task"] + coef * s["aux"], rel=1e-6)
 
 
+def transformers_applies_aux_loss(model_type: str) -> bool:
+    """Whether transformers' causal-LM class of the family adds router_aux_loss_coef * its load-balancing loss
+    (the oracle: its modeling file calls load_balancing_loss_func in that class's forward)."""
+    transformers = oracle("transformers")
+    import importlib
+    import inspect
+    name = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    module = importlib.import_module(f"transformers.models.{model_type.removesuffix('_text')}.modeling_"
+                                     f"{model_type.removesuffix('_text')}")
+    return "load_balancing_loss_func(" in inspect.getsource(getattr(module, name).forward)
+
+
 @pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
 def test_aux_coef_family_is_the_checkpoints_coefficient_or_refused(family):
-    """Each family's router_aux_loss_coef, as its config.json gives it; DeepSeek's and GLM-4.5's carry none
-    (transformers 4.57's configs lack the field and add no load-balancing loss for them): refused by name, a
-    number still works."""
+    """Each family's router_aux_loss_coef, as its config.json gives it, where transformers trains with it;
+    refused by name where it does not (DeepSeek's and GLM-4.5's configs lack the field, Llama 4's modeling file
+    never applies it), and a number still works."""
     config = tiny_config(family, router_aux_loss_coef=0.123)
     cfg = SimpleNamespace(aux_coef="family")
-    if family in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
-        with pytest.raises(ValueError, match=f"{family}'s config.json has no router_aux_loss_coef"):
+    if transformers_applies_aux_loss(family):
+        assert aux_coefficient(cfg, config) == 0.123
+    else:
+        with pytest.raises(ValueError, match=f"--aux-coef family: .*{family}'s .*router_aux_loss_coef"):
             aux_coefficient(cfg, config)
         assert aux_coefficient(SimpleNamespace(aux_coef=0.01), config) == 0.01
-    else:
-        assert aux_coefficient(cfg, config) == 0.123
 
 
 @pytest.mark.parametrize("family", list(FAMILY_SWITCHES))

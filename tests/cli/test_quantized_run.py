@@ -46,7 +46,7 @@ def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--quantize", "mxfp4"], "--quantize mxfp4 keeps gpt-oss's released MXFP4 experts packed; this model is olmoe"),
+    (["--quantize", "mxfp4"], "--quantize mxfp4 keeps released MXFP4 experts packed, as gpt_oss stores them; this model is olmoe"),
     (["--quantize", "nf4", "--shard", "fsdp"], "--quantize nf4 with --shard fsdp is not supported"),
     (["--quantize", "nf4"], r'needs torchao, which is not installed: pip install -e "\.\[quant\]"'),
 ])

@@ -1,15 +1,15 @@
 """Each family's `defaults` (core/families.py) against transformers 4.57's own config classes: a config.json
 holding only the fields minimoe requires resolves, field by field, to what transformers' config of that
-model_type gives every field the file omits. Every test and tiny checkpoint sets each field, so a wrong
+model_type gives every field the file omits; and its `write_defaults`, what we write for a field left None. Every test and tiny checkpoint sets each field, so a wrong
 default (DeepSeek-V3's routed_scaling_factor 2.5, OLMoE's rms_norm_eps 1e-5, ...) showed nowhere else."""
 from dataclasses import fields
 
 import pytest
 
-from tests.conftest import oracle
+from tests.conftest import oracle, tiny_config
 from minimoe.core.families import FAMILIES
 from minimoe.core.model import MoEConfig
-from minimoe.loading.checkpoint import REQUIRED_FIELDS, config_from_dict
+from minimoe.loading.checkpoint import REQUIRED_FIELDS, config_from_dict, config_to_dict
 
 # The fields minimoe requires (loading/checkpoint.py), at widths every family's defaults accept: 128 heads
 # divide 1024 and are a multiple of every default num_key_value_heads; 64 experts in DeepSeek-V3's 8 groups;
@@ -57,3 +57,25 @@ def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(mo
             wrong.append(f"{name} ({disk}): ours {value!r}, transformers {theirs!r}")
     assert not wrong, f"{model_type}: defaults unlike transformers' {type(reference).__name__}: " + "; ".join(wrong)
     assert compared >= 15  # the comparison reached the family's fields, not only a few shared ones
+
+
+# The fields a config built in code may leave None that transformers' configs fill in otherwise than we run:
+# every family whose config.json holds one (its config_fields), whatever its record's write_defaults say.
+LEFT_NONE = [(m, name) for m, f in FAMILIES.items() for name in ("layer_types", "attention_multiplier")
+             if name in f.config_fields]
+
+
+@pytest.mark.parametrize("model_type,name", LEFT_NONE)
+def test_a_field_left_none_is_written_as_our_model_runs_it(model_type, name):
+    """The write side (Family.write_defaults): a config built in code leaves the field None, and the
+    config.json we write makes transformers' config run the layers as ours does, where its own fill-in
+    would differ (gpt-oss's layer_types would alternate sliding and full; Granite's attention_multiplier
+    would be None, not our 1/sqrt(head_dim))."""
+    transformers = oracle("transformers")
+    ours = tiny_config(model_type, **{name: None})
+    reference = transformers.AutoConfig.for_model(**config_to_dict(ours))
+    if name == "layer_types":  # each layer slides in transformers' config where it slides in ours
+        assert [kind == "sliding_attention" for kind in reference.layer_types] == \
+            [ours.window(i) is not None for i in range(ours.num_hidden_layers)]
+    else:
+        assert (name, getattr(reference, name)) == ("attention_multiplier", ours.attention_scale)

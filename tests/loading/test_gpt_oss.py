@@ -1,16 +1,21 @@
-"""gpt-oss's expert tensors on disk <-> our banks (loading/gpt_oss.py): transformers 4.57's GptOssExperts,
-loaded through these functions (dense, or MXFP4 quantised here by the format's definition), gives the
-same outputs from our ClampedSwiGLUExperts; and the disk layout round-trips exactly."""
+"""gpt-oss's expert tensors on disk <-> our banks (the `Converted` entries of its record, core/families.py):
+transformers 4.57's GptOssExperts, loaded through their layouts (dense, or MXFP4 quantised here by the
+format's definition), gives the same outputs from our ClampedSwiGLUExperts; and the disk layout
+round-trips exactly."""
 import pytest
 import torch
 pytest.importorskip("transformers")  # the oracle: a plain install skips these tests
 
 from minimoe.core.clamped_experts import ClampedSwiGLUExperts
-from minimoe.loading import gpt_oss as layout
+from minimoe.core.families import FAMILIES
+from minimoe.loading.checkpoint import from_mxfp4
 from tests.core.test_clamped_experts import from_interleaved, reference as clamped_reference
 from tests.loading.test_mxfp4 import quantise_by_spec
 
 E, D, I, K = 4, 64, 32, 2  # multiples of 32: MXFP4 blocks run along D (gate_up) and I (down)
+KEYS = FAMILIES["gpt_oss"].layer_keys
+GATE_UP, GATE_UP_BIAS, DOWN = (KEYS[f"mlp.experts.{name}"] for name in
+                               ("gate_up_proj.weight", "gate_up_proj_bias", "down_proj.weight"))
 
 
 def reference(seed=0):
@@ -38,20 +43,18 @@ def outputs(router, ref, mine):
 def test_dense_tensors_load_into_our_layout_and_give_transformers_outputs():
     router, ref = reference()
     w, b = from_interleaved(ref.gate_up_proj, ref.gate_up_proj_bias)  # the test's own reading of the layout
-    assert torch.equal(layout.gate_up_from_disk(ref.gate_up_proj), w)
-    assert torch.equal(layout.gate_up_bias_from_disk(ref.gate_up_proj_bias), b)
-    mine = ours_from(layout.gate_up_from_disk(ref.gate_up_proj), layout.gate_up_bias_from_disk(ref.gate_up_proj_bias),
-                     layout.down_from_disk(ref.down_proj), ref.down_proj_bias)
+    assert torch.equal(GATE_UP.layout.from_disk(ref.gate_up_proj), w)
+    assert torch.equal(GATE_UP_BIAS.layout.from_disk(ref.gate_up_proj_bias), b)
+    mine = ours_from(GATE_UP.layout.from_disk(ref.gate_up_proj), GATE_UP_BIAS.layout.from_disk(ref.gate_up_proj_bias),
+                     DOWN.layout.from_disk(ref.down_proj), ref.down_proj_bias)
     got, want = outputs(router, ref, mine)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
 
 
 def test_the_disk_layout_round_trips_exactly():
     _, ref = reference()
-    for to, back, t in [(layout.gate_up_from_disk, layout.gate_up_to_disk, ref.gate_up_proj),
-                        (layout.gate_up_bias_from_disk, layout.gate_up_bias_to_disk, ref.gate_up_proj_bias),
-                        (layout.down_from_disk, layout.down_to_disk, ref.down_proj)]:
-        assert torch.equal(back(to(t.detach())), t.detach())
+    for entry, t in [(GATE_UP, ref.gate_up_proj), (GATE_UP_BIAS, ref.gate_up_proj_bias), (DOWN, ref.down_proj)]:
+        assert torch.equal(entry.layout.to_disk(entry.layout.from_disk(t.detach())), t.detach())
 
 
 def test_mxfp4_experts_load_to_the_values_their_bits_stand_for():
@@ -63,10 +66,10 @@ def test_mxfp4_experts_load_to_the_values_their_bits_stand_for():
         d_blocks, d_scales, d_values = quantise_by_spec(ref.down_proj.transpose(1, 2))
         ref.gate_up_proj.copy_(gu_values.transpose(1, 2))
         ref.down_proj.copy_(d_values.transpose(1, 2))
-    gate_up = layout.gate_up_from_mxfp4(gu_blocks, gu_scales, torch.float32)
-    down = layout.down_from_mxfp4(d_blocks, d_scales, torch.float32)
+    gate_up = from_mxfp4(GATE_UP, gu_blocks, gu_scales, torch.float32)
+    down = from_mxfp4(DOWN, d_blocks, d_scales, torch.float32)
     assert torch.equal(gate_up, from_interleaved(ref.gate_up_proj, ref.gate_up_proj_bias)[0])
     assert torch.equal(down, ref.down_proj.detach().transpose(1, 2))
-    mine = ours_from(gate_up, layout.gate_up_bias_from_disk(ref.gate_up_proj_bias), down, ref.down_proj_bias)
+    mine = ours_from(gate_up, GATE_UP_BIAS.layout.from_disk(ref.gate_up_proj_bias), down, ref.down_proj_bias)
     got, want = outputs(router, ref, mine)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())

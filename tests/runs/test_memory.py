@@ -59,7 +59,7 @@ def test_the_verdict_and_the_table(tmp_path, capsys):
 
 def test_lora_figures_count_the_trainable_parameters(tmp_path):
     """8 bytes a trainable parameter for weights + gradients, 8 for AdamW's moments: the same count as the
-    optimizer train.py makes (LoRA rank 8 on the recipe's targets, TES's error head)."""
+    optimizer train.py makes (LoRA rank 8 on the family's targets, TES's error head)."""
     import torch
     from minimoe.runs.config import build_config
     from minimoe.runs.training import install_method
@@ -76,18 +76,18 @@ def test_lora_figures_count_the_trainable_parameters(tmp_path):
 
 @pytest.mark.parametrize("family", ["gpt_oss", "granitemoe", "olmoe", "qwen3_moe"])
 def test_the_recipe_is_the_familys_own(tmp_path, family):
-    """Without --recipe the estimate takes the family record's recipe (its LoRA targets), as train.py does,
-    not a guess that gives every family but Granite OLMoE's: gpt-oss trains Granite's targets (no o_proj)."""
+    """Without --recipe the estimate takes the family record's recipe, as train.py does, and LoRA on the
+    family's own targets whatever the recipe: gpt-oss trains Granite's targets (no o_proj), OLMoE O too."""
     from minimoe.core.families import family_of
-    from minimoe.runs.recipes import RECIPES
+    from minimoe.core.lora import add_lora
     save_pretrained(tiny_model(family), tmp_path / "m")
     recipe = family_of(family).recipe
     ours = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32"])
     named = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32", "--recipe", recipe])
-    assert ours.lora == named.lora
-    other = "olmoe" if recipe == "granite" else "granite"
-    if set(RECIPES[other].get("lora_targets", ())) != set(RECIPES[recipe].get("lora_targets", ())):
-        assert memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32", "--recipe", other]).lora != ours.lora
+    other = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32",
+                         "--recipe", "olmoe" if recipe == "granite" else "granite"])
+    model = add_lora(tiny_model(family), rank=8)  # its family's targets, counted directly
+    assert ours.lora == named.lora == other.lora == 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 @pytest.mark.parametrize("family,fmt", [("olmoe", "nf4"), ("deepseek_v2", "nf4"), ("gpt_oss", "mxfp4")])
