@@ -39,6 +39,7 @@ def test_block_mask_allows_what_the_bool_mask_does(kind):
         assert torch.equal(create_mask(flex.mask_mod, 2, 1, 16, 16, device="cpu"), dense)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the CPU's reference path
 def test_flex_forward_equals_sdpa(family, monkeypatch):
     """A family's logits with FlexAttention on packed, padded rows (its mixers taking a block mask) equal
     the SDPA path's, forward only."""
