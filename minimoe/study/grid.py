@@ -190,9 +190,13 @@ class Cell:
         module = {"method_module": self.method_module} if self.method_module else {}
         return {**row_settings(self.row), **module, **dict(self.settings)}
 
-    @property
+    @cached_property
     def cfg(self) -> dict:
-        return {"model": self.model, "data": self.data, "seed": self.seed, **self.row_flags}
+        """The settings the cell's train.py command gives, as train.py's parser reads them (flags_parser): the
+        row's, the cell's and those passed through after sweep.py's `--`, which name the run as they name
+        train.py's (given by name alone, a passed-through lambda or option left the cell's name behind)."""
+        flags = vars(flags_parser().parse_args(self.train_args()))
+        return {k: v for k, v in flags.items() if v is not None and k not in ("out_dir", "resume")}
 
     @cached_property
     def method(self) -> Method:

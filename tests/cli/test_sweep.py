@@ -505,3 +505,17 @@ def test_the_help_example_of_your_own_rows_names_what_the_example_file_registers
     assert examples, "sweep.py --help shows no --rows example with --method-module"
     for name, module in examples:
         assert resolve_method(name, module).name == name
+
+
+@pytest.mark.parametrize("extra", [(), ("--lambda", "0.1"), ("--method-option", "gamma=3"), ("--gamma", "3"),
+                                   ("--epochs", "2")])
+def test_a_cell_is_named_as_train_py_names_its_run_whatever_is_passed_after_the_dashes(extra):
+    """The flags after sweep.py's `--` reach train.py, so a naming setting among them (lambda, a method
+    option) names the run there: the cell carries the same name, or the sweep would never find its run."""
+    from minimoe.cli.train import parse_args, resolve_config
+    from minimoe.loading.checkpoint import read_config
+    from minimoe.runs.naming import run_name
+    cell = grid(["tiny"], ["arc_easy"], ["TES-IS"], (42,), "runs", extra=extra)[0]
+    cfg = resolve_config(parse_args(cell.train_args()), read_config(tiny_checkpoint()))
+    assert cell.run.name == run_name(vars(cfg), cfg.method)
+    assert ("lambda0.1" in cell.run.name) == ("--lambda" in extra)
