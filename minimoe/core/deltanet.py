@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.masks import FULL
+from minimoe.core.norms import rms_normalized
 from minimoe.core.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
 
 
@@ -65,8 +66,7 @@ class GatedRMSNormAfter(nn.Module):
         self.eps = eps
 
     def forward(self, o, z):
-        h = wide(o)
-        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(o.dtype)
+        h = self.weight * rms_normalized(wide(o), self.eps).to(o.dtype)
         return (h * F.silu(wide(z))).to(o.dtype)
 
 

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.masks import FULL
+from minimoe.core.norms import rms_normalized
 from minimoe.core.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
 
 
@@ -34,8 +35,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, y, z):
-        h = wide(y) * F.silu(wide(z))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = rms_normalized(wide(y) * F.silu(wide(z)), self.eps)
         return self.weight * h.to(y.dtype)
 
 

@@ -1,5 +1,6 @@
 """RMSNorm, as every family's reference computes it (one module for the block norms, the q/k norms and
-MLA's latent norms; kept apart so that the model and every mixer import it without a circle).
+MLA's latent norms; kept apart so that the model and every mixer import it without a circle), and the
+normalising step that the recurrent mixers' gated norms share with it (`rms_normalized`).
 
 Decision, for parity with transformers 4.57: normalise in fp32, cast back to the input dtype, *then*
 multiply by the weight; gpt-oss multiplies the fp32 values and casts once (`weight_in_fp32`);
@@ -10,6 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+
+
+def rms_normalized(x, eps: float):
+    """x [..., dim] (already in the precision to normalise in) over its root mean square."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class RMSNorm(nn.Module):
@@ -24,8 +30,7 @@ class RMSNorm(nn.Module):
         return cls(dim, config.rms_norm_eps, config.norm_weight_in_fp32, config.norm_zero_centred)
 
     def forward(self, x):
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        x32 = rms_normalized(x.float(), self.eps)
         if self.zero_centred:  # Qwen3-Next: (1 + w) in fp32, one rounding at the end
             return (x32 * (1.0 + self.weight.float())).to(x.dtype)
         if self.weight_in_fp32:  # gpt-oss: the weight multiplies the fp32 values, one rounding at the end
