@@ -191,12 +191,16 @@ class Cell:
         return {**row_settings(self.row), **module, **dict(self.settings)}
 
     @cached_property
+    def flags(self) -> dict:
+        """The cell's train.py command line (`train_args`) as train.py's parser reads it (flags_parser): the
+        row's settings, the cell's and those passed through after sweep.py's `--`."""
+        return vars(flags_parser().parse_args(self.train_args()))
+
+    @property
     def cfg(self) -> dict:
-        """The settings the cell's train.py command gives, as train.py's parser reads them (flags_parser): the
-        row's, the cell's and those passed through after sweep.py's `--`, which name the run as they name
+        """The settings of that command line, the passed-through ones too: they name the run as they name
         train.py's (given by name alone, a passed-through lambda or option left the cell's name behind)."""
-        flags = vars(flags_parser().parse_args(self.train_args()))
-        return {k: v for k, v in flags.items() if v is not None and k not in ("out_dir", "resume")}
+        return {k: v for k, v in self.flags.items() if v is not None and k not in ("out_dir", "resume")}
 
     @cached_property
     def method(self) -> Method:
@@ -245,7 +249,7 @@ class Cell:
         """The settings of the run's config.json (`record`: the run's own by default) that differ from what
         this cell's flags give ([] if none, or no run)."""
         record = self.record() if record is None else record
-        return [] if record is None else settings_differ(vars(flags_parser().parse_args(self.train_args())), record)
+        return [] if record is None else settings_differ(dict(self.flags), record)
 
     def state(self) -> str:
         if self.trained() and (not self.train_eval or (eval_dir(self.run, "train") / METRICS).is_file()):
