@@ -5,7 +5,6 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("torchao")  # the quant extra (and the test extra); a plain install skips these tests
@@ -97,6 +96,15 @@ def test_a_lora_step_holds_one_dequantised_bank_at_a_time(autocast):
     assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
 
 
+def dense_twin(packed: nn.Module, family: str, **overrides) -> nn.Module:
+    """The tiny model of `family` (tiny_model's `overrides`) holding the packed model's dequantised weights, dense."""
+    dense = tiny_model(family, **overrides)
+    with torch.no_grad():
+        for name in quantized.quantized_modules(packed):
+            packed.get_submodule(name).packed.dequantize_into(dense.get_submodule(name).weight)
+    return dense
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_packed_lora_matches_the_dense_lora_on_the_dequantised_weights(autocast):
     """The LoRA delta joins the packed base as it joins a dense one: a LoRA model on the packed base and one
@@ -104,11 +112,7 @@ def test_packed_lora_matches_the_dense_lora_on_the_dequantised_weights(autocast)
     and under bf16 autocast (the GPU path: one grouped_mm over [x | a] against [W | s B], whose s B tail the
     backward's rebuilt buffer gets back)."""
     packed = quantized.quantize_model(tiny_model("olmoe"), "nf4")
-    dense = tiny_model("olmoe")
-    with torch.no_grad():
-        for name in quantized.quantized_modules(dense):
-            w = dense.get_submodule(name).weight
-            packed.get_submodule(name).packed.dequantize_into(w)
+    dense = dense_twin(packed, "olmoe")
     for m in (packed, dense):
         torch.manual_seed(1)
         add_lora(m, rank=3, dropout=0.0, targets=["q", "v", "experts"]).train()
@@ -170,15 +174,6 @@ FAMILY_METHOD = [("olmoe", m) for m in ("ce", "tes", "acs", "dual")] + [
          "flex_olmo", "glm4_moe", "llama4_text", "granitemoehybrid", "qwen3_next"])]
 
 
-def dense_twin(packed: nn.Module, family: str) -> nn.Module:
-    """The tiny model of `family` holding the packed model's dequantised weights, dense."""
-    dense = tiny_model(family, vocab_size=2048)
-    with torch.no_grad():
-        for name in quantized.quantized_modules(packed):
-            packed.get_submodule(name).packed.dequantize_into(dense.get_submodule(name).weight)
-    return dense
-
-
 @pytest.mark.parametrize("family,method", FAMILY_METHOD)
 def test_methods_train_on_every_family_with_a_packed_base(tmp_path, family, method):
     """install_method on a packed tiny model: the first optimizer step's gradients (LoRA, the method's
@@ -192,7 +187,7 @@ def test_methods_train_on_every_family_with_a_packed_base(tmp_path, family, meth
     packed = quantized.quantize_model(tiny_model(family, vocab_size=2048), "nf4")
     batches = step_batches(tmp_path, cfg)
     runs = []
-    for model in (packed, dense_twin(packed, family)):
+    for model in (packed, dense_twin(packed, family, vocab_size=2048)):
         torch.manual_seed(0)
         training.install_method(model, cfg)
         model.train()

@@ -104,6 +104,17 @@ def test_tes_and_dual_are_refused_by_both_exports(method, tmp_path):
     assert not (tmp_path / "peft").exists() and not (tmp_path / "merged").exists()
 
 
+def assert_merged_gives_our_logits(transformers, model, tmp_path):
+    """transformers alone loads export_merged_run's tmp_path/merged and gives `model`'s logits, which the
+    saved base's differ from (what trained, an adapter or ESFT's rows, matters)."""
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
+    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        want, got, before = model(ids()).logits, hf(ids()).logits, base(ids()).logits
+    assert rel_err(before, want) > 1e-2
+    assert rel_err(got, want) <= 2e-5
+
+
 def export_merged_run(model, family: str, tmp_path):
     """A run folder whose adapter is `model`'s, on a saved tiny `family` base (tmp_path/base, with the tokenizer),
     exported by `export.py RUN OUT --merged` into tmp_path/merged; returns the run folder."""
@@ -125,12 +136,7 @@ def test_merged_export_cli_loads_in_transformers_with_our_logits(family, method,
     model = trained(family, method, tune_router)
     export_merged_run(model, family, tmp_path)
     assert (tmp_path / "merged" / "tokenizer.json").read_bytes() == (tmp_path / "base" / "tokenizer.json").read_bytes()
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
-    with torch.no_grad():
-        want, got, before = model(ids()).logits, hf(ids()).logits, base(ids()).logits
-    assert rel_err(before, want) > 1e-2  # the adapter matters
-    assert rel_err(got, want) <= 2e-5
+    assert_merged_gives_our_logits(transformers, model, tmp_path)
 
 
 def test_esft_full_form_merged_export_loads_in_transformers_with_our_logits(tmp_path):
@@ -149,12 +155,7 @@ def test_esft_full_form_merged_export_loads_in_transformers_with_our_logits(tmp_
                 rows.add_(torch.randn(rows.shape, generator=g) * 0.1)
     model.eval()
     run = export_merged_run(model, "olmoe", tmp_path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32).eval()
-    base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
-    with torch.no_grad():
-        want, got, before = model(ids()).logits, hf(ids()).logits, base(ids()).logits
-    assert rel_err(before, want) > 1e-2  # the rows matter
-    assert rel_err(got, want) <= 2e-5
+    assert_merged_gives_our_logits(transformers, model, tmp_path)
     with pytest.raises(ValueError, match="trains expert weights in full.*peft's LoRA cannot hold"):
         export_peft(run / "checkpoints" / "epoch-1", tmp_path / "peft")
 
