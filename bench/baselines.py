@@ -22,10 +22,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
-from minimoe.core.esft import esft_layers  # noqa: E402
-from minimoe.core.methods import get_method  # noqa: E402
-from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights  # noqa: E402
-from minimoe.core.objectives import load_balancing_loss  # noqa: E402
+from minimoe.core.routing_methods.esft import esft_layers  # noqa: E402
+from minimoe.core.routing_methods.methods import get_method  # noqa: E402
+from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights  # noqa: E402
+from minimoe.core.routing_methods.objectives import load_balancing_loss  # noqa: E402
 from minimoe.runs.training import install_method  # noqa: E402
 
 # candidate -> (method, tune_router, with the load-balancing loss, LoRA targets, method options): as the sweep's

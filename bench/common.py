@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
 
 BENCH = Path(__file__).resolve().parent

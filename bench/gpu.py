@@ -58,9 +58,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
-from minimoe.core.experts import GroupedLinear  # noqa: E402
-from minimoe.core.lora import add_lora  # noqa: E402
-from minimoe.core.model import MoEConfig, MoEForCausalLM, compile_layers, init_weights  # noqa: E402
+from minimoe.core.layers.experts import GroupedLinear  # noqa: E402
+from minimoe.core.adaptation.lora import add_lora  # noqa: E402
+from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, compile_layers, init_weights  # noqa: E402
 from minimoe.loading.checkpoint import config_from_dict, from_pretrained, save_pretrained  # noqa: E402
 
 ROWS: list[dict] = []
@@ -189,7 +189,7 @@ def parity(device, smoke: bool):
 
 
 def grouped_vs_loop(device, smoke: bool):
-    from minimoe.core import experts as model_module
+    from minimoe.core.layers import experts as model_module
     model = init_weights(MoEForCausalLM(config("granitemoe", 1, smoke)), generator=torch.Generator().manual_seed(0))
     block = model.to(device, torch.bfloat16).model.layers[0].mlp
     x = torch.randn(64 if smoke else 4096, model.config.hidden_size, device=device, dtype=torch.bfloat16)
@@ -364,7 +364,7 @@ def quantized_step(device, smoke: bool, experts: int | None = None, batch: tuple
     q, k, v and the experts, dropout 0, AdamW, batch 8 x 512), its base in bf16 and the same weights packed in
     NF4 (--quantize nf4, core/quantized.py): median step time and peak memory of each. experts: fewer than
     the 128 (a CPU's memory); the vocabulary is then cut to 2048 too. batch: (B, T)."""
-    from minimoe.core.quantized import quantize_model
+    from minimoe.core.adaptation.quantized import quantize_model
     c = config("qwen3_moe", 1, smoke)
     if experts:
         c = replace(c, num_experts=experts, vocab_size=2048)
@@ -403,7 +403,7 @@ def attention_backends(device, smoke: bool):
     time, beside FlexAttention (compiled on CUDA) on the packed rows' block mask."""
     from torch.nn.attention import SDPBackend
 
-    from minimoe.core import masks
+    from minimoe.core.layers import masks
     names = {int(getattr(SDPBackend, n)): n.lower() for n in dir(SDPBackend) if n.isupper()}
     c = config("granitemoe", 1, smoke)
     B, T = (2, 64) if smoke else (8, 512)

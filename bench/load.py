@@ -96,7 +96,7 @@ def rss_split() -> dict:
 def child_fullsize(folder: str, seq: int) -> dict:
     """OLMoE at full size in bf16 on this machine: load, one forward, one LoRA train step."""
     import torch
-    from minimoe.core.lora import add_lora
+    from minimoe.core.adaptation.lora import add_lora
     base = maxrss_bytes()
     out = {}
     t0 = time.perf_counter()

@@ -54,7 +54,7 @@ def child(side: str, folder: str, dtype_name: str, B: int, T: int, rounds: int, 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
     family = json.loads((Path(folder) / "config.json").read_text())["model_type"]
     if side == "minimoe":
-        from minimoe.core.lora import add_lora
+        from minimoe.core.adaptation.lora import add_lora
         model = common.load_ours(Path(folder), dtype)
         add_lora(model, rank=RANK, alpha=ALPHA, dropout=DROPOUT[family], targets=("q", "k", "v", "experts"))
         kw = {}
@@ -98,6 +98,6 @@ def measure_in_child(side, folder, dtype_name, B, T, rounds, warmup, keep: bool)
 if __name__ == "__main__":
     side, folder, dtype_name, B, T, rounds, warmup, keep = sys.argv[1:]
     if keep == "1":
-        from minimoe.loading.allocator import keep_freed_memory
+        from minimoe.process_memory import keep_freed_memory
         keep_freed_memory()
     print(json.dumps(child(side, folder, dtype_name, int(B), int(T), int(rounds), int(warmup))))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from bench.common import Row, interleaved  # noqa: E402
-from minimoe.loading.allocator import keep_freed_memory  # noqa: E402
+from minimoe.process_memory import keep_freed_memory  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -143,7 +143,7 @@ def bench_decode(args, family, dtype_name):
 
 
 def decode_row(args, family, dtype_name, ours, hf, B):
-    from minimoe.core.generate import generate
+    from minimoe.core.decoder.generate import generate
     ids = torch.randint(2, ours.config.vocab_size, (B, args.prompt), generator=torch.Generator().manual_seed(3))
     n = args.new_tokens
     out = {}
@@ -178,7 +178,8 @@ def expert_flops(T, config):
 
 def bench_moe(args, family, dtype_name):
     """One MoEBlock forward on T tokens against dense matmuls of the same (N, in) x (in, out) shapes."""
-    from minimoe.core import experts as mm, model
+    from minimoe.core.decoder import model
+    from minimoe.core.layers import experts as mm
     dtype = DTYPES[dtype_name]
     config = common.shape(family, 1)
     block = model.MoEBlock(config).to(dtype)
@@ -264,7 +265,7 @@ def main(argv=None):
     g.add_argument("--dtypes", default=None, help="comma list: bf16, fp32 (default both; --quick: bf16)")
     g.add_argument("--quick", action="store_true", help="bf16, batch 1x128, 2 rounds, 8 new tokens: a few minutes")
     g.add_argument("--glibc-defaults", action="store_true",
-                   help="skip minimoe.loading.allocator.keep_freed_memory(), which otherwise applies to both sides (and LoRA children)")
+                   help="skip minimoe.process_memory.keep_freed_memory(), which otherwise applies to both sides (and LoRA children)")
     s = p.add_argument_group("sizes")
     s.add_argument("--layers", type=int, default=2, help="decoder layers of the reduced-depth models")
     s.add_argument("--batch", type=int, default=4)

@@ -31,11 +31,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minimoe.core.choices import pad_id  # noqa: E402
-from minimoe.core.choices import make_choice_batch  # noqa: E402
+from minimoe.core.task.choices import pad_id  # noqa: E402
+from minimoe.core.task.choices import make_choice_batch  # noqa: E402
 from minimoe.data.benchmarks import load_split  # noqa: E402
 from minimoe.evaluation.accuracy import evaluate_split  # noqa: E402
-from minimoe.loading.allocator import keep_freed_memory  # noqa: E402
+from minimoe.process_memory import keep_freed_memory  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
 from bench.common import RESULTS, write_report  # noqa: E402
 
@@ -92,7 +92,7 @@ def eval_transformers(args, examples, batch_rows: int = 64) -> dict:
 
 
 def train_epoch(args, examples, packed: bool) -> dict:
-    from minimoe.core.step import step_loss
+    from minimoe.core.task.step import step_loss
     from minimoe.runs.config import build_config
     from minimoe.runs.training import install_method, loss_settings, make_optimizer
     torch.manual_seed(0)

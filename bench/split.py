@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minimoe.core.routing import NativeRouter, Scoring, select_topk  # noqa: E402
+from minimoe.core.routing_methods.routing import NativeRouter, Scoring, select_topk  # noqa: E402
 from minimoe.data.benchmarks import load_split  # noqa: E402
 from minimoe.evaluation.accuracy import evaluate_split  # noqa: E402
-from minimoe.loading.allocator import keep_freed_memory  # noqa: E402
+from minimoe.process_memory import keep_freed_memory  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
 from minimoe.making.smollm import fetch_gguf  # noqa: E402
 from minimoe.making.split import SplitSettings, held_out, neuron_activations, prose_documents, token_rows  # noqa: E402

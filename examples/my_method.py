@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 
 import minimoe
-from minimoe.core.methods import Method
-from minimoe.core.routing import NativeRouter, Routing, Scoring
+from minimoe.core.routing_methods.methods import Method
+from minimoe.core.routing_methods.routing import NativeRouter, Routing, Scoring
 
 
 class BiasedRouter(NativeRouter):

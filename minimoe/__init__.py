@@ -1,17 +1,17 @@
 """minimoe: sparse MoE language models in a few readable files (Granite-MoE, GraniteMoeShared, OLMoE, FlexOlmo,
 Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, GLM-4.5, Llama-4, gpt-oss, and the hybrids Granite-4.0-H
 and Qwen3-Next: one record each in minimoe/core/families.py), with LoRA and token-error-supervised routing."""
-from minimoe.core.generate import generate
-from minimoe.core.lora import add_lora, merge_lora, unmerge_lora
-from minimoe.core.methods import METHODS, Method, set_router
-from minimoe.core.mixers import KVCache
-from minimoe.core.model import CausalLMOutput, MoEConfig, MoEForCausalLM
-from minimoe.core.routing import Routing
+from minimoe.core.decoder.generate import generate
+from minimoe.core.adaptation.lora import add_lora, merge_lora, unmerge_lora
+from minimoe.core.routing_methods.methods import METHODS, Method, set_router
+from minimoe.core.token_mixers.mixers import KVCache
+from minimoe.core.decoder.model import CausalLMOutput, MoEConfig, MoEForCausalLM
+from minimoe.core.routing_methods.routing import Routing
 from minimoe.integrations.hf_export import export_peft
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer, save_pretrained
 from minimoe.runs.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
-from minimoe.core.objectives import OBJECTIVES, Objective
-from minimoe.runs.registry import register_method, register_objective
+from minimoe.core.routing_methods.objectives import OBJECTIVES, Objective
+from minimoe.runs.user_methods import register_method, register_objective
 
 __all__ = ["from_pretrained", "load_tokenizer", "save_pretrained", "generate",
            "CausalLMOutput", "KVCache", "MoEConfig", "MoEForCausalLM", "Routing", "set_router",

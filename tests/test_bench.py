@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from bench.make_checkpoint import make  # noqa: E402
-from minimoe.core.model import MoEConfig  # noqa: E402
+from minimoe.core.decoder.model import MoEConfig  # noqa: E402
 from minimoe.loading.checkpoint import checkpoint_tensors, from_pretrained  # noqa: E402
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from bench import common, gpu
-from minimoe.core.model import MoEForCausalLM
+from minimoe.core.decoder.model import MoEForCausalLM
 
 
 @pytest.mark.parametrize("stages, models", [
@@ -73,7 +73,7 @@ def test_peft_adapts_what_minimoe_adapts(family, tmp_path):
     layer, whose module names peft would otherwise also match)."""
     pytest.importorskip("peft")
     from bench.lora_peft import peft_wrap
-    from minimoe.core.lora import add_lora
+    from minimoe.core.adaptation.lora import add_lora
     from minimoe.loading.checkpoint import from_pretrained, save_pretrained
     save_pretrained(gpu.random_model(gpu.config(family, 2, smoke=True), torch.device("cpu")), tmp_path)
     theirs = peft_wrap(common.load_hf(tmp_path, torch.float32), family)

@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import minimoe
-from minimoe.core import cpu_kernels
-from minimoe.core.choices import make_choice_batch
-from minimoe.core.lora import add_lora
-from minimoe.core.step import step_loss
+from minimoe.core.layers import cpu_memory
+from minimoe.core.task.choices import make_choice_batch
+from minimoe.core.adaptation.lora import add_lora
+from minimoe.core.task.step import step_loss
 from minimoe.loading.checkpoint import to_disk_layout
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import training
@@ -36,11 +36,11 @@ from tests.conftest import CUDA_TESTS_DEVICE, tiny_model
 from tests.kill import killed_after
 from tests.test_gpu_path import no_expert_loop, step_batches  # noqa: F401 (no_expert_loop: a fixture)
 from bench.common import HostSyncs  # importable once test_gpu_path has put the repository root on sys.path
-from tests.core.test_lora import check_dropout_step_equals_peft, check_fused_bank_lora_equals_peft
-from tests.core.test_masks import packed_rows
-from tests.core.test_model import (FP32_TOL, batch, grouped_mm_and_loop_paths, next_token_grads, reference_model,
+from tests.core.adaptation.test_lora import check_dropout_step_equals_peft, check_fused_bank_lora_equals_peft
+from tests.core.layers.test_masks import packed_rows
+from tests.core.decoder.test_model import (FP32_TOL, batch, grouped_mm_and_loop_paths, next_token_grads, reference_model,
                                    rel_err, tiny, worst_grad_err)
-from tests.core.test_choices import METHODS, CharTokenizer, assert_close, examples, model_with, terms
+from tests.core.task.test_choices import METHODS, CharTokenizer, assert_close, examples, model_with, terms
 from tests.cli.test_train_cli import TIMINGS, adapter, records, run_train
 
 pytestmark = pytest.mark.cuda
@@ -250,10 +250,10 @@ def test_a_training_step_makes_no_host_sync(tmp_path, method, monkeypatch):
     that torch.cuda.set_sync_debug_mode flags (read-backs, device-to-host copies, synchronising
     kernels), and HostSyncs (bench/common.py) counts no syncing op. A first step runs unchecked (CUDA's
     lazy initialisation). Both detectors are first shown to catch an .item(). On the CPU the bf16
-    banks round expert blocks with a host-side count (cpu_kernels.expert_block, CPU only), so the CPU check
+    banks round expert blocks with a host-side count (cpu_memory.expert_block, CPU only), so the CPU check
     runs them unrounded."""
     if not ON_CUDA:
-        monkeypatch.setattr(cpu_kernels, "expert_block", lambda x, rows, num_experts: 1)
+        monkeypatch.setattr(cpu_memory, "expert_block", lambda x, rows, num_experts: 1)
     with sync_warnings() as flagged, HostSyncs() as syncs:
         torch.ones(1, device=DEVICE).item()
     assert syncs.counts == {"_local_scalar_dense": 1} and bool(flagged) == ON_CUDA
@@ -353,7 +353,7 @@ def test_resume_after_a_kill_ends_where_the_uninterrupted_run_does(tmp_path):
 def test_flex_attention_backward_equals_sdpa(family, monkeypatch):
     """Packed, padded rows through FlexAttention (CUDA's path) and through the SDPA reference: logits and
     every parameter's gradient agree (fp32, so that the two kernels' accumulation orders are all that differ)."""
-    from minimoe.core import model as model_module
+    from minimoe.core.decoder import model as model_module
     seg, pad = on_device(*packed_rows()[:2])
     results = []
     for flex in (True, False):

@@ -256,7 +256,7 @@ def test_the_default_models_disk_size_is_its_parameter_count_in_fp32():
     """weights/smollm2-135m-moe as docs/install.md sizes it: SmolLM2-135M's dimensions (its config.json on the
     hub: 30 layers, hidden 576, MLP 1536, 9 / 3 heads, vocabulary 49152, tied) upcycled as smollm.py does, in fp32."""
     import torch
-    from minimoe.core.model import MoEForCausalLM
+    from minimoe.core.decoder.model import MoEForCausalLM
     from minimoe.making import smollm
     from minimoe.making.upcycle import moe_config
     llama = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -273,7 +273,7 @@ def test_the_package_descriptions_name_every_family():
     (issue 47): each must name every registered family, by a name sweep.py would recognise (its name_hints)."""
     import configparser
     import minimoe
-    from minimoe.core.families import FAMILIES
+    from minimoe.core.decoder.families import FAMILIES
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
     for where, text in (("setup.cfg", cfg["metadata"]["description"]), ("minimoe/__init__.py", minimoe.__doc__)):

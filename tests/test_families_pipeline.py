@@ -21,13 +21,13 @@ from safetensors.torch import load_file
 import minimoe
 import tests.tiny_families as tiny_families
 from minimoe.cli import evaluate, sweep, train
-from minimoe.core.families import FAMILIES
+from minimoe.core.decoder.families import FAMILIES
 from minimoe.loading.checkpoint import read_config
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.study.grid import guess_recipe
 from tests.conftest import ALL_FAMILIES
-from tests.core.test_families_parity import FP32_TOL, batch, rel_err
-from tests.core.test_model import reference_model
+from tests.core.decoder.test_families_parity import FP32_TOL, batch, rel_err
+from tests.core.decoder.test_model import reference_model
 from tests.kill import killed_after
 from tests.loading.test_checkpoint import offline, populate_hub_cache  # noqa: F401  (offline: a fixture)
 
@@ -63,7 +63,7 @@ def saved(name: str, tmp_path, monkeypatch):
     the tiny tokenizer."""
     if name in VARIANTS + ROUND2 + HYBRIDS:
         return transformers_saved(name, tmp_path / "saved", monkeypatch)[1]
-    from tests.core.test_model import tiny
+    from tests.core.decoder.test_model import tiny
     base = read_config(tiny_checkpoint())
     reference_model(tiny(name, vocab_size=base.vocab_size, pad_token_id=base.pad_token_id,
                          eos_token_id=base.eos_token_id, max_position_embeddings=256), folder := tmp_path / "ref")

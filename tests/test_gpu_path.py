@@ -14,13 +14,13 @@ import torch
 
 from tests.conftest import tiny_model
 from minimoe import load_tokenizer
-from minimoe.core import cpu_kernels
-from minimoe.core import experts as model_module
-from minimoe.core.choices import forward_choices, make_choice_batch
-from minimoe.core.lora import add_lora
-from minimoe.core.methods import set_router
-from minimoe.core.model import compile_layers
-from minimoe.core.step import step_loss
+from minimoe.core.layers import cpu_memory
+from minimoe.core.layers import experts as model_module
+from minimoe.core.task.choices import forward_choices, make_choice_batch
+from minimoe.core.adaptation.lora import add_lora
+from minimoe.core.routing_methods.methods import set_router
+from minimoe.core.decoder.model import compile_layers
+from minimoe.core.task.step import step_loss
 from minimoe.data.benchmarks import load_split
 from minimoe.loading.checkpoint import from_pretrained
 from minimoe.making.tiny import tiny_checkpoint
@@ -92,7 +92,7 @@ def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, metho
                          model.config.num_experts_per_tok)
     if autocast:  # training.autocast(cfg) is CUDA's bf16 autocast on a GPU; here the CPU's stands in
         monkeypatch.setattr(training, "autocast", lambda cfg: torch.autocast("cpu", dtype=torch.bfloat16))
-        monkeypatch.setattr(cpu_kernels, "EXPERT_BLOCK", 1)
+        monkeypatch.setattr(cpu_memory, "EXPERT_BLOCK", 1)
         monkeypatch.setattr(model_module.Dispatch, "counts_list", property(lambda self: pytest.fail("the loop ran")))
     with HostSyncs() as syncs:
         logs = step_loss(model, batches, cfg.method, counts, world_size=1, stats=stats,
@@ -323,11 +323,11 @@ def test_compiled_layers_recompile_a_bounded_number_of_times_whatever_the_depth(
     length buckets of training steps, then validation. torch._dynamo's counters: no graph break, and at
     most 5 graphs for all 4 layers together (layer 0's input needs no gradient, the others' do; a first
     static length, then one dynamic; no_grad validation), under the 8 a code object may hold. The CPU's
-    dropout-as-mask hooks broke every layer's graph here (cpu_kernels: they step aside under compile)."""
+    dropout-as-mask hooks broke every layer's graph here (cpu_memory: they step aside under compile)."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     from minimoe.runs import training
-    monkeypatch.setattr(cpu_kernels, "EXPERT_BLOCK", 1)
+    monkeypatch.setattr(cpu_memory, "EXPERT_BLOCK", 1)
     cfg = build_config({"method": "tes", "lora_dropout": 0.05, "batch_size": 2, "pad_token_id": 0, "device": "cpu",
                         "compile": True, "layers": "all"}, "tiny")
     tokenizer = load_tokenizer(tiny_checkpoint())

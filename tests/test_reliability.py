@@ -18,7 +18,7 @@ import torch
 from minimoe.atomic import MARKER, atomic_directory
 from minimoe.cli import evaluate, sweep
 from minimoe.cli import train
-from minimoe.core.lora import add_lora
+from minimoe.core.adaptation.lora import add_lora
 from minimoe.data.benchmarks import check_disjoint, load_examples, load_split
 from minimoe.integrations.hf_export import export_peft
 from minimoe.making.tiny import tiny_checkpoint

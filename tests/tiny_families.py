@@ -10,7 +10,7 @@ pytest.importorskip("transformers")  # the oracle: a plain install skips these t
 import transformers
 from safetensors.torch import save_file
 
-from tests.core.test_model import reference_model
+from tests.core.decoder.test_model import reference_model
 from tests.loading.test_mxfp4 import quantise_by_spec
 
 COMMON = dict(vocab_size=128, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, rms_norm_eps=1e-6,

@@ -266,7 +266,7 @@ def main(argv=None):
             parser.error(f"argument {flag}: {value}: expected an integer >= 1")
     args.data, args.model = own_data(args, parser), model_path(args.model)
     from minimoe.atomic import check_replaceable
-    from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
+    from minimoe.process_memory import keep_freed_memory, limit_kernel_cache
     from minimoe.runs.eval_run import load_evaluation, score  # after argument checks: torch takes seconds to import
     keep_freed_memory()  # each batch's logits block is reused, not faulted in again
     limit_kernel_cache()  # bf16 on the CPU: one compiled kernel per matrix shape, a few hundred kept

@@ -32,7 +32,7 @@ from minimoe.cli import run_command, train
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
 from minimoe.runs.config import check_value, default_of, flag_name
 from minimoe.runs.naming import ABLATION_SETTINGS
-from minimoe.runs.registry import import_method_module
+from minimoe.runs.user_methods import import_method_module
 from minimoe.runs.run_folder import set_aside
 from minimoe.study.grid import BENCHMARKS, PRESETS, ROWS, Preset, check_row, grid
 from minimoe.study.launch import run_local, run_on_devices, submit_slurm, visible_devices

@@ -43,14 +43,14 @@ import torch.distributed as dist
 import minimoe
 from minimoe.atomic import atomic_file
 from minimoe.cli import is_tiny, model_path, run_command
-from minimoe.core.choices import check_max_length, pad_id
-from minimoe.core.families import FAMILIES, family_of
-from minimoe.core.model import MoEConfig, compile_layers
-from minimoe.core.quantized import require as require_quantization
+from minimoe.core.task.choices import check_max_length, pad_id
+from minimoe.core.decoder.families import FAMILIES, family_of
+from minimoe.core.decoder.model import MoEConfig, compile_layers
+from minimoe.core.adaptation.quantized import require as require_quantization
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
 from minimoe.data.userdata import resolve_data
 from minimoe.evaluation.folders import METRICS, eval_dir
-from minimoe.loading.allocator import keep_freed_memory, limit_kernel_cache
+from minimoe.process_memory import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.making.smollm import smollm_checkpoint
 from minimoe.runs.compat import read_run_config, read_settings, settings_of

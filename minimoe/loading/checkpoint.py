@@ -25,11 +25,11 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.core.families import CONFIG_FIELDS, Converted, family_of
-from minimoe.core.model import MoEConfig, MoEForCausalLM, config_field_names
-from minimoe.core.quantized import pack, quantize_module, quantized_modules
-from minimoe.core.quantized import require as require_quantization
-from minimoe.loading.allocator import advise_huge_pages, mapped_big_blocks
+from minimoe.core.decoder.families import CONFIG_FIELDS, Converted, family_of
+from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, config_field_names
+from minimoe.core.adaptation.quantized import pack, quantize_module, quantized_modules
+from minimoe.core.adaptation.quantized import require as require_quantization
+from minimoe.process_memory import advise_huge_pages, mapped_big_blocks
 from minimoe.loading.mxfp4 import MXFP4Weight, dequantize_mxfp4
 
 QUANTIZED_ON_DISK = ("mxfp4",)  # quantization_config.quant_method values we dequantise on load

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from minimoe.core.quantized import digest_sample
+from minimoe.core.adaptation.quantized import digest_sample
 
 BLOCK = 32  # values per shared scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # |value| of codes 0-7; codes 8-15 are their negatives

@@ -47,7 +47,7 @@ import torch.nn as nn
 from torch.nn.utils import parametrize
 
 from minimoe.atomic import atomic_directory, check_replaceable
-from minimoe.core.generate import generate
+from minimoe.core.decoder.generate import generate
 from minimoe.loading.checkpoint import RUN_DTYPES, from_pretrained, load_tokenizer, read_config, write_checkpoint
 from minimoe.making.split import held_out, prose_documents, token_rows
 from minimoe.runs.provenance import file_digest, git_commit

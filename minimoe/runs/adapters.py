@@ -38,15 +38,15 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from minimoe.core.lora import add_lora, lora_modules
-from minimoe.core.methods import Method
-from minimoe.core.methods import set_router
-from minimoe.core.model import MoEForCausalLM
-from minimoe.core.quantized import digest_sample, is_quantized
-from minimoe.core.routing import moe_blocks, tuned_layers
+from minimoe.core.adaptation.lora import add_lora, lora_modules
+from minimoe.core.routing_methods.methods import Method
+from minimoe.core.routing_methods.methods import set_router
+from minimoe.core.decoder.model import MoEForCausalLM
+from minimoe.core.adaptation.quantized import digest_sample, is_quantized
+from minimoe.core.routing_methods.routing import moe_blocks, tuned_layers
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
 from minimoe.runs.ranks import full
-from minimoe.runs.registry import method_of
+from minimoe.runs.user_methods import method_of
 from minimoe.runs.sharding import put_rows
 
 FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",

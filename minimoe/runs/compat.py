@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from minimoe.core.methods import declaring
+from minimoe.core.routing_methods.methods import declaring
 from minimoe.runs.config import FIELDS, RECORD_KEYS, check_value
 
 # ---- settings from files and records

@@ -29,13 +29,13 @@ import re
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from minimoe.core.lora import ALIASES as LORA_ALIASES, TARGETS
-from minimoe.core.methods import ALIASES, METHODS, Method, UnknownOption, declaring, number
-from minimoe.core.objectives import OBJECTIVES
+from minimoe.core.adaptation.lora import ALIASES as LORA_ALIASES, TARGETS
+from minimoe.core.routing_methods.methods import ALIASES, METHODS, Method, UnknownOption, declaring, number
+from minimoe.core.routing_methods.objectives import OBJECTIVES
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.recipes import RECIPES, SELECTED_WHEN_TUNED, by_recipe_counts
-from minimoe.runs.registry import resolve_method
+from minimoe.runs.user_methods import resolve_method
 
 # ---- what a value may be: each check reads a flag's text or a settings file's value, raises ValueError
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, fields
 
-from minimoe.core.methods import METHODS, declaring
+from minimoe.core.routing_methods.methods import METHODS, declaring
 from minimoe.runs.config import GROUPS, MethodSettings, TrainConfig, flag_name
 from minimoe.runs.recipes import by_recipe
 

@@ -35,10 +35,10 @@ from pathlib import Path
 
 import torch
 
-from minimoe.core.families import family_of
-from minimoe.core.experts import GroupedLinear
-from minimoe.core.model import MoEForCausalLM
-from minimoe.core.quantized import nf4_bytes, quantized_modules
+from minimoe.core.decoder.families import family_of
+from minimoe.core.layers.experts import GroupedLinear
+from minimoe.core.decoder.model import MoEForCausalLM
+from minimoe.core.adaptation.quantized import nf4_bytes, quantized_modules
 from minimoe.loading.checkpoint import (DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files, config_from_dict,
                                         hub_file, read_config)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from minimoe.core.methods import Method, declaring
+from minimoe.core.routing_methods.methods import Method, declaring
 from minimoe.runs.config import FIELDS, flag_name, method_settings
 
 # ---- run identity

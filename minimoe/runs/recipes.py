@@ -13,7 +13,7 @@ Recipe decisions (paper, Experimental Configuration table):
 """
 from __future__ import annotations
 
-from minimoe.core.lora import ALPHA, DROPOUT, RANK
+from minimoe.core.adaptation.lora import ALPHA, DROPOUT, RANK
 
 # ---- the paper's presets
 

@@ -45,11 +45,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
-from minimoe.core.methods import Method
+from minimoe.core.routing_methods.methods import Method
 from minimoe.evaluation.folders import EVAL, is_base
 from minimoe.runs.compat import settings_of
 from minimoe.runs.config import method_for
-from minimoe.runs.registry import method_of
+from minimoe.runs.user_methods import method_of
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from minimoe.core.lora import lora_modules
-from minimoe.core.model import MoEForCausalLM
+from minimoe.core.adaptation.lora import lora_modules
+from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_config, read_entries, weight_index
 from minimoe.runs.config import TrainConfig
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from minimoe.core.routing import native_concentration
+from minimoe.core.routing_methods.routing import native_concentration
 
 REPORTERS = ("none", "tensorboard", "wandb")
 

@@ -47,12 +47,12 @@ from torch.distributed.tensor import DTensor
 from tqdm import tqdm
 
 from minimoe.atomic import atomic_file
-from minimoe.core.choices import ChoiceBatch, make_choice_batch
-from minimoe.core.families import family_of
-from minimoe.core.lora import add_lora, lora_modules
-from minimoe.core.methods import set_router
-from minimoe.core.routing import Scoring
-from minimoe.core.step import step_loss
+from minimoe.core.task.choices import ChoiceBatch, make_choice_batch
+from minimoe.core.decoder.families import family_of
+from minimoe.core.adaptation.lora import add_lora, lora_modules
+from minimoe.core.routing_methods.methods import set_router
+from minimoe.core.routing_methods.routing import Scoring
+from minimoe.core.task.step import step_loss
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
 from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter, trainable_parameters
 from minimoe.runs.config import TrainConfig
@@ -84,7 +84,7 @@ def check_install(model_config, cfg: TrainConfig, device: str):
     target, layer scope or method option fails here, before any run folder exists; so does an
     adapter whose fp32 weights, gradients and AdamW moments (16 bytes a parameter) exceed the
     device's memory."""
-    from minimoe.core.model import MoEForCausalLM
+    from minimoe.core.decoder.model import MoEForCausalLM
     aux_coefficient(cfg, model_config)  # --aux-coef family on a family without one
     with torch.device("meta"):
         dry = MoEForCausalLM(model_config)

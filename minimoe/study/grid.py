@@ -22,8 +22,8 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from minimoe.core.families import FAMILIES
-from minimoe.core.methods import ALIASES, METHODS, Method
+from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.routing_methods.methods import ALIASES, METHODS, Method
 from minimoe.data.userdata import data_kind
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
 from minimoe.evaluation.folders import METRICS, eval_dir, test_evaluation

@@ -157,7 +157,7 @@ def test_router_only_tuning_is_defined_on_every_familys_router(family):
     gate weight (as every method that tunes the gate: gpt-oss's router bias and DeepSeek's and GLM's score
     correction bias stay frozen); an AdamW step moves each and leaves every other tensor (base, LoRA at B = 0)."""
 
-    from minimoe.core.routing import moe_blocks
+    from minimoe.core.routing_methods.routing import moe_blocks
     from minimoe.runs.config import build_config
     from minimoe.runs.training import install_method
     from tests.conftest import tiny_model

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from minimoe.cli import evaluate
-from minimoe.core.model import MoEConfig, MoEForCausalLM, init_weights
-from minimoe.core.routing import ConcentrationRouter, Scoring, native_concentration
+from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights
+from minimoe.core.routing_methods.routing import ConcentrationRouter, Scoring, native_concentration
 from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, Example, train_tokenizer
 from minimoe.evaluation.accuracy import TokenArrays, diagnostics_report, evaluate_split, json_safe
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
@@ -203,7 +203,7 @@ def test_evaluation_and_validation_run_in_trainings_autocast(toy, tmp_path, monk
 def test_scoring_turns_lora_dropout_off_and_restores_train_mode(toy):
     """A trainer's model in train mode with dropout 0.5: two scorings agree exactly (dropout was off)
     and every module is back in train mode afterwards."""
-    from minimoe.core import lora
+    from minimoe.core.adaptation import lora
     from minimoe.loading.checkpoint import load_tokenizer
     folder = toy["models"]["olmoe"]
     model = lora.add_lora(from_pretrained(folder), rank=4, dropout=0.5)
@@ -277,8 +277,8 @@ def test_diagnostics_on_synthetic_tokens_with_known_answers():
 
 def tes_run(toy, run: Path, seed: int = 43) -> Path:
     """A run folder as train.py writes it: a tes adapter per epoch (different weights), selection.json."""
-    from minimoe.core import methods
-    from minimoe.core.lora import add_lora
+    from minimoe.core.routing_methods import methods
+    from minimoe.core.adaptation.lora import add_lora
     from minimoe.runs.adapters import save_adapter
     folder = toy["models"]["olmoe"]
     for epoch in (1, 2):
@@ -425,7 +425,7 @@ def test_report_of_seeds_it_has_no_evaluation_of_is_refused(tmp_path):
 # ---- bad input -------------------------------------------------------------------------------------
 
 def other_base_adapter(tmp_path) -> Path:
-    from minimoe.core.lora import add_lora
+    from minimoe.core.adaptation.lora import add_lora
     from minimoe.runs.adapters import save_adapter
     config = MoEConfig(model_type="olmoe", vocab_size=304, hidden_size=64, intermediate_size=32,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
@@ -453,7 +453,7 @@ def bad_case(case, toy, tmp_path) -> tuple[list, type, str]:
         return (model + ["--data", test, "--adapter", str(other_base_adapter(tmp_path))], ValueError,
                 "some/other-model.*hidden_size")
     if case == "adapter of other weights with the same shapes":
-        from minimoe.core.lora import add_lora
+        from minimoe.core.adaptation.lora import add_lora
         from minimoe.runs.adapters import save_adapter
         other = init_weights(MoEForCausalLM(from_pretrained(toy["models"]["olmoe"]).config), std=0.2,
                              generator=torch.Generator().manual_seed(1))  # the toy model is seed 0

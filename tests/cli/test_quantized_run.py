@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("torchao")  # the quant extra (and the test extra)
 
 from minimoe.cli import train  # noqa: E402
-from minimoe.core.quantized import is_quantized  # noqa: E402
+from minimoe.core.adaptation.quantized import is_quantized  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained  # noqa: E402
 from minimoe.making.tiny import tiny_checkpoint  # noqa: E402
 from minimoe.runs.adapters import load_adapter  # noqa: E402

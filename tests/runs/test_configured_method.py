@@ -8,7 +8,7 @@ import pytest
 
 from minimoe import from_pretrained
 from minimoe.cli import evaluate, export, train
-from minimoe.core.methods import Method
+from minimoe.core.routing_methods.methods import Method
 from minimoe.making.tiny import tiny_checkpoint, tiny_config
 from minimoe.runs.compat import settings_of
 from minimoe.runs.config import METHOD_FIELDS, build_config, method_for, method_record, method_settings

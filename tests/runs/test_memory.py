@@ -78,8 +78,8 @@ def test_lora_figures_count_the_trainable_parameters(tmp_path):
 def test_the_recipe_is_the_familys_own(tmp_path, family):
     """Without --recipe the estimate takes the family record's recipe, as train.py does, and LoRA on the
     family's own targets whatever the recipe: gpt-oss trains Granite's targets (no o_proj), OLMoE O too."""
-    from minimoe.core.families import family_of
-    from minimoe.core.lora import add_lora
+    from minimoe.core.decoder.families import family_of
+    from minimoe.core.adaptation.lora import add_lora
     save_pretrained(tiny_model(family), tmp_path / "m")
     recipe = family_of(family).recipe
     ours = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32"])
@@ -97,7 +97,7 @@ def test_quantized_weight_figures_are_the_real_packed_sizes(tmp_path, family, fm
     mxfp4: a tiny gpt-oss whose experts are stored in MXFP4, as the release stores them."""
     pytest.importorskip("torchao" if fmt == "nf4" else "transformers")
     import torch
-    from minimoe.core.quantized import is_quantized, packed_bytes
+    from minimoe.core.adaptation.quantized import is_quantized, packed_bytes
     from minimoe.loading.checkpoint import from_pretrained
     if fmt == "mxfp4":
         from tests.tiny_families import mxfp4_reference_model

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from minimoe.cli import train
 from minimoe.cli import evaluate
-from minimoe.core.methods import Method
-from minimoe.core.routing import NativeRouter
-from minimoe.runs.registry import register_method, resolve_method
+from minimoe.core.routing_methods.methods import Method
+from minimoe.core.routing_methods.routing import NativeRouter
+from minimoe.runs.user_methods import register_method, resolve_method
 from tests.kill import killed_after
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +96,7 @@ def test_unknown_method_and_missing_module_say_what_was_expected(tmp_path, monke
 
 def test_an_unknown_option_is_named_for_the_api_in_core_and_for_the_flag_in_a_run():
     """Method.configure (core) names the option as a keyword; only a run's settings say --method-option."""
-    from minimoe.core.methods import UnknownOption, get_method
+    from minimoe.core.routing_methods.methods import UnknownOption, get_method
     from minimoe.runs.config import method_for
     with pytest.raises(UnknownOption, match=r"^bogus: method 'tes' has no such option; it takes \['error_head_lr', "):
         get_method("tes").configure(options={"bogus": 1})

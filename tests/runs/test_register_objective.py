@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from minimoe.cli import train
-from minimoe.core.objectives import OBJECTIVES, Objective, itakura_saito
-from minimoe.runs.registry import register_objective
+from minimoe.core.routing_methods.objectives import OBJECTIVES, Objective, itakura_saito
+from minimoe.runs.user_methods import register_objective
 from tests.kill import killed_after
 from tests.runs.test_register_method import fresh_process
 

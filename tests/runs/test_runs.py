@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minimoe.core.choices import pad_id
-from minimoe.core.methods import get_method
+from minimoe.core.task.choices import pad_id
+from minimoe.core.routing_methods.methods import get_method
 from minimoe.runs.device import CPU_DTYPE_VARIABLE, cpu_capabilities, native_bf16, pick_device, pick_dtype
 from minimoe.runs.run_folder import AdapterSource
 

@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from minimoe.core.families import FAMILIES
-from minimoe.core.model import MoEForCausalLM
+from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.loading.checkpoint import checkpoint_layout, from_pretrained, save_pretrained
 from minimoe.runs import memory
 from minimoe.runs.config import build_config

@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import load_file
 
 from minimoe.cli import train
-from minimoe.core.lora import add_lora, merge_lora
+from minimoe.core.adaptation.lora import add_lora, merge_lora
 from minimoe.data.benchmarks import load_examples
 from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.loading.checkpoint import from_pretrained, read_config, save_pretrained

@@ -10,9 +10,9 @@ import torch
 
 from minimoe.cli import evaluate
 from minimoe.cli import train
-from minimoe.core.choices import pad_id
-from minimoe.core.choices import forward_choices, make_choice_batch
-from minimoe.core.methods import set_router
+from minimoe.core.task.choices import pad_id
+from minimoe.core.task.choices import forward_choices, make_choice_batch
+from minimoe.core.routing_methods.methods import set_router
 from minimoe.data.benchmarks import load_split
 from minimoe.evaluation.accuracy import evaluate_split
 from minimoe.loading.checkpoint import from_pretrained, load_tokenizer

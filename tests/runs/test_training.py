@@ -12,10 +12,10 @@ from minimoe.cli import train
 from tests.conftest import NEW_FAMILIES, oracle, tiny_model
 from tests.runs.test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
-from minimoe.core.choices import format_choice, format_prompt
-from minimoe.core.choices import forward_choices
-from minimoe.core.objectives import load_balancing_loss
-from minimoe.core.step import step_loss
+from minimoe.core.task.choices import format_choice, format_prompt
+from minimoe.core.task.choices import forward_choices
+from minimoe.core.routing_methods.objectives import load_balancing_loss
+from minimoe.core.task.step import step_loss
 from minimoe.data.benchmarks import load_split
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import training

@@ -1,0 +1,286 @@
+"""A frozen base stored in 4 bits (QLoRA): the large matrices packed, dequantised one module at a time.
+
+`quantize_module(module, packed)` takes a module whose `weight` is a frozen base matrix (an nn.Linear
+[out, in], a GroupedLinear bank [E, out, in], or their LoRA forms) and stores it packed. Its `weight`
+becomes a placeholder of the same shape, dtype and device holding no memory (stride 0), so that
+whatever reads the weight's shape or dtype outside the forward (Experts, LoRA's init) reads what it
+read before; the module's class becomes a `Dequantizing` one whose forward
+
+1. dequantises the weight into a fresh tensor in the matmul's dtype (`matmul_dtype`: autocast's, else
+   the weight's), and makes it `weight` for the duration of the module's own, unchanged forward;
+2. runs that forward under saved-tensor hooks: any tensor autograd saves that lives in the dequantised
+   storage (W, W.T, one expert's block of it) is saved as a token naming the packed weight, not as the
+   tensor; backward's first unpack dequantises again, the later ones of the same forward share it, and
+   the last drops it. So the dequantised weight lives from its module's forward to the end of its
+   forward, and again across its module's backward: one module's weight at a time, never the model's.
+
+The LoRA delta meets the dequantised base as it meets a dense one (core/lora.py, issue 33), because it
+is the same code: per-block addmm on the CPU, one grouped_mm over [x | a] against [W | s B] under
+autocast. A LoRA bank's dequantised weight is written into the first `in` columns of a fresh
+[E, out, in + k] buffer, which serves as the bank's `stacked` for that forward: the stride rules and any
+rank hold as they do for a dense bank, with no copy of W. What autograd saves of that buffer is its
+LoRA-sized tail (s B), beside the token.
+
+What is packed (`quantized_modules`): every Linear and expert bank inside the decoder layers except the
+router gates (routing decisions must not flip because of the base's storage; every method reads the gate
+logits); the embeddings, LM head, norms and biases stay as loaded, and so does everything trained.
+
+Formats: `NF4Weight` (torchao's NF4Tensor, QLoRA's NormalFloat-4 with double-quantised scales; one
+NF4Tensor per expert, as QLoRA on transformers' per-expert modules packs them). The library is optional
+(the `quant` extra); `require("nf4")` names the extra when it is missing.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.nn as nn
+
+from minimoe.core.layers.experts import GroupedLinear, matmul_dtype
+
+FORMATS = ("nf4", "mxfp4")  # mxfp4: gpt-oss's released expert blocks kept as loaded (loading/mxfp4.py)
+NF4_BLOCK = 64  # values per NF4 scale (QLoRA's, torchao's default)
+NF4_SCALER_BLOCK = 256  # scales per second-level scale (torchao's default); smaller where a matrix has fewer
+ROUTER_GATES = ("gate", "shared_expert_gate")  # never packed: every method reads their logits
+
+
+def require(fmt: str) -> None:
+    """Raise, naming the extra to install, when `fmt`'s library is missing; or when `fmt` is unknown."""
+    if fmt not in FORMATS:
+        raise ValueError(f"--quantize {fmt!r}: unknown format; expected one of {FORMATS}")
+    if fmt == "mxfp4":
+        return  # our own decoder (loading/mxfp4.py), no library
+    try:
+        import torchao.quantization.quantize_.workflows.nf4.nf4_tensor  # noqa: F401
+    except ImportError as e:
+        raise ImportError(f"--quantize {fmt} needs torchao, which is not installed: pip install -e \".[quant]\" "
+                          f"({e})") from None
+
+
+def _to_nf4():
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    return to_nf4
+
+
+class NF4Weight:
+    """A [out, in] or [E, out, in] weight as torchao NF4Tensors, one per [out, in] matrix.
+
+    Blocks of 64 consecutive values (row-major) share an absmax scale; the scales are quantised to int8
+    in blocks of 256 (double quantisation), or of the largest power of two dividing their number when it
+    is smaller (a toy width). Dequantised with the library's own `get_original_weight`, one matrix at a
+    time, so the transient of a bank's dequantisation is one expert's, not the bank's."""
+
+    def __init__(self, weight: torch.Tensor, name: str = "weight"):
+        rows, cols = weight.shape[-2:]
+        if rows * cols % NF4_BLOCK:
+            raise ValueError(f"--quantize nf4: {name} [{rows}, {cols}] has {rows * cols} values per matrix, not a "
+                             f"multiple of NF4's block of {NF4_BLOCK}")
+        scaler_block = math.gcd(rows * cols // NF4_BLOCK, NF4_SCALER_BLOCK)
+        to_nf4 = _to_nf4()
+        self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
+        self.parts = [to_nf4(m.detach().contiguous(), NF4_BLOCK, scaler_block) for m in weight.reshape(-1, rows, cols)]
+        self.sample = digest_sample(weight)  # of the unpacked weight: an adapter's base digest is the checkpoint's
+
+    def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
+        """Write the weight into `out` (its shape; any float dtype, any strides); returns out."""
+        for o, q in zip(out.unsqueeze(0) if out.dim() == 2 else out, self.parts):
+            o.copy_(q.get_original_weight())
+        return out
+
+    def to(self, device) -> NF4Weight:
+        self.parts = [q.to(device) for q in self.parts]
+        self.device = torch.device(device)
+        return self
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the packed values, both levels of scales, the per-matrix means and lookup tables."""
+        return sum(t.numel() * t.element_size() for q in self.parts
+                   for t in (q.quantized_data, q.quantized_scalers, q.quantization_factor, q.scaler_mean, q.nf4))
+
+
+def digest_sample(weight: torch.Tensor) -> torch.Tensor:
+    """<= 4096 values of a weight, strided, in bf16: what the base-weights digest of an adapter reads
+    (runs/adapters.py), kept of a packed weight as it was before packing."""
+    flat = weight.detach().reshape(-1)
+    return flat[::max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16)
+
+
+def nf4_bytes(shape, dtype: torch.dtype) -> int:
+    """The bytes NF4Weight holds for a weight of `shape` ([out, in] or [E, out, in]) stored from `dtype`,
+    without packing it: per matrix of n values, n / 2 bytes of 4-bit codes, n / 64 int8 scales, one
+    second-level factor per scaler block, a mean and the 16-entry table in `dtype` (runs/memory.py)."""
+    *lead, rows, cols = shape
+    n = rows * cols
+    blocks = n // NF4_BLOCK
+    itemsize = dtype.itemsize
+    per_matrix = n // 2 + blocks + blocks // math.gcd(blocks, NF4_SCALER_BLOCK) * itemsize + itemsize + 16 * itemsize
+    return math.prod(lead) * per_matrix
+
+
+class _Saved:
+    """What autograd keeps of a tensor in a module's dequantised storage: the view's geometry, the
+    buffer's non-weight tail (a LoRA bank's s B) and the shared rebuild (`_Rebuild`)."""
+
+    def __init__(self, rebuild, t, tail):
+        self.rebuild, self.tail = rebuild, tail
+        self.geometry = (t.size(), t.stride(), t.storage_offset())
+
+
+class _Rebuild:
+    """One forward's dequantised buffer, rebuilt at backward's first unpack and shared by the unpacks of
+    that forward's saved views (a per-expert loop saves one view per expert); dropped after the last."""
+
+    def __init__(self, packed, shape, dtype, device):
+        self.packed, self.shape, self.dtype, self.device = packed, shape, dtype, device
+        self.pending, self.buffer = 0, None
+
+    def unpack(self, saved: _Saved):
+        buffer = self.buffer
+        if buffer is None:
+            buffer = dequantized_buffer(self.packed, self.shape, self.dtype, self.device)
+        if saved.tail is not None:
+            buffer[..., self.packed.shape[-1]:].copy_(saved.tail)
+        self.pending -= 1
+        self.buffer = buffer if self.pending > 0 else None
+        return buffer.as_strided(*saved.geometry)
+
+
+def dequantized_buffer(packed, shape, dtype, device):
+    """A fresh [..., out, in + k] buffer whose first `in` columns hold the dequantised weight."""
+    buffer = torch.empty(shape, dtype=dtype, device=device)
+    packed.dequantize_into(buffer[..., :packed.shape[-1]])
+    return buffer
+
+
+class Dequantizing:
+    """Mixed into a module's class by `quantize_module`: forward on the weight dequantised (module docstring)."""
+
+    def forward(self, x, *args, **kwargs):
+        placeholder, packed = self.weight, self.packed
+        dtype = matmul_dtype(x, placeholder)
+        k = getattr(self, "k", 0)  # a LoRA bank's [x | a] width: the buffer is its `stacked`
+        shape = (*packed.shape[:-1], packed.shape[-1] + k)
+        buffer = dequantized_buffer(packed, shape, dtype, placeholder.device)
+        storage, device = buffer.untyped_storage().data_ptr(), buffer.device
+        rebuild = _Rebuild(packed, shape, dtype, placeholder.device)
+        alive = weakref.ref(buffer)  # autograd keeps the hooks with what they saved: no strong reference here
+
+        def pack(t):
+            if type(t) is not torch.Tensor or t.device != device or t.untyped_storage().data_ptr() != storage:
+                return t
+            rebuild.pending += 1
+            return _Saved(rebuild, t, alive()[..., packed.shape[-1]:].clone() if k else None)
+
+        def unpack(saved):
+            return saved.rebuild.unpack(saved) if isinstance(saved, _Saved) else saved
+
+        self.weight = buffer[..., :packed.shape[-1]]
+        if k:
+            self.stacked = buffer
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                return super().forward(x, *args, **kwargs)
+        finally:
+            self.weight = placeholder
+            if k:
+                self.stacked = None
+
+    def merge(self):  # a LoRA module's: the delta has no packed weight to go into
+        raise ValueError("merge: this LoRA's base weight is packed (--quantize); dequantize_model(model) first, "
+                         "as export.py --merged does")
+
+    def _apply(self, fn, recurse=True):
+        """.to(device or dtype): the placeholder takes the new dtype (the compute dtype), the packed weight
+        the new device; the packed values themselves are never cast."""
+        placeholder = self.weight
+        super()._apply(fn, recurse)
+        probe = fn(torch.empty((), dtype=placeholder.dtype, device=placeholder.device))
+        self.weight = probe.expand(placeholder.shape)
+        if probe.device != self.packed.device:
+            self.packed.to(probe.device)
+        if hasattr(self, "k"):
+            self.stacked = None
+        return self
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def dequantizing_class(cls: type) -> type:
+    if issubclass(cls, Dequantizing):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"Quantized{cls.__name__}", (Dequantizing, cls), {"__module__": __name__})
+    return _CLASSES[cls]
+
+
+def quantize_module(module: nn.Module, packed) -> nn.Module:
+    """Store `module.weight` as `packed` (an NF4Weight of it, or loading/mxfp4.py's MXFP4Weight: anything
+    with shape, dtype, device, dequantize_into, to, nbytes and sample) and dequantise it per forward."""
+    placeholder = torch.empty((), dtype=packed.dtype, device=packed.device).expand(packed.shape)
+    module._parameters.pop("weight", None)
+    module.weight, module.packed = placeholder, packed
+    if hasattr(module, "k"):
+        module.stacked = None
+    module.__class__ = dequantizing_class(type(module))
+    return module
+
+
+def carry_quantization(base: nn.Module, new: nn.Module) -> nn.Module:
+    """`new` (a LoRA module built on `base`) dequantises as `base` did: add_lora calls this."""
+    if isinstance(base, Dequantizing):
+        quantize_module(new, base.packed)
+    return new
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return isinstance(module, Dequantizing)
+
+
+def quantized_modules(model: nn.Module) -> list[str]:
+    """The modules whose weight `--quantize` packs: every nn.Linear and expert bank in the decoder layers
+    but the router gates (module docstring)."""
+    return [name for name, m in model.named_modules()
+            if ".layers." in f".{name}" and isinstance(m, (nn.Linear, GroupedLinear))
+            and name.rpartition(".")[2] not in ROUTER_GATES and ".router." not in f".{name}."]  # a method's heads train
+
+
+def pack(weight: torch.Tensor, fmt: str, name: str = "weight"):
+    if fmt != "nf4":
+        raise ValueError(f"--quantize {fmt}: packs only what a checkpoint stores so (loading/checkpoint.py); "
+                         f"a dense weight ({name}) packs as nf4")
+    require(fmt)
+    return NF4Weight(weight, name)
+
+
+def quantize_model(model: nn.Module, fmt: str) -> nn.Module:
+    """Pack every `quantized_modules` weight of a loaded model in `fmt` (loading/checkpoint.py packs them as
+    it reads them instead, so that the whole unpacked model is never in memory)."""
+    require(fmt)
+    for name in quantized_modules(model):
+        module = model.get_submodule(name)
+        if not is_quantized(module):
+            quantize_module(module, pack(module.weight.data, fmt, name))
+    return model
+
+
+def dequantize_model(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Every packed weight back as a plain frozen parameter, dequantised in `dtype` (default the
+    placeholder's): the model a QLoRA merge goes into (export.py --merged)."""
+    for module in model.modules():
+        if is_quantized(module):
+            placeholder, packed = module.weight, module.packed
+            weight = torch.empty(placeholder.shape, dtype=dtype or placeholder.dtype, device=placeholder.device)
+            packed.dequantize_into(weight)
+            del module.weight, module.packed
+            module.__class__ = type(module).__bases__[1]  # the class dequantizing_class mixed into
+            module.weight = nn.Parameter(weight, requires_grad=False)
+            if hasattr(module, "_stack"):  # a LoRA bank aliases its `stacked` buffer again
+                module._stack()
+    return model
+
+
+def packed_bytes(model: nn.Module) -> int:
+    return sum(m.packed.nbytes for m in model.modules() if is_quantized(m))

@@ -1,0 +1,1 @@
+"""The routing methods: the policies, the Method records, the baselines and the supervision objectives."""

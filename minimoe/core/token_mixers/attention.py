@@ -1,0 +1,156 @@
+"""GQA attention, the mixer of every family but DeepSeek's (core/mla.py) and the hybrids' state layers.
+
+Letters: B batch, T query positions, S key positions, D hidden, H query heads, G key/value heads, d head dim.
+
+One class, its options read from config fields (never the family's name):
+- q/k RMSNorm over the whole projection width before the head split (OLMoE, FlexOlmo: `qk_norm="full"`)
+  or per head (Qwen3, GLM: `"head"`), before rope; clip_qkv (OLMoE) after it; or Llama 4's L2 norm per
+  head without a weight (`"l2"`), after rope and on rope layers only;
+- biases on q, k, v and o (`attention_bias`) or on q, k, v only (`qkv_bias`: Qwen2-MoE, GLM);
+- sinks (gpt-oss, core/sinks.py);
+- a sliding window (`config.window(i)`) or a local chunk (`config.chunk(i)`, Llama 4) per layer: the
+  mask the model builds for its `MaskKind` (core/masks.py);
+- rope on the first `rope_dim` dims of each head only (GLM's partial_rotary_factor), in halves or in
+  interleaved pairs (`rope_interleave`: Llama 4, whose reference rotates complex pairs), or on no dims
+  (a NoPE layer of Llama 4's `no_rope_layers`), where `attn_temperature_tuning` scales q by
+  1 + attn_scale * log1p(floor((p + 1) / floor_scale)).
+- a gated output (Qwen3-Next, `attn_output_gate`): q_proj is twice as wide, each head's [query | gate],
+  and the attention output is scaled by sigmoid(gate) before o_proj; no rope on any layer where
+  `position_embedding_type` is not "rope" (Granite 4.0-H's "nope");
+- q/k norms zero-centred (1 + w) where the config says (Qwen3-Next, `norm_zero_centred`).
+
+Decisions:
+- Query head h reads key/value head h // (H/G), transformers' repeat_interleave layout, via SDPA's
+  enable_gqa. The readable path is SDPA with a bool mask; a FlexAttention BlockMask (CUDA, packed or
+  padded rows, `takes_block_mask`) runs the fused kernel instead.
+- Interleaved pairs are reordered to rotate-half's layout before the rotation (rope.deinterleave), on
+  q and k alike: every q.k product, hence attention, is unchanged, and the cache holds the reordered k.
+- Temperature tuning's position p is the token's index in the row (cache included), as transformers'
+  cache_position; packed rows (segment_ids) use their position_ids, each candidate's own, so that a
+  packed candidate scores as it does alone.
+- The KV cache slot (`KVSlot`) is preallocated [B, G, S_max, d] per layer and filled left to right.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minimoe.core.layers.masks import FLEX_MIN_HEAD_DIM, flex, mask_kind
+from minimoe.core.layers.norms import RMSNorm
+from minimoe.core.layers.rope import apply_rope, deinterleave
+from minimoe.core.token_mixers.sinks import sink_attention
+
+
+def l2_norm(x, eps: float):
+    """x / rms(x) over the last dim, in fp32, cast back: Llama 4's weightless q/k norm."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class KVSlot:
+    """One attention layer's cache: keys [B, G, S_max, dk] and values [B, G, S_max, dv], filled left to right."""
+
+    def __init__(self, batch_size: int, heads: int, max_len: int, dk: int, dv: int, dtype, device):
+        self.k = torch.zeros(batch_size, heads, max_len, dk, dtype=dtype, device=device)
+        self.v = torch.zeros(batch_size, heads, max_len, dv, dtype=dtype, device=device)
+
+    def update(self, start: int, k, v):  # k, v [B, G, T, d] at positions start.. -> all so far [B, G, S, d]
+        end = start + k.shape[2]
+        if end > self.k.shape[2]:
+            raise ValueError(f"KV cache holds {self.k.shape[2]} positions; {end} were asked for")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class Attention(nn.Module):
+    attribute = "self_attn"  # the layer's attribute, hence the checkpoint's name (model.layers.i.self_attn.*)
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        H, G, d, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+        qkv_bias = config.attention_bias or config.qkv_bias
+        self.gated = config.attn_output_gate  # each head's q_proj rows: [query d | gate d]
+        self.q_proj = nn.Linear(D, H * d * (2 if self.gated else 1), bias=qkv_bias)
+        self.k_proj = nn.Linear(D, G * d, bias=qkv_bias)
+        self.v_proj = nn.Linear(D, G * d, bias=qkv_bias)
+        self.o_proj = nn.Linear(H * d, D, bias=config.attention_bias)
+        self.rope = config.uses_rope(layer_idx)  # False: a NoPE layer (Llama 4; every layer of Granite 4.0-H's nope)
+        self.rope_dim = config.rope_dim if self.rope else 0
+        self.qk_norm = config.qk_norm if config.qk_norm != "l2" or self.rope else None  # Llama 4: rope layers only
+        if self.qk_norm in ("full", "head"):  # OLMoE: over the whole projection width, before the head split; Qwen3: per head
+            width = {"full": (H * d, G * d), "head": (d, d)}[config.qk_norm]
+            self.q_norm = RMSNorm(width[0], config.rms_norm_eps, config.norm_weight_in_fp32, config.norm_zero_centred)
+            self.k_norm = RMSNorm(width[1], config.rms_norm_eps, config.norm_weight_in_fp32, config.norm_zero_centred)
+        self.temperature = config.attn_temperature_tuning and not self.rope
+        if config.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/sinks.py)
+            self.sinks = nn.Parameter(torch.zeros(H))
+        self.mask_kind = mask_kind(window=config.window(layer_idx), chunk=config.chunk(layer_idx))
+        # Sinks add a key column: a bool mask only. Inductor's flex kernel takes head dims of 16 or more (torch
+        # 2.11 refused a tiny Mixtral's 12 on an H200): smaller heads keep SDPA's bool mask.
+        self.takes_block_mask = not config.attention_sinks and d >= FLEX_MIN_HEAD_DIM
+
+    @staticmethod
+    def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> KVSlot:
+        G, d = config.num_key_value_heads, config.head_dim
+        return KVSlot(batch_size, G, max_len, d, d, dtype, device)
+
+    def forward(self, x, inputs, cache: KVSlot | None = None):  # x [B, T, D], inputs: mixers.MixerInputs
+        c = self.config
+        B, T, _ = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.gated:
+            q, gate = q.view(B, T, c.num_attention_heads, 2 * c.head_dim).chunk(2, dim=-1)  # [B, T, H, d] each
+        q = q.reshape(B, T, c.num_attention_heads, c.head_dim)  # [B, T, H, d]
+        k = k.view(B, T, c.num_key_value_heads, c.head_dim)  # [B, T, G, d]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        elif self.qk_norm == "full":
+            q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, d], [B, G, T, d]
+        v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        if self.rope:
+            q, k = self.rotate(q, inputs), self.rotate(k, inputs)
+        if self.qk_norm == "l2":
+            q, k = l2_norm(q, c.rms_norm_eps), l2_norm(k, c.rms_norm_eps)
+        if self.temperature:
+            q = self.temper(q, inputs)
+        if cache is not None:
+            k, v = cache.update(inputs.cache_start, k, v)  # [B, G, S, d]
+        y = self.attend(q, k, v, inputs.masks[self.mask_kind]).transpose(1, 2)  # [B, T, H, d]
+        if self.gated:
+            y = y * torch.sigmoid(gate)
+        return self.o_proj(y.reshape(B, T, -1))
+
+    def rotate(self, x, inputs):  # x [B, h, T, d] -> rope on its first rope_dim dims (all of them but GLM's)
+        r = self.rope_dim
+        turned, kept = x[..., :r], x[..., r:]
+        if self.config.rope_interleave:
+            turned = deinterleave(turned)
+        if self.config.rope_in_fp32:  # cos, sin are fp32 then (model.mixer_inputs)
+            turned = apply_rope(turned.float(), inputs.cos, inputs.sin).to(x.dtype)
+        else:
+            turned = apply_rope(turned, inputs.cos, inputs.sin)
+        return turned if r == x.shape[-1] else torch.cat((turned, kept), dim=-1)
+
+    def temper(self, q, inputs):  # q [B, H, T, d] -> q * (1 + attn_scale * log1p(floor((p + 1) / floor_scale)))
+        c = self.config
+        B, _, T, _ = q.shape
+        if inputs.segment_ids is not None:
+            p = inputs.position_ids.float()  # [B, T]: each packed candidate's own positions
+        else:
+            p = torch.arange(inputs.cache_start, inputs.cache_start + T, device=q.device).float().expand(B, T)
+        scale = torch.log1p(torch.floor((p + 1.0) / c.floor_scale)) * c.attn_scale + 1.0  # fp32, as the reference
+        return (q * scale[:, None, :, None]).to(q.dtype)
+
+    def attend(self, q, k, v, mask):  # q [B, H, T, d], k/v [B, G, S, d], mask bool or None -> [B, H, T, d]
+        if self.config.attention_sinks:
+            return sink_attention(q, k, v, self.sinks, mask, self.config.attention_scale)
+        if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask on CUDA: a fused kernel
+            return flex(q.is_cuda)(q, k, v, block_mask=mask, scale=self.config.attention_scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=self.config.attention_scale, enable_gqa=True)

@@ -1,0 +1,81 @@
+"""The token mixer: what a decoder layer runs before its MLP, swappable as the router is.
+
+A layer's mixer is chosen by the config (`mixer_type`): `config.mixer_types[i]` where a family sets it
+(the hybrids: state-space or linear-attention layers among attention layers), else MLA where
+`kv_lora_rank` is set, else GQA attention. `MIXERS` maps each name to its class, one room each:
+
+    "attention"  core/attention.py  GQA: q/k norms, sinks, sliding windows (its options: config fields)
+    "mla"        core/mla.py        DeepSeek's Multi-head Latent Attention
+    "mamba2"     core/mamba2.py     Mamba-2 (Granite 4.0-H's mamba layers): conv1d + chunked SSD scan
+    "gated_deltanet"  core/deltanet.py  Gated DeltaNet (Qwen3-Next's linear_attention layers)
+
+The interface every mixer keeps (a new one is a class with these three, added to `MIXERS`):
+- `Mixer(config, layer_idx)`, an nn.Module; its class attribute `attribute` names the layer's
+  attribute that holds it, hence its checkpoint keys (`model.layers.i.self_attn.*`);
+- `forward(x [B, T, D], inputs: MixerInputs, cache: its slot or None) -> [B, T, D]`;
+- `cache_slot(config, layer_idx, batch_size, max_len, dtype, device)` (static): the layer's entry in
+  `KVCache`, which the mixer alone reads and writes (attention: keys and values; a state-space
+  layer: its conv and recurrent state);
+- `mask_kind` (masks.mask_kind(...): the attention pattern it reads from `inputs.masks`; one shared
+  object per pattern, so that compiled layers do not recompile on the dict key) and
+  `takes_block_mask` (False: it needs a bool mask, never a FlexAttention BlockMask).
+
+Decisions:
+- The model builds the rope tables and the masks once per forward, for every layer (`MixerInputs`);
+  a mixer that needs neither ignores them. Padding (`attention_mask`), packed rows (`segment_ids`)
+  and positions are passed too, for the mixers that mask or reset a state themselves.
+- This file imports the mixers, never the reverse, and model.py imports this file: no circle in core
+  (tests/test_layout.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minimoe.core.token_mixers.attention import Attention
+from minimoe.core.token_mixers.deltanet import GatedDeltaNet
+from minimoe.core.token_mixers.mamba2 import Mamba2Mixer
+from minimoe.core.token_mixers.mla import MLAttention
+
+MIXERS: dict[str, type] = {"attention": Attention, "mla": MLAttention, "mamba2": Mamba2Mixer,
+                           "gated_deltanet": GatedDeltaNet}
+
+
+def register_mixer(name: str, cls: type) -> type:
+    """Add a mixer to `MIXERS` (a file of your own may declare one the same way)."""
+    MIXERS[name] = cls
+    return cls
+
+
+def mixer_type(config, layer_idx: int) -> str:
+    """The name of layer `layer_idx`'s mixer in `MIXERS`."""
+    if getattr(config, "mixer_types", None):
+        return config.mixer_types[layer_idx]
+    return "mla" if config.kv_lora_rank is not None else "attention"
+
+
+def mixer_for(config, layer_idx: int):
+    return MIXERS[mixer_type(config, layer_idx)](config, layer_idx)
+
+
+@dataclass
+class MixerInputs:
+    """What every layer's mixer receives beside its hidden states (built once per forward)."""
+    cos: torch.Tensor | None  # [B, T, rope dims] of the rope, None where no layer rotates
+    sin: torch.Tensor | None
+    masks: dict  # masks.MaskKind -> bool [B, 1, T, S] mask, a FlexAttention BlockMask, or None (plain causal)
+    attention_mask: torch.Tensor | None  # [B, S] padding, 1 = real token (cached positions included), or None
+    segment_ids: torch.Tensor | None  # [B, T] packed rows (core/choices.py), or None
+    position_ids: torch.Tensor  # [B, T]
+    cache_start: int = 0  # positions already in the cache (S = cache_start + T)
+    segment_plan: object = None  # packed rows' layout for the recurrent mixers, read once (ssm_common.segment_plan)
+
+
+class KVCache:
+    """Each layer's cache slot (its mixer's `cache_slot`), preallocated for `max_len` positions."""
+
+    def __init__(self, config, batch_size: int, max_len: int, dtype, device):
+        self.layers = [MIXERS[mixer_type(config, i)].cache_slot(config, i, batch_size, max_len, dtype, device)
+                       for i in range(config.num_hidden_layers)]
+        self.length = 0  # positions filled so far; advanced once per forward by the model

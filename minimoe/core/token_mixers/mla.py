@@ -1,0 +1,90 @@
+"""Multi-head Latent Attention (DeepSeek-V2 and V3): low-rank queries and keys/values, rope and no-rope parts.
+
+Letters: B batch, T query positions, S key positions, D hidden, H heads, Q q_lora_rank,
+C kv_lora_rank, n qk_nope_head_dim, r qk_rope_head_dim, v v_head_dim.
+
+Each head's query and key are [no-rope part n | rope part r]; values are v wide.
+- q: D -> Q (q_a_proj) -> RMSNorm -> H*(n+r) (q_b_proj); with q_lora_rank null (V2-Lite) one q_proj.
+- kv: D -> C + r (kv_a_proj_with_mqa). The C part is normed (kv_a_layernorm) and expanded to every
+  head's no-rope key and value, H*(n+v) (kv_b_proj). The r part is ONE rope key shared by all heads.
+- Softmax scale: (n+r)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (core/rope.py).
+
+Decisions, for parity with transformers 4.57 (modeling_deepseek_v2.py, modeling_deepseek_v3.py):
+- q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says: both references build
+  them with their RMSNorm's default (DeepSeek's own modeling code does the same).
+- The rope part is stored in interleaved pairs; we reorder it to rotate-half's layout before the
+  rotation (rope.deinterleave). DeepSeek-V2 always does so; V3 when `rope_interleave` (its default).
+  V2's reference rotates complex pairs in place instead: the same rotation, dims in another order,
+  the same q.k products.
+- The full keys and values are built per head and sent to SDPA (v may be narrower than q/k): the
+  readable form. The absorbed form that caches only the C + r latent is an inference optimisation
+  we do not need for training; the KV cache holds keys [B, H, S, n+r] and values [B, H, S, v].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minimoe.core.token_mixers.attention import KVSlot
+from minimoe.core.layers.masks import FULL
+from minimoe.core.layers.norms import RMSNorm
+from minimoe.core.layers.rope import apply_rope, deinterleave, yarn_softmax_mscale
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the references' RMSNorm default, not rms_norm_eps
+
+
+class MLAttention(nn.Module):
+    """Reads the config.json fields of DeepSeek-V2/V3 by their names; a mixer as attention.Attention is."""
+    attribute = "self_attn"  # the checkpoint's name, as attention's
+    takes_block_mask = False  # SDPA with a bool mask: v is narrower than q and k
+
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        D, H = config.hidden_size, config.num_attention_heads
+        n, r, v, C = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
+        self.H, self.n, self.r, self.v, self.C = H, n, r, v, C
+        self.q_lora_rank = config.q_lora_rank
+        bias = config.attention_bias
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, H * (n + r), bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, H * (n + r), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, C + r, bias=bias)
+        self.kv_a_layernorm = RMSNorm(C, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(C, H * (n + v), bias=False)
+        self.o_proj = nn.Linear(H * v, D, bias=bias)
+        self.interleaved = getattr(config, "rope_interleave", None) is not False  # None or absent (DeepSeek-V2): interleaved
+        self.scale = (n + r) ** -0.5 * yarn_softmax_mscale(config.rope_scaling)
+        self.mask_kind = FULL  # DeepSeek's layers all attend causally in full
+
+    @staticmethod
+    def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> KVSlot:
+        """Every head's full key and value (the readable form, module docstring)."""
+        n, r, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        return KVSlot(batch_size, config.num_attention_heads, max_len, n + r, v, dtype, device)
+
+    def forward(self, x, inputs, cache: KVSlot | None = None):  # x [B, T, D]; inputs.cos, .sin [B, T, r]
+        cos, sin = inputs.cos, inputs.sin
+        B, T, _ = x.shape
+        H, n, r, v = self.H, self.n, self.r, self.v
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_pass, q_rot = q.view(B, T, H, n + r).transpose(1, 2).split([n, r], dim=-1)  # [B, H, T, n], [B, H, T, r]
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.C, r], dim=-1)  # [B, T, C], [B, T, r]
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, H, n + v).transpose(1, 2)
+        k_pass, values = kv.split([n, v], dim=-1)  # [B, H, T, n], [B, H, T, v]
+        k_rot = k_rot[:, None]  # [B, 1, T, r]: one rope key for all heads
+        if self.interleaved:
+            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+        q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
+        q = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, T, n+r]
+        k = torch.cat((k_pass, k_rot.expand(B, H, T, r)), dim=-1)
+        if cache is not None:
+            k, values = cache.update(inputs.cache_start, k, values)  # [B, H, S, n+r], [B, H, S, v]
+        mask = inputs.masks[self.mask_kind]
+        y = F.scaled_dot_product_attention(q, k, values, attn_mask=mask, is_causal=mask is None,
+                                           scale=self.scale)  # [B, H, T, v]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, H * v))

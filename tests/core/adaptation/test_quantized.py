@@ -1,0 +1,270 @@
+"""--quantize nf4 (core/quantized.py): the packed base against torchao's own NF4, one dequantised weight
+alive at a time, packing while loading, and every method training on every family with a packed base."""
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("torchao")  # the quant extra (and the test extra); a plain install skips these tests
+
+from minimoe.making.tiny import FAMILY_SWITCHES, tiny_model  # noqa: E402
+from minimoe.core.adaptation import quantized  # noqa: E402
+from minimoe.core.layers.experts import GroupedLinear  # noqa: E402
+from minimoe.core.adaptation.lora import add_lora  # noqa: E402
+from minimoe.loading.checkpoint import from_pretrained  # noqa: E402
+from minimoe.making.tiny import tiny_checkpoint  # noqa: E402
+
+nf4_tensor = pytest.importorskip("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+
+
+def test_a_banks_dequantised_weight_is_torchaos_bit_for_bit():
+    """Each expert of a bank dequantises to torchao's to_nf4(W_e).get_original_weight(), bit for bit; and
+    a packed nn.Linear computes torchao's own quantized linear (linear_nf4) on the same weight, exactly."""
+    g = torch.Generator().manual_seed(0)
+    bank = torch.randn(4, 32, 64, generator=g).to(torch.bfloat16)
+    packed = quantized.NF4Weight(bank)
+    out = packed.dequantize_into(torch.empty_like(bank))
+    reference = torch.stack([nf4_tensor.to_nf4(w, 64, 32).get_original_weight() for w in bank])  # 32 blocks per expert
+    assert torch.equal(out, reference)
+    linear = torch.nn.Linear(64, 128, bias=False).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    expected = nf4_tensor.linear_nf4(x, nf4_tensor.to_nf4(linear.weight.detach(), 64, 128))
+    quantized.quantize_module(linear, quantized.NF4Weight(linear.weight.data))
+    assert torch.equal(linear(x), expected)
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
+def test_packed_logits_err_as_the_librarys_own_dequantisation(family):
+    """Every family's logits with the base packed, against the dense model's: the relative error is the one
+    of the dense model whose packed weights are replaced by torchao's own dequantisation (the same
+    numbers in the same code: equal to rounding), and the router gates, embeddings, head, norms and biases
+    are left dense. The measured errors are docs/quantization.md's."""
+    dense = tiny_model(family)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    names = quantized.quantized_modules(dense)
+    assert names and not any(n.endswith((".gate", "embed_tokens", "lm_head")) for n in names)
+    from minimoe.core.routing_methods.methods import set_router
+    with_heads = tiny_model(family)
+    set_router(with_heads, "dual", layers="all")  # a method's heads (here Dual Affinity's) train: never packed
+    assert quantized.quantized_modules(with_heads) == names
+    library = tiny_model(family)
+    with torch.no_grad():
+        for name in names:
+            w = library.get_submodule(name).weight
+            w.copy_(quantized.NF4Weight(w).dequantize_into(torch.empty_like(w)))
+        ours = quantized.quantize_model(tiny_model(family), "nf4")
+        y, y_ours, y_lib = (m(ids).logits for m in (dense, ours, library))
+    assert not any(n.endswith(".weight") and n.rpartition(".")[0] in names for n, _ in ours.named_parameters())
+    err, err_lib = ((a - y).norm() / y.norm() for a in (y_ours, y_lib))
+    print(f"{family}: logits relative error {err:.4f}, with torchao's dequantisation {err_lib:.4f}")
+    assert 0 < err < 1 and err <= err_lib * (1 + 1e-5), (family, err.item(), err_lib.item())
+
+
+class LiveDequantised(TorchDispatchMode):
+    """The most tensors of at least `numel` elements (a dequantised bank) alive at once, by storage."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.live, self.peak = numel, {}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func._overloadpacket.__name__ in ("empty", "empty_like", "empty_strided") and out.numel() >= self.numel:
+            key = out.untyped_storage().data_ptr()
+            self.live[key] = weakref.ref(out)
+            self.live = {k: r for k, r in self.live.items() if r() is not None}
+            self.peak = max(self.peak, len(self.live))
+        return out
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_lora_step_holds_one_dequantised_bank_at_a_time(autocast):
+    """A LoRA step (forward and backward, gradient checkpointing off) on a packed base: no more than one
+    bank-sized dequantised buffer is alive at once; autograd keeps the packed weight, not its dequantisation.
+    CPU fp32 (per-block addmm) and bf16 autocast (the GPU recipe's one grouped_mm over [x | a])."""
+    model = quantized.quantize_model(tiny_model("olmoe", intermediate_size=64), "nf4")
+    add_lora(model, rank=4, dropout=0.0, targets=["q", "v", "experts"]).train()
+    banks = [m for m in model.modules() if isinstance(m, GroupedLinear)]
+    assert len(banks) == 4 and all(quantized.is_quantized(b) for b in banks)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with LiveDequantised(min(b.weight.numel() for b in banks)) as live, \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(ids).logits.float().logsumexp(-1).mean().backward()
+    assert live.peak == 1, live.peak
+    assert all(p.grad is not None for n, p in model.named_parameters() if "lora_A" in n)
+
+
+def dense_twin(packed: nn.Module, family: str, **overrides) -> nn.Module:
+    """The tiny model of `family` (tiny_model's `overrides`) holding the packed model's dequantised weights, dense."""
+    dense = tiny_model(family, **overrides)
+    with torch.no_grad():
+        for name in quantized.quantized_modules(packed):
+            packed.get_submodule(name).packed.dequantize_into(dense.get_submodule(name).weight)
+    return dense
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_packed_lora_matches_the_dense_lora_on_the_dequantised_weights(autocast):
+    """The LoRA delta joins the packed base as it joins a dense one: a LoRA model on the packed base and one
+    on a dense base holding the dequantised weights give the same loss and LoRA gradients, on the CPU path
+    and under bf16 autocast (the GPU path: one grouped_mm over [x | a] against [W | s B], whose s B tail the
+    backward's rebuilt buffer gets back)."""
+    packed = quantized.quantize_model(tiny_model("olmoe"), "nf4")
+    dense = dense_twin(packed, "olmoe")
+    for m in (packed, dense):
+        torch.manual_seed(1)
+        add_lora(m, rank=3, dropout=0.0, targets=["q", "v", "experts"]).train()
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for m in (packed, dense):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = m(ids).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-6, atol=0)
+    for n, g in grads[1][1].items():
+        torch.testing.assert_close(grads[0][1][n], g, rtol=1e-5, atol=1e-7, msg=n)
+    if autocast:
+        return
+    from minimoe.core.adaptation.lora import merge_lora
+    with pytest.raises(ValueError, match="dequantize_model"):
+        merge_lora(packed)
+    quantized.dequantize_model(packed)  # then merging works as on a dense base, with the same weights
+    merge_lora(packed)
+    merge_lora(dense)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids).logits, dense(ids).logits, rtol=0, atol=0)
+
+
+def test_loading_packs_each_tensor_as_read_and_equals_packing_after_load():
+    """from_pretrained(quantize="nf4") holds the same packed values as packing the loaded model, with no
+    parameter left for a packed weight; the packed bytes are ~4.1 bits a value (values, scales, means)."""
+    read = from_pretrained(tiny_checkpoint(), quantize="nf4")
+    after = quantized.quantize_model(from_pretrained(tiny_checkpoint()), "nf4")
+    for name in quantized.quantized_modules(after):
+        a, b = read.get_submodule(name).packed, after.get_submodule(name).packed
+        for p, q in zip(a.parts, b.parts):
+            assert torch.equal(p.quantized_data, q.quantized_data) and torch.equal(p.quantized_scalers, q.quantized_scalers)
+            assert torch.equal(p.quantization_factor, q.quantization_factor)
+    values = sum(m.weight.numel() for m in read.modules() if quantized.is_quantized(m))
+    assert 4.0 < quantized.packed_bytes(read) * 8 / values < 4.6
+    assert not [n for n in read.state_dict() if n.rpartition(".")[0] in quantized.quantized_modules(read)
+                and n.endswith(".weight")]
+
+
+def test_a_missing_library_names_the_extra(monkeypatch):
+    """Without torchao, --quantize stops naming the extra to install."""
+    monkeypatch.setitem(__import__("sys").modules, "torchao", None)
+    with pytest.raises(ImportError, match=r'pip install -e "\.\[quant\]"'):
+        quantized.require("nf4")
+    with pytest.raises(ImportError, match="quant"):
+        from_pretrained(tiny_checkpoint(), quantize="nf4")
+
+
+# Every method on OLMoE, every other family under one method (in turn): 17 cases, not 56 (the CI budget).
+FAMILY_METHOD = [("olmoe", m) for m in ("ce", "tes", "acs", "dual")] + [
+    (f, ("ce", "tes", "acs", "dual")[i % 4]) for i, f in enumerate(
+        ["granitemoe", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v2", "deepseek_v3", "granitemoeshared",
+         "flex_olmo", "glm4_moe", "llama4_text", "granitemoehybrid", "qwen3_next"])]
+
+
+@pytest.mark.parametrize("family,method", FAMILY_METHOD)
+def test_methods_train_on_every_family_with_a_packed_base(tmp_path, family, method):
+    """install_method on a packed tiny model: the first optimizer step's gradients (LoRA, the method's
+    heads) equal those of the same model dense on the dequantised weights, so backward runs through every
+    packed layer; then further steps on the batch lower the task loss."""
+    from tests.test_gpu_path import step_batches
+    from minimoe.runs import training
+    from minimoe.runs.config import build_config
+    cfg = build_config({"method": method, "lora_dropout": 0.0, "batch_size": 2, "pad_token_id": 0, "device": "cpu",
+                        "layers": "all", "quantize": "nf4"}, "tiny")
+    packed = quantized.quantize_model(tiny_model(family, vocab_size=2048), "nf4")
+    batches = step_batches(tmp_path, cfg)
+    runs = []
+    for model in (packed, dense_twin(packed, family, vocab_size=2048)):
+        torch.manual_seed(0)
+        training.install_method(model, cfg)
+        model.train()
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        grads = {}
+        optimizer.register_step_pre_hook(lambda opt, args, kwargs, m=model: grads.update(
+            {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None} if not grads else {}))
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        step = lambda s: training.optimizer_step(model, batches, 4, optimizer, scheduler, cfg, s, 1)
+        runs.append((grads, [step(s)["task"] for s in range(1, 5 if model is packed else 2)]))
+    (got, losses), (want, _) = runs
+    assert got.keys() == want.keys() and any("lora_A" in n for n in got)
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert losses[-1] < losses[0], losses
+
+
+def test_gpt_oss_mxfp4_kept_packed_gives_the_dequantised_on_load_logits(tmp_path):
+    """--quantize mxfp4: gpt-oss's released expert blocks and scales kept as loaded (no dense bank is
+    built), dequantised per bank at each forward: logits bit for bit those of dequantising on load, in fp32
+    and bf16; the packed bytes are the blocks' and scales' own; a LoRA step trains through them."""
+    pytest.importorskip("transformers")
+    from tests.tiny_families import mxfp4_reference_model
+    mxfp4_reference_model(tmp_path)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    for dtype in ("float32", "bfloat16"):
+        dense = from_pretrained(tmp_path, dtype=dtype)
+        kept = from_pretrained(tmp_path, dtype=dtype, quantize="mxfp4")
+        banks = [m for m in kept.modules() if quantized.is_quantized(m)]
+        assert len(banks) == 2 * kept.config.num_hidden_layers and all(isinstance(m, GroupedLinear) for m in banks)
+        assert quantized.packed_bytes(kept) == sum(m.weight.numel() // 32 * 17 for m in banks)  # 16 bytes + 1 scale
+        with torch.no_grad():
+            assert torch.equal(kept(ids).logits, dense(ids).logits), dtype
+    add_lora(kept, rank=4, dropout=0.0).train()
+    kept(ids).logits.float().logsumexp(-1).mean().backward()
+    assert all(p.grad is not None for n, p in kept.named_parameters() if "lora_A" in n)
+
+
+def test_mxfp4_is_refused_for_a_checkpoint_without_mxfp4_experts():
+    with pytest.raises(ValueError, match="stores none; use --quantize nf4"):
+        from_pretrained(tiny_checkpoint(), quantize="mxfp4")
+
+
+def test_gradient_checkpointing_over_a_packed_base_gives_the_same_gradients():
+    """--gradient-checkpointing recomputes each layer in backward (torch.utils.checkpoint, its own
+    saved-tensor hooks) around the packed modules' hooks: the loss and LoRA gradients are unchanged."""
+    results = []
+    for checkpointing in (False, True):
+        model = quantized.quantize_model(tiny_model("qwen3_moe"), "nf4")
+        torch.manual_seed(1)
+        add_lora(model, rank=4, dropout=0.0).train()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
+        model.gradient_checkpointing_enable(checkpointing)
+        ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        loss = model(ids).logits.logsumexp(-1).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    for n, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][n], g, rtol=1e-6, atol=1e-8, msg=n)
+
+
+def test_to_moves_the_packed_weight_and_casts_only_what_it_dequantises_to():
+    """model.to(dtype): a packed module's placeholder takes the dtype (its dequantisation's), the packed values
+    stay NF4 (torchao's Tensor.to keeps NF4 for a device and dequantises for a dtype: only devices reach it);
+    the logits are the fp32 packed model's within bf16's rounding."""
+    model = quantized.quantize_model(tiny_model("olmoe"), "nf4")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        y32 = model(ids).logits
+        model.to("cpu").to(torch.bfloat16)
+        y16 = model(ids).logits
+    for m in model.modules():
+        if quantized.is_quantized(m):
+            assert m.weight.dtype == torch.bfloat16 and 0 in m.weight.stride()
+            assert all(type(q) is nf4_tensor.NF4Tensor and q.dtype == torch.float32 for q in m.packed.parts)
+    assert (y16.float() - y32).norm() / y32.norm() < 0.05

@@ -1,0 +1,81 @@
+"""Each family's `defaults` (core/families.py) against transformers 4.57's own config classes: a config.json
+holding only the fields minimoe requires resolves, field by field, to what transformers' config of that
+model_type gives every field the file omits; and its `write_defaults`, what we write for a field left None. Every test and tiny checkpoint sets each field, so a wrong
+default (DeepSeek-V3's routed_scaling_factor 2.5, OLMoE's rms_norm_eps 1e-5, ...) showed nowhere else."""
+from dataclasses import fields
+
+import pytest
+
+from tests.conftest import oracle, tiny_config
+from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.model import MoEConfig
+from minimoe.loading.checkpoint import REQUIRED_FIELDS, config_from_dict, config_to_dict
+
+# The fields minimoe requires (loading/checkpoint.py), at widths every family's defaults accept: 128 heads
+# divide 1024 and are a multiple of every default num_key_value_heads; 64 experts in DeepSeek-V3's 8 groups;
+# 4 layers past its 3 dense ones.
+REQUIRED = dict(vocab_size=128, hidden_size=1024, intermediate_size=32, num_hidden_layers=4, num_attention_heads=128,
+                num_experts=64, num_experts_per_tok=2)
+
+# Where transformers' value differs from ours in form, not in what the model computes.
+SAME_MEANING = {
+    ("mixtral", "head_dim"): "None: hidden_size / heads, the value MoEConfig fills in",
+    ("deepseek_v2", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
+    ("deepseek_v3", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
+    ("deepseek_v2", "n_group"): "None with greedy top-K: no groups; ours 1 group of every expert, the same selection",
+    ("deepseek_v2", "topk_group"): "None with greedy top-K: no groups; ours 1 group kept, the same selection",
+    ("granitemoehybrid", "mixer_types"): "None in transformers 4.57's config: its layers_block_type property, which "
+                                         "falls back to every layer Mamba, is shadowed by its attribute_map; ours is "
+                                         "that fallback",
+    ("llama4_text", "moe_layers"): "None: every decoder_sparse_step-th layer (i + 1) % step == 0, the list "
+                                    "transformers fills in (range(step - 1, layers, step))",
+}
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(model_type):
+    transformers = oracle("transformers")
+    assert set(REQUIRED) == set(REQUIRED_FIELDS)
+    family = FAMILIES[model_type]
+    on_disk = {ours: disk for disk, ours in family.renames.items()}  # our field -> its config.json name
+    d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}}
+    ours = config_from_dict(dict(d))
+    reference = transformers.AutoConfig.for_model(**d)
+    wrong, compared = [], 0
+    for name in (f.name for f in fields(MoEConfig)):
+        disk = on_disk.get(name, name)
+        if name in REQUIRED or name in family.fixed or name == "extra" or not hasattr(reference, disk) \
+                or family.renames.get(name, name) != name:
+            continue  # given; the modeling file's (Family.fixed); a field transformers' config lacks; or a
+            # config.json name the family reads into another of our fields (the hybrids' layer_types)
+        value, theirs = getattr(ours, name), getattr(reference, disk)
+        if name == "mixer_types" and family.layer_kinds:  # our mixers by config.json's names for their kinds
+            back = {mixer: kind for kind, mixer in family.layer_kinds.items()}
+            value = [back[m] for m in value]
+        compared += 1
+        if value != theirs and (model_type, name) not in SAME_MEANING:
+            wrong.append(f"{name} ({disk}): ours {value!r}, transformers {theirs!r}")
+    assert not wrong, f"{model_type}: defaults unlike transformers' {type(reference).__name__}: " + "; ".join(wrong)
+    assert compared >= 15  # the comparison reached the family's fields, not only a few shared ones
+
+
+# The fields a config built in code may leave None that transformers' configs fill in otherwise than we run:
+# every family whose config.json holds one (its config_fields), whatever its record's write_defaults say.
+LEFT_NONE = [(m, name) for m, f in FAMILIES.items() for name in ("layer_types", "attention_multiplier")
+             if name in f.config_fields]
+
+
+@pytest.mark.parametrize("model_type,name", LEFT_NONE)
+def test_a_field_left_none_is_written_as_our_model_runs_it(model_type, name):
+    """The write side (Family.write_defaults): a config built in code leaves the field None, and the
+    config.json we write makes transformers' config run the layers as ours does, where its own fill-in
+    would differ (gpt-oss's layer_types would alternate sliding and full; Granite's attention_multiplier
+    would be None, not our 1/sqrt(head_dim))."""
+    transformers = oracle("transformers")
+    ours = tiny_config(model_type, **{name: None})
+    reference = transformers.AutoConfig.for_model(**config_to_dict(ours))
+    if name == "layer_types":  # each layer slides in transformers' config where it slides in ours
+        assert [kind == "sliding_attention" for kind in reference.layer_types] == \
+            [ours.window(i) is not None for i in range(ours.num_hidden_layers)]
+    else:
+        assert (name, getattr(reference, name)) == ("attention_multiplier", ours.attention_scale)
