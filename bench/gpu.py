@@ -362,7 +362,7 @@ def bank_copies(device, smoke: bool):
 def quantized_step(device, smoke: bool, experts: int | None = None, batch: tuple[int, int] = (8, 512)):
     """One LoRA step at one layer of Qwen3-30B-A3B's widths (the GPU recipe: bf16 under autocast, rank 8 on
     q, k, v and the experts, dropout 0, AdamW, batch 8 x 512), its base in bf16 and the same weights packed in
-    NF4 (--quantize nf4, core/quantized.py): median step time and peak memory of each. experts: fewer than
+    NF4 (--quantize nf4, core/adaptation/quantized.py): median step time and peak memory of each. experts: fewer than
     the 128 (a CPU's memory); the vocabulary is then cut to 2048 too. batch: (B, T)."""
     from minimoe.core.adaptation.quantized import quantize_model
     c = config("qwen3_moe", 1, smoke)

@@ -23,7 +23,7 @@ RANK, ALPHA = 8, 8
 DROPOUT = {"olmoe": 0.05, "granitemoe": 0.0, "qwen3_moe": 0.0, "deepseek_v3": 0.0, "granitemoehybrid": 0.0,
            "qwen3_next": 0.0}
 # Today's families in transformers 4.57 hold per-expert modules: q/k/v (MLA's q_proj or q_b_proj, and kv_b_proj
-# for k and v, as core/lora.py adapts them) and the routed experts only (not the shared experts, not the dense
+# for k and v, as core/adaptation/lora.py adapts them) and the routed experts only (not the shared experts, not the dense
 # layers' MLP, whose names are the same), as one regex peft matches against the full module name.
 PEFT_TARGETS = {
     "qwen3_moe": r".*\.(self_attn\.(q|k|v)_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)",

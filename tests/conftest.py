@@ -54,7 +54,7 @@ def only_in_the_full_matrix(why: str) -> None:
 # Families beyond the paper's two (the `family` fixture's params; heavy suites run on the paper's two only).
 NEW_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "granitemoeshared", "flex_olmo"]
 # Families whose router is not a softmax top-K (V3-style sigmoid with groups; top-1 sigmoid scaling the input): as
-# DeepSeek's, their parity suite is tests/core/test_families_parity.py; the `family` tests that read no router's
+# DeepSeek's, their parity suite is tests/core/decoder/test_families_parity.py; the `family` tests that read no router's
 # numerics (padding, packing, loading) name them too.
 OTHER_ROUTERS = ["glm4_moe", "llama4_text"]
 

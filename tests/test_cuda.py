@@ -1,6 +1,6 @@
 """The GPU path on a CUDA device (the GPU-speed issue). Every test here is marked `cuda`: it runs only
 where CUDA is present and is skipped elsewhere (tests/conftest.py, `cpu_unless_marked_cuda`). Each one
-holds the device to an oracle the CPU tests already use (tests/core/test_model.py, test_lora.py,
+holds the device to an oracle the CPU tests already use (tests/core/decoder/test_model.py, test_lora.py,
 test_choices.py, test_gpu_path.py, test_train_cli.py), in the GPU recipe where training is concerned:
 bf16 base weights, CUDA autocast (`training.autocast`), fp32 adapters and method heads.
 

@@ -6,7 +6,7 @@ and a hub id from an offline cache (lm-eval's model on them: tests/integrations/
 One method per family, and it is TES: what a family changes (its router, its dense and sparse layers, its checkpoint
 names) every method meets through the same code, and TES touches the most of it (an error head on every sparse
 layer, trained, checkpointed and resumed). Each method is run on each family's router by
-tests/core/test_families_parity.py (a training step reaching every LoRA tensor and the method's head), and every
+tests/core/decoder/test_families_parity.py (a training step reaching every LoRA tensor and the method's head), and every
 method trains, resumes and is evaluated through train.py on tiny OLMoE by tests/cli/test_train_cli.py. So the
 pipeline runs once per family in CI (the budget: docs/install.md); MINIMOE_ALL_FAMILIES=1 adds CE, Dual Affinity
 and ACS to each."""
@@ -37,7 +37,7 @@ VARIANTS = ["deepseek_v2-group", "deepseek_v3", "gpt_oss"]
 # Issue 49's families whose router or attention is new (GLM's V3 router with partial rotary; Llama 4's top-1
 # sigmoid scaling the input, NoPE and chunked layers): tests/tiny_families.py's variants too.
 ROUND2 = ["glm4_moe", "llama4_text"]
-# tests/core/test_model.py's families, with minimoe/making/tiny.py's switches (dense layers, shared experts,
+# tests/core/decoder/test_model.py's families, with minimoe/making/tiny.py's switches (dense layers, shared experts,
 # windows, OLMo-2's norm placement).
 FAMILY_SWITCHES = ["qwen3_moe", "qwen2_moe", "mixtral", "granitemoeshared", "flex_olmo"]
 # The hybrids (Mamba-2, Gated DeltaNet), TES only as ROUND2; not in lm-eval's comparison (its 1e-4 absolute

@@ -102,7 +102,7 @@ def family_of(variant: str) -> str:
 
 
 def variant_config(variant: str) -> dict:
-    """`variant`'s transformers config fields at the tiny width (tests/core/test_model.py's reference_model
+    """`variant`'s transformers config fields at the tiny width (tests/core/decoder/test_model.py's reference_model
     builds and saves its model)."""
     return {**COMMON, **(MLA if variant.startswith("deepseek") else {}), **VARIANTS[variant]}
 

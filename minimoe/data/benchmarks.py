@@ -453,7 +453,7 @@ def split_sha256(data, split: str, data_dir=DEFAULT_DATA_DIR) -> str:
     return hashlib.sha256(manifest_path(data, split, data_dir).read_bytes()).hexdigest()
 
 
-# ---- tokenizer (the prompt is minimoe/core/choices.py's) ----
+# ---- tokenizer (the prompt is minimoe/core/task/choices.py's) ----
 
 def train_tokenizer(texts, vocab_size: int = 4096, special_tokens=(EOS_TOKEN, PAD_TOKEN)):
     """Byte-level BPE (`tokenizers`); special tokens get ids 0.. in order: by default <|endoftext|> = 0, <|pad|> = 1.

@@ -40,7 +40,7 @@ Decisions where neither the paper nor train.py fixes the answer:
 - Decile curves need >= 10 groups in each population and non-constant train group means; else
   they are null with "deciles_skipped" saying why (a fresh error head predicts one constant).
 
-Rows are packed (minimoe/core/choices.py): one row per example, its prompt once and every candidate
+Rows are packed (minimoe/core/task/choices.py): one row per example, its prompt once and every candidate
 behind a block-causal mask, the LM head only at answer positions; `packed=False` scores one row per
 candidate, the reference path, with the same scores to rounding.
 """

@@ -2,9 +2,9 @@
 
 `export_peft(adapter_or_run, out_dir)` writes `adapter_config.json` and `adapter_model.safetensors`
 such that `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)`
-gives minimoe's logits with the adapter (tests/core/test_families_parity.py holds this for every family,
+gives minimoe's logits with the adapter (tests/core/decoder/test_families_parity.py holds this for every family,
 tests/integrations/test_hf_export.py for each exportable method). Our names map onto the checkpoint's
-through the family's `layer_keys` (core/families.py), the one name table:
+through the family's `layer_keys` (core/decoder/families.py), the one name table:
 - Attention LoRA keeps its modules and shapes: `q_proj.lora_A [r, D]`, `lora_B [out, r]`.
 - Granite's fused expert banks are 3-D parameters in transformers (`input_linear.weight [E, 2I, D]`,
   `output_linear.weight`), so they go through peft's `target_parameters` (its ParamWrapper), which
@@ -186,7 +186,7 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
                          f"(export.py) or base_model=")
     revision = source.run_config.get("model_revision") if base == source.run_config.get("model") else None
     folder = resolve_checkpoint(base, cache_dir or source.run_config.get("cache_dir"), revision)
-    quantize = source.run_config.get("quantize")  # a QLoRA run merges into its dequantised base (core/quantized.py)
+    quantize = source.run_config.get("quantize")  # a QLoRA run merges into its dequantised base (core/adaptation/quantized.py)
     model = load_adapter(from_pretrained(folder, quantize=quantize), source.folder, allow_other_base=allow_other_base,
                          method=source.method)
     if quantize:  # after load_adapter, whose base digest is of the weights as loaded, not as dequantised

@@ -20,13 +20,13 @@ Decisions (matching lm-eval's `hf` model, which the tests compare against on the
 - Tokens: no special tokens; a context's trailing spaces move to the continuation; the
   continuation's tokens are those of context + continuation past the context's (HFLM._encode_pair).
   An empty context becomes the prefix token (bos, else eos).
-- loglikelihood: requests with the same context tokens are one packed row (minimoe/core/choices.py): the
+- loglikelihood: requests with the same context tokens are one packed row (minimoe/core/task/choices.py): the
   context runs once and every continuation attends to it alone, as in our answer-choice scoring.
   Contexts longer than max_length lose their start (enough for the longest continuation of the row).
 - loglikelihood_rolling: lm-eval's disjoint rolling windows of max_length tokens, each scored as a
   loglikelihood request, summed.
 - generate_until: greedy (or sampled with temperature > 0) decoding with the KV cache
-  (minimoe/core/generate.py), left-padded batches, cut at the first stop string; rows run to
+  (minimoe/core/decoder/generate.py), left-padded batches, cut at the first stop string; rows run to
   max_gen_toks or eos.
 """
 from __future__ import annotations

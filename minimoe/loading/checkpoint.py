@@ -1,7 +1,7 @@
 """Checkpoint I/O: official safetensors <-> MoEForCausalLM, config.json <-> MoEConfig, tokenizer.
 
 Our module names equal the checkpoint keys wherever the families agree; each family's record
-(core/families.py: `Family.layer_keys`, `renames`, `config_fields`) is the whole table for the rest. Loading is strict: a missing, unexpected or wrongly shaped key, an
+(core/decoder/families.py: `Family.layer_keys`, `renames`, `config_fields`) is the whole table for the rest. Loading is strict: a missing, unexpected or wrongly shaped key, an
 unknown model_type, a missing config field or an unreadable file raises an error naming it.
 
 Loading builds the model on the meta device (no random weights are ever allocated), then reads
@@ -48,7 +48,7 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     family = family_of(d.get("model_type"), source)
     d = {family.renames.get(k, k): v for k, v in d.items()}
     d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
-    if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/mixers.py)
+    if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/token_mixers/mixers.py)
         kinds = d.get("mixer_types")
         if not isinstance(kinds, list) or not set(kinds) <= set(family.layer_kinds):
             raise ValueError(f"{source}: layer_types {kinds!r}; expected a list of {sorted(family.layer_kinds)}, "
@@ -307,8 +307,8 @@ class WeightFile:
 
 def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, revision=None,
                     quantize: str | None = None) -> MoEForCausalLM:
-    """Load an official checkpoint of any family in core/families.py from a folder or a hub repo id.
-    quantize: "nf4" packs the frozen base's large matrices (core/quantized.py) as they are read, one matrix
+    """Load an official checkpoint of any family in core/decoder/families.py from a folder or a hub repo id.
+    quantize: "nf4" packs the frozen base's large matrices (core/adaptation/quantized.py) as they are read, one matrix
     at a time, so the unpacked model never is whole; "mxfp4" keeps gpt-oss's MXFP4 experts as stored."""
     if quantize is not None:
         require_quantization(quantize)  # before any file is read
@@ -354,7 +354,7 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
             continue
         value = place(model, name, stage[:meta.numel()].view(meta.shape))
         read_entries(files, where, [(disk, value, None)], config.num_experts, str(folder))
-        with mapped_big_blocks():  # the packing's transients, unmapped when freed (allocator.py says why)
+        with mapped_big_blocks():  # the packing's transients, unmapped when freed (process_memory.py says why)
             quantize_module(module, pack(value, quantize, module_name))
     model.tie_weights()
     still_meta = [n for n, p in model.named_parameters() if p.is_meta]

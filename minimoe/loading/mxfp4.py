@@ -54,9 +54,9 @@ def dequantize_mxfp4(blocks, scales, dtype=torch.bfloat16, name: str = "tensor")
 
 
 class MXFP4Weight:
-    """A bank kept as the checkpoint's MXFP4 blocks and scales (`--quantize mxfp4`, core/quantized.py),
+    """A bank kept as the checkpoint's MXFP4 blocks and scales (`--quantize mxfp4`, core/adaptation/quantized.py),
     dequantised one expert at a time by `dequantize_mxfp4` and `layout` (its record's `Layout.from_packed`,
-    core/families.py: gate_up's interleaved rows to gate first), the same functions and order as dequantising on load: bit for bit
+    core/decoder/families.py: gate_up's interleaved rows to gate first), the same functions and order as dequantising on load: bit for bit
     the dense bank. shape: [E, out, in] as ours; dtype: what it dequantises to."""
 
     def __init__(self, blocks, scales, dtype, layout=None, name: str = "tensor"):

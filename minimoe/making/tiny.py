@@ -78,7 +78,7 @@ FAMILY_SWITCHES = {
     "llama4_text": dict(num_hidden_layers=3, num_experts_per_tok=1, head_dim=16, decoder_sparse_step=2,
                         dense_intermediate_size=48, no_rope_layers=[1, 0, 1], attention_chunk_size=4,
                         attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5, pad_token_id=0, eos_token_id=1),
-    # The hybrids (their parity: tests/core/test_families_parity.py): a Mamba-2 layer and a NoPE attention
+    # The hybrids (their parity: tests/core/decoder/test_families_parity.py): a Mamba-2 layer and a NoPE attention
     # layer, a fused shared expert (Granite 4.0-H); a Gated DeltaNet layer and a gated attention layer with
     # partial rotary and zero-centred norms, a gated shared expert (Qwen3-Next).
     "granitemoehybrid": dict(mixer_types=["mamba2", "attention"], shared_expert_intermediate_size=40,

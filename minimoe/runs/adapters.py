@@ -1,6 +1,6 @@
 """What was trained, as a file: optimizer groups, the adapter folder, fingerprints, merged export.
 
-The LoRA layers themselves are in minimoe/core/lora.py, the routing methods' heads in minimoe/core/routing.py.
+The LoRA layers themselves are in minimoe/core/adaptation/lora.py, the routing methods' heads in minimoe/core/routing_methods/routing.py.
 
 Adapter folder: adapter.safetensors (LoRA tensors, all state under `.mlp.router.`, and the
 `.mlp.gate.weight` of layers whose gate trains) and adapter_config.json (rank, alpha, dropout,
@@ -99,7 +99,7 @@ def base_weights_digest(model: MoEForCausalLM) -> str:
 
 def base_samples(model: nn.Module):
     """(name, shape, its digest sample, lazily) per parameter in named_parameters' order, with a packed
-    weight (core/quantized.py) in its place, sampled as loaded: a QLoRA adapter's digest is its base's."""
+    weight (core/adaptation/quantized.py) in its place, sampled as loaded: a QLoRA adapter's digest is its base's."""
     seen = set()
     for prefix, module in model.named_modules():
         entries = list(module._parameters.items())

@@ -117,7 +117,7 @@ class Evaluation:
 def load_model(folder, adapter: AdapterSource | None, *, device: torch.device, dtype: str = "auto",
                allow_other_base: bool = False, quantize: str | None = None):
     """The checkpoint in `folder` on `device` (runs.pick_device's), in `dtype` ("auto": train.py's rule,
-    runs.pick_dtype), its base packed as `quantize` says (a QLoRA run's: core/quantized.py), with `adapter`
+    runs.pick_dtype), its base packed as `quantize` says (a QLoRA run's: core/adaptation/quantized.py), with `adapter`
     loaded onto it -> (model, tokenizer)."""
     model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, device)], device=device, quantize=quantize)
     tokenizer = load_tokenizer(folder)

@@ -19,7 +19,7 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   `batch_size * max_length` tokens; with --gradient-checkpointing, one hidden vector per layer plus
   one layer's full set.
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
-NF4 size (core/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
+NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
 the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).

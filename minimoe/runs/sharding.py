@@ -27,7 +27,7 @@ Decisions:
   gathered the same way, keyed by parameter name (torch.distributed.checkpoint.state_dict's full state
   dict), and saved in training_state.pt: plain tensors, loaded with weights_only=True; not DCP, whose
   metadata file is a pickle. Resume puts each rank's rows back from those full tensors.
-- The step's gradient: FSDP2 averages gradients over ranks as DDP does, so core/step.py's
+- The step's gradient: FSDP2 averages gradients over ranks as DDP does, so core/task/step.py's
   world-size factor serves both.
 """
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The adaptation loop behind train.py: LoRA + a routing method, batches, optimizer steps, epochs.
 
 The step's loss (task CE + lambda * the method's term + aux_coef * load balancing, each normalised
-over the whole optimizer step) is minimoe/core/step.py's `step_loss`; the method it trains is the run's
+over the whole optimizer step) is minimoe/core/task/step.py's `step_loss`; the method it trains is the run's
 configured `methods.Method`, resolved once by train.py and held by its TrainConfig (`cfg.method`), which
 `install_method`, `make_optimizer`, `optimizer_step` and `train` read. Rows are packed
-(minimoe/core/choices.py; `--per-candidate-rows` for the reference layout): each example's prompt runs
+(minimoe/core/task/choices.py; `--per-candidate-rows` for the reference layout): each example's prompt runs
 once, so its LoRA dropout mask is shared by the candidates.
 
 Reproducibility: every random draw comes from the seed (LoRA init, dropout, data order: epoch e

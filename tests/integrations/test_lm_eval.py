@@ -3,7 +3,7 @@ here on local JSONL files, the same tiny checkpoint folder; TES through an adapt
 context + continuation; and a transformers-saved checkpoint of another family.
 
 The other families in CI are DeepSeek-V3 and Llama 4 (FAMILIES_IN_CI). MiniMoELM has no code per family: what differs between
-families is the forward, which tests/core/test_model.py and tests/core/test_families_parity.py hold to transformers
+families is the forward, which tests/core/decoder/test_model.py and tests/core/decoder/test_families_parity.py hold to transformers
 for every family through the same from_pretrained. DeepSeek-V3 is the one whose folder needs more than its weights
 here (a tokenizer_config.json: without one, lm-eval's hf model takes Llama's tokenizer class); Llama 4 stands for issue
 49's round (NoPE and chunked attention layers, top-1 routing). The others agreed when

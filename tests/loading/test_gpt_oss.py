@@ -1,4 +1,4 @@
-"""gpt-oss's expert tensors on disk <-> our banks (the `Converted` entries of its record, core/families.py):
+"""gpt-oss's expert tensors on disk <-> our banks (the `Converted` entries of its record, core/decoder/families.py):
 transformers 4.57's GptOssExperts, loaded through their layouts (dense, or MXFP4 quantised here by the
 format's definition), gives the same outputs from our ClampedSwiGLUExperts; and the disk layout
 round-trips exactly."""
@@ -19,7 +19,7 @@ GATE_UP, GATE_UP_BIAS, DOWN = (KEYS[f"mlp.experts.{name}"] for name in
 
 
 def reference(seed=0):
-    """transformers' router and experts at this file's sizes (tests/core/test_clamped_experts.py builds them)."""
+    """transformers' router and experts at this file's sizes (tests/core/layers/test_clamped_experts.py builds them)."""
     return clamped_reference(E, D, I, K, std=0.5, seed=seed)
 
 

@@ -1,7 +1,7 @@
 """A supervision objective from the user's own file (docs/methods.md "Adding an objective",
 examples/my_objective.py), registered as the docs show: train.py takes it by --objective, records it,
 and --resume in a fresh process finds it again and continues as an uninterrupted run does. What it
-computes is tested against its formula in tests/core/test_step.py. Bad input names what was expected."""
+computes is tested against its formula in tests/core/task/test_step.py. Bad input names what was expected."""
 import json
 from pathlib import Path
 

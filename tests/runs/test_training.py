@@ -258,7 +258,7 @@ def test_two_micro_batches_give_the_aux_and_method_terms_of_one_full_batch():
         model.train()
         batches = training.micro_batches(examples, tokenizer, cfg, 0, 1)
         assert len(batches) == accum
-        if accum == 1:  # the full batch's own load-balancing loss (= transformers', tests/core/test_model.py)
+        if accum == 1:  # the full batch's own load-balancing loss (= transformers', tests/core/decoder/test_model.py)
             with torch.no_grad():
                 out = forward_choices(model, batches[0])[0]
                 full_batch_aux = load_balancing_loss(out.routings, batches[0].attention_mask).item()

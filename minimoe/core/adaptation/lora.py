@@ -27,7 +27,7 @@ Decisions:
   steps are not rounded away on a bf16 base; they are cast to the activation dtype at use, as
   autocast would, so a bf16 expert LoRA's A and B run through grouped_mm as a base bank does. On the
   CPU without autocast the branch stays in fp32 instead, for oneDNN's kernel cache; that and the
-  CPU's other measures (dropout saved as a mask) are minimoe/core/cpu_memory.py's, behind `branch`.
+  CPU's other measures (dropout saved as a mask) are minimoe/core/layers/cpu_memory.py's, behind `branch`.
   The base keeps its load dtype. Merging adds in fp32 and rounds once, so in bf16 a merge/unmerge
   round trip may move a weight by one rounding step (as in peft); `export_merged` puts the exact
   original weights back instead of unmerging.
@@ -73,7 +73,7 @@ from minimoe.core.routing_methods.routing import set_routing_trainable
 
 TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj", "o": "self_attn.o_proj",
            "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj",
-           # the recurrent mixers' projections (core/mamba2.py, core/deltanet.py), in the layers that have them
+           # the recurrent mixers' projections (core/token_mixers/mamba2.py, core/token_mixers/deltanet.py), in the layers that have them
            "mamba_in": "mamba.in_proj", "mamba_out": "mamba.out_proj", "linear_qkvz": "linear_attn.in_proj_qkvz",
            "linear_ba": "linear_attn.in_proj_ba", "linear_out": "linear_attn.out_proj"}
 ALIASES = {"experts": ("gate_up", "down"), "mamba": ("mamba_in", "mamba_out"),
@@ -332,7 +332,7 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
                 lora = LoRAGroupedLinear(base, rank, alpha, dropout, blocks, dtype)
             else:
                 lora = LoRALinear(base, rank, alpha, dropout, dtype)
-            lora = carry_quantization(base, lora)  # a packed base stays packed (core/quantized.py)
+            lora = carry_quantization(base, lora)  # a packed base stays packed (core/adaptation/quantized.py)
             setattr(parent, leaf, lora.train(base.training))  # an eval model keeps its dropout off
     model.lora_spec = dict(rank=rank, alpha=alpha, dropout=dropout, targets=targets,
                            dtype=str(dtype).removeprefix("torch."))

@@ -45,13 +45,13 @@ class Family:
     renames: dict = field(default_factory=dict)  # config.json field -> our MoEConfig field
     config_fields: frozenset = frozenset()  # our fields its config.json has beyond CONFIG_FIELDS (written back)
     fixed: dict = field(default_factory=dict)  # our fields the family hard-codes (not read, not written)
-    # transformers' config defaults for fields config.json may omit (tests/core/test_family_defaults.py holds them
+    # transformers' config defaults for fields config.json may omit (tests/core/decoder/test_family_defaults.py holds them
     # to transformers' config classes); a callable takes config.json's fields, for a default that depends on them
     defaults: dict = field(default_factory=dict)
     name_hints: tuple[str, ...] = ()  # lowercase parts of a hub id or folder name that mean this family (sweep.py)
     recipe_note: str = ""  # why it trains with `recipe` where the paper gives it none
     never_null: frozenset = frozenset()  # our fields its transformers config cannot read as null: not written when None
-    # config.json's per-layer kind (its `layer_types` values) -> our core/mixers.py MIXERS name, for the
+    # config.json's per-layer kind (its `layer_types` values) -> our core/token_mixers/mixers.py MIXERS name, for the
     # hybrids, whose layer_types name each layer's token mixer (read into `mixer_types`, written back)
     layer_kinds: dict = field(default_factory=dict)
     ignored_prefixes: tuple[str, ...] = ()  # on-disk keys we do not load (transformers ignores them too)
@@ -140,7 +140,7 @@ def family_of(model_type: str, source: str = "config") -> Family:
     return family
 
 
-# Every record must give these a value (tests/core/test_families.py holds each record complete).
+# Every record must give these a value (tests/core/decoder/test_families.py holds each record complete).
 REQUIRED = ("model_type", "architecture", "brings", "hub_examples", "recipe", "lora_targets")
 
 # Our MoEConfig fields that every family's config.json holds (under its own name: `renames`).
@@ -276,7 +276,7 @@ DEEPSEEK_FIELDS = frozenset({"kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", 
                              "routed_scaling_factor", "n_group", "topk_group"})
 # transformers' DeepseekV2Config and DeepseekV3Config agree on these (DeepSeek-V2's and V3's own widths)
 MLA_DEFAULTS = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}
-# LoRA on Multi-head Latent Attention (core/mla.py), which has no k_proj or v_proj: its queries come from
+# LoRA on Multi-head Latent Attention (core/token_mixers/mla.py), which has no k_proj or v_proj: its queries come from
 # q_b_proj (q_proj without a query low rank, as DeepSeek-V2-Lite) and every head's key and value from
 # kv_b_proj, so "k" and "v" both name kv_b_proj (adapted once). The down-projections q_a_proj and
 # kv_a_proj_with_mqa are compressions already, and the latter carries the rope key all heads share: not
@@ -316,7 +316,7 @@ register_family(Family(
               "n_shared_experts": 1, "norm_topk_prob": True, "rope_interleave": True, **MLA_DEFAULTS,
               "dense_intermediate_size": 18432, "bos_token_id": 0, "eos_token_id": 1}))
 
-# The hybrids: a token mixer per layer (core/mixers.py), named by config.json's layer_types (`layer_kinds`).
+# The hybrids: a token mixer per layer (core/token_mixers/mixers.py), named by config.json's layer_types (`layer_kinds`).
 MAMBA2_FIELDS = frozenset({"mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv",
                            "mamba_expand", "mamba_chunk_size", "mamba_conv_bias", "mamba_proj_bias"})
 DELTANET_FIELDS = frozenset({"linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",

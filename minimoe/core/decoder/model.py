@@ -1,9 +1,9 @@
 """The model every family shares: config, the MoE block, the decoder layer, causal LM.
 
-Families differ only by config fields (`MoEConfig`; core/families.py maps each family's config.json onto
-them) and by small modules switched on by those fields: each layer's token mixer (core/mixers.py: GQA
-attention, MLA, ...), the routed expert bank (core/experts.py), the dense MLP of dense layers and
-shared experts (core/mlp.py), the router's scoring (core/routing.py).
+Families differ only by config fields (`MoEConfig`; core/decoder/families.py maps each family's config.json onto
+them) and by small modules switched on by those fields: each layer's token mixer (core/token_mixers/mixers.py: GQA
+attention, MLA, ...), the routed expert bank (core/layers/experts.py), the dense MLP of dense layers and
+shared experts (core/layers/mlp.py), the router's scoring (core/routing_methods/routing.py).
 Letters in shape comments: B batch, T query positions, S key positions, D hidden, H query heads,
 G key/value heads, d head dim, E experts, K experts per token, I expert width, V vocab, N = T*K rows.
 
@@ -16,20 +16,20 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
   attention scale is `attention_multiplier`, and three more multipliers scale the embedding, the
   residual branches and the logits. OLMoE: RMSNorm over the full q/k projection width before the
   head split, optional clip_qkv, and renormalisation of the K weights only when `norm_topk_prob`.
-- Routing is a swappable module (`MoEBlock.router`, see minimoe/core/routing.py). It sees the
+- Routing is a swappable module (`MoEBlock.router`, see minimoe/core/routing_methods/routing.py). It sees the
   pre-expert hidden state and the native affinity logits and returns a `Routing`; every layer's
   `Routing` (logits, selected experts, weights, method readouts) is returned with the logits.
-- Packed answer choices (minimoe/core/choices.py) pass `segment_ids`: the causal mask also hides other
+- Packed answer choices (minimoe/core/task/choices.py) pass `segment_ids`: the causal mask also hides other
   segments than the shared prefix (0) and the query's own, as a bool SDPA mask (every backend;
-  core/masks.py). With `logits_at` the LM head runs on the gathered final-normed hidden states only.
+  core/layers/masks.py). With `logits_at` the LM head runs on the gathered final-normed hidden states only.
 - Qwen3: RMSNorm per head on q and k; Qwen2: biases on q, k, v only, and a shared expert scaled by
   sigmoid(w . x); Mixtral and Qwen: an optional sliding window, as a bool mask per window size.
   Dense layers (mlp_only_layers, decoder_sparse_step, first_k_dense_replace) run a dense MLP and
   return no Routing (None in the model output): they are never routed.
 - FlexOlmo (`norm_after`): OLMo-2's placement, each branch's output normed before the residual add
   and no input norm. Llama 4 (`expert_input_scaled`): the combine weight scales the routed expert's
-  input (core/experts.py); Granite's shared expert stores gate and up as one matrix (core/mlp.py).
-- Experts: stacked `[E, out, in]` banks run on token blocks sorted by expert (core/experts.py).
+  input (core/layers/experts.py); Granite's shared expert stores gate and up as one matrix (core/layers/mlp.py).
+- Experts: stacked `[E, out, in]` banks run on token blocks sorted by expert (core/layers/experts.py).
   Under autocast every matmul of a bf16 model runs in bf16, the banks included; nothing in forward or
   backward reads a device value back to the host (no bincount, .item() or boolean indexing).
 """
@@ -75,7 +75,7 @@ class MoEConfig:
     use_sliding_window: bool = False  # attend to the last `sliding_window` positions only (Mixtral: always)
     sliding_window: int | None = None
     layer_types: list | None = None  # per layer "sliding_attention" | "full_attention" | "chunked_attention"; None: alike
-    mixer_types: list | None = None  # per layer a core/mixers.py MIXERS name; None: "mla" with kv_lora_rank, else "attention"
+    mixer_types: list | None = None  # per layer a core/token_mixers/mixers.py MIXERS name; None: "mla" with kv_lora_rank, else "attention"
     tie_word_embeddings: bool = False
     norm_topk_prob: bool = False  # renormalise the K selected weights (Granite's top-K on logits always does)
     clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection (and q/k norm)
@@ -113,7 +113,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek)
     router_bias: bool = False  # the gate has a bias (gpt-oss)
     router_fp32: bool = False  # the gate's matmul in fp32, its input upcast (DeepSeek); else the model dtype
-    # Attention beyond GQA. gpt-oss: sinks (core/sinks.py); DeepSeek: MLA (core/mla.py).
+    # Attention beyond GQA. gpt-oss: sinks (core/token_mixers/sinks.py); DeepSeek: MLA (core/token_mixers/mla.py).
     attention_sinks: bool = False  # a learned logit per head joins every softmax, with no value
     norm_weight_in_fp32: bool = False  # the layer norms multiply their weight before the cast back (gpt-oss)
     kv_lora_rank: int | None = None  # set: Multi-head Latent Attention, with the four fields below
@@ -125,12 +125,12 @@ class MoEConfig:
     # default; GQA attention: halves, but Llama 4's pairs)
     rope_interleave: bool | None = None
     rope_in_fp32: bool = False  # GQA: rotate q and k in fp32 and cast once (Llama 4's complex product); else model dtype
-    swiglu_limit: float | None = None  # set: gpt-oss's clamped SwiGLU experts with biases (core/clamped_experts.py)
-    # Attention options of the hybrids (core/attention.py) and their norms.
+    swiglu_limit: float | None = None  # set: gpt-oss's clamped SwiGLU experts with biases (core/layers/clamped_experts.py)
+    # Attention options of the hybrids (core/token_mixers/attention.py) and their norms.
     position_embedding_type: str | None = "rope"  # anything else: no rope (Granite 4.0-H's "nope")
     attn_output_gate: bool = False  # q_proj also gives a per-head gate; output * sigmoid(gate) (Qwen3-Next)
     norm_zero_centred: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Qwen3-Next)
-    # Mamba-2 layers (core/mamba2.py; mixer_types "mamba2"), Granite 4.0-H's names.
+    # Mamba-2 layers (core/token_mixers/mamba2.py; mixer_types "mamba2"), Granite 4.0-H's names.
     mamba_n_heads: int = 128
     mamba_d_head: int | str = "auto"  # "auto": mamba_expand * hidden_size / mamba_n_heads (filled in)
     mamba_n_groups: int = 1
@@ -140,7 +140,7 @@ class MoEConfig:
     mamba_chunk_size: int = 256
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False
-    # Gated DeltaNet layers (core/deltanet.py; mixer_types "gated_deltanet"), Qwen3-Next's names.
+    # Gated DeltaNet layers (core/token_mixers/deltanet.py; mixer_types "gated_deltanet"), Qwen3-Next's names.
     linear_conv_kernel_dim: int = 4
     linear_key_head_dim: int = 128
     linear_value_head_dim: int = 128
@@ -194,7 +194,7 @@ class MoEConfig:
                              f"[1, num_experts={self.num_experts}]")
         if self.hidden_act != "silu":
             raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
-        rope_type(self.rope_scaling)  # refuses, by name, a type core/rope.py does not compute
+        rope_type(self.rope_scaling)  # refuses, by name, a type core/layers/rope.py does not compute
         self._check_attention()
         if self.qk_norm not in (None, "full", "head", "l2"):
             raise ValueError(f"config: qk_norm {self.qk_norm!r}; expected None, 'full', 'head' or 'l2'")
@@ -287,7 +287,7 @@ class MoEConfig:
 # ----------------------------------------------------------------------------- building blocks
 
 def position_embeddings(config: MoEConfig, position_ids, dtype):
-    """cos, sin [B, T, rope_dim] of `config`'s rope, its rope_scaling included (core/rope.py)."""
+    """cos, sin [B, T, rope_dim] of `config`'s rope, its rope_scaling included (core/layers/rope.py)."""
     inv_freq, factor = rope_frequencies(config.rope_dim, config.rope_theta, config.rope_scaling,
                                         config.max_position_embeddings)
     return rope_cos_sin(position_ids, inv_freq, factor, dtype)
@@ -302,7 +302,7 @@ class MoEBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)  # native affinity W_aff
         if config.topk_method == "noaux_tc":  # DeepSeek-V3's selection-only bias, a checkpoint tensor, never trained
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
-        if config.swiglu_limit is not None:  # gpt-oss (core/clamped_experts.py)
+        if config.swiglu_limit is not None:  # gpt-oss (core/layers/clamped_experts.py)
             self.experts = ClampedSwiGLUExperts(config.num_experts, config.hidden_size, config.intermediate_size,
                                                 limit=config.swiglu_limit)
         else:
@@ -352,7 +352,7 @@ def scaled(x, factor: float):
 class DecoderLayer(nn.Module):
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
-        mixer = mixer_for(config, layer_idx)  # attention, MLA, ... (core/mixers.py)
+        mixer = mixer_for(config, layer_idx)  # attention, MLA, ... (core/token_mixers/mixers.py)
         self.mixer_attribute = type(mixer).attribute  # the checkpoint's name for it: self_attn, ...
         setattr(self, self.mixer_attribute, mixer)
         self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
@@ -444,7 +444,7 @@ class MoEForCausalLM(nn.Module):
                 segment_ids=None, logits_at=None):
         """input_ids [B, T]; attention_mask [B, S] (1 = real token, covers cached positions too).
 
-        segment_ids [B, T]: a block-causal layout (packed answer choices, minimoe/core/choices.py): a token of
+        segment_ids [B, T]: a block-causal layout (packed answer choices, minimoe/core/task/choices.py): a token of
         segment s > 0 sees segment 0 and its own segment, causally; segment 0 sees segment 0 only.
         logits_at: (rows, cols) index tensors, n each: the LM head runs at those positions only and
         logits are [n, V] (gathered after the final norm, so no [B, T, V] tensor is built).
@@ -466,7 +466,7 @@ class MoEForCausalLM(nn.Module):
 
     def mixer_inputs(self, B: int, T: int, h, attention_mask=None, position_ids=None, cache: KVCache | None = None,
                      segment_ids=None) -> MixerInputs:
-        """The rope tables and masks every layer's mixer reads (core/mixers.py), built once for a forward
+        """The rope tables and masks every layer's mixer reads (core/token_mixers/mixers.py), built once for a forward
         of T positions after the cache's; h: the embeddings (their dtype and device)."""
         device, start = h.device, cache.length if cache is not None else 0
         if position_ids is None:
@@ -477,7 +477,7 @@ class MoEForCausalLM(nn.Module):
         flex = flex and all(m.takes_block_mask for m in mixers) and flex_applies()  # sinks, MLA, small heads: bool
         masks = {kind: block_mask(attention_mask, segment_ids, B, T, kind, position_ids) if flex else
                  bool_mask(attention_mask, B, T, start, device, segment_ids, kind, position_ids)
-                 for kind in {m.mask_kind for m in mixers}}  # one per attention pattern (core/masks.py)
+                 for kind in {m.mask_kind for m in mixers}}  # one per attention pattern (core/layers/masks.py)
         return MixerInputs(cos, sin, masks, attention_mask, segment_ids, position_ids, start)
 
     def head(self, hidden):

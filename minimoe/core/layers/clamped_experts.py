@@ -7,11 +7,11 @@ Per expert e, as transformers 4.57's GptOssExperts computes it:
     gate = min(gate, limit); up = clamp(up, -limit, limit)
     y = ((up + 1) * gate * sigmoid(alpha * gate)) W_d[e] + b_d[e]
 with alpha 1.702 and the limit config.json's `swiglu_limit` (7.0 in every release; transformers 4.57
-hard-codes 7.0 whatever the config says: tests/core/test_families_parity.py gives it the file's), then y
+hard-codes 7.0 whatever the config says: tests/core/decoder/test_families_parity.py gives it the file's), then y
 times the routing weight.
 
 Decisions:
-- The banks are `GroupedLinear` [E, out, in] as in core/experts.py, gate rows first, then up rows.
+- The banks are `GroupedLinear` [E, out, in] as in core/layers/experts.py, gate rows first, then up rows.
   The checkpoint stores gate_up_proj as [E, D, 2I] with gate and up *interleaved* (column 2i gate,
   2i+1 up); the loader transposes and de-interleaves it once, so LoRA and the grouped path see the
   layout every other family has.

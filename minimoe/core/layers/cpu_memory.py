@@ -1,6 +1,6 @@
 """What runs differently on the CPU, and why: memory and oneDNN's kernel cache, not the math.
 
-The model and its LoRA (minimoe/core/model.py, minimoe/core/lora.py) compute the same sums on every device.
+The model and its LoRA (minimoe/core/decoder/model.py, minimoe/core/adaptation/lora.py) compute the same sums on every device.
 On the CPU three measures change how they are computed, each for memory or for the cost of
 oneDNN's compiled kernels, and each named here so that the forwards read as the math. The numbers
 are from bench/RESULTS.md (2-core Zen 4, torch 2.13):
@@ -9,7 +9,7 @@ are from bench/RESULTS.md (2-core Zen 4, torch 2.13):
   per matrix shape (0.5-1 MB each; a compile costs 3-4x a cached call) and cache 1024 of them, and an
   expert's block size is its token count, a new shape nearly every call: 300 distinct row counts of
   one [M, 576] x [576, 1536] product held 223 MiB. Rounded, M takes a few dozen values per expert
-  weight. Exact: the stand-in rows have combine weight 0 (model.Dispatch; tests/core/test_model.py).
+  weight. Exact: the stand-in rows have combine weight 0 (model.Dispatch; tests/core/decoder/test_model.py).
 - `keeps_adapter_dtype`: LoRA's branch runs in the adapters' own dtype (fp32, as in peft), not in the
   base's bf16. In bf16 each expert block size was one more small kernel to compile and keep: 621
   distinct matmul shapes in a step against peft's 98, 0.26 GiB of RSS on OLMoE-2L. An fp32 delta
@@ -23,7 +23,7 @@ are from bench/RESULTS.md (2-core Zen 4, torch 2.13):
 Under autocast (the GPU recipe, or the CPU when asked) LoRA runs in the base matmul's dtype instead,
 the branch is grouped with the bank (`lora.base_plus_delta`) and no host sync is made.
 The process-wide measures (glibc keeping freed blocks, the size of oneDNN's cache) are in
-minimoe/loading/allocator.py.
+minimoe/process_memory.py.
 """
 from __future__ import annotations
 

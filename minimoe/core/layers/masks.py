@@ -1,4 +1,4 @@
-"""The attention masks the model builds once per forward and hands to every mixer (core/mixers.py).
+"""The attention masks the model builds once per forward and hands to every mixer (core/token_mixers/mixers.py).
 
 A mask is made per kind of attention pattern among the layers (`MaskKind`: full causal, a sliding
 window, or chunked local attention), as a bool [B, 1, T, S] tensor (`bool_mask`: SDPA on every

@@ -9,7 +9,7 @@ run's choices (the objective, lambda, the layer scope, affinity tuning, the opti
 them all; train.py resolves --method to one configured Method once, and that object installs the
 router (`set_router`, below: the model then holds the same object), drives the training step
 (step.py), and labels and names the run. A method from your own file joins `METHODS`
-through `minimoe.register_method` (registry.py).
+through `minimoe.register_method` (runs/user_methods.py).
 
 Built in: native (CE), dual (Dual Affinity), tes (TES) and acs (ACS), their policies in routing.py,
 their defaults the paper's (gamma = tau = 1, mixing weight 0.5; heads at 1e-5 for TES, 1e-3 for Dual);

@@ -1,4 +1,4 @@
-"""GQA attention, the mixer of every family but DeepSeek's (core/mla.py) and the hybrids' state layers.
+"""GQA attention, the mixer of every family but DeepSeek's (core/token_mixers/mla.py) and the hybrids' state layers.
 
 Letters: B batch, T query positions, S key positions, D hidden, H query heads, G key/value heads, d head dim.
 
@@ -7,9 +7,9 @@ One class, its options read from config fields (never the family's name):
   or per head (Qwen3, GLM: `"head"`), before rope; clip_qkv (OLMoE) after it; or Llama 4's L2 norm per
   head without a weight (`"l2"`), after rope and on rope layers only;
 - biases on q, k, v and o (`attention_bias`) or on q, k, v only (`qkv_bias`: Qwen2-MoE, GLM);
-- sinks (gpt-oss, core/sinks.py);
+- sinks (gpt-oss, core/token_mixers/sinks.py);
 - a sliding window (`config.window(i)`) or a local chunk (`config.chunk(i)`, Llama 4) per layer: the
-  mask the model builds for its `MaskKind` (core/masks.py);
+  mask the model builds for its `MaskKind` (core/layers/masks.py);
 - rope on the first `rope_dim` dims of each head only (GLM's partial_rotary_factor), in halves or in
   interleaved pairs (`rope_interleave`: Llama 4, whose reference rotates complex pairs), or on no dims
   (a NoPE layer of Llama 4's `no_rope_layers`), where `attn_temperature_tuning` scales q by
@@ -85,7 +85,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(width[0], config.rms_norm_eps, config.norm_weight_in_fp32, config.norm_zero_centred)
             self.k_norm = RMSNorm(width[1], config.rms_norm_eps, config.norm_weight_in_fp32, config.norm_zero_centred)
         self.temperature = config.attn_temperature_tuning and not self.rope
-        if config.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/sinks.py)
+        if config.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/token_mixers/sinks.py)
             self.sinks = nn.Parameter(torch.zeros(H))
         self.mask_kind = mask_kind(window=config.window(layer_idx), chunk=config.chunk(layer_idx))
         # Sinks add a key column: a bool mask only. Inductor's flex kernel takes head dims of 16 or more (torch

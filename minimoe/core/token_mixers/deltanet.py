@@ -13,7 +13,7 @@ a loop. It equals transformers 4.57's `torch_chunk_gated_delta_rule` (which runs
 row-by-row substitution) and keeps its dtype flow: the rule in fp32, its output cast to the model dtype.
 The checkpoint interleaves q, k, v, z per key head in in_proj_qkvz (and b, a in in_proj_ba);
 `split_projections` undoes that. Parameter names are the checkpoint's (`linear_attn.*`).
-Padding and packed rows: core/ssm_common.py.
+Padding and packed rows: core/token_mixers/ssm_common.py.
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class GatedRMSNormAfter(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/mixers.py ("gated_deltanet")."""
+    """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/token_mixers/mixers.py ("gated_deltanet")."""
     attribute = "linear_attn"  # the layer's attribute, hence the checkpoint's names (model.layers.i.linear_attn.*)
     mask_kind, takes_block_mask = FULL, True  # it reads padding and segments itself, never an attention mask
     chunk = 64  # the delta rule's chunk length, transformers' (any length gives the same values to rounding)

@@ -13,7 +13,7 @@ loop over c. It equals transformers 4.57's `torch_forward` (GraniteMoeHybridMamb
 mamba-ssm kernels), whose dtype flow it keeps: dt's softplus in the model dtype, the scan in fp32, the
 gated norm's product in fp32 (gate before the norm), cast back before out_proj.
 Parameter names are the checkpoint's (`mamba.in_proj`, `mamba.conv1d`, `mamba.dt_bias`, `mamba.A_log`,
-`mamba.D`, `mamba.norm`, `mamba.out_proj`). Padding and packed rows: core/ssm_common.py.
+`mamba.D`, `mamba.norm`, `mamba.out_proj`). Padding and packed rows: core/token_mixers/ssm_common.py.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def ssd_scan(x, dt, A, B, C, chunk: int, state=None):
 
 
 class Mamba2Mixer(nn.Module):
-    """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/mixers.py ("mamba2")."""
+    """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/token_mixers/mixers.py ("mamba2")."""
     attribute = "mamba"  # the layer's attribute, hence the checkpoint's names (model.layers.i.mamba.*)
     mask_kind, takes_block_mask = FULL, True  # it reads padding and segments itself, never an attention mask
 

@@ -4,10 +4,10 @@ A layer's mixer is chosen by the config (`mixer_type`): `config.mixer_types[i]` 
 (the hybrids: state-space or linear-attention layers among attention layers), else MLA where
 `kv_lora_rank` is set, else GQA attention. `MIXERS` maps each name to its class, one room each:
 
-    "attention"  core/attention.py  GQA: q/k norms, sinks, sliding windows (its options: config fields)
-    "mla"        core/mla.py        DeepSeek's Multi-head Latent Attention
-    "mamba2"     core/mamba2.py     Mamba-2 (Granite 4.0-H's mamba layers): conv1d + chunked SSD scan
-    "gated_deltanet"  core/deltanet.py  Gated DeltaNet (Qwen3-Next's linear_attention layers)
+    "attention"  core/token_mixers/attention.py  GQA: q/k norms, sinks, sliding windows (its options: config fields)
+    "mla"        core/token_mixers/mla.py        DeepSeek's Multi-head Latent Attention
+    "mamba2"     core/token_mixers/mamba2.py     Mamba-2 (Granite 4.0-H's mamba layers): conv1d + chunked SSD scan
+    "gated_deltanet"  core/token_mixers/deltanet.py  Gated DeltaNet (Qwen3-Next's linear_attention layers)
 
 The interface every mixer keeps (a new one is a class with these three, added to `MIXERS`):
 - `Mixer(config, layer_idx)`, an nn.Module; its class attribute `attribute` names the layer's
@@ -66,7 +66,7 @@ class MixerInputs:
     sin: torch.Tensor | None
     masks: dict  # masks.MaskKind -> bool [B, 1, T, S] mask, a FlexAttention BlockMask, or None (plain causal)
     attention_mask: torch.Tensor | None  # [B, S] padding, 1 = real token (cached positions included), or None
-    segment_ids: torch.Tensor | None  # [B, T] packed rows (core/choices.py), or None
+    segment_ids: torch.Tensor | None  # [B, T] packed rows (core/task/choices.py), or None
     position_ids: torch.Tensor  # [B, T]
     cache_start: int = 0  # positions already in the cache (S = cache_start + T)
     segment_plan: object = None  # packed rows' layout for the recurrent mixers, read once (ssm_common.segment_plan)

@@ -7,7 +7,7 @@ Each head's query and key are [no-rope part n | rope part r]; values are v wide.
 - q: D -> Q (q_a_proj) -> RMSNorm -> H*(n+r) (q_b_proj); with q_lora_rank null (V2-Lite) one q_proj.
 - kv: D -> C + r (kv_a_proj_with_mqa). The C part is normed (kv_a_layernorm) and expanded to every
   head's no-rope key and value, H*(n+v) (kv_b_proj). The r part is ONE rope key shared by all heads.
-- Softmax scale: (n+r)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (core/rope.py).
+- Softmax scale: (n+r)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (core/layers/rope.py).
 
 Decisions, for parity with transformers 4.57 (modeling_deepseek_v2.py, modeling_deepseek_v3.py):
 - q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says: both references build

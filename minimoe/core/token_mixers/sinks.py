@@ -1,5 +1,5 @@
 """gpt-oss attention sinks: a learned logit per head in every softmax (its sliding-window layers are
-the model's window masks, core/masks.py).
+the model's window masks, core/layers/masks.py).
 
 Letters: B batch, H query heads, G key/value heads, T query positions, S key positions, d head dim.
 

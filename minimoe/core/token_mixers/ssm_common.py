@@ -1,4 +1,4 @@
-"""What the recurrent token mixers share (core/mamba2.py, core/deltanet.py): the causal depthwise conv1d
+"""What the recurrent token mixers share (core/token_mixers/mamba2.py, core/token_mixers/deltanet.py): the causal depthwise conv1d
 with its window state, padding masks, chunk padding, and packed rows run as a prompt plus candidates
 that each continue from the prompt's state.
 
@@ -12,7 +12,7 @@ Padding, as transformers 4.57 masks it: the mixer's input and the conv's output 
 positions. From a zero state (left padding) the state then stays zero across the padding, so a
 left-padded row equals the unpadded one; right padding comes after every real token and cannot reach it.
 
-Packed answer choices (core/choices.py: the prompt is segment 0, candidate c is segment c+1, each
+Packed answer choices (core/task/choices.py: the prompt is segment 0, candidate c is segment c+1, each
 candidate sees the prompt and itself) cannot run as one left-to-right scan: the state entering a
 candidate must be the prompt's final state, not the previous candidate's. `run_segments` runs the
 prompts once (left-aligned, so each ends at the last column and its final state is the scan's), then
@@ -41,7 +41,7 @@ class RecurrentState:
 
 
 class StateSlot:
-    """A recurrent layer's entry in the generation cache (core/mixers.py's KVCache): its state so far."""
+    """A recurrent layer's entry in the generation cache (core/token_mixers/mixers.py's KVCache): its state so far."""
 
     def __init__(self):
         self.state: RecurrentState | None = None

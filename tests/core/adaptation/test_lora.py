@@ -108,7 +108,7 @@ def test_grouped_expert_lora_equals_per_expert_loop(family, grouped_mm, monkeypa
     """Grouped A [E, blocks*r, D] / B [E, 2I, r] on sorted rows = a plain loop over (token, expert)."""
     if family == "gpt_oss":
         pytest.skip("the loop below is the plain SwiGLU; gpt-oss's clamped experts with biases are held to "
-                    "transformers' with LoRA in tests/core/test_families_parity.py (peft export)")
+                    "transformers' with LoRA in tests/core/decoder/test_families_parity.py (peft export)")
     monkeypatch.setattr(M, "USE_GROUPED_MM", grouped_mm)
     model = add_lora(tiny(family), targets=["experts"])
     randomize_lora(model, std=0.2)
@@ -477,7 +477,7 @@ def test_expert_lora_dropout_masks_the_rows_entering_A(bank):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_export_merged_loads_in_transformers_with_our_merged_logits(family, tmp_path):
     """export_merged writes W + scale * B A in the official layout; the model itself is left unchanged."""
-    if family == "gpt_oss":  # tests/core/test_families_parity.py holds its merged export with a window set
+    if family == "gpt_oss":  # tests/core/decoder/test_families_parity.py holds its merged export with a window set
         pytest.skip("tiny() builds gpt-oss without a sliding_window, which transformers 4.57's gpt-oss masks require")
     transformers = pytest.importorskip("transformers")
     model = add_lora(tiny(family), targets=["q", "k", "v", "o", "experts"])

@@ -1,4 +1,4 @@
-"""--quantize nf4 (core/quantized.py): the packed base against torchao's own NF4, one dequantised weight
+"""--quantize nf4 (core/adaptation/quantized.py): the packed base against torchao's own NF4, one dequantised weight
 alive at a time, packing while loading, and every method training on every family with a packed base."""
 import weakref
 

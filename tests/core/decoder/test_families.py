@@ -121,7 +121,7 @@ def test_mxfp4_is_kept_packed_for_the_one_family_released_in_it():
 # "olmoe" is also the paper's name for a recipe (recipes are named for the backbone that trained them):
 # allowed as a recipe name where recipes are declared (runs/recipes.py) and the paper's grid picks them.
 REPO = Path(__file__).resolve().parents[3]
-ALLOWED = {"minimoe/core/families.py": set(FAMILIES), "minimoe/making/tiny.py": set(FAMILIES),
+ALLOWED = {"minimoe/core/decoder/families.py": set(FAMILIES), "minimoe/making/tiny.py": set(FAMILIES),
            "minimoe/making/upcycle.py": {"granitemoe"},
            "minimoe/runs/recipes.py": set(RECIPES) & set(FAMILIES),
            "minimoe/study/grid.py": set(RECIPES) & set(FAMILIES)}
@@ -145,7 +145,7 @@ def family_names(source: str) -> list[tuple[int, str]]:
 
 
 def test_no_module_outside_the_records_and_the_builders_names_a_family():
-    """Every fact about a family is on its record (core/families.py): checkpoint conversions, export layouts,
+    """Every fact about a family is on its record (core/decoder/families.py): checkpoint conversions, export layouts,
     LoRA paths, recipes. A module that compares a model_type with a family's name, or imports a module
     of one, holds a fact off its record."""
     assert family_names('if config.model_type == "gpt_oss":\n    pass') == [(1, "gpt_oss")]  # the check bites
@@ -155,5 +155,5 @@ def test_no_module_outside_the_records_and_the_builders_names_a_family():
              for line, name in family_names(path.read_text(encoding="utf-8")) if name not in ALLOWED.get(rel, ())]
     found += [f"{path.relative_to(REPO).as_posix()}: a module named for a family" for path in files
               if path.stem in FAMILIES]
-    assert not found, "a family named outside its record (put the fact on its core/families.py record):\n" + \
+    assert not found, "a family named outside its record (put the fact on its core/decoder/families.py record):\n" + \
         "\n".join(found)

@@ -218,7 +218,7 @@ HYBRIDS = [v for v in DECLARED if family_of(v) in ("granitemoehybrid", "qwen3_ne
 @pytest.mark.parametrize("method", ["native", "tes"])
 def test_hybrid_packed_rows_equal_per_candidate_rows(variant, method, tmp_path):
     """The recurrent layers in packed answer rows: each candidate continues from the prompt's state
-    (core/ssm_common.py), so scores, the choice loss, the supervision term and their gradients (LoRA on
+    (core/token_mixers/ssm_common.py), so scores, the choice loss, the supervision term and their gradients (LoRA on
     the family's default targets, the Mamba-2 or DeltaNet projections included) equal per-candidate rows.
     In fp64: in fp32 the delta rule's chunked solve amplifies rounding, and Qwen3-Next's gradients of the
     two layouts differ by 7e-5 of their largest entry (2.4e-7 in fp64, where norms and router stay fp32)."""

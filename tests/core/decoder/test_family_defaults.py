@@ -1,4 +1,4 @@
-"""Each family's `defaults` (core/families.py) against transformers 4.57's own config classes: a config.json
+"""Each family's `defaults` (core/decoder/families.py) against transformers 4.57's own config classes: a config.json
 holding only the fields minimoe requires resolves, field by field, to what transformers' config of that
 model_type gives every field the file omits; and its `write_defaults`, what we write for a field left None. Every test and tiny checkpoint sets each field, so a wrong
 default (DeepSeek-V3's routed_scaling_factor 2.5, OLMoE's rms_norm_eps 1e-5, ...) showed nowhere else."""

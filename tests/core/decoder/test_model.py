@@ -353,4 +353,4 @@ def test_bad_config_values_raise():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         tiny_config("olmoe", num_key_value_heads=3)
     with pytest.raises(ValueError, match="rope_scaling"):
-        tiny_config("olmoe", rope_scaling={"type": "dynamic", "factor": 2.0})  # linear and yarn are honoured (core/rope.py)
+        tiny_config("olmoe", rope_scaling={"type": "dynamic", "factor": 2.0})  # linear and yarn are honoured (core/layers/rope.py)

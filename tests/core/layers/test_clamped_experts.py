@@ -1,4 +1,4 @@
-"""gpt-oss's experts (core/clamped_experts.py) against transformers 4.57's GptOssExperts on random weights
+"""gpt-oss's experts (core/layers/clamped_experts.py) against transformers 4.57's GptOssExperts on random weights
 large enough to hit both clamps, routed by its GptOssTopKRouter: fp32 outputs and gradients, the
 grouped_mm path, the per-expert loop and rounded expert blocks (stand-in rows) alike."""
 import pytest

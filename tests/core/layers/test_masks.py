@@ -1,4 +1,4 @@
-"""Attention masks (core/masks.py): FlexAttention's block mask, CUDA's path for padded and packed rows,
+"""Attention masks (core/layers/masks.py): FlexAttention's block mask, CUDA's path for padded and packed rows,
 against the bool mask that SDPA takes everywhere else, and the cases that keep the bool mask.
 
 The CPU runs flex forward only (torch 2.13 has no flex backward there); tests/test_cuda.py holds the

@@ -1,4 +1,4 @@
-"""Rope frequencies (core/rope.py) against transformers 4.57's ROPE_INIT_FUNCTIONS and rotary modules,
+"""Rope frequencies (core/layers/rope.py) against transformers 4.57's ROPE_INIT_FUNCTIONS and rotary modules,
 for every rope_scaling type we accept; the unknown ones are refused by name."""
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""DenseMixer (minimoe/core/densemixer.py) on every family's router: the forward is the native top-K's bit
+"""DenseMixer (minimoe/core/routing_methods/densemixer.py) on every family's router: the forward is the native top-K's bit
 for bit, the experts keep their sparse gradient, and the gate's gradient is the dense mixture's over all
 E experts, computed here by autograd from its definition."""
 import pytest

@@ -1,4 +1,4 @@
-"""ESFT (minimoe/core/esft.py): the expert choice against a direct computation, the usage sums against a
+"""ESFT (minimoe/core/routing_methods/esft.py): the expert choice against a direct computation, the usage sums against a
 per-token loop on every family's router, and what trains."""
 import pytest
 import torch

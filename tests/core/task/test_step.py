@@ -1,4 +1,4 @@
-"""core/step.py's step_loss against the paper's Eq. (total_loss) written out by hand.
+"""core/task/step.py's step_loss against the paper's Eq. (total_loss) written out by hand.
 
 L_total = L_CE + lambda_m * L_m, with L_m (Eq. averaged_training_losses) the mean of the per-token
 objective over the supervised layers M and the step's supervised tokens B_tok: one pool of tokens

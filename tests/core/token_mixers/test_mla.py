@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (core/mla.py) against transformers 4.57's DeepseekV2Attention and
+"""Multi-head Latent Attention (core/token_mixers/mla.py) against transformers 4.57's DeepseekV2Attention and
 DeepseekV3Attention on random weights: outputs and input gradients in fp32, with YaRN, with and
 without a padding mask, low-rank q or a plain q_proj, interleaved rope pairs or not."""
 import pytest

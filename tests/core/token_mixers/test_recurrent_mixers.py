@@ -1,8 +1,8 @@
-"""The Mamba-2 and Gated DeltaNet mixers (core/mamba2.py, core/deltanet.py) against transformers 4.57's own
+"""The Mamba-2 and Gated DeltaNet mixers (core/token_mixers/mamba2.py, core/token_mixers/deltanet.py) against transformers 4.57's own
 layers on their pure-PyTorch paths (GraniteMoeHybridMambaLayer.torch_forward, Qwen3NextGatedDeltaNet with
 torch_chunk_gated_delta_rule) on the same random weights: outputs in fp32 (unpadded, left and right
 padded), gradients, bf16 error; and against themselves: a padded row equals the row alone, a packed row
-(prompt + candidates, core/choices.py's layout) equals each candidate's own row, and a forward in
+(prompt + candidates, core/task/choices.py's layout) equals each candidate's own row, and a forward in
 pieces through the state cache equals one forward over the whole row."""
 from types import SimpleNamespace
 
@@ -122,7 +122,7 @@ def test_padding_does_not_leak(kind):
 
 @pytest.mark.parametrize("kind", ["mamba2", "gated_deltanet"])
 def test_packed_row_equals_each_candidate_alone(kind):
-    """A prompt (segment 0) then candidates 1..3, right-padded, as core/choices.py packs them: the prompt's
+    """A prompt (segment 0) then candidates 1..3, right-padded, as core/task/choices.py packs them: the prompt's
     outputs equal the prompt alone, each candidate's equal its own row (prompt + candidate)."""
     _, ours = pair(kind)
     lengths = [[9, 4, 11, 2], [3, 6, 1, 5]]  # prompt, then candidates, per row

@@ -1,4 +1,4 @@
-"""Attention sinks (core/sinks.py), with the model's sliding-window masks, against transformers 4.57's GptOssAttention
+"""Attention sinks (core/token_mixers/sinks.py), with the model's sliding-window masks, against transformers 4.57's GptOssAttention
 (eager, its own masks from masking_utils) on random weights, sinks included: fp32 outputs and the
 gradients of x, the sinks and the projections, full and sliding layers, with and without padding."""
 import copy
@@ -28,7 +28,7 @@ def config(head_dim=16):
 
 
 def ours(attn, cfg, x, pos, attention_mask):
-    """What core/sinks.py computes with the reference's projections: our rope, mask, sink attention."""
+    """What core/token_mixers/sinks.py computes with the reference's projections: our rope, mask, sink attention."""
     B, T, _ = x.shape
     H, G, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     q = attn.q_proj(x).view(B, T, H, d).transpose(1, 2)
