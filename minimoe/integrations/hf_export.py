@@ -46,6 +46,7 @@ from minimoe.core.decoder.families import Converted, family_of
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.core.adaptation.quantized import dequantize_model
 from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint
+from minimoe.loading.layouts import layout_of
 from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
                                    refuse_routing_heads)
 from minimoe.runs.user_methods import method_of
@@ -98,7 +99,7 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
             if ab == "lora_A":  # ours [E, r, in] -> peft's B [out', r*E] (out' = our in), expert fastest
                 pieces["lora_B"] = t.permute(2, 1, 0).reshape(t.shape[-1], r * E)
             else:  # ours [E, out, r] -> [E, r, in'] (in' = our out, in the disk's order) -> peft's A [E*r, in']
-                pieces["lora_A"] = disk.layout.to_disk(t).reshape(E * r, t.shape[1])
+                pieces["lora_A"] = layout_of(disk).to_disk(t).reshape(E * r, t.shape[1])
             params.add(f"{module.rpartition('.')[2]}.{param}")  # "experts.gate_up_proj"
         elif isinstance(disk, str) and t.dim() == 2:  # a linear layer: same module, same shapes
             module = disk.removesuffix(".weight")

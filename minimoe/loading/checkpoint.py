@@ -30,6 +30,7 @@ from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, config_field_n
 from minimoe.core.adaptation.quantized import pack, quantize_module, quantized_modules
 from minimoe.core.adaptation.quantized import require as require_quantization
 from minimoe.process_memory import advise_huge_pages, mapped_big_blocks
+from minimoe.loading.layouts import layout_of
 from minimoe.loading.mxfp4 import MXFP4Weight, dequantize_mxfp4
 
 QUANTIZED_ON_DISK = ("mxfp4",)  # quantization_config.quant_method values we dequantise on load
@@ -152,7 +153,7 @@ def mxfp4_stored(layout: dict, where: dict) -> set[str]:
 
 def from_mxfp4(disk: Converted, blocks, scales, dtype):
     """A Converted key's MXFP4 blocks and scales (its matrix as [E, out, in]) -> our tensor, through its layout."""
-    return disk.layout.from_packed(dequantize_mxfp4(blocks, scales, dtype, disk.key))
+    return layout_of(disk).from_packed(dequantize_mxfp4(blocks, scales, dtype, disk.key))
 
 
 # ----------------------------------------------------------------------------- loading
@@ -350,7 +351,7 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
             read_keys(files, where, planned)
             blocks, scales = (planned[k][0] for k in mxfp4_keys(disk.key))
             quantize_module(module, MXFP4Weight(blocks.to(device), scales.to(device), dtype,
-                                                disk.layout.from_packed, disk.key))
+                                                layout_of(disk).from_packed, disk.key))
             continue
         value = place(model, name, stage[:meta.numel()].view(meta.shape))
         read_entries(files, where, [(disk, value, None)], config.num_experts, str(folder))
@@ -384,15 +385,15 @@ def entry_reads(disk, out: torch.Tensor, where: dict, num_experts: int, source: 
         return {disk: (out, first_row)}, None
     if isinstance(disk, Converted):  # read as stored (its shape: ours taken to the disk layout), then converted
         if in_mxfp4(disk, where):
-            if disk.layout.from_packed is None:
+            if layout_of(disk).from_packed is None:
                 raise KeyError(f"{source}: {disk.key!r} is stored as MXFP4 blocks and scales; it must be dense")
             E, R, C = out.shape  # MXFP4 stores [E, out, in] as 32-value blocks along in
             blocks = torch.empty(E, R, C // 32, 16, dtype=torch.uint8)
             scales = torch.empty(E, R, C // 32, dtype=torch.uint8)
             planned = dict(zip(mxfp4_keys(disk.key), ((blocks, first_row), (scales, first_row))))
             return planned, lambda: out.copy_(from_mxfp4(disk, blocks, scales, out.dtype))
-        buffer = torch.empty(disk.layout.to_disk(torch.empty(out.shape, device="meta")).shape, dtype=out.dtype)
-        return {disk.key: (buffer, first_row)}, lambda: out.copy_(disk.layout.from_disk(buffer))
+        buffer = torch.empty(layout_of(disk).to_disk(torch.empty(out.shape, device="meta")).shape, dtype=out.dtype)
+        return {disk.key: (buffer, first_row)}, lambda: out.copy_(layout_of(disk).from_disk(buffer))
     # per-expert keys in (expert, part) order; part p fills rows [p * width, (p + 1) * width) of its expert
     parts = len(disk) // num_experts
     width = out.shape[1] // parts
@@ -479,7 +480,7 @@ def to_disk_layout(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> dict[
             out[disk] = value.contiguous()
             continue
         if isinstance(disk, Converted):  # saved dense, in the layout transformers reads (MXFP4 is never written)
-            out[disk.key] = disk.layout.to_disk(value)
+            out[disk.key] = layout_of(disk).to_disk(value)
             continue
         parts = len(disk) // config.num_experts
         rows = value.shape[1] // parts

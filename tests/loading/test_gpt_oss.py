@@ -9,6 +9,7 @@ pytest.importorskip("transformers")  # the oracle: a plain install skips these t
 from minimoe.core.layers.clamped_experts import ClampedSwiGLUExperts
 from minimoe.core.decoder.families import FAMILIES
 from minimoe.loading.checkpoint import from_mxfp4
+from minimoe.loading.layouts import layout_of
 from tests.core.layers.test_clamped_experts import from_interleaved, reference as clamped_reference
 from tests.loading.test_mxfp4 import quantise_by_spec
 
@@ -43,10 +44,11 @@ def outputs(router, ref, mine):
 def test_dense_tensors_load_into_our_layout_and_give_transformers_outputs():
     router, ref = reference()
     w, b = from_interleaved(ref.gate_up_proj, ref.gate_up_proj_bias)  # the test's own reading of the layout
-    assert torch.equal(GATE_UP.layout.from_disk(ref.gate_up_proj), w)
-    assert torch.equal(GATE_UP_BIAS.layout.from_disk(ref.gate_up_proj_bias), b)
-    mine = ours_from(GATE_UP.layout.from_disk(ref.gate_up_proj), GATE_UP_BIAS.layout.from_disk(ref.gate_up_proj_bias),
-                     DOWN.layout.from_disk(ref.down_proj), ref.down_proj_bias)
+    assert torch.equal(layout_of(GATE_UP).from_disk(ref.gate_up_proj), w)
+    assert torch.equal(layout_of(GATE_UP_BIAS).from_disk(ref.gate_up_proj_bias), b)
+    mine = ours_from(layout_of(GATE_UP).from_disk(ref.gate_up_proj),
+                     layout_of(GATE_UP_BIAS).from_disk(ref.gate_up_proj_bias),
+                     layout_of(DOWN).from_disk(ref.down_proj), ref.down_proj_bias)
     got, want = outputs(router, ref, mine)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
 
@@ -54,7 +56,7 @@ def test_dense_tensors_load_into_our_layout_and_give_transformers_outputs():
 def test_the_disk_layout_round_trips_exactly():
     _, ref = reference()
     for entry, t in [(GATE_UP, ref.gate_up_proj), (GATE_UP_BIAS, ref.gate_up_proj_bias), (DOWN, ref.down_proj)]:
-        assert torch.equal(entry.layout.to_disk(entry.layout.from_disk(t.detach())), t.detach())
+        assert torch.equal(layout_of(entry).to_disk(layout_of(entry).from_disk(t.detach())), t.detach())
 
 
 def test_mxfp4_experts_load_to_the_values_their_bits_stand_for():
@@ -70,6 +72,6 @@ def test_mxfp4_experts_load_to_the_values_their_bits_stand_for():
     down = from_mxfp4(DOWN, d_blocks, d_scales, torch.float32)
     assert torch.equal(gate_up, from_interleaved(ref.gate_up_proj, ref.gate_up_proj_bias)[0])
     assert torch.equal(down, ref.down_proj.detach().transpose(1, 2))
-    mine = ours_from(gate_up, GATE_UP_BIAS.layout.from_disk(ref.gate_up_proj_bias), down, ref.down_proj_bias)
+    mine = ours_from(gate_up, layout_of(GATE_UP_BIAS).from_disk(ref.gate_up_proj_bias), down, ref.down_proj_bias)
     got, want = outputs(router, ref, mine)
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5 * want.abs().max().item())

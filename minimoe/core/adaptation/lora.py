@@ -31,7 +31,7 @@ Decisions:
   The base keeps its load dtype. Merging adds in fp32 and rounds once, so in bf16 a merge/unmerge
   round trip may move a weight by one rounding step (as in peft); `export_merged` puts the exact
   original weights back instead of unmerging.
-- Where the delta meets a bf16 base output (issue 33): in the matmul's fp32 accumulator, never as
+- Where the delta meets a bf16 base output: in the matmul's fp32 accumulator, never as
   round(round(W x) + delta). W x rounded to bf16 lies on the bf16 grid, so a delta below half a
   bf16 step there is lost entirely, and early in training (B starts at 0 and moves ~lr a step) most
   of it is that small: the default run's bf16 forward saw none of the loss change its adapter
@@ -171,8 +171,8 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
 
     The bank lives in `stacked` [E, out, in + k], k = blocks*r rounded up to a multiple of 8, and
     `weight` is its view [..., :in]: the GPU path's one grouped_mm over [x | a] needs [W_e | s B_e] as
-    one strided matrix, and building it per step copied the whole bank each way (the GPU round-2
-    issue). The last k columns take s B (block-diagonal, zero-padded) in place at each forward, a
+    one strided matrix, and building it per step copied the whole bank each way (measured on the
+    GPU path). The last k columns take s B (block-diagonal, zero-padded) in place at each forward, a
     LoRA-sized write. Memory: k / in more than the bank (Granite-3B's down bank, in 512, k 8: 1.6%).
     Why 8: grouped_mm wants every stride a multiple of 16 bytes, so a bf16 [N, in + k] needs in + k
     a multiple of 8; the zero rows of A and columns of B add exact zeros."""
@@ -265,7 +265,7 @@ class _BasePlusDelta(torch.autograd.Function):
 
 def base_plus_delta(x, weight, a, b, dispatch, stacked=None):
     """x [N, in] and a [N, k] sorted by expert, weight [E, out, in], b [E, out, k] -> x W_e^T + a b_e^T
-    [N, out], summed before the one rounding to x's dtype (issue 33). stacked: [W | b] [E, out, in + k]
+    [N, out], summed before the one rounding to x's dtype (module docstring). stacked: [W | b] [E, out, in + k]
     whose [..., in:] this fills with b (LoRAGroupedLinear keeps one, aliasing its bank); None builds it
     (a copy of the bank). grouped_mm where the strides allow; else the per-expert loop (one host sync)."""
     xa = torch.cat([x, a], dim=-1)  # [N, in + k]: activations, not the bank

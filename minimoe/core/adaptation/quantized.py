@@ -14,7 +14,7 @@ read before; the module's class becomes a `Dequantizing` one whose forward
    the last drops it. So the dequantised weight lives from its module's forward to the end of its
    forward, and again across its module's backward: one module's weight at a time, never the model's.
 
-The LoRA delta meets the dequantised base as it meets a dense one (core/adaptation/lora.py, issue 33), because it
+The LoRA delta meets the dequantised base as it meets a dense one (core/adaptation/lora.py: in the matmul's accumulator), because it
 is the same code: per-block addmm on the CPU, one grouped_mm over [x | a] against [W | s B] under
 autocast. A LoRA bank's dequantised weight is written into the first `in` columns of a fresh
 [E, out, in + k] buffer, which serves as the bank's `stacked` for that forward: the stride rules and any

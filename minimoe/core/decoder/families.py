@@ -3,8 +3,8 @@ reads outside the modules themselves.
 
 A family is its config.json `model_type`. The record says how its config.json maps onto `MoEConfig`
 (renamed fields, fields it lacks, values it fixes, transformers' defaults for fields it may omit),
-how its checkpoint names and stores our parameters (`layer_keys`, with a `Converted` entry's `Layout` for
-a tensor stored in another layout than ours), how config.json gets a field we leave None
+how its checkpoint names and stores our parameters (`layer_keys`, with a `Converted` entry naming the layout
+of a tensor stored otherwise than ours: loading/layouts.py converts it), how config.json gets a field we leave None
 (`write_defaults`), what LoRA adapts by default and where (`lora_targets`, `lora_paths`), which of
 runs/recipes.py's `RECIPES` trains it, and where to find real checkpoints. The modules read only
 `MoEConfig` fields (qk_norm, scoring, biases, ...), never the family's name, so that a family is
@@ -25,9 +25,6 @@ Decisions:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -68,59 +65,11 @@ class Family:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """How a tensor stored in another layout than our parameter's converts (a `Converted` entry names one).
-    Each acts within an expert (the first dimension), so a rank's shard of experts converts alone."""
-    name: str
-    from_disk: Callable  # the stored tensor -> ours
-    to_disk: Callable  # ours -> as stored: what we save, in the layout transformers reads
-    # MXFP4 (loading/mxfp4.py) stores a matrix as [E, out, in] whatever its dense layout: what the decoded
-    # matrix goes through to be ours; None: never stored so (a bias), an MXFP4 form is refused
-    from_packed: Callable | None = None
-
-
-@dataclass(frozen=True)
 class Converted:
-    """An on-disk tensor stored in another layout than our parameter's (`layout` converts it)."""
+    """An on-disk tensor stored in another layout than our parameter's: `layout` names the conversion
+    (loading/layouts.py's `LAYOUTS`: "gate_up_interleaved", "bias_interleaved", "transposed")."""
     key: str
-    layout: Layout
-
-
-def split_interleaved(x, dim: int):
-    """[..., 2I, ...] with gate/up alternating along `dim` -> the gates, then the ups."""
-    x = x.movedim(dim, -1)
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1).movedim(-1, dim)
-
-
-def interleave(x, dim: int):
-    """split_interleaved's inverse: gates then ups along `dim` -> alternating."""
-    x = x.movedim(dim, -1)
-    gate, up = x.chunk(2, dim=-1)
-    return torch.stack((gate, up), dim=-1).flatten(-2).movedim(-1, dim)
-
-
-def transposed(w):  # [E, a, b] -> [E, b, a]: a bank stored as x @ W ([E, in, out]) <-> ours ([E, out, in])
-    return w.transpose(1, 2).contiguous()
-
-
-def gate_up_from_disk(w):  # [E, D, 2I] as x @ W, gate/up columns interleaved -> [E, 2I, D] gate rows first
-    return split_interleaved(w.transpose(1, 2), dim=1).contiguous()
-
-
-def gate_up_to_disk(w):  # [E, 2I, D] -> [E, D, 2I] interleaved
-    return interleave(w, dim=1).transpose(1, 2).contiguous()
-
-
-# The layouts of the banks stored as x @ W. gpt-oss (transformers 4.57's GptOssExperts, and the official
-# checkpoint): gate_up_proj [E, D, 2I] with column 2i the gate of unit i and column 2i+1 its up,
-# gate_up_proj_bias [E, 2I] interleaved the same way, down_proj [E, I, D]; or, in openai/gpt-oss-20b, the
-# matrices as MXFP4 blocks and scales of [E, out, in] (gate_up's 2I rows interleaved as above). Llama 4:
-# gate_up_proj [E, D, 2I] gate columns first, down_proj [E, I, D]. Ours: [E, out, in], gate rows then up rows.
-GATE_UP_INTERLEAVED = Layout("gate_up_interleaved", gate_up_from_disk, gate_up_to_disk,
-                             from_packed=lambda w: split_interleaved(w, dim=1))  # [E, 2I, D] rows interleaved
-BIAS_INTERLEAVED = Layout("bias_interleaved", lambda b: split_interleaved(b, dim=1).contiguous(),
-                          lambda b: interleave(b, dim=1).contiguous())  # [E, 2I]: no MXFP4 form
-TRANSPOSED = Layout("transposed", transposed, transposed, from_packed=lambda w: w)  # MXFP4's [E, out, in] is ours
+    layout: str
 
 
 FAMILIES: dict[str, Family] = {}
@@ -150,6 +99,10 @@ CONFIG_FIELDS = frozenset({
     "max_position_embeddings", "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
     "initializer_range", "hidden_act", "rope_scaling", "torch_dtype"})
 
+# Granite's router and routed experts, as transformers' GraniteMoe (and its shared and hybrid kin) stores them.
+GRANITE_KEYS = {"mlp.gate.weight": "block_sparse_moe.router.layer.weight",
+                "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
+                "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight"}
 # Granite's attention_multiplier left None is our 1/sqrt(head_dim), which its config would read as 1.0.
 GRANITE_WRITE = {"attention_multiplier": lambda config: config.attention_scale}
 
@@ -158,9 +111,7 @@ register_family(Family(
     brings="top-K on logits then softmax over the K; embedding, residual, attention and logits multipliers",
     hub_examples=("ibm-granite/granite-3.1-1b-a400m-base", "ibm-granite/granite-3.1-3b-a800m-base"),
     recipe="granite", lora_targets=("q", "k", "v", "experts"), name_hints=("granite",),
-    layer_keys={"mlp.gate.weight": "block_sparse_moe.router.layer.weight",
-                "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
-                "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight"},
+    layer_keys=GRANITE_KEYS,
     renames={"num_local_experts": "num_experts"},
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier",
                              "logits_scaling", "attention_multiplier"}),
@@ -252,9 +203,9 @@ register_family(Family(
                                   "and Granite's LoRA targets (Q/K/V and the routed experts)",
     lora_targets=("q", "k", "v", "experts"), name_hints=("gpt-oss", "gpt_oss"),
     layer_keys={"mlp.gate.weight": "mlp.router.weight", "mlp.gate.bias": "mlp.router.bias",
-                "mlp.experts.gate_up_proj.weight": Converted("mlp.experts.gate_up_proj", GATE_UP_INTERLEAVED),
-                "mlp.experts.gate_up_proj_bias": Converted("mlp.experts.gate_up_proj_bias", BIAS_INTERLEAVED),
-                "mlp.experts.down_proj.weight": Converted("mlp.experts.down_proj", TRANSPOSED)},
+                "mlp.experts.gate_up_proj.weight": Converted("mlp.experts.gate_up_proj", "gate_up_interleaved"),
+                "mlp.experts.gate_up_proj_bias": Converted("mlp.experts.gate_up_proj_bias", "bias_interleaved"),
+                "mlp.experts.down_proj.weight": Converted("mlp.experts.down_proj", "transposed")},
     packed_release="mxfp4", write_defaults={"layer_types": attention_kinds},
     renames={"num_local_experts": "num_experts"},
     config_fields=frozenset({"router_aux_loss_coef", "head_dim", "sliding_window", "layer_types", "swiglu_limit"}),
@@ -331,7 +282,7 @@ register_family(Family(
     recipe="granite", recipe_note="top-K on logits, as Granite's router: Granite's recipe; LoRA on the attention "
                                   "layers' Q/K/V, the routed experts and the Mamba-2 layers' in_proj and out_proj",
     lora_targets=("q", "k", "v", "experts", "mamba"), name_hints=("granite-4.0-h", "granitemoehybrid"),
-    layer_keys={**FAMILIES["granitemoe"].layer_keys,
+    layer_keys={**GRANITE_KEYS,
                 "mlp.shared_expert.gate_up_proj.weight": "shared_mlp.input_linear.weight",
                 "mlp.shared_expert.down_proj.weight": "shared_mlp.output_linear.weight"},
     renames={"num_local_experts": "num_experts", "shared_intermediate_size": "shared_expert_intermediate_size",
@@ -366,11 +317,7 @@ register_family(Family(
               # every full_attention_interval-th layer full attention, the others DeltaNet (Qwen3NextConfig's rule)
               "mixer_types": lambda d: ["full_attention" if (i + 1) % d.get("full_attention_interval", 4) == 0
                                         else "linear_attention" for i in range(d["num_hidden_layers"])]}))
-# ----------------------------------------------------------------------------- round 2 (issue 49)
 
-GRANITE_KEYS = {"mlp.gate.weight": "block_sparse_moe.router.layer.weight",
-                "mlp.experts.gate_up_proj.weight": "block_sparse_moe.input_linear.weight",
-                "mlp.experts.down_proj.weight": "block_sparse_moe.output_linear.weight"}
 register_family(Family(
     "granitemoeshared", "GraniteMoeSharedForCausalLM",
     brings="Granite MoE plus a shared expert beside the routed ones (shared_intermediate_size), its gate and up "
@@ -423,8 +370,8 @@ register_family(Family(
 # Llama 4's layer holds its MLP as `feed_forward`: the router, the experts stored as x @ W ([E, D, 2I] with
 # the gate columns first, [E, I, D]: `Converted` "transposed"), the shared expert, and a dense layer's MLP.
 LLAMA4_KEYS = {"mlp.gate.weight": "feed_forward.router.weight",
-               "mlp.experts.gate_up_proj.weight": Converted("feed_forward.experts.gate_up_proj", TRANSPOSED),
-               "mlp.experts.down_proj.weight": Converted("feed_forward.experts.down_proj", TRANSPOSED),
+               "mlp.experts.gate_up_proj.weight": Converted("feed_forward.experts.gate_up_proj", "transposed"),
+               "mlp.experts.down_proj.weight": Converted("feed_forward.experts.down_proj", "transposed"),
                **{f"mlp.shared_expert.{p}_proj.weight": f"feed_forward.shared_expert.{p}_proj.weight"
                   for p in ("gate", "up", "down")},
                **{f"mlp.{p}_proj.weight": f"feed_forward.{p}_proj.weight" for p in ("gate", "up", "down")}}
