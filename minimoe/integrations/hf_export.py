@@ -1,4 +1,5 @@
-"""Export a trained adapter in peft's format, for peft + transformers (and the servers that read it).
+"""Export what was trained: in peft's format, for peft + transformers (and the servers that read it), or
+merged into its base, as a plain checkpoint.
 
 `export_peft(adapter_or_run, out_dir)` writes `adapter_config.json` and `adapter_model.safetensors`
 such that `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)`
@@ -27,28 +28,40 @@ through the family's `layer_keys` (core/decoder/families.py), the one name table
   choice of experts), is training's and is left out. ESFT's full form trains expert weights in full
   (`.mlp.router.rows.`), which peft's LoRA cannot hold: refused by name (export it merged). The others change the routing function itself (an error head's
   attenuation, a mixed copied gate), which no peft adapter can express: they are refused with an
-  error saying so (adapters.refuse_routing_heads).
+  error saying so (refuse_routing_heads).
 - `lora_dropout` is the trained value, except 0 when `target_parameters` is set: peft's
   ParamWrapper refuses any other value. Dropout acts in training only, so the logits are the same.
 - Tensors keep their stored dtype (fp32 adapters; a tuned gate in its model dtype). Nothing here
   imports peft: it is a test-only dependency.
+
+`export_merged(model, out_dir)` writes the merged base weights in the official layout; `export_merged_adapter`
+loads an adapter's base, applies the adapter and merges it (`export.py --merged`):
+- It refuses a method whose record says it does not route natively (`Method.not_exportable`): the merged
+  checkpoint has no place for its heads, so it would route natively and not reproduce minimoe's own
+  evaluation. It puts the exact original weights back afterwards instead of unmerging (a bf16 round trip
+  may round).
+- Router state whose shape the run decided (ESFT's full form: the chosen experts' rows) is written into its
+  banks (`router.merged_banks`).
 """
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from minimoe.atomic import atomic_directory
+from minimoe.core.adaptation.lora import lora_modules
+from minimoe.core.adaptation.quantized import dequantize_model
 from minimoe.core.decoder.families import Converted, family_of
 from minimoe.core.decoder.model import MoEForCausalLM
-from minimoe.core.adaptation.quantized import dequantize_model
-from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint
+from minimoe.core.routing_methods.methods import Method
+from minimoe.core.routing_methods.routing import moe_blocks
+from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint, write_checkpoint
 from minimoe.loading.layouts import layout_of
-from minimoe.runs.adapters import (adapter_tensors, export_merged, fingerprint, gate_layers, load_adapter,
-                                   refuse_routing_heads)
+from minimoe.runs.adapters import adapter_tensors, fingerprint, gate_layers, load_adapter
 from minimoe.runs.user_methods import method_of
 from minimoe.runs.run_folder import resolve_adapter  # a run folder resolves through selection.json
 
@@ -164,6 +177,48 @@ def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_
     return out_dir
 
 
+def refuse_routing_heads(method: Method | None, what: str):
+    """Raise if `method` routes in a way a plain MoE (or a peft adapter) cannot express."""
+    if method is not None and method.not_exportable:
+        raise ValueError(f"{what}: refused for method {method.name!r}: {method.not_exportable}, which changes the "
+                         "routing function itself; the official architecture (and so peft, transformers and vLLM) "
+                         "has no place for it. Evaluate or serve it with minimoe (evaluate.py, load_adapter)")
+
+
+def export_merged(model: MoEForCausalLM, path, *, copy_files=()):
+    """Save the merged base weights in the official layout, with `copy_files` (e.g. the base's
+    tokenizer files) beside them; refused for a method that does not route natively (refuse_routing_heads).
+
+    A merge keeps LoRA and tuned native gates but has no place for method heads, so such a model
+    would silently route natively once reloaded. The model is left as it was: the unmerged
+    weights are put back exactly, not by subtraction.
+    """
+    refuse_routing_heads(getattr(model, "router_method", None), "export_merged")
+    originals = {}
+    with torch.no_grad():
+        for name, m in lora_modules(model).items():
+            if not m.merged:
+                originals[name] = m.weight.data
+                m.weight.data = (m.weight.float() + m.delta_weight()).to(m.weight.dtype)
+        for i, mlp in moe_blocks(model).items():  # a tuned gate trains in fp32 (routing.py): rounded once
+            if mlp.gate.weight.dtype != model.dtype:
+                originals[f"model.layers.{i}.mlp.gate"] = mlp.gate.weight.data
+                mlp.gate.weight.data = mlp.gate.weight.data.to(model.dtype)
+            merged = getattr(mlp.router, "merged_banks", None)  # a method's own expert rows (ESFT's full form)
+            for bank, weight in (merged(mlp) if merged else {}).items():
+                module = getattr(mlp.experts, bank)
+                originals.setdefault(f"model.layers.{i}.mlp.experts.{bank}", module.weight.data)
+                module.weight.data = weight
+    try:
+        with atomic_directory(path, "merged-model") as tmp:
+            write_checkpoint(model, tmp)
+            for file in map(Path, copy_files):
+                shutil.copyfile(file, tmp / file.name)
+    finally:
+        for name, weight in originals.items():
+            model.get_submodule(name).weight.data = weight
+
+
 # The base's files that a merged checkpoint carries over, so that it loads alone (AutoTokenizer included).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
@@ -173,7 +228,7 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
     """Load the adapter's base model, apply the adapter and write the merged checkpoint (official layout,
     the base's dtype and tokenizer files) to out_dir, as `export.py RUN OUT --merged` does.
 
-    A method that does not route natively is refused before anything loads (adapters.export_merged says why).
+    A method that does not route natively is refused before anything loads (the module docstring says why).
     base_model: the base checkpoint to merge into; default the one the adapter records (a run's
     model at its --model-revision); load_adapter still checks that the weights are the trained-on ones,
     unless allow_other_base (export.py --allow-other-base).

@@ -1,6 +1,8 @@
-"""What was trained, as a file: optimizer groups, the adapter folder, fingerprints, merged export.
+"""What was trained, as a file: the adapter folder, its fingerprints, saved and loaded.
 
-The LoRA layers themselves are in minimoe/core/adaptation/lora.py, the routing methods' heads in minimoe/core/routing_methods/routing.py.
+The LoRA layers themselves are in minimoe/core/adaptation/lora.py, the routing methods' heads in
+minimoe/core/routing_methods/routing.py, the optimizer's groups in minimoe/core/adaptation/trainable.py; the
+exports (peft's format, or merged into the base) are minimoe/integrations/hf_export.py's.
 
 Adapter folder: adapter.safetensors (LoRA tensors, all state under `.mlp.router.`, and the
 `.mlp.gate.weight` of layers whose gate trains) and adapter_config.json (rank, alpha, dropout,
@@ -16,20 +18,12 @@ Decisions:
   with tuned gates and no router spec loads as native routing with those gates tuned, which is
   what it was.
 - Router state whose shape the run decides (ESFT's full form: the chosen experts' rows) is sized from the
-  file before the strict copy (`router.fit`); `export_merged` writes those rows into their banks
-  (`router.merged_banks`).
-- `export_merged` refuses a method whose record says it does not route natively
-  (`Method.not_exportable`): the merged checkpoint has no place for its heads, so it would route
-  natively and not reproduce minimoe's own evaluation. It puts the exact original weights back
-  afterwards instead of unmerging (a bf16 round trip may round).
-- The optimizer's groups are LoRA, each head of the model's method (`Method.heads`, one group per
-  learning-rate option) and the tuned native gates, in that order.
+  file before the strict copy (`router.fit`).
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -44,7 +38,7 @@ from minimoe.core.routing_methods.methods import set_router
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.core.adaptation.quantized import digest_sample, is_quantized
 from minimoe.core.routing_methods.routing import moe_blocks, tuned_layers
-from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
+from minimoe.loading.checkpoint import DTYPES, atomic_directory
 from minimoe.runs.ranks import full
 from minimoe.runs.user_methods import method_of
 from minimoe.runs.sharding import put_rows
@@ -52,30 +46,6 @@ from minimoe.runs.sharding import put_rows
 FINGERPRINT = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_experts",
                "num_experts_per_tok", "intermediate_size")
 CONFIG_FIELDS = ("rank", "alpha", "dropout", "targets", "dtype", "base_model", "fingerprint", "router", "gate_layers")
-
-
-def param_groups(method: Method | None) -> dict[str, tuple[str, ...]]:
-    """Optimizer group -> the name patterns of its parameters: LoRA, the installed method's heads (each named
-    after its learning-rate option less "_lr": error_head, copied_head), the tuned native gates ("router")."""
-    heads = {group: (f".mlp.router.{head}.",)  # the name + "." matches a parameter head too
-             for group, (head, _) in (method.head_groups if method else {}).items()}
-    return {"lora": (".lora_A", ".lora_B"), **heads, "router": (".mlp.gate.weight",)}
-
-
-def trainable_parameters(model: nn.Module, method: Method | None = None) -> dict[str, list[tuple[str, nn.Parameter]]]:
-    """Trainable (name, parameter) pairs by group (`param_groups` of `method`, by default the one installed,
-    `model.router_method`), for the optimizer's param groups."""
-    patterns = param_groups(method or getattr(model, "router_method", None))
-    groups = {g: [] for g in patterns}
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        group = next((g for g, pats in patterns.items() if any(s in name + "." for s in pats)), None)
-        if group is None:
-            raise ValueError(f"parameter {name!r} trains but matches no group of {patterns}; freeze it, or "
-                             "list its module in its method's heads (methods.Method)")
-        groups[group].append((name, p))
-    return groups
 
 
 def fingerprint(config) -> dict:
@@ -246,45 +216,3 @@ def load_adapter_rows(model: MoEForCausalLM, folder: Path):
         raise KeyError(f"{file}: tensor {odd[0]!r} is {'unexpected' if odd[0] in got else 'missing'} "
                        f"({len(odd)} differ); expected this run's adapter")
     put_rows(model, {k: v.to(want[k].dtype) for k, v in got.items()})
-
-
-def refuse_routing_heads(method: Method | None, what: str):
-    """Raise if `method` routes in a way a plain MoE (or a peft adapter) cannot express."""
-    if method is not None and method.not_exportable:
-        raise ValueError(f"{what}: refused for method {method.name!r}: {method.not_exportable}, which changes the "
-                         "routing function itself; the official architecture (and so peft, transformers and vLLM) "
-                         "has no place for it. Evaluate or serve it with minimoe (evaluate.py, load_adapter)")
-
-
-def export_merged(model: MoEForCausalLM, path, *, copy_files=()):
-    """Save the merged base weights in the official layout, with `copy_files` (e.g. the base's
-    tokenizer files) beside them; refused for a method that does not route natively (refuse_routing_heads).
-
-    A merge keeps LoRA and tuned native gates but has no place for method heads, so such a model
-    would silently route natively once reloaded. The model is left as it was: the unmerged
-    weights are put back exactly, not by subtraction.
-    """
-    refuse_routing_heads(getattr(model, "router_method", None), "export_merged")
-    originals = {}
-    with torch.no_grad():
-        for name, m in lora_modules(model).items():
-            if not m.merged:
-                originals[name] = m.weight.data
-                m.weight.data = (m.weight.float() + m.delta_weight()).to(m.weight.dtype)
-        for i, mlp in moe_blocks(model).items():  # a tuned gate trains in fp32 (routing.py): rounded once
-            if mlp.gate.weight.dtype != model.dtype:
-                originals[f"model.layers.{i}.mlp.gate"] = mlp.gate.weight.data
-                mlp.gate.weight.data = mlp.gate.weight.data.to(model.dtype)
-            merged = getattr(mlp.router, "merged_banks", None)  # a method's own expert rows (ESFT's full form)
-            for bank, weight in (merged(mlp) if merged else {}).items():
-                module = getattr(mlp.experts, bank)
-                originals.setdefault(f"model.layers.{i}.mlp.experts.{bank}", module.weight.data)
-                module.weight.data = weight
-    try:
-        with atomic_directory(path, "merged-model") as tmp:
-            write_checkpoint(model, tmp)
-            for file in map(Path, copy_files):
-                shutil.copyfile(file, tmp / file.name)
-    finally:
-        for name, weight in originals.items():
-            model.get_submodule(name).weight.data = weight

@@ -54,7 +54,8 @@ from minimoe.core.routing_methods.methods import set_router
 from minimoe.core.routing_methods.routing import Scoring
 from minimoe.core.task.step import step_loss
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
-from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter, trainable_parameters
+from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter
+from minimoe.core.adaptation.trainable import trainable_parameters
 from minimoe.runs.config import TrainConfig
 from minimoe.runs.device import autocast_for
 from minimoe.runs.ranks import full, global_sum, world

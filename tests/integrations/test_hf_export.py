@@ -12,10 +12,10 @@ from minimoe.cli.export import main
 from minimoe.core.adaptation.lora import add_lora
 from minimoe.core.routing_methods.methods import set_router
 from minimoe.core.routing_methods.routing import moe_blocks
-from minimoe.integrations.hf_export import export_peft
+from minimoe.integrations.hf_export import export_merged, export_peft
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
 from minimoe.making.tiny import tiny_checkpoint
-from minimoe.runs.adapters import export_merged, save_adapter
+from minimoe.runs.adapters import save_adapter
 from minimoe.runs.config import build_config
 from minimoe.runs.training import install_method
 

@@ -19,7 +19,7 @@ from minimoe.core.task.step import step_loss
 from minimoe.data.benchmarks import load_split
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import training
-from minimoe.runs.adapters import trainable_parameters
+from minimoe.core.adaptation.trainable import trainable_parameters
 from minimoe.runs.config import build_config
 from minimoe.runs.training import install_method, lr_factor, make_optimizer, warmup_steps, write_selection
 

@@ -52,7 +52,7 @@ Decisions:
   Only this path's numerics are tested on the CPU (bf16 autocast replays its grouped_mm calls and
   stride checks); it has not run on a GPU.
 
-Saving, loading and exporting what was trained: minimoe/runs/adapters.py.
+Saving and loading what was trained: minimoe/runs/adapters.py; exporting it: minimoe/integrations/hf_export.py.
 """
 from __future__ import annotations
 

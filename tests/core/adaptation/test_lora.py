@@ -16,7 +16,9 @@ from minimoe.core.routing_methods.methods import set_router
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.core.routing_methods.objectives import load_balancing_loss
 from minimoe.loading.checkpoint import checkpoint_tensors, save_pretrained
-from minimoe.runs.adapters import export_merged, load_adapter, save_adapter, trainable_parameters
+from minimoe.runs.adapters import load_adapter, save_adapter
+from minimoe.core.adaptation.trainable import trainable_parameters
+from minimoe.integrations.hf_export import export_merged
 from tests.conftest import NEW_FAMILIES, spy_grouped_mm
 
 FAMILIES = ["granitemoe", "olmoe", *NEW_FAMILIES]

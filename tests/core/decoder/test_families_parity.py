@@ -191,7 +191,7 @@ def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
 def test_merged_export_loads_in_transformers_with_our_logits(variant, tmp_path):
     """export_merged (W + scale * B A, in the family's on-disk layout) loads in transformers with our logits."""
     import transformers
-    from minimoe.runs.adapters import export_merged
+    from minimoe.integrations.hf_export import export_merged
     reference_model(variant_config(variant), tmp_path / "base")
     model = minimoe.from_pretrained(tmp_path / "base")
     add_lora(model, rank=4, alpha=12, dropout=0.0)
