@@ -22,8 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.layers.masks import FULL
-from minimoe.core.layers.norms import rms_normalized
-from minimoe.core.token_mixers.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
+from minimoe.core.token_mixers.ssm_common import GatedRMSNorm, RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
 
 
 def l2norm(x, eps: float = 1e-6):
@@ -57,19 +56,6 @@ def chunk_gated_delta_rule(q, k, v, g, beta, chunk: int, state=None):
     return o.transpose(1, 2), S
 
 
-class GatedRMSNormAfter(nn.Module):
-    """RMSNorm(o) * weight * silu(z), per head over dv: the norm before the gate (Qwen3-Next)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, o, z):
-        h = self.weight * rms_normalized(wide(o), self.eps).to(o.dtype)
-        return (h * F.silu(wide(z))).to(o.dtype)
-
-
 class GatedDeltaNet(nn.Module):
     """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/token_mixers/mixers.py ("gated_deltanet")."""
     attribute = "linear_attn"  # the layer's attribute, hence the checkpoint's names (model.layers.i.linear_attn.*)
@@ -91,7 +77,7 @@ class GatedDeltaNet(nn.Module):
                                 bias=False)
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.A_log = nn.Parameter(torch.log(torch.linspace(1, 16, Hv)))
-        self.norm = GatedRMSNormAfter(self.dv, c.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps, gate_first=False)
         self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
 
     @staticmethod

@@ -22,21 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.layers.masks import FULL
-from minimoe.core.layers.norms import rms_normalized
-from minimoe.core.token_mixers.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
-
-
-class GatedRMSNorm(nn.Module):
-    """RMSNorm(y * silu(z)) * weight over the whole inner width, in fp32 (Mamba-2's gate before the norm)."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, y, z):
-        h = rms_normalized(wide(y) * F.silu(wide(z)), self.eps)
-        return self.weight * h.to(y.dtype)
+from minimoe.core.token_mixers.ssm_common import GatedRMSNorm, RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
 
 
 def ssd_scan(x, dt, A, B, C, chunk: int, state=None):
@@ -87,7 +73,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(H))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(H))
-        self.norm = GatedRMSNorm(self.inner, c.rms_norm_eps)
+        self.norm = GatedRMSNorm(self.inner, c.rms_norm_eps, gate_first=True)
         self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=c.mamba_proj_bias)
 
     @staticmethod

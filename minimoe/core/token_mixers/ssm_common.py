@@ -27,7 +27,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+
+from minimoe.core.layers.norms import rms_normalized
 
 
 @dataclass
@@ -77,6 +80,25 @@ def causal_conv1d(u, weight, bias, window=None):
 def wide(t):
     """t in fp32, or in fp64 where it is (the scans run in fp32 at least; fp64 checks them)."""
     return t if t.dtype == torch.float64 else t.float()
+
+
+class GatedRMSNorm(nn.Module):
+    """The recurrent mixers' output norm, gated by z, with a weight over the last dim; computed wide (fp32).
+    Each reference orders and rounds it its own way, and the parity tests hold both:
+    gate_first (Mamba-2): RMSNorm(y * silu(z)), rounded to y's dtype, times the weight;
+    else (Qwen3-Next's Gated DeltaNet): RMSNorm(y) rounded to y's dtype, times the weight, times silu(z) in
+    fp32, rounded once at the end."""
+
+    def __init__(self, dim: int, eps: float, gate_first: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.gate_first = eps, gate_first
+
+    def forward(self, y, z):
+        if self.gate_first:
+            return self.weight * rms_normalized(wide(y) * F.silu(wide(z)), self.eps).to(y.dtype)
+        h = self.weight * rms_normalized(wide(y), self.eps).to(y.dtype)
+        return (h * F.silu(wide(z))).to(y.dtype)
 
 
 def masked(x, mask):
