@@ -106,14 +106,12 @@ def test_the_cpu_install_names_pytorchs_cpu_index_in_the_readme_and_in_ci():
 # What a page's command line runs: the script or module, and how to call it with argv (its main; parsing only,
 # see parsed_by_its_parser).
 def _mains():
-    from minimoe.cli import evaluate, export, sweep, train
-    from minimoe.making import upcycle
-    from minimoe.runs import memory
-    from minimoe.study import results
+    from minimoe.cli import evaluate, export, heal_split, memory_estimate, study_results, sweep, train, upcycle_llama
     return {"train.py": train.main, "evaluate.py": evaluate.main, "sweep.py": sweep.main, "export.py": export.main,
             "minimoe-train": train.main, "minimoe-eval": evaluate.main, "minimoe-sweep": sweep.main,
-            "minimoe-export": export.main, "minimoe-upcycle": upcycle.main, "minimoe.making.upcycle": upcycle.main,
-            "minimoe.runs.memory": memory.main, "minimoe.study.results": results.main}
+            "minimoe-export": export.main, "minimoe-upcycle": upcycle_llama.main,
+            "minimoe.making.upcycle": upcycle_llama.main, "minimoe.making.heal": heal_split.main,
+            "minimoe.runs.memory": memory_estimate.main, "minimoe.study.results": study_results.main}
 
 
 def shown_commands(page: Path) -> list[tuple[int, str]]:
@@ -175,8 +173,8 @@ def command_of(text: str):
 
 
 _COMMAND_NAMES = ("train.py", "evaluate.py", "sweep.py", "export.py", "minimoe-train", "minimoe-eval", "minimoe-sweep",
-                  "minimoe-export", "minimoe-upcycle", "minimoe.making.upcycle", "minimoe.runs.memory",
-                  "minimoe.study.results")
+                  "minimoe-export", "minimoe-upcycle", "minimoe.making.upcycle", "minimoe.making.heal",
+                  "minimoe.runs.memory", "minimoe.study.results")
 
 
 class Parsed(Exception):

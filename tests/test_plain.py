@@ -60,7 +60,8 @@ def test_a_feature_that_needs_an_extra_names_it_in_one_line_and_leaves_nothing(t
              "--no-test-eval", "--data-dir", str(tmp_path / "splits"), "--out-dir", str(tmp_path / "runs")]
     done = without_oracles(f"""
 import contextlib, io, json, sys
-from minimoe.cli import evaluate, lm_eval, run_command, sweep, train
+from minimoe.cli import evaluate, run_command, sweep, train
+from minimoe.cli.lm_eval_harness import command as lm_eval
 def one(call):
     err = io.StringIO()
     with contextlib.redirect_stderr(err):

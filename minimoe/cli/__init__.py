@@ -1,23 +1,26 @@
 """The command lines: one module per command, and what they share (old flag names, 'tiny', errors).
 
-    command          script                               code                             console form
-    minimoe-train    python train.py                      minimoe/cli/train.py             minimoe.cli.train:command
-    minimoe-eval     python evaluate.py                   minimoe/cli/evaluate.py          minimoe.cli.evaluate:command
-    minimoe-sweep    python sweep.py                      minimoe/cli/sweep.py             minimoe.cli.sweep:command
-    minimoe-export   python export.py                     minimoe/cli/export.py            minimoe.cli.export:command
-    minimoe-upcycle  python -m minimoe.making.upcycle    minimoe/making/upcycle.py       minimoe.making.upcycle:main
-                     python -m minimoe.study.results      minimoe/study/results.py         (collect runs into results/)
-                     python -m minimoe.runs.memory        minimoe/runs/memory.py           (what fits on how many GPUs)
-    minimoe-lm-eval  python -m minimoe.integrations.lm_eval                                minimoe.cli:lm_eval (lm-eval's
-                                                          own CLI, the model "minimoe" registered; the lmeval extra)
-Each command module is named after its script and holds the whole CLI: its parser, `main(argv=None)`,
+    command          script or module                        code
+    minimoe-train    python train.py                         minimoe/cli/train.py
+    minimoe-eval     python evaluate.py                      minimoe/cli/evaluate.py
+    minimoe-sweep    python sweep.py                         minimoe/cli/sweep.py
+    minimoe-export   python export.py                        minimoe/cli/export.py
+    minimoe-upcycle  python -m minimoe.making.upcycle        minimoe/cli/upcycle_llama.py
+                     python -m minimoe.making.heal           minimoe/cli/heal_split.py    (the split test bed healed)
+                     python -m minimoe.study.results         minimoe/cli/study_results.py (collect runs into results/)
+                     python -m minimoe.runs.memory           minimoe/cli/memory_estimate.py (what fits on how many GPUs)
+    minimoe-lm-eval  python -m minimoe.integrations.lm_eval  minimoe/cli/lm_eval_harness.py (lm-eval's own CLI, the
+                                                             model "minimoe" registered; the lmeval extra)
+Every console form is minimoe.cli.<module>:command (setup.cfg). A `python -m` module outside cli/ keeps only
+a two-line `__main__` that hands over to its command here, so that the commands users know keep working.
+Each command module holds the whole CLI of its command: its parser, `main(argv=None)`,
 which returns what it made (metrics, cells) and raises on bad input, for tests and for code that calls
 it, and `command()`, the console entry point (setup.cfg) and the script's `__main__`: `main` with bad
 input turned into one line `<script>: error: ...` and an exit status (`run_command`). The scripts at
 the top of the checkout are three-line shims, so `python evaluate.py` and `minimoe-eval` are one
 program, and the console commands work from any install, a wheel included. The commands keep their
-script's name as `prog` (`usage: evaluate.py ...`), the name the README and the errors use.
-upcycle, results and memory are library modules whose CLIs are small enough to stay beside them.
+script's name as `prog` (`usage: evaluate.py ...`, `usage: python -m minimoe.runs.memory ...`), the name
+the README and the errors use.
 
 One name per concept across the scripts (the old spellings are hidden aliases that warn, for one release):
     --eval-batch-size  examples per forward in scoring      (evaluate.py's --batch-size)
@@ -77,14 +80,3 @@ def run_command(main, prog: str, status: int = 2) -> None:
     except (OSError, ValueError, KeyError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         sys.exit(status)
-
-
-def lm_eval():
-    """minimoe-lm-eval: minimoe.integrations.lm_eval.main, or one line saying what to install."""
-    try:
-        from minimoe.integrations.lm_eval import main
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "lm_eval":
-            raise
-        sys.exit('minimoe-lm-eval: lm-evaluation-harness is not installed; pip install -e ".[lmeval]"')
-    main()

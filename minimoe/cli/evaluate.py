@@ -38,7 +38,7 @@ from minimoe.cli import model_path, old_name, run_command
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR, SPLITS
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
 from minimoe.loading.checkpoint import RUN_DTYPES
-from minimoe.runs.config import device
+from minimoe.runs.config import CACHE_DIR_HELP, MODEL_HELP, device
 from minimoe.runs.flags import flag_type
 
 EXAMPLES = """examples:
@@ -70,14 +70,12 @@ def evaluate_parser() -> argparse.ArgumentParser:
     add_compare_command(commands)
     add_plot_command(commands)
     what = p.add_argument_group("what to evaluate")
-    what.add_argument("--model", help="base checkpoint: a local folder, a hub id (e.g. allenai/OLMoE-1B-7B-0924-SFT) "
-                                      "'tiny' (train.py's random tiny OLMoE) or 'tiny:<model_type>' (any family's). "
-                                      "May be left out when --adapter is a run folder: its config.json names it")
+    what.add_argument("--model", help=f"the base: {MODEL_HELP}. May be left out when --adapter is a run folder: "
+                                      "its config.json names it")
     what.add_argument("--model-revision", metavar="REV",
                       help="hub branch, tag or commit of the model (default: the run's, else main; metrics.json "
                            "records the commit it resolved to)")
-    what.add_argument("--cache-dir", help="where hub models download (default: $MINIMOE_WEIGHTS if set, else the "
-                                          "standard Hugging Face cache)")
+    what.add_argument("--cache-dir", help=CACHE_DIR_HELP)
     what.add_argument("--adapter", type=Path,
                       help="a run folder written by train.py (config.json, checkpoints/, selection.json) or one "
                            "adapter folder (adapter.safetensors + adapter_config.json, e.g. RUN/checkpoints/epoch-2). "

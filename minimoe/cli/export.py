@@ -19,6 +19,7 @@ import argparse
 
 from minimoe.cli import model_path, old_name, run_command
 from minimoe.integrations.hf_export import export_merged_adapter, export_peft
+from minimoe.runs.config import MODEL_HELP
 
 
 def main(argv=None):
@@ -32,9 +33,8 @@ def main(argv=None):
                    "layout, the base's dtype and tokenizer files) instead of a peft adapter")
     p.add_argument("--checkpoint", choices=("last", "selected"),
                    help="for a run folder: 'last' (default, the paper's endpoint) or 'selected' (minimum validation NLL)")
-    p.add_argument("--model", help="base_model_name_or_path to write, or with --merged the base checkpoint to "
-                                   "merge into, as train.py's and evaluate.py's --model ('tiny' included) (default: "
-                                   "the model the adapter was trained on, as recorded with it)")
+    p.add_argument("--model", help=f"base_model_name_or_path to write, or with --merged the base to merge into: "
+                                   f"{MODEL_HELP} (default: the model the adapter was trained on, as recorded with it)")
     p.add_argument("--allow-other-base", action="store_true",
                    help="with --merged: merge into a --model whose weights differ from the ones the adapter was "
                         "trained on (same shapes); refused by default")

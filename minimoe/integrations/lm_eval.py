@@ -222,11 +222,6 @@ class MiniMoELM(LM):
         return texts
 
 
-def main() -> None:
-    """lm-eval's own CLI (`lm_eval ...`, argv as given) in a process where "minimoe" is registered."""
-    from lm_eval.__main__ import cli_evaluate
-    cli_evaluate()
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the command lives in minimoe/cli/lm_eval_harness.py
+    from minimoe.cli.lm_eval_harness import command
+    command()

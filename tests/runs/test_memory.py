@@ -5,6 +5,7 @@ import json
 import pytest
 
 from minimoe.loading.checkpoint import save_pretrained
+from minimoe.cli import memory_estimate
 from minimoe.runs import memory
 from tests.conftest import tiny_model
 
@@ -25,11 +26,11 @@ def test_weight_figures_are_the_safetensors_sizes(tmp_path, family):
     assert memory.stored_weights(tmp_path / "m") == on_disk
     import torch
     assert memory.stored_weights(tmp_path / "m", torch.bfloat16) == on_disk // 2
-    one = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32"])
+    one = memory_estimate.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32"])
     assert one.weights == on_disk  # one GPU holds it all
-    ddp = memory.main([str(tmp_path / "m"), "--gpus", "4", "--shard", "ddp", "--dtype", "float32"])
+    ddp = memory_estimate.main([str(tmp_path / "m"), "--gpus", "4", "--shard", "ddp", "--dtype", "float32"])
     assert ddp.weights == on_disk and ddp.lora == one.lora  # DDP: every rank the whole model
-    fsdp = memory.main([str(tmp_path / "m"), "--gpus", "4", "--shard", "fsdp", "--dtype", "float32"])
+    fsdp = memory_estimate.main([str(tmp_path / "m"), "--gpus", "4", "--shard", "fsdp", "--dtype", "float32"])
     assert on_disk / 4 <= fsdp.weights - 2 * layer_bytes(tmp_path / "m") < on_disk / 4 * 1.1  # rows, + 2 layers
     assert fsdp.lora * 4 == pytest.approx(one.lora, abs=4) and fsdp.optimizer * 4 == pytest.approx(one.optimizer, abs=4)
 
@@ -48,12 +49,12 @@ def layer_bytes(folder) -> int:
 
 def test_the_verdict_and_the_table(tmp_path, capsys):
     save_pretrained(tiny_model("olmoe"), tmp_path / "m")
-    assert memory.main([str(tmp_path / "m"), "--gpus", "2", "--gpu-memory", "16"]).fits
-    small = memory.main([str(tmp_path / "m"), "--gpus", "2", "--gpu-memory", "0.001"])
+    assert memory_estimate.main([str(tmp_path / "m"), "--gpus", "2", "--gpu-memory", "16"]).fits
+    small = memory_estimate.main([str(tmp_path / "m"), "--gpus", "2", "--gpu-memory", "0.001"])
     assert not small.fits and small.total > 0.9 * 0.001 * 2**30
     out = capsys.readouterr().out
     assert "does not fit" in out and "AdamW state" in out and "activations (estimate)" in out
-    checkpointed = memory.main([str(tmp_path / "m"), "--gpus", "2", "--gradient-checkpointing"])
+    checkpointed = memory_estimate.main([str(tmp_path / "m"), "--gpus", "2", "--gradient-checkpointing"])
     assert checkpointed.activations < small.activations  # one vector a layer kept, not the whole set
 
 
@@ -68,7 +69,7 @@ def test_lora_figures_count_the_trainable_parameters(tmp_path):
     model = tiny_model("olmoe")
     install_method(model, cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    estimate = memory.main([str(tmp_path / "m"), "--gpus", "1", "--method", "tes", "--lora-rank", "8",
+    estimate = memory_estimate.main([str(tmp_path / "m"), "--gpus", "1", "--method", "tes", "--lora-rank", "8",
                             "--recipe", "olmoe"])
     assert estimate.lora == estimate.optimizer == 8 * trainable
     assert json.dumps(vars(estimate))  # plain numbers
@@ -82,9 +83,9 @@ def test_the_recipe_is_the_familys_own(tmp_path, family):
     from minimoe.core.adaptation.lora import add_lora
     save_pretrained(tiny_model(family), tmp_path / "m")
     recipe = family_of(family).recipe
-    ours = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32"])
-    named = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32", "--recipe", recipe])
-    other = memory.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32",
+    ours = memory_estimate.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32"])
+    named = memory_estimate.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32", "--recipe", recipe])
+    other = memory_estimate.main([str(tmp_path / "m"), "--gpus", "1", "--dtype", "float32",
                          "--recipe", "olmoe" if recipe == "granite" else "granite"])
     model = add_lora(tiny_model(family), rank=8)  # its family's targets, counted directly
     assert ours.lora == named.lora == other.lora == 8 * sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -109,7 +110,7 @@ def test_quantized_weight_figures_are_the_real_packed_sizes(tmp_path, family, fm
         model = from_pretrained(tmp_path / "m", dtype=dtype, quantize=fmt)
         largest = max(m.weight.numel() for m in model.modules() if is_quantized(m)) * getattr(torch, dtype).itemsize
         held = sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model) + largest
-        assert memory.main([str(tmp_path / "m"), "--dtype", dtype, "--quantize", fmt]).weights == held
+        assert memory_estimate.main([str(tmp_path / "m"), "--dtype", dtype, "--quantize", fmt]).weights == held
 
 
 @pytest.mark.plain

@@ -1,0 +1,68 @@
+"""The command `python -m minimoe.runs.memory`: what fits where, printed as a table (minimoe/runs/memory.py,
+whose docstring is its --help)."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import minimoe.runs.memory as memory_module
+from minimoe.cli import run_command
+from minimoe.core.decoder.families import family_of
+from minimoe.core.decoder.model import MoEForCausalLM
+from minimoe.loading.checkpoint import DTYPES
+from minimoe.runs.memory import Estimate, estimate, hub_weights, model_config, stored_weights, table
+
+
+def main(argv=None) -> Estimate:
+    from minimoe.runs.config import build_config
+    p = argparse.ArgumentParser(prog="python -m minimoe.runs.memory", description=memory_module.__doc__.split("\n\n")[0],
+                                epilog=memory_module.__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("model", help="a checkpoint folder or a hub model id")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (torchrun processes)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB a GPU (default 80)")
+    p.add_argument("--shard", choices=["ddp", "fsdp"], default="fsdp", help="train.py's --shard (default fsdp)")
+    p.add_argument("--recipe", default=None, help="train.py's recipe (default: the model's family's)")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="base weights' dtype")
+    for flag in ("--batch-size", "--max-length", "--lora-rank"):
+        p.add_argument(flag, type=int, default=None, help=f"train.py's {flag} (default: the recipe's)")
+    p.add_argument("--method", default="ce", help="train.py's --method (its heads count as trainable)")
+    p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--quantize", choices=["nf4", "mxfp4"], default=None,
+                   help="train.py's --quantize: the frozen base in 4 bits (mxfp4: gpt-oss's experts as released)")
+    args = p.parse_args(argv)
+    if args.gpus < 1:
+        p.error(f"--gpus {args.gpus}: expected 1 or more")
+    if args.quantize and args.gpus > 1 and args.shard == "fsdp":
+        p.error(f"--quantize {args.quantize} with --shard fsdp: train.py refuses it (docs/quantization.md); "
+                f"pass --shard ddp")
+    config, folder = model_config(args.model)
+    recipe = args.recipe or family_of(config.model_type).recipe
+    settings = {"model": args.model, "dtype": args.dtype, "device": "cpu", "method": args.method, "shard": args.shard,
+                "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
+                "gradient_checkpointing": args.gradient_checkpointing or None, "quantize": args.quantize}
+    cfg = build_config(settings, recipe)
+    with torch.device("meta"):
+        model = MoEForCausalLM(config).to(DTYPES[cfg.dtype])
+    if folder is None:
+        total = hub_weights(args.model)
+    elif any(folder.glob("*.safetensors")):
+        total = stored_weights(folder, DTYPES[cfg.dtype])
+    else:  # config.json alone: the parameters the config makes, in the run's dtype
+        total = None
+    result = estimate(model, cfg, gpus=args.gpus, gpu_memory=int(args.gpu_memory * 2**30),
+                      shard=args.shard if args.gpus > 1 else "ddp", weights_total=total)
+    print(f"{args.model}: {args.gpus} GPU(s) of {args.gpu_memory:g} GiB, {args.shard if args.gpus > 1 else 'one process'}"
+          f", batch {cfg.batch_size} x {cfg.max_length} tokens, LoRA rank {cfg.lora_rank}, {cfg.dtype}"
+          + (f", base in {cfg.quantize}" if cfg.quantize else ""))
+    print(table(result))
+    return result
+
+
+def command():
+    """The console entry point and `python -m minimoe.runs.memory`: main, its bad input as one line and exit status 2."""
+    run_command(main, "python -m minimoe.runs.memory")
+
+
+if __name__ == "__main__":
+    command()
