@@ -86,7 +86,7 @@ def child(side: str, folder: str, dtype_name: str, B: int, T: int, rounds: int, 
 
 
 def measure_in_child(side, folder, dtype_name, B, T, rounds, warmup, keep: bool) -> dict:
-    """keep: the child calls allocator.keep_freed_memory() first, as train.py does."""
+    """keep: the child calls process_memory.keep_freed_memory() first, as train.py does."""
     cmd = [sys.executable, __file__, side, str(folder), dtype_name, str(B), str(T), str(rounds), str(warmup),
            str(int(keep))]
     proc = subprocess.run(cmd, capture_output=True, text=True)

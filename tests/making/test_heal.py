@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 
 import minimoe
+from minimoe.cli.heal_split import main
 from minimoe.data.benchmarks import train_tokenizer
 from minimoe.loading.checkpoint import load_tokenizer, save_pretrained
 from minimoe.making.heal import (PROBE_ROWS, PROMPT_TOKENS, HealError, HealSettings, distil, heal, healing_text,
-                                kl_divergence, main, unfitted_documents)
+                                kl_divergence, unfitted_documents)
 from minimoe.making.split import SplitSettings, held_out, prose_documents, record, split_model, token_rows
 from tests.conftest import tiny_model
 
