@@ -34,26 +34,10 @@ def reachable(folder: str, below: dict = BELOW) -> set[str]:
     return reached(below, folder)
 
 
-def command_forwards(tree: ast.Module) -> set[int]:
-    """The ids of the import nodes in a module's `if __name__ == "__main__":` block that import minimoe.cli: a
-    library module's `python -m` handing over to its command (minimoe/cli/), run only as a script, which no
-    importer of the module reaches, so neither an arrow nor part of a circle."""
-    forwards = set()
-    for node in tree.body:
-        if isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"':
-            forwards |= {id(n) for n in ast.walk(node) if isinstance(n, ast.ImportFrom)
-                         and (n.module or "").startswith("minimoe.cli")}
-    return forwards
-
-
 def imported_modules(path: Path) -> set[str]:
-    """Every minimoe module a file imports, at any depth of the file (function-level imports too), but a
-    `__main__` block's hand-over to its command in cli/ (command_forwards)."""
-    found, tree = set(), ast.parse(path.read_text(encoding="utf-8"))
-    skipped = command_forwards(tree)
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+    """Every minimoe module a file imports, at any depth of the file (function-level imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("minimoe")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("minimoe"):

@@ -12,7 +12,8 @@
     minimoe-lm-eval  python -m minimoe.integrations.lm_eval  minimoe/cli/lm_eval_harness.py (lm-eval's own CLI, the
                                                              model "minimoe" registered; the lmeval extra)
 Every console form is minimoe.cli.<module>:command (setup.cfg). A `python -m` module outside cli/ keeps only
-a two-line `__main__` that hands over to its command here, so that the commands users know keep working.
+a `__main__` that runs its command here as the program (runpy), so that the commands users know keep working
+and no module below imports cli/.
 Each command module holds the whole CLI of its command: its parser, `main(argv=None)`,
 which returns what it made (metrics, cells) and raises on bad input, for tests and for code that calls
 it, and `command()`, the console entry point (setup.cfg) and the script's `__main__`: `main` with bad

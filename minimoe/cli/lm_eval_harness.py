@@ -10,7 +10,7 @@ def main() -> None:
     """lm-eval's own CLI (`lm_eval ...`, argv as given) in a process where "minimoe" is registered."""
     from lm_eval.__main__ import cli_evaluate
     from lm_eval.api.registry import MODEL_REGISTRY
-    if "minimoe" not in MODEL_REGISTRY:  # registered already where python -m ran minimoe/integrations/lm_eval.py
+    if "minimoe" not in MODEL_REGISTRY:  # registered already where python -m ran minimoe/integrations/lm_eval.py as __main__
         import minimoe.integrations.lm_eval  # noqa: F401  registers "minimoe"
     cli_evaluate()
 

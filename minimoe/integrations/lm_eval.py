@@ -222,6 +222,6 @@ class MiniMoELM(LM):
         return texts
 
 
-if __name__ == "__main__":  # the command lives in minimoe/cli/lm_eval_harness.py
-    from minimoe.cli.lm_eval_harness import command
-    command()
+if __name__ == "__main__":  # python -m minimoe.integrations.lm_eval runs its command, minimoe/cli/lm_eval_harness.py
+    import runpy
+    runpy.run_module("minimoe.cli.lm_eval_harness", run_name="__main__")

@@ -278,6 +278,6 @@ def heal(student, out, teacher, s: HealSettings = HealSettings()) -> dict:
     return record
 
 
-if __name__ == "__main__":  # the command lives in minimoe/cli/heal_split.py
-    from minimoe.cli.heal_split import command
-    command()
+if __name__ == "__main__":  # python -m minimoe.making.heal runs its command, minimoe/cli/heal_split.py
+    import runpy
+    runpy.run_module("minimoe.cli.heal_split", run_name="__main__")

@@ -338,6 +338,6 @@ def assemble(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> MoEForCausa
     return model
 
 
-if __name__ == "__main__":  # the command lives in minimoe/cli/upcycle_llama.py
-    from minimoe.cli.upcycle_llama import command
-    command()
+if __name__ == "__main__":  # python -m minimoe.making.upcycle runs its command, minimoe/cli/upcycle_llama.py
+    import runpy
+    runpy.run_module("minimoe.cli.upcycle_llama", run_name="__main__")

@@ -142,6 +142,6 @@ def table(e: Estimate) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # the command lives in minimoe/cli/memory_estimate.py
-    from minimoe.cli.memory_estimate import command
-    command()
+if __name__ == "__main__":  # python -m minimoe.runs.memory runs its command, minimoe/cli/memory_estimate.py
+    import runpy
+    runpy.run_module("minimoe.cli.memory_estimate", run_name="__main__")

@@ -300,6 +300,6 @@ def compare_runs(results_dir, runs, **bootstrap) -> dict:
     return compare_pairs(list(zip(read_[0::2], read_[1::2])), **bootstrap)
 
 
-if __name__ == "__main__":  # the command lives in minimoe/cli/study_results.py
-    from minimoe.cli.study_results import command
-    command()
+if __name__ == "__main__":  # python -m minimoe.study.results runs its command, minimoe/cli/study_results.py
+    import runpy
+    runpy.run_module("minimoe.cli.study_results", run_name="__main__")
