@@ -128,7 +128,7 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
 
     `method`: the configured Method the caller resolved already (run_folder.AdapterSource.method), installed as
     it is, which must be the one the adapter's router spec names, on its layers; None: resolved here from
-    that spec (registry.method_of).
+    that spec (user_methods.method_of).
 
     An adapter trained on other base weights of the same shapes (fingerprint "base_weights") is
     refused unless allow_other_base; other shapes are refused always.

@@ -245,7 +245,7 @@ def set_router(model, method="native", layers=None, *, tune_router: bool | None 
     is; or a registered method's name, configured here with `layers` ("final" by default), `tune_router`
     and `options`. Given beside a configured Method, these make a new one with them changed.
     `set_router(model, **model.router_spec)` rebuilds the same structure; a method from outside minimoe
-    must be registered first (its spec's `module`: registry.method_of imports it, load_adapter's route).
+    must be registered first (its spec's `module`: user_methods.method_of imports it, load_adapter's route).
     New heads are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it is in
     scope and tune_router=True ("+ affinity tuning"), and then it is moved to fp32
     (`set_routing_trainable`, `tuned_layers`). Install after moving the model to its dtype. Layers out

@@ -53,7 +53,7 @@ class Objective:
     name: str  # --objective, "objective" in config.json; upper-cased it ends the row's label (TES-IS)
     loss: Callable  # (pred [N], observed [N], eps) -> per-token loss [N]; keep `observed` attached
     help: str = ""  # --objective's help
-    module: str | None = None  # the file or module that registered it (registry.register_objective); None: built in
+    module: str | None = None  # the file or module that registered it (user_methods.register_objective); None: built in
 
 
 OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
