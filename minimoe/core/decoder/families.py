@@ -8,7 +8,7 @@ of a tensor stored otherwise than ours: loading/layouts.py converts it), how con
 (`write_defaults`), what LoRA adapts by default and where (`lora_targets`, `lora_paths`), which of
 runs/recipes.py's `RECIPES` trains it, and where to find real checkpoints. The modules read only
 `MoEConfig` fields (qk_norm, scoring, biases, ...), never the family's name, so that a family is
-added here, in one record, plus a module in core/ only where it brings a new kind of computation.
+added here, in one record, plus a module in a room of core/ only where it brings a new kind of computation.
 
 Decisions:
 - The recipe is named, not held: recipes are run settings (runs/, which core may not import), and
