@@ -1,6 +1,7 @@
 """The model every family shares: config, the MoE block, the decoder layer, causal LM.
 
-Families differ only by config fields (`MoEConfig`; core/families.py maps each family's config.json onto
+Families differ only by config fields (`MoEConfig`, the fields they share, and in its `mixers` each token
+mixer's own options, defined in the mixer's file; core/families.py maps each family's config.json onto
 them) and by small modules switched on by those fields: each layer's token mixer (core/mixers.py: GQA
 attention, MLA, ...), the routed expert bank (core/experts.py), the dense MLP of dense layers and
 shared experts (core/mlp.py), the router's scoring (core/routing.py).
