@@ -121,11 +121,13 @@ def config(family: str, layers: int, smoke: bool) -> MoEConfig:
         c = config_from_dict({**d, "num_hidden_layers": layers, **kinds})
         if not smoke:
             return c
-        mla = {"num_key_value_heads": SMOKE_WIDTHS["num_attention_heads"]} if c.kv_lora_rank else {}  # MLA: one kv head each
+        mla = {"num_key_value_heads": SMOKE_WIDTHS["num_attention_heads"]} if "mla" in c.mixers else {}  # one kv head each
         if c.mixer_types:  # a hybrid's few smoke layers: each of its mixers once, in the order the full depth has them
             every = list(dict.fromkeys(config_from_dict(dict(d)).mixer_types))
             mla["mixer_types"] = (every * layers)[:layers]
-        return replace(c, **{**SMOKE_WIDTHS, **mla}, **{k: v for k, v in SMOKE_EXTRA.items() if getattr(c, k)})
+        flat = c.flat()  # the mixers' options by their flat names, as SMOKE_EXTRA's
+        return MoEConfig.from_flat({**flat, **SMOKE_WIDTHS, **mla, **{k: v for k, v in SMOKE_EXTRA.items() if flat.get(k)},
+                                    "extra": c.extra})
     d = dict(common.OFFICIAL[family], num_hidden_layers=layers)
     if smoke:
         d.update(SMOKE_WIDTHS)

@@ -3,11 +3,13 @@
 import importlib
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, fields
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from minimoe.core.token_mixers.mixers import MIXERS
 from minimoe.data.benchmarks import load_examples
 from minimoe.making.tiny import tiny_config, tiny_model  # noqa: F401 (the tests import them from here)
 
@@ -39,6 +41,14 @@ def oracle(name: str):
         if e.name is None or not name.startswith(e.name):  # the package is there but broken: fail loudly
             raise
         return MissingOracle(name)
+
+
+def as_our_mixer_config(reference_config, kind: str):
+    """transformers' config of a layer as our mixer `kind` (core/token_mixers/mixers.py) reads one: its shared fields as they
+    are, and the mixer's own options, by the same config.json names, in `mixers[kind]`."""
+    options = MIXERS[kind].config_class
+    mine = options(**{f.name: getattr(reference_config, f.name) for f in fields(options)})
+    return SimpleNamespace(**reference_config.to_dict(), mixers={kind: mine})
 
 
 # MINIMOE_ALL_FAMILIES=1: also the cases CI leaves out of the slowest per-family tests, where one family (or one

@@ -149,7 +149,7 @@ def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict
     minimoe.runs.provenance)."""
     return {**vars(cfg), "method": method_record(cfg.method), "label": cfg.method.row,
             "world_size": world()[1], "torch_version": torch.__version__,
-            "model_config": vars(model_config) | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()},
+            "model_config": model_config.flat() | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()},
             "data_sha256": {s: split_sha256(cfg.data, s, cfg.data_dir) for s in data}, "provenance": origin}
 
 
@@ -368,15 +368,16 @@ def changed_settings(before: dict, cfg: TrainConfig, now: dict) -> list[str]:
 
 def model_record(record):
     """A recorded model_config as today's MoEConfig records it: a field added since (head_dim, the router's
-    scoring, ...) takes the value the family's config gives it, so an older run's record still matches.
-    Anything else (not a model config, or one that no longer builds) is returned as it is."""
+    scoring, ...) takes the value the family's config gives it, and the options of a mixer no layer runs
+    (recorded for every model before the mixers held their own) are dropped, so an older run's record still
+    matches. Anything else (not a model config, or one that no longer builds) is returned as it is."""
     if not isinstance(record, dict) or "model_type" not in record:
         return record
     try:
-        config = MoEConfig(**{k: v for k, v in record.items() if k != "extra"})
+        config = MoEConfig.from_flat({k: v for k, v in record.items() if k != "extra"})
     except (TypeError, ValueError):
         return record
-    return json.loads(json.dumps(vars(config) | {"extra": None}, default=str))
+    return json.loads(json.dumps(config.flat() | {"extra": None}, default=str))
 
 
 def command():

@@ -68,7 +68,7 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     ours = set(config_field_names()) - set(family.fixed)  # a fixed field is the family's, whatever the file says
     known = {k: v for k, v in d.items() if k in ours}
     extra = {k: v for k, v in d.items() if k not in ours}
-    return MoEConfig(**known, extra=extra)
+    return MoEConfig.from_flat({**known, "extra": extra})  # each mixer's options to its own config
 
 
 def config_to_dict(config: MoEConfig) -> dict:
@@ -80,8 +80,9 @@ def config_to_dict(config: MoEConfig) -> dict:
     # A field left None that the family's transformers config cannot read as null (Family.never_null: Llama 4's
     # no_rope_layer_interval, in a config built here rather than read) is left out: transformers fills in its
     # default. Elsewhere None is written, as it can mean something (DeepSeek-V2-Lite's q_lora_rank: no q LoRA).
-    d = {**config.extra, **{back.get(k, k): getattr(config, k) for k in config_field_names() if k in written
-                            and not (getattr(config, k) is None and k in family.never_null)}}
+    flat = config.flat()  # a mixer's options where the model holds that mixer
+    d = {**config.extra, **{back.get(k, k): flat[k] for k in config_field_names() if k in written and k in flat
+                            and not (flat[k] is None and k in family.never_null)}}
     d["architectures"] = [family.architecture]
     if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
         back_kinds = {v: k for k, v in family.layer_kinds.items()}

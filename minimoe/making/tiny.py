@@ -107,7 +107,7 @@ def tiny_config(family: str, **overrides) -> MoEConfig:
               rms_norm_eps=1e-6, rope_theta=10000.0)
     kw.update(FAMILY_SWITCHES[family])
     kw.update(overrides)
-    return MoEConfig(**kw)
+    return MoEConfig.from_flat(kw)  # the mixers' options (mamba_*, kv_lora_rank, clip_qkv, ...) to their configs
 
 
 def tiny_model(family: str, seed: int = 0, std: float = 0.2, **overrides) -> MoEForCausalLM:

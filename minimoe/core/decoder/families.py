@@ -7,8 +7,10 @@ how its checkpoint names and stores our parameters (`layer_keys`, with a `Conver
 of a tensor stored otherwise than ours: loading/layouts.py converts it), how config.json gets a field we leave None
 (`write_defaults`), what LoRA adapts by default and where (`lora_targets`, `lora_paths`), which of
 runs/recipes.py's `RECIPES` trains it, and where to find real checkpoints. The modules read only
-`MoEConfig` fields (qk_norm, scoring, biases, ...), never the family's name, so that a family is
+config fields (qk_norm, scoring, biases, ...), never the family's name, so that a family is
 added here, in one record, plus a module in a room of core/ only where it brings a new kind of computation.
+"Our field" below is a flat name: a `MoEConfig` field, or an option of a token mixer's own config
+(core/token_mixers/mixers.py: `mamba_*`, `linear_*`, MLA's ranks, attention's options), which `MoEConfig.from_flat` hands to it.
 
 Decisions:
 - The recipe is named, not held: recipes are run settings (runs/, which core may not import), and
@@ -39,7 +41,7 @@ class Family:
     # the expert) concatenated along `out` into our stacked bank (gate rows, then up rows), or a
     # `Converted` key (stored in another layout than ours)
     layer_keys: dict = field(default_factory=dict)
-    renames: dict = field(default_factory=dict)  # config.json field -> our MoEConfig field
+    renames: dict = field(default_factory=dict)  # config.json field -> our field (module docstring: a flat name)
     config_fields: frozenset = frozenset()  # our fields its config.json has beyond CONFIG_FIELDS (written back)
     fixed: dict = field(default_factory=dict)  # our fields the family hard-codes (not read, not written)
     # transformers' config defaults for fields config.json may omit (tests/core/decoder/test_family_defaults.py holds them

@@ -1,6 +1,7 @@
 """The model every family shares: config, the MoE block, the decoder layer, causal LM.
 
-Families differ only by config fields (`MoEConfig`; core/decoder/families.py maps each family's config.json onto
+Families differ only by config fields (`MoEConfig`, the fields they share, and in its `mixers` each token
+mixer's own options, defined in the mixer's file; core/decoder/families.py maps each family's config.json onto
 them) and by small modules switched on by those fields: each layer's token mixer (core/token_mixers/mixers.py: GQA
 attention, MLA, ...), the routed expert bank (core/layers/experts.py), the dense MLP of dense layers and
 shared experts (core/layers/mlp.py), the router's scoring (core/routing_methods/routing.py).
@@ -37,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 import torch.nn as nn
@@ -48,7 +49,7 @@ from minimoe.core.routing_methods.densemixer import dense_term
 from minimoe.core.layers.experts import Experts
 from minimoe.core.decoder.families import family_of
 from minimoe.core.layers.masks import block_mask, bool_mask, flex_applies
-from minimoe.core.token_mixers.mixers import MIXERS, KVCache, MixerInputs, mixer_for
+from minimoe.core.token_mixers.mixers import MIXERS, KVCache, MixerInputs, flat_mixer_types, mixer_field_names, mixer_for, mixer_type
 from minimoe.core.layers.mlp import DenseMLP
 from minimoe.core.layers.norms import RMSNorm
 from minimoe.core.layers.rope import rope_cos_sin, rope_frequencies, rope_type
@@ -70,27 +71,17 @@ class MoEConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
-    attention_bias: bool = False  # biases on q, k, v and o
-    qkv_bias: bool = False  # biases on q, k and v only (Qwen2-MoE)
+    attention_bias: bool = False  # biases on q, k, v and o (GQA attention), MLA's down-projections and o
     use_sliding_window: bool = False  # attend to the last `sliding_window` positions only (Mixtral: always)
     sliding_window: int | None = None
     layer_types: list | None = None  # per layer "sliding_attention" | "full_attention" | "chunked_attention"; None: alike
-    mixer_types: list | None = None  # per layer a core/token_mixers/mixers.py MIXERS name; None: "mla" with kv_lora_rank, else "attention"
+    mixer_types: list | None = None  # per layer a core/token_mixers/mixers.py MIXERS name; None: "mla" where mixers holds MLA's, else "attention"
+    # Each token mixer's own options (core/token_mixers/mixers.py): MIXERS name -> its config_class, one per kind the layers run
+    # (and each kind of a hybrid family, Family.layer_kinds); one left out is built with its defaults.
+    mixers: dict = field(default_factory=dict)
     tie_word_embeddings: bool = False
     norm_topk_prob: bool = False  # renormalise the K selected weights (Granite's top-K on logits always does)
-    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection (and q/k norm)
-    qk_norm: str | None = None  # on q and k: RMSNorm "full" over the projection width (OLMoE), "head" per head
-    # (Qwen3, GLM), or "l2" per head without a weight, after rope, on rope layers only (Llama 4)
-    use_qk_norm: bool = True  # the config.json switch of a family whose q/k norm is optional (GLM, Llama 4); False: none
     partial_rotary_factor: float = 1.0  # rope turns the first factor * head_dim dims of each head (GLM), the rest pass
-    no_rope_layers: list | None = None  # per layer 1 = rope, 0 = NoPE (Llama 4's name and values); None: rope everywhere
-    no_rope_layer_interval: int | None = None  # no_rope_layers empty or None: every n-th layer NoPE (Llama 4's rule)
-    attention_chunk_size: int | None = None  # "chunked_attention" layers see their own chunk only (Llama 4; with no
-    # layer_types the rope layers are chunked, the NoPE ones full, as Llama4TextConfig fills them in)
-    # Llama 4's attention temperature on NoPE layers: q times 1 + attn_scale * log1p(floor((pos + 1) / floor_scale))
-    attn_temperature_tuning: bool = False
-    floor_scale: float = 8192.0
-    attn_scale: float = 0.1
     norm_after: bool = False  # OLMo-2 (FlexOlmo): each branch's output normed before the residual add, no input norm
     # Dense layers among the MoE ones: layer i is sparse unless i in mlp_only_layers, (i + 1) % decoder_sparse_step,
     # or i < first_k_dense_replace (Qwen; DeepSeek); a dense layer's MLP is dense_intermediate_size wide.
@@ -113,39 +104,13 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek)
     router_bias: bool = False  # the gate has a bias (gpt-oss)
     router_fp32: bool = False  # the gate's matmul in fp32, its input upcast (DeepSeek); else the model dtype
-    # Attention beyond GQA. gpt-oss: sinks (core/token_mixers/sinks.py); DeepSeek: MLA (core/token_mixers/mla.py).
-    attention_sinks: bool = False  # a learned logit per head joins every softmax, with no value
     norm_weight_in_fp32: bool = False  # the layer norms multiply their weight before the cast back (gpt-oss)
-    kv_lora_rank: int | None = None  # set: Multi-head Latent Attention, with the four fields below
-    q_lora_rank: int | None = None  # MLA's query low rank; None: one q_proj
-    qk_nope_head_dim: int = 0  # MLA: each head's query/key part without rope
-    qk_rope_head_dim: int = 0  # MLA: each head's query/key part with rope (one rope key for all heads)
-    v_head_dim: int = 0  # MLA: each head's value width
     # rope dims stored as interleaved pairs; None: the mixer's own (MLA: interleaved, DeepSeek-V2 always and V3's
     # default; GQA attention: halves, but Llama 4's pairs)
     rope_interleave: bool | None = None
-    rope_in_fp32: bool = False  # GQA: rotate q and k in fp32 and cast once (Llama 4's complex product); else model dtype
+    rope_in_fp32: bool = False  # rotate q and k in fp32 and cast once (Llama 4's complex product); else model dtype
     swiglu_limit: float | None = None  # set: gpt-oss's clamped SwiGLU experts with biases (core/layers/clamped_experts.py)
-    # Attention options of the hybrids (core/token_mixers/attention.py) and their norms.
-    position_embedding_type: str | None = "rope"  # anything else: no rope (Granite 4.0-H's "nope")
-    attn_output_gate: bool = False  # q_proj also gives a per-head gate; output * sigmoid(gate) (Qwen3-Next)
     norm_zero_centred: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Qwen3-Next)
-    # Mamba-2 layers (core/token_mixers/mamba2.py; mixer_types "mamba2"), Granite 4.0-H's names.
-    mamba_n_heads: int = 128
-    mamba_d_head: int | str = "auto"  # "auto": mamba_expand * hidden_size / mamba_n_heads (filled in)
-    mamba_n_groups: int = 1
-    mamba_d_state: int = 256
-    mamba_d_conv: int = 4
-    mamba_expand: int = 2
-    mamba_chunk_size: int = 256
-    mamba_conv_bias: bool = True
-    mamba_proj_bias: bool = False
-    # Gated DeltaNet layers (core/token_mixers/deltanet.py; mixer_types "gated_deltanet"), Qwen3-Next's names.
-    linear_conv_kernel_dim: int = 4
-    linear_key_head_dim: int = 128
-    linear_value_head_dim: int = 128
-    linear_num_key_heads: int = 16
-    linear_num_value_heads: int = 32
     # Granite's multipliers; the OLMoE values leave the forward unchanged.
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -161,9 +126,43 @@ class MoEConfig:
     torch_dtype: str | None = None  # dtype the checkpoint was saved in
     extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back on save
 
+    @classmethod
+    def from_flat(cls, flat: dict) -> MoEConfig:
+        """A config from flat field names, as config.json (after the family's renames) and a run's recorded
+        model_config hold them: each mixer's options go to its config, for the kinds this model holds (the
+        ones its layers run, a hybrid family's every kind); another kind's are dropped, as no layer reads them."""
+        d = dict(flat)
+        given = d.pop("mixers", None) or {}
+        held = flat_mixer_types(d) | set(family_of(d.get("model_type")).layer_kinds.values())
+        owners = mixer_field_names()
+        options = {kind: {} for kind in held}
+        for name in [k for k in d if k in owners]:
+            value = d.pop(name)
+            if owners[name] in options:
+                options[owners[name]][name] = value
+        mixers = {kind: MIXERS[kind].config_class(**mine) for kind, mine in options.items() if kind in MIXERS}
+        return cls(**d, mixers={**mixers, **given})
+
+    def flat(self) -> dict:
+        """Every field by its flat name (from_flat's inverse): the shared ones, then each held mixer's options."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("mixers", "extra")}
+        for options in self.mixers.values():
+            d.update(vars(options))
+        return d
+
     def __post_init__(self):
-        for name, value in family_of(self.model_type).fixed.items():  # the unknown model_type error names them all
-            setattr(self, name, value)
+        family = family_of(self.model_type)  # the unknown model_type error names them all
+        if self.mixer_types is not None and (len(self.mixer_types) != self.num_hidden_layers
+                                             or not set(self.mixer_types) <= set(MIXERS)):
+            raise ValueError(f"config: mixer_types {self.mixer_types!r}; expected num_hidden_layers="
+                             f"{self.num_hidden_layers} entries, each one of {sorted(MIXERS)}")
+        self._hold_mixers(family)
+        owners = mixer_field_names()
+        for name, value in family.fixed.items():  # a mixer's option on its config, where the model holds that kind
+            if name not in owners:
+                setattr(self, name, value)
+            elif owners[name] in self.mixers:
+                self.mixers[owners[name]] = replace(self.mixers[owners[name]], **{name: value})
         if self.n_shared_experts:  # n SwiGLU experts summed = one of n times the width (their rows concatenated)
             self.shared_expert_intermediate_size = self.n_shared_experts * self.intermediate_size
         if self.head_dim is None:
@@ -172,20 +171,9 @@ class MoEConfig:
                                  f"num_attention_heads {self.num_attention_heads} (and no head_dim is given)")
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = list(self.mlp_only_layers or [])
-        if self.mamba_d_head in ("auto", None):
-            inner = self.mamba_expand * self.hidden_size
-            if inner % self.mamba_n_heads == 0:
-                self.mamba_d_head = inner // self.mamba_n_heads
-            elif "mamba2" in (self.mixer_types or []):  # only Mamba-2 layers read it: other models' widths are free
-                raise ValueError(f"config: mamba_n_heads {self.mamba_n_heads} does not divide mamba_expand * "
-                                 f"hidden_size = {inner}")
-        if not self.use_qk_norm:
-            self.qk_norm = None
-        if not self.no_rope_layers and self.no_rope_layer_interval:
-            self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(self.num_hidden_layers)]
-        if self.attention_chunk_size and self.layer_types is None and self.no_rope_layers:
-            self.layer_types = ["chunked_attention" if self.uses_rope(i) else "full_attention"
-                                for i in range(self.num_hidden_layers)]
+        for options in self.mixers.values():  # what each derives from the shared fields (core/token_mixers/mixers.py)
+            if hasattr(options, "resolve"):
+                options.resolve(self)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"config: num_attention_heads {self.num_attention_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_key_value_heads}")
@@ -196,8 +184,6 @@ class MoEConfig:
             raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
         rope_type(self.rope_scaling)  # refuses, by name, a type core/layers/rope.py does not compute
         self._check_attention()
-        if self.qk_norm not in (None, "full", "head", "l2"):
-            raise ValueError(f"config: qk_norm {self.qk_norm!r}; expected None, 'full', 'head' or 'l2'")
         if self.sliding_window is not None and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
             raise ValueError(f"config: sliding_window {self.sliding_window!r}; expected an int >= 1 or null")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
@@ -210,26 +196,24 @@ class MoEConfig:
             raise ValueError("config: dense layers need dense_intermediate_size (config.json's intermediate_size)")
         self._check_router()
 
+    def _hold_mixers(self, family):
+        """`mixers` as its own copies (replace re-checks each), one per kind held, each of its mixer's class."""
+        held = self.mixer_kinds | set(family.layer_kinds.values())
+        for kind, options in self.mixers.items():
+            if kind not in held or not isinstance(options, MIXERS[kind].config_class):
+                raise ValueError(f"config: mixers[{kind!r}] {options!r}; expected a {kind} config only where a "
+                                 f"layer runs {kind} (mixer_types) or the family's layers may (layer_kinds), "
+                                 f"of that mixer's config_class (core/token_mixers/mixers.py)")
+        self.mixers = {kind: replace(self.mixers[kind]) if kind in self.mixers else MIXERS[kind].config_class()
+                       for kind in sorted(held)}
+
     def _check_attention(self):
         kinds = ("full_attention", "sliding_attention", "chunked_attention")
         if self.layer_types is not None and not set(self.layer_types) <= set(kinds):
             raise ValueError(f"config: layer_types {self.layer_types!r}; expected each one of {kinds}")
-        if self.layer_types is not None and "chunked_attention" in self.layer_types and not self.attention_chunk_size:
-            raise ValueError("config: chunked_attention layers need attention_chunk_size >= 1")
-        if self.no_rope_layers is not None and len(self.no_rope_layers) < self.num_hidden_layers:
-            raise ValueError(f"config: no_rope_layers has {len(self.no_rope_layers)} entries; expected at least "
-                             f"num_hidden_layers={self.num_hidden_layers}")
         if not 0 < self.partial_rotary_factor <= 1 or self.rope_dim % 2:
             raise ValueError(f"config: partial_rotary_factor {self.partial_rotary_factor} turns {self.rope_dim} of "
                              f"head_dim={self.head_dim} dims; expected a factor in (0, 1] giving an even count")
-        if self.mixer_types is not None and (len(self.mixer_types) != self.num_hidden_layers
-                                             or not set(self.mixer_types) <= set(MIXERS)):
-            raise ValueError(f"config: mixer_types {self.mixer_types!r}; expected num_hidden_layers="
-                             f"{self.num_hidden_layers} entries, each one of {sorted(MIXERS)}")
-        if self.kv_lora_rank is not None and min(self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim) < 1:
-            raise ValueError("config: Multi-head Latent Attention (kv_lora_rank set) needs qk_nope_head_dim, "
-                             f"qk_rope_head_dim and v_head_dim >= 1; got {self.qk_nope_head_dim}, "
-                             f"{self.qk_rope_head_dim}, {self.v_head_dim}")
 
     def _check_router(self):
         if self.scoring_func not in SCORE_FUNCS:
@@ -264,19 +248,15 @@ class MoEConfig:
             return None
         return self.sliding_window
 
-    def chunk(self, layer: int) -> int | None:
-        """Layer's local attention chunk (Llama 4's chunked_attention layers), None for none."""
-        if self.layer_types is None or self.layer_types[layer] != "chunked_attention":
-            return None
-        return self.attention_chunk_size
-
-    def uses_rope(self, layer: int) -> bool:  # False: Llama 4's NoPE layers, every layer of Granite 4.0-H's "nope"
-        return self.position_embedding_type == "rope" and (self.no_rope_layers is None or bool(self.no_rope_layers[layer]))
+    @property
+    def mixer_kinds(self) -> set[str]:
+        """The MIXERS names the layers run."""
+        return {mixer_type(self, i) for i in range(self.num_hidden_layers)}
 
     @property
     def rope_dim(self) -> int:  # the dims each head rotates: MLA's rope part, else the head's first partial_rotary_factor
-        if self.kv_lora_rank is not None:
-            return self.qk_rope_head_dim
+        if "mla" in self.mixers:
+            return self.mixers["mla"].qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     @property
@@ -536,4 +516,5 @@ def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None
 
 
 def config_field_names() -> list[str]:
-    return [f.name for f in fields(MoEConfig) if f.name != "extra"]
+    """Every field's flat name (config.json's, before a family's renames): the shared ones and each mixer's."""
+    return [f.name for f in fields(MoEConfig) if f.name not in ("mixers", "extra")] + list(mixer_field_names())

@@ -2,14 +2,15 @@
 
 Letters: B batch, T query positions, S key positions, D hidden, H query heads, G key/value heads, d head dim.
 
-One class, its options read from config fields (never the family's name):
+One class, its options read from config fields (never the family's name): the model's shared ones (heads,
+head_dim, biases, windows, rope) and its own, `AttentionConfig` (MoEConfig.mixers["attention"]):
 - q/k RMSNorm over the whole projection width before the head split (OLMoE, FlexOlmo: `qk_norm="full"`)
   or per head (Qwen3, GLM: `"head"`), before rope; clip_qkv (OLMoE) after it; or Llama 4's L2 norm per
   head without a weight (`"l2"`), after rope and on rope layers only;
 - biases on q, k, v and o (`attention_bias`) or on q, k, v only (`qkv_bias`: Qwen2-MoE, GLM);
 - sinks (gpt-oss, core/token_mixers/sinks.py);
-- a sliding window (`config.window(i)`) or a local chunk (`config.chunk(i)`, Llama 4) per layer: the
-  mask the model builds for its `MaskKind` (core/layers/masks.py);
+- a sliding window (`config.window(i)`) or a local chunk (`attention_chunk_size`, on Llama 4's
+  "chunked_attention" layers) per layer: the mask the model builds for its `MaskKind` (core/layers/masks.py);
 - rope on the first `rope_dim` dims of each head only (GLM's partial_rotary_factor), in halves or in
   interleaved pairs (`rope_interleave`: Llama 4, whose reference rotates complex pairs), or on no dims
   (a NoPE layer of Llama 4's `no_rope_layers`), where `attn_temperature_tuning` scales q by
@@ -32,6 +33,8 @@ Decisions:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -40,6 +43,55 @@ from minimoe.core.layers.masks import FLEX_MIN_HEAD_DIM, flex, mask_kind
 from minimoe.core.layers.norms import RMSNorm
 from minimoe.core.layers.rope import apply_rope, deinterleave
 from minimoe.core.token_mixers.sinks import sink_attention
+
+
+QK_NORMS = (None, "full", "head", "l2")
+
+
+@dataclass
+class AttentionConfig:
+    """GQA attention's own options, by the config.json names of the families that brought them."""
+    qk_norm: str | None = None  # on q and k: RMSNorm "full" over the projection width (OLMoE), "head" per head
+    # (Qwen3, GLM), or "l2" per head without a weight, after rope, on rope layers only (Llama 4)
+    use_qk_norm: bool = True  # the config.json switch of a family whose q/k norm is optional (GLM, Llama 4); False: none
+    clip_qkv: float | None = None  # OLMoE: clamp q, k, v to [-c, c] after projection (and q/k norm)
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2-MoE); MoEConfig.attention_bias: on o too
+    attention_sinks: bool = False  # a learned logit per head joins every softmax, with no value (gpt-oss)
+    attn_output_gate: bool = False  # q_proj also gives a per-head gate; output * sigmoid(gate) (Qwen3-Next)
+    position_embedding_type: str | None = "rope"  # anything else: no rope (Granite 4.0-H's "nope")
+    no_rope_layers: list | None = None  # per layer 1 = rope, 0 = NoPE (Llama 4's name and values); None: rope everywhere
+    no_rope_layer_interval: int | None = None  # no_rope_layers empty or None: every n-th layer NoPE (Llama 4's rule)
+    attention_chunk_size: int | None = None  # "chunked_attention" layers see their own chunk only (Llama 4; with no
+    # layer_types the rope layers are chunked, the NoPE ones full, as Llama4TextConfig fills them in)
+    # Llama 4's attention temperature on NoPE layers: q times 1 + attn_scale * log1p(floor((pos + 1) / floor_scale))
+    attn_temperature_tuning: bool = False
+    floor_scale: float = 8192.0
+    attn_scale: float = 0.1
+
+    def __post_init__(self):
+        if not self.use_qk_norm:
+            self.qk_norm = None
+        if self.qk_norm not in QK_NORMS:
+            raise ValueError(f"config: qk_norm {self.qk_norm!r}; expected one of {QK_NORMS}")
+        if self.clip_qkv is not None and not (isinstance(self.clip_qkv, (int, float)) and self.clip_qkv > 0):
+            raise ValueError(f"config: clip_qkv {self.clip_qkv!r}; expected a number > 0 or null")
+
+    def resolve(self, config):
+        """Llama 4's derived layers (config: the MoEConfig that holds this one): the NoPE layers from their
+        interval, and where config.json gives no layer_types, chunked attention on the rope layers."""
+        n = config.num_hidden_layers
+        if not self.no_rope_layers and self.no_rope_layer_interval:
+            self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(n)]
+        if self.no_rope_layers is not None and len(self.no_rope_layers) < n:
+            raise ValueError(f"config: no_rope_layers has {len(self.no_rope_layers)} entries; expected at least "
+                             f"num_hidden_layers={n}")
+        if self.attention_chunk_size and config.layer_types is None and self.no_rope_layers:
+            config.layer_types = ["chunked_attention" if self.uses_rope(i) else "full_attention" for i in range(n)]
+        if config.layer_types is not None and "chunked_attention" in config.layer_types and not self.attention_chunk_size:
+            raise ValueError("config: chunked_attention layers need attention_chunk_size >= 1")
+
+    def uses_rope(self, layer: int) -> bool:  # False: Llama 4's NoPE layers, every layer of Granite 4.0-H's "nope"
+        return self.position_embedding_type == "rope" and (self.no_rope_layers is None or bool(self.no_rope_layers[layer]))
 
 
 def l2_norm(x, eps: float):
@@ -66,31 +118,34 @@ class KVSlot:
 
 class Attention(nn.Module):
     attribute = "self_attn"  # the layer's attribute, hence the checkpoint's name (model.layers.i.self_attn.*)
+    config_class = AttentionConfig  # its options: MoEConfig.mixers["attention"]
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
+        self.options = opts = config.mixers["attention"]
         H, G, d, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
-        qkv_bias = config.attention_bias or config.qkv_bias
-        self.gated = config.attn_output_gate  # each head's q_proj rows: [query d | gate d]
+        qkv_bias = config.attention_bias or opts.qkv_bias
+        self.gated = opts.attn_output_gate  # each head's q_proj rows: [query d | gate d]
         self.q_proj = nn.Linear(D, H * d * (2 if self.gated else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(D, G * d, bias=qkv_bias)
         self.v_proj = nn.Linear(D, G * d, bias=qkv_bias)
         self.o_proj = nn.Linear(H * d, D, bias=config.attention_bias)
-        self.rope = config.uses_rope(layer_idx)  # False: a NoPE layer (Llama 4; every layer of Granite 4.0-H's nope)
+        self.rope = opts.uses_rope(layer_idx)  # False: a NoPE layer (Llama 4; every layer of Granite 4.0-H's nope)
         self.rope_dim = config.rope_dim if self.rope else 0
-        self.qk_norm = config.qk_norm if config.qk_norm != "l2" or self.rope else None  # Llama 4: rope layers only
+        self.qk_norm = opts.qk_norm if opts.qk_norm != "l2" or self.rope else None  # Llama 4: rope layers only
         if self.qk_norm in ("full", "head"):  # OLMoE: over the whole projection width, before the head split; Qwen3: per head
-            width = {"full": (H * d, G * d), "head": (d, d)}[config.qk_norm]
+            width = {"full": (H * d, G * d), "head": (d, d)}[opts.qk_norm]
             self.q_norm = RMSNorm(width[0], config.rms_norm_eps, config.norm_weight_in_fp32, config.norm_zero_centred)
             self.k_norm = RMSNorm(width[1], config.rms_norm_eps, config.norm_weight_in_fp32, config.norm_zero_centred)
-        self.temperature = config.attn_temperature_tuning and not self.rope
-        if config.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/token_mixers/sinks.py)
+        self.temperature = opts.attn_temperature_tuning and not self.rope
+        if opts.attention_sinks:  # gpt-oss: one logit per head in every softmax (core/token_mixers/sinks.py)
             self.sinks = nn.Parameter(torch.zeros(H))
-        self.mask_kind = mask_kind(window=config.window(layer_idx), chunk=config.chunk(layer_idx))
+        chunked = config.layer_types is not None and config.layer_types[layer_idx] == "chunked_attention"
+        self.mask_kind = mask_kind(window=config.window(layer_idx), chunk=opts.attention_chunk_size if chunked else None)
         # Sinks add a key column: a bool mask only. Inductor's flex kernel takes head dims of 16 or more (torch
         # 2.11 refused a tiny Mixtral's 12 on an H200): smaller heads keep SDPA's bool mask.
-        self.takes_block_mask = not config.attention_sinks and d >= FLEX_MIN_HEAD_DIM
+        self.takes_block_mask = not opts.attention_sinks and d >= FLEX_MIN_HEAD_DIM
 
     @staticmethod
     def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> KVSlot:
@@ -109,8 +164,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm == "full":
             q, k = self.q_norm(q.flatten(2)).view_as(q), self.k_norm(k.flatten(2)).view_as(k)
-        if c.clip_qkv is not None:
-            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        clip = self.options.clip_qkv
+        if clip is not None:
+            q, k, v = (t.clamp(-clip, clip) for t in (q, k, v))
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, d], [B, G, T, d]
         v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         if self.rope:
@@ -138,7 +194,7 @@ class Attention(nn.Module):
         return turned if r == x.shape[-1] else torch.cat((turned, kept), dim=-1)
 
     def temper(self, q, inputs):  # q [B, H, T, d] -> q * (1 + attn_scale * log1p(floor((p + 1) / floor_scale)))
-        c = self.config
+        c = self.options
         B, _, T, _ = q.shape
         if inputs.segment_ids is not None:
             p = inputs.position_ids.float()  # [B, T]: each packed candidate's own positions
@@ -148,7 +204,7 @@ class Attention(nn.Module):
         return (q * scale[:, None, :, None]).to(q.dtype)
 
     def attend(self, q, k, v, mask):  # q [B, H, T, d], k/v [B, G, S, d], mask bool or None -> [B, H, T, d]
-        if self.config.attention_sinks:
+        if self.options.attention_sinks:
             return sink_attention(q, k, v, self.sinks, mask, self.config.attention_scale)
         if mask is not None and not isinstance(mask, torch.Tensor):  # a BlockMask on CUDA: a fused kernel
             return flex(q.is_cuda)(q, k, v, block_mask=mask, scale=self.config.attention_scale, enable_gqa=True)

@@ -13,9 +13,12 @@ a loop. It equals transformers 4.57's `torch_chunk_gated_delta_rule` (which runs
 row-by-row substitution) and keeps its dtype flow: the rule in fp32, its output cast to the model dtype.
 The checkpoint interleaves q, k, v, z per key head in in_proj_qkvz (and b, a in in_proj_ba);
 `split_projections` undoes that. Parameter names are the checkpoint's (`linear_attn.*`).
-Padding and packed rows: core/token_mixers/ssm_common.py.
+Padding and packed rows: core/token_mixers/ssm_common.py. Its options are `DeltaNetConfig` (MoEConfig.mixers["gated_deltanet"]),
+named as Qwen3-Next's config.json names them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -23,6 +26,24 @@ import torch.nn.functional as F
 
 from minimoe.core.layers.masks import FULL
 from minimoe.core.token_mixers.ssm_common import GatedRMSNorm, RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
+
+
+@dataclass
+class DeltaNetConfig:
+    """A Gated DeltaNet layer's heads (Hk key heads of dk, Hv value heads of dv) and its conv."""
+    linear_conv_kernel_dim: int = 4  # the causal conv's kernel length
+    linear_key_head_dim: int = 128  # dk
+    linear_value_head_dim: int = 128  # dv
+    linear_num_key_heads: int = 16  # Hk
+    linear_num_value_heads: int = 32  # Hv: each key head serves Hv / Hk value heads
+
+    def __post_init__(self):
+        for name, value in vars(self).items():
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"config: {name} {value!r}; expected an int >= 1")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"config: linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
+                             f"linear_num_key_heads {self.linear_num_key_heads}")
 
 
 def l2norm(x, eps: float = 1e-6):
@@ -61,24 +82,23 @@ class GatedDeltaNet(nn.Module):
     attribute = "linear_attn"  # the layer's attribute, hence the checkpoint's names (model.layers.i.linear_attn.*)
     mask_kind, takes_block_mask = FULL, True  # it reads padding and segments itself, never an attention mask
     chunk = 64  # the delta rule's chunk length, transformers' (any length gives the same values to rounding)
+    config_class = DeltaNetConfig  # its options: MoEConfig.mixers["gated_deltanet"]
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        c = config
+        c, D = config.mixers["gated_deltanet"], config.hidden_size
         Hk, Hv = c.linear_num_key_heads, c.linear_num_value_heads
-        if Hv % Hk:
-            raise ValueError(f"config: linear_num_value_heads {Hv} is not a multiple of linear_num_key_heads {Hk}")
         self.Hk, self.Hv, self.dk, self.dv = Hk, Hv, c.linear_key_head_dim, c.linear_value_head_dim
         self.key_dim, self.value_dim = Hk * self.dk, Hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim  # q, k, v go through the conv
-        self.in_proj_qkvz = nn.Linear(c.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(c.hidden_size, 2 * Hv, bias=False)
+        self.in_proj_qkvz = nn.Linear(D, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(D, 2 * Hv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.linear_conv_kernel_dim, groups=self.conv_dim,
                                 bias=False)
         self.dt_bias = nn.Parameter(torch.ones(Hv))
         self.A_log = nn.Parameter(torch.log(torch.linspace(1, 16, Hv)))
-        self.norm = GatedRMSNorm(self.dv, c.rms_norm_eps, gate_first=False)
-        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+        self.norm = GatedRMSNorm(self.dv, config.rms_norm_eps, gate_first=False)
+        self.out_proj = nn.Linear(self.value_dim, D, bias=False)
 
     @staticmethod
     def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> StateSlot:

@@ -14,8 +14,11 @@ mamba-ssm kernels), whose dtype flow it keeps: dt's softplus in the model dtype,
 gated norm's product in fp32 (gate before the norm), cast back before out_proj.
 Parameter names are the checkpoint's (`mamba.in_proj`, `mamba.conv1d`, `mamba.dt_bias`, `mamba.A_log`,
 `mamba.D`, `mamba.norm`, `mamba.out_proj`). Padding and packed rows: core/token_mixers/ssm_common.py.
+Its options are `Mamba2Config` (MoEConfig.mixers["mamba2"]), named as Granite 4.0-H's config.json names them.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -23,6 +26,42 @@ import torch.nn.functional as F
 
 from minimoe.core.layers.masks import FULL
 from minimoe.core.token_mixers.ssm_common import GatedRMSNorm, RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
+
+
+@dataclass
+class Mamba2Config:
+    """A Mamba-2 layer's widths (H heads of P, G groups of B and C, state N) and its conv and scan."""
+    mamba_n_heads: int = 128  # H
+    mamba_d_head: int | str = "auto"  # P; "auto": mamba_expand * hidden_size / mamba_n_heads (`resolve`)
+    mamba_n_groups: int = 1  # G: heads share B and C within a group
+    mamba_d_state: int = 256  # N
+    mamba_d_conv: int = 4  # the causal conv's kernel length
+    mamba_expand: int = 2  # the inner width H*P, as a multiple of hidden_size, where mamba_d_head is "auto"
+    mamba_chunk_size: int = 256  # L, the SSD scan's chunk (any length gives the same values to rounding)
+    mamba_conv_bias: bool = True
+    mamba_proj_bias: bool = False  # biases on in_proj and out_proj
+
+    def __post_init__(self):
+        for name in ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand",
+                     "mamba_chunk_size"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"config: {name} {getattr(self, name)!r}; expected an int >= 1")
+        if self.mamba_d_head not in ("auto", None) and not (isinstance(self.mamba_d_head, int) and self.mamba_d_head >= 1):
+            raise ValueError(f"config: mamba_d_head {self.mamba_d_head!r}; expected an int >= 1 or 'auto'")
+        if self.mamba_n_heads % self.mamba_n_groups:
+            raise ValueError(f"config: mamba_n_heads {self.mamba_n_heads} is not a multiple of mamba_n_groups "
+                             f"{self.mamba_n_groups}")
+
+    def resolve(self, config):
+        """The head width "auto" from the model's hidden_size (config: the MoEConfig that holds this one)."""
+        if self.mamba_d_head not in ("auto", None):
+            return
+        inner = self.mamba_expand * config.hidden_size
+        if inner % self.mamba_n_heads == 0:
+            self.mamba_d_head = inner // self.mamba_n_heads
+        elif "mamba2" in config.mixer_kinds:  # held but run by no layer (a hybrid's attention-only model): left "auto"
+            raise ValueError(f"config: mamba_n_heads {self.mamba_n_heads} does not divide mamba_expand * "
+                             f"hidden_size = {inner}")
 
 
 def ssd_scan(x, dt, A, B, C, chunk: int, state=None):
@@ -58,23 +97,23 @@ class Mamba2Mixer(nn.Module):
     attribute = "mamba"  # the layer's attribute, hence the checkpoint's names (model.layers.i.mamba.*)
     mask_kind, takes_block_mask = FULL, True  # it reads padding and segments itself, never an attention mask
 
+    config_class = Mamba2Config  # its options: MoEConfig.mixers["mamba2"]
+
     def __init__(self, config, layer_idx: int):
         super().__init__()
-        c = config
+        c = config.mixers["mamba2"]
         H, G = c.mamba_n_heads, c.mamba_n_groups
-        if H % G:
-            raise ValueError(f"config: mamba_n_heads {H} is not a multiple of mamba_n_groups {G}")
         self.H, self.P, self.G, self.N, self.chunk = H, c.mamba_d_head, G, c.mamba_d_state, c.mamba_chunk_size
         self.inner = H * c.mamba_d_head
         self.conv_dim = self.inner + 2 * G * self.N  # x, B, C go through the conv
-        self.in_proj = nn.Linear(c.hidden_size, self.inner + self.conv_dim + H, bias=c.mamba_proj_bias)
+        self.in_proj = nn.Linear(config.hidden_size, self.inner + self.conv_dim + H, bias=c.mamba_proj_bias)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.mamba_d_conv, groups=self.conv_dim,
                                 bias=c.mamba_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(H))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(H))
-        self.norm = GatedRMSNorm(self.inner, c.rms_norm_eps, gate_first=True)
-        self.out_proj = nn.Linear(self.inner, c.hidden_size, bias=c.mamba_proj_bias)
+        self.norm = GatedRMSNorm(self.inner, config.rms_norm_eps, gate_first=True)
+        self.out_proj = nn.Linear(self.inner, config.hidden_size, bias=c.mamba_proj_bias)
 
     @staticmethod
     def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> StateSlot:

@@ -1,17 +1,23 @@
 """The token mixer: what a decoder layer runs before its MLP, swappable as the router is.
 
 A layer's mixer is chosen by the config (`mixer_type`): `config.mixer_types[i]` where a family sets it
-(the hybrids: state-space or linear-attention layers among attention layers), else MLA where
-`kv_lora_rank` is set, else GQA attention. `MIXERS` maps each name to its class, one room each:
+(the hybrids: state-space or linear-attention layers among attention layers), else MLA where the config
+holds MLA's options, else GQA attention. `MIXERS` maps each name to its class, one room each:
 
-    "attention"  core/token_mixers/attention.py  GQA: q/k norms, sinks, sliding windows (its options: config fields)
-    "mla"        core/token_mixers/mla.py        DeepSeek's Multi-head Latent Attention
-    "mamba2"     core/token_mixers/mamba2.py     Mamba-2 (Granite 4.0-H's mamba layers): conv1d + chunked SSD scan
-    "gated_deltanet"  core/token_mixers/deltanet.py  Gated DeltaNet (Qwen3-Next's linear_attention layers)
+    "attention"  core/token_mixers/attention.py  GQA: q/k norms, sinks, sliding windows (its options: AttentionConfig)
+    "mla"        core/token_mixers/mla.py        DeepSeek's Multi-head Latent Attention (MLAConfig)
+    "mamba2"     core/token_mixers/mamba2.py     Mamba-2 (Granite 4.0-H's mamba layers): conv1d + chunked SSD scan (Mamba2Config)
+    "gated_deltanet"  core/token_mixers/deltanet.py  Gated DeltaNet (Qwen3-Next's linear_attention layers) (DeltaNetConfig)
 
-The interface every mixer keeps (a new one is a class with these three, added to `MIXERS`):
-- `Mixer(config, layer_idx)`, an nn.Module; its class attribute `attribute` names the layer's
-  attribute that holds it, hence its checkpoint keys (`model.layers.i.self_attn.*`);
+The interface every mixer keeps (a new one is a file with its class and its config, added to `MIXERS`):
+- `config_class`: a dataclass of the mixer's own options, defined and value-checked (in `__post_init__`,
+  errors naming the field) in the mixer's file; its field names are the flat names config.json gives them
+  (a family's `renames` map other names onto them) and no other mixer's or MoEConfig's. The model's config
+  holds one per kind its layers run, `config.mixers[name]` (model.MoEConfig); an optional
+  `resolve(config)` derives what needs the model's shared fields (Mamba-2's head width from hidden_size);
+- `Mixer(config, layer_idx)`, an nn.Module reading `config.mixers[name]` and the shared fields; its class
+  attribute `attribute` names the layer's attribute that holds it, hence its checkpoint keys
+  (`model.layers.i.self_attn.*`);
 - `forward(x [B, T, D], inputs: MixerInputs, cache: its slot or None) -> [B, T, D]`;
 - `cache_slot(config, layer_idx, batch_size, max_len, dtype, device)` (static): the layer's entry in
   `KVCache`, which the mixer alone reads and writes (attention: keys and values; a state-space
@@ -29,7 +35,7 @@ Decisions:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -50,9 +56,22 @@ def register_mixer(name: str, cls: type) -> type:
 
 def mixer_type(config, layer_idx: int) -> str:
     """The name of layer `layer_idx`'s mixer in `MIXERS`."""
-    if getattr(config, "mixer_types", None):
+    if config.mixer_types:
         return config.mixer_types[layer_idx]
-    return "mla" if config.kv_lora_rank is not None else "attention"
+    return "mla" if "mla" in config.mixers else "attention"
+
+
+def flat_mixer_types(fields: dict) -> set[str]:
+    """The mixers the layers of a flat config (config.json's names) run: `mixer_types`, else MLA where
+    kv_lora_rank is set (DeepSeek's config.json), else attention."""
+    if fields.get("mixer_types"):
+        return set(fields["mixer_types"])
+    return {"mla" if fields.get("kv_lora_rank") is not None else "attention"}
+
+
+def mixer_field_names() -> dict[str, str]:
+    """Each mixer option's flat name -> the MIXERS name whose config holds it."""
+    return {f.name: name for name, mixer in MIXERS.items() for f in fields(mixer.config_class)}
 
 
 def mixer_for(config, layer_idx: int):

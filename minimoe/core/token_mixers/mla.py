@@ -19,8 +19,12 @@ Decisions, for parity with transformers 4.57 (modeling_deepseek_v2.py, modeling_
 - The full keys and values are built per head and sent to SDPA (v may be narrower than q/k): the
   readable form. The absorbed form that caches only the C + r latent is an inference optimisation
   we do not need for training; the KV cache holds keys [B, H, S, n+r] and values [B, H, S, v].
+- Its options are `MLAConfig` (MoEConfig.mixers["mla"]), by DeepSeek's config.json names; a flat config whose
+  kv_lora_rank is set runs MLA in every layer (core/token_mixers/mixers.py's `layer_kinds`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -34,18 +38,37 @@ from minimoe.core.layers.rope import apply_rope, deinterleave, yarn_softmax_msca
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the references' RMSNorm default, not rms_norm_eps
 
 
+@dataclass
+class MLAConfig:
+    """MLA's low ranks and head parts (the letters of the module docstring)."""
+    kv_lora_rank: int | None = None  # C, the latent every head's no-rope key and value come from
+    q_lora_rank: int | None = None  # Q, the query's low rank; None: one q_proj (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int = 0  # n, each head's query/key part without rope
+    qk_rope_head_dim: int = 0  # r, each head's query/key part with rope (one rope key for all heads)
+    v_head_dim: int = 0  # v, each head's value width
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
+                raise ValueError(f"config: Multi-head Latent Attention's {name} {getattr(self, name)!r}; expected an "
+                                 f"int >= 1")
+        if self.q_lora_rank is not None and not (isinstance(self.q_lora_rank, int) and self.q_lora_rank >= 1):
+            raise ValueError(f"config: q_lora_rank {self.q_lora_rank!r}; expected an int >= 1 or null (one q_proj)")
+
+
 class MLAttention(nn.Module):
     """Reads the config.json fields of DeepSeek-V2/V3 by their names; a mixer as attention.Attention is."""
     attribute = "self_attn"  # the checkpoint's name, as attention's
     takes_block_mask = False  # SDPA with a bool mask: v is narrower than q and k
+    config_class = MLAConfig  # its options: MoEConfig.mixers["mla"]
 
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        D, H = config.hidden_size, config.num_attention_heads
-        n, r, v, C = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.kv_lora_rank
+        D, H, mla = config.hidden_size, config.num_attention_heads, config.mixers["mla"]
+        n, r, v, C = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.kv_lora_rank
         self.H, self.n, self.r, self.v, self.C = H, n, r, v, C
-        self.q_lora_rank = config.q_lora_rank
+        self.q_lora_rank = mla.q_lora_rank
         bias = config.attention_bias
         if self.q_lora_rank is None:
             self.q_proj = nn.Linear(D, H * (n + r), bias=False)
@@ -64,7 +87,8 @@ class MLAttention(nn.Module):
     @staticmethod
     def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> KVSlot:
         """Every head's full key and value (the readable form, module docstring)."""
-        n, r, v = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim
+        mla = config.mixers["mla"]
+        n, r, v = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         return KVSlot(batch_size, config.num_attention_heads, max_len, n + r, v, dtype, device)
 
     def forward(self, x, inputs, cache: KVSlot | None = None):  # x [B, T, D]; inputs.cos, .sin [B, T, r]

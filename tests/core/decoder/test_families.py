@@ -64,7 +64,7 @@ def test_a_family_is_one_declaration(declared, tmp_path):
     d.update(model_type="olmoe_like", n_experts=d.pop("num_experts"))
     d.pop("norm_topk_prob")
     config = config_from_dict(d)
-    assert config.num_experts == 8 and config.norm_topk_prob and config.qk_norm == "full"
+    assert config.num_experts == 8 and config.norm_topk_prob and config.mixers["attention"].qk_norm == "full"
     back = config_to_dict(config)
     assert back["architectures"] == ["OlmoeLikeForCausalLM"] and back["n_experts"] == 8 and "num_experts" not in back
     layout = checkpoint_layout(config)
@@ -97,7 +97,7 @@ def test_family_fixed_fields_override_the_file():
     d = config_to_dict(tiny_config("granitemoe"))
     d["norm_topk_prob"] = False
     assert config_from_dict(d).norm_topk_prob and config_from_dict(d).topk_on_logits
-    assert MoEConfig(**{**vars(tiny_config("olmoe")), "qk_norm": None}).qk_norm == "full"
+    assert MoEConfig.from_flat({**tiny_config("olmoe").flat(), "qk_norm": None}).mixers["attention"].qk_norm == "full"
     assert {f.name for f in fields(Family)} >= set(REQUIRED)
 
 

@@ -2,13 +2,10 @@
 holding only the fields minimoe requires resolves, field by field, to what transformers' config of that
 model_type gives every field the file omits; and its `write_defaults`, what we write for a field left None. Every test and tiny checkpoint sets each field, so a wrong
 default (DeepSeek-V3's routed_scaling_factor 2.5, OLMoE's rms_norm_eps 1e-5, ...) showed nowhere else."""
-from dataclasses import fields
-
 import pytest
 
 from tests.conftest import oracle, tiny_config
 from minimoe.core.decoder.families import FAMILIES
-from minimoe.core.decoder.model import MoEConfig
 from minimoe.loading.checkpoint import REQUIRED_FIELDS, config_from_dict, config_to_dict
 
 # The fields minimoe requires (loading/checkpoint.py), at widths every family's defaults accept: 128 heads
@@ -39,16 +36,16 @@ def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(mo
     family = FAMILIES[model_type]
     on_disk = {ours: disk for disk, ours in family.renames.items()}  # our field -> its config.json name
     d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}}
-    ours = config_from_dict(dict(d))
+    ours = config_from_dict(dict(d)).flat()  # the shared fields and those of the mixers the model holds
     reference = transformers.AutoConfig.for_model(**d)
     wrong, compared = [], 0
-    for name in (f.name for f in fields(MoEConfig)):
+    for name in ours:
         disk = on_disk.get(name, name)
-        if name in REQUIRED or name in family.fixed or name == "extra" or not hasattr(reference, disk) \
+        if name in REQUIRED or name in family.fixed or not hasattr(reference, disk) \
                 or family.renames.get(name, name) != name:
             continue  # given; the modeling file's (Family.fixed); a field transformers' config lacks; or a
             # config.json name the family reads into another of our fields (the hybrids' layer_types)
-        value, theirs = getattr(ours, name), getattr(reference, disk)
+        value, theirs = ours[name], getattr(reference, disk)
         if name == "mixer_types" and family.layer_kinds:  # our mixers by config.json's names for their kinds
             back = {mixer: kind for kind, mixer in family.layer_kinds.items()}
             value = [back[m] for m in value]

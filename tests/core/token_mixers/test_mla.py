@@ -11,6 +11,7 @@ from minimoe.core.token_mixers.mla import MLAttention
 from minimoe.core.layers.masks import FULL, bool_mask
 from minimoe.core.token_mixers.mixers import MixerInputs
 from minimoe.core.layers.rope import rope_cos_sin, rope_frequencies
+from tests.conftest import as_our_mixer_config
 
 FP32_TOL = 2e-5  # max |ours - ref| / max |ref|
 YARN_V2 = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
@@ -35,7 +36,7 @@ def pair(cfg, version, seed=0):
     with torch.no_grad():
         for name, p in ref.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
-    ours = MLAttention(cfg, layer_idx=0)
+    ours = MLAttention(as_our_mixer_config(cfg, "mla"), layer_idx=0)
     ours.load_state_dict(ref.state_dict(), strict=True)
     return ref, ours
 

@@ -4,8 +4,6 @@ torch_chunk_gated_delta_rule) on the same random weights: outputs in fp32 (unpad
 padded), gradients, bf16 error; and against themselves: a padded row equals the row alone, a packed row
 (prompt + candidates, core/task/choices.py's layout) equals each candidate's own row, and a forward in
 pieces through the state cache equals one forward over the whole row."""
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ from minimoe.core.token_mixers.deltanet import GatedDeltaNet
 from minimoe.core.token_mixers.mamba2 import Mamba2Mixer
 from minimoe.core.token_mixers.mixers import MixerInputs
 from minimoe.core.token_mixers.ssm_common import StateSlot
-from tests.conftest import oracle
+from tests.conftest import as_our_mixer_config, oracle
 
 D = 32
 
@@ -27,12 +25,12 @@ def pair(kind: str, seed: int = 0):
         from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
         cfg = transformers.GraniteMoeHybridConfig(hidden_size=D, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
                                                   mamba_d_head=8, mamba_chunk_size=8, mamba_d_conv=4)
-        ref, ours = GraniteMoeHybridMambaLayer(cfg, 0), Mamba2Mixer(SimpleNamespace(**cfg.to_dict()), 0)
+        ref, ours = GraniteMoeHybridMambaLayer(cfg, 0), Mamba2Mixer(as_our_mixer_config(cfg, "mamba2"), 0)
     else:
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
         cfg = transformers.Qwen3NextConfig(hidden_size=D, linear_num_key_heads=2, linear_num_value_heads=4,
                                            linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4)
-        ref, ours = Qwen3NextGatedDeltaNet(cfg, 0), GatedDeltaNet(SimpleNamespace(**cfg.to_dict()), 0)
+        ref, ours = Qwen3NextGatedDeltaNet(cfg, 0), GatedDeltaNet(as_our_mixer_config(cfg, "gated_deltanet"), 0)
         ours.chunk = 8
     with torch.no_grad():
         for name, p in ref.named_parameters():
@@ -168,8 +166,8 @@ def test_mamba_heads_must_divide_the_inner_width_only_where_there_are_mamba_laye
     from minimoe.core.decoder.model import MoEConfig
     kw = dict(model_type="granitemoehybrid", vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
-    assert MoEConfig(**kw).mamba_d_head == "auto"  # unused
-    assert MoEConfig(**kw, mamba_n_heads=8).mamba_d_head == 8
+    assert MoEConfig(**kw).mixers["mamba2"].mamba_d_head == "auto"  # unused
+    assert MoEConfig.from_flat({**kw, "mamba_n_heads": 8}).mixers["mamba2"].mamba_d_head == 8
     with pytest.raises(ValueError, match="mamba_n_heads 128 does not divide mamba_expand \\* hidden_size = 64"):
         MoEConfig(**kw, mixer_types=["mamba2", "attention"])
 
