@@ -44,7 +44,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.clamped_experts import ClampedSwiGLUExperts
-from minimoe.core.densemixer import dense_term
 from minimoe.core.experts import Experts
 from minimoe.core.families import family_of
 from minimoe.core.masks import block_mask, bool_mask, flex_applies
@@ -334,8 +333,8 @@ class MoEBlock(nn.Module):
         if stash is not None and replay is None:
             stash["experts"] = routing.experts.detach()
         y = self.experts(flat, routing.experts, routing.weights)  # [B*T, D]
-        if routing.dense_weights is not None and torch.is_grad_enabled():  # DenseMixer: + 0, dense router gradient
-            y = y + dense_term(self.experts, flat, routing.dense_weights)
+        if routing.addend is not None:  # the policy's own term (routing.Routing)
+            y = y + routing.addend(self.experts, flat)
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:  # Qwen2-MoE: sigmoid(w . x) per token

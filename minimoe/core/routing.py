@@ -68,6 +68,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -87,7 +88,10 @@ class Routing:
     prediction: torch.Tensor | None = None  # [T] supervised (tes: e_hat, acs: C_t); None: not supervised
     expert_scores: torch.Tensor | None = None  # [T, E] tes: per-expert error scores e_hat_{t,i}
     routing_logits: torch.Tensor | None = None  # [T, E] tes, dual: the logits the selection used
-    dense_weights: torch.Tensor | None = None  # [T, E] densemixer: the router's gradient is the dense mixture's
+    # (experts, x [T, D]) -> [T, D]: a term the MoE block adds to the experts' output, `experts` its bank and x
+    # the bank's input; a policy sets it where its method needs more than the K weighted experts (DenseMixer:
+    # zero in value, its backward the dense router gradient). The block calls it without knowing the method.
+    addend: Callable | None = None
 
 
 def _number(x) -> bool:
