@@ -428,8 +428,8 @@ class MoEForCausalLM(nn.Module):
 
     @property
     def router_spec(self) -> dict | None:
-        """The installed method's JSON (Method.spec), what an adapter saves; None: native everywhere."""
-        return None if self.router_method is None else self.router_method.spec(self.router_layers)
+        """The installed method's record on its layers (Method.record), what an adapter saves; None: native everywhere."""
+        return None if self.router_method is None else self.router_method.record(self.router_layers)
 
     def gradient_checkpointing_enable(self, enable: bool = True):
         for layer in self.model.layers:

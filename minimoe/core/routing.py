@@ -58,10 +58,10 @@ Decisions where the paper is silent, and why:
 - A policy's options are checked once, by its method's record (methods.Option, `Method.configure`),
   before `from_gate` builds it; the policies do not check them again.
 - `set_router` describes the whole model: layers out of scope get `NativeRouter` back and every gate
-  is frozen except in scope with tune_router=True. `router_spec` stores every option with its
-  resolved default, so a saved adapter does not change meaning if a default changes; a method from
-  outside minimoe also stores where it was registered ("module"), so that a fresh process
-  (evaluate.py, --resume, load_adapter) imports it again.
+  is frozen except in scope with tune_router=True. `router_spec` (the method's record, methods.Method.record)
+  stores every option with its resolved default, so a saved adapter does not change meaning if a
+  default changes; a method from outside minimoe also stores where it came from ("module"), so that a
+  fresh process (evaluate.py, --resume, load_adapter) imports it again.
 """
 from __future__ import annotations
 

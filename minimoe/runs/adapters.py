@@ -45,6 +45,7 @@ from minimoe.core.model import MoEForCausalLM
 from minimoe.core.quantized import digest_sample, is_quantized
 from minimoe.core.routing import moe_blocks, tuned_layers
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, write_checkpoint
+from minimoe.runs.compat import adapter_record
 from minimoe.runs.ranks import full
 from minimoe.runs.registry import method_of
 from minimoe.runs.sharding import put_rows
@@ -157,8 +158,9 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
     """Restore a saved adapter into `model` (a base model, or one with the same LoRA); strict.
 
     `method`: the configured Method the caller resolved already (run_folder.AdapterSource.method), installed as
-    it is, which must be the one the adapter's router spec names, on its layers; None: resolved here from
-    that spec (registry.method_of).
+    it is; None: resolved here from the adapter's method record (registry.method_of). Either way the installed
+    method's record must equal the adapter's in every field it holds (`record_difference`; an older layout
+    is read by compat.adapter_record), else the error names the first that differs.
 
     An adapter trained on other base weights of the same shapes (fingerprint "base_weights") is
     refused unless allow_other_base; other shapes are refused always.
@@ -190,9 +192,7 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
         raise ValueError(f"{path}: adapter was trained on {config['base_model']!r}, whose weights differ from this "
                          f"model's (base_weights digest {digest}, expected {expected}); pass "
                          f"--allow-other-base (allow_other_base=True) to apply it anyway")
-    router = config["router"]
-    if router is None and config["gate_layers"]:  # tuned by hand before set_router recorded it: native routing
-        router = {"method": "native", "layers": config["gate_layers"], "tune_router": True}
+    router = adapter_record(config)  # the method record, as Method.record writes it (older layouts: compat)
     if tuned_layers(router) != config["gate_layers"]:
         raise ValueError(f"{path / 'adapter_config.json'}: gate_layers {config['gate_layers']} are not the layers "
                          f"its router spec tunes ({tuned_layers(router)})")
@@ -206,10 +206,10 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
         raise ValueError(f"{path}: the model's LoRA is merged; unmerge_lora before loading an adapter")
     if router is not None:  # after LoRA, as training installs them (training.install_method)
         set_router(model, method or method_of(router))
-        installed = {k: model.router_spec[k] for k in ("method", "layers", "tune_router")}
-        if installed != {k: router.get(k, False) for k in installed}:
-            raise ValueError(f"{path / 'adapter_config.json'}: its router spec is {router}; the method given to "
-                             f"load_adapter installs {installed}")
+        if differ := record_difference(router, json.loads(json.dumps(model.router_spec))):
+            field, saved, installed = differ
+            raise ValueError(f"{path / 'adapter_config.json'}: its method record has {field} = {saved!r}; the method "
+                             f"given to load_adapter installs {field} = {installed!r} (the record: {router})")
     file = path / "adapter.safetensors"
     try:
         got = load_file(str(file))
@@ -233,6 +233,18 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
         for k, t in got.items():
             want[k].copy_(t)
     return model
+
+
+def record_difference(saved: dict, installed: dict) -> tuple[str, object, object] | None:
+    """The first field of the method record `saved` (an option as options.NAME) whose value the installed
+    record does not share -> (field, saved value, installed value); None: they agree. Every field `saved`
+    holds is compared (an older adapter's record holds fewer: compat.adapter_record)."""
+    flat = [({f"options.{k}": v for k, v in r.get("options", {}).items()} | {k: v for k, v in r.items() if k != "options"})
+            for r in (saved, installed)]
+    for field, value in flat[0].items():
+        if flat[1].get(field) != value:
+            return field, value, flat[1].get(field)
+    return None
 
 
 def load_adapter_rows(model: MoEForCausalLM, folder: Path):
