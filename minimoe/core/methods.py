@@ -85,7 +85,7 @@ NOT_NATIVE = "its policy replaces the family's native top-K"
 @dataclass(eq=False)
 class Method:
     """One routing method (METHODS), and, once `configure`d, one run's use of it."""
-    name: str  # --method, and "method" in config.json and in the router spec
+    name: str  # --method, and "name" in its record (config.json's "method", an adapter's "router")
     policy: type  # nn.Module; set_router builds it per layer in scope as policy.from_gate(gate, config, **options)
     label: str  # the report's row and the run's name: "-<objective>" follows a supervised one's (TES-IS)
     options: dict = field(default_factory=dict)  # option -> its default, or an Option: the policy's keywords
@@ -149,7 +149,7 @@ class Method:
     @property
     def policy_options(self) -> dict:
         """The policy's keywords (its options, less the heads' learning rates) with their values in the run;
-        a float option's as a float (2 -> 2.0), so that the router spec stays JSON-serialisable."""
+        a float option's as a float (2 -> 2.0), so that a checkpoint's float option builds the policy the same."""
         values = {name: self.values.get(name, o.default) for name, o in self.options.items()}
         return {name: float(v) if isinstance(self.options[name].default, float) and _number(v) else v
                 for name, v in values.items()}

@@ -4,13 +4,17 @@ The LoRA layers themselves are in minimoe/core/lora.py, the routing methods' hea
 
 Adapter folder: adapter.safetensors (LoRA tensors, all state under `.mlp.router.`, and the
 `.mlp.gate.weight` of layers whose gate trains) and adapter_config.json (rank, alpha, dropout,
-targets, dtype, base model, a config fingerprint, the `set_router` spec, the tuned gate layers).
-The format is unchanged since the first adapters; one written before "base_weights" existed loads
-without that check.
+targets, dtype, base model, a config fingerprint, the installed method's record (`Method.record`, as
+config.json holds it but on its resolved layers), the tuned gate layers).
+The tensors' format is unchanged since the first adapters; one written before "base_weights" existed
+loads without that check, and one whose "router" has the older router-spec layout is read as today's
+record (compat.adapter_record).
 
 Decisions:
-- `load_adapter` installs LoRA, then the router spec (the order of training's `install_method`),
-  then checks and copies the tensors, strictly (an unknown, missing or misshapen tensor names itself).
+- `load_adapter` installs LoRA, then the method (the order of training's `install_method`), checks the
+  installed method's record against the file's field by field (`record_difference`: a method given by
+  the caller that is not the adapter's is refused, naming the field), then checks and copies the
+  tensors, strictly (an unknown, missing or misshapen tensor names itself).
 - Which native gates an adapter carries ("gate_layers") is what the router spec tunes
   (`routing.tuned_layers`), never read back from requires_grad. An adapter written before that
   with tuned gates and no router spec loads as native routing with those gates tuned, which is

@@ -3,8 +3,8 @@ again in a fresh process, and the one resolution of a method's name.
 
 A file (or module) of your own defines a policy and calls `minimoe.register_method(Method(...))` at
 import (README: Adding a routing method; examples/my_method.py). train.py's --method-module imports
-it; the record then remembers where it came from (`Method.module`), and config.json and every
-adapter's router spec record that too, so that evaluate.py, --resume and load_adapter import it
+it; the record then remembers where it came from (`Method.module`), and the configured method's
+record (`Method.record`: config.json's "method", every adapter's "router") holds it too, so that evaluate.py, --resume and load_adapter import it
 again in a fresh process (`resolve_method`, `method_of`: a method record to its configured Method).
 
 An objective of your own (`register_objective`, examples/my_objective.py) comes the same way: its file
