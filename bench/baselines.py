@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from minimoe.core.routing_methods.esft import esft_layers  # noqa: E402
-from minimoe.core.routing_methods.methods import get_method  # noqa: E402
+from minimoe.core.routing_methods.methods import Method  # noqa: E402
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights  # noqa: E402
 from minimoe.core.routing_methods.objectives import load_balancing_loss  # noqa: E402
 from minimoe.runs.training import install_method  # noqa: E402
@@ -46,7 +46,7 @@ def step_fn(config: MoEConfig, method: str, tune_router: bool, aux: bool, target
     cuda = device.type == "cuda"
     if cuda:  # the GPU recipe: a bf16 base under autocast, fp32 LoRA and tuned gates (install_method)
         model.to(torch.bfloat16)
-    configured = get_method(method).configure(tune_router=tune_router, options=options, layers="all")
+    configured = Method.from_record({"name": method, "tune_router": tune_router, "options": options, "layers": "all"})
     cfg = SimpleNamespace(lora_rank=8, lora_alpha=8, lora_dropout=0.0, lora_targets=list(targets), method=configured)
     install_method(model, cfg)
     for mlp in esft_layers(model).values():  # ESFT: a quarter of the experts chosen (training.py chooses from data)

@@ -2,7 +2,7 @@
 TrainConfig's own fields into method_options) still loads: its config.json reads into today's
 TrainConfig and method, the sweep calls it done for its cell, and --resume and evaluate.py accept it.
 So does the config.json of main at f907bcb, the last with the method's settings at its top level
-(today's holds the configured method as one mapping, config.method_record).
+(today's holds the configured method as one mapping, Method.record).
 
 The fixture is that version's own output, paths scrubbed (tests/fixtures/README.md says how it was
 made): `train.py --model tiny --epochs 1 --max-train-examples 16 --batch-size 8 --eval-batch-size 8
@@ -18,7 +18,7 @@ import torch
 from minimoe.cli import evaluate, sweep, train
 from minimoe.making.tiny import tiny_checkpoint, tiny_config
 from minimoe.runs.compat import read_settings, settings_of
-from minimoe.runs.config import build_config, method_record, method_settings
+from minimoe.runs.config import build_config, method_settings
 from minimoe.runs.naming import run_name
 
 FIXTURE = Path(__file__).parent / "fixtures" / "run-3a854cc" / "tiny-olmoe-arc_challenge-TES-IS-gamma2-seed42"
@@ -96,7 +96,7 @@ def test_a_config_json_with_the_methods_settings_at_its_top_level_reads_into_the
         "tune_router": True, "method_options": {"gamma": 2.0, "tau": 1.0, "transform": "started-log",
                                                 "error_head_lr": 1e-5}}
     assert old.method.row == record["label"] and run_name(record, old.method) == FLAT.name
-    new = {**record, "method": method_record(old.method)}
+    new = {**record, "method": old.method.record()}
     for key in ("method_module", "method_options", "objective", "lambda_", "layers", "tune_router"):
         del new[key]  # today's config.json holds them in "method" alone
     assert method_settings(build_config(settings_of(new), new["recipe"]).method) == method_settings(old.method)

@@ -54,7 +54,7 @@ from minimoe.process_memory import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.making.smollm import smollm_checkpoint
 from minimoe.runs.compat import read_run_config, read_settings, settings_of
-from minimoe.runs.config import TrainConfig, build_config, differing, loaded_settings, method_record
+from minimoe.runs.config import FIELDS, TrainConfig, build_config, differing, loaded_settings
 from minimoe.runs.device import pick_device, pick_dtype
 from minimoe.runs.flags import add_flags
 from minimoe.runs.naming import run_name, unread_flags
@@ -81,29 +81,50 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-# Flags that are no setting of the run: what to do with its folder.
-NOT_SETTINGS = ("resume", "rerun", "config")
+# Flags that are no setting of the run: what to do with its folder; and `typed`, what parse_args read off the
+# command line itself.
+NOT_SETTINGS = ("resume", "rerun", "config", "typed")
+
+
+class Unset:
+    """A setting the command line did not give (parse_args' namespace starts with one per setting): falsy,
+    so that --method-option's action merges over it as over nothing."""
+
+    def __bool__(self):
+        return False
+
+
+UNSET = Unset()
 
 
 def parse_args(argv=None):
     """The flags, over a --config file's settings or, for `--resume RUN`, the run's own (its config.json,
-    of any version: compat.read_settings); flags typed win."""
+    of any version: compat.read_settings), over the defaults; flags typed win. The command line is parsed
+    once: every setting starts UNSET, so what argparse sets is what was typed (`args.typed`, the settings
+    typed off their defaults, for main's warning)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(FIELDS, UNSET)))
+    typed = {k: v for k, v in vars(args).items() if k in FIELDS and v is not UNSET}
     resume_run = None if args.resume in (None, True) else Path(args.resume)
     if resume_run is not None and args.config is not None:
         raise ValueError("--resume RUN reads the settings of RUN/config.json; pass no --config with it")
+    settings = {}
     if resume_run is not None or args.config is not None:
         path = resume_run / "config.json" if resume_run is not None else Path(args.config)
         if resume_run is not None and not path.is_file():
             raise FileNotFoundError(f"--resume {resume_run}: no config.json in it; expected a run folder written by "
                                     f"train.py")
-        # The file's values fill the namespace first; argparse then sets only the flags typed (and the
-        # defaults of what the file left out).
-        args = parser().parse_args(argv, namespace=argparse.Namespace(**read_settings(path)))
-        if resume_run is not None:  # the run where it is now
-            args.out_dir, args.run_name = str(resume_run.parent), resume_run.name
+        settings = read_settings(path)
+    for key in FIELDS:  # typed, else the file's, else the default; a typed --method-option over the file's
+        value = typed.get(key, settings.get(key, p.get_default(key)))
+        if key == "method_options" and key in typed and settings.get(key):
+            value = {**settings[key], **typed[key]}
+        setattr(args, key, value)
+    if resume_run is not None:  # the run where it is now
+        args.out_dir, args.run_name = str(resume_run.parent), resume_run.name
     args.resume = args.resume is not None
+    args.typed = {k: v for k, v in typed.items() if v != p.get_default(k)}
     return args
 
 
@@ -143,11 +164,11 @@ def check_quantization(cfg: TrainConfig, model_config) -> None:
 
 
 def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict:
-    """config.json: every setting (the configured method as one mapping: config.method_record), what the
+    """config.json: every setting (the configured method as one mapping: its Method.record), what the
     run's readers (evaluate.py, sweep.py, --resume) look up (among them each split's size, train as cut,
     and the sha256 of the manifest it was read from), and what produced it (`origin`:
     minimoe.runs.provenance)."""
-    return {**vars(cfg), "method": method_record(cfg.method), "label": cfg.method.row,
+    return {**vars(cfg), "method": cfg.method.record(), "label": cfg.method.row,
             "world_size": world()[1], "torch_version": torch.__version__,
             "model_config": model_config.flat() | {"extra": None}, "data_sizes": {s: len(v) for s, v in data.items()},
             "data_sha256": {s: split_sha256(cfg.data, s, cfg.data_dir) for s in data}, "provenance": origin}
@@ -208,9 +229,7 @@ def main(argv=None):
         check_quantization(cfg, model_config)  # the library, the family, no --shard fsdp: before anything is written
     model = None if sharded else minimoe.from_pretrained(folder, dtype=cfg.dtype, quantize=cfg.quantize,
                                                          device=cfg.device if cfg.quantize else None)
-    typed, default = (vars(parser().parse_args(a)) for a in (list(sys.argv[1:] if argv is None else argv), []))
-    typed = {k: v for k, v in typed.items() if v != default[k]}  # flags typed off their defaults, not a --config's
-    if unread := unread_flags(typed, cfg.method):
+    if unread := unread_flags(args.typed, cfg.method):  # flags typed off their defaults, not a --config's
         print(f"train.py: warning: {', '.join(unread)} ignored: {cfg.method.row} supervises no prediction, so it has "
               f"no objective nor lambda (TES and ACS do)", file=sys.stderr)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), cfg.method))  # named by --data as given (sweep.py does so)

@@ -62,14 +62,14 @@ from minimoe.core.routing_methods.routing import moe_blocks
 from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint, write_checkpoint
 from minimoe.loading.layouts import layout_of
 from minimoe.runs.adapters import adapter_tensors, fingerprint, gate_layers, load_adapter
-from minimoe.runs.user_methods import method_of
 from minimoe.runs.run_folder import resolve_adapter  # a run folder resolves through selection.json
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys
 
 
-def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(adapter config as save_adapter writes it, tensors) from a model, an adapter folder or a run."""
+def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[str, torch.Tensor], object]:
+    """(adapter config as save_adapter writes it, tensors, its configured Method or None) from a model, an
+    adapter folder or a run; the method as the merged export reads it (the model's, or AdapterSource.method)."""
     if isinstance(adapter_or_run, MoEForCausalLM):
         model = adapter_or_run
         if model.lora_spec is None:
@@ -77,10 +77,10 @@ def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[s
         gates = gate_layers(model)
         config = dict(model.lora_spec, fingerprint=fingerprint(model.config), base_model=None,
                       router=model.router_spec, gate_layers=gates)
-        return config, {k: v.detach().cpu() for k, v in adapter_tensors(model, gates).items()}
-    folder = resolve_adapter(adapter_or_run, checkpoint, flag=None).folder
-    config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
-    return config, load_file(str(folder / "adapter.safetensors"))
+        return config, {k: v.detach().cpu() for k, v in adapter_tensors(model, gates).items()}, model.router_method
+    source = resolve_adapter(adapter_or_run, checkpoint, flag=None)
+    config = json.loads((source.folder / "adapter_config.json").read_text(encoding="utf-8"))
+    return config, load_file(str(source.folder / "adapter.safetensors")), source.method
 
 
 def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
@@ -152,8 +152,8 @@ def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_
     or a run folder (its `checkpoint`: "last" by default or "selected", as evaluate.py resolves it).
     base_model: written as base_model_name_or_path; default the adapter's own record.
     """
-    config, tensors = _adapter_state(adapter_or_run, checkpoint)
-    refuse_routing_heads(method_of(config.get("router")), "export_peft")
+    config, tensors, method = _adapter_state(adapter_or_run, checkpoint)
+    refuse_routing_heads(method, "export_peft")
     if rows := sorted(k for k in tensors if ".mlp.router.rows." in k):
         raise ValueError(f"export_peft: refused: the adapter trains expert weights in full ({rows[0]}, ESFT's "
                          "full form), which peft's LoRA cannot hold; export it merged (export.py --merged)")

@@ -6,13 +6,17 @@ exports (peft's format, or merged into the base) are minimoe/integrations/hf_exp
 
 Adapter folder: adapter.safetensors (LoRA tensors, all state under `.mlp.router.`, and the
 `.mlp.gate.weight` of layers whose gate trains) and adapter_config.json (rank, alpha, dropout,
-targets, dtype, base model, a config fingerprint, the `set_router` spec, the tuned gate layers).
-The format is unchanged since the first adapters; one written before "base_weights" existed loads
-without that check.
+targets, dtype, base model, a config fingerprint, the installed method's record (`Method.record`, as
+config.json holds it but on its resolved layers), the tuned gate layers).
+The tensors' format is unchanged since the first adapters; one written before "base_weights" existed
+loads without that check, and one whose "router" has the older router-spec layout is read as today's
+record (compat.adapter_record).
 
 Decisions:
-- `load_adapter` installs LoRA, then the router spec (the order of training's `install_method`),
-  then checks and copies the tensors, strictly (an unknown, missing or misshapen tensor names itself).
+- `load_adapter` installs LoRA, then the method (the order of training's `install_method`), checks the
+  installed method's record against the file's field by field (`record_difference`: a method given by
+  the caller that is not the adapter's is refused, naming the field), then checks and copies the
+  tensors, strictly (an unknown, missing or misshapen tensor names itself).
 - Which native gates an adapter carries ("gate_layers") is what the router spec tunes
   (`routing.tuned_layers`), never read back from requires_grad. An adapter written before that
   with tuned gates and no router spec loads as native routing with those gates tuned, which is
@@ -39,6 +43,7 @@ from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.core.adaptation.quantized import digest_sample, is_quantized
 from minimoe.core.routing_methods.routing import moe_blocks, tuned_layers
 from minimoe.loading.checkpoint import DTYPES, atomic_directory
+from minimoe.runs.compat import adapter_record
 from minimoe.runs.ranks import full
 from minimoe.runs.user_methods import method_of
 from minimoe.runs.sharding import put_rows
@@ -127,8 +132,9 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
     """Restore a saved adapter into `model` (a base model, or one with the same LoRA); strict.
 
     `method`: the configured Method the caller resolved already (run_folder.AdapterSource.method), installed as
-    it is, which must be the one the adapter's router spec names, on its layers; None: resolved here from
-    that spec (user_methods.method_of).
+    it is; None: resolved here from the adapter's method record (user_methods.method_of). Either way the installed
+    method's record must equal the adapter's in every field it holds (`record_difference`; an older layout
+    is read by compat.adapter_record), else the error names the first that differs.
 
     An adapter trained on other base weights of the same shapes (fingerprint "base_weights") is
     refused unless allow_other_base; other shapes are refused always.
@@ -160,9 +166,7 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
         raise ValueError(f"{path}: adapter was trained on {config['base_model']!r}, whose weights differ from this "
                          f"model's (base_weights digest {digest}, expected {expected}); pass "
                          f"--allow-other-base (allow_other_base=True) to apply it anyway")
-    router = config["router"]
-    if router is None and config["gate_layers"]:  # tuned by hand before set_router recorded it: native routing
-        router = {"method": "native", "layers": config["gate_layers"], "tune_router": True}
+    router = adapter_record(config)  # the method record, as Method.record writes it (older layouts: compat)
     if tuned_layers(router) != config["gate_layers"]:
         raise ValueError(f"{path / 'adapter_config.json'}: gate_layers {config['gate_layers']} are not the layers "
                          f"its router spec tunes ({tuned_layers(router)})")
@@ -176,10 +180,10 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
         raise ValueError(f"{path}: the model's LoRA is merged; unmerge_lora before loading an adapter")
     if router is not None:  # after LoRA, as training installs them (training.install_method)
         set_router(model, method or method_of(router))
-        installed = {k: model.router_spec[k] for k in ("method", "layers", "tune_router")}
-        if installed != {k: router.get(k, False) for k in installed}:
-            raise ValueError(f"{path / 'adapter_config.json'}: its router spec is {router}; the method given to "
-                             f"load_adapter installs {installed}")
+        if differ := record_difference(router, json.loads(json.dumps(model.router_spec))):
+            field, saved, installed = differ
+            raise ValueError(f"{path / 'adapter_config.json'}: its method record has {field} = {saved!r}; the method "
+                             f"given to load_adapter installs {field} = {installed!r} (the record: {router})")
     file = path / "adapter.safetensors"
     try:
         got = load_file(str(file))
@@ -203,6 +207,18 @@ def load_adapter(model: MoEForCausalLM, path, *, allow_other_base: bool = False,
         for k, t in got.items():
             want[k].copy_(t)
     return model
+
+
+def record_difference(saved: dict, installed: dict) -> tuple[str, object, object] | None:
+    """The first field of the method record `saved` (an option as options.NAME) whose value the installed
+    record does not share -> (field, saved value, installed value); None: they agree. Every field `saved`
+    holds is compared (an older adapter's record holds fewer: compat.adapter_record)."""
+    flat = [({f"options.{k}": v for k, v in r.get("options", {}).items()} | {k: v for k, v in r.items() if k != "options"})
+            for r in (saved, installed)]
+    for field, value in flat[0].items():
+        if flat[1].get(field) != value:
+            return field, value, flat[1].get(field)
+    return None
 
 
 def load_adapter_rows(model: MoEForCausalLM, folder: Path):

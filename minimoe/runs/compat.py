@@ -2,12 +2,15 @@
 YAML), a sweep cell's flags, read into TrainConfig's fields with the flags' checks (`read_settings`).
 
 A run's config.json holds its configured method as one mapping ("method": {"name": "tes", "objective":
-"is", "lambda_": 0.001, ...}: config.method_record); it is read back into the method's settings, and so
+"is", "lambda_": 0.001, ...}: Method.record); it is read back into the method's settings, and so
 through the same checks as the flags, into the one configured Method (config.method_for). Older
 config.json files read as today's (`settings_of`): those that held the method's settings at the top
 level beside the others ("method": "tes", "objective": "is", "lambda_": ...), and before them those
 that also held the built-in methods' options there ("gamma": 1.0, ...); settings an older version
 recorded and this one dropped (`RETIRED`) are read without a word.
+
+An adapter's adapter_config.json holds the same record as its "router" (on the layers it trained); older
+ones held a router spec of their own layout, read as today's record (`adapter_record`).
 """
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ def settings_of(mapping: dict, where: Path | None = None) -> dict:
 
 
 def method_settings_of(record: dict, where: Path | None = None) -> dict:
-    """The method's settings (config.MethodSettings) from config.json's "method" mapping (config.method_record)."""
+    """The method's settings (config.MethodSettings) from config.json's "method" mapping (its Method.record)."""
     keys = {key: setting for setting, key in RECORD_KEYS.items()}
     if unknown := sorted(set(record) - set(keys)):
         raise ValueError(f"{where or 'config.json'}: method {unknown}: not part of a configured method; expected "
@@ -89,3 +92,22 @@ def read_settings(path: Path) -> dict:
                 if key not in NOT_READ_FROM_FILE and value is not None}
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
+
+
+# ---- an adapter's method record
+
+def adapter_record(adapter_config: dict) -> dict | None:
+    """The method record (methods.Method.record) of an adapter_config.json of any version: today's "router"
+    as written; before it, a router spec of "method", "layers", "tune_router", a method of your own's
+    "module" and the policy's options beside them (no objective nor lambda: those keys are then absent,
+    and load_adapter checks the keys present); before that, an adapter whose native gates were tuned
+    by hand held none (native routing, its gate_layers tuned). None: LoRA alone, on native routing."""
+    router = adapter_config.get("router")
+    if router is None:
+        layers = adapter_config.get("gate_layers")
+        return {"name": "native", "layers": layers, "tune_router": True} if layers else None
+    if "name" in router:
+        return router
+    options = {k: v for k, v in router.items() if k not in ("method", "layers", "tune_router", "module")}
+    return {"name": router["method"], **{k: router[k] for k in ("module", "layers", "tune_router") if k in router},
+            "options": options}

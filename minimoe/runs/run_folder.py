@@ -47,7 +47,7 @@ from safetensors.torch import load_file
 from minimoe.atomic import KINDS, MARKER, atomic_file, mark, written_kind
 from minimoe.core.routing_methods.methods import Method
 from minimoe.evaluation.folders import EVAL, is_base
-from minimoe.runs.compat import settings_of
+from minimoe.runs.compat import adapter_record, settings_of
 from minimoe.runs.config import method_for
 from minimoe.runs.user_methods import method_of
 
@@ -75,16 +75,17 @@ class AdapterSource:
     run_config: dict  # RUN/config.json, {} outside a run
     checkpoint: str | None  # "last" | "selected" when resolved through selection.json
     epoch: int | None
-    router: dict | None  # adapter_config.json's router spec
+    router: dict | None  # adapter_config.json's method record (compat.adapter_record: any version's)
 
     @cached_property
     def method(self) -> Method:
         """The method the adapter was trained with, resolved once (evaluate.py and export.py hand this object
         to load_adapter): its run's (config.json, every setting) or, outside a run or where config.json names
-        no method, its router spec's; native without one (LoRA alone)."""
+        no method, its own record's; native without one (LoRA alone). export.py's peft and merged exports
+        both read this."""
         if self.run_config.get("method"):
             return method_for(settings_of(self.run_config))
-        return method_of(self.router or {"method": "native"})
+        return method_of(self.router or {"name": "native"})
 
     @property
     def label(self) -> str:
@@ -118,7 +119,7 @@ def resolve_adapter(path, checkpoint: str | None = None, *, flag: str | None = "
         run_config = read_json(run / "config.json") if run and (run / "config.json").is_file() else {}
         epoch = int(path.name.removeprefix("epoch-")) if run and path.name.removeprefix("epoch-").isdigit() else None
         return AdapterSource(path, run if run_config else None, run_config, None, epoch,
-                             read_json(path / "adapter_config.json").get("router"))
+                             adapter_record(read_json(path / "adapter_config.json")))
     if not ((path / "config.json").is_file() and (path / "checkpoints").is_dir()):
         hint = " (it looks like a model checkpoint: pass it as --model)" if (path / "config.json").is_file() else ""
         raise FileNotFoundError(f"{named}: neither a run folder (config.json and checkpoints/) nor an "
@@ -139,7 +140,7 @@ def resolve_adapter(path, checkpoint: str | None = None, *, flag: str | None = "
     if not (folder / "adapter_config.json").is_file():
         raise FileNotFoundError(f"{folder}: no adapter_config.json; {selection_path} names epoch {epoch} ({key})")
     return AdapterSource(folder, path, read_json(path / "config.json"), checkpoint, epoch,
-                         read_json(folder / "adapter_config.json").get("router"))
+                         adapter_record(read_json(folder / "adapter_config.json")))
 
 
 # ----------------------------------------------------------------------------- one writer

@@ -3,9 +3,9 @@ again in a fresh process, and the one resolution of a method's name.
 
 A file (or module) of your own defines a policy and calls `minimoe.register_method(Method(...))` at
 import (README: Adding a routing method; examples/my_method.py). train.py's --method-module imports
-it; the record then remembers where it came from (`Method.module`), and config.json and every
-adapter's router spec record that too, so that evaluate.py, --resume and load_adapter import it
-again in a fresh process (`resolve_method`, `method_of`).
+it; the record then remembers where it came from (`Method.module`), and the configured method's
+record (`Method.record`: config.json's "method", every adapter's "router") holds it too, so that evaluate.py, --resume and load_adapter import it
+again in a fresh process (`resolve_method`, `method_of`: a method record to its configured Method).
 
 An objective of your own (`register_objective`, examples/my_objective.py) comes the same way: its file
 is the run's --method-module (one file may register methods and objectives both), recorded in
@@ -116,23 +116,31 @@ def import_method_module(where: str):
                                   f"or a path to a .py file that calls minimoe.register_method") from None
 
 
-def resolve_method(name: str, module: str | None = None) -> Method:
-    """The registered method `name` ("ce" is native), `module` (a file or module that registers it)
-    imported first: the one place a method's name becomes its record. Importing is done once per
-    process, and also when the name is known already, so that a missing file fails wherever it is named."""
-    if module is not None:
-        import_method_module(module)
-    if ALIASES.get(name, name) not in METHODS and module is not None:
+def import_registering(name: str, module: str | None):
+    """Import `module` (a file or module that registers the method `name`; None: nothing to import), and
+    refuse it if it registers no such method. Importing is done once per process, and also when the name
+    is known already, so that a missing file fails wherever it is named."""
+    if module is None:
+        return
+    import_method_module(module)
+    if ALIASES.get(name, name) not in METHODS:
         raise ValueError(f"unknown method {name!r}: {module} was imported but registers no method {name!r}; "
                          f"the registered ones are {list(METHODS)}")
+
+
+def resolve_method(name: str, module: str | None = None) -> Method:
+    """The registered method `name` ("ce" is native), `module` imported first (`import_registering`)."""
+    import_registering(name, module)
     return get_method(name)
 
 
-def method_of(router_spec: dict | None) -> Method | None:
-    """The Method a saved router spec (an adapter's "router", model.router_spec) installs, with its
-    affinity tuning and options; None without one."""
-    if router_spec is None:
+def method_of(record: dict | None) -> Method | None:
+    """The configured Method a method record describes (Method.record's shape: config.json's "method", an
+    adapter's "router"), its "module" imported first: every builder of a configured method comes through
+    here (a run's settings: config.MethodSettings.configured; a saved adapter: load_adapter, export,
+    evaluate.py) to Method.from_record. None: no record."""
+    if record is None:
         return None
-    record = resolve_method(router_spec["method"], router_spec.get("module"))
-    return record.configure(tune_router=bool(router_spec.get("tune_router")), layers=router_spec.get("layers", "final"),
-                            options={k: v for k, v in router_spec.items() if k in record.options})
+    if "name" in record:
+        import_registering(record["name"], record.get("module"))
+    return Method.from_record(record)

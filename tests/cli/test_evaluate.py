@@ -280,10 +280,11 @@ def tes_run(toy, run: Path, seed: int = 43) -> Path:
     from minimoe.core.routing_methods import methods
     from minimoe.core.adaptation.lora import add_lora
     from minimoe.runs.adapters import save_adapter
+    from minimoe.runs.config import method_for
     folder = toy["models"]["olmoe"]
     for epoch in (1, 2):
         model = add_lora(from_pretrained(folder), rank=4)
-        methods.set_router(model, "tes")
+        methods.set_router(model, method_for({"method": "tes", "objective": "is"}))  # config.json's below
         g = torch.Generator().manual_seed(epoch)
         with torch.no_grad():  # trained-looking weights: a non-constant error head, nonzero LoRA B
             for name, p in model.named_parameters():
@@ -304,7 +305,7 @@ def test_tes_run_folder_gives_error_prediction_diagnostics_and_plot(toy, tmp_pat
     metrics = evaluate.main(["--adapter", str(run), "--out-dir", str(out), "--eval-batch-size", "8"])
     assert (metrics["model"], metrics["method"], metrics["seed"], metrics["epoch"], metrics["checkpoint"]) == (
         str(toy["models"]["olmoe"]), "TES-IS", 43, 2, "last")
-    assert metrics["adapter"] == str(run / "checkpoints" / "epoch-2") and metrics["router"]["method"] == "tes"
+    assert metrics["adapter"] == str(run / "checkpoints" / "epoch-2") and metrics["router"]["name"] == "tes"
     diag = metrics["diagnostics"]
     assert diag["populations"] == ["train", "test"] and diag["train_examples"] == 30
     layer = diag["layers"]["1"]
@@ -332,7 +333,7 @@ def test_tes_run_folder_gives_error_prediction_diagnostics_and_plot(toy, tmp_pat
     assert written.pop("provenance") is None and written == metrics
 
     selected = resolve_adapter(run, "selected")
-    assert (selected.folder, selected.epoch, selected.router["method"]) == (run / "checkpoints" / "epoch-1", 1, "tes")
+    assert (selected.folder, selected.epoch, selected.router["name"]) == (run / "checkpoints" / "epoch-1", 1, "tes")
     in_run = resolve_adapter(run / "checkpoints" / "epoch-1")  # a checkpoint folder keeps its run's identity
     assert (in_run.run, in_run.epoch, in_run.run_config["label"]) == (run, 1, "TES-IS")
 

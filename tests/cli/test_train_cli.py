@@ -60,7 +60,7 @@ def test_every_method_trains_and_records_its_run(tmp_path, flags):
 def test_the_method_is_resolved_once_per_run(tmp_path, monkeypatch):
     """train.py turns --method into its Method once; installing the router, the optimizer, every step
     and the run's name and label use that object. Every name-to-record look-up ends in methods.get_method
-    (user_methods.resolve_method's, and set_router's for a name): counted over a whole two-step run."""
+    (Method.from_record's, which every builder ends in): counted over a whole two-step run."""
     from minimoe.core.routing_methods import methods
     from minimoe.runs import user_methods
     original, calls = methods.get_method, []
@@ -72,6 +72,28 @@ def test_the_method_is_resolved_once_per_run(tmp_path, monkeypatch):
     monkeypatch.setattr(methods, "get_method", counted)
     run_train(tmp_path, "--method", "tes", "--batch-size", "4", "--grad-accum", "2")
     assert calls == ["tes"]
+
+
+def test_the_command_line_is_parsed_once_per_launch(tmp_path, monkeypatch):
+    """One argparse pass over a whole run, with a --config file: flags typed win over the file (one typed at
+    its default value too, which only knowing what was typed tells apart), a typed option joins the file's
+    options, and the file fills what was not typed; main's warning reads the flags typed off their defaults."""
+    import argparse
+    original, parses = argparse.ArgumentParser.parse_args, []
+
+    def counted(self, *a, **k):
+        parses.append(a)
+        return original(self, *a, **k)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", counted)
+    settings = tmp_path / "settings.json"
+    settings.write_text(json.dumps({"method": "dual", "lambda_": 0.5, "method_options": {"mix": 0.25}, "epochs": 2}))
+    args = train.parse_args(["--config", str(settings), "--method", "tes", "--gamma", "2", "--epochs", "1"])
+    assert (args.method, args.lambda_, args.method_options, args.epochs) == ("tes", 0.5, {"mix": 0.25, "gamma": 2.0}, 1)
+    assert args.typed == {"method_options": {"gamma": 2.0}, "epochs": 1}  # not --method tes: its default
+    assert len(parses) == 1
+    run_train(tmp_path, "--config", str(settings), "--method", "tes", "--epochs", "1")
+    assert len(parses) == 2  # the run: one more
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["method"]["lambda_"] == 0.5
 
 
 def test_the_device_and_dtype_are_resolved_once_per_run(tmp_path, monkeypatch):

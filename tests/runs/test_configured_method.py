@@ -11,7 +11,7 @@ from minimoe.cli import evaluate, export, train
 from minimoe.core.routing_methods.methods import Method
 from minimoe.making.tiny import tiny_checkpoint, tiny_config
 from minimoe.runs.compat import settings_of
-from minimoe.runs.config import METHOD_FIELDS, build_config, method_for, method_record, method_settings
+from minimoe.runs.config import METHOD_FIELDS, build_config, method_for, method_settings
 from minimoe.runs.training import install_method
 
 
@@ -26,7 +26,7 @@ def test_the_flags_resolve_to_one_object_that_the_router_holds():
         "tes", "enll", 0.01, "all", True, 2.0)  # name, objective, lambda, scope, gate, options: on the one object
     install_method(model, cfg)
     assert model.router_method is method  # not a copy: what training and saving read is what the flags made
-    assert model.router_spec == method.spec(list(range(model.config.num_hidden_layers)))
+    assert model.router_spec == method.record(list(range(model.config.num_hidden_layers)))
 
 
 def test_config_json_records_the_method_once_and_reads_back_into_it():
@@ -36,7 +36,7 @@ def test_config_json_records_the_method_once_and_reads_back_into_it():
              "--lambda", "0.5"]
     cfg = train.resolve_config(train.parse_args(flags), tiny_config("olmoe"))
     record = json.loads(json.dumps(train.run_record(cfg, tiny_config("olmoe"), {}, {}), default=str))
-    assert record["method"] == method_record(cfg.method) and not METHOD_FIELDS.keys() - {"method"} & record.keys()
+    assert record["method"] == cfg.method.record() and not METHOD_FIELDS.keys() - {"method"} & record.keys()
     again = build_config(settings_of(record), record["recipe"]).method
     assert method_settings(again) == method_settings(cfg.method) == {
         "method": "dual", "method_module": None, "objective": "is", "lambda_": 0.5, "layers": "first:2",

@@ -49,7 +49,7 @@ def test_a_method_from_a_file_trains_resumes_loads_evaluates_and_reports(tmp_pat
     [run] = out.iterdir()
     assert run.name.endswith("-Biased-temperature2-seed42")  # label and the option off its default name the run
     cfg = json.loads((run / "config.json").read_text())
-    method = cfg["method"]  # the configured method, one mapping (config.method_record)
+    method = cfg["method"]  # the configured method, one mapping (Method.record)
     assert (method["name"], method["module"], method["options"], cfg["label"]) == (
         "biased", str(EXAMPLE), {"temperature": 2, "bias_lr": 1e-3}, "Biased")  # every option, the record's defaults too
 
@@ -60,7 +60,7 @@ def test_a_method_from_a_file_trains_resumes_loads_evaluates_and_reports(tmp_pat
     bias = [k for k in resumed if k.endswith(".mlp.router.bias")]
     assert bias == ["model.layers.3.mlp.router.bias"] and resumed[bias[0]].abs().max() > 0  # the head trained
     spec = json.loads((run / "checkpoints" / "epoch-2" / "adapter_config.json").read_text())["router"]
-    assert (spec["method"], spec["module"], spec["temperature"]) == ("biased", str(EXAMPLE), 2.0)
+    assert spec == {**method, "layers": [3]}  # the same record as config.json's, on the layers it trained
 
     # evaluate.py in a fresh process loads the adapter through its router spec's module and scores as
     # train.py's own test evaluation of the same epoch did

@@ -23,9 +23,10 @@ def test_method_label_is_the_papers_row_name(method, objective, tune, label):
 
 
 def test_an_adapter_is_labelled_by_its_run_else_by_its_router():
-    in_run = AdapterSource(None, None, {"label": "ACS-IS + affinity tuning"}, "last", 1, {"method": "acs"})
+    """AdapterSource.router is the adapter's method record (compat.adapter_record reads older layouts)."""
+    in_run = AdapterSource(None, None, {"label": "ACS-IS + affinity tuning"}, "last", 1, {"name": "acs"})
     assert in_run.label == "ACS-IS + affinity tuning"
-    assert AdapterSource(None, None, {}, None, None, {"method": "tes"}).label == "TES"
+    assert AdapterSource(None, None, {}, None, None, {"name": "tes"}).label == "TES"
     assert AdapterSource(None, None, {}, None, None, None).label == "CE"  # LoRA on native routing
 
 

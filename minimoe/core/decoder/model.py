@@ -45,7 +45,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.layers.clamped_experts import ClampedSwiGLUExperts
-from minimoe.core.routing_methods.densemixer import dense_term
 from minimoe.core.layers.experts import Experts
 from minimoe.core.decoder.families import family_of
 from minimoe.core.layers.masks import block_mask, bool_mask, flex_applies
@@ -314,8 +313,8 @@ class MoEBlock(nn.Module):
         if stash is not None and replay is None:
             stash["experts"] = routing.experts.detach()
         y = self.experts(flat, routing.experts, routing.weights)  # [B*T, D]
-        if routing.dense_weights is not None and torch.is_grad_enabled():  # DenseMixer: + 0, dense router gradient
-            y = y + dense_term(self.experts, flat, routing.dense_weights)
+        if routing.addend is not None:  # the policy's own term (routing.Routing)
+            y = y + routing.addend(self.experts, flat)
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:  # Qwen2-MoE: sigmoid(w . x) per token
@@ -409,8 +408,8 @@ class MoEForCausalLM(nn.Module):
 
     @property
     def router_spec(self) -> dict | None:
-        """The installed method's JSON (Method.spec), what an adapter saves; None: native everywhere."""
-        return None if self.router_method is None else self.router_method.spec(self.router_layers)
+        """The installed method's record on its layers (Method.record), what an adapter saves; None: native everywhere."""
+        return None if self.router_method is None else self.router_method.record(self.router_layers)
 
     def gradient_checkpointing_enable(self, enable: bool = True):
         for layer in self.model.layers:

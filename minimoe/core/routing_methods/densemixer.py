@@ -14,9 +14,9 @@ g_t on S_t). The experts and their LoRA keep the sparse gradient of the native f
 experts only, weighted by g_t, which carries no gradient to the router (its detach is the straight
 through: without it the router would get the sparse gradient on top of the dense one).
 
-How: `DenseMixerRouter` returns the native weights detached, and the dense weights in
-`Routing.dense_weights`; the MoE block (model.py) adds `dense_term(experts, x, w)`, which is zero in
-value and whose backward runs every expert on every token (without gradient, one expert at a time:
+How: `DenseMixerRouter` returns the native weights detached and, when gradients are on, the term
+`dense_term(experts, x, w)` as its `Routing.addend`, which the MoE block adds to its output without
+knowing the method: zero in value, its backward runs every expert on every token (without gradient, one expert at a time:
 [T, D] at a time, never [T, E, D]) to give <dL/dy_t, E_e(h_t)> (input-scaled: each expert run at
 w_e h_t with gradient, and autograd's vector-Jacobian product taken for w_e alone). Evaluation (no grad) pays nothing;
 a training step pays E/K expert forwards more per layer in scope.
@@ -89,9 +89,13 @@ def dense_term(experts, x, w):
 
 
 class DenseMixerRouter(NativeRouter):
-    """Native top-K; the combine weights detached, the dense weights in `Routing.dense_weights`."""
+    """Native top-K; the combine weights detached, the dense term the block's addend (in training only:
+    evaluation pays nothing)."""
 
     def forward(self, x, logits, experts=None, correction=None):
         experts, weights = self.scoring.select(logits, experts, correction)
-        return Routing(logits=logits, experts=experts, weights=weights.detach(),
-                       dense_weights=dense_weights(self.scoring, logits, experts))
+        routing = Routing(logits=logits, experts=experts, weights=weights.detach())
+        if torch.is_grad_enabled():
+            w = dense_weights(self.scoring, logits, experts)  # [T, E]
+            routing.addend = lambda bank, flat: dense_term(bank, flat, w)
+        return routing

@@ -85,7 +85,7 @@ NOT_NATIVE = "its policy replaces the family's native top-K"
 @dataclass(eq=False)
 class Method:
     """One routing method (METHODS), and, once `configure`d, one run's use of it."""
-    name: str  # --method, and "method" in config.json and in the router spec
+    name: str  # --method, and "name" in its record (config.json's "method", an adapter's "router")
     policy: type  # nn.Module; set_router builds it per layer in scope as policy.from_gate(gate, config, **options)
     label: str  # the report's row and the run's name: "-<objective>" follows a supervised one's (TES-IS)
     options: dict = field(default_factory=dict)  # option -> its default, or an Option: the policy's keywords
@@ -149,16 +149,34 @@ class Method:
     @property
     def policy_options(self) -> dict:
         """The policy's keywords (its options, less the heads' learning rates) with their values in the run;
-        a float option's as a float (2 -> 2.0), so that the router spec stays JSON-serialisable."""
+        a float option's as a float (2 -> 2.0), so that a checkpoint's float option builds the policy the same."""
         values = {name: self.values.get(name, o.default) for name, o in self.options.items()}
         return {name: float(v) if isinstance(self.options[name].default, float) and _number(v) else v
                 for name, v in values.items()}
 
-    def spec(self, layers: list[int]) -> dict:
-        """The JSON an adapter saves of this method installed on `layers` (model.router_spec):
-        set_router(model, **spec) rebuilds it."""
-        return {"method": self.name, "layers": list(layers), "tune_router": self.tune_router, **self.policy_options,
-                **({"module": self.module} if self.module else {})}
+    def record(self, layers: list[int] | None = None) -> dict:
+        """This configured method as JSON, the one shape: config.json's "method" and an adapter's "router"
+        (model.router_spec) are both this; `from_record` reads it back. `layers`: the scope resolved on a
+        model (an adapter records the layers it trained, not "final"); None: the scope as configured.
+        "module" is the file or module to import first: the run's --method-module, else where the method
+        was registered from (None: built in)."""
+        return {"name": self.name, "module": self.imports or self.module, "objective": self.objective,
+                "lambda_": self.lambda_, "layers": list(layers) if layers is not None else self.layers,
+                "tune_router": self.tune_router, "options": dict(self.values)}
+
+    @classmethod
+    def from_record(cls, record: dict, *, strict: bool = False) -> Method:
+        """The configured Method a `record` (Method.record's shape; a key left out: its default) describes,
+        checked by `configure`: the one way from a name and settings to a configured method. Its method must
+        be registered: user_methods.method_of imports the record's "module" first. `strict`: as configure's."""
+        if unknown := sorted(set(record) - RECORD_FIELDS):
+            raise ValueError(f"method record: {unknown} not understood; expected the keys {sorted(RECORD_FIELDS)}")
+        if "name" not in record:
+            raise ValueError(f"method record {record}: no name; expected one of {list(METHODS)}")
+        method = get_method(record["name"])
+        return method.configure(record.get("objective"), record.get("tune_router", False), record.get("options"),
+                                lambda_=record.get("lambda_", 0.0), layers=record.get("layers", "final"),
+                                imports=record.get("module"), strict=strict)
 
     def configure(self, objective: str | None = None, tune_router: bool = False, options: dict | None = None, *,
                   lambda_: float = 0.0, layers: str | list = "final", imports: str | None = None,
@@ -180,6 +198,9 @@ class Method:
         values = {name: o.parse(name, given[name]) if name in given else o.default for name, o in self.declared.items()}
         return replace(self, objective=objective, tune_router=tune_router or self.tunes_gate, values=values,
                        lambda_=lambda_, layers=layers, imports=imports)
+
+
+RECORD_FIELDS = {"name", "module", "objective", "lambda_", "layers", "tune_router", "options"}  # Method.record's keys
 
 
 class UnknownOption(ValueError):
@@ -235,29 +256,29 @@ def get_method(name: str) -> Method:
     return record
 
 
-def set_router(model, method="native", layers=None, *, tune_router: bool | None = None,
-               module: str | None = None, **options):
+def set_router(model, method="native", layers=None, *, tune_router: bool | None = None, **options):
     """Install `method`'s policy on the layers in scope; the model then holds that one configured Method
     (`model.router_method`, what training, evaluation and export read) and the MoE layers its scope
-    resolved to (`model.router_layers`); `model.router_spec` is their JSON, what an adapter saves.
+    resolved to (`model.router_layers`); `model.router_spec` is its record on them, what an adapter saves.
 
     `method`: a configured methods.Method, as train.py resolves it (`Method.configure`), installed as it
-    is; or a registered method's name, configured here with `layers` ("final" by default), `tune_router`
-    and `options`. Given beside a configured Method, these make a new one with them changed.
-    `set_router(model, **model.router_spec)` rebuilds the same structure; a method from outside minimoe
-    must be registered first (its spec's `module`: user_methods.method_of imports it, load_adapter's route).
+    is; or a registered method's name, configured here (`Method.from_record`) with `layers` ("final" by
+    default), `tune_router` and `options`. Given beside a configured Method, these make a new one with
+    them changed. `set_router(model, Method.from_record(model.router_spec))` rebuilds the same structure; a
+    method from outside minimoe must be registered first (the record's `module`: user_methods.method_of
+    imports it, load_adapter's route).
     New heads are trainable and fp32; each native gate `mlp.gate.weight` is frozen unless it is in
     scope and tune_router=True ("+ affinity tuning"), and then it is moved to fp32
     (`set_routing_trainable`, `tuned_layers`). Install after moving the model to its dtype. Layers out
     of scope get the native policy.
     """
     if isinstance(method, str) or layers is not None or tune_router is not None or options:
-        record = get_method(method) if isinstance(method, str) else method
+        record = {"name": method} if isinstance(method, str) else method.record()
+        given = {"layers": layers, "tune_router": tune_router}
+        record |= {k: v for k, v in given.items() if v is not None}
+        record["options"] = {**record.get("options", {}), **options}
         try:
-            method = record.configure(record.objective, record.tune_router if tune_router is None else tune_router,
-                                      {**record.values, **options}, lambda_=record.lambda_,
-                                      layers=record.layers if layers is None else layers, imports=record.imports,
-                                      strict=True)
+            method = Method.from_record(record, strict=True)
         except ValueError as e:
             raise ValueError(f"set_router: {e}") from None
     if method.tunes_gate and not method.tune_router:  # a record installed as registered: its gates train all the same

@@ -58,16 +58,17 @@ Decisions where the paper is silent, and why:
 - A policy's options are checked once, by its method's record (methods.Option, `Method.configure`),
   before `from_gate` builds it; the policies do not check them again.
 - `set_router` describes the whole model: layers out of scope get `NativeRouter` back and every gate
-  is frozen except in scope with tune_router=True. `router_spec` stores every option with its
-  resolved default, so a saved adapter does not change meaning if a default changes; a method from
-  outside minimoe also stores where it was registered ("module"), so that a fresh process
-  (evaluate.py, --resume, load_adapter) imports it again.
+  is frozen except in scope with tune_router=True. `router_spec` (the method's record, methods.Method.record)
+  stores every option with its resolved default, so a saved adapter does not change meaning if a
+  default changes; a method from outside minimoe also stores where it came from ("module"), so that a
+  fresh process (evaluate.py, --resume, load_adapter) imports it again.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -87,7 +88,10 @@ class Routing:
     prediction: torch.Tensor | None = None  # [T] supervised (tes: e_hat, acs: C_t); None: not supervised
     expert_scores: torch.Tensor | None = None  # [T, E] tes: per-expert error scores e_hat_{t,i}
     routing_logits: torch.Tensor | None = None  # [T, E] tes, dual: the logits the selection used
-    dense_weights: torch.Tensor | None = None  # [T, E] densemixer: the router's gradient is the dense mixture's
+    # (experts, x [T, D]) -> [T, D]: a term the MoE block adds to the experts' output, `experts` its bank and x
+    # the bank's input; a policy sets it where its method needs more than the K weighted experts (DenseMixer:
+    # zero in value, its backward the dense router gradient). The block calls it without knowing the method.
+    addend: Callable | None = None
 
 
 def _number(x) -> bool:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minimoe.core.routing_methods.methods import METHODS, set_router
+from minimoe.core.routing_methods.methods import METHODS, Method, set_router
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.core.routing_methods.objectives import itakura_saito, supervision_loss
 from minimoe.core.routing_methods.routing import (ConcentrationRouter, DualAffinityRouter, NativeRouter, Routing, Scoring, TokenErrorRouter,
@@ -354,11 +354,11 @@ def test_gradient_checkpointing_gives_the_same_grads(family, method):
 def test_layer_scope_and_spec_rebuild(layers, expected, method):
     model = set_router(tiny_model(), method, layers)
     spec = model.router_spec
-    assert spec["method"] == method and spec["layers"] == expected
+    assert spec["name"] == method and spec["layers"] == expected
     for i, layer in enumerate(model.model.layers):
         assert type(layer.mlp.router) is (POLICY_TYPES[method] if i in expected else NativeRouter)
-    # An adapter saver writes the spec as JSON; set_router(model, **spec) rebuilds the same structure.
-    rebuilt = set_router(tiny_model(seed=1), **json.loads(json.dumps(spec)))
+    # An adapter saver writes the record as JSON; the Method it reads back rebuilds the same structure.
+    rebuilt = set_router(tiny_model(seed=1), Method.from_record(json.loads(json.dumps(spec))))
     assert rebuilt.router_spec == spec
     assert {n: p.shape for n, p in rebuilt.named_parameters()} == {n: p.shape for n, p in model.named_parameters()}
     assert ([n for n, p in rebuilt.named_parameters() if p.requires_grad]
