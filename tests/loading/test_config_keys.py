@@ -33,7 +33,7 @@ def tiny(model_type: str) -> dict:
 
 # transformers 5.23 normalises Granite 4.0-H's Mamba-2 gated norm per group of heads (mamba_ssm's RMSNormGated with
 # group_size = d_ssm // ngroups); transformers 4.57, and minimoe after it (core/mamba2.py), over the whole inner width.
-# The two agree where mamba_n_groups is 1, as in the releases; at 2 groups they differ by 0.17 relative.
+# The two agree where mamba_n_groups is 1; at 2 groups they differ by 0.17 relative (docs/families.md).
 GROUPED_NORM = "granitemoehybrid's Mamba-2 norm: per group in transformers 5.23, whole width in 4.57 and minimoe"
 
 
