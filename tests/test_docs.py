@@ -98,7 +98,7 @@ def test_the_cpu_install_names_pytorchs_cpu_index_in_the_readme_and_in_ci():
     ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
     assert re.search(r"^TORCH=\(torch==2\.13\.0 " + re.escape(CPU_INDEX) + r"\)$", ci, re.M), \
         ".ci/run does not install torch from the CPU index as the README does"
-    assert "install.md#the-tests-two-environments" in quickstart, "the quickstart does not link the versions tested"
+    assert "install.md#the-tests-three-environments" in quickstart, "the quickstart does not link the versions tested"
 
 
 # ---- the commands the pages show, parsed by the commands' own parsers (issue 47 item 5) ---------------------

@@ -30,6 +30,7 @@ from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, config_field_n
 from minimoe.core.adaptation.quantized import pack, quantize_module, quantized_modules
 from minimoe.core.adaptation.quantized import require as require_quantization
 from minimoe.process_memory import advise_huge_pages, mapped_big_blocks
+from minimoe.loading.config_keys import from_transformers5, refuse_unread
 from minimoe.loading.layouts import layout_of
 from minimoe.loading.mxfp4 import MXFP4Weight, dequantize_mxfp4
 
@@ -47,8 +48,11 @@ RUN_DTYPES = ("float32", "bfloat16")  # what a model is run and saved in: every 
 
 def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     family = family_of(d.get("model_type"), source)
+    d = from_transformers5(d, family, source)  # rope_parameters, dtype, ...: the names 4.57 wrote
+    d = {k: v for k, v in d.items() if k not in family.harmless}  # not ours to read (MLA's head_dim)
     d = {family.renames.get(k, k): v for k, v in d.items()}
     d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
+    refuse_unread(d, family, source)  # a key we do not read, set to change the model
     if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/token_mixers/mixers.py)
         kinds = d.get("mixer_types")
         if not isinstance(kinds, list) or not set(kinds) <= set(family.layer_kinds):

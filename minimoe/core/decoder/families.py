@@ -26,6 +26,7 @@ Decisions:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -64,6 +65,12 @@ class Family:
     # whether transformers trains it with its config's router_aux_loss_coef (output_router_logits=True): what
     # --aux-coef family reads; Llama 4's config.json carries one that its modeling file never applies
     applies_aux_loss: bool = True
+    # config.json keys no field of ours reads, with the one value our model runs with (a callable takes config.json's
+    # fields): another value is refused by name (loading/config_keys.py, which holds the ones every family shares)
+    unread: dict = field(default_factory=dict)
+    # config.json keys of its transformers config that change nothing it computes, dropped on read where one is also
+    # our field's name (MLA's head_dim, which transformers writes as qk_rope_head_dim; ours is not that)
+    harmless: frozenset = frozenset()
 
 
 @dataclass(frozen=True)
@@ -118,6 +125,7 @@ register_family(Family(
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier",
                              "logits_scaling", "attention_multiplier"}),
     fixed={"norm_topk_prob": True, "topk_on_logits": True}, write_defaults=GRANITE_WRITE,
+    unread={"position_embedding_type": "rope"},  # its modeling file has no NoPE branch (granitemoehybrid reads it)
     defaults={"attention_multiplier": 1.0, "max_position_embeddings": 2048, "router_aux_loss_coef": 0.001,
               "bos_token_id": 1, "eos_token_id": 2}))
 
@@ -164,6 +172,10 @@ register_family(Family(
     layer_keys=PER_EXPERT_KEYS, renames=QWEN_RENAMES,
     config_fields=QWEN_FIELDS | {"qkv_bias", "shared_expert_intermediate_size"},
     fixed={"shared_expert_gate": True},
+    # transformers slides the layers from max_window_layers on (layer_types); our window, every layer or none
+    unread={"max_window_layers": lambda d: 0 if d.get("use_sliding_window") else d["max_window_layers"],
+            "layer_types": lambda d: ["sliding_attention" if d.get("use_sliding_window") else "full_attention"]
+            * d["num_hidden_layers"]},
     defaults={"qkv_bias": True, "norm_topk_prob": False, "router_aux_loss_coef": 0.001, "num_key_value_heads": 16,
               "max_position_embeddings": 32768, "dense_intermediate_size": 5632,
               "shared_expert_intermediate_size": 5632}))
@@ -209,6 +221,7 @@ register_family(Family(
                 "mlp.experts.gate_up_proj_bias": Converted("mlp.experts.gate_up_proj_bias", "bias_interleaved"),
                 "mlp.experts.down_proj.weight": Converted("mlp.experts.down_proj", "transposed")},
     packed_release="mxfp4", write_defaults={"layer_types": attention_kinds},
+    unread={"swiglu_alpha": 1.702},  # transformers 5's name for clamped_experts.py's constant
     renames={"num_local_experts": "num_experts"},
     config_fields=frozenset({"router_aux_loss_coef", "head_dim", "sliding_window", "layer_types", "swiglu_limit"}),
     # transformers' GptOssConfig sets attention_bias itself, and its modeling file hard-codes the rest
@@ -235,6 +248,8 @@ MLA_DEFAULTS = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 12
 # kv_a_proj_with_mqa are compressions already, and the latter carries the rope key all heads share: not
 # adapted (docs/families.md).
 MLA_LORA_PATHS = {"q": ("self_attn.q_b_proj",), "k": ("self_attn.kv_b_proj",), "v": ("self_attn.kv_b_proj",)}
+# transformers 5 writes the query-key width MLA computes from its parts
+MLA_UNREAD = {"qk_head_dim": lambda d: d["qk_nope_head_dim"] + d["qk_rope_head_dim"]}
 DEEPSEEK_KEYS = {**PER_EXPERT_KEYS, **{f"mlp.shared_expert.{p}_proj.weight": f"mlp.shared_experts.{p}_proj.weight"
                                        for p in ("gate", "up", "down")}}
 
@@ -247,6 +262,7 @@ register_family(Family(
     recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
                 "k and v: kv_b_proj; MLA_LORA_PATHS)",
     layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, config_fields=DEEPSEEK_FIELDS | {"topk_method"},
+    unread=MLA_UNREAD, harmless=frozenset({"head_dim"}),  # MLA's widths are its own fields
     lora_paths=MLA_LORA_PATHS,
     # transformers 4.57's V2 gate scores in fp32 and never renormalises the K (DeepSeek-V2's releases say false)
     fixed={"scoring_func": "softmax", "router_fp32": True, "norm_topk_prob": False},
@@ -263,8 +279,11 @@ register_family(Family(
     recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
                 "k and v: kv_b_proj; MLA_LORA_PATHS)",
     layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS,
+    unread=MLA_UNREAD, harmless=frozenset({"head_dim"}),  # MLA's widths are its own fields
     config_fields=DEEPSEEK_FIELDS | {"norm_topk_prob", "rope_interleave"},
     fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True},
+    # a null rope_interleave is no interleave to transformers, interleaved pairs to us (None: V2's always): left out
+    never_null=frozenset({"rope_interleave"}),
     defaults={"first_k_dense_replace": 3, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
               "n_shared_experts": 1, "norm_topk_prob": True, "rope_interleave": True, **MLA_DEFAULTS,
               "dense_intermediate_size": 18432, "bos_token_id": 0, "eos_token_id": 1}))
@@ -290,6 +309,7 @@ register_family(Family(
     renames={"num_local_experts": "num_experts", "shared_intermediate_size": "shared_expert_intermediate_size",
              "layer_types": "mixer_types"},
     layer_kinds={"mamba": "mamba2", "attention": "attention"},
+    unread={"time_step_limit": (0.0, math.inf)},  # core/token_mixers/mamba2.py clamps no time step
     config_fields=FAMILIES["granitemoe"].config_fields | MAMBA2_FIELDS | {
         "shared_expert_intermediate_size", "position_embedding_type", "mixer_types"},
     fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True}, write_defaults=GRANITE_WRITE,
@@ -333,6 +353,7 @@ register_family(Family(
     renames={"num_local_experts": "num_experts", "shared_intermediate_size": "shared_expert_intermediate_size"},
     config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier",
                              "logits_scaling", "attention_multiplier", "shared_expert_intermediate_size"}),
+    unread={"position_embedding_type": "rope"},  # its modeling file has no NoPE branch
     fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True}, write_defaults=GRANITE_WRITE,
     defaults={"attention_multiplier": 1.0, "max_position_embeddings": 2048, "router_aux_loss_coef": 0.001,
               "bos_token_id": 1, "eos_token_id": 2}))

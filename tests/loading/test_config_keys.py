@@ -1,0 +1,174 @@
+"""config.json as transformers 5 writes it (minimoe/loading/config_keys.py): its names read as 4.57's, and a key
+that would change the model and that no record reads refused by name.
+
+The tests marked `tf5` hold minimoe to transformers 5.23 itself (.ci/run's third environment): every family's
+tiny checkpoint saved by it loads exactly. The others run in the main environment: a hand-written transformers-5
+config.json needs no oracle to show that its rope theta is read."""
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+import minimoe
+from minimoe.core.decoder.families import CONFIG_FIELDS, FAMILIES
+from minimoe.loading.checkpoint import config_from_dict, config_to_dict
+from minimoe.loading.config_keys import HARMLESS, UNREAD
+from tests.conftest import oracle, tiny_config
+
+FP32_TOL = 2e-5
+
+
+def tiny(model_type: str) -> dict:
+    """Our tiny config as config.json; the dense MLP's width set where the tiny model has no dense layer (a
+    null intermediate_size, which transformers 5's strict configs refuse)."""
+    # the gated norm per group of heads or over the whole width (GROUPED_NORM): one group
+    over = {"mamba_n_groups": 1} if model_type == "granitemoehybrid" else {}
+    if tiny_config(model_type).dense_intermediate_size is None:
+        over["dense_intermediate_size"] = 48
+    config = tiny_config(model_type, **over)
+    return {**config_to_dict(config), "torch_dtype": "float32"}
+
+
+# transformers 5.23 normalises Granite 4.0-H's Mamba-2 gated norm per group of heads (mamba_ssm's RMSNormGated with
+# group_size = d_ssm // ngroups); transformers 4.57, and minimoe after it (core/token_mixers/mamba2.py), over the whole inner width.
+# The two agree where mamba_n_groups is 1; at 2 groups they differ by 0.17 relative (docs/families.md).
+GROUPED_NORM = "granitemoehybrid's Mamba-2 norm: per group in transformers 5.23, whole width in 4.57 and minimoe"
+
+
+def as_transformers5(d: dict) -> dict:
+    """A 4.57 config.json `d` in transformers 5's names, as its save_pretrained writes them (written by hand)."""
+    d = copy.deepcopy(d)
+    rope = {"rope_theta": d.pop("rope_theta"), **(d.pop("rope_scaling") or {"rope_type": "default"})}
+    if "partial_rotary_factor" in d:
+        rope["partial_rotary_factor"] = d.pop("partial_rotary_factor")
+    d["rope_parameters"] = rope
+    d["dtype"] = d.pop("torch_dtype")
+    return d
+
+
+def test_qwen3_moe_rope_parameters_theta_is_read():
+    """The finding of issue 56: transformers 5's qwen3_moe config.json (rope_parameters, num_local_experts, dtype)
+    loaded with the default theta 10000, logits off by 0.99 relative. Every field now reads as the 4.57 file's."""
+    old = tiny("qwen3_moe")
+    old["rope_theta"] = 1e6
+    new = as_transformers5(old)
+    new["num_local_experts"] = new.pop("num_experts")
+    assert "rope_theta" not in new and new["rope_parameters"]["rope_theta"] == 1e6
+    ours = config_from_dict(new)
+    assert ours.rope_theta == 1e6 and ours.num_experts == old["num_experts"] and ours.rope_scaling is None
+    assert ours.torch_dtype == "float32"
+    assert ours == config_from_dict(old)
+
+
+def test_rope_scaling_and_partial_rotary_are_read_from_rope_parameters():
+    for model_type in ("gpt_oss", "glm4_moe", "qwen3_next"):  # YaRN; partial rotary 0.5; partial rotary 0.25
+        old = tiny(model_type)
+        assert config_from_dict(as_transformers5(old)) == config_from_dict(old), model_type
+
+
+def test_per_layer_type_rope_is_one_rope_or_refused():
+    d = as_transformers5(tiny("gpt_oss"))
+    rope = d["rope_parameters"]
+    d["rope_parameters"] = {"full_attention": rope, "sliding_attention": dict(rope)}
+    assert config_from_dict(d) == config_from_dict(tiny("gpt_oss"))
+    d["rope_parameters"]["sliding_attention"]["rope_theta"] = 1e6
+    with pytest.raises(ValueError, match="rope_parameters differ between layer types"):
+        config_from_dict(d)
+
+
+@pytest.mark.parametrize("key,value", [("dtype", "bfloat16"), ("num_local_experts", 4), ("rope_theta", 5.0)])
+def test_transformers5_names_disagreeing_with_4_57_names_are_refused(key, value):
+    d = as_transformers5(tiny("qwen3_moe"))
+    d.update({"torch_dtype": "float32", "num_experts": 8, "rope_theta": d["rope_parameters"]["rope_theta"]}, **{key: value})
+    with pytest.raises(ValueError, match=key):
+        config_from_dict(d)
+
+
+def test_hybrid_layer_kinds_in_transformers5_names():
+    """transformers 5 renames Granite-4.0-H's layer kinds mamba / attention to linear_attention / full_attention."""
+    d = tiny("granitemoehybrid")
+    renamed = {**d, "layer_types": [{"mamba": "linear_attention", "attention": "full_attention"}[k]
+                                    for k in d["layer_types"]]}
+    assert config_from_dict(renamed) == config_from_dict(d)
+
+
+# A key no record reads: the value our model runs with (which loads), and one that changes what transformers
+# computes (which must fail by its name).
+PLANTED = [("gpt_oss", "swiglu_alpha", 1.702, 1.0),
+           ("granitemoehybrid", "time_step_limit", [0.0, {"__float__": "Infinity"}], [0.0, 10.0]),  # inf as 5 writes it
+           ("mixtral", "router_jitter_noise", 0.0, 0.1), ("olmoe", "attention_dropout", 0.0, 0.1),
+           ("deepseek_v2", "mlp_bias", False, True), ("deepseek_v3", "qk_head_dim", 16 + 8, 7),
+           ("granitemoe", "position_embedding_type", "rope", "nope"),
+           ("qwen2_moe", "layer_types", ["full_attention"] * 2, ["full_attention", "sliding_attention"])]
+
+
+@pytest.mark.parametrize("model_type,key,good,bad", PLANTED)
+def test_a_planted_unread_field_that_matters_fails_by_name(model_type, key, good, bad):
+    d = tiny(model_type)
+    assert key not in CONFIG_FIELDS | FAMILIES[model_type].config_fields
+    config_from_dict({**d, key: good})
+    with pytest.raises(ValueError, match=f"{key} = .*minimoe's {model_type} runs with"):
+        config_from_dict({**d, key: bad})
+
+
+def test_qwen2_moe_sliding_from_max_window_layers_on_is_refused():
+    """transformers slides Qwen2-MoE's layers from max_window_layers on; ours slides every layer or none."""
+    d = {**tiny("qwen2_moe"), "use_sliding_window": True, "sliding_window": 4}
+    config_from_dict({**d, "max_window_layers": 0})
+    with pytest.raises(ValueError, match="max_window_layers = 1"):
+        config_from_dict({**d, "max_window_layers": 1})
+
+
+# ----------------------------------------------------------------------------- every key, read, held or harmless
+
+def read_keys(model_type: str) -> set:
+    """The config.json keys a family's record reads (in 4.57's names and transformers 5's)."""
+    family = FAMILIES[model_type]
+    back = {ours: disk for disk, ours in family.renames.items()}
+    ours = CONFIG_FIELDS | family.config_fields | set(family.defaults) | set(family.fixed)
+    return {back.get(k, k) for k in ours} | set(family.renames) | {"rope_parameters", "dtype", "num_local_experts",
+                                                                  "layer_types" if family.layer_kinds else "model_type"}
+
+
+def unclassified_keys(model_type: str) -> list:
+    """Keys transformers' config class of the family writes (every one, defaults too) that no record reads, holds
+    or calls harmless: each could change the model unseen."""
+    transformers = oracle("transformers")
+    written = transformers.AutoConfig.for_model(**tiny(model_type)).to_dict()
+    family = FAMILIES[model_type]
+    known = read_keys(model_type) | HARMLESS | family.harmless | set(UNREAD) | set(family.unread)
+    return sorted(set(written) - known)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_key_transformers_4_writes_is_read_held_or_harmless(model_type):
+    assert unclassified_keys(model_type) == []
+
+
+@pytest.mark.tf5
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_key_transformers_5_writes_is_read_held_or_harmless(model_type):
+    assert unclassified_keys(model_type) == []
+
+
+# ----------------------------------------------------------------------------- transformers 5.23 as the oracle
+
+@pytest.mark.tf5
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_family_saved_by_transformers5_loads_exactly(model_type, tmp_path):
+    """A tiny checkpoint saved by transformers 5.23 (its config.json: rope_parameters, dtype, ...; its weights as its
+    save_pretrained writes them) loads into minimoe with fp32 logits within 2e-5 relative of transformers 5.23's,
+    padded and unpadded."""
+    from tests.core.decoder.test_model import batch, reference_model, rel_err
+    ref = reference_model(tiny(model_type), tmp_path)
+    on_disk = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in on_disk and "rope_theta" not in on_disk  # the form this test is about
+    ours = minimoe.from_pretrained(tmp_path, dtype=torch.float32)
+    ids, mask = batch()
+    with torch.no_grad():
+        assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
+        full = torch.ones_like(mask)
+        assert rel_err(ours(ids).logits, ref(ids).logits, full) <= FP32_TOL
+    assert math.isfinite(ours.config.rope_theta)
