@@ -3,7 +3,7 @@
 import importlib
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 import torch
@@ -58,16 +58,19 @@ def only_in_the_full_matrix(why: str) -> None:
 TIE_MARGIN = 1e-4
 
 
-def routing_margin(model, routings) -> float:
+def routing_margin(model, routings, attention_mask=None) -> float:
     """The smallest selection margin in `routings` (a forward's output list of `model`, a MoE model): over
-    every token and MoE layer, the K-th minus the (K+1)-th score the family selects by (the logits where
-    the order is theirs; the scores plus DeepSeek-V3's correction bias otherwise), and for group-limited
-    selection also the kept groups' last rank minus the next group's."""
+    every real token (`attention_mask` [B, T]: a padded token's choice reaches no real one, and the recurrent
+    mixers zero its state, so that its scores tie exactly) and MoE layer, the K-th minus the (K+1)-th score
+    the family selects by (the logits where the order is theirs; the scores plus DeepSeek-V3's correction
+    bias otherwise), and for group-limited selection also the kept groups' last rank minus the next group's."""
     from minimoe.core.routing import moe_blocks
     blocks, gaps = moe_blocks(model), []
     for i, r in enumerate(routings):
         if r is None:
             continue
+        real = slice(None) if attention_mask is None else attention_mask.reshape(-1).bool()
+        r = replace(r, logits=r.logits[real])
         scoring, correction = blocks[i].router.scoring, getattr(blocks[i].gate, "e_score_correction_bias", None)
         s = r.logits.detach().float()  # [T, E]; softmax and sigmoid keep the logits' order
         if correction is not None or scoring.method != "greedy":

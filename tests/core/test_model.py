@@ -76,7 +76,7 @@ def batch(model=None, vocab=128, seed=1):
 
     def margin(drawn):
         with torch.no_grad():
-            return min(routing_margin(model, model(drawn[0], attention_mask=m).routings)
+            return min(routing_margin(model, model(drawn[0], attention_mask=m).routings, m)
                        for m in (drawn[1], None))
     return tie_free(lambda s: draw(seed + 1000 * s), margin)
 
