@@ -57,6 +57,7 @@ from minimoe.making.tiny import planned_config
 from minimoe.runs.compat import read_run_config, read_settings, settings_of
 from minimoe.runs.config import TrainConfig, build_config, differing, loaded_settings, method_record
 from minimoe.runs.device import pick_device, pick_dtype
+from minimoe.runs import memory
 from minimoe.runs.flags import add_flags
 from minimoe.runs.naming import run_name, unread_flags
 from minimoe.runs.provenance import provenance
@@ -156,6 +157,16 @@ def preflight(args, model_config) -> TrainConfig:
     check_settings(cfg, model_config)  # --aux-coef family and the rest
     check_install(model_config, cfg, cfg.device)
     return cfg
+
+
+def check_command(argv) -> TrainConfig:
+    """What train.main(argv) would refuse before reading data or weights (`preflight`), without running it:
+    the sweep's dry run checks each cell's command line with it. SystemExit or ValueError names the refusal."""
+    args = parse_args(argv)
+    if is_tiny(args.model):
+        args.recipe = args.recipe or "tiny"
+        return preflight(args, planned_config(args.model))
+    return preflight(args, memory.model_config(args.model)[0])  # a folder's or a hub id's config.json alone
 
 
 def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict:
