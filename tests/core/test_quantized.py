@@ -330,3 +330,14 @@ def test_every_gate_like_module_stays_dense_under_nf4(family):
     assert quantized.quantized_modules(model)  # the base is packed, but no gate of it
     packed = sorted(n for n in gates if quantized.is_quantized(model.get_submodule(n)))
     assert not packed, f"{family}: gate-like modules packed to 4 bits: {packed}"
+
+
+def test_importing_torchao_prints_no_failed_to_load_lines():
+    """A CPU machine cannot load torchao's CUDA extensions, and torchao's import logs "Failed to load ..." for
+    each: quantized.require imports it without those lines (a fresh process: torchao imports once)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", "from minimoe.core.quantized import require; require('nf4')"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Failed to load" not in done.stderr + done.stdout
