@@ -3,7 +3,7 @@
 import importlib
 import json
 import os
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from types import SimpleNamespace
 
 import pytest
@@ -59,6 +59,53 @@ ALL_FAMILIES = "MINIMOE_ALL_FAMILIES"
 def only_in_the_full_matrix(why: str) -> None:
     if os.environ.get(ALL_FAMILIES) != "1":
         pytest.skip(f"{why}; {ALL_FAMILIES}=1 runs it")
+
+
+# Routing ties: two implementations that round differently (ours and transformers', one process and two
+# ranks) may pick different experts where a token's K-th and (K+1)-th selection scores are closer than their
+# rounding, and a parity test then fails at random. Test inputs are drawn until every token's margin clears
+# TIE_MARGIN: ~1000x fp32 rounding of a logit of size 1 (ours and transformers' router logits differ by ~1e-6).
+TIE_MARGIN = 1e-4
+
+
+def routing_margin(model, routings, attention_mask=None) -> float:
+    """The smallest selection margin in `routings` (a forward's output list of `model`, a MoE model): over
+    every real token (`attention_mask` [B, T]: a padded token's choice reaches no real one, and the recurrent
+    mixers zero its state, so that its scores tie exactly) and MoE layer, the K-th minus the (K+1)-th score
+    the family selects by (the logits where the order is theirs; the scores plus DeepSeek-V3's correction
+    bias otherwise), and for group-limited selection also the kept groups' last rank minus the next group's."""
+    from minimoe.core.routing_methods.routing import moe_blocks
+    blocks, gaps = moe_blocks(model), []
+    for i, r in enumerate(routings):
+        if r is None:
+            continue
+        real = slice(None) if attention_mask is None else attention_mask.reshape(-1).bool()
+        r = replace(r, logits=r.logits[real])
+        scoring, correction = blocks[i].router.scoring, getattr(blocks[i].gate, "e_score_correction_bias", None)
+        s = r.logits.detach().float()  # [T, E]; softmax and sigmoid keep the logits' order
+        if correction is not None or scoring.method != "greedy":
+            s = scoring.scores(s) + (0 if correction is None else correction.detach().float())
+        if scoring.method != "greedy":
+            T, E = s.shape
+            grouped = s.view(T, scoring.n_group, E // scoring.n_group)
+            rank = grouped.max(-1).values if scoring.method == "group_limited_greedy" else grouped.topk(2, -1).values.sum(-1)
+            top = rank.topk(min(scoring.topk_group + 1, scoring.n_group), -1).values
+            if top.shape[-1] > scoring.topk_group:
+                gaps.append((top[:, scoring.topk_group - 1] - top[:, scoring.topk_group]).min())
+            kept = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, rank.topk(scoring.topk_group, -1).indices, True)
+            s = s.masked_fill(~kept.repeat_interleave(E // scoring.n_group, dim=1), float("-inf"))
+        top = s.topk(scoring.top_k + 1, dim=-1).values  # [T, K+1]
+        gaps.append((top[:, -2] - top[:, -1]).min())
+    return min(g.item() for g in gaps)
+
+
+def tie_free(draw, margin_of, tries: int = 200):
+    """The first of draw(0), draw(1), ... whose margin_of(drawn) clears TIE_MARGIN (`routing_margin`)."""
+    for seed in range(tries):
+        drawn = draw(seed)
+        if margin_of(drawn) >= TIE_MARGIN:
+            return drawn
+    raise AssertionError(f"no draw of {tries} clears a routing margin of {TIE_MARGIN}: the model routes on ties")
 
 
 # Families beyond the paper's two (the `family` fixture's params; heavy suites run on the paper's two only).

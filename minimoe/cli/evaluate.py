@@ -234,10 +234,23 @@ def own_data(args, parser) -> str | None:
         parser.error(str(e))
 
 
+def check_options(parser, argv) -> None:
+    """An unknown option before the command, or with no command, is named as unknown: argparse would take
+    its value for the command ("argument command: invalid choice: '8'") and never name the option."""
+    commands = ("report", "compare", "plot")
+    head = argv[:next((i for i, a in enumerate(argv) if a in commands), len(argv))]
+    known = list(parser._option_string_actions)
+    unknown = [flag for a in head if a.startswith("--") and len(a) > 2
+               for flag in [a.split("=", 1)[0]] if not any(k.startswith(flag) for k in known)]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (evaluate.py --help lists the options)")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = evaluate_parser()
+    check_options(parser, argv)
     args = parser.parse_args(argv)
     if args.command in ("report", "compare", "plot"):
         defaults = vars(parser.parse_args([]))  # an option before the command would be dropped without a word

@@ -16,6 +16,7 @@ from minimoe.runs.memory import Estimate, estimate, hub_weights, model_config, s
 
 def main(argv=None) -> Estimate:
     from minimoe.runs.config import build_config
+    from minimoe.runs.training import check_model_settings
     p = argparse.ArgumentParser(prog="python -m minimoe.runs.memory", description=memory_module.__doc__.split("\n\n")[0],
                                 epilog=memory_module.__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a checkpoint folder or a hub model id")
@@ -33,15 +34,19 @@ def main(argv=None) -> Estimate:
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error(f"--gpus {args.gpus}: expected 1 or more")
-    if args.quantize and args.gpus > 1 and args.shard == "fsdp":
-        p.error(f"--quantize {args.quantize} with --shard fsdp: train.py refuses it (docs/quantization.md); "
-                f"pass --shard ddp")
+    if not args.gpu_memory > 0:
+        p.error(f"--gpu-memory {args.gpu_memory:g}: expected a GPU's memory in GiB, more than 0")
     config, folder = model_config(args.model)
     recipe = args.recipe or family_of(config.model_type).recipe
-    settings = {"model": args.model, "dtype": args.dtype, "device": "cpu", "method": args.method, "shard": args.shard,
-                "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
+    settings = {"model": args.model, "dtype": args.dtype, "device": "cpu", "method": args.method,
+                "shard": args.shard if args.gpus > 1 else "ddp", "batch_size": args.batch_size,
+                "max_length": args.max_length, "lora_rank": args.lora_rank,
                 "gradient_checkpointing": args.gradient_checkpointing or None, "quantize": args.quantize}
     cfg = build_config(settings, recipe)
+    try:
+        check_model_settings(cfg, config)  # train.py's own check: what it refuses is not sized
+    except ValueError as e:
+        p.error(str(e))
     with torch.device("meta"):
         model = MoEForCausalLM(config).to(DTYPES[cfg.dtype])
     if folder is None:

@@ -2,7 +2,8 @@
 
     python sweep.py --preset main --models ibm-granite/granite-3.1-3b-a800m-base allenai/OLMoE-1B-7B-0924-SFT \\
         --out-dir runs/main -- --data-source hub            # 2 x 9 x 4 x 3 = 216 runs, then runs/main/report.md
-    python sweep.py --preset main --models ... --dry-run  # the cells and their state (done, partial, missing)
+    python sweep.py --preset main --models ... --dry-run  # the cells and their state (done, partial, missing;
+                                                          # refused: what train.py's own checks refuse, and why)
     python sweep.py --preset main --models ... --gpus     # one run per visible GPU
     python sweep.py --preset main --models ... --slurm --slurm-partition gpu   # one SLURM job per run
     python sweep.py --preset main --models ... --slurm --slurm-gpus 4 --slurm-param account=proj --slurm-param qos=high
@@ -164,6 +165,20 @@ CELL_SETTINGS = {"method": "--rows", "method_module": "--method-module", "object
                  "run_name": "the cell", "config": "the cell", "resume": "the sweep", "rerun": "--rerun"}
 
 
+def refusal(cell) -> str | None:
+    """What train.py would refuse of the cell's command line before training (train.check_command: the
+    same checks), as its one line; None when it would run."""
+    try:
+        train.check_command(cell.train_args())
+    except SystemExit as e:
+        return str(e.code).removeprefix("train.py: error: ")
+    except (ValueError, KeyError) as e:
+        return str(e)
+    except OSError:  # the model's config.json is not here (a hub id not cached offline): left to the run
+        return None
+    return None
+
+
 def check_extra(extra, parser) -> None:
     """Flags after `--` that would change a row's method, scope or a cell's identity are refused: the run
     would train as another row than its cell's and the report would call the cell missing."""
@@ -208,11 +223,16 @@ def main(argv=None):
     changed = {c: diff for c in cells
                if (diff := results.settings_differ(c, c.record()) if args.results and c.record() else c.changed())}
     if args.dry_run:
+        refused = {c: why for c in cells if c.state() != "done" and (why := refusal(c))}
         for c in cells:
-            print(f"{'changed' if c in changed else c.state():8s} {c.run}")
-        states = ["changed" if c in changed else c.state() for c in cells]
+            print(f"{'changed' if c in changed else 'refused' if c in refused else c.state():8s} {c.run}"
+                  + (f": {refused[c]}" if c in refused else ""))
+        states = ["changed" if c in changed else "refused" if c in refused else c.state() for c in cells]
         print(f"{len(cells)} runs: " + ", ".join(f"{states.count(s)} {s}" for s in ("done", "partial", "missing",
-                                                                                     "changed")))
+                                                                                     "changed", "refused")))
+        if refused:
+            sys.exit(f"sweep.py: error: train.py would refuse {len(refused)} run(s) (listed above with the reason); "
+                     f"change the grid or the flags after --")
         return cells
     if changed and (args.report_only or not args.rerun):
         lines = [f"  {c.run}: {', '.join(diff)}" for c, diff in changed.items()]

@@ -44,7 +44,7 @@ import minimoe
 from minimoe.atomic import atomic_file
 from minimoe.cli import is_tiny, model_path, run_command
 from minimoe.core.task.choices import check_max_length, pad_id
-from minimoe.core.decoder.families import FAMILIES, family_of
+from minimoe.core.decoder.families import family_of
 from minimoe.core.decoder.model import MoEConfig, compile_layers
 from minimoe.core.adaptation.quantized import require as require_quantization
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
@@ -53,16 +53,18 @@ from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.process_memory import keep_freed_memory, limit_kernel_cache
 from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.making.smollm import smollm_checkpoint
+from minimoe.making.tiny import planned_config
 from minimoe.runs.compat import read_run_config, read_settings, settings_of
 from minimoe.runs.config import FIELDS, TrainConfig, build_config, differing, loaded_settings
 from minimoe.runs.device import pick_device, pick_dtype
+from minimoe.runs import memory
 from minimoe.runs.flags import add_flags
 from minimoe.runs.naming import run_name, unread_flags
 from minimoe.runs.provenance import provenance
 from minimoe.runs.ranks import from_rank0, world
 from minimoe.runs.run_folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
 from minimoe.runs.sharding import build_sharded, check_sharding
-from minimoe.runs.training import check_install, install_method, train
+from minimoe.runs.training import check_install, check_model_settings, install_method, train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -146,21 +148,46 @@ def resolve_config(args, model_config) -> TrainConfig:
 
 
 def check_quantization(cfg: TrainConfig, model_config) -> None:
-    """--quantize: its library installed (the quant extra); mxfp4 for the families released in it only
-    (Family.packed_release: gpt-oss); and not with --shard fsdp, whose all-gather would have to gather the
-    packed tensors (docs/quantization.md says why it is refused)."""
+    """--quantize: its library installed (the quant extra), and what training.check_model_settings allows
+    (mxfp4 for the families released in it, NF4's blocks, not with --shard fsdp: docs/quantization.md)."""
     try:
         require_quantization(cfg.quantize)
     except ImportError as e:
         sys.exit(f"train.py: error: {e}")
-    if cfg.quantize == "mxfp4" and family_of(model_config.model_type).packed_release != "mxfp4":
-        released = ", ".join(f.model_type for f in FAMILIES.values() if f.packed_release == "mxfp4")
-        sys.exit(f"train.py: error: --quantize mxfp4 keeps released MXFP4 experts packed, as {released} stores "
-                 f"them; this model is {model_config.model_type}; use --quantize nf4")
-    if cfg.shard == "fsdp":
-        sys.exit(f"train.py: error: --quantize {cfg.quantize} with --shard fsdp is not supported: FSDP2 shards and "
-                 f"gathers parameters, and a packed base is no parameter (docs/quantization.md); use one process, "
-                 f"or --shard ddp")
+    check_settings(cfg, model_config)
+
+
+def check_settings(cfg: TrainConfig, model_config) -> None:
+    """training.check_model_settings, the one check of a setting against the model that every command
+    shares, as train.py's one-line refusal."""
+    try:
+        check_model_settings(cfg, model_config)
+    except ValueError as e:
+        sys.exit(f"train.py: error: {e}")
+
+
+def preflight(args, model_config) -> TrainConfig:
+    """The run's settings (resolve_config) and every refusal of them that needs neither the data nor the
+    model's weights: the quantization library, the settings against the model (check_model_settings), the
+    LoRA targets, layer scope, method options and memory on a meta model (check_install). train.py runs it
+    before anything is loaded or built (a tiny model against the config it will have: a refusal leaves no
+    weights/tiny-*); the sweep's dry run runs it for each cell."""
+    cfg = resolve_config(args, model_config)  # the method, device and dtype are resolved here, once
+    if cfg.quantize is not None:
+        check_quantization(cfg, model_config)  # the library, the family, no --shard fsdp
+    check_settings(cfg, model_config)  # --aux-coef family and the rest
+    check_install(model_config, cfg, cfg.device)
+    return cfg
+
+
+def check_command(argv) -> TrainConfig:
+    """What train.main(argv) would refuse before reading data or weights (`preflight`), without running it:
+    the sweep's dry run checks each cell's command line with it. SystemExit or ValueError names the refusal."""
+    args = parse_args(argv)
+    if is_tiny(args.model):
+        args.recipe = args.recipe or "tiny"
+        return preflight(args, planned_config(args.model))
+    return preflight(args, memory.model_config(args.model)[0])  # a folder's or a hub id's config.json alone
 
 
 def run_record(cfg: TrainConfig, model_config, data: dict, origin: dict) -> dict:
@@ -216,17 +243,21 @@ def main(argv=None):
     if args.model is None:  # the default run: a real model, one epoch of SciQ, its zero-shot score first
         args.model, args.data = str(smollm_checkpoint()), args.data or "sciq"
         args.epochs, args.zero_shot = args.epochs or 1, args.zero_shot is not False
-    elif is_tiny(args.model):  # tiny or tiny:<model_type>: the smoke recipe (random weights learn at 2e-3)
-        args.model, args.recipe = model_path(args.model), args.recipe or "tiny"
     args.data = args.data or "arc_challenge"
+    cfg = None
+    if is_tiny(args.model):  # tiny or tiny:<model_type>: the smoke recipe (random weights learn at 2e-3)
+        args.recipe = args.recipe or "tiny"
+        cfg = preflight(args, planned_config(args.model))  # before the tiny checkpoint is built
+        args.model = cfg.model = model_path(args.model)
     folder = resolve_checkpoint(args.model, args.cache_dir, args.model_revision)  # a hub id: its snapshot
     tokenizer = minimoe.load_tokenizer(folder)
     model_config = read_config(folder)
-    cfg = resolve_config(args, model_config)  # the method, device and dtype are resolved here, once
+    if cfg is None:
+        cfg = preflight(args, model_config)  # before the model is loaded
+    else:  # the tiny checkpoint as built: its tokenizer's pad id
+        cfg.pad_token_id = pad_id(model_config)
     sharded = cfg.shard == "fsdp"  # then no rank ever holds the whole model (minimoe/runs/sharding.py)
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
-    if cfg.quantize is not None:
-        check_quantization(cfg, model_config)  # the library, the family, no --shard fsdp: before anything is written
     model = None if sharded else minimoe.from_pretrained(folder, dtype=cfg.dtype, quantize=cfg.quantize,
                                                          device=cfg.device if cfg.quantize else None)
     if unread := unread_flags(args.typed, cfg.method):  # flags typed off their defaults, not a --config's
@@ -236,7 +267,6 @@ def main(argv=None):
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     for split, examples in data.items():  # every setting is checked before the run folder is written
         check_max_length(examples, tokenizer, cfg.max_length, f"--max-length, {cfg.data} {split}")
-    check_install(model_config, cfg, cfg.device)  # LoRA targets, layers, method options, memory: on meta
     check_sharding(cfg, world()[1])  # --shard fsdp: torchrun, 2 ranks or more
     if args.resume and args.rerun:
         sys.exit("train.py: error: --resume and --rerun: pass one (continue the run, or start it again)")

@@ -145,11 +145,11 @@ def build_tiny_checkpoint(folder, model_type: str = "olmoe", *, seed: int = 0) -
     """A checkpoint folder of the family's tiny model (OLMoE: --model tiny's), weights init_weights(seed)."""
     folder = Path(folder)
     if model_type == "olmoe":
-        tokenizer, widths = smoke_tokenizer(), dict(SMOKE_OLMOE, max_position_embeddings=1024)
+        tokenizer = smoke_tokenizer()
     else:  # the smoke checkpoint's tokenizer, built once
         from tokenizers import Tokenizer
         tokenizer = Tokenizer.from_file(str(tiny_checkpoint() / "tokenizer.json"))
-        widths = dict(max_position_embeddings=1024)  # benchmark prompts, and lm_eval's context, fit
+    widths = checkpoint_widths(model_type)
     vocab = -(-tokenizer.get_vocab_size() // 64) * 64  # rows padded to a multiple of 64, as the releases do
     config = tiny_config(model_type, vocab_size=vocab, eos_token_id=tokenizer.token_to_id(EOS_TOKEN),
                          pad_token_id=tokenizer.token_to_id(PAD_TOKEN), torch_dtype="float32", **widths)
@@ -158,6 +158,20 @@ def build_tiny_checkpoint(folder, model_type: str = "olmoe", *, seed: int = 0) -
         write_checkpoint(model, tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
     return folder
+
+
+def checkpoint_widths(model_type: str) -> dict:
+    """The tiny checkpoint's widths beyond tiny_config's: --model tiny's smoke OLMoE; room for benchmark
+    prompts and lm_eval's context in every family."""
+    return dict(SMOKE_OLMOE if model_type == "olmoe" else {}, max_position_embeddings=1024)
+
+
+def planned_config(name: str) -> MoEConfig:
+    """--model tiny or tiny:<model_type> -> the config its checkpoint has, without building it (the
+    tokenizer's vocabulary and ids aside): the commands check their settings against it before anything
+    is written (a refusal leaves no weights/tiny-* behind)."""
+    model_type = tiny_model_type(name)
+    return tiny_config(model_type, **checkpoint_widths(model_type))
 
 
 def tiny_checkpoint(model_type: str = "olmoe") -> Path:

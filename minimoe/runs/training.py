@@ -48,9 +48,10 @@ from tqdm import tqdm
 
 from minimoe.atomic import atomic_file
 from minimoe.core.task.choices import ChoiceBatch, make_choice_batch
-from minimoe.core.decoder.families import family_of
+from minimoe.core.decoder.families import FAMILIES, family_of
 from minimoe.core.adaptation.lora import add_lora, lora_modules
 from minimoe.core.routing_methods.methods import set_router
+from minimoe.core.adaptation.quantized import NF4_BLOCK, quantized_modules
 from minimoe.core.routing_methods.routing import Scoring
 from minimoe.core.task.step import step_loss
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
@@ -86,7 +87,7 @@ def check_install(model_config, cfg: TrainConfig, device: str):
     adapter whose fp32 weights, gradients and AdamW moments (16 bytes a parameter) exceed the
     device's memory."""
     from minimoe.core.decoder.model import MoEForCausalLM
-    aux_coefficient(cfg, model_config)  # --aux-coef family on a family without one
+    check_model_settings(cfg, model_config)  # --aux-coef family, --quantize
     with torch.device("meta"):
         dry = MoEForCausalLM(model_config)
         install_method(dry, cfg)
@@ -128,6 +129,33 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
         return step / max(1, warmup)
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else max(0.0, 1 - progress)
+
+
+def check_model_settings(cfg: TrainConfig, model_config) -> None:
+    """What a setting may be on this model: the one check that train.py (before it builds or loads the
+    model), the memory command and the sweep's dry run share; a ValueError names the setting and why.
+    --aux-coef family on a family without one (`aux_coefficient`); --quantize mxfp4 only where the release
+    stores MXFP4 experts (Family.packed_release: gpt-oss); --quantize nf4 only where every matrix it packs
+    holds whole blocks of 64 values; no --quantize with --shard fsdp."""
+    aux_coefficient(cfg, model_config)
+    if cfg.quantize == "mxfp4" and family_of(model_config.model_type).packed_release != "mxfp4":
+        released = ", ".join(f.model_type for f in FAMILIES.values() if f.packed_release == "mxfp4")
+        raise ValueError(f"--quantize mxfp4 keeps released MXFP4 experts packed, as {released} stores them; this "
+                         f"model is {model_config.model_type}; use --quantize nf4")
+    # NF4 under FSDP: refused here alone (issue 58 makes it work; delete this check then)
+    if cfg.quantize is not None and cfg.shard == "fsdp":
+        raise ValueError(f"--quantize {cfg.quantize} with --shard fsdp is not supported: FSDP2 shards and gathers "
+                         f"parameters, and a packed base is no parameter (docs/quantization.md); use one process, "
+                         f"or --shard ddp")
+    if cfg.quantize == "nf4":
+        from minimoe.core.decoder.model import MoEForCausalLM
+        with torch.device("meta"):
+            dry = MoEForCausalLM(model_config)
+        for name in quantized_modules(dry):
+            rows, cols = dry.get_submodule(name).weight.shape[-2:]
+            if rows * cols % NF4_BLOCK:
+                raise ValueError(f"--quantize nf4: {name} [{rows}, {cols}] has {rows * cols} values per matrix, not "
+                                 f"a multiple of NF4's block of {NF4_BLOCK}; this model cannot be packed in NF4")
 
 
 def aux_coefficient(cfg: TrainConfig, model_config=None) -> float:

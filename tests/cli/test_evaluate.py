@@ -577,3 +577,14 @@ def test_report_is_an_argparse_command(capsys):
     with pytest.raises(SystemExit) as exit_info:
         evaluate.main(["--split", "val", "compare", "runs/a", "runs/b"])
     assert exit_info.value.code == 2 and "--split before 'compare'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["--model", "tiny", "--max-exampels", "8", "--eval-dir", "X"],
+                                  ["--max-exampels=8", "report", "X"]])
+def test_an_unknown_flag_is_named_as_unknown(tmp_path, capsys, argv):
+    """A mistyped option with a value: argparse would read the value as the command ("argument command:
+    invalid choice: '8'"); the message names the option instead, before anything is loaded or written."""
+    with pytest.raises(SystemExit) as exit_info:
+        evaluate.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "unrecognized arguments: --max-exampels" in err and "invalid choice" not in err

@@ -519,3 +519,17 @@ def test_a_cell_is_named_as_train_py_names_its_run_whatever_is_passed_after_the_
     cfg = resolve_config(parse_args(cell.train_args()), read_config(tiny_checkpoint()))
     assert cell.run.name == run_name(vars(cfg), cfg.method)
     assert ("lambda0.1" in cell.run.name) == ("--lambda" in extra)
+
+
+def test_the_dry_run_refuses_what_the_runs_would_refuse(tmp_path, data, capsys):
+    """--dry-run checks each cell's command line with train.py's own checks (train.check_command): the
+    layer-scope preset on the 4-layer tiny model (its tuned-affinity row: the others are Granite's or OLMoE's
+    recipe's) lists its first:8 and last:8 cells as refused, with the reason, and exits non-zero, where the
+    runs would fail one by one after the others had run; nothing is written."""
+    with pytest.raises(SystemExit, match="train.py would refuse 2 run"):
+        sweep.main(["--preset", "layer-scope", "--models", "tiny", "--benchmarks", str(data), "--seeds", "42",
+                    "--out-dir", str(tmp_path / "out"), "--dry-run"])
+    out = capsys.readouterr().out
+    refused = [line for line in out.splitlines() if line.startswith("refused")]
+    assert len(refused) == 2 and all("layers='first:8'" in line or "layers='last:8'" in line for line in refused), out
+    assert not (tmp_path / "out").exists()

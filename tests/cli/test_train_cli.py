@@ -748,3 +748,20 @@ def test_tiny_model_type_trains_and_evaluates_from_the_command_line(tmp_path, mo
         assert "--model tiny:xyz: no family 'xyz'; expected tiny or tiny:<model_type>, one of tiny:granitemoe" \
             in capsys.readouterr().err
     assert not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("model,flags,message", [
+    ("tiny:deepseek_v2", ["--aux-coef", "family"], "deepseek_v2's config.json has no router_aux_loss_coef"),
+    ("tiny:llama4_text", ["--aux-coef", "family"], "never applies llama4_text's router_aux_loss_coef"),
+    ("tiny:qwen3_moe", ["--quantize", "mxfp4"], "this model is qwen3_moe; use --quantize nf4"),
+    ("tiny:qwen3_moe", ["--quantize", "nf4"], "needs torchao, which is not installed"),
+    ("tiny:mixtral", ["--layers", "first:8"], "first:8"),
+])
+def test_a_refusal_builds_no_tiny_model(tmp_path, monkeypatch, model, flags, message):
+    """Refusals of a setting come before the tiny checkpoint is built (train.preflight, against the config
+    it will have): nothing is written, weights/tiny-<model_type> included."""
+    monkeypatch.setenv("MINIMOE_WEIGHTS", str(tmp_path / "weights"))
+    monkeypatch.setitem(sys.modules, "torchao", None)  # the quant extra missing (asked by the nf4 case only)
+    with pytest.raises((SystemExit, ValueError), match=message):
+        train.main(["--model", model, "--out-dir", str(tmp_path / "runs"), "--run-name", "r", *flags])
+    assert not (tmp_path / "weights").exists() and not (tmp_path / "runs").exists()

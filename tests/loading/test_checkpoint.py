@@ -396,7 +396,7 @@ def test_each_new_family_loads_by_hub_id_and_its_bad_keys_are_named(family, miss
     ref = reference_model(tiny(family), path := tmp_path / "ref")
     populate_hub_cache(tmp_path / "cache", f"org/{family}-tiny", path)
     ours = minimoe.from_pretrained(f"org/{family}-tiny", cache_dir=tmp_path / "cache")
-    ids, mask = batch()
+    ids, mask = batch(ours)
     with torch.no_grad():
         assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
     for change, error, match in [(lambda t: t.pop(missing), KeyError, f"missing key '{missing}'"),

@@ -1,6 +1,8 @@
 """--shard fsdp (minimoe/runs/sharding.py) on the CPU with gloo: for eleven families (`SHARDED`: the first
 eight, both hybrids, Llama 4), a tiny checkpoint that transformers saved, two FSDP processes (and two DDP
-processes) equal one process at the same global batch over 4 real updates; a sharded run killed after
+processes) equal one process at the same global batch over 4 real updates, and so do the baselines with a
+distributed path of their own (`BASELINES`: DenseMixer; ESFT, both forms, under DDP: FSDP refuses it), on
+models drawn to route clear of ties (`TRAINING_MARGIN`); a sharded run killed after
 step 2 resumes to the uninterrupted result; refusals before any run folder exists. The sharded load
 itself, every family at 2 and 3 ranks and odd widths, is tests/runs/test_sharded_load.py (in this
 process, no torchrun).
@@ -25,12 +27,14 @@ import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from minimoe.cli import train
+from minimoe.core.task import step
 from minimoe.core.adaptation.lora import add_lora, merge_lora
 from minimoe.data.benchmarks import load_examples
 from minimoe.evaluation.folders import METRICS, eval_dir
@@ -40,7 +44,7 @@ from minimoe.runs.adapters import load_adapter
 from minimoe.runs.config import build_config
 from minimoe.runs.run_folder import run_lock
 from minimoe.runs.sharding import ShardingRefused, check_sharding, shard
-from tests.conftest import oracle, tiny_model
+from tests.conftest import oracle, routing_margin, tiny_model
 from tests.runs.test_sharded_load import with_biases
 
 REPO = Path(__file__).resolve().parents[2]
@@ -60,6 +64,19 @@ METHOD = {"granitemoe": ["--method", "acs", "--objective", "is", "--tune-router"
           "qwen3_next": ["--method", "acs", "--objective", "is"],  # Gated DeltaNet mixers
           "llama4_text": ["--method", "dual"]}  # top-1 input-scaled router, a dense layer
 SHARDED = list(METHOD)  # the families held equal under --shard fsdp (docs/distributed.md)
+# The baselines whose distributed path is their own: ESFT's choice of experts from every rank's usage (an
+# all-reduce in its preparation; both forms: LoRA on the chosen experts, or their rows in full) and
+# DenseMixer's dense router gradient. Run name -> (family, flags).
+BASELINES = {"esft": ("mixtral", ["--method", "esft", "--esft-p", "0.5"]),
+             "esft-full": ("olmoe", ["--method", "esft", "--esft-form", "full"]),
+             "densemixer": ("mixtral", ["--method", "densemixer"])}
+RUNS = {**{f: (f, METHOD[f]) for f in SHARDED}, **BASELINES}  # run name -> (family, method flags)
+UNSHARDED = {"esft", "esft-full"}  # refused under --shard fsdp (sharding.check_sharding): DDP only
+# Routing ties: one process and two ranks round differently, and a token whose K-th and (K+1)-th router
+# logits sit closer than that picks other experts on one side (seen: 1.2e-7 apart at step 6; the loss then
+# 4.5e-4 off). Every one-process run's forwards are checked to route clear of ties by TRAINING_MARGIN, 10x
+# the spread of the two sides' step terms (1e-6); a model that does not is drawn again (`transformers_saved`'s seed).
+TRAINING_MARGIN = 1e-5
 # Elements of the adapter allowed beyond 1e-6 of one process's (test_two_processes_equal_one_process). Qwen3-Next:
 # its DeltaNet's rounding (each rank pads its 4 examples, not the 8) puts step 1's loss 8e-7 relative off one
 # process's, and AdamW carries one near-zero gradient element's flip along that LoRA rank of one expert: 0.39%
@@ -69,13 +86,13 @@ KILLED = "gpt_oss"  # killed after step 2 of 4 and resumed: its AdamW moments, t
 WIDTHS = {"gpt_oss": dict(max_position_embeddings=256)}  # room for a benchmark question
 
 
-def transformers_saved(family: str, folder: Path) -> Path:
-    """Tiny `family` (conftest's switches; every bias random) at the tiny tokenizer's vocabulary, read by
-    transformers and written by its own save_pretrained, beside that tokenizer."""
+def transformers_saved(family: str, folder: Path, seed: int = 0) -> Path:
+    """Tiny `family` (conftest's switches, weights of `seed`; every bias random) at the tiny tokenizer's
+    vocabulary, read by transformers and written by its own save_pretrained, beside that tokenizer."""
     transformers = oracle("transformers")
     tokenizer = tiny_checkpoint()
     ids = read_config(tokenizer)
-    model = tiny_model(family, vocab_size=ids.vocab_size, pad_token_id=ids.pad_token_id,
+    model = tiny_model(family, seed=seed, vocab_size=ids.vocab_size, pad_token_id=ids.pad_token_id,
                        eos_token_id=ids.eos_token_id, **WIDTHS.get(family, {}))
     save_pretrained(with_biases(model), folder / "ours")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder / "ours", dtype=torch.float32)
@@ -99,15 +116,20 @@ def runs(tmp_path_factory):
     and for KILLED a sharded run killed after step 2 and resumed. The sharded runs save every 2 steps, so
     that the killed run's uninterrupted twin is the family's own sharded run."""
     root = tmp_path_factory.mktemp("fsdp")
-    models = {f: transformers_saved(f, root / f) for f in SHARDED}
     # float32 on the CPU by name: a module fixture runs before conftest's per-test settings of them
     common = ["--data", str(manifests(root / "data")), "--dtype", "float32", "--device", "cpu", *FLAGS]
-    flags = {f: ["--model", str(models[f]), *METHOD[f], *common] for f in SHARDED}
-    for f, fl in flags.items():
-        train.main(["--out-dir", str(root / "one"), "--run-name", f, *fl])
+    models, flags, margins = {}, {}, {}
+    for name, (family, method) in RUNS.items():
+        for seed in range(5):  # the first model whose one-process run routes clear of ties
+            models[name] = transformers_saved(family, root / "models" / f"{name}-{seed}", seed)
+            flags[name] = ["--model", str(models[name]), *method, *common]
+            shutil.rmtree(root / "one" / name, ignore_errors=True)
+            margins[name] = one_process(["--out-dir", str(root / "one"), "--run-name", name, *flags[name]])
+            if margins[name] >= TRAINING_MARGIN:
+                break
     sharded = {f: ["--out-dir", str(root / "fsdp"), "--shard", "fsdp", "--save-every-steps", "2", *fl]
                for f, fl in flags.items()}
-    plan = [{"flags": [*sharded[f], "--run-name", f]} for f in SHARDED]
+    plan = [{"flags": [*sharded[f], "--run-name", f]} for f in RUNS if f not in UNSHARDED]
     plan += [{"flags": ["--out-dir", str(root / "ddp"), "--run-name", f, *fl]} for f, fl in flags.items()]
     killed = [*sharded[KILLED], "--run-name", "killed"]
     plan += [{"flags": killed, "kill_after_steps": 2}, {"flags": [*killed, "--resume"]}]
@@ -124,7 +146,21 @@ def runs(tmp_path_factory):
                                "29523", "-m", "tests.fsdp_worker", str(root / "plan.json")],
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    return {"root": root, "models": models, "log": done.stderr}
+    return {"root": root, "models": models, "log": done.stderr, "margins": margins}
+
+
+def one_process(flags: list) -> float:
+    """train.main(flags) here; returns the smallest routing margin (conftest.routing_margin) of its training
+    forwards, every step's."""
+    margins, forward = [], step.forward_choices
+
+    def recorded(model, batch):
+        out, logp = forward(model, batch)
+        margins.append(routing_margin(model, out.routings, batch.attention_mask))
+        return out, logp
+    with mock.patch.object(step, "forward_choices", recorded):
+        train.main(flags)
+    return min(margins)
 
 
 def steps(run: Path) -> list[dict]:
@@ -135,8 +171,8 @@ def adapter(run: Path) -> dict:
     return load_file(run / "checkpoints" / "epoch-1" / "adapter.safetensors")
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-@pytest.mark.parametrize("family", SHARDED)
+@pytest.mark.parametrize("family,mode", [(name, mode) for name in RUNS for mode in ("fsdp", "ddp")
+                                         if not (mode == "fsdp" and name in UNSHARDED)])
 def test_two_processes_equal_one_process(runs, family, mode):
     """The adapter after 4 real updates, each step's loss terms and the routing statistics of the whole batch.
 
@@ -148,18 +184,23 @@ def test_two_processes_equal_one_process(runs, family, mode):
     second moment, so an element whose gradient is at rounding level can step by up to lr the other way:
     every element is within 2 * lr * steps, and all
     but 0.1% within 1e-6 (measured: at most 0.04% of a family's elements beyond 1e-6, the largest 2.7e-5,
-    DeepSeek-V3; FSDP and DDP alike; Qwen3-Next more: `SPREAD`)."""
+    DeepSeek-V3; FSDP and DDP alike; Qwen3-Next more: `SPREAD`). `family` is a run name: a family, or one of
+    `BASELINES` (ESFT's choice is the same experts on every rank and in one process: `chosen` is in the adapter).
+
+    The one-process run routes clear of ties (`TRAINING_MARGIN`): the comparison does not hang on where they fall."""
+    assert runs["margins"][family] >= TRAINING_MARGIN, f"{family}: routes on near-ties in five models drawn"
     one, two = runs["root"] / "one" / family, runs["root"] / mode / family
     record = json.loads((two / "config.json").read_text())
     assert record["shard"] == mode and record["world_size"] == 2  # the run folder says which mode ran
     a, b = steps(one), steps(two)
     assert len(a) == len(b) == STEPS
     # each record's lr is the next step's: steps 1-4 ran at lr x 1, 3/4, 1/2, 1/4
-    assert [r["lr"] for r in a] == pytest.approx([LR * (1 - s / STEPS) for s in range(1, STEPS + 1)])
+    rate = 1e-5 if family == "esft-full" else LR  # the full form's rows: esft_lr's default, its only group
+    assert [r["lr"] for r in a] == pytest.approx([rate * (1 - s / STEPS) for s in range(1, STEPS + 1)])
     for key in ("loss", "task", "method", "grad_norm"):  # the method term: summed over ranks, as one batch's
         torch.testing.assert_close(torch.tensor([r[key] for r in b]), torch.tensor([r[key] for r in a]),
                                    rtol=1e-5, atol=1e-7, msg=key)
-    if METHOD[family][1] in ("tes", "acs"):  # the supervision term is there to compare
+    if RUNS[family][1][1] in ("tes", "acs"):  # the supervision term is there to compare
         assert all(r["method"] > 0 for r in b)
     for ra, rb in zip(a, b):  # routing statistics: every rank's micro-batches, not rank 0's half
         assert ra["routing"].keys() == rb["routing"].keys()
@@ -169,12 +210,12 @@ def test_two_processes_equal_one_process(runs, family, mode):
                                            rtol=1e-5, atol=2e-6, msg=f"{layer} {name}")
     x, y = adapter(one), adapter(two)
     assert x.keys() == y.keys()
-    diffs = torch.cat([(y[k] - x[k]).abs().flatten() for k in x])
+    diffs = torch.cat([(y[k].float() - x[k].float()).abs().flatten() for k in x])  # float: ESFT's bool `chosen`
     assert diffs.max() <= 2 * LR * STEPS
     assert (diffs > 1e-6).float().mean() <= SPREAD.get(family, 0.001)
 
 
-@pytest.mark.parametrize("family", SHARDED)
+@pytest.mark.parametrize("family", [name for name in RUNS if name not in UNSHARDED])
 def test_fsdp_equals_ddp(runs, family):
     """The same two ranks' batches, FSDP against DDP: what is left is the order of the gradient's reduction
     (reduce-scatter against all-reduce), not one process's batch of 8, so the adapters agree closely for every
@@ -183,7 +224,7 @@ def test_fsdp_equals_ddp(runs, family):
     Qwen3-MoE bit for bit)."""
     x, y = adapter(runs["root"] / "ddp" / family), adapter(runs["root"] / "fsdp" / family)
     assert x.keys() == y.keys()
-    diffs = torch.cat([(y[k] - x[k]).abs().flatten() for k in x])
+    diffs = torch.cat([(y[k].float() - x[k].float()).abs().flatten() for k in x])
     assert diffs.max() <= 1e-5
     assert (diffs > 1e-6).float().mean() <= 0.001
 
@@ -192,6 +233,8 @@ def test_a_sharded_adapter_loads_as_a_one_process_adapter(runs):
     """The gathered files are today's: load_adapter (evaluate.py, export.py) takes them on the unsharded
     base, its base-weights digest (computed from the gathered shards) included."""
     for family, model in runs["models"].items():
+        if family in UNSHARDED:
+            continue
         base = from_pretrained(model)
         load_adapter(base, runs["root"] / "fsdp" / family / "checkpoints" / "epoch-1")
         saved = adapter(runs["root"] / "fsdp" / family)
@@ -266,6 +309,11 @@ def test_fsdp_is_refused_before_any_run_folder(tmp_path, monkeypatch):
     cfg = build_config({"model": "tiny", "zero_shot": True, "shard": "fsdp"}, "tiny")
     with pytest.raises(ShardingRefused, match="--zero-shot"):
         check_sharding(cfg, 2)
+    for form in ("lora", "full"):
+        cfg = build_config({"model": "tiny", "shard": "fsdp", "method": "esft", "method_options": {"esft_form": form}},
+                           "tiny")
+        with pytest.raises(ShardingRefused, match="--method esft"):
+            check_sharding(cfg, 2)
 
 
 def test_a_merged_lora_is_refused():

@@ -14,6 +14,7 @@ from tests.runs.test_config import PAPER, resolved
 from minimoe import from_pretrained, load_tokenizer
 from minimoe.core.task.choices import format_choice, format_prompt
 from minimoe.core.task.choices import forward_choices
+from minimoe.core.routing_methods.esft import esft_layers
 from minimoe.core.routing_methods.objectives import load_balancing_loss
 from minimoe.core.task.step import step_loss
 from minimoe.data.benchmarks import load_split
@@ -302,3 +303,21 @@ def test_the_loops_hooks_see_each_position_a_checkpoint_resumes_from(tmp_path):
     assert [p for p, _ in seen["step"]] == [P(0, 1, 1), P(0, 2, 2), P(0, 3, 3), P(1, 1, 4), P(1, 2, 5), P(1, 3, 6)]
     assert [p for p, _ in seen["epoch"]] == [P(1, 0, 3), P(2, 0, 6)]
     assert all(p == saved for p, saved in seen["epoch"] + [s for s in seen["step"] if s[0].epoch_step < 3])
+
+
+@pytest.mark.parametrize("recipe", PAPER)
+def test_the_esft_full_forms_rows_train_at_the_releases_rate(recipe):
+    """ESFT's full form: the chosen experts' rows are the only group, at esft_lr's default 1e-5 (the public
+    release's), whatever the recipe's LoRA rate; --esft-lr sets it."""
+    for options, want in (({"esft_form": "full"}, 1e-5), ({"esft_form": "full", "esft_lr": 3e-4}, 3e-4)):
+        model = tiny_model("olmoe")
+        cfg = method_cfg(recipe, method="esft", method_options=options)
+        install_method(model, cfg)
+        rows = []
+        for mlp in esft_layers(model).values():  # a choice, as prepare makes from the data
+            mlp.router.chosen[:2] = True
+            mlp.router.take_rows(mlp)
+            rows += list(mlp.router.rows.values())
+        groups = make_optimizer(model, cfg).param_groups
+        assert {g["name"]: g["lr"] for g in groups} == {"esft": want}
+        assert {id(p) for g in groups for p in g["params"]} == {id(p) for p in rows}

@@ -31,6 +31,8 @@ NF4Tensor per expert, as QLoRA on transformers' per-expert modules packs them). 
 """
 from __future__ import annotations
 
+import importlib
+import logging
 import math
 import weakref
 
@@ -52,15 +54,29 @@ def require(fmt: str) -> None:
     if fmt == "mxfp4":
         return  # our own decoder (loading/mxfp4.py), no library
     try:
-        import torchao.quantization.quantize_.workflows.nf4.nf4_tensor  # noqa: F401
+        _nf4_module()
     except ImportError as e:
         raise ImportError(f"--quantize {fmt} needs torchao, which is not installed: pip install -e \".[quant]\" "
                           f"({e})") from None
 
 
+def _nf4_module():
+    """torchao's NF4 module, imported without the warning torchao's import logs for each of its compiled
+    extensions that this machine cannot load (its CUDA kernels, on a CPU machine: "Failed to load
+    .../torchao/_C_mxfp8...so"), which reads as an error where nothing is wrong; its other messages pass."""
+    log = logging.getLogger("torchao")
+    unloadable = logging.Filter()
+    unloadable.filter = lambda record: not record.getMessage().startswith("Failed to load ")
+    log.addFilter(unloadable)
+    try:
+        importlib.import_module("torchao")  # first: the submodule alone may sit in sys.modules after torchao went
+        return importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+    finally:
+        log.removeFilter(unloadable)
+
+
 def _to_nf4():
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
-    return to_nf4
+    return _nf4_module().to_nf4
 
 
 class NF4Weight:

@@ -5,6 +5,8 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("torchao")  # the quant extra (and the test extra); a plain install skips these tests
@@ -13,6 +15,7 @@ from minimoe.making.tiny import FAMILY_SWITCHES, tiny_model  # noqa: E402
 from minimoe.core.adaptation import quantized  # noqa: E402
 from minimoe.core.layers.experts import GroupedLinear  # noqa: E402
 from minimoe.core.adaptation.lora import add_lora  # noqa: E402
+from minimoe.core.routing_methods.routing import moe_blocks  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained  # noqa: E402
 from minimoe.making.tiny import tiny_checkpoint  # noqa: E402
 
@@ -268,3 +271,73 @@ def test_to_moves_the_packed_weight_and_casts_only_what_it_dequantises_to():
             assert m.weight.dtype == torch.bfloat16 and 0 in m.weight.stride()
             assert all(type(q) is nf4_tensor.NF4Tensor and q.dtype == torch.float32 for q in m.packed.parts)
     assert (y16.float() - y32).norm() / y32.norm() < 0.05
+
+
+class GateFinder(TorchFunctionMode):
+    """Which modules act as gates in a forward, found from the data flow, not from names: a module whose
+    weight goes into an F.linear (its own forward, or F.linear on `module.weight` as the MoE block's router
+    does) of output width `widths` (the expert count, or 1: a per-token scalar gate), when that output (or
+    a same-shaped cast, scaling or view of it) reaches a softmax, sigmoid or top-K."""
+
+    CONSUMERS = {"softmax", "log_softmax", "sigmoid", "topk"}
+
+    def __init__(self, model: nn.Module, widths):
+        super().__init__()
+        self.owner = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+        self.widths, self.tainted, self.keep, self.gates = set(widths), {}, [], set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+        if func is F.linear and id(inputs[1]) in self.owner and out.shape[-1] in self.widths:
+            self.mark(out, self.owner[id(inputs[1])])
+        for a in inputs:
+            if id(a) not in self.tainted:
+                continue
+            name = self.tainted[id(a)]
+            if getattr(func, "__name__", "") in self.CONSUMERS:
+                self.gates.add(name)
+            elif isinstance(out, torch.Tensor) and out.shape == a.shape:
+                self.mark(out, name)
+        return out
+
+    def mark(self, t, name):
+        self.tainted[id(t)] = name
+        self.keep.append(t)  # alive for the forward, so that no id is reused
+
+
+def gate_like(model) -> set:
+    finder = GateFinder(model, {model.config.num_experts, 1})
+    ids = torch.randint(3, model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), finder:
+        model(ids)
+    return finder.gates
+
+
+@pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
+def test_every_gate_like_module_stays_dense_under_nf4(family):
+    """docs/quantization.md's promise: a 4-bit base keeps the router gates dense (routing decisions must not
+    flip because of the base's storage), the shared-expert gate of Qwen2-MoE and Qwen3-Next among them.
+    The gates are found from the forward's data flow (`GateFinder`), so a gate under a new name is caught:
+    one per MoE layer at least, plus the shared-expert gate where the family has one."""
+    model = tiny_model(family)
+    gates = gate_like(model)
+    blocks = moe_blocks(model)
+    assert {f"model.layers.{i}.mlp.gate" for i in blocks} <= gates  # the finder sees the routers' gates
+    if model.config.shared_expert_gate:
+        assert {f"model.layers.{i}.mlp.shared_expert_gate" for i in blocks} <= gates
+    quantized.quantize_model(model, "nf4")
+    assert quantized.quantized_modules(model)  # the base is packed, but no gate of it
+    packed = sorted(n for n in gates if quantized.is_quantized(model.get_submodule(n)))
+    assert not packed, f"{family}: gate-like modules packed to 4 bits: {packed}"
+
+
+def test_importing_torchao_prints_no_failed_to_load_lines():
+    """A CPU machine cannot load torchao's CUDA extensions, and torchao's import logs "Failed to load ..." for
+    each: quantized.require imports it without those lines (a fresh process: torchao imports once)."""
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", "from minimoe.core.adaptation.quantized import require; require('nf4')"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "Failed to load" not in done.stderr + done.stdout

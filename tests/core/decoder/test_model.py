@@ -17,7 +17,7 @@ from minimoe.core.layers import cpu_memory
 from minimoe.core.task.choices import forward_choices, make_choice_batch
 from minimoe.core.routing_methods.objectives import load_balancing_loss
 from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
-from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, oracle, spy_grouped_mm, tiny_config, tiny_model
+from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, oracle, routing_margin, spy_grouped_mm, tie_free, tiny_config, tiny_model
 
 
 transformers = oracle("transformers")  # its tests skip without the test extra
@@ -60,13 +60,25 @@ def with_v2_softmax_mscale(model):
     return model
 
 
-def batch(vocab=128, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, vocab, (3, 16), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 11:] = 0  # right padding
-    mask[2, 5:] = 0
-    return ids, mask
+def batch(model=None, vocab=128, seed=1):
+    """ids [3, 16] and a right-padding mask. With `model` (what a parity test compares): the first draw on
+    which it routes every token clear of ties, padded or not (conftest.routing_margin), so that a reference
+    rounding otherwise picks the same experts."""
+    def draw(s):
+        g = torch.Generator().manual_seed(s)
+        ids = torch.randint(3, vocab, (3, 16), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 11:] = 0  # right padding
+        mask[2, 5:] = 0
+        return ids, mask
+    if model is None:
+        return draw(seed)
+
+    def margin(drawn):
+        with torch.no_grad():
+            return min(routing_margin(model, model(drawn[0], attention_mask=m).routings, m)
+                       for m in (drawn[1], None))
+    return tie_free(lambda s: draw(seed + 1000 * s), margin)
 
 
 def rel_err(ours, ref, mask):
@@ -78,7 +90,7 @@ def test_fp32_logits_match_transformers(family, tmp_path):
     """Every config switch on (GQA, Granite multipliers + tied head, OLMoE clip_qkv + norm_topk_prob), padded batch."""
     ref = reference_model(tiny(family), path := tmp_path / "ref")
     ours = minimoe.from_pretrained(path, dtype=torch.float32)
-    ids, mask = batch()
+    ids, mask = batch(ours)
     with torch.no_grad():
         want = ref(ids, attention_mask=mask).logits
         got = ours(ids, attention_mask=mask).logits
@@ -90,7 +102,7 @@ def test_olmoe_default_switches_match_transformers(tmp_path):
     ref = reference_model(tiny("olmoe", clip_qkv=None, norm_topk_prob=False, num_key_value_heads=4),
                           path := tmp_path / "ref")
     ours = minimoe.from_pretrained(path)
-    ids, mask = batch()
+    ids, mask = batch(ours)
     with torch.no_grad():
         assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
 
@@ -101,8 +113,9 @@ def test_olmoe_default_switches_match_transformers(tmp_path):
     ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], dense_intermediate_size=48)),
     # norm_topk_prob the other way from the fixture's; no biases; no window; the window off by its switch.
     ("qwen3_moe", dict(norm_topk_prob=False, attention_bias=False, use_sliding_window=False)),
+    # max_window_layers 0: every layer slides (transformers 5 slides from it on; 4.57's eager mask, every layer)
     ("qwen2_moe", dict(norm_topk_prob=True, qkv_bias=False, use_sliding_window=True, sliding_window=4,
-                       shared_expert_intermediate_size=24)),
+                       max_window_layers=0, shared_expert_intermediate_size=24)),
     ("mixtral", dict(sliding_window=None, head_dim=None, num_experts_per_tok=2)),
 ])
 def test_family_switches_match_transformers(family, switches, tmp_path):
@@ -111,7 +124,7 @@ def test_family_switches_match_transformers(family, switches, tmp_path):
     ours = minimoe.from_pretrained(path)
     theirs = [type(getattr(l, "mlp", None) or l.block_sparse_moe).__name__ for l in ref.model.layers]
     assert [type(l.mlp).__name__ for l in ours.model.layers] == ["MoEBlock" if "Sparse" in t else "DenseMLP" for t in theirs]
-    ids, mask = batch()
+    ids, mask = batch(ours)
     with torch.no_grad():
         for m in (mask, torch.ones_like(mask)):
             assert rel_err(ours(ids, attention_mask=m).logits, ref(ids, attention_mask=m).logits, m) <= FP32_TOL
@@ -206,7 +219,7 @@ def test_gradients_match_transformers(family, tmp_path):
     ref = reference_model(tiny(family), path := tmp_path / "ref")
     ours = minimoe.from_pretrained(path).train()
     ref.train()
-    ids, mask = batch()
+    ids, mask = batch(ours)
 
     def next_token_ce(logits):
         targets = ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
@@ -339,7 +352,7 @@ def test_aux_loss_matches_transformers(family, tmp_path):
                     "(docs/families.md)")
     ref = reference_model(tiny(family), path := tmp_path / "ref")
     ours = minimoe.from_pretrained(path)
-    ids, mask = batch()
+    ids, mask = batch(ours)
     with torch.no_grad():
         want = ref(ids, attention_mask=mask, output_router_logits=True).aux_loss
         got = load_balancing_loss(ours(ids, attention_mask=mask).routings, mask)
@@ -356,3 +369,22 @@ def test_bad_config_values_raise():
         tiny_config("olmoe", num_key_value_heads=3)
     with pytest.raises(ValueError, match="rope_scaling"):
         tiny_config("olmoe", rope_scaling={"type": "dynamic", "factor": 2.0})  # linear and yarn are honoured (core/layers/rope.py)
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])  # plain top-K; sigmoid + correction + groups
+def test_routing_margin_sees_a_tie(family):
+    """conftest.routing_margin, which the parity tests' inputs clear: positive on a random router, zero where
+    two experts' gate rows are equal (each token's scores for them tie), and batch(model) then refuses."""
+    model = tiny_model(family)
+    ids, mask = batch()
+    with torch.no_grad():
+        assert routing_margin(model, model(ids, attention_mask=mask).routings) > 0
+        for i, r in enumerate(model(ids).routings):
+            if r is not None:
+                gate = model.model.layers[i].mlp.gate.weight
+                gate[:] = gate[0]  # every expert ties with every other
+                if hasattr(model.model.layers[i].mlp.gate, "e_score_correction_bias"):  # which would part them
+                    model.model.layers[i].mlp.gate.e_score_correction_bias.zero_()
+        assert routing_margin(model, model(ids, attention_mask=mask).routings) == 0
+    with pytest.raises(AssertionError, match="routing margin"):
+        batch(model)

@@ -29,7 +29,7 @@ def core_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
-            for a in node.names:  # `from minimoe.core import experts` imports the module minimoe.core.layers.experts
+            for a in node.names:  # `from minimoe.core.layers import experts` imports the module minimoe.core.layers.experts
                 sub = f"{node.module}.{a.name}"
                 found.add(sub if module_file(sub) is not None else node.module)
     return {m for m in found if m.startswith("minimoe.core.")}

@@ -14,6 +14,8 @@ import torch
 
 from minimoe import from_pretrained, load_tokenizer
 from minimoe.core.task.choices import forward_choices
+from minimoe.core.routing_methods.objectives import load_balancing_loss
+from minimoe.core.routing_methods.routing import moe_blocks
 from minimoe.core.task.step import step_loss
 from minimoe.data.benchmarks import load_examples
 from minimoe.making.tiny import tiny_checkpoint
@@ -133,3 +135,29 @@ def test_the_observed_ce_stays_attached_in_the_method_term(method):
     # (a detached CE leaves the final layer's experts no gradient from L_m at all: a zero)
     gap = max((expected[True].get(n, 0) - expected[False][n]).abs().max().item() for n in lora)
     assert gap > 1e-4
+
+
+def test_the_load_balancing_term_reaches_the_gradient_times_its_coefficient():
+    """Eq. total_loss's + aux_coef * L_aux: the routers' gates get aux_coef times L_aux's gradient, written
+    out here (each micro-batch's loss over its rows' share of the step's rows), on top of the task's.
+    Linear in the coefficient and not zero: a step that added L_aux unscaled (or dropped it) fails."""
+    cfg, model, batches, counts = setup("ce", "is")
+    gates = {f"model.layers.{i}.mlp.gate.weight": mlp.gate.weight for i, mlp in moe_blocks(model).items()}
+    for w in gates.values():
+        w.requires_grad_(True)
+
+    def gate_grads(aux_coef):
+        model.zero_grad(set_to_none=True)
+        step_loss(model, batches, cfg.method, counts, world_size=1, aux_coef=aux_coef)
+        return {n: w.grad.clone() for n, w in gates.items()}
+    model.zero_grad(set_to_none=True)
+    for batch in batches:  # d(L_aux)/d(gate) by hand
+        out, _ = forward_choices(model, batch)
+        (load_balancing_loss(out.routings, batch.attention_mask) * batch.input_ids.shape[0] / counts["rows"]).backward()
+    aux = {n: w.grad.clone() for n, w in gates.items()}
+    assert all(g.abs().max() > 1e-6 for g in aux.values())  # the term has a gradient to scale
+    base = gate_grads(0.0)
+    for coef in (0.01, 0.3):
+        got = gate_grads(coef)
+        for name in gates:
+            torch.testing.assert_close(got[name] - base[name], coef * aux[name], rtol=1e-3, atol=1e-8, msg=name)
