@@ -40,6 +40,7 @@ GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 class TokenRow:  # one example as the loss reads it
     ids: list[int]
     supervised: list[bool]  # the tokens whose prediction counts; ids[0] is never one (nothing predicts it)
+    id: str = ""  # its example's id (data/instruct.py)
 
 
 class NoChatTemplate(ValueError):

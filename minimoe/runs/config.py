@@ -226,6 +226,9 @@ class TrainConfig:
     prompt_template: str | None = setting("data", None, "your own data's prompt, a str.format string over {question} "
                                           "and the row's fields (default: the paper's 'Question: {question}\\nAnswer:')",
                                           metavar="FORMAT")
+    chat_template: str | None = setting("data", None, "chat --data (a messages column): the jinja2 chat template "
+                                        "to render it with (default: the model's own, from its chat_template.jinja or "
+                                        "tokenizer_config.json; a model without one is refused)", metavar="FILE")
     max_train_examples: int | None = setting("data", None, "keep only the first N training examples (default: the "
                                              f"recipe's count for a registered benchmark ({by_recipe_counts()}); all "
                                              "of a manifest folder)", type=COUNT, metavar="N")

@@ -128,3 +128,25 @@ def test_template_sources(tmp_path):
     assert read_chat_template(tmp_path, tmp_path / "mine.jinja") == SYSTEM_DEFAULT
     with pytest.raises(FileNotFoundError, match="--chat-template"):
         read_chat_template(tmp_path, tmp_path / "missing.jinja")
+
+
+def test_chat_and_completion_rows_become_checked_manifests(tmp_path):
+    """--field-map names the messages column; a manifest line keeps the conversation as given and reads back
+    as the same example; a completion row among chat rows is refused with its line."""
+    from minimoe.data.benchmarks import read_manifest
+    from minimoe.data.userdata import build_user_data, data_kind
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    rows = [{"turns": [{**conv[0], "content": f"hi {i}"}, conv[1]], "extra": 1} for i in range(12)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    folder = build_user_data(str(path), tmp_path / "splits", field_map="messages=turns")
+    assert json.loads((folder / "splits.json").read_text())["kind"] == "chat"
+    assert data_kind(str(folder)) == "manifests"
+    examples = [ex for s in ("train", "val", "test") for ex in read_manifest(folder / f"{s}.jsonl")]
+    assert sorted(ex.messages[0]["content"] for ex in examples) == sorted(f"hi {i}" for i in range(12))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:3] + [{"prompt": "a", "completion": "b"}]))
+    with pytest.raises(ValueError, match=r"chat.jsonl:4: a completion row among chat rows"):
+        build_user_data(str(path), tmp_path / "splits", field_map="messages=turns")
+    path.write_text("".join(json.dumps({"prompt": f"p{i}", "completion": " c"}) + "\n" for i in range(12)))
+    folder = build_user_data(str(path), tmp_path / "splits")
+    assert read_manifest(folder / "test.jsonl")[0].kind == "completion"

@@ -1,0 +1,89 @@
+"""core/tokens.py and step_loss on chat/completion rows, against the loss written out by hand from the full
+logits: labels shifted by one, -100 off the supervised tokens, F.cross_entropy summed over the step's
+supervised tokens (TRL's completion-only SFT loss), plus lambda * the paper's IS term at the same tokens."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minimoe import from_pretrained
+from minimoe.core.step import step_loss
+from minimoe.core.tokens import make_token_batch
+from minimoe.data.chat import TokenRow
+from minimoe.making.tiny import tiny_checkpoint
+from minimoe.runs import training
+from minimoe.runs.config import build_config
+
+LAMBDA = 0.7
+
+
+def rows(seed, n, length):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = length + 3 * i  # rows of different lengths: padding in every batch
+        ids = torch.randint(2, 200, (T,), generator=g).tolist()
+        supervised = [False] + (torch.rand(T - 1, generator=g) < 0.4).tolist()
+        supervised[-1] = True
+        out.append(TokenRow(ids, supervised, id=f"r{i}"))
+    return out
+
+
+def by_hand(model, batches):
+    ce, method, tokens, layers = 0.0, 0.0, 0, None
+    for b in batches:
+        out = model(b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids)
+        labels = torch.full_like(b.input_ids, -100)
+        for r, row in enumerate(b.rows):
+            for t in range(1, len(row.ids)):
+                if row.supervised[t]:
+                    labels[r, t - 1] = row.ids[t]
+        per_token = F.cross_entropy(out.logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+        keep = labels.flatten() != -100
+        ce = ce + per_token[keep].sum()
+        tokens += int(keep.sum())
+        supervised = [r for r in out.routings if r.prediction is not None]
+        layers = len(supervised)
+        for routing in supervised:  # Eq. token_is_loss at the supervised tokens
+            ratio = per_token[keep].clamp_min(1e-8) / routing.prediction[keep].float()
+            method = method + (ratio - torch.log(ratio) - 1).sum()
+    return ce / tokens, method / (tokens * layers)
+
+
+@pytest.mark.parametrize("method", ["tes", "acs"])
+def test_step_loss_on_token_rows_is_the_completion_only_loss(method):
+    cfg = build_config({"method": method, "objective": "is", "layers": "all", "lambda_": LAMBDA, "lora_dropout": 0.0,
+                        "batch_size": 3, "pad_token_id": 0, "device": "cpu"}, "tiny")
+    data = rows(0, 6, 9)
+    batches = training.micro_batches(data, None, cfg, 0, 1)
+    for b, part in zip(batches, (data[:3], data[3:])):
+        b.rows = part
+    torch.manual_seed(0)
+    model = from_pretrained(tiny_checkpoint())
+    training.install_method(model, cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape) * 0.05)
+    counts = {"examples": 6, "tokens": sum(b.supervised_tokens for b in batches),
+              "rows": sum(b.input_ids.shape[0] for b in batches)}
+    logs = step_loss(model, batches, cfg.method, counts, 1, **training.loss_settings(cfg))
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    ce, term = by_hand(model, batches)
+    (ce + LAMBDA * term).backward()
+    assert float(logs["task"]) == pytest.approx(ce.item(), rel=1e-5)
+    assert float(logs["method"]) == pytest.approx(term.item(), rel=1e-5)
+    for n, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_token_batch_layout():
+    data = [TokenRow([5, 6, 7, 8], [False, False, True, True]), TokenRow([9, 10], [False, True])]
+    b = make_token_batch(data, pad_token_id=0, pad_to=4)
+    assert b.input_ids.tolist() == [[5, 6, 7, 8], [9, 10, 0, 0]]
+    assert list(zip(b.row.tolist(), b.col.tolist(), b.target.tolist())) == [(0, 1, 7), (0, 2, 8), (1, 0, 10)]
+    assert b.supervised_mask.tolist() == [[False, True, True, False], [True, False, False, False]]
+    assert b.supervised_tokens == 3 and b.real_tokens == 6
+    with pytest.raises(ValueError, match="no supervised token"):
+        make_token_batch([TokenRow([1, 2], [False, False])], 0)
