@@ -18,7 +18,7 @@ from contextlib import nullcontext
 
 from minimoe.core.choices import choice_loss, choice_scores, forward_choices
 from minimoe.core.objectives import load_balancing_loss, supervision_loss
-from minimoe.core.tokens import TokenBatch
+from minimoe.core.tokens import TokenBatch, forward_tokens
 
 
 def step_loss(model, batches, method, counts: dict, world_size: int, *, is_eps: float = 1e-8,
@@ -37,7 +37,8 @@ def step_loss(model, batches, method, counts: dict, world_size: int, *, is_eps: 
         sync = i == len(batches) - 1 or not hasattr(model, "no_sync")  # DDP: all-reduce on the last only
         weight = 0.0 if batch.placeholder else 1.0
         with nullcontext() if sync else model.no_sync(), autocast():
-            out, logp = forward_choices(model, batch)  # logp [n]: every candidate's answer tokens
+            forward = forward_tokens if isinstance(batch, TokenBatch) else forward_choices
+            out, logp = forward(model, batch)  # logp [n]: every candidate's answer tokens, or the supervised ones
             if stats is not None and not batch.placeholder:
                 stats.add(out.routings, batch, batch.at_supervised(-logp.detach()))
             if isinstance(batch, TokenBatch):  # per supervised token over the step, as the method term

@@ -16,6 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from minimoe.core.choices import forward_choices
+
+CHUNK = 1024  # supervised positions per head call: [1024, 151k] fp32 logits are 0.6 GB
 
 
 @dataclass
@@ -80,3 +86,29 @@ def example_losses(token_ce, batch: TokenBatch) -> tuple[torch.Tensor, torch.Ten
     count = torch.zeros(R, dtype=torch.long, device=token_ce.device).index_add(0, batch.example,
                                                                                torch.ones_like(batch.example))
     return total, count
+
+
+def token_ce(head, hidden, target) -> torch.Tensor:
+    """hidden [n, D] (final-normed), target [n] -> CE [n] in fp32: the plain path, [n, V] logits at once."""
+    return F.cross_entropy(head(hidden).float(), target, reduction="none")
+
+
+def chunked_token_ce(head, hidden, target, chunk: int = CHUNK) -> torch.Tensor:
+    """token_ce, CHUNK positions at a time, each chunk's logits recomputed in the backward (module docstring)."""
+    if hidden.shape[0] <= chunk:
+        return token_ce(head, hidden, target)
+    if not torch.is_grad_enabled():
+        return torch.cat([token_ce(head, h, t) for h, t in zip(hidden.split(chunk), target.split(chunk))])
+    return torch.cat([checkpoint(token_ce, head, h, t, use_reentrant=False)
+                      for h, t in zip(hidden.split(chunk), target.split(chunk))])
+
+
+def forward_tokens(model, batch: TokenBatch, chunk: int = CHUNK):
+    """One forward, the LM head at the supervised positions a chunk at a time -> (output, log-probs [n] fp32),
+    as choices.forward_choices returns them. Up to `chunk` supervised tokens the head runs inside the
+    forward, as for answer choices (FSDP2 gathers the head's weight only there)."""
+    if batch.supervised_tokens <= chunk:
+        return forward_choices(model, batch)
+    out = model(batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
+                segment_ids=batch.segment_ids, logits_at=batch.scored_positions, head=False)
+    return out, -chunked_token_ce(getattr(model, "module", model).head, out.hidden, batch.target, chunk)

@@ -14,8 +14,8 @@ from contextlib import nullcontext
 import torch
 from tqdm import tqdm
 
-from minimoe.core.choices import forward_choices, pad_id
-from minimoe.core.tokens import example_losses, make_token_batch
+from minimoe.core.choices import pad_id
+from minimoe.core.tokens import example_losses, forward_tokens, make_token_batch
 from minimoe.evaluation.accuracy import eval_mode
 
 
@@ -35,7 +35,7 @@ def evaluate_tokens(model, rows, *, batch_size: int = 16, device=None, pad_token
             part = rows[start:start + batch_size]
             batch = make_token_batch(part, pad, pad_to=pad_to).to(device)
             with autocast():
-                _, logp = forward_choices(model, batch)  # [n] fp32
+                _, logp = forward_tokens(model, batch)  # [n] fp32
             total, count = (t.tolist() for t in example_losses(-logp.double(), batch))
             records += [{"id": r.id, "loss": s / n, "ce_sum": s, "tokens": n} for r, s, n in zip(part, total, count)]
     tokens = sum(r["tokens"] for r in records)

@@ -87,3 +87,54 @@ def test_token_batch_layout():
     assert b.supervised_tokens == 3 and b.real_tokens == 6
     with pytest.raises(ValueError, match="no supervised token"):
         make_token_batch([TokenRow([1, 2], [False, False])], 0)
+
+
+def test_chunked_ce_equals_the_plain_loss_in_value_and_gradient():
+    """fp64, 10 positions in chunks of 3 (a short last chunk): the CE per token and the gradients of a
+    weighted sum of it (as TES reads each token's CE) wrt the hidden states and the head's weight."""
+    from minimoe.core.tokens import chunked_token_ce, token_ce
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).double()
+    hidden = torch.randn(10, 16, dtype=torch.float64, requires_grad=True)
+    target, weights = torch.randint(0, 50, (10,)), torch.rand(10, dtype=torch.float64)
+    results = []
+    for loss in (lambda: token_ce(head, hidden, target), lambda: chunked_token_ce(head, hidden, target, chunk=3)):
+        head.zero_grad(), hidden.grad is not None and hidden.grad.zero_()
+        ce = loss()
+        (ce * weights).sum().backward()
+        results.append((ce.detach(), hidden.grad.clone(), head.weight.grad.clone()))
+    for plain, chunked in zip(*results):
+        torch.testing.assert_close(chunked, plain, rtol=1e-12, atol=1e-12)
+    shapes = []  # the head sees at most 3 positions at a time: forward 3+3+3+1, then each again in the backward
+    head.register_forward_hook(lambda module, args, out: shapes.append(out.shape[0]))
+    chunked_token_ce(head, hidden, target, chunk=3).sum().backward()
+    assert shapes[:4] == [3, 3, 3, 1] and sorted(shapes[4:]) == [1, 3, 3, 3]  # the backward goes last chunk first
+
+
+def test_chunked_forward_with_gradient_checkpointing_equals_the_plain_forward():
+    """forward_tokens with chunks of 4 supervised positions, the layers checkpointed, against the head run
+    once inside the forward (forward_choices): the same per-token CE and LoRA gradients."""
+    from minimoe.core.choices import forward_choices
+    from minimoe.core.tokens import forward_tokens
+    cfg = build_config({"method": "tes", "lora_dropout": 0.0, "pad_token_id": 0, "device": "cpu"}, "tiny")
+    batch = make_token_batch(rows(1, 3, 12), 0)
+    assert batch.supervised_tokens > 8
+    torch.manual_seed(0)
+    model = from_pretrained(tiny_checkpoint())
+    training.install_method(model, cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape) * 0.05)
+    results = []
+    for checkpointed, forward in ((False, forward_choices), (True, lambda m, b: forward_tokens(m, b, chunk=4))):
+        model.gradient_checkpointing_enable(checkpointed)
+        model.zero_grad(set_to_none=True)
+        _, logp = forward(model, batch)
+        (logp * torch.linspace(0.5, 1.5, len(logp))).sum().backward()
+        results.append((logp.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (plain, plain_grads), (chunked, chunked_grads) = results
+    torch.testing.assert_close(chunked, plain, rtol=1e-5, atol=1e-6)
+    assert plain_grads.keys() == chunked_grads.keys() and any("lora" in n for n in plain_grads)
+    for n in plain_grads:
+        torch.testing.assert_close(chunked_grads[n], plain_grads[n], rtol=1e-4, atol=1e-7, msg=n)
