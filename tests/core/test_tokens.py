@@ -28,6 +28,19 @@ def rows(seed, n, length):
     return out
 
 
+def moved_model(cfg):
+    """The tiny model with LoRA and the method installed, every trainable weight moved off its start (LoRA's
+    B = 0 would leave paths without a gradient)."""
+    torch.manual_seed(0)
+    model = from_pretrained(tiny_checkpoint())
+    training.install_method(model, cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape) * 0.05)
+    return model
+
+
 def by_hand(model, batches):
     ce, method, tokens, layers = 0.0, 0.0, 0, None
     for b in batches:
@@ -57,13 +70,7 @@ def test_step_loss_on_token_rows_is_the_completion_only_loss(method):
     batches = training.micro_batches(data, None, cfg, 0, 1)
     for b, part in zip(batches, (data[:3], data[3:])):
         b.rows = part
-    torch.manual_seed(0)
-    model = from_pretrained(tiny_checkpoint())
-    training.install_method(model, cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape) * 0.05)
+    model = moved_model(cfg)
     counts = {"examples": 6, "tokens": sum(b.supervised_tokens for b in batches),
               "rows": sum(b.input_ids.shape[0] for b in batches)}
     logs = step_loss(model, batches, cfg.method, counts, 1, **training.loss_settings(cfg))
@@ -119,13 +126,7 @@ def test_chunked_forward_with_gradient_checkpointing_equals_the_plain_forward():
     cfg = build_config({"method": "tes", "lora_dropout": 0.0, "pad_token_id": 0, "device": "cpu"}, "tiny")
     batch = make_token_batch(rows(1, 3, 12), 0)
     assert batch.supervised_tokens > 8
-    torch.manual_seed(0)
-    model = from_pretrained(tiny_checkpoint())
-    training.install_method(model, cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape) * 0.05)
+    model = moved_model(cfg)
     results = []
     for checkpointed, forward in ((False, forward_choices), (True, lambda m, b: forward_tokens(m, b, chunk=4))):
         model.gradient_checkpointing_enable(checkpointed)
