@@ -1,6 +1,12 @@
 """Next-token loss on chosen tokens: chat and prompt/completion rows (minimoe/data/chat.py builds them).
 
-One row per example, right-padded. A row's `supervised` tokens (the assistant turns, the completion)
+One row per example, right-padded; or packed (`packed=True`): whole examples laid one after another in
+rows of at most max_length tokens (in order, a new row when the next example does not fit), example
+k of a row as segment k + 1 (segment 0 is padding only), so that attention never crosses examples
+(core/masks.py's packed rule with no shared prefix), positions restart at each example, and the
+recurrent mixers start each example from a fresh state (core/ssm_common.py). A packed example's
+loss and gradients equal its own row's (tests/core/test_tokens.py); what packing changes is the
+row count that the load-balancing term is normalised by, and LoRA dropout's draws. A row's `supervised` tokens (the assistant turns, the completion)
 are the ones the loss falls on; the rest is context. Position t predicts token t+1, so supervised
 token t is predicted at (`row`, t - 1): the model runs its LM head at those n positions only
 (`logits_at`), never building [rows, T, V] logits.
@@ -32,11 +38,12 @@ class TokenBatch:
     row: torch.Tensor  # [n] the row ...
     col: torch.Tensor  # [n] ... and position whose hidden state predicts ...
     target: torch.Tensor  # [n] ... this supervised token
-    example: torch.Tensor  # [n] its example (row) in the batch
+    example: torch.Tensor  # [n] its example in the batch (in the order given)
+    segment_ids: torch.Tensor | None = None  # [R, T] packed: example k of a row is k + 1, padding 0; else None
+    n_examples: int = 0
     supervised_tokens: int = 0  # n, host-side (no device sync)
     real_tokens: int = 0
     placeholder: bool = False  # a rank's stand-in micro-batch, weight zero (ChoiceBatch's)
-    segment_ids: None = None  # one example a row: no block mask
 
     def to(self, device):
         return TokenBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in vars(self).items()})
@@ -44,10 +51,6 @@ class TokenBatch:
     @property
     def scored_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.row, self.col
-
-    @property
-    def examples(self) -> int:
-        return self.input_ids.shape[0]
 
     @property
     def supervised_mask(self) -> torch.Tensor:  # [R, T] bool: the positions that predict a supervised token
@@ -59,31 +62,50 @@ class TokenBatch:
         return values.new_zeros(self.input_ids.shape).index_put((self.row, self.col), values)
 
 
-def make_token_batch(rows, pad_token_id: int, *, pad_to: int = 1) -> TokenBatch:
-    """data.chat.TokenRow's (ids, supervised) -> one right-padded batch; pad_to as choices.pack_choices'."""
+def make_token_batch(rows, pad_token_id: int, *, pad_to: int = 1, packed: bool = False,
+                     max_length: int | None = None) -> TokenBatch:
+    """data.chat.TokenRow's (ids, supervised) -> one right-padded batch, one row per example or packed into
+    rows of at most max_length (module docstring); pad_to as choices.pack_choices'."""
     if not (isinstance(pad_to, int) and pad_to >= 1):
         raise ValueError(f"pad_to={pad_to!r}; expected a positive int (1: no rounding)")
-    R, T = len(rows), -(-max(len(r.ids) for r in rows) // pad_to) * pad_to
+    if packed and max_length is None:
+        raise ValueError("packed rows need max_length, the most tokens a row holds")
+    layout = [[]]  # rows of example indices
+    for x, row in enumerate(rows):
+        if not packed or (layout[-1] and sum(len(rows[i].ids) for i in layout[-1]) + len(row.ids) > max_length):
+            layout.append([])
+        layout[-1].append(x)
+    layout = [r for r in layout if r]
+    R = len(layout)
+    T = -(-max(sum(len(rows[x].ids) for x in xs) for xs in layout) // pad_to) * pad_to
     input_ids = torch.full((R, T), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((R, T), dtype=torch.long)
+    position_ids = torch.zeros((R, T), dtype=torch.long)
+    segment_ids = torch.zeros((R, T), dtype=torch.long) if packed else None
     tokens = []
-    for r, row in enumerate(rows):
-        input_ids[r, :len(row.ids)] = torch.tensor(row.ids)
-        attention_mask[r, :len(row.ids)] = 1
-        tokens += [(r, t - 1, row.ids[t]) for t in range(1, len(row.ids)) if row.supervised[t]]
+    for r, xs in enumerate(layout):
+        at = 0
+        for k, x in enumerate(xs):
+            ids, n = rows[x].ids, len(rows[x].ids)
+            input_ids[r, at:at + n] = torch.tensor(ids)
+            attention_mask[r, at:at + n] = 1
+            position_ids[r, at:at + n] = torch.arange(n)  # restart at each example
+            if packed:
+                segment_ids[r, at:at + n] = k + 1
+            tokens += [(r, at + t - 1, ids[t], x) for t in range(1, n) if rows[x].supervised[t]]
+            at += n
     if not tokens:
         raise ValueError("make_token_batch: no supervised token in the batch")
-    row, col, target = (torch.tensor(v) for v in zip(*tokens))
-    position_ids = torch.arange(T).expand(R, T).clone() * attention_mask
-    return TokenBatch(input_ids, attention_mask, position_ids, row, col, target, row.clone(),
-                      supervised_tokens=len(tokens), real_tokens=sum(len(r.ids) for r in rows))
+    row, col, target, example = (torch.tensor(v) for v in zip(*tokens))
+    return TokenBatch(input_ids, attention_mask, position_ids, row, col, target, example, segment_ids,
+                      n_examples=len(rows), supervised_tokens=len(tokens), real_tokens=sum(len(r.ids) for r in rows))
 
 
 def example_losses(token_ce, batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n] per-token CE -> ([R] summed CE of each example, [R] its supervised tokens)."""
-    R = batch.input_ids.shape[0]
-    total = token_ce.new_zeros(R).index_add(0, batch.example, token_ce)
-    count = torch.zeros(R, dtype=torch.long, device=token_ce.device).index_add(0, batch.example,
+    """[n] per-token CE -> ([X] summed CE of each example, [X] its supervised tokens)."""
+    X = batch.n_examples
+    total = token_ce.new_zeros(X).index_add(0, batch.example, token_ce)
+    count = torch.zeros(X, dtype=torch.long, device=token_ce.device).index_add(0, batch.example,
                                                                                torch.ones_like(batch.example))
     return total, count
 

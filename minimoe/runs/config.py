@@ -234,6 +234,9 @@ class TrainConfig:
                                              "of a manifest folder)", type=COUNT, metavar="N")
     max_length: int = setting("data", 512, "longest prompt + candidate in tokens; prompts are cut from the left, "
                               "answers never", type=COUNT)
+    pack: bool = setting("data", False, "chat and completion data: pack several whole examples into each training "
+                         "row, up to --max-length tokens (attention and recurrent state never cross examples, "
+                         "positions restart; core/tokens.py); default: one example a row")
     packed: bool = setting("data", True, "one row per (prompt, candidate), the reference path; default: one packed "
                            "row per example, its prompt run once", flag="--per-candidate-rows")
     # method: the configured method (MethodSettings' flags build it), then the settings of its training

@@ -182,7 +182,8 @@ def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: 
     those get a placeholder, its first example, which step_loss runs with weight zero."""
     def batch(part, placeholder=False):
         if isinstance(part[0], TokenRow):  # chat and completion rows (core/tokens.py)
-            b = make_token_batch(part, cfg.pad_token_id, pad_to=length_bucket(cfg)).to(cfg.device)
+            b = make_token_batch(part, cfg.pad_token_id, pad_to=length_bucket(cfg), packed=cfg.pack,
+                                 max_length=cfg.max_length).to(cfg.device)
         else:
             b = make_choice_batch(part, tokenizer, cfg.pad_token_id, cfg.max_length, packed=cfg.packed,
                                   pad_to=length_bucket(cfg)).to(cfg.device)

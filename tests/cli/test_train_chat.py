@@ -92,3 +92,24 @@ def test_resume_on_chat_data_is_bit_identical(tmp_path, chat):
     assert all(torch.equal(one[k], two[k]) for k in one)
     assert [r["loss"] for r in records(straight) if r["kind"] == "step"] == [
         r["loss"] for r in records(resumed) if r["kind"] == "step"]
+
+
+def test_packed_training_takes_the_unpacked_steps(tmp_path, chat, monkeypatch):
+    """--pack puts several conversations in a row (max-length 400); without dropout and the load-balancing
+    term, each step's loss and the trained adapter equal one example a row's, to fp32 rounding."""
+    data, template = chat
+    flags = ["--data", str(data), "--chat-template", str(template), "--method", "tes", "--lora-dropout", "0",
+             "--max-length", "400", "--no-test-eval"]
+    one = run_train(tmp_path, *flags, name="one")
+    from minimoe.runs import training
+    shapes, make = [], training.make_token_batch
+    monkeypatch.setattr(training, "make_token_batch", lambda rows, *a, **k: shapes.append(
+        (len(rows), (b := make(rows, *a, **k)).input_ids.shape[0])) or b)
+    packed = run_train(tmp_path, *flags, "--pack", name="packed")
+    assert all(r < x for x, r in shapes), shapes  # several examples a row
+    assert json.loads((packed / "config.json").read_text())["pack"] is True
+    losses = [[r["loss"] for r in records(run) if r["kind"] == "step"] for run in (one, packed)]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    a, b = (load_file(run / "checkpoints" / "epoch-1" / "adapter.safetensors") for run in (one, packed))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-6)
