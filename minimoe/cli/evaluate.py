@@ -101,6 +101,9 @@ def evaluate_parser() -> argparse.ArgumentParser:
     data.add_argument("--prompt-template", metavar="FORMAT", help="your own --data's prompt, as train.py's")
     data.add_argument("--chat-template", metavar="FILE", help="chat --data: the jinja2 chat template (default: the "
                       "run's --chat-template, else the model's own)")
+    data.add_argument("--generate", type=int, default=0, metavar="N",
+                      help="chat or completion --data: also write greedy completions of the first N examples' last "
+                           "assistant turn (or completion) to EVAL_DIR/generations.jsonl")
     data.add_argument("--data-revision", metavar="REV", help="your own --data as a hub dataset: the revision to read")
     data.add_argument("--split", default="test", choices=SPLITS, help="split to score (default: %(default)s)")
     data.add_argument("--data-dir", type=Path,
@@ -279,7 +282,7 @@ def main(argv=None):
         batch_size=args.eval_batch_size, packed=not args.per_candidate_rows,
         train_split_diagnostics=args.train_split_diagnostics, device=args.device, dtype=args.dtype,
         model_revision=args.model_revision, cache_dir=args.cache_dir, allow_other_base=args.allow_other_base,
-        chat_template=args.chat_template)
+        chat_template=args.chat_template, generate=args.generate)
     metrics = score(evaluation, args.eval_dir, quiet=args.quiet)
     if "accuracy" not in metrics:  # chat or completion data
         print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples, "

@@ -65,6 +65,36 @@ def test_completion_data_trains_and_evaluates(tmp_path):
     assert metrics["loss"] == pytest.approx(json.loads((run / "eval" / "test" / "metrics.json").read_text())["loss"])
 
 
+def test_generate_writes_greedy_completions_and_compare_pairs_the_losses(tmp_path, chat):
+    """evaluate.py --generate 2 writes the last assistant turn generated greedily through the caches, equal to a
+    cache-free argmax loop over full forwards; compare pairs two runs' per-example losses."""
+    from minimoe import from_pretrained, load_tokenizer
+    from minimoe.making.tiny import tiny_checkpoint
+    data, template = chat
+    runs = [run_train(tmp_path, "--data", str(data), "--chat-template", str(template), "--method", m, name=m)
+            for m in ("ce", "tes")]
+    manifests = json.loads((runs[0] / "config.json").read_text())["data"]
+    evaluate.main(["--model", "tiny", "--data", manifests, "--chat-template", str(template), "--generate", "2",
+                   "--eval-dir", str(tmp_path / "base"), "--quiet"])
+    lines = [json.loads(line) for line in (tmp_path / "base" / "generations.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 and lines[0]["prompt"].endswith("<|im_start|>assistant\n")
+    model, tok = from_pretrained(tiny_checkpoint()), load_tokenizer(tiny_checkpoint())
+    ids = tok.encode(lines[0]["prompt"], add_special_tokens=False)
+    stop = tok.encode(lines[0]["reference"], add_special_tokens=False)[-1]
+    new = []
+    with torch.no_grad():
+        for _ in range(len(tok.encode(lines[0]["reference"], add_special_tokens=False)) + 16):
+            new.append(int(model(torch.tensor([ids + new])).logits[0, -1].argmax()))
+            if new[-1] == stop:
+                break
+    assert lines[0]["generation"] == tok.decode(new, skip_special_tokens=False)
+    result = evaluate.main(["compare", str(runs[0]), str(runs[1])])
+    a, b = ([json.loads(line)["loss"] for line in (r / "eval" / "test" / "predictions.jsonl").read_text().splitlines()]
+            for r in runs)
+    assert result["examples"] == 3 and result["loss_difference"] == pytest.approx(sum(b) / 3 - sum(a) / 3)
+    assert result["loss_interval"][0] <= result["loss_difference"] <= result["loss_interval"][1]
+
+
 @pytest.mark.parametrize("bad, flags, match", [
     (lambda rows: rows, ["--model", "tiny"], "has no chat template .* --chat-template FILE"),
     (lambda rows: rows[:4] + [{"messages": []}] + rows[5:], [], r"chat.jsonl:5: an empty conversation"),
