@@ -97,6 +97,11 @@ def evaluate_parser() -> argparse.ArgumentParser:
     data.add_argument("--field-map", metavar="FIELD=COLUMN,...",
                       help="your own --data's columns, as train.py's --field-map (minimoe/data/userdata.py)")
     data.add_argument("--prompt-template", metavar="FORMAT", help="your own --data's prompt, as train.py's")
+    data.add_argument("--chat-template", metavar="FILE", help="chat --data: the jinja2 chat template (default: the "
+                      "run's --chat-template, else the model's own)")
+    data.add_argument("--generate", type=int, default=0, metavar="N",
+                      help="chat or completion --data: also write greedy completions of the first N examples' last "
+                           "assistant turn (or completion) to EVAL_DIR/generations.jsonl")
     data.add_argument("--data-revision", metavar="REV", help="your own --data as a hub dataset: the revision to read")
     data.add_argument("--split", default="test", choices=SPLITS, help="split to score (default: %(default)s)")
     data.add_argument("--data-dir", type=Path,
@@ -287,8 +292,14 @@ def main(argv=None):
         data_dir=args.data_dir, max_examples=args.max_examples, max_length=args.max_length,
         batch_size=args.eval_batch_size, packed=not args.per_candidate_rows,
         train_split_diagnostics=args.train_split_diagnostics, device=args.device, dtype=args.dtype,
-        model_revision=args.model_revision, cache_dir=args.cache_dir, allow_other_base=args.allow_other_base)
+        model_revision=args.model_revision, cache_dir=args.cache_dir, allow_other_base=args.allow_other_base,
+        chat_template=args.chat_template, generate=args.generate)
     metrics = score(evaluation, args.eval_dir, quiet=args.quiet)
+    if "accuracy" not in metrics:  # chat or completion data
+        print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples, "
+              f"{metrics['supervised_tokens']} supervised tokens): loss {metrics['loss']:.4f}, perplexity "
+              f"{metrics['perplexity']:.3f} -> {args.eval_dir}")
+        return metrics
     print(f"{metrics['method']} on {metrics['dataset']} {metrics['split']} ({metrics['n_examples']} examples): "
           f"accuracy {metrics['accuracy']:.4f} (sum {metrics['accuracy_sum']:.4f}, per-char "
           f"{metrics['accuracy_per_char']:.4f}), choice NLL {metrics['choice_nll']:.4f} -> {args.eval_dir}")

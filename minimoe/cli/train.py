@@ -48,6 +48,8 @@ from minimoe.core.decoder.families import family_of
 from minimoe.core.decoder.model import MoEConfig, compile_layers
 from minimoe.core.adaptation.quantized import require as require_quantization
 from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
+from minimoe.data.chat import TokenRow
+from minimoe.data.instruct import encode_splits
 from minimoe.data.userdata import resolve_data
 from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.process_memory import keep_freed_memory, limit_kernel_cache
@@ -265,8 +267,11 @@ def main(argv=None):
               f"no objective nor lambda (TES and ACS do)", file=sys.stderr)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), cfg.method))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
+    # chat and completion examples become their token rows (the model's chat template), each checked
+    data = encode_splits(data, tokenizer, folder, cfg.chat_template, cfg.max_length, cfg.data)
     for split, examples in data.items():  # every setting is checked before the run folder is written
-        check_max_length(examples, tokenizer, cfg.max_length, f"--max-length, {cfg.data} {split}")
+        if not isinstance(examples[0], TokenRow):
+            check_max_length(examples, tokenizer, cfg.max_length, f"--max-length, {cfg.data} {split}")
     check_sharding(cfg, world()[1])  # --shard fsdp: torchrun, 2 ranks or more
     if args.resume and args.rerun:
         sys.exit("train.py: error: --resume and --rerun: pass one (continue the run, or start it again)")
@@ -355,7 +360,7 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, fo
         if cfg.zero_shot and not (eval_dir(run, checkpoint="base") / METRICS).is_file():
             from minimoe.runs.eval_run import evaluate_zero_shot  # before LoRA and the method exist
             base = evaluate_zero_shot(run, model, tokenizer, data["test"], cfg)
-            print(f"zero-shot test accuracy (mean-token, base model): {base['accuracy']:.4f}")
+            print(f"zero-shot test {headline(base)} (base model)")
     if cfg.shard != "fsdp":  # a sharded model was built with them (cli main)
         install_method(model, cfg)
     if cfg.gradient_checkpointing:
@@ -380,13 +385,20 @@ def fit(model, tokenizer, data, cfg: TrainConfig, run: Path, args, rank: int, fo
         if cfg.test_checkpoint in ("last", "both") and not scored("last"):  # the in-memory model is the last epoch
             metrics = evaluate_run(run, split="test", model=model, tokenizer=tokenizer, examples=data["test"],
                                    quiet=cfg.quiet)
-            print(f"test accuracy (mean-token, epoch {cfg.epochs}): {metrics['accuracy']:.4f}")
+            print(f"test {headline(metrics)} (epoch {cfg.epochs})")
         if cfg.test_checkpoint in ("selected", "both") and not scored("selected"):
             del model  # the selected epoch is loaded afresh from the run folder
             metrics = evaluate_run(run, split="test", checkpoint="selected", batch_size=cfg.eval_batch_size,
                                    device=cfg.device, dtype=cfg.dtype, quiet=cfg.quiet)
             epoch = json.loads((run / "selection.json").read_text())["selected_epoch"]
-            print(f"test accuracy (mean-token, validation-selected epoch {epoch}): {metrics['accuracy']:.4f}")
+            print(f"test {headline(metrics)} (validation-selected epoch {epoch})")
+
+
+def headline(metrics: dict) -> str:
+    """The printed score: answer-choice accuracy, or a chat or completion split's loss and perplexity."""
+    if "accuracy" in metrics:
+        return f"accuracy (mean-token): {metrics['accuracy']:.4f}"
+    return f"loss per supervised token: {metrics['loss']:.4f} (perplexity {metrics['perplexity']:.3f})"
 
 
 def evaluate_commands(run: Path, cfg: TrainConfig) -> list[str]:

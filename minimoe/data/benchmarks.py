@@ -345,6 +345,9 @@ def _parse_line(line: str, where: str) -> Example:
         raise ValueError(f"{where}: invalid JSON ({e.msg}); expected one JSON object per line") from None
     required = {"id": str, "question": str, "choices": list, "answer": int}
     optional = {"source": dict, "prompt": str}  # a null optional key is left out (asdict of an Example writes them)
+    if isinstance(d, dict) and ("messages" in d or "completion" in d):  # a chat or completion example
+        from minimoe.data.instruct import parse_text_line
+        return parse_text_line(d, where)
     if isinstance(d, dict):
         d = {k: v for k, v in d.items() if not (k in optional and v is None)}
     if not isinstance(d, dict) or not set(required) <= set(d) <= set(required) | set(optional):

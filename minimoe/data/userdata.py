@@ -1,4 +1,5 @@
-"""Your own multiple-choice data as split manifests: JSONL or CSV files, a `datasets` folder, or a hub dataset.
+"""Your own data as split manifests: JSONL or CSV files, a `datasets` folder, or a hub dataset; multiple-choice
+rows, or chat and prompt/completion rows (a `messages` column, or `prompt` and `completion`: data/instruct.py).
 
     python train.py --model tiny --data my.csv --field-map question=stem,choices=A+B+C+D,answer=key
     python train.py --data user/repo --data-revision <commit> --field-map question=q,choices=options,answer=label
@@ -41,6 +42,7 @@ from pathlib import Path
 
 from minimoe.atomic import atomic_directory
 from minimoe.data.benchmarks import SPLITS, Example, _read_arrow, check_disjoint, check_example, example_json
+from minimoe.data.instruct import TEXT_FIELDS, TEXT_KEYS, row_kind, to_text_example
 
 FIELDS = {"question": "question", "choices": "choices", "answer": "answer", "id": "id"}  # the default map
 SPLIT_NAMES = {"train": "train", "val": "val", "validation": "val", "dev": "val", "test": "test"}
@@ -52,11 +54,11 @@ ANSWER_TYPES = ("index", "letter", "text")  # --field-map answer=COLUMN:TYPE; in
 def parse_field_map(text: str | None) -> dict[str, str]:
     """'question=stem,choices=A+B,answer=key:letter' -> the default map with those entries replaced, and
     "answer_type" (index, letter, text; None: read from each value, refusing the ambiguous ones)."""
-    mapping = {**FIELDS, "answer_type": None}
+    mapping = {**FIELDS, **TEXT_FIELDS, "answer_type": None}
     for item in filter(None, (text or "").split(",")):
         key, eq, column = item.partition("=")
-        if not eq or key not in FIELDS or not column:
-            raise ValueError(f"--field-map {item!r}: expected FIELD=COLUMN with FIELD in {list(FIELDS)}")
+        if not eq or key not in {**FIELDS, **TEXT_FIELDS} or not column:
+            raise ValueError(f"--field-map {item!r}: expected FIELD=COLUMN with FIELD in {[*FIELDS, *TEXT_FIELDS]}")
         name, colon, kind = column.rpartition(":")
         if key == "answer" and colon and kind in ANSWER_TYPES:  # answer=label:letter
             column, mapping["answer_type"] = name, kind
@@ -91,6 +93,8 @@ def in_manifest_form(path: Path) -> bool:
     if not isinstance(first, dict):
         return True
     answer = first.get("answer")
+    if set(first) in TEXT_KEYS:  # a chat or completion manifest (data/instruct.py)
+        return True
     return ({"id", "question", "choices", "answer"} <= set(first) <= MANIFEST_KEYS
             and isinstance(answer, int) and not isinstance(answer, bool))
 
@@ -317,10 +321,11 @@ def to_example(row: dict, fields: dict, split: str, index: int, where: str, temp
     return ex
 
 
-def unused_columns(rows: dict, fields: dict, template: str | None) -> list[str]:
+def unused_columns(rows: dict, fields: dict, template: str | None, kind: str = "choice") -> list[str]:
     """Top-level columns that neither the field map, the template nor `source` reads: named once in a
     warning, since a column the map forgot (a second answer key, say) would otherwise vanish unseen."""
-    used = {"source", *(c.split(".")[0] for key in FIELDS for c in fields[key].split("+"))}
+    keys = {"choice": FIELDS, "chat": ("id", "messages"), "completion": ("id", "prompt", "completion")}[kind]
+    used = {"source", *(c.split(".")[0] for key in keys for c in fields[key].split("+"))}
     if template is not None:
         used |= {re.split(r"[.\[]", name)[0] for _, name, _, _ in string.Formatter().parse(template) if name}
     seen = {k for split in rows.values() for _, row in split if isinstance(row, dict) for k in row}
@@ -352,30 +357,39 @@ def build_user_data(data: str, data_dir, *, field_map: str | None = None, prompt
     """Check every row, carve what is missing, write the manifests; returns their folder (module docstring)."""
     fields = parse_field_map(field_map)
     rows, commit = read_rows(data, revision)
+    kind = row_kind(rows["train"][0][1], fields)  # chat, completion or choice: the first train row says
+    if kind != "choice" and prompt_template is not None:
+        raise ValueError(f"--data {data}: --prompt-template applies to multiple-choice rows; these are {kind} rows "
+                         f"(the chat template or the prompt as given make their text)")
     splits, at = {}, {}  # at: (split, id) -> the file and row, for errors
     for split in [s for s in SPLITS if s in rows]:
         splits[split], seen = [], {}
         for index, (where, row) in enumerate(rows[split]):
             if not isinstance(row, dict):
                 raise ValueError(f"{where}: a {type(row).__name__}; expected an object of fields")
-            ex = to_example(row, fields, split, index, where, prompt_template, data)
+            if row_kind(row, fields) != kind:
+                raise ValueError(f"{where}: a {row_kind(row, fields)} row among {kind} rows (as the first train row "
+                                 f"is); expected one kind of row throughout")
+            ex = (to_example(row, fields, split, index, where, prompt_template, data) if kind == "choice" else
+                  to_text_example(row, fields, kind, split, index, where))
             if ex.id in seen:
                 raise ValueError(f"{where}: id {ex.id!r} repeats {seen[ex.id]}; expected unique ids")
             seen[ex.id] = at[split, ex.id] = where
             splits[split].append(ex)
     check_disjoint(splits, data, at)  # the same id or question in two given splits
-    if unused := unused_columns(rows, fields, prompt_template):  # after the checks: an error says more
+    if unused := unused_columns(rows, fields, prompt_template, kind):  # after the checks: an error says more
         print(f"warning: --data {data}: columns {unused} are not mapped by --field-map nor used by "
               f"--prompt-template; they are left out of the manifests", file=sys.stderr)
     carved = carve(splits, seed)
     check_disjoint(splits, data)  # two train rows with one question, one of them carved away
-    manifests = {s: "".join(example_json(ex) + "\n" for ex in splits[s]).encode("utf-8") for s in SPLITS}
+    line = example_json if kind == "choice" else lambda ex: ex.json()
+    manifests = {s: "".join(line(ex) + "\n" for ex in splits[s]).encode("utf-8") for s in SPLITS}
     digest = hashlib.sha256(b"".join(hashlib.sha256(m).digest() for m in manifests.values())).hexdigest()
     name = data.rstrip("/").split("/")[-1] if not Path(data).exists() else Path(data).stem
     folder = Path(data_dir) / f"{name}-{digest[:12]}"
     if (folder / "splits.json").is_file():  # the same manifests, built before
         return folder
-    report = {"data": data, "revision": revision, "commit": commit, "field_map": fields,
+    report = {"data": data, "kind": kind, "revision": revision, "commit": commit, "field_map": fields,
               "prompt_template": prompt_template, "given": sorted(rows), "carved": carved,
               "counts": {s: len(splits[s]) for s in SPLITS},
               "sha256": {s: hashlib.sha256(m).hexdigest() for s, m in manifests.items()}}

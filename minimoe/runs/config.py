@@ -227,11 +227,17 @@ class TrainConfig:
     prompt_template: str | None = setting("data", None, "your own data's prompt, a str.format string over {question} "
                                           "and the row's fields (default: the paper's 'Question: {question}\\nAnswer:')",
                                           metavar="FORMAT")
+    chat_template: str | None = setting("data", None, "chat --data (a messages column): the jinja2 chat template "
+                                        "to render it with (default: the model's own, from its chat_template.jinja or "
+                                        "tokenizer_config.json; a model without one is refused)", metavar="FILE")
     max_train_examples: int | None = setting("data", None, "keep only the first N training examples (default: the "
                                              f"recipe's count for a registered benchmark ({by_recipe_counts()}); all "
                                              "of a manifest folder)", type=COUNT, metavar="N")
     max_length: int = setting("data", 512, "longest prompt + candidate in tokens; prompts are cut from the left, "
                               "answers never", type=COUNT)
+    pack: bool = setting("data", False, "chat and completion data: pack several whole examples into each training "
+                         "row, up to --max-length tokens (attention and recurrent state never cross examples, "
+                         "positions restart; core/task/tokens.py); default: one example a row")
     packed: bool = setting("data", True, "one row per (prompt, candidate), the reference path; default: one packed "
                            "row per example, its prompt run once", flag="--per-candidate-rows")
     # method: the configured method (MethodSettings' flags build it), then the settings of its training

@@ -21,10 +21,14 @@ import torch
 
 from minimoe.atomic import check_replaceable
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR, SPLITS, Example, load_split, split_sha256
-from minimoe.evaluation.accuracy import diagnostics_report, evaluate_split, json_safe
+from minimoe.data.chat import TokenRow
+from minimoe.data.instruct import TextExample, encode_splits
+from minimoe.core.decoder.generate import generate
+from minimoe.evaluation.accuracy import diagnostics_report, eval_mode, evaluate_split, json_safe
 from minimoe.evaluation.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, metrics_files,
                                             partial_reason, plot_error_prediction)
 from minimoe.evaluation.folders import METRICS, PREDICTIONS, eval_dir, tokens_file
+from minimoe.evaluation.heldout import evaluate_tokens
 from minimoe.loading.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer, resolve_checkpoint
 from minimoe.runs.adapters import load_adapter
 from minimoe.runs.device import autocast_for, pick_device, pick_dtype
@@ -112,6 +116,7 @@ class Evaluation:
     batch_size: int = 16  # examples per forward
     max_length: int | None = None  # prompt + candidate tokens (make_choice_batch cuts prompts from the left)
     packed: bool = True  # one row per example; False: a row per candidate (the reference layout)
+    generate: int = 0  # chat and completion data: greedy completions of the first N examples (generations.jsonl)
 
 
 def load_model(folder, adapter: AdapterSource | None, *, device: torch.device, dtype: str = "auto",
@@ -130,7 +135,8 @@ def load_evaluation(*, base_model: str | None = None, adapter=None, checkpoint: 
                     data: str | None = None, split: str = "test", data_dir=None, max_examples: int | None = None,
                     max_length: int | None = None, batch_size: int = 16, packed: bool | None = None,
                     train_split_diagnostics: bool | None = None, device: str = "auto", dtype: str = "auto",
-                    model_revision: str | None = None, cache_dir=None, allow_other_base: bool = False) -> Evaluation:
+                    model_revision: str | None = None, cache_dir=None, allow_other_base: bool = False,
+                    chat_template=None, generate: int = 0) -> Evaluation:
     """What evaluate.py scores, loaded: `base_model` (a folder or hub id) with the `adapter` (a run folder,
     at its `checkpoint`, or an adapter folder) loaded onto it, and `split` of `data`. Left out,
     base_model, data, data_dir, max_length and packed are the run's (config.json; packed else True), and
@@ -165,10 +171,14 @@ def load_evaluation(*, base_model: str | None = None, adapter=None, checkpoint: 
     folder = resolve_checkpoint(base_model, cache_dir, model_revision)  # a hub id: its snapshot at a commit
     model, tokenizer = load_model(folder, source, device=torch_device, dtype=dtype, allow_other_base=allow_other_base,
                                   quantize=run_config.get("quantize"))  # scored on the base it trained on
+    if any(isinstance(ex, TextExample) for ex in examples):  # chat or completion: their token rows, no diagnostics
+        examples = encode_splits({split: examples}, tokenizer, folder, chat_template or run_config.get("chat_template"),
+                                 max_length, str(data))[split]
+        train_examples = None
     keys = _identity(source, base_model=base_model, model=model, data=data, split=split, batch_size=batch_size,
                      max_examples=max_examples, max_length=max_length, split_record=record)
     keys["provenance"] = provenance(base_model, folder, revision=model_revision, device=torch_device)
-    return Evaluation(model, tokenizer, examples, keys, train_examples, batch_size, max_length, packed)
+    return Evaluation(model, tokenizer, examples, keys, train_examples, batch_size, max_length, packed, generate)
 
 
 def train_population(source: AdapterSource | None, data, split: str, data_dir, max_examples: int | None,
@@ -187,6 +197,8 @@ def score(evaluation: Evaluation, out, *, quiet: bool = False) -> dict:
     check_replaceable(out, "evaluation")  # never replace a run, runs/ or an adapter; fail before any work
     e = evaluation
     split = e.identity["split"]
+    if isinstance(e.examples[0], TokenRow):
+        return score_tokens(e, out, quiet=quiet)
 
     def autocast():  # training's policy for the model's device and dtype: bf16 autocast on CUDA for bf16 weights
         return autocast_for(e.model.device, e.model.dtype)
@@ -217,6 +229,49 @@ def score(evaluation: Evaluation, out, *, quiet: bool = False) -> dict:
             json.dump(result, f, indent=2, allow_nan=False)
             f.write("\n")
     return result
+
+
+def score_tokens(e: Evaluation, out, *, quiet: bool = False) -> dict:
+    """`score` for chat and completion rows: the held-out loss and perplexity per supervised token
+    (evaluation/heldout.py); predictions.jsonl holds each example's loss and supervised tokens."""
+    records, metrics = evaluate_tokens(e.model, e.examples, batch_size=e.batch_size,
+                                       pad_token_id=e.tokenizer.pad_token_id,
+                                       progress=None if quiet else f"scoring {e.identity['split']}",
+                                       autocast=lambda: autocast_for(e.model.device, e.model.dtype))
+    result = json_safe({**e.identity, **metrics})
+    generations = [generate_row(e.model, e.tokenizer, row) for row in e.examples[:e.generate]]
+    with atomic_directory(out, "evaluation") as tmp:
+        if generations:
+            with open(tmp / GENERATIONS, "w", encoding="utf-8") as f:
+                f.writelines(json.dumps(g, ensure_ascii=False) + "\n" for g in generations)
+        with open(tmp / PREDICTIONS, "w", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(json_safe(r), ensure_ascii=False, allow_nan=False) + "\n")
+        with open(tmp / METRICS, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2, allow_nan=False)
+            f.write("\n")
+    return result
+
+
+GENERATIONS = "generations.jsonl"  # evaluate.py --generate N: {id, prompt, reference, generation} per line
+
+
+def generate_row(model, tokenizer, row: TokenRow) -> dict:
+    """A held-out example's last supervised turn (the last run of supervised tokens: the final assistant
+    turn, or the completion) generated greedily from everything before it, through the KV and state caches
+    (core/decoder/generate.py): at most its reference's length + 16 tokens, stopping at the reference's last
+    token (the end-of-turn marker, or end of sequence)."""
+    start = len(row.supervised) - 1
+    while start > 0 and row.supervised[start - 1]:
+        start -= 1
+    prompt, reference = row.ids[:start], row.ids[start:]
+    device = next(model.parameters()).device
+    with eval_mode(model):
+        out = generate(model, torch.tensor([prompt], device=device), len(reference) + 16,
+                       eos_token_id=reference[-1])[0, len(prompt):].tolist()
+    return {"id": row.id, "prompt": tokenizer.decode(prompt, skip_special_tokens=False),
+            "reference": tokenizer.decode(reference, skip_special_tokens=False),
+            "generation": tokenizer.decode(out, skip_special_tokens=False)}
 
 
 def _identity(source: AdapterSource | None, *, base_model, model, data, split, batch_size, max_examples, max_length,

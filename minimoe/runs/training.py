@@ -54,6 +54,8 @@ from minimoe.core.routing_methods.methods import set_router
 from minimoe.core.adaptation.quantized import NF4_BLOCK, quantized_modules
 from minimoe.core.routing_methods.routing import Scoring
 from minimoe.core.task.step import step_loss
+from minimoe.core.task.tokens import make_token_batch
+from minimoe.data.chat import TokenRow
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
 from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter
 from minimoe.core.adaptation.trainable import trainable_parameters
@@ -208,8 +210,12 @@ def micro_batches(examples, tokenizer, cfg: TrainConfig, rank: int, world_size: 
     A micro-batch smaller than the world (the epoch's last) leaves some ranks without an example:
     those get a placeholder, its first example, which step_loss runs with weight zero."""
     def batch(part, placeholder=False):
-        b = make_choice_batch(part, tokenizer, cfg.pad_token_id, cfg.max_length, packed=cfg.packed,
-                              pad_to=length_bucket(cfg)).to(cfg.device)
+        if isinstance(part[0], TokenRow):  # chat and completion rows (core/task/tokens.py)
+            b = make_token_batch(part, cfg.pad_token_id, pad_to=length_bucket(cfg), packed=cfg.pack,
+                                 max_length=cfg.max_length).to(cfg.device)
+        else:
+            b = make_choice_batch(part, tokenizer, cfg.pad_token_id, cfg.max_length, packed=cfg.packed,
+                                  pad_to=length_bucket(cfg)).to(cfg.device)
         b.placeholder = placeholder
         return b
     size = cfg.batch_size
@@ -303,8 +309,15 @@ def autocast(cfg: TrainConfig):
 
 def score_split(model, tokenizer, examples, cfg: TrainConfig) -> dict:
     """Validation: length-normalised answer-choice NLL (the selection rule's quantity) and accuracy,
-    scored by the same code as evaluate.py, so validation and test numbers are comparable."""
+    scored by the same code as evaluate.py, so validation and test numbers are comparable. Chat and
+    completion rows: the loss and perplexity per supervised token (evaluation/heldout.py)."""
     quiet = cfg.quiet or world()[0] != 0
+    if isinstance(examples[0], TokenRow):
+        from minimoe.evaluation.heldout import evaluate_tokens
+        _, metrics = evaluate_tokens(model, examples, batch_size=cfg.eval_batch_size, device=cfg.device,
+                                     pad_token_id=cfg.pad_token_id, progress=None if quiet else "validation",
+                                     pad_to=length_bucket(cfg), autocast=lambda: autocast(cfg))
+        return {"loss": metrics["loss"], "perplexity": metrics["perplexity"]}
     _, metrics, _ = evaluate_split(model, tokenizer, examples, batch_size=cfg.eval_batch_size, device=cfg.device,
                                    diagnostics=False, max_length=cfg.max_length, packed=cfg.packed,
                                    progress=None if quiet else "validation", pad_to=length_bucket(cfg),
@@ -436,8 +449,8 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
         t0 = time.perf_counter()
         val = score_split(model, tokenizer, data["val"], cfg)
         if rank == 0:
-            record = {"kind": "epoch", "epoch": epoch, "step": step, "val_choice_nll": val["choice_nll"],
-                      "val_accuracy": val["accuracy"], "val_seconds": time.perf_counter() - t0}
+            record = {"kind": "epoch", "epoch": epoch, "step": step, **{f"val_{k}": v for k, v in val.items()},
+                      "val_seconds": time.perf_counter() - t0}
             append_metrics(run, record)
             tracker.log(record)
         if rank == 0 or sharded:
@@ -452,15 +465,19 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
 
 
 def write_selection(run: Path) -> dict:
-    """The paper's rule, fixed before any test evaluation: minimum validation choice NLL, ties to the earlier epoch."""
+    """The paper's rule, fixed before any test evaluation: minimum validation choice NLL, ties to the earlier epoch
+    (chat and completion data: minimum validation loss per supervised token)."""
     epochs = [r for r in read_metrics(run) if r["kind"] == "epoch"]
-    if bad := [r["epoch"] for r in epochs if not math.isfinite(r["val_choice_nll"])]:
-        raise NonFiniteTraining(f"{run / 'metrics.jsonl'}: validation choice NLL is not finite at epoch(s) {bad}; "
+    key, what = ("val_choice_nll", "validation choice NLL") if "val_choice_nll" in epochs[0] else (
+        "val_loss", "validation loss per supervised token")
+    if bad := [r["epoch"] for r in epochs if not math.isfinite(r[key])]:
+        raise NonFiniteTraining(f"{run / 'metrics.jsonl'}: {what} is not finite at epoch(s) {bad}; "
                                 f"no epoch can be selected, so selection.json is not written")
-    best = min(epochs, key=lambda r: (r["val_choice_nll"], r["epoch"]))
+    best = min(epochs, key=lambda r: (r[key], r["epoch"]))
+    rule = ("minimum length-normalised validation answer-choice NLL" if key == "val_choice_nll" else
+            "minimum validation next-token loss per supervised token")
     selection = {"selected_epoch": best["epoch"], "last_epoch": max(r["epoch"] for r in epochs),
-                 "rule": "minimum length-normalised validation answer-choice NLL; ties to the earlier epoch",
-                 "val_choice_nll": {str(r["epoch"]): r["val_choice_nll"] for r in epochs}}
+                 "rule": f"{rule}; ties to the earlier epoch", key: {str(r["epoch"]): r[key] for r in epochs}}
     with atomic_file(run / "selection.json") as tmp:
         tmp.write_text(json.dumps(selection, indent=2, allow_nan=False))
     return selection

@@ -229,12 +229,62 @@ def compare_pairs(pairs: list[tuple[Predictions, Predictions]], **bootstrap) -> 
 
 
 def compare_paths(paths, **bootstrap) -> dict:
-    """[A1, B1, A2, B2, ...] run or evaluation folders, one (A, B) pair per seed -> compare_pairs."""
+    """[A1, B1, A2, B2, ...] run or evaluation folders, one (A, B) pair per seed -> compare_pairs, or
+    compare_losses for chat and completion evaluations (their predictions.jsonl carry a loss per example)."""
     paths = list(paths)
     if not paths or len(paths) % 2:
         raise ValueError(f"compare: expected pairs A B [A B ...], got {len(paths)} folder(s)")
+    if all(scores_losses(p) for p in paths):
+        read = [read_losses(p) for p in paths]
+        return compare_losses(list(zip(read[0::2], read[1::2])), **bootstrap)
     read = [read_predictions(p) for p in paths]
     return compare_pairs(list(zip(read[0::2], read[1::2])), **bootstrap)
+
+
+# ---- chat and completion evaluations: the held-out loss per example ----------------------------
+
+def scores_losses(path) -> bool:
+    """Whether the evaluation is a chat or completion one (evaluation/heldout.py): its metrics say perplexity."""
+    metrics = reported_evaluation(path) / METRICS
+    return metrics.is_file() and "perplexity" in json.loads(metrics.read_text(encoding="utf-8"))
+
+
+def read_losses(path) -> tuple[Path, dict[str, float], dict]:
+    """-> (folder, {example id: its mean CE per supervised token}, metrics.json)."""
+    folder = reported_evaluation(path)
+    losses = {}
+    for n, line in enumerate((folder / PREDICTIONS).read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            record = json.loads(line)
+            losses[str(record["id"])] = float(record["loss"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"{folder / PREDICTIONS}:{n}: expected a JSON object with id and loss ({e})") from None
+    return folder, losses, json.loads((folder / METRICS).read_text(encoding="utf-8"))
+
+
+def compare_losses(pairs, **bootstrap) -> dict:
+    """(A, B) per seed, each read_losses' -> the mean over examples (and seeds) of B's loss minus A's, with the
+    paired bootstrap's interval over examples and seeds (`paired_bootstrap`); refused unless every
+    evaluation scored the same example ids."""
+    ids = sorted(pairs[0][0][1])
+    for folder, losses, _ in (side for pair in pairs for side in pair):
+        if sorted(losses) != ids:
+            raise ValueError(f"{folder} and {pairs[0][0][0]} were scored on different examples; compare only "
+                             f"evaluations of the same split")
+    a = np.array([[p[0][1][q] for q in ids] for p in pairs])  # [S, Q]
+    b = np.array([[p[1][1][q] for q in ids] for p in pairs])
+    lo, hi = paired_bootstrap(b - a, **bootstrap)
+    def label(side):
+        folder, _, metrics = side
+        return row_label(metrics) if "method" in metrics else folder.name
+    return {"a": label(pairs[0][0]), "b": label(pairs[0][1]),
+            "examples": len(ids), "dataset": pairs[0][0][2].get("dataset"), "split": pairs[0][0][2].get("split"),
+            "loss_difference": float((b - a).mean()), "loss_interval": [float(lo), float(hi)],
+            "per_seed": [{"seed": p[0][2].get("seed"), "a": str(p[0][0]), "b": str(p[1][0]),
+                          "loss_a": float(x.mean()), "loss_b": float(y.mean())} for p, x, y in zip(pairs, a, b)],
+            "bootstrap": {"over": "examples and seeds", "level": bootstrap.get("level", LEVEL),
+                          "resamples": bootstrap.get("resamples", BOOTSTRAP_RESAMPLES),
+                          "seed": bootstrap.get("seed", BOOTSTRAP_SEED)}}
 
 
 def interval_text(mean: float, interval, digits: int) -> str:
@@ -247,6 +297,8 @@ def p_text(p: float) -> str:
 
 def pair_table(result: dict) -> str:
     """Markdown: one line per seed, then the pooled line with the bootstrap intervals."""
+    if "loss_difference" in result:
+        return loss_table(result)
     lines = [f"B = {result['b']} vs A = {result['a']}: {result['dataset'] or '?'} {result['split'] or ''}, "
              f"{result['questions']} questions; differences are B - A, intervals {100 * result['bootstrap']['level']:g}% "
              f"(paired bootstrap over questions and seeds, {result['bootstrap']['resamples']} resamples, "
@@ -266,4 +318,16 @@ def pair_table(result: dict) -> str:
         lines.append(f"| all | {mean_a:.2f} | {mean_b:.2f} | {acc} | | | | {result['differing_predictions']} | {nll} |")
     lines += ["", f"Accuracy B - A: {interval_text(result['accuracy_difference'], result['accuracy_interval'], 2)} "
                   f"points; choice NLL B - A: {interval_text(result['choice_nll_difference'], result['choice_nll_interval'], 4)}"]
+    return "\n".join(lines) + "\n"
+
+
+def loss_table(result: dict) -> str:
+    """compare_losses' result as Markdown: each seed's mean loss per example, then the paired difference."""
+    lines = [f"B = {result['b']} vs A = {result['a']}: {result['dataset'] or '?'} {result['split'] or ''}, "
+             f"{result['examples']} examples; loss = an example's mean CE per supervised token, B - A, interval "
+             f"{100 * result['bootstrap']['level']:g}% (paired bootstrap over examples and seeds)", "",
+             "| Seed | A loss | B loss | B - A |", "|---|---|---|---|"]
+    lines += [f"| {s['seed']} | {s['loss_a']:.4f} | {s['loss_b']:.4f} | {s['loss_b'] - s['loss_a']:+.4f} |"
+              for s in result["per_seed"]]
+    lines.append(f"| all | | | {interval_text(result['loss_difference'], result['loss_interval'], 4)} |")
     return "\n".join(lines) + "\n"

@@ -172,7 +172,9 @@ register_family(Family(
     layer_keys=PER_EXPERT_KEYS, renames=QWEN_RENAMES,
     config_fields=QWEN_FIELDS | {"qkv_bias", "shared_expert_intermediate_size"},
     fixed={"shared_expert_gate": True},
-    # transformers slides the layers from max_window_layers on (layer_types); our window, every layer or none
+    # transformers slides the layers from max_window_layers on (layer_types); our window, every layer or none,
+    # which a config.json we write says with 0 (transformers' default 28 would slide none of a smaller model)
+    write_defaults={"max_window_layers": lambda config: 0},
     unread={"max_window_layers": lambda d: 0 if d.get("use_sliding_window") else d["max_window_layers"],
             "layer_types": lambda d: ["sliding_attention" if d.get("use_sliding_window") else "full_attention"]
             * d["num_hidden_layers"]},

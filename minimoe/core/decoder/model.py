@@ -162,8 +162,9 @@ class DecoderLayer(nn.Module):
 
 @dataclass
 class CausalLMOutput:
-    logits: torch.Tensor  # [B, T, V] in the model dtype; [n, V] with forward's logits_at
+    logits: torch.Tensor | None  # [B, T, V] in the model dtype; [n, V] with forward's logits_at; None with head=False
     routings: list[Routing | None]  # one per layer (None: a dense layer), tokens flattened as B*T
+    hidden: torch.Tensor | None = None  # head=False: the final-normed hidden states the head would read
 
 
 class Model(nn.Module):
@@ -212,13 +213,15 @@ class MoEForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache: KVCache | None = None, *,
-                segment_ids=None, logits_at=None):
+                segment_ids=None, logits_at=None, head: bool = True):
         """input_ids [B, T]; attention_mask [B, S] (1 = real token, covers cached positions too).
 
         segment_ids [B, T]: a block-causal layout (packed answer choices, minimoe/core/task/choices.py): a token of
         segment s > 0 sees segment 0 and its own segment, causally; segment 0 sees segment 0 only.
         logits_at: (rows, cols) index tensors, n each: the LM head runs at those positions only and
         logits are [n, V] (gathered after the final norm, so no [B, T, V] tensor is built).
+        head=False: no LM head; `hidden` holds what it would read ([n, D] with logits_at), for a loss
+        that runs the head itself a chunk at a time (core/task/tokens.py's chunked_token_ce).
         """
         c = self.config
         B, T = input_ids.shape
@@ -233,6 +236,8 @@ class MoEForCausalLM(nn.Module):
         h = self.model.norm(h)
         if logits_at is not None:
             h = h[logits_at]  # [n, D]
+        if not head:
+            return CausalLMOutput(logits=None, routings=routings, hidden=h)
         return CausalLMOutput(logits=self.head(h), routings=routings)
 
     def mixer_inputs(self, B: int, T: int, h, attention_mask=None, position_ids=None, cache: KVCache | None = None,

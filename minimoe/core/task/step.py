@@ -1,6 +1,7 @@
-"""One training step: answer-choice batches -> the paper's total loss (Eq. total_loss) -> backward.
+"""One training step: answer-choice or token batches -> the paper's total loss (Eq. total_loss) -> backward.
 
-    task CE over the candidates (each scored by its mean answer-token log-prob)
+    task CE over the candidates (each scored by its mean answer-token log-prob); on chat and
+    completion rows (core/task/tokens.py) the next-token CE per supervised token instead
   + lambda * L_m (the method's prediction, e_hat or C_t, fitted with IS or ENLL to the gold answer's
     next-token CE at its answer positions; supervised methods only)
   + aux_coef * the family's load-balancing loss.
@@ -17,6 +18,7 @@ from contextlib import nullcontext
 
 from minimoe.core.task.choices import choice_loss, choice_scores, forward_choices
 from minimoe.core.routing_methods.objectives import load_balancing_loss, supervision_loss
+from minimoe.core.task.tokens import TokenBatch, forward_tokens
 
 
 def step_loss(model, batches, method, counts: dict, world_size: int, *, is_eps: float = 1e-8,
@@ -35,10 +37,14 @@ def step_loss(model, batches, method, counts: dict, world_size: int, *, is_eps: 
         sync = i == len(batches) - 1 or not hasattr(model, "no_sync")  # DDP: all-reduce on the last only
         weight = 0.0 if batch.placeholder else 1.0
         with nullcontext() if sync else model.no_sync(), autocast():
-            out, logp = forward_choices(model, batch)  # logp [n]: every candidate's answer tokens
+            forward = forward_tokens if isinstance(batch, TokenBatch) else forward_choices
+            out, logp = forward(model, batch)  # logp [n]: every candidate's answer tokens, or the supervised ones
             if stats is not None and not batch.placeholder:
                 stats.add(out.routings, batch, batch.at_supervised(-logp.detach()))
-            task = choice_loss(choice_scores(logp, batch)["mean"], batch, reduction="sum") * weight / counts["examples"]
+            if isinstance(batch, TokenBatch):  # per supervised token over the step, as the method term
+                task = -logp.sum() * weight / counts["tokens"]
+            else:
+                task = choice_loss(choice_scores(logp, batch)["mean"], batch, reduction="sum") * weight / counts["examples"]
             loss = task
             logs["task"] += task.detach()
             if supervised and batch.supervised_tokens:  # host-side count: no device sync

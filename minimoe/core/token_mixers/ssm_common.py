@@ -18,6 +18,8 @@ candidate must be the prompt's final state, not the previous candidate's. `run_s
 prompts once (left-aligned, so each ends at the last column and its final state is the scan's), then
 all candidates as one right-padded batch of pieces, each starting from its row's prompt state; this
 is exactly what a candidate's own unpacked row computes, prompt once instead of once per candidate.
+Packed examples (core/task/tokens.py: several whole examples in one row, segments 1, 2, ..., no segment 0)
+are the same pieces without a prompt: each starts from the zero state, as its own row would.
 The piece layout is read on the host once per forward (`segment_plan`, one device sync) and kept on the
 forward's MixerInputs for every recurrent layer after the first.
 """
@@ -162,13 +164,17 @@ def run_segments(sequence, u, plan: SegmentPlan):
     """Packed rows (module docstring). u [B, T, F] the sequential part's input, laid out by `plan`
     -> y [B, T, F'] (zeros at padding)."""
     B, T, _ = u.shape
-    u_p = masked(u[plan.rows, plan.src], plan.p_mask)
-    y_p, state = sequence(u_p, plan.p_mask, None)
-    out = u.new_zeros(B, T, y_p.shape[-1])
-    out[plan.rows[plan.p_mask], plan.src[plan.p_mask]] = y_p[plan.p_mask]
+    out, state = None, None
+    if plan.rows.shape[1]:  # prompts (none in packed examples' rows)
+        u_p = masked(u[plan.rows, plan.src], plan.p_mask)
+        y_p, state = sequence(u_p, plan.p_mask, None)
+        out = u.new_zeros(B, T, y_p.shape[-1])
+        out[plan.rows[plan.p_mask], plan.src[plan.p_mask]] = y_p[plan.p_mask]
     if plan.c_rows is None:
         return out
     u_c = masked(u[plan.c_rows, plan.cols], plan.c_mask)
-    y_c, _ = sequence(u_c, plan.c_mask, state.select(plan.piece_row))
+    start = None if plan.rows.shape[1] == 0 else state.select(plan.piece_row)  # packed examples: a fresh state
+    y_c, _ = sequence(u_c, plan.c_mask, start)
+    out = u.new_zeros(B, T, y_c.shape[-1]) if out is None else out
     out[plan.c_rows[plan.c_mask], plan.cols[plan.c_mask]] = y_c[plan.c_mask]
     return out

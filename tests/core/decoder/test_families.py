@@ -32,7 +32,7 @@ def test_every_record_is_complete_and_consistent(model_type):
     assert set(f.renames.values()) <= ours and f.config_fields <= ours and set(f.fixed) <= ours
     assert set(f.defaults) <= ours and CONFIG_FIELDS <= ours
     assert not set(f.fixed) & f.config_fields  # a fixed field is neither read nor written
-    assert set(f.write_defaults) <= CONFIG_FIELDS | f.config_fields  # written fields only
+    assert set(f.write_defaults) <= CONFIG_FIELDS | f.config_fields | set(f.unread)  # written fields, or a held key
     # Every name the table maps is a parameter of the family's model.
     model = MoEForCausalLM(tiny_config(model_type))
     params = {n.split(".", 3)[-1] for n, _ in model.named_parameters() if n.startswith("model.layers.")}  # any layer: dense ones too

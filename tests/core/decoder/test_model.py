@@ -113,9 +113,8 @@ def test_olmoe_default_switches_match_transformers(tmp_path):
     ("qwen3_moe", dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[3], dense_intermediate_size=48)),
     # norm_topk_prob the other way from the fixture's; no biases; no window; the window off by its switch.
     ("qwen3_moe", dict(norm_topk_prob=False, attention_bias=False, use_sliding_window=False)),
-    # max_window_layers 0: every layer slides (transformers 5 slides from it on; 4.57's eager mask, every layer)
     ("qwen2_moe", dict(norm_topk_prob=True, qkv_bias=False, use_sliding_window=True, sliding_window=4,
-                       max_window_layers=0, shared_expert_intermediate_size=24)),
+                       shared_expert_intermediate_size=24)),
     ("mixtral", dict(sliding_window=None, head_dim=None, num_experts_per_tok=2)),
 ])
 def test_family_switches_match_transformers(family, switches, tmp_path):
