@@ -55,7 +55,7 @@ from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.making.smollm import smollm_checkpoint
 from minimoe.making.tiny import planned_config
 from minimoe.runs.compat import read_run_config, read_settings, settings_of
-from minimoe.runs.config import TrainConfig, build_config, differing, loaded_settings, method_record
+from minimoe.runs.config import TrainConfig, build_config, differing, flag_name, loaded_settings, method_record
 from minimoe.runs.device import pick_device, pick_dtype
 from minimoe.runs import memory
 from minimoe.runs.flags import add_flags
@@ -64,7 +64,7 @@ from minimoe.runs.provenance import provenance
 from minimoe.runs.ranks import from_rank0, world
 from minimoe.runs.run_folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
 from minimoe.runs.sharding import build_sharded, check_sharding
-from minimoe.runs.training import check_install, check_model_settings, install_method, train
+from minimoe.runs.training import check_install, check_model_settings, install_method, lora_trains, train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -159,6 +159,23 @@ def preflight(args, model_config) -> TrainConfig:
     return cfg
 
 
+def ignored_flags(typed: dict, cfg: TrainConfig, model_config) -> list[str]:
+    """The flags typed (`typed`: off their defaults) that change nothing in this run, each with why; train.py
+    says so once, and runs (a sweep passes one set of flags after -- to all its rows, so they are not refused):
+    a supervision setting of a method that supervises nothing, another method's option, --lora-targets where
+    no LoRA trains (router-only tuning; ESFT's full form)."""
+    method, notes = cfg.method, []
+    if unread := unread_flags(typed, method):
+        notes.append(f"{', '.join(unread)} ignored: {method.row} supervises no prediction, so it has no objective "
+                     f"nor lambda (TES and ACS do)")
+    if others := [flag_name(k) for k in typed.get("method_options") or {} if k not in method.declared]:
+        notes.append(f"{', '.join(others)} ignored: options of other methods; {method.row} takes "
+                     f"{', '.join(map(flag_name, method.declared)) or 'none'}")
+    if typed.get("lora_targets") and not lora_trains(model_config, cfg):
+        notes.append(f"--lora-targets ignored: {method.row} trains no LoRA (it stays at its zero start, frozen)")
+    return notes
+
+
 def check_command(argv) -> TrainConfig:
     """What train.main(argv) would refuse before reading data or weights (`preflight`), without running it:
     the sweep's dry run checks each cell's command line with it. SystemExit or ValueError names the refusal."""
@@ -241,9 +258,8 @@ def main(argv=None):
                                                          device=cfg.device if cfg.quantize else None)
     typed, default = (vars(parser().parse_args(a)) for a in (list(sys.argv[1:] if argv is None else argv), []))
     typed = {k: v for k, v in typed.items() if v != default[k]}  # flags typed off their defaults, not a --config's
-    if unread := unread_flags(typed, cfg.method):
-        print(f"train.py: warning: {', '.join(unread)} ignored: {cfg.method.row} supervises no prediction, so it has "
-              f"no objective nor lambda (TES and ACS do)", file=sys.stderr)
+    for note in ignored_flags(typed, cfg, model_config):
+        print(f"train.py: warning: {note}", file=sys.stderr)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), cfg.method))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     for split, examples in data.items():  # every setting is checked before the run folder is written
