@@ -69,6 +69,7 @@ def _nf4_module():
     unloadable.filter = lambda record: not record.getMessage().startswith("Failed to load ")
     log.addFilter(unloadable)
     try:
+        importlib.import_module("torchao")  # the package first, as an import statement does: missing, ImportError
         return importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
     finally:
         log.removeFilter(unloadable)
