@@ -57,7 +57,7 @@ from minimoe.loading.checkpoint import read_config, resolve_checkpoint
 from minimoe.making.smollm import smollm_checkpoint
 from minimoe.making.tiny import planned_config
 from minimoe.runs.compat import read_run_config, read_settings, settings_of
-from minimoe.runs.config import FIELDS, TrainConfig, build_config, differing, loaded_settings
+from minimoe.runs.config import FIELDS, TrainConfig, build_config, differing, flag_name, loaded_settings
 from minimoe.runs.device import pick_device, pick_dtype
 from minimoe.runs import memory
 from minimoe.runs.flags import add_flags
@@ -66,7 +66,7 @@ from minimoe.runs.provenance import provenance
 from minimoe.runs.ranks import from_rank0, world
 from minimoe.runs.run_folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
 from minimoe.runs.sharding import build_sharded, check_sharding
-from minimoe.runs.training import check_install, check_model_settings, install_method, train
+from minimoe.runs.training import check_install, check_model_settings, install_method, lora_trains, train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -182,6 +182,23 @@ def preflight(args, model_config) -> TrainConfig:
     return cfg
 
 
+def ignored_flags(typed: dict, cfg: TrainConfig, model_config) -> list[str]:
+    """The flags typed (`typed`: off their defaults) that change nothing in this run, each with why; train.py
+    says so once, and runs (a sweep passes one set of flags after -- to all its rows, so they are not refused):
+    a supervision setting of a method that supervises nothing, another method's option, --lora-targets where
+    no LoRA trains (router-only tuning; ESFT's full form)."""
+    method, notes = cfg.method, []
+    if unread := unread_flags(typed, method):
+        notes.append(f"{', '.join(unread)} ignored: {method.row} supervises no prediction, so it has no objective "
+                     f"nor lambda (TES and ACS do)")
+    if others := [flag_name(k) for k in typed.get("method_options") or {} if k not in method.declared]:
+        notes.append(f"{', '.join(others)} ignored: options of other methods; {method.row} takes "
+                     f"{', '.join(map(flag_name, method.declared)) or 'none'}")
+    if typed.get("lora_targets") and not lora_trains(model_config, cfg):
+        notes.append(f"--lora-targets ignored: {method.row} trains no LoRA (it stays at its zero start, frozen)")
+    return notes
+
+
 def check_command(argv) -> TrainConfig:
     """What train.main(argv) would refuse before reading data or weights (`preflight`), without running it:
     the sweep's dry run checks each cell's command line with it. SystemExit or ValueError names the refusal."""
@@ -262,9 +279,8 @@ def main(argv=None):
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
     model = None if sharded else minimoe.from_pretrained(folder, dtype=cfg.dtype, quantize=cfg.quantize,
                                                          device=cfg.device if cfg.quantize else None)
-    if unread := unread_flags(args.typed, cfg.method):  # flags typed off their defaults, not a --config's
-        print(f"train.py: warning: {', '.join(unread)} ignored: {cfg.method.row} supervises no prediction, so it has "
-              f"no objective nor lambda (TES and ACS do)", file=sys.stderr)
+    for note in ignored_flags(args.typed, cfg, model_config):  # flags typed off their defaults, not a --config's
+        print(f"train.py: warning: {note}", file=sys.stderr)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), cfg.method))  # named by --data as given (sweep.py does so)
     data, cfg = load_data(cfg)  # a bad dataset or manifest fails here, before any run folder exists
     # chat and completion examples become their token rows (the model's chat template), each checked

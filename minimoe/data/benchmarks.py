@@ -427,7 +427,7 @@ def load_split(name_or_manifest, split: str | None = None, *, data_dir=DEFAULT_D
     _benchmark(name)
     if split not in SPLITS:
         raise ValueError(f"split={split!r}; expected one of {list(SPLITS)}")
-    out_dir = Path(data_dir) / name
+    out_dir = benchmark_folder(name, data_dir, source)
     report = out_dir / "splits.json"
     if not report.is_file():
         build_splits(name, out_dir, seed=seed, source=source, revision=revision)
@@ -438,6 +438,13 @@ def load_split(name_or_manifest, split: str | None = None, *, data_dir=DEFAULT_D
                          f"revision={built.get('revision')!r}; expected seed={want[0]} source={want[1]!r} "
                          f"revision={want[2]!r} (use another data_dir)")
     return read_manifest(out_dir / f"{split}.jsonl", sha256=(built.get("sha256") or {}).get(split))
+
+
+def benchmark_folder(name: str, data_dir=DEFAULT_DATA_DIR, source: str = "offline") -> Path:
+    """Where a registered benchmark's manifests are built: data_dir/<name> from the offline files,
+    data_dir/<name>-<source> from another source (the hub), so that the two never meet in one folder
+    (their splits differ, and a folder built from one is refused for the other)."""
+    return Path(data_dir) / (name if source == "offline" else f"{name}-{source}")
 
 
 def manifest_path(data, split: str, data_dir=DEFAULT_DATA_DIR) -> Path:

@@ -53,6 +53,22 @@ def dequantize_mxfp4(blocks, scales, dtype=torch.bfloat16, name: str = "tensor")
     return out
 
 
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., R, C] (C a multiple of 32) -> (blocks uint8 [..., R, C/32, 16], scales uint8 [..., R, C/32]), by
+    OCP MX's conversion: each block's scale is 2^(floor(log2 max|v|) - 2) (E2M1's largest exponent is 2), each
+    value the nearest E2M1 value of it over that scale (beyond 6: +-6, the spec's clamp). What the tiny gpt-oss
+    stores (making/tiny.py), as the release does; `dequantize_mxfp4` reads it back."""
+    if w.shape[-1] % BLOCK:
+        raise MXFP4Error(f"a matrix of {w.shape[-1]} columns: MXFP4 needs a multiple of {BLOCK}")
+    magnitude = torch.tensor(E2M1, dtype=torch.float64)
+    grid = torch.cat((magnitude, -magnitude))  # [16] value of each 4-bit code
+    v = w.double().reshape(*w.shape[:-1], w.shape[-1] // BLOCK, BLOCK)
+    e = torch.floor(torch.log2(v.abs().amax(-1).clamp_min(2.0 ** -120))) - 2  # [..., R, C/32]
+    codes = (v[..., None] / torch.pow(2.0, e)[..., None, None] - grid).abs().argmin(-1)  # [..., R, C/32, 32]
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # value 2j in the low nibble
+    return blocks, (e + 127).to(torch.uint8)
+
+
 class MXFP4Weight:
     """A bank kept as the checkpoint's MXFP4 blocks and scales (`--quantize mxfp4`, core/adaptation/quantized.py),
     dequantised one expert at a time by `dequantize_mxfp4` and `layout` (its record's `Layout.from_packed`,

@@ -22,10 +22,13 @@ from pathlib import Path
 
 import torch
 
-from minimoe.core.decoder.families import FAMILIES, family_of
+from minimoe.core.decoder.families import FAMILIES, Converted, family_of
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, load_examples, train_tokenizer
-from minimoe.loading.checkpoint import atomic_directory, default_weights_dir, write_checkpoint
+from minimoe.loading.checkpoint import (atomic_directory, checkpoint_layout, default_weights_dir, read_config,
+                                       write_checkpoint)
+from minimoe.loading.mxfp4 import quantize_mxfp4
+from minimoe.loading.layouts import layout_of
 
 TOKENIZER_TEXTS = ("arc_challenge", "arc_easy", "openbookqa", "sciq")
 PREFIX = "tiny:"  # --model tiny:<model_type>
@@ -156,8 +159,28 @@ def build_tiny_checkpoint(folder, model_type: str = "olmoe", *, seed: int = 0) -
     model = init_weights(MoEForCausalLM(config), generator=torch.Generator().manual_seed(seed))
     with atomic_directory(folder, "model") as tmp:
         write_checkpoint(model, tmp)
+        if family_of(model_type).packed_release == "mxfp4":
+            store_experts_as_mxfp4(tmp)
         tokenizer.save(str(tmp / "tokenizer.json"))
     return folder
+
+
+def store_experts_as_mxfp4(folder: Path):
+    """Rewrite a written checkpoint's expert banks as MXFP4 `_blocks` and `_scales` of their [E, out, in]
+    matrices, with the quantization_config, as the family's release stores them (openai/gpt-oss-20b), so
+    that `--quantize mxfp4` and the dequantise-on-load path run on the tiny model too."""
+    import json
+    from safetensors.torch import load_file, save_file
+    tensors = load_file(folder / "model.safetensors")
+    for disk in checkpoint_layout(read_config(folder)).values():
+        if isinstance(disk, Converted) and layout_of(disk).from_packed is not None and disk.key in tensors:
+            matrix = tensors.pop(disk.key).transpose(1, 2)  # stored as x @ W [E, in, out] -> [E, out, in]
+            tensors[f"{disk.key}_blocks"], tensors[f"{disk.key}_scales"] = quantize_mxfp4(matrix)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def checkpoint_widths(model_type: str) -> dict:

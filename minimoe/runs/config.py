@@ -32,7 +32,7 @@ from pathlib import Path
 from minimoe.core.adaptation.lora import ALIASES as LORA_ALIASES, TARGETS
 from minimoe.core.routing_methods.methods import ALIASES, METHODS, Method, UnknownOption, declaring, number
 from minimoe.core.routing_methods.objectives import OBJECTIVES
-from minimoe.data.benchmarks import DEFAULT_DATA_DIR
+from minimoe.data.benchmarks import DEFAULT_DATA_DIR, benchmark_folder
 from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.recipes import RECIPES, SELECTED_WHEN_TUNED, by_recipe_counts
 from minimoe.runs.user_methods import method_of
@@ -388,7 +388,8 @@ def loaded_settings(cfg: TrainConfig) -> dict:
     """What loading a registered benchmark resolves for config.json: the recipe's training count when
     none is asked for, and for hub data the folder its manifests are written to."""
     resolved = {} if cfg.max_train_examples else {"max_train_examples": recipe_train_examples(cfg, cfg.data)}
-    return resolved | ({"data": str(Path(cfg.data_dir) / cfg.data)} if cfg.data_source == "hub" else {})
+    hub = cfg.data_source == "hub"
+    return resolved | ({"data": str(benchmark_folder(cfg.data, cfg.data_dir, cfg.data_source))} if hub else {})
 
 
 # Settings that do not change the trained result: --resume may differ in these, and a sweep does not

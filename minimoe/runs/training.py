@@ -83,6 +83,16 @@ def install_method(model, cfg: TrainConfig):
         method.install(model)
 
 
+def lora_trains(model_config, cfg: TrainConfig) -> bool:
+    """Whether any LoRA parameter trains in this run once its method is installed (on a meta model):
+    router-only tuning and ESFT's full form keep every LoRA frozen."""
+    from minimoe.core.decoder.model import MoEForCausalLM
+    with torch.device("meta"):
+        dry = MoEForCausalLM(model_config)
+        install_method(dry, cfg)
+    return any(p.requires_grad for m in lora_modules(dry).values() for p in m.parameters())
+
+
 def check_install(model_config, cfg: TrainConfig, device: str):
     """install_method on a copy of the model on the meta device (no memory, no weights): a bad LoRA
     target, layer scope or method option fails here, before any run folder exists; so does an

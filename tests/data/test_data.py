@@ -323,6 +323,17 @@ def test_hub_download_is_pinned_and_fetches_only_the_partitions_read(name, fake_
     assert (written["revision"], written["commit"]) == (PINNED[repo], commit)
 
 
+def test_hub_and_offline_splits_have_their_own_folders(fake_hub, tmp_path):
+    """Issue 57 item 8: an offline run and a --data-source hub run of one benchmark in one data_dir (runs/splits
+    by default) each find their own manifests (data_dir/<name> and data_dir/<name>-hub), in either order;
+    one folder for both refused the second ("built with ... source='offline'")."""
+    offline = data.load_split("sciq", "test", data_dir=tmp_path)
+    hub = data.load_split("sciq", "test", data_dir=tmp_path, source="hub")
+    assert data.load_split("sciq", "test", data_dir=tmp_path) == offline
+    assert json.loads((tmp_path / "sciq" / "splits.json").read_text())["source"] == "offline"
+    assert json.loads((tmp_path / "sciq-hub" / "splits.json").read_text())["source"] == "hub" and hub
+
+
 def test_data_revision_overrides_the_pin_and_must_match_the_built_splits(fake_hub, tmp_path, monkeypatch):
     """revision= (train.py --data-revision) reaches the download; splits built at another revision are
     refused rather than reused; offline copies take no revision."""
@@ -331,7 +342,7 @@ def test_data_revision_overrides_the_pin_and_must_match_the_built_splits(fake_hu
     other = "f" * 40
     data.load_split("medmcqa", "test", data_dir=tmp_path, source="hub", revision=other)
     assert fake_hub[-1]["revision"] == other
-    assert json.loads((tmp_path / "medmcqa" / "splits.json").read_text())["revision"] == other
+    assert json.loads((tmp_path / "medmcqa-hub" / "splits.json").read_text())["revision"] == other
     with pytest.raises(ValueError, match=f"built with .*revision='{other}'; expected .*revision=None"):
         data.load_split("medmcqa", "test", data_dir=tmp_path, source="hub")
     with pytest.raises(ValueError, match="revision='v1' applies to source='hub'"):

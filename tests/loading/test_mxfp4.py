@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("transformers")  # the oracle: a plain install skips these tests
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from minimoe.loading.mxfp4 import MXFP4Error, dequantize_mxfp4
+from minimoe.loading.mxfp4 import MXFP4Error, dequantize_mxfp4, quantize_mxfp4
 
 
 def e2m1(code: int) -> float:
@@ -44,17 +44,14 @@ def test_dequantised_values_are_the_ones_quantised_by_definition(dtype):
 
 
 def quantise_by_spec(w):
-    """w [..., R, C] (C a multiple of 32) -> blocks uint8 [..., R, C/32, 16], scales uint8 [..., R, C/32] and
-    the values they stand for [..., R, C] (fp64, decoded here from the bits). OCP MX's conversion: each
-    block's scale is 2^(floor(log2 max|v|) - 2) (E2M1's largest exponent is 2), each value goes to the
-    nearest E2M1 value (beyond 6 times the scale: +-6, the spec's clamp)."""
+    """w [..., R, C] (C a multiple of 32) -> blocks uint8 [..., R, C/32, 16], scales uint8 [..., R, C/32]
+    (loading/mxfp4.quantize_mxfp4: OCP MX's conversion) and the values they stand for [..., R, C] (fp64,
+    decoded here from the bits, apart from the library's decoder)."""
+    blocks, scales = quantize_mxfp4(w)
     grid = torch.tensor([e2m1(c) for c in range(16)], dtype=torch.float64)
-    v = w.double().reshape(*w.shape[:-1], w.shape[-1] // 32, 32)
-    e = torch.floor(torch.log2(v.abs().amax(-1).clamp_min(2.0 ** -120))) - 2  # [..., R, C/32]
-    codes = (v[..., None] / torch.pow(2.0, e)[..., None, None] - grid).abs().argmin(-1)  # [..., R, C/32, 32]
-    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)  # value 2j in the low nibble
-    values = grid[codes] * torch.pow(2.0, e)[..., None]
-    return blocks, (e + 127).to(torch.uint8), values.reshape(w.shape)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # value 2j in the low nibble
+    values = grid[codes] * torch.pow(2.0, scales.double() - 127)[..., None]
+    return blocks, scales, values.reshape(w.shape)
 
 
 def test_a_tensor_quantised_by_the_spec_rule_comes_back_within_half_a_step_or_clamped():

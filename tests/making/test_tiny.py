@@ -36,3 +36,24 @@ def test_tiny_is_the_smoke_olmoe_and_tiny_xyz_names_the_families():
     assert tiny_checkpoint().name == "tiny-olmoe"  # what --model tiny has always been
     config = read_config(tiny_checkpoint())
     assert (config.num_hidden_layers, config.intermediate_size, config.mixers["attention"].clip_qkv) == (4, 64, None)
+
+
+def test_tiny_gpt_oss_stores_its_experts_in_mxfp4_as_the_release_does(tmp_path):
+    """tiny:gpt_oss holds its expert banks as `_blocks` and `_scales` with the release's quantization_config,
+    so --quantize mxfp4 runs without the 13 GB release: kept packed, its logits equal the dequantised-on-load
+    model's bit for bit."""
+    import json
+    from safetensors.torch import load_file
+    from minimoe.core.adaptation.quantized import is_quantized
+    folder = build_tiny_checkpoint(tmp_path / "gpt_oss", "gpt_oss")
+    keys = set(load_file(folder / "model.safetensors"))
+    assert {k for k in keys if k.endswith(("_blocks", "_scales"))} == {
+        f"model.layers.{i}.mlp.experts.{p}_{s}" for i in range(read_config(folder).num_hidden_layers)
+        for p in ("gate_up_proj", "down_proj") for s in ("blocks", "scales")}
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+    dense = minimoe.from_pretrained(folder, dtype=torch.float32)
+    kept = minimoe.from_pretrained(folder, dtype=torch.float32, quantize="mxfp4")
+    assert any(is_quantized(m) for m in kept.modules())
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(kept(ids).logits, dense(ids).logits)

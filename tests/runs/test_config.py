@@ -164,3 +164,19 @@ def test_a_supervision_flag_that_the_method_does_not_read_is_said_ignored(tmp_pa
     label = "CE" if method == "ce" else "Dual Affinity"
     assert lines == ([f"train.py: warning: {warned} ignored: {label} supervises no prediction, so it has no "
                       f"objective nor lambda (TES and ACS do)"] if warned else [])
+
+
+@pytest.mark.parametrize("flags, warned", [
+    (["--method", "ce", "--esft-p", "0.3", "--esft-form", "full"], "--esft-p, --esft-form ignored: options of other methods"),
+    (["--method", "router", "--lora-targets", "q,v"], "--lora-targets ignored: Router only trains no LoRA"),
+    (["--method", "esft", "--esft-form", "full", "--lora-targets", "q,v"], "--lora-targets ignored: ESFT trains no LoRA"),
+    (["--method", "esft", "--lora-targets", "experts"], None),  # the LoRA form trains the chosen experts' LoRA
+])
+def test_a_flag_that_changes_nothing_is_said_ignored(tmp_path, capsys, flags, warned):
+    """Issue 57 item 3: another method's options, and --lora-targets where no LoRA trains, were taken without a
+    word; train.py says once that they are ignored and why (not refused, as the supervision flags above)."""
+    train.main(["--model", "tiny", *flags, "--epochs", "1", "--max-train-examples", "8", "--batch-size", "8",
+                "--no-test-eval", "--quiet", "--out-dir", str(tmp_path), "--run-name", "r",
+                "--data-dir", str(tmp_path / "splits")])
+    lines = [line for line in capsys.readouterr().err.splitlines() if "ignored" in line]
+    assert len(lines) == (1 if warned else 0) and (not warned or lines[0].startswith(f"train.py: warning: {warned}")), lines
