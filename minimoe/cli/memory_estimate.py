@@ -7,7 +7,7 @@ import argparse
 import torch
 
 import minimoe.runs.memory as memory_module
-from minimoe.cli import run_command
+from minimoe.cli import is_tiny, model_path, run_command
 from minimoe.core.decoder.families import family_of
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.loading.checkpoint import DTYPES
@@ -19,7 +19,7 @@ def main(argv=None) -> Estimate:
     from minimoe.runs.training import check_model_settings
     p = argparse.ArgumentParser(prog="python -m minimoe.runs.memory", description=memory_module.__doc__.split("\n\n")[0],
                                 epilog=memory_module.__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help="a checkpoint folder or a hub model id")
+    p.add_argument("model", help="a checkpoint folder, a hub model id, or tiny / tiny:<model_type> (as train.py)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs (torchrun processes)")
     p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB a GPU (default 80)")
     p.add_argument("--shard", choices=["ddp", "fsdp"], default="fsdp", help="train.py's --shard (default fsdp)")
@@ -36,6 +36,8 @@ def main(argv=None) -> Estimate:
         p.error(f"--gpus {args.gpus}: expected 1 or more")
     if not args.gpu_memory > 0:
         p.error(f"--gpu-memory {args.gpu_memory:g}: expected a GPU's memory in GiB, more than 0")
+    if is_tiny(args.model):  # tiny or tiny:<model_type>, as train.py takes it: the smoke recipe's settings
+        args.model, args.recipe = model_path(args.model), args.recipe or "tiny"
     config, folder = model_config(args.model)
     recipe = args.recipe or family_of(config.model_type).recipe
     settings = {"model": args.model, "dtype": args.dtype, "device": "cpu", "method": args.method,

@@ -150,3 +150,11 @@ def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, mes
     with pytest.raises(SystemExit):
         memory_estimate.main([str(tmp_path / "m"), *flags])
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny:qwen3_next"])
+def test_the_memory_command_takes_a_tiny_model_as_train_py_does(name):
+    """`python -m minimoe.runs.memory tiny:<family>` sizes the tiny model train.py would run, under its
+    recipe, not the hub's repo-id error."""
+    estimate = memory_estimate.main([name, "--gpus", "1", "--dtype", "float32"])
+    assert estimate.weights > 0 and estimate.total > estimate.weights
