@@ -10,6 +10,7 @@ pytest.importorskip("transformers")  # the oracle: a plain install skips these t
 import transformers
 from safetensors.torch import save_file
 
+from tests.conftest import by_oracle
 from tests.core.test_model import reference_model
 from tests.loading.test_mxfp4 import quantise_by_spec
 
@@ -94,7 +95,16 @@ VARIANTS = {
                              intermediate_size_mlp=48, num_local_experts=8, num_experts_per_tok=2,
                              num_key_value_heads=2, head_dim=16, interleave_moe_layer_step=1, no_rope_layer_interval=2,
                              attention_chunk_size=6, attn_temperature_tuning=False, use_qk_norm=False),
+    # MiniMax-M2 (transformers 5 only): its released config's names (num_local_experts, rotary_dim for the partial
+    # rotary), q/k norms over the projection width, the sigmoid router with its correction bias.
+    "minimax_m2": dict(model_type="minimax_m2", intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                       num_key_value_heads=2, head_dim=24, rotary_dim=12, max_position_embeddings=64),
 }
+
+
+def declared(variants) -> list:
+    """`variants` as pytest params, a transformers-5-only family's marked tf5 (.ci/run's third environment)."""
+    return by_oracle(variants, family_of)
 
 
 def family_of(variant: str) -> str:

@@ -6,10 +6,11 @@ from dataclasses import fields
 
 import pytest
 
-from tests.conftest import oracle, tiny_config
+from tests.conftest import by_oracle, oracle, tiny_config
 from minimoe.core.families import FAMILIES
 from minimoe.core.model import MoEConfig
 from minimoe.loading.checkpoint import REQUIRED_FIELDS, config_from_dict, config_to_dict
+from minimoe.loading.config_keys import rope_fields
 
 # The fields minimoe requires (loading/checkpoint.py), at widths every family's defaults accept: 128 heads
 # divide 1024 and are a multiple of every default num_key_value_heads; 64 experts in DeepSeek-V3's 8 groups;
@@ -32,7 +33,7 @@ SAME_MEANING = {
 }
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("model_type", by_oracle(FAMILIES))
 def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(model_type):
     transformers = oracle("transformers")
     assert set(REQUIRED) == set(REQUIRED_FIELDS)
@@ -41,14 +42,16 @@ def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(mo
     d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}}
     ours = config_from_dict(dict(d))
     reference = transformers.AutoConfig.for_model(**d)
+    # transformers 5 holds rope_theta, its scaling and partial_rotary_factor in rope_parameters: read as we read it
+    rope = rope_fields(reference.rope_parameters, {}, model_type) if hasattr(reference, "rope_parameters") else {}
     wrong, compared = [], 0
     for name in (f.name for f in fields(MoEConfig)):
         disk = on_disk.get(name, name)
-        if name in REQUIRED or name in family.fixed or name == "extra" or not hasattr(reference, disk) \
+        if name in REQUIRED or name in family.fixed or name == "extra" or not (hasattr(reference, disk) or name in rope) \
                 or family.renames.get(name, name) != name:
             continue  # given; the modeling file's (Family.fixed); a field transformers' config lacks; or a
             # config.json name the family reads into another of our fields (the hybrids' layer_types)
-        value, theirs = getattr(ours, name), getattr(reference, disk)
+        value, theirs = getattr(ours, name), rope[name] if name in rope else getattr(reference, disk)
         if name == "mixer_types" and family.layer_kinds:  # our mixers by config.json's names for their kinds
             back = {mixer: kind for kind, mixer in family.layer_kinds.items()}
             value = [back[m] for m in value]
