@@ -508,3 +508,32 @@ register_family(Family(
     defaults={"rope_theta": 5e6, "partial_rotary_factor": rotary_dim_factor, "head_dim": 128, "rms_norm_eps": 1e-6,
               "router_aux_loss_coef": 0.001, "num_key_value_heads": 8, "max_position_embeddings": 196608,
               "bos_token_id": 200034, "eos_token_id": 200020}))
+
+
+def dense_layers(d: dict) -> list[int]:
+    """GLM-4.7-Flash's mlp_layer_types ("dense" / "sparse" per layer) as our mlp_only_layers; when config.json has
+    none, Glm4MoeLiteConfig's: the first layer dense, the others sparse."""
+    kinds = d.get("mlp_layer_types") or ["dense"] + ["sparse"] * (d["num_hidden_layers"] - 1)
+    return [i for i, kind in enumerate(kinds) if kind == "dense"]
+
+
+register_family(Family(
+    "glm4_moe_lite", "Glm4MoeLiteForCausalLM",
+    brings="DeepSeek-V3's Multi-head Latent Attention (optional q LoRA, interleaved rope pairs) with GLM-4.5's "
+           "router (sigmoid scores, selection-only bias, group top-K, routed_scaling_factor) and shared expert; "
+           "dense layers by mlp_layer_types",
+    hub_examples=("zai-org/GLM-4.7-Flash",),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("glm-4.7-flash", "glm4_moe_lite"),
+    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
+                "k and v: kv_b_proj; MLA_LORA_PATHS)",
+    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS,
+    config_fields=DEEPSEEK_FIELDS - {"first_k_dense_replace"} | {"norm_topk_prob", "rope_interleave"},
+    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True},
+    never_null=frozenset({"rope_interleave"}),  # as DeepSeek-V3's: null would be no interleave to transformers
+    # mlp_layer_types is read through mlp_only_layers' default and kept (config.extra) as the file gives it
+    unread={**MLA_UNREAD, "mlp_layer_types": lambda d: d["mlp_layer_types"]}, harmless=frozenset({"head_dim"}),
+    defaults={"mlp_only_layers": dense_layers, "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1,
+              "n_shared_experts": 1, "norm_topk_prob": True, "rope_interleave": True, "kv_lora_rank": 512,
+              "q_lora_rank": 768, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192,
+              "dense_intermediate_size": 10240, "rms_norm_eps": 1e-5, "max_position_embeddings": 202752,
+              "bos_token_id": 0, "eos_token_id": 1}))
