@@ -135,6 +135,15 @@ def transformers_major() -> int | None:
         return None
 
 
+# The families whose model_type transformers 4.57 lacks: their oracle tests are marked tf5 (transformers 5.23).
+TRANSFORMERS_5_ONLY = {"minimax_m2", "glm4_moe_lite"}
+
+
+def by_oracle(cases, model_type=lambda case: case) -> list:
+    """`cases` as pytest params, those of a transformers-5-only family marked tf5 (.ci/run's third environment)."""
+    return [pytest.param(c, marks=pytest.mark.tf5) if model_type(c) in TRANSFORMERS_5_ONLY else c for c in cases]
+
+
 @pytest.fixture(autouse=True)
 def tf5_only_under_transformers_5(request):
     """A `tf5` test holds minimoe to transformers 5.x (.ci/run's third environment, the test5 extra); where the

@@ -120,3 +120,22 @@ def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, 
     ids, mask = batch(vocab=ref.config.vocab_size)
     with torch.no_grad():
         assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
+
+
+# Round 3 (issue 56): transformers-5-only families. Their oracle tests run in the tf5 environment
+# (tests/core/decoder/test_families_parity.py); here, in the main one, every method trains on the family's tiny checkpoint.
+ROUND3 = ["minimax_m2", "glm4_moe_lite"]
+METHOD_FLAGS = ["ce", "dual", "tes", "acs", "densemixer", "router", "esft"]
+
+
+@pytest.mark.parametrize("model_type", ROUND3)
+def test_every_method_trains_a_few_steps_on_the_tiny_checkpoint(model_type, tmp_path):
+    """--model tiny:<model_type>, each built-in method and baseline: two steps of 4 questions, the loss finite."""
+    common = ["--model", f"tiny:{model_type}", "--out-dir", str(tmp_path / "runs"), "--data-dir",
+              str(tmp_path / "splits"), "--max-train-examples", "8", "--batch-size", "4", "--epochs", "1",
+              "--quiet", "--no-test-eval", "--layers", "all"]
+    for method in METHOD_FLAGS:
+        train.main([*common, "--method", method, "--run-name", method])
+        steps = [json.loads(line) for line in (tmp_path / "runs" / method / "metrics.jsonl").read_text().splitlines()]
+        losses = [s["loss"] for s in steps if "loss" in s]
+        assert len(losses) >= 2 and all(torch.isfinite(torch.tensor(losses))), (method, steps[:3])

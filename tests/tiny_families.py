@@ -10,6 +10,7 @@ pytest.importorskip("transformers")  # the oracle: a plain install skips these t
 import transformers
 from safetensors.torch import save_file
 
+from tests.conftest import by_oracle
 from tests.core.decoder.test_model import reference_model
 from tests.loading.test_mxfp4 import quantise_by_spec
 
@@ -94,7 +95,20 @@ VARIANTS = {
                              intermediate_size_mlp=48, num_local_experts=8, num_experts_per_tok=2,
                              num_key_value_heads=2, head_dim=16, interleave_moe_layer_step=1, no_rope_layer_interval=2,
                              attention_chunk_size=6, attn_temperature_tuning=False, use_qk_norm=False),
+    # MiniMax-M2 (transformers 5 only): its released config's names (num_local_experts, rotary_dim for the partial
+    # rotary), q/k norms over the projection width, the sigmoid router with its correction bias.
+    "minimax_m2": dict(model_type="minimax_m2", intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                       num_key_value_heads=2, head_dim=24, rotary_dim=12, max_position_embeddings=64),
+    # GLM-4.7-Flash (transformers 5 only): MLA with low-rank q and interleaved rope, GLM's router with groups and
+    # scaling, a shared expert, a dense layer placed by mlp_layer_types.
+    "glm4_moe_lite": dict(model_type="glm4_moe_lite", q_lora_rank=32, n_group=4, topk_group=2, n_shared_experts=1,
+                          routed_scaling_factor=1.8, norm_topk_prob=True, mlp_layer_types=["sparse", "dense", "sparse"]),
 }
+
+
+def declared(variants) -> list:
+    """`variants` as pytest params, a transformers-5-only family's marked tf5 (.ci/run's third environment)."""
+    return by_oracle(variants, family_of)
 
 
 def family_of(variant: str) -> str:
@@ -104,7 +118,8 @@ def family_of(variant: str) -> str:
 def variant_config(variant: str) -> dict:
     """`variant`'s transformers config fields at the tiny width (tests/core/decoder/test_model.py's reference_model
     builds and saves its model)."""
-    return {**COMMON, **(MLA if variant.startswith("deepseek") else {}), **VARIANTS[variant]}
+    mla = variant.startswith("deepseek") or variant == "glm4_moe_lite"
+    return {**COMMON, **(MLA if mla else {}), **VARIANTS[variant]}
 
 
 def mxfp4_reference_model(folder, seed: int = 0):

@@ -76,6 +76,15 @@ FAMILY_SWITCHES = {
     "glm4_moe": dict(head_dim=24, partial_rotary_factor=0.5, use_qk_norm=True, qkv_bias=True, num_hidden_layers=3,
                      first_k_dense_replace=1, dense_intermediate_size=96, n_shared_experts=1, n_group=4, topk_group=2,
                      routed_scaling_factor=2.5, norm_topk_prob=True, pad_token_id=0, eos_token_id=1),
+    # MiniMax-M2: q/k norms over the projection width, partial rotary, head_dim apart from hidden/heads, the
+    # sigmoid router with its correction bias (fixed by the family).
+    "minimax_m2": dict(head_dim=24, partial_rotary_factor=0.5, pad_token_id=0, eos_token_id=1),
+    # GLM-4.7-Flash: MLA (low-rank q, interleaved rope), GLM's router with groups, a shared expert, its default dense
+    # first layer (mlp_layer_types).
+    "glm4_moe_lite": dict(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                          num_key_value_heads=4, num_hidden_layers=3, mlp_only_layers=[0], dense_intermediate_size=96,
+                          n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8, norm_topk_prob=True,
+                          pad_token_id=0, eos_token_id=1),
     # Llama 4: top-1 sigmoid scaling the input, a shared expert, a dense layer first, a NoPE layer with temperature
     # tuning that bites, chunked attention on the rope layers, L2 q/k norm, interleaved rope pairs.
     "llama4_text": dict(num_hidden_layers=3, num_experts_per_tok=1, head_dim=16, decoder_sparse_step=2,

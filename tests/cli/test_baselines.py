@@ -12,7 +12,7 @@ from minimoe.cli import evaluate, export, train
 from minimoe.loading.checkpoint import from_pretrained
 from minimoe.making.tiny import FAMILY_SWITCHES, tiny_checkpoint
 from minimoe.runs.training import aux_coefficient
-from tests.conftest import oracle, tiny_config
+from tests.conftest import by_oracle, oracle, tiny_config
 from tests.kill import killed_after
 
 SMOKE = ["--model", "tiny", "--batch-size", "4", "--quiet"]
@@ -136,7 +136,7 @@ def transformers_applies_aux_loss(model_type: str) -> bool:
     return "load_balancing_loss_func(" in inspect.getsource(getattr(transformers, name).forward)
 
 
-@pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
+@pytest.mark.parametrize("family", by_oracle(FAMILY_SWITCHES))
 def test_aux_coef_family_is_the_checkpoints_coefficient_or_refused(family):
     """Each family's router_aux_loss_coef, as its config.json gives it, where transformers trains with it;
     refused by name where it does not (DeepSeek's and GLM-4.5's configs lack the field, Llama 4's modeling file

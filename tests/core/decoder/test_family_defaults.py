@@ -4,9 +4,10 @@ model_type gives every field the file omits; and its `write_defaults`, what we w
 default (DeepSeek-V3's routed_scaling_factor 2.5, OLMoE's rms_norm_eps 1e-5, ...) showed nowhere else."""
 import pytest
 
-from tests.conftest import oracle, tiny_config
+from tests.conftest import by_oracle, oracle, tiny_config
 from minimoe.core.decoder.families import FAMILIES
 from minimoe.loading.checkpoint import REQUIRED_FIELDS, config_from_dict, config_to_dict
+from minimoe.loading.config_keys import rope_fields
 
 # The fields minimoe requires (loading/checkpoint.py), at widths every family's defaults accept: 128 heads
 # divide 1024 and are a multiple of every default num_key_value_heads; 64 experts in DeepSeek-V3's 8 groups;
@@ -19,6 +20,8 @@ SAME_MEANING = {
     ("mixtral", "head_dim"): "None: hidden_size / heads, the value MoEConfig fills in",
     ("deepseek_v2", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
     ("deepseek_v3", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
+    ("glm4_moe_lite", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
+    ("glm4_moe_lite", "num_key_value_heads"): "MLA gives every head its own key and value (kv_b_proj): not read",
     ("deepseek_v2", "n_group"): "None with greedy top-K: no groups; ours 1 group of every expert, the same selection",
     ("deepseek_v2", "topk_group"): "None with greedy top-K: no groups; ours 1 group kept, the same selection",
     ("granitemoehybrid", "mixer_types"): "None in transformers 4.57's config: its layers_block_type property, which "
@@ -29,7 +32,7 @@ SAME_MEANING = {
 }
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+@pytest.mark.parametrize("model_type", by_oracle(FAMILIES))
 def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(model_type):
     transformers = oracle("transformers")
     assert set(REQUIRED) == set(REQUIRED_FIELDS)
@@ -38,14 +41,16 @@ def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(mo
     d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}}
     ours = config_from_dict(dict(d)).flat()  # the shared fields and those of the mixers the model holds
     reference = transformers.AutoConfig.for_model(**d)
+    # transformers 5 holds rope_theta, its scaling and partial_rotary_factor in rope_parameters: read as we read it
+    rope = rope_fields(reference.rope_parameters, {}, model_type) if hasattr(reference, "rope_parameters") else {}
     wrong, compared = [], 0
     for name in ours:
         disk = on_disk.get(name, name)
-        if name in REQUIRED or name in family.fixed or not hasattr(reference, disk) \
+        if name in REQUIRED or name in family.fixed or not (hasattr(reference, disk) or name in rope) \
                 or family.renames.get(name, name) != name:
             continue  # given; the modeling file's (Family.fixed); a field transformers' config lacks; or a
             # config.json name the family reads into another of our fields (the hybrids' layer_types)
-        value, theirs = ours[name], getattr(reference, disk)
+        value, theirs = ours[name], rope[name] if name in rope else getattr(reference, disk)
         if name == "mixer_types" and family.layer_kinds:  # our mixers by config.json's names for their kinds
             back = {mixer: kind for kind, mixer in family.layer_kinds.items()}
             value = [back[m] for m in value]
