@@ -105,14 +105,16 @@ def test_the_readmes_smoke_run_builds_the_tiny_model_and_trains_as_a_user_runs_i
 
 
 def test_ci_runs_the_plain_tests_in_its_second_environment():
-    """The marker is declared (setup.cfg) and .ci/run's plain environment selects it; the first runs everything."""
+    """The markers are declared (setup.cfg); .ci/run's plain environment selects `plain`, its third (transformers
+    5.23 as the oracle) `tf5`; the first runs everything."""
     import configparser
     import re
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
-    assert re.search(r"^plain:", cfg["tool:pytest"]["markers"], re.M)
+    assert re.search(r"^plain:", cfg["tool:pytest"]["markers"], re.M) and re.search(r"^tf5:", cfg["tool:pytest"]["markers"], re.M)
     runs = re.findall(r"-m pytest ([^;}\n]*)", (REPO / ".ci" / "run").read_text(encoding="utf-8"))
-    assert len(runs) == 2 and "-m plain" not in runs[0] and re.search(r"-m plain\b", runs[1]), runs
+    assert len(runs) == 3 and " -m " not in runs[0] and re.search(r"-m plain\b", runs[1]), runs
+    assert re.search(r"-m tf5\b", runs[2]), runs
 
 
 def test_a_missing_oracle_skips_at_its_first_use_not_when_pytest_inspects_the_file():
