@@ -61,7 +61,8 @@ from bench import common  # noqa: E402
 from minimoe.core.layers.experts import GroupedLinear  # noqa: E402
 from minimoe.core.adaptation.lora import add_lora  # noqa: E402
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, compile_layers, init_weights  # noqa: E402
-from minimoe.loading.checkpoint import config_from_dict, from_pretrained, save_pretrained  # noqa: E402
+from minimoe.loading.checkpoint import from_pretrained, save_pretrained
+from minimoe.loading.config_json import config_from_dict  # noqa: E402
 
 ROWS: list[dict] = []
 STREAM: list[Path] = []  # the JSONL that every row is appended to as it is made (main sets it)
@@ -437,7 +438,7 @@ def default_model(folder: Path, device) -> tuple[Path, str]:
     folder with random weights of its shape beside a copy of them (timing only)."""
     if any(folder.glob("*.safetensors")):
         return folder, "trained weights"
-    from minimoe.loading.checkpoint import read_config
+    from minimoe.loading.config_json import read_config
     out = Path(tempfile.mkdtemp())
     save_pretrained(random_model(read_config(folder), device), out)
     for f in folder.iterdir():

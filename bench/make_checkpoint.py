@@ -23,7 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from minimoe.core.decoder.model import MoEForCausalLM  # noqa: E402
-from minimoe.loading.checkpoint import atomic_directory, checkpoint_layout, config_to_dict  # noqa: E402
+from minimoe.loading.checkpoint import atomic_directory, checkpoint_layout
+from minimoe.loading.config_json import config_to_dict  # noqa: E402
 
 SAFETENSORS_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32"}
 

@@ -36,7 +36,8 @@ from minimoe.core.task.choices import make_choice_batch  # noqa: E402
 from minimoe.data.benchmarks import load_split  # noqa: E402
 from minimoe.evaluation.accuracy import evaluate_split  # noqa: E402
 from minimoe.process_memory import keep_freed_memory  # noqa: E402
-from minimoe.loading.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
+from minimoe.loading.checkpoint import from_pretrained
+from minimoe.loading.tokenizer import load_tokenizer  # noqa: E402
 from bench.common import RESULTS, write_report  # noqa: E402
 
 

@@ -35,7 +35,8 @@ from minimoe.core.routing_methods.routing import NativeRouter, Scoring, select_t
 from minimoe.data.benchmarks import load_split  # noqa: E402
 from minimoe.evaluation.accuracy import evaluate_split  # noqa: E402
 from minimoe.process_memory import keep_freed_memory  # noqa: E402
-from minimoe.loading.checkpoint import from_pretrained, load_tokenizer  # noqa: E402
+from minimoe.loading.checkpoint import from_pretrained
+from minimoe.loading.tokenizer import load_tokenizer  # noqa: E402
 from minimoe.making.smollm import fetch_gguf  # noqa: E402
 from minimoe.making.split import SplitSettings, held_out, neuron_activations, prose_documents, token_rows  # noqa: E402
 from minimoe.making.upcycle import upcycle  # noqa: E402

@@ -9,7 +9,8 @@ from minimoe.core.decoder.model import CausalLMOutput, MoEConfig, MoEForCausalLM
 from minimoe.core.routing_methods.routing import Routing
 from minimoe.core.adaptation.trainable import trainable_parameters
 from minimoe.integrations.hf_export import export_merged, export_peft
-from minimoe.loading.checkpoint import from_pretrained, load_tokenizer, save_pretrained
+from minimoe.loading.checkpoint import from_pretrained, save_pretrained
+from minimoe.loading.tokenizer import load_tokenizer
 from minimoe.runs.adapters import load_adapter, save_adapter
 from minimoe.core.routing_methods.objectives import OBJECTIVES, Objective
 from minimoe.runs.user_methods import register_method, register_objective

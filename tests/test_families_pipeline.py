@@ -22,7 +22,7 @@ import minimoe
 import tests.tiny_families as tiny_families
 from minimoe.cli import evaluate, sweep, train
 from minimoe.core.decoder.families import FAMILIES
-from minimoe.loading.checkpoint import read_config
+from minimoe.loading.config_json import read_config
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.study.grid import guess_recipe
 from tests.conftest import ALL_FAMILIES

@@ -53,7 +53,8 @@ from minimoe.data.instruct import encode_splits
 from minimoe.data.userdata import resolve_data
 from minimoe.evaluation.folders import METRICS, eval_dir
 from minimoe.process_memory import keep_freed_memory, limit_kernel_cache
-from minimoe.loading.checkpoint import read_config, resolve_checkpoint
+from minimoe.loading.config_json import read_config
+from minimoe.loading.hub import resolve_checkpoint
 from minimoe.making.smollm import smollm_checkpoint
 from minimoe.making.tiny import planned_config
 from minimoe.runs.compat import read_run_config, read_settings, settings_of

@@ -59,7 +59,8 @@ from minimoe.core.decoder.families import Converted, family_of
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.core.routing_methods.methods import Method
 from minimoe.core.routing_methods.routing import moe_blocks
-from minimoe.loading.checkpoint import from_pretrained, resolve_checkpoint, write_checkpoint
+from minimoe.loading.checkpoint import from_pretrained, write_checkpoint
+from minimoe.loading.hub import resolve_checkpoint
 from minimoe.loading.layouts import layout_of
 from minimoe.runs.adapters import adapter_tensors, fingerprint, gate_layers, load_adapter
 from minimoe.runs.run_folder import resolve_adapter  # a run folder resolves through selection.json

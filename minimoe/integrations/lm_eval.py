@@ -45,7 +45,7 @@ from tqdm import tqdm
 from minimoe.core.task.choices import pad_id
 from minimoe.core.task.choices import forward_choices, pack_choices
 from minimoe.core.decoder.generate import generate
-from minimoe.loading.checkpoint import resolve_checkpoint
+from minimoe.loading.hub import resolve_checkpoint
 from minimoe.runs.device import pick_device
 from minimoe.runs.eval_run import load_model
 from minimoe.runs.run_folder import read_json, resolve_adapter

@@ -1,4 +1,5 @@
-"""Checkpoint I/O: official safetensors <-> MoEForCausalLM, config.json <-> MoEConfig, tokenizer.
+"""Checkpoint I/O: official safetensors <-> MoEForCausalLM (config.json: config_json.py; where the files come
+from: hub.py; the tokenizer: tokenizer.py).
 
 Our module names equal the checkpoint keys wherever the families agree; each family's record
 (core/decoder/families.py: `Family.layer_keys`, `renames`, `config_fields`) is the whole table for the rest. Loading is strict: a missing, unexpected or wrongly shaped key, an
@@ -14,10 +15,7 @@ tensor, whole or a range of its rows: the sharded load (runs/sharding.py) reads 
 """
 from __future__ import annotations
 
-import contextlib
-import copy
 import json
-import os
 from pathlib import Path
 
 import torch
@@ -25,89 +23,19 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.core.decoder.families import CONFIG_FIELDS, Converted, family_of
-from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, config_field_names
+from minimoe.core.decoder.families import Converted, family_of
+from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM
 from minimoe.core.adaptation.quantized import pack, quantize_module, quantized_modules
 from minimoe.core.adaptation.quantized import require as require_quantization
 from minimoe.process_memory import advise_huge_pages, mapped_big_blocks
-from minimoe.loading.config_keys import from_transformers5, refuse_unread
+from minimoe.loading.config_json import config_to_dict, read_config
+from minimoe.loading.hub import resolve_checkpoint
 from minimoe.loading.layouts import layout_of
 from minimoe.loading.mxfp4 import MXFP4Weight, dequantize_mxfp4
 
-QUANTIZED_ON_DISK = ("mxfp4",)  # quantization_config.quant_method values we dequantise on load
 
-REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                   "num_attention_heads", "num_experts", "num_experts_per_tok")
-HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
-             "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 RUN_DTYPES = ("float32", "bfloat16")  # what a model is run and saved in: every --dtype's choices (float16 is only read)
-
-
-# ----------------------------------------------------------------------------- config
-
-def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
-    family = family_of(d.get("model_type"), source)
-    d = from_transformers5(d, family, source)  # rope_parameters, dtype, ...: the names 4.57 wrote
-    d = {k: v for k, v in d.items() if k not in family.harmless}  # not ours to read (MLA's head_dim)
-    d = {family.renames.get(k, k): v for k, v in d.items()}
-    d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
-    refuse_unread(d, family, source)  # a key we do not read, set to change the model
-    if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/token_mixers/mixers.py)
-        kinds = d.get("mixer_types")
-        if not isinstance(kinds, list) or not set(kinds) <= set(family.layer_kinds):
-            raise ValueError(f"{source}: layer_types {kinds!r}; expected a list of {sorted(family.layer_kinds)}, "
-                             f"one per layer, for model_type {family.model_type!r}")
-        d["mixer_types"] = [family.layer_kinds[k] for k in kinds]
-    d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
-    missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
-    if missing:
-        raise ValueError(f"{source}: missing field(s) {missing} for model_type {family.model_type!r}")
-    quant = (d.get("quantization_config") or {}).get("quant_method")
-    if quant is not None:  # dequantised on load and saved dense: the saved config.json says no quantization
-        if quant not in QUANTIZED_ON_DISK:
-            raise ValueError(f"{source}: quantization_config quant_method {quant!r} is not supported; expected "
-                             f"one of {QUANTIZED_ON_DISK} (dequantised on load) or none")
-        d = {k: v for k, v in d.items() if k != "quantization_config"}
-    ours = set(config_field_names()) - set(family.fixed)  # a fixed field is the family's, whatever the file says
-    known = {k: v for k, v in d.items() if k in ours}
-    extra = {k: v for k, v in d.items() if k not in ours}
-    return MoEConfig.from_flat({**known, "extra": extra})  # each mixer's options to its own config
-
-
-def config_to_dict(config: MoEConfig) -> dict:
-    """config.json as the family's transformers config writes it: the shared fields, the family's own
-    (`Family.config_fields`) under its names, and whatever unknown fields were read."""
-    family = family_of(config.model_type)
-    written = CONFIG_FIELDS | family.config_fields
-    back = {v: k for k, v in family.renames.items()}
-    # A field left None that the family's transformers config cannot read as null (Family.never_null: Llama 4's
-    # no_rope_layer_interval, in a config built here rather than read) is left out: transformers fills in its
-    # default. Elsewhere None is written, as it can mean something (DeepSeek-V2-Lite's q_lora_rank: no q LoRA).
-    flat = config.flat()  # a mixer's options where the model holds that mixer
-    d = {**config.extra, **{back.get(k, k): flat[k] for k in config_field_names() if k in written and k in flat
-                            and not (flat[k] is None and k in family.never_null)}}
-    d["architectures"] = [family.architecture]
-    if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
-        back_kinds = {v: k for k, v in family.layer_kinds.items()}
-        d["layer_types"] = [back_kinds[m] for m in config.mixer_types]
-    for name, default in family.write_defaults.items():  # None, which the family's config would fill in otherwise
-        if d.get(back.get(name, name)) is None:
-            d[back.get(name, name)] = default(config)
-    return d
-
-
-def read_config(folder: Path) -> MoEConfig:
-    path = folder / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder}: no config.json; a checkpoint folder needs config.json and safetensors")
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); the file is truncated or corrupt: restore or "
-                         f"re-download the checkpoint") from None
-    return config_from_dict(d, str(path))
 
 
 # ----------------------------------------------------------------------------- name table
@@ -162,60 +90,6 @@ def from_mxfp4(disk: Converted, blocks, scales, dtype):
 
 
 # ----------------------------------------------------------------------------- loading
-
-def default_weights_dir() -> str:
-    """Where minimoe writes the checkpoints it builds (the default model, the tiny one): $MINIMOE_WEIGHTS,
-    else the repository's weights/ folder."""
-    return os.environ.get("MINIMOE_WEIGHTS") or str(Path(__file__).resolve().parents[2] / "weights")
-
-
-def hub_cache_dir(cache_dir=None) -> str | None:
-    """Where hub ids download: `cache_dir`, else $MINIMOE_WEIGHTS, else None, which is huggingface_hub's own
-    cache ($HF_HUB_CACHE, $HF_HOME/hub, ~/.cache/huggingface/hub), so a model already cached for
-    transformers is not downloaded again."""
-    return cache_dir or os.environ.get("MINIMOE_WEIGHTS") or None
-
-
-def resolve_checkpoint(name_or_path, cache_dir=None, revision=None) -> Path:
-    """A local folder as it is, or a hub repo id downloaded (config, safetensors, tokenizer only) into
-    hub_cache_dir(cache_dir); the folder returned is then the snapshot, named by its commit sha."""
-    path = Path(name_or_path)
-    if path.is_dir():
-        if revision is not None:
-            raise ValueError(f"{name_or_path}: a revision ({revision}) applies to hub ids only, not to a local folder")
-        return path
-    name = str(name_or_path)
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise FileNotFoundError(f"{name}: no such checkpoint folder, and not a hub repo id like 'allenai/OLMoE-1B-7B-0924'")
-    from huggingface_hub import snapshot_download
-    with not_cached_says_what_to_do(name, revision, cache_dir):
-        return Path(snapshot_download(name, revision=revision, cache_dir=hub_cache_dir(cache_dir),
-                                      allow_patterns=HUB_FILES))
-
-
-def hub_file(name: str, filename: str, cache_dir=None, revision=None) -> Path:
-    """One file of a hub repo (config.json, the shard index), downloaded alone, with resolve_checkpoint's error."""
-    from huggingface_hub import hf_hub_download
-    with not_cached_says_what_to_do(name, revision, cache_dir):
-        return Path(hf_hub_download(name, filename, revision=revision, cache_dir=hub_cache_dir(cache_dir)))
-
-
-@contextlib.contextmanager
-def not_cached_says_what_to_do(name: str, revision, cache_dir):
-    """huggingface_hub's LocalEntryNotFoundError (not cached, and offline or unreachable) as one line that says
-    why and what to do instead: a local folder, or the download (HF_HUB_OFFLINE=0, a reachable hub)."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import LocalEntryNotFoundError
-    try:
-        yield
-    except LocalEntryNotFoundError as e:
-        why, download = (("HF_HUB_OFFLINE=1 forbids downloads", "HF_HUB_OFFLINE=0 to download it") if constants.HF_HUB_OFFLINE else
-                         ("the hub cannot be reached", "a machine that reaches huggingface.co to download it"))
-        where = hub_cache_dir(cache_dir) or "the Hugging Face default"
-        raise FileNotFoundError(f"{name}@{revision or 'main'}: not in the local cache ({where}) and {why}; pass a "
-                                f"local checkpoint folder (config.json and *.safetensors) in its place, or use "
-                                f"{download}") from e
-
 
 def _weight_files(folder: Path) -> dict[str, list[str]]:
     """safetensors file -> the keys it holds, from the shard index or the single file."""
@@ -534,35 +408,3 @@ def write_checkpoint(model: MoEForCausalLM, folder: Path, *, max_shard_bytes: in
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     with open(folder / "model.safetensors.index.json", "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-
-
-# ----------------------------------------------------------------------------- tokenizer
-
-class Tokenizer:
-    """The checkpoint's tokenizer.json (via `tokenizers`) with the special ids from its config."""
-
-    def __init__(self, tokenizer, config: MoEConfig):
-        self.tokenizer = tokenizer
-        self.eos_token_id, self.pad_token_id, self.bos_token_id = config.eos_token_id, config.pad_token_id, config.bos_token_id
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def __len__(self):
-        return self.tokenizer.get_vocab_size()
-
-
-def load_tokenizer(name_or_path, *, cache_dir=None, revision=None) -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer
-    folder = resolve_checkpoint(name_or_path, cache_dir, revision)
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{folder}: no tokenizer.json")
-    try:
-        tokenizer = HFTokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception for unreadable JSON
-        raise ValueError(f"{path}: not a readable tokenizer ({e}); the file is truncated or corrupt") from None
-    return Tokenizer(tokenizer, read_config(folder))

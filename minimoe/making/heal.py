@@ -47,7 +47,9 @@ from torch.nn.utils import parametrize
 
 from minimoe.atomic import atomic_directory, check_replaceable
 from minimoe.core.decoder.generate import generate
-from minimoe.loading.checkpoint import RUN_DTYPES, from_pretrained, load_tokenizer, read_config, write_checkpoint
+from minimoe.loading.checkpoint import RUN_DTYPES, from_pretrained, write_checkpoint
+from minimoe.loading.config_json import read_config
+from minimoe.loading.tokenizer import load_tokenizer
 from minimoe.making.split import held_out, prose_documents, token_rows
 from minimoe.runs.provenance import file_digest, git_commit
 

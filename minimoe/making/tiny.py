@@ -25,8 +25,9 @@ import torch
 from minimoe.core.decoder.families import FAMILIES, Converted, family_of
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, load_examples, train_tokenizer
-from minimoe.loading.checkpoint import (atomic_directory, checkpoint_layout, default_weights_dir, read_config,
-                                       write_checkpoint)
+from minimoe.loading.checkpoint import atomic_directory, checkpoint_layout, write_checkpoint
+from minimoe.loading.config_json import read_config
+from minimoe.loading.hub import default_weights_dir
 from minimoe.loading.mxfp4 import quantize_mxfp4
 from minimoe.loading.layouts import layout_of
 

@@ -171,7 +171,7 @@ def read_llama_folder(source) -> tuple[dict, dict[str, torch.Tensor], object]:
     """A LlamaForCausalLM safetensors folder or hub id -> (config.json dict, tensors, tokenizer)."""
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
-    from minimoe.loading.checkpoint import resolve_checkpoint
+    from minimoe.loading.hub import resolve_checkpoint
     folder = resolve_checkpoint(source)
     path = folder / "config.json"
     if not path.is_file():

@@ -29,7 +29,9 @@ from minimoe.evaluation.diagnostics import (PAPER_SEEDS, accuracy_table, collect
                                             partial_reason, plot_error_prediction)
 from minimoe.evaluation.folders import METRICS, PREDICTIONS, eval_dir, tokens_file
 from minimoe.evaluation.heldout import evaluate_tokens
-from minimoe.loading.checkpoint import DTYPES, atomic_directory, from_pretrained, load_tokenizer, resolve_checkpoint
+from minimoe.loading.checkpoint import DTYPES, atomic_directory, from_pretrained
+from minimoe.loading.hub import resolve_checkpoint
+from minimoe.loading.tokenizer import load_tokenizer
 from minimoe.runs.adapters import load_adapter
 from minimoe.runs.device import autocast_for, pick_device, pick_dtype
 from minimoe.runs.naming import ablation_settings

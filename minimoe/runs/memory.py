@@ -35,8 +35,9 @@ import torch
 
 from minimoe.core.layers.experts import GroupedLinear
 from minimoe.core.adaptation.quantized import nf4_bytes, quantized_modules
-from minimoe.loading.checkpoint import (DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files, config_from_dict,
-                                        hub_file, read_config)
+from minimoe.loading.checkpoint import DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files
+from minimoe.loading.config_json import config_from_dict, read_config
+from minimoe.loading.hub import hub_file
 
 HEADROOM = 0.9  # of a GPU's memory: CUDA context, allocator fragmentation
 

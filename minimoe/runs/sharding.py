@@ -43,7 +43,8 @@ from torch.distributed.tensor import DTensor
 
 from minimoe.core.adaptation.lora import lora_modules
 from minimoe.core.decoder.model import MoEForCausalLM
-from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_config, read_entries, weight_index
+from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_entries, weight_index
+from minimoe.loading.config_json import read_config
 from minimoe.runs.config import TrainConfig
 
 

@@ -148,7 +148,7 @@ def test_cli_writes_consistent_outputs(toy, tmp_path):
 
 def test_batch_size_and_order_do_not_change_scores(toy):
     """One example per forward (no padding) against five per forward (padded, length-sorted)."""
-    from minimoe.loading.checkpoint import load_tokenizer
+    from minimoe.loading.tokenizer import load_tokenizer
     folder = toy["models"]["granitemoe"]
     model, tokenizer = from_pretrained(folder), load_tokenizer(folder)
     one, m1, a1 = evaluate_split(model, tokenizer, toy["splits"]["test"], batch_size=1)
@@ -194,7 +194,7 @@ def test_evaluation_and_validation_run_in_trainings_autocast(toy, tmp_path, monk
                    "--eval-batch-size", "5", "--dtype", "bfloat16"])
     assert calls == [("cpu", "bfloat16")] * 3 and forwards == [True] * 3  # 12 examples, 5 a forward
     calls.clear()
-    from minimoe.loading.checkpoint import load_tokenizer
+    from minimoe.loading.tokenizer import load_tokenizer
     cfg = TrainConfig(**RECIPES["tiny"], device="cpu", dtype="bfloat16", eval_batch_size=5, quiet=True)
     training.score_split(from_pretrained(folder, dtype="bfloat16"), load_tokenizer(folder), toy["splits"]["test"], cfg)
     assert calls == [("cpu", "bfloat16")] * 3 and forwards == [True] * 6
@@ -204,7 +204,7 @@ def test_scoring_turns_lora_dropout_off_and_restores_train_mode(toy):
     """A trainer's model in train mode with dropout 0.5: two scorings agree exactly (dropout was off)
     and every module is back in train mode afterwards."""
     from minimoe.core.adaptation import lora
-    from minimoe.loading.checkpoint import load_tokenizer
+    from minimoe.loading.tokenizer import load_tokenizer
     folder = toy["models"]["olmoe"]
     model = lora.add_lora(from_pretrained(folder), rank=4, dropout=0.5)
     with torch.no_grad():
@@ -321,7 +321,7 @@ def test_tes_run_folder_gives_error_prediction_diagnostics_and_plot(toy, tmp_pat
     assert (metrics["dataset"], metrics["max_length"], metrics["dtype"]) == ("data", 512, "float32")
 
     # train.py's route: the model it holds (here: rebuilt from the last epoch) gives the same file.
-    from minimoe.loading.checkpoint import load_tokenizer
+    from minimoe.loading.tokenizer import load_tokenizer
     from minimoe.runs.adapters import load_adapter
     from minimoe.runs.eval_run import evaluate_run
     model = load_adapter(from_pretrained(toy["models"]["olmoe"]), run / "checkpoints" / "epoch-2")

@@ -513,7 +513,7 @@ def test_a_cell_is_named_as_train_py_names_its_run_whatever_is_passed_after_the_
     """The flags after sweep.py's `--` reach train.py, so a naming setting among them (lambda, a method
     option) names the run there: the cell carries the same name, or the sweep would never find its run."""
     from minimoe.cli.train import parse_args, resolve_config
-    from minimoe.loading.checkpoint import read_config
+    from minimoe.loading.config_json import read_config
     from minimoe.runs.naming import run_name
     cell = grid(["tiny"], ["arc_easy"], ["TES-IS"], (42,), "runs", extra=extra)[0]
     cfg = resolve_config(parse_args(cell.train_args()), read_config(tiny_checkpoint()))

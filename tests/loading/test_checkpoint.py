@@ -9,7 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import minimoe
-from minimoe.loading.checkpoint import HUB_FILES, WeightFile, checkpoint_tensors, resolve_checkpoint, save_pretrained
+from minimoe.loading.checkpoint import WeightFile, checkpoint_tensors, save_pretrained
+from minimoe.loading.hub import HUB_FILES, resolve_checkpoint
 from tests.conftest import oracle, tiny_model
 
 transformers = oracle("transformers")  # its tests skip without the test extra

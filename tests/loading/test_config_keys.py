@@ -13,7 +13,7 @@ import torch
 
 import minimoe
 from minimoe.core.decoder.families import CONFIG_FIELDS, FAMILIES
-from minimoe.loading.checkpoint import config_from_dict, config_to_dict
+from minimoe.loading.config_json import config_from_dict, config_to_dict
 from minimoe.loading.config_keys import HARMLESS, UNREAD
 from tests.conftest import TRANSFORMERS_5_ONLY, oracle, tiny_config
 

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import minimoe
 from minimoe.cli.heal_split import main
 from minimoe.data.benchmarks import train_tokenizer
-from minimoe.loading.checkpoint import load_tokenizer, save_pretrained
+from minimoe.loading.checkpoint import save_pretrained
+from minimoe.loading.tokenizer import load_tokenizer
 from minimoe.making.heal import (PROBE_ROWS, PROMPT_TOKENS, HealError, HealSettings, distil, heal, healing_text,
                                 kl_divergence, unfitted_documents)
 from minimoe.making.split import SplitSettings, held_out, prose_documents, record, split_model, token_rows

@@ -4,7 +4,7 @@ import torch
 
 import minimoe
 from minimoe.core.decoder.families import FAMILIES
-from minimoe.loading.checkpoint import read_config
+from minimoe.loading.config_json import read_config
 from minimoe.making.tiny import FAMILY_SWITCHES, build_tiny_checkpoint, tiny_checkpoint, tiny_model_type
 
 

@@ -38,7 +38,8 @@ from minimoe.core.task import step
 from minimoe.core.adaptation.lora import add_lora, merge_lora
 from minimoe.data.benchmarks import load_examples
 from minimoe.evaluation.folders import METRICS, eval_dir
-from minimoe.loading.checkpoint import from_pretrained, read_config, save_pretrained
+from minimoe.loading.checkpoint import from_pretrained, save_pretrained
+from minimoe.loading.config_json import read_config
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.adapters import load_adapter
 from minimoe.runs.config import build_config

@@ -15,7 +15,8 @@ from minimoe.core.task.choices import forward_choices, make_choice_batch
 from minimoe.core.routing_methods.methods import set_router
 from minimoe.data.benchmarks import load_split
 from minimoe.evaluation.accuracy import evaluate_split
-from minimoe.loading.checkpoint import from_pretrained, load_tokenizer
+from minimoe.loading.checkpoint import from_pretrained
+from minimoe.loading.tokenizer import load_tokenizer
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.tracking import RoutingStats
 

@@ -12,7 +12,8 @@ from minimoe.cli.train import check_quantization, parse_args, resolve_config
 from minimoe.core.decoder.families import CONFIG_FIELDS, FAMILIES, REQUIRED, Family, family_of, register_family
 from minimoe.core.adaptation.lora import TARGETS, resolve_targets
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, config_field_names
-from minimoe.loading.checkpoint import checkpoint_layout, config_from_dict, config_to_dict
+from minimoe.loading.checkpoint import checkpoint_layout
+from minimoe.loading.config_json import config_from_dict, config_to_dict
 from minimoe.runs.recipes import RECIPES
 from minimoe.study.grid import guess_recipe
 

@@ -6,7 +6,7 @@ import pytest
 
 from tests.conftest import by_oracle, oracle, tiny_config
 from minimoe.core.decoder.families import FAMILIES
-from minimoe.loading.checkpoint import REQUIRED_FIELDS, config_from_dict, config_to_dict
+from minimoe.loading.config_json import REQUIRED_FIELDS, config_from_dict, config_to_dict
 from minimoe.loading.config_keys import rope_fields
 
 # The fields minimoe requires (loading/checkpoint.py), at widths every family's defaults accept: 128 heads

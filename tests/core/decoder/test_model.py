@@ -16,7 +16,8 @@ import minimoe.core.decoder.model as model_module
 from minimoe.core.layers import cpu_memory
 from minimoe.core.task.choices import forward_choices, make_choice_batch
 from minimoe.core.routing_methods.objectives import load_balancing_loss
-from minimoe.loading.checkpoint import checkpoint_layout, config_to_dict, to_disk_layout
+from minimoe.loading.checkpoint import checkpoint_layout, to_disk_layout
+from minimoe.loading.config_json import config_to_dict
 from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, oracle, routing_margin, spy_grouped_mm, tie_free, tiny_config, tiny_model
 
 

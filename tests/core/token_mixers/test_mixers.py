@@ -14,7 +14,7 @@ from minimoe.core.token_mixers.mamba2 import Mamba2Config
 from minimoe.core.token_mixers.mixers import MIXERS, mixer_field_names
 from minimoe.core.token_mixers.mla import MLAConfig
 from minimoe.core.decoder.model import MoEConfig
-from minimoe.loading.checkpoint import config_from_dict, config_to_dict
+from minimoe.loading.config_json import config_from_dict, config_to_dict
 
 MLA = dict(kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
 

@@ -1,0 +1,81 @@
+"""config.json <-> MoEConfig: a family's config.json (as transformers 4 or 5 writes it) read through its record
+(core/decoder/families.py: `renames`, `config_fields`, `fixed`, `defaults`), checked, and written back as the
+family's transformers config writes it. A missing required field or an unknown model_type is an error naming it.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from minimoe.core.decoder.families import CONFIG_FIELDS, family_of
+from minimoe.core.decoder.model_config import MoEConfig, config_field_names
+from minimoe.loading.config_keys import from_transformers5, refuse_unread
+
+QUANTIZED_ON_DISK = ("mxfp4",)  # quantization_config.quant_method values we dequantise on load
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                   "num_attention_heads", "num_experts", "num_experts_per_tok")
+
+
+def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
+    family = family_of(d.get("model_type"), source)
+    d = from_transformers5(d, family, source)  # rope_parameters, dtype, ...: the names 4.57 wrote
+    d = {k: v for k, v in d.items() if k not in family.harmless}  # not ours to read (MLA's head_dim)
+    d = {family.renames.get(k, k): v for k, v in d.items()}
+    d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
+    refuse_unread(d, family, source)  # a key we do not read, set to change the model
+    if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/token_mixers/mixers.py)
+        kinds = d.get("mixer_types")
+        if not isinstance(kinds, list) or not set(kinds) <= set(family.layer_kinds):
+            raise ValueError(f"{source}: layer_types {kinds!r}; expected a list of {sorted(family.layer_kinds)}, "
+                             f"one per layer, for model_type {family.model_type!r}")
+        d["mixer_types"] = [family.layer_kinds[k] for k in kinds]
+    d.setdefault("num_key_value_heads", d.get("num_attention_heads"))
+    missing = [f for f in REQUIRED_FIELDS if d.get(f) is None]
+    if missing:
+        raise ValueError(f"{source}: missing field(s) {missing} for model_type {family.model_type!r}")
+    quant = (d.get("quantization_config") or {}).get("quant_method")
+    if quant is not None:  # dequantised on load and saved dense: the saved config.json says no quantization
+        if quant not in QUANTIZED_ON_DISK:
+            raise ValueError(f"{source}: quantization_config quant_method {quant!r} is not supported; expected "
+                             f"one of {QUANTIZED_ON_DISK} (dequantised on load) or none")
+        d = {k: v for k, v in d.items() if k != "quantization_config"}
+    ours = set(config_field_names()) - set(family.fixed)  # a fixed field is the family's, whatever the file says
+    known = {k: v for k, v in d.items() if k in ours}
+    extra = {k: v for k, v in d.items() if k not in ours}
+    return MoEConfig.from_flat({**known, "extra": extra})  # each mixer's options to its own config
+
+
+def config_to_dict(config: MoEConfig) -> dict:
+    """config.json as the family's transformers config writes it: the shared fields, the family's own
+    (`Family.config_fields`) under its names, and whatever unknown fields were read."""
+    family = family_of(config.model_type)
+    written = CONFIG_FIELDS | family.config_fields
+    back = {v: k for k, v in family.renames.items()}
+    # A field left None that the family's transformers config cannot read as null (Family.never_null: Llama 4's
+    # no_rope_layer_interval, in a config built here rather than read) is left out: transformers fills in its
+    # default. Elsewhere None is written, as it can mean something (DeepSeek-V2-Lite's q_lora_rank: no q LoRA).
+    flat = config.flat()  # a mixer's options where the model holds that mixer
+    d = {**config.extra, **{back.get(k, k): flat[k] for k in config_field_names() if k in written and k in flat
+                            and not (flat[k] is None and k in family.never_null)}}
+    d["architectures"] = [family.architecture]
+    if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
+        back_kinds = {v: k for k, v in family.layer_kinds.items()}
+        d["layer_types"] = [back_kinds[m] for m in config.mixer_types]
+    for name, default in family.write_defaults.items():  # None, which the family's config would fill in otherwise
+        if d.get(back.get(name, name)) is None:
+            d[back.get(name, name)] = default(config)
+    return d
+
+
+def read_config(folder: Path) -> MoEConfig:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json; a checkpoint folder needs config.json and safetensors")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the file is truncated or corrupt: restore or "
+                         f"re-download the checkpoint") from None
+    return config_from_dict(d, str(path))
