@@ -51,7 +51,7 @@ def test_the_sweep_calls_an_old_run_done_for_its_cell(tmp_path, capsys):
     (cell.run / "config.json").write_text(json.dumps(old_record()))
     cell, = sweep.main(flags)
     assert cell.state() == "done" and cell.changed() == []
-    assert capsys.readouterr().out.endswith("1 runs: 1 done, 0 partial, 0 missing, 0 changed\n")
+    assert capsys.readouterr().out.endswith("1 runs: 1 done, 0 partial, 0 missing, 0 changed, 0 refused\n")
     other, = sweep.main(["gamma=3" if f == "gamma=2" else f for f in flags])  # the control: another cell
     assert other.run.name != FIXTURE.name and other.changed(old_record()) == ["gamma"]
 
