@@ -154,6 +154,7 @@ def read_gguf(path) -> tuple[dict, dict[str, torch.Tensor], object]:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
+        "chat_template": _field(reader, "tokenizer.chat_template"),  # the model's own (an instruct model's), or None
     }
     return config, tensors, gguf_tokenizer(reader, path)
 
@@ -321,7 +322,9 @@ def tokenizer_config(tokenizer, llama: dict) -> dict:
     a merged export served by transformers). minimoe itself reads tokenizer.json alone."""
     names = {key: tokenizer.id_to_token(llama[f"{key}_id"]) for key in ("bos_token", "eos_token", "pad_token")
              if llama.get(f"{key}_id") is not None}
-    return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **names}
+    # the GGUF's chat template, where it has one: chat --data renders with it (minimoe/data/chat.py)
+    template = {"chat_template": llama["chat_template"]} if llama.get("chat_template") else {}
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **names, **template}
 
 
 def assemble(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> MoEForCausalLM:
