@@ -27,9 +27,10 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
   widths (Mamba-2 layers and one NoPE attention layer) and Qwen3-Next-80B-A3B's (Gated DeltaNet and two gated
   attention layers); LoRA on q, k, v and the routed experts as above, the recurrent mixers frozen on both sides.
   transformers runs its torch paths (no mamba_ssm / causal-conv1d / fla kernels are installed).
-- nf4 (only when named in --only; needs torchao, the quant extra): one LoRA step at one layer of
-  Qwen3-30B-A3B's widths, the base in bf16 against the same weights packed in NF4 (--quantize nf4):
-  step time and peak memory.
+- nf4 (only when named in --only; needs torchao, the quant extra): one LoRA step at 8 layers of
+  Qwen3-30B-A3B's widths (on a CPU one layer, a 2048-token vocabulary, 2 x 256), the base in bf16 against
+  the same weights packed in NF4 (--quantize nf4), dequantised a bank at a time and, as before, one expert
+  at a time: step time and peak memory, interleaved.
 - compile: granite8 with `compile_layers`, and in mode="reduce-overhead" (CUDA graphs), beside eager.
 - baselines: DenseMixer, router-only tuning, CE + affinity tuning and CE + load balancing, each one step's
   time over CE's, one layer at Granite's and OLMoE's widths, 4096 tokens (bench/baselines.py).
@@ -362,43 +363,80 @@ def bank_copies(device, smoke: bool):
         sum(copies.bytes.values()), note="; ".join(copies.shapes))
 
 
-def quantized_step(device, smoke: bool, experts: int | None = None, batch: tuple[int, int] = (8, 512)):
-    """One LoRA step at one layer of Qwen3-30B-A3B's widths (the GPU recipe: bf16 under autocast, rank 8 on
-    q, k, v and the experts, dropout 0, AdamW, batch 8 x 512), its base in bf16 and the same weights packed in
-    NF4 (--quantize nf4, core/adaptation/quantized.py): median step time and peak memory of each. experts: fewer than
-    the 128 (a CPU's memory); the vocabulary is then cut to 2048 too. batch: (B, T)."""
-    from minimoe.core.adaptation.quantized import quantize_model
-    c = config("qwen3_moe", 1, smoke)
-    if experts:
-        c = replace(c, num_experts=experts, vocab_size=2048)
+class PerExpertNF4:
+    """An NF4Weight dequantised as core/adaptation/quantized.py did before its whole-bank lookup: one torchao
+    NF4Tensor per expert matrix, `get_original_weight` in a Python loop. The same packed values."""
+
+    def __init__(self, packed):
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
+        self.packed, self.shape = packed, packed.shape
+        rows, cols = packed.shape[-2:]
+        meta = SubclassTensorArgs(torch.Size((rows, cols)), (cols, 1), 0, packed.dtype, packed.device, False)
+        table = packed.pairs[:16, 1]  # byte b's low nibble is b for b < 16: the 16 levels
+        blocks = rows * cols // 64
+        self.parts = [NF4Tensor(meta, 64, blocks, blocks // packed.factors.shape[1], packed.scalers[e],
+                                packed.factors[e], packed.means[e], packed.codes[e], table)
+                      for e in range(packed.codes.shape[0])]
+
+    def dequantize_into(self, out):
+        for o, q in zip(out.unsqueeze(0) if out.dim() == 2 else out, self.parts):
+            o.copy_(q.get_original_weight())
+        return out
+
+
+def quantized_step(device, smoke: bool, layers: int = 8, vocab: int | None = None, batch: tuple[int, int] = (8, 512),
+                   steps: int = 5):
+    """One LoRA step at `layers` layers of Qwen3-30B-A3B's widths, all 128 experts (the GPU recipe: bf16 under
+    autocast, rank 8 on q, k, v and the experts, dropout 0, AdamW), its base in bf16 and the same weights
+    packed in NF4 (--quantize nf4, core/adaptation/quantized.py), dequantised a bank at a time (now) and one expert at a
+    time with torchao (`PerExpertNF4`, before): median step time of each, the three interleaved step by step
+    (a loaded machine slows all alike), and on CUDA each one's peak memory. vocab: a smaller vocabulary
+    (a CPU's memory). batch: (B, T)."""
+    from minimoe.core.adaptation.quantized import is_quantized, quantize_model
+    layers = 1 if smoke else layers
+    c = config("qwen3_moe", layers, smoke)
+    if vocab:
+        c = replace(c, vocab_size=vocab)
     B, T = (2, 64) if smoke else batch
-    steps, warmup = (2, 1) if smoke else (5, 2)
+    steps, warmup = (2, 1) if smoke else (steps, 1)
     ids = torch.randint(2, c.vocab_size, (B, T), generator=torch.Generator().manual_seed(5)).to(device)
-    name = f"qwen3_moe 1L{f' E{experts}' if experts else ''}"
-    results = {}
-    for side in ("bf16", "nf4"):
+    name = f"qwen3_moe {layers}L E{c.num_experts}" + (f" V{vocab}" if vocab else "")
+    models = {}
+    for side in ("bf16", "nf4", "nf4 per expert"):
         model = random_model(c, device)
-        if side == "nf4":
+        if side != "bf16":
             quantize_model(model, "nf4")
         add_lora(model, rank=8, dropout=0.0, targets=["q", "k", "v", "experts"]).train()
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        if side == "nf4 per expert":
+            for m in model.modules():
+                if is_quantized(m):
+                    m.packed = PerExpertNF4(m.packed)
+        models[side] = (model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5))
 
-        def step():
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                loss = model(ids).logits.float().logsumexp(-1).mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        seconds = statistics.median(timed(step, device, steps, warmup))
-        memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        results[side] = (seconds, memory)
-        del model, optimizer
-    (t16, m16), (t4, m4) = results["bf16"], results["nf4"]
-    row("nf4", name, f"LoRA step s, NF4 base (B{B} x T{T})", t4, t16, t16 / t4,
-        note="reference: the bf16 base" + (f"; peak {m4:.2f} GiB against {m16:.2f} GiB" if m4 is not None else ""))
+    def step(side):
+        model, optimizer = models[side]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(ids).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    times, peaks = {side: [] for side in models}, {}
+    for i in range(warmup + steps):
+        for side in models:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            t = timed(lambda: step(side), device, 1, 0)[0]
+            if i >= warmup:
+                times[side].append(t)
+            if device.type == "cuda":
+                peaks[side] = torch.cuda.max_memory_allocated(device) / 2**30
+    t16 = statistics.median(times["bf16"])
+    for side in ("nf4", "nf4 per expert"):
+        t4 = statistics.median(times[side])
+        peak = f"; peak {peaks[side]:.2f} GiB against {peaks['bf16']:.2f} GiB" if peaks else ""
+        row("nf4", name, f"LoRA step s, {side} base (B{B} x T{T})", t4, t16, t16 / t4,
+            note=f"reference: the bf16 base, interleaved; {steps} steps{peak}")
 
 
 def attention_backends(device, smoke: bool):
@@ -501,12 +539,17 @@ LORA_STAGES = {"granite8": ("granitemoe", 8), "olmoe8": ("olmoe", 8), "granite32
                "granite4h": ("granitemoehybrid", 8), "qwen3next": ("qwen3_next", 8)}
 
 
+# The nf4 stage: on a GPU 8 layers at the recipe's batch; on a CPU one layer, a 2048-token vocabulary, 2 x 256.
+NF4_STAGE = {True: dict(layers=8), False: dict(layers=1, vocab=2048, batch=(2, 256), steps=3)}
+
+
 def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:
     """(name, callable) for each stage asked for, in STAGES order."""
     plain, peft = ["minimoe"], ["transformers + peft"]
     todo = {"parity": lambda: parity(device, args.smoke), "grouped": lambda: grouped_vs_loop(device, args.smoke),
             "syncs": lambda: training_step_syncs(device), "copies": lambda: bank_copies(device, args.smoke),
-            "attention": lambda: attention_backends(device, args.smoke), "nf4": lambda: quantized_step(device, args.smoke)}
+            "attention": lambda: attention_backends(device, args.smoke),
+            "nf4": lambda: quantized_step(device, args.smoke, **NF4_STAGE[device.type == "cuda"])}
     for name, (family, layers) in LORA_STAGES.items():
         todo[name] = lambda f=family, n=2 if args.smoke else layers: lora_step(device, f, n, args.smoke, peak,
                                                                               budget, plain + peft)

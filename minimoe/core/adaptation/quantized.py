@@ -25,9 +25,10 @@ What is packed (`quantized_modules`): every Linear and expert bank inside the de
 router gates (routing decisions must not flip because of the base's storage; every method reads the gate
 logits); the embeddings, LM head, norms and biases stay as loaded, and so does everything trained.
 
-Formats: `NF4Weight` (torchao's NF4Tensor, QLoRA's NormalFloat-4 with double-quantised scales; one
-NF4Tensor per expert, as QLoRA on transformers' per-expert modules packs them). The library is optional
-(the `quant` extra); `require("nf4")` names the extra when it is missing.
+Formats: `NF4Weight` (QLoRA's NormalFloat-4 with double-quantised scales, packed per expert matrix by
+torchao's `to_nf4` as QLoRA on transformers' per-expert modules packs them, held as whole-bank tensors and
+dequantised a bank at a time by `nf4_dequantize`: a fixed number of kernels, not one set per expert). The
+library is optional (the `quant` extra); `require("nf4")` names the extra when it is missing.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ import weakref
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from minimoe.core.layers.experts import GroupedLinear, matmul_dtype
 
@@ -80,12 +82,17 @@ def _to_nf4():
 
 
 class NF4Weight:
-    """A [out, in] or [E, out, in] weight as torchao NF4Tensors, one per [out, in] matrix.
+    """A [out, in] or [E, out, in] weight in torchao's NF4 layout, held as whole-bank tensors.
 
-    Blocks of 64 consecutive values (row-major) share an absmax scale; the scales are quantised to int8
-    in blocks of 256 (double quantisation), or of the largest power of two dividing their number when it
-    is smaller (a toy width). Dequantised with the library's own `get_original_weight`, one matrix at a
-    time, so the transient of a bank's dequantisation is one expert's, not the bank's."""
+    Each [out, in] matrix is packed by torchao's own `to_nf4` (so the codes and scales are the library's):
+    blocks of 64 consecutive values (row-major) share an absmax scale; the scales, less their per-matrix
+    mean, are quantised to int8 in blocks of 256 (double quantisation), or of the largest power of two
+    dividing their number when it is smaller (a toy width). The matrices' packed parts are then stacked,
+    so that `nf4_dequantize` dequantises the whole bank in a fixed handful of kernels whatever its number
+    of experts, with the library's arithmetic in the library's order: bit for bit its `get_original_weight`.
+
+    codes [E, n / 2] uint8 (two values a byte, the first in the high nibble); scalers [E, n / 64] int8;
+    factors [E, n / 64 / scaler_block] and means [E] in `dtype`; pairs: `nf4_pairs`, shared."""
 
     def __init__(self, weight: torch.Tensor, name: str = "weight"):
         rows, cols = weight.shape[-2:]
@@ -95,25 +102,57 @@ class NF4Weight:
         scaler_block = math.gcd(rows * cols // NF4_BLOCK, NF4_SCALER_BLOCK)
         to_nf4 = _to_nf4()
         self.shape, self.dtype, self.device = weight.shape, weight.dtype, weight.device
-        self.parts = [to_nf4(m.detach().contiguous(), NF4_BLOCK, scaler_block) for m in weight.reshape(-1, rows, cols)]
+        parts = [to_nf4(m.detach().contiguous(), NF4_BLOCK, scaler_block) for m in weight.reshape(-1, rows, cols)]
+        self.codes = torch.stack([q.quantized_data for q in parts])
+        self.scalers = torch.stack([q.quantized_scalers for q in parts])
+        self.factors = torch.stack([q.quantization_factor for q in parts])
+        self.means = torch.stack([q.scaler_mean for q in parts])
+        self.pairs = nf4_pairs(parts[0].nf4)
         self.sample = digest_sample(weight)  # of the unpacked weight: an adapter's base digest is the checkpoint's
 
     def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
         """Write the weight into `out` (its shape; any float dtype, any strides); returns out."""
-        for o, q in zip(out.unsqueeze(0) if out.dim() == 2 else out, self.parts):
-            o.copy_(q.get_original_weight())
-        return out
+        return out.copy_(nf4_dequantize(self.codes, self.scalers, self.factors, self.means, self.pairs).view(out.shape))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What this weight alone holds (the pair table is shared)."""
+        return {"codes": self.codes, "scalers": self.scalers, "factors": self.factors, "means": self.means}
 
     def to(self, device) -> NF4Weight:
-        self.parts = [q.to(device) for q in self.parts]
-        self.device = torch.device(device)
+        for name, t in self.tensors().items():
+            setattr(self, name, t.to(device))
+        moved = self.pairs.to(device)
+        self.pairs, self.device = _PAIRS.setdefault((moved.dtype, moved.device), moved), moved.device
         return self
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: the packed values, both levels of scales, the per-matrix means and lookup tables."""
-        return sum(t.numel() * t.element_size() for q in self.parts
-                   for t in (q.quantized_data, q.quantized_scalers, q.quantization_factor, q.scaler_mean, q.nf4))
+        """Bytes held: the packed values, both levels of scales and the per-matrix means."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+_PAIRS: dict[tuple, torch.Tensor] = {}
+
+
+def nf4_pairs(table: torch.Tensor) -> torch.Tensor:
+    """[256, 2]: the two values of `table` (torchao's 16 NF4 levels, [16]) that each code byte stands for,
+    high nibble first, so that one lookup decodes a byte. One per dtype and device, shared by every weight."""
+    key = (table.dtype, table.device)
+    if key not in _PAIRS:
+        byte = torch.arange(256, device=table.device)
+        _PAIRS[key] = torch.stack((table[byte >> 4], table[byte & 0x0F]), dim=-1)
+    return _PAIRS[key]
+
+
+def nf4_dequantize(codes, scalers, factors, means, pairs):
+    """NF4Weight's parts -> the [E, n] weight in pairs' dtype: torchao's get_original_weight for every matrix
+    at once. Six kernels whatever E (tests/core/adaptation/test_quantized.py counts them), plain tensor ops that
+    torch.compile traces whole. Transient: the int32 codes and the lookup, each a bank's size in bf16."""
+    E, blocks = scalers.shape
+    # The block scales: int8 / second-level factor, in the weight's dtype, plus the matrix's mean (torchao's order).
+    scales = (scalers.view(E, factors.shape[1], -1) / factors.unsqueeze(-1)).view(E, blocks) + means.unsqueeze(-1)
+    values = F.embedding(codes.int(), pairs).view(E, blocks, NF4_BLOCK)  # [E, n / 2, 2]: each byte's two values
+    return values.mul_(scales.unsqueeze(-1)).view(E, -1)
 
 
 def digest_sample(weight: torch.Tensor) -> torch.Tensor:
@@ -126,12 +165,12 @@ def digest_sample(weight: torch.Tensor) -> torch.Tensor:
 def nf4_bytes(shape, dtype: torch.dtype) -> int:
     """The bytes NF4Weight holds for a weight of `shape` ([out, in] or [E, out, in]) stored from `dtype`,
     without packing it: per matrix of n values, n / 2 bytes of 4-bit codes, n / 64 int8 scales, one
-    second-level factor per scaler block, a mean and the 16-entry table in `dtype` (runs/memory.py)."""
+    second-level factor per scaler block and a mean in `dtype` (runs/memory.py)."""
     *lead, rows, cols = shape
     n = rows * cols
     blocks = n // NF4_BLOCK
     itemsize = dtype.itemsize
-    per_matrix = n // 2 + blocks + blocks // math.gcd(blocks, NF4_SCALER_BLOCK) * itemsize + itemsize + 16 * itemsize
+    per_matrix = n // 2 + blocks + blocks // math.gcd(blocks, NF4_SCALER_BLOCK) * itemsize + itemsize
     return math.prod(lead) * per_matrix
 
 

@@ -38,6 +38,42 @@ def test_a_banks_dequantised_weight_is_torchaos_bit_for_bit():
     assert torch.equal(linear(x), expected)
 
 
+class Dispatched(TorchDispatchMode):
+    """The ops dispatched while active (views included), by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func._overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_bank_dequantises_in_the_same_few_ops_whatever_its_experts():
+    """Dequantising a bank dispatches the same ops for 4 experts as for 16 (one vectorised lookup over the
+    whole bank, not one set of kernels per expert), and few of them."""
+    counts = {}
+    for experts in (4, 16):
+        packed = quantized.NF4Weight(torch.randn(experts, 32, 64, dtype=torch.bfloat16))
+        out = torch.empty(packed.shape, dtype=torch.bfloat16)
+        with Dispatched() as dispatched:
+            packed.dequantize_into(out)
+        counts[experts] = dispatched.ops
+    assert counts[4] == counts[16], counts
+    assert len(counts[16]) <= 16, counts[16]
+
+
+def test_the_dequantisation_compiles_as_one_graph_and_stays_exact():
+    """torch.compile(fullgraph=True) traces nf4_dequantize whole (a graph break raises), and the compiled
+    function's output is the eager one's bit for bit (aot_eager: the traced graph run as aten ops)."""
+    packed = quantized.NF4Weight(torch.randn(3, 32, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16))
+    parts = (packed.codes, packed.scalers, packed.factors, packed.means, packed.pairs)
+    torch._dynamo.reset()
+    compiled = torch.compile(quantized.nf4_dequantize, backend="aot_eager", fullgraph=True)
+    assert torch.equal(compiled(*parts), quantized.nf4_dequantize(*parts))
+
+
 @pytest.mark.parametrize("family", list(FAMILY_SWITCHES))
 def test_packed_logits_err_as_the_librarys_own_dequantisation(family):
     """Every family's logits with the base packed, against the dense model's: the relative error is the one
@@ -152,9 +188,8 @@ def test_loading_packs_each_tensor_as_read_and_equals_packing_after_load():
     after = quantized.quantize_model(from_pretrained(tiny_checkpoint()), "nf4")
     for name in quantized.quantized_modules(after):
         a, b = read.get_submodule(name).packed, after.get_submodule(name).packed
-        for p, q in zip(a.parts, b.parts):
-            assert torch.equal(p.quantized_data, q.quantized_data) and torch.equal(p.quantized_scalers, q.quantized_scalers)
-            assert torch.equal(p.quantization_factor, q.quantization_factor)
+        for part, t in a.tensors().items():
+            assert torch.equal(t, b.tensors()[part]), (name, part)
     values = sum(m.weight.numel() for m in read.modules() if quantized.is_quantized(m))
     assert 4.0 < quantized.packed_bytes(read) * 8 / values < 4.6
     assert not [n for n in read.state_dict() if n.rpartition(".")[0] in quantized.quantized_modules(read)
@@ -258,7 +293,7 @@ def test_gradient_checkpointing_over_a_packed_base_gives_the_same_gradients():
 
 def test_to_moves_the_packed_weight_and_casts_only_what_it_dequantises_to():
     """model.to(dtype): a packed module's placeholder takes the dtype (its dequantisation's), the packed values
-    stay NF4 (torchao's Tensor.to keeps NF4 for a device and dequantises for a dtype: only devices reach it);
+    stay NF4 (uint8 codes, scales in the packing dtype: only devices reach them);
     the logits are the fp32 packed model's within bf16's rounding."""
     model = quantized.quantize_model(tiny_model("olmoe"), "nf4")
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
@@ -269,7 +304,7 @@ def test_to_moves_the_packed_weight_and_casts_only_what_it_dequantises_to():
     for m in model.modules():
         if quantized.is_quantized(m):
             assert m.weight.dtype == torch.bfloat16 and 0 in m.weight.stride()
-            assert all(type(q) is nf4_tensor.NF4Tensor and q.dtype == torch.float32 for q in m.packed.parts)
+            assert m.packed.codes.dtype == torch.uint8 and m.packed.factors.dtype == torch.float32
     assert (y16.float() - y32).norm() / y32.norm() < 0.05
 
 
