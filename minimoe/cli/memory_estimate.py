@@ -16,7 +16,7 @@ from minimoe.runs.memory import Estimate, estimate, hub_weights, model_config, s
 
 def main(argv=None) -> Estimate:
     from minimoe.runs.config import build_config
-    from minimoe.runs.training import check_model_settings
+    from minimoe.runs.install import check_model_settings
     p = argparse.ArgumentParser(prog="python -m minimoe.runs.memory", description=memory_module.__doc__.split("\n\n")[0],
                                 epilog=memory_module.__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a checkpoint folder, a hub model id, or tiny / tiny:<model_type> (as train.py)")

@@ -67,7 +67,8 @@ from minimoe.runs.provenance import provenance
 from minimoe.runs.ranks import from_rank0, world
 from minimoe.runs.run_folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
 from minimoe.runs.sharding import build_sharded, check_sharding
-from minimoe.runs.training import check_install, check_model_settings, install_method, lora_trains, train
+from minimoe.runs.install import check_install, check_model_settings, install_method, lora_trains
+from minimoe.runs.training import train
 
 
 def parser() -> argparse.ArgumentParser:
@@ -151,7 +152,7 @@ def resolve_config(args, model_config) -> TrainConfig:
 
 
 def check_quantization(cfg: TrainConfig, model_config) -> None:
-    """--quantize: its library installed (the quant extra), and what training.check_model_settings allows
+    """--quantize: its library installed (the quant extra), and what install.check_model_settings allows
     (mxfp4 for the families released in it, NF4's blocks, not with --shard fsdp: docs/quantization.md)."""
     try:
         require_quantization(cfg.quantize)
@@ -161,7 +162,7 @@ def check_quantization(cfg: TrainConfig, model_config) -> None:
 
 
 def check_settings(cfg: TrainConfig, model_config) -> None:
-    """training.check_model_settings, the one check of a setting against the model that every command
+    """install.check_model_settings, the one check of a setting against the model that every command
     shares, as train.py's one-line refusal."""
     try:
         check_model_settings(cfg, model_config)

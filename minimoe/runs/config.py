@@ -53,7 +53,7 @@ def device(value: str) -> str:
 
 def aux_coef(value):
     """--aux-coef: a coefficient >= 0, or `family`: the checkpoint's own router_aux_loss_coef, the weight
-    transformers gives the loss with output_router_logits=True (training.aux_coefficient reads it)."""
+    transformers gives the loss with output_router_logits=True (install.aux_coefficient reads it)."""
     if value == "family":
         return value
     try:

@@ -95,7 +95,7 @@ def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
 def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None) -> Estimate:
     """Bytes per GPU for `model` (a meta-device MoEForCausalLM in the run's dtype, LoRA and `cfg.method`
     installed) under `cfg`'s batch; `weights_total`: the stored bytes when the files' shapes are unknown."""
-    from minimoe.runs.training import install_method
+    from minimoe.runs.install import install_method
     if cfg.quantize is not None:
         weights_total = quantized_weights(model, DTYPES[cfg.dtype], cfg.quantize)  # before LoRA wraps the linears
     install_method(model, cfg)

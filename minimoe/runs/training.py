@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,10 +47,6 @@ from tqdm import tqdm
 
 from minimoe.atomic import atomic_file
 from minimoe.core.task.choices import ChoiceBatch, make_choice_batch
-from minimoe.core.decoder.families import FAMILIES, family_of
-from minimoe.core.adaptation.lora import add_lora, lora_modules
-from minimoe.core.routing_methods.methods import set_router
-from minimoe.core.adaptation.quantized import NF4_BLOCK, quantized_modules
 from minimoe.core.routing_methods.routing import Scoring
 from minimoe.core.task.step import step_loss
 from minimoe.core.task.tokens import make_token_batch
@@ -61,57 +56,13 @@ from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter
 from minimoe.core.adaptation.trainable import trainable_parameters
 from minimoe.runs.config import TrainConfig
 from minimoe.runs.device import autocast_for
+from minimoe.runs.install import aux_coefficient, install_method  # noqa: F401 (training.install_method: its callers' name)
 from minimoe.runs.ranks import full, global_sum, world
 from minimoe.runs.run_folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints,
                                  latest_checkpoint, params_device, read_json, read_metrics, remove_orphans, save_state,
                                  set_rng_state, truncate_metrics)
 from minimoe.runs.sharding import full_optimizer_state, load_optimizer_rows
 from minimoe.runs.tracking import RoutingStats, Tracker
-
-
-def install_method(model, cfg: TrainConfig):
-    """LoRA on the run's targets (None: the family's), then the run's routing method `cfg.method` (heads
-    trainable, native gate frozen unless the method tunes it); a method without LoRA (`Method.lora`) keeps it
-    frozen at its zero start."""
-    method = cfg.method
-    add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
-    set_router(model, method)  # its layers, objective and lambda are the method's own
-    if not method.lora:  # router-only tuning: the LoRA stays at its B = 0 start, frozen, so the model is the base's
-        for m in lora_modules(model).values():
-            m.requires_grad_(False)
-    if method.install is not None:  # ESFT: only the chosen experts' LoRA trains
-        method.install(model)
-
-
-def lora_trains(model_config, cfg: TrainConfig) -> bool:
-    """Whether any LoRA parameter trains in this run once its method is installed (on a meta model):
-    router-only tuning and ESFT's full form keep every LoRA frozen."""
-    from minimoe.core.decoder.model import MoEForCausalLM
-    with torch.device("meta"):
-        dry = MoEForCausalLM(model_config)
-        install_method(dry, cfg)
-    return any(p.requires_grad for m in lora_modules(dry).values() for p in m.parameters())
-
-
-def check_install(model_config, cfg: TrainConfig, device: str):
-    """install_method on a copy of the model on the meta device (no memory, no weights): a bad LoRA
-    target, layer scope or method option fails here, before any run folder exists; so does an
-    adapter whose fp32 weights, gradients and AdamW moments (16 bytes a parameter) exceed the
-    device's memory."""
-    from minimoe.core.decoder.model import MoEForCausalLM
-    check_model_settings(cfg, model_config)  # --aux-coef family, --quantize
-    with torch.device("meta"):
-        dry = MoEForCausalLM(model_config)
-        install_method(dry, cfg)
-    need = 16 * sum(p.numel() for p in dry.parameters() if p.requires_grad)
-    if torch.device(device).type == "cuda":
-        have = torch.cuda.mem_get_info(torch.device(device))[1]
-    else:
-        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
-        raise ValueError(f"the trainable parameters (LoRA rank {cfg.lora_rank} on {cfg.lora_targets}, method heads) "
-                         f"need {need / 2**30:.1f} GiB with their gradients and optimizer state; {device} has "
-                         f"{have / 2**30:.1f} GiB in all. Lower --lora-rank or --lora-targets")
 
 
 def steps_per_epoch(n_examples: int, cfg: TrainConfig) -> int:
@@ -141,51 +92,6 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
         return step / max(1, warmup)
     progress = (step - warmup) / max(1, total - warmup)
     return 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else max(0.0, 1 - progress)
-
-
-def check_model_settings(cfg: TrainConfig, model_config) -> None:
-    """What a setting may be on this model: the one check that train.py (before it builds or loads the
-    model), the memory command and the sweep's dry run share; a ValueError names the setting and why.
-    --aux-coef family on a family without one (`aux_coefficient`); --quantize mxfp4 only where the release
-    stores MXFP4 experts (Family.packed_release: gpt-oss); --quantize nf4 only where every matrix it packs
-    holds whole blocks of 64 values; no --quantize with --shard fsdp."""
-    aux_coefficient(cfg, model_config)
-    if cfg.quantize == "mxfp4" and family_of(model_config.model_type).packed_release != "mxfp4":
-        released = ", ".join(f.model_type for f in FAMILIES.values() if f.packed_release == "mxfp4")
-        raise ValueError(f"--quantize mxfp4 keeps released MXFP4 experts packed, as {released} stores them; this "
-                         f"model is {model_config.model_type}; use --quantize nf4")
-    # NF4 under FSDP: refused here alone (issue 58 makes it work; delete this check then)
-    if cfg.quantize is not None and cfg.shard == "fsdp":
-        raise ValueError(f"--quantize {cfg.quantize} with --shard fsdp is not supported: FSDP2 shards and gathers "
-                         f"parameters, and a packed base is no parameter (docs/quantization.md); use one process, "
-                         f"or --shard ddp")
-    if cfg.quantize == "nf4":
-        from minimoe.core.decoder.model import MoEForCausalLM
-        with torch.device("meta"):
-            dry = MoEForCausalLM(model_config)
-        for name in quantized_modules(dry):
-            rows, cols = dry.get_submodule(name).weight.shape[-2:]
-            if rows * cols % NF4_BLOCK:
-                raise ValueError(f"--quantize nf4: {name} [{rows}, {cols}] has {rows * cols} values per matrix, not "
-                                 f"a multiple of NF4's block of {NF4_BLOCK}; this model cannot be packed in NF4")
-
-
-def aux_coefficient(cfg: TrainConfig, model_config=None) -> float:
-    """The load-balancing loss's weight: --aux-coef, or with `family` the checkpoint's router_aux_loss_coef
-    (a family whose config.json carries none, DeepSeek's and GLM-4.5's in transformers 4.57, is refused: give
-    a number)."""
-    if cfg.aux_coef != "family":
-        return cfg.aux_coef
-    if model_config is None:
-        raise ValueError("--aux-coef family: the coefficient is the model's; pass its config")
-    family, name = family_of(model_config.model_type), model_config.model_type
-    if "router_aux_loss_coef" not in family.config_fields:
-        raise ValueError(f"--aux-coef family: {name}'s config.json has no router_aux_loss_coef (transformers 4.57 "
-                         f"trains it without a load-balancing loss); give the coefficient as a number")
-    if not family.applies_aux_loss:
-        raise ValueError(f"--aux-coef family: transformers 4.57 never applies {name}'s router_aux_loss_coef (it trains "
-                         f"without a load-balancing loss); give the coefficient as a number")
-    return model_config.router_aux_loss_coef
 
 
 def loss_settings(cfg: TrainConfig, model_config=None) -> dict:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from minimoe.cli import evaluate, export, train
 from minimoe.loading.checkpoint import from_pretrained
 from minimoe.making.tiny import FAMILY_SWITCHES, tiny_checkpoint
-from minimoe.runs.training import aux_coefficient
+from minimoe.runs.install import aux_coefficient
 from tests.conftest import by_oracle, oracle, tiny_config
 from tests.kill import killed_after
 

@@ -140,7 +140,7 @@ def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
     ("mixtral", ["--quantize", "nf4"], "not a multiple of NF4's block of 64"),  # [2 x 36, 60]: 4320 values
 ])
 def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, message):
-    """The memory command checks its settings with train.py's own check (training.check_model_settings):
+    """The memory command checks its settings with train.py's own check (install.check_model_settings):
     MXFP4 on a family not released in it, NF4 where a matrix holds no whole blocks of 64, NF4 under FSDP;
     and a GPU of no memory."""
     widths = {"hidden_size": 60, "intermediate_size": 36, "num_attention_heads": 4, "num_key_value_heads": 2,
