@@ -162,6 +162,20 @@ def test_kv_cached_decoding_gives_the_full_forward_logits(variant, tmp_path):
     assert rel_err(torch.cat(steps, dim=1), full, torch.ones_like(ids)) <= FP32_TOL
 
 
+def with_trained_lora(variant, base, seed: int):
+    """The variant's reference checkpoint saved at `base`, loaded by us with rank-4 LoRA (alpha 12) moved off
+    its zero start by random steps, as a trained adapter would be (what both export tests export)."""
+    reference_model(variant_config(variant), base)
+    model = minimoe.from_pretrained(base)
+    add_lora(model, rank=4, alpha=12, dropout=0.0)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model
+
+
 @pytest.mark.parametrize("variant", WITH_PEFT)
 def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
     """A LoRA trained on the family (every tensor moved), exported in peft's format, loads into
@@ -171,15 +185,7 @@ def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
     from safetensors.torch import load_file
     from minimoe.integrations.hf_export import export_peft
     from minimoe.runs.adapters import save_adapter
-    reference_model(variant_config(variant), tmp_path / "base")
-    model = minimoe.from_pretrained(tmp_path / "base")
-    add_lora(model, rank=4, alpha=12, dropout=0.0)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    model.eval()
+    model = with_trained_lora(variant, tmp_path / "base", seed=1).eval()
     save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
     export_peft(tmp_path / "adapter", tmp_path / "peft")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32,
@@ -201,14 +207,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(variant, tmp_path):
     """export_merged (W + scale * B A, in the family's on-disk layout) loads in transformers with our logits."""
     import transformers
     from minimoe.integrations.hf_export import export_merged
-    reference_model(variant_config(variant), tmp_path / "base")
-    model = minimoe.from_pretrained(tmp_path / "base")
-    add_lora(model, rank=4, alpha=12, dropout=0.0)
-    g = torch.Generator().manual_seed(2)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model = with_trained_lora(variant, tmp_path / "base", seed=2)
     ids, mask = batch(model)
     export_merged(model, tmp_path / "merged")
     merge_lora(model)  # our own merged weights: the delta rule's chunked solve (Qwen3-Next) amplifies the
