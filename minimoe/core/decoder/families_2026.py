@@ -1,0 +1,67 @@
+"""The families only transformers 5.x holds (its oracle here: 5.23, .ci/run's third environment), declared as
+families.py declares the others, whose module docstring says what a record holds. decoder/__init__.py imports this
+file, so that importing any of the decoder's modules registers them."""
+from __future__ import annotations
+
+from minimoe.core.decoder.families import (DEEPSEEK_FIELDS, DEEPSEEK_KEYS, DEEPSEEK_RENAMES, MLA_LORA_PATHS,
+                                           MLA_UNREAD, Family, register_family)
+
+
+# MiniMax-M2's released config.json gives its partial rotary as rotary_dim (dims per head), transformers 5's
+# as partial_rotary_factor (inside rope_parameters); MiniMaxM2Config turns the one into the other.
+def rotary_dim_factor(d: dict) -> float:
+    return d["rotary_dim"] / d["head_dim"] if d.get("rotary_dim") is not None else 1.0
+
+
+register_family(Family(
+    "minimax_m2", "MiniMaxM2ForCausalLM",
+    brings="q/k RMSNorm over the whole projection width, partial rotary (rotary_dim); sigmoid router with a "
+           "selection-only correction bias, top-K renormalised; per-expert w1/w2/w3 on disk",
+    hub_examples=("MiniMaxAI/MiniMax-M2", "MiniMaxAI/MiniMax-M2.1"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("minimax-m2", "minimax_m2"),
+    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe (the paper trains no MiniMax)",
+    # the hub's and transformers 5.23's save_pretrained alike (its conversion mapping: mixtral's, plus the bias)
+    layer_keys={"mlp.gate.weight": "block_sparse_moe.gate.weight",
+                "mlp.gate.e_score_correction_bias": "block_sparse_moe.e_score_correction_bias",
+                "mlp.experts.gate_up_proj.weight": ("block_sparse_moe.experts.{j}.w1.weight",
+                                                    "block_sparse_moe.experts.{j}.w3.weight"),
+                "mlp.experts.down_proj.weight": ("block_sparse_moe.experts.{j}.w2.weight",)},
+    renames={"num_local_experts": "num_experts"},
+    config_fields=frozenset({"router_aux_loss_coef", "head_dim", "partial_rotary_factor"}),
+    # MiniMaxM2SparseMoeBlock: sigmoid scores plus the bias choose, the unbiased scores renormalised weigh;
+    # no groups, no scaling; its modeling file hard-codes every one of these
+    fixed={"qk_norm": "full", "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+           "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "attention_bias": False},
+    unread={"rotary_dim": lambda d: round(d["partial_rotary_factor"] * d["head_dim"])},
+    defaults={"rope_theta": 5e6, "partial_rotary_factor": rotary_dim_factor, "head_dim": 128, "rms_norm_eps": 1e-6,
+              "router_aux_loss_coef": 0.001, "num_key_value_heads": 8, "max_position_embeddings": 196608,
+              "bos_token_id": 200034, "eos_token_id": 200020}))
+
+
+def dense_layers(d: dict) -> list[int]:
+    """GLM-4.7-Flash's mlp_layer_types ("dense" / "sparse" per layer) as our mlp_only_layers; when config.json has
+    none, Glm4MoeLiteConfig's: the first layer dense, the others sparse."""
+    kinds = d.get("mlp_layer_types") or ["dense"] + ["sparse"] * (d["num_hidden_layers"] - 1)
+    return [i for i, kind in enumerate(kinds) if kind == "dense"]
+
+
+register_family(Family(
+    "glm4_moe_lite", "Glm4MoeLiteForCausalLM",
+    brings="DeepSeek-V3's Multi-head Latent Attention (optional q LoRA, interleaved rope pairs) with GLM-4.5's "
+           "router (sigmoid scores, selection-only bias, group top-K, routed_scaling_factor) and shared expert; "
+           "dense layers by mlp_layer_types",
+    hub_examples=("zai-org/GLM-4.7-Flash",),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("glm-4.7-flash", "glm4_moe_lite"),
+    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
+                "k and v: kv_b_proj; MLA_LORA_PATHS)",
+    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS,
+    config_fields=DEEPSEEK_FIELDS - {"first_k_dense_replace"} | {"norm_topk_prob", "rope_interleave"},
+    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True},
+    never_null=frozenset({"rope_interleave"}),  # as DeepSeek-V3's: null would be no interleave to transformers
+    # mlp_layer_types is read through mlp_only_layers' default and kept (config.extra) as the file gives it
+    unread={**MLA_UNREAD, "mlp_layer_types": lambda d: d["mlp_layer_types"]}, harmless=frozenset({"head_dim"}),
+    defaults={"mlp_only_layers": dense_layers, "routed_scaling_factor": 1.8, "n_group": 1, "topk_group": 1,
+              "n_shared_experts": 1, "norm_topk_prob": True, "rope_interleave": True, "kv_lora_rank": 512,
+              "q_lora_rank": 768, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192,
+              "dense_intermediate_size": 10240, "rms_norm_eps": 1e-5, "max_position_embeddings": 202752,
+              "bos_token_id": 0, "eos_token_id": 1}))
