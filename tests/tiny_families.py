@@ -103,6 +103,14 @@ VARIANTS = {
     # scaling, a shared expert, a dense layer placed by mlp_layer_types.
     "glm4_moe_lite": dict(model_type="glm4_moe_lite", q_lora_rank=32, n_group=4, topk_group=2, n_shared_experts=1,
                           routed_scaling_factor=1.8, norm_topk_prob=True, mlp_layer_types=["sparse", "dense", "sparse"]),
+    # Mistral 4 (transformers 5 only): MLA under YaRN with Llama 4's query scaling from position 4 on (a small
+    # original_max_position_embeddings, so that it bites), the softmax router's noaux_tc groups, scaled; a dense layer.
+    "mistral4": dict(model_type="mistral4", q_lora_rank=32, n_group=4, topk_group=2, n_shared_experts=1,
+                     first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5,
+                                      "partial_rotary_factor": 8 / 24}),
 }
 
 
@@ -118,7 +126,7 @@ def family_of(variant: str) -> str:
 def variant_config(variant: str) -> dict:
     """`variant`'s transformers config fields at the tiny width (tests/core/decoder/test_model.py's reference_model
     builds and saves its model)."""
-    mla = variant.startswith("deepseek") or variant == "glm4_moe_lite"
+    mla = variant.startswith("deepseek") or variant in ("glm4_moe_lite", "mistral4")
     return {**COMMON, **(MLA if mla else {}), **VARIANTS[variant]}
 
 

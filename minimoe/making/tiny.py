@@ -86,6 +86,15 @@ FAMILY_SWITCHES = {
                           num_key_value_heads=4, num_hidden_layers=3, mlp_only_layers=[0], dense_intermediate_size=96,
                           n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.8, norm_topk_prob=True,
                           pad_token_id=0, eos_token_id=1),
+    # Mistral 4: MLA under YaRN with Llama 4's query scaling from position 4 on, the softmax router's noaux_tc groups
+    # without a bias, a shared expert, a dense first layer.
+    "mistral4": dict(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                     num_key_value_heads=4, num_hidden_layers=3, first_k_dense_replace=1, dense_intermediate_size=96,
+                     n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=1.5, norm_topk_prob=True,
+                     llama_4_scaling_beta=0.5, max_position_embeddings=64,
+                     rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4,
+                                   "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                   "llama_4_scaling_beta": 0.5}, pad_token_id=0, eos_token_id=1),
     # Llama 4: top-1 sigmoid scaling the input, a shared expert, a dense layer first, a NoPE layer with temperature
     # tuning that bites, chunked attention on the rope layers, L2 q/k norm, interleaved rope pairs.
     "llama4_text": dict(num_hidden_layers=3, num_experts_per_tok=1, head_dim=16, decoder_sparse_step=2,

@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from minimoe.core.decoder.families import family_of
 from minimoe.cli import evaluate, export, train
 from minimoe.loading.checkpoint import from_pretrained
 from minimoe.making.tiny import FAMILY_SWITCHES, tiny_checkpoint
@@ -132,7 +133,8 @@ def transformers_applies_aux_loss(model_type: str) -> bool:
     (the oracle: its modeling file calls load_balancing_loss_func in that class's forward)."""
     import inspect
     transformers = oracle("transformers")
-    name = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    names = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES  # Mistral 4's is not mapped
+    name = names.get(model_type) or family_of(model_type).architecture
     return "load_balancing_loss_func(" in inspect.getsource(getattr(transformers, name).forward)
 
 

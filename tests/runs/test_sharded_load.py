@@ -32,6 +32,7 @@ ODD_FAMILY = {"qwen3_moe": dict(dense_intermediate_size=49), "qwen2_moe": dict(s
               "deepseek_v3": dict(dense_intermediate_size=97, n_group=1, topk_group=1),
               "glm4_moe": dict(dense_intermediate_size=97, n_group=1, topk_group=1),
               "glm4_moe_lite": dict(dense_intermediate_size=97, n_group=1, topk_group=1),
+              "mistral4": dict(dense_intermediate_size=97, n_group=1, topk_group=1),
               "llama4_text": dict(dense_intermediate_size=49),
               "granitemoeshared": dict(shared_expert_intermediate_size=41),
               "granitemoehybrid": dict(shared_expert_intermediate_size=41),

@@ -65,3 +65,51 @@ register_family(Family(
               "q_lora_rank": 768, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192,
               "dense_intermediate_size": 10240, "rms_norm_eps": 1e-5, "max_position_embeddings": 202752,
               "bos_token_id": 0, "eos_token_id": 1}))
+
+
+# Mistral 4 (Mistral Small 4): DeepSeek-V3's MLA and shared expert, a softmax router grouped as noaux_tc ranks groups
+# (the sum of each group's two best scores) with no correction bias, Llama 4's query scaling by position, and the
+# experts fused on disk as transformers 5 stores them ([E, 2I, D] gate rows then up rows; [E, D, I]).
+def mistral4_rope(d: dict) -> dict:
+    """Mistral4Config's rope when config.json gives none: YaRN from 8k to its max_position_embeddings."""
+    return {"type": "yarn", "rope_type": "yarn", "factor": 128.0, "original_max_position_embeddings": 8192,
+            "max_position_embeddings": d.get("max_position_embeddings", 1048576), "beta_fast": 32.0, "beta_slow": 1.0,
+            "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.1}
+
+
+def mistral4_query_beta(d: dict):
+    return (d.get("rope_scaling") or mistral4_rope(d)).get("llama_4_scaling_beta")
+
+
+def mla_rotary_factor(d: dict) -> float:
+    return d["qk_rope_head_dim"] / (d["qk_nope_head_dim"] + d["qk_rope_head_dim"])
+
+
+register_family(Family(
+    "mistral4", "Mistral4ForCausalLM",
+    brings="MLA (low-rank q, interleaved rope pairs) under YaRN with Llama 4's query scaling by position; a softmax "
+           "router ranking expert groups by their two best scores, no correction bias; a shared expert; fused experts",
+    hub_examples=("mistralai/Mistral-Small-4-119B-2603",),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("mistral-small-4", "mistral4"),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe (q: q_b_proj or q_proj, "
+                "k and v: kv_b_proj; MLA_LORA_PATHS)",
+    layer_keys={"mlp.experts.gate_up_proj.weight": "mlp.experts.gate_up_proj",
+                "mlp.experts.down_proj.weight": "mlp.experts.down_proj",
+                **{k: v for k, v in DEEPSEEK_KEYS.items() if k.startswith("mlp.shared_expert.")}},
+    renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS,
+    config_fields=DEEPSEEK_FIELDS | {"norm_topk_prob", "rope_interleave"},
+    # Mistral4TopkRouter: the gate in the model's dtype, softmax scores, noaux_tc's group ranking without a bias
+    fixed={"scoring_func": "softmax", "topk_method": "noaux_tc", "correction_bias": False},
+    never_null=frozenset({"rope_interleave"}),
+    # rope turns the r rope dims of each n + r wide head: transformers derives its rope width from this factor
+    unread={**MLA_UNREAD, "partial_rotary_factor": mla_rotary_factor}, harmless=frozenset({"head_dim"}),
+    applies_aux_loss=False,  # Mistral4ForCausalLM returns no auxiliary loss
+    # which transformers 5 reads into rope_parameters; without it the rope turns all n + r dims of a head
+    write_defaults={"partial_rotary_factor": lambda c: c.mixers["mla"].qk_rope_head_dim / (
+        c.mixers["mla"].qk_rope_head_dim + c.mixers["mla"].qk_nope_head_dim)},
+    defaults={"rope_scaling": mistral4_rope, "llama_4_scaling_beta": mistral4_query_beta, "first_k_dense_replace": 0, "routed_scaling_factor": 1.0,
+              "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "norm_topk_prob": True, "rope_interleave": True,
+              "kv_lora_rank": 256, "q_lora_rank": 1024, "qk_rope_head_dim": 64, "v_head_dim": 128,
+              "qk_nope_head_dim": 64, "dense_intermediate_size": 12288, "num_key_value_heads": 32,
+              "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "pad_token_id": 11, "bos_token_id": 1,
+              "eos_token_id": 2}))

@@ -71,7 +71,7 @@ class MoEBlock(nn.Module):
     def __init__(self, config: MoEConfig):
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)  # native affinity W_aff
-        if config.topk_method == "noaux_tc":  # DeepSeek-V3's selection-only bias, a checkpoint tensor, never trained
+        if config.topk_method == "noaux_tc" and config.correction_bias:  # DeepSeek-V3's selection-only bias, never trained
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
         if config.swiglu_limit is not None:  # gpt-oss (core/layers/clamped_experts.py)
             self.experts = ClampedSwiGLUExperts(config.num_experts, config.hidden_size, config.intermediate_size,

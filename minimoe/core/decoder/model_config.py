@@ -57,6 +57,7 @@ class MoEConfig:
     topk_on_logits: bool = False  # top-K on the logits, then softmax (Granite, gpt-oss) or sigmoid (Llama 4) of the K
     expert_input_scaled: bool = False  # the combine weight scales each expert's input, not its output (Llama 4)
     topk_method: str = "greedy"  # greedy | group_limited_greedy (DeepSeek-V2) | noaux_tc (DeepSeek-V3)
+    correction_bias: bool = True  # noaux_tc selects with a checkpoint bias e_score_correction_bias (Mistral 4: none)
     n_group: int = 1  # expert groups for the group-limited methods
     topk_group: int = 1  # groups kept per token
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek)

@@ -120,3 +120,14 @@ def apply_rope(x, cos, sin):  # x [B, h, T, d], cos/sin [B, T, d]: rotate-half's
 def deinterleave(x):
     """x [..., d] with pairs (x[2i], x[2i+1]) -> [..., d] with the evens first, then the odds."""
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def query_temperature(inputs, B: int, T: int, floor_scale: float, beta: float, shift: float, device):
+    """Llama 4's position-dependent query scale, [B, 1, T, 1] fp32: 1 + beta * log(1 + floor((p + shift) / floor_scale))
+    at each query's position p (each packed candidate's own, else cache_start onwards). Llama 4's NoPE layers shift
+    by 1 (floor_scale 8192); Mistral 4's MLA by 0 (floor_scale: YaRN's original_max_position_embeddings)."""
+    if inputs.segment_ids is not None:
+        p = inputs.position_ids.float()  # [B, T]
+    else:
+        p = torch.arange(inputs.cache_start, inputs.cache_start + T, device=device).float().expand(B, T)
+    return (torch.log1p(torch.floor((p + shift) / floor_scale)) * beta + 1.0)[:, None, :, None]

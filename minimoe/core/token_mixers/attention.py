@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from minimoe.core.layers.masks import FLEX_MIN_HEAD_DIM, flex, mask_kind
 from minimoe.core.layers.norms import RMSNorm
-from minimoe.core.layers.rope import apply_rope, deinterleave
+from minimoe.core.layers.rope import apply_rope, deinterleave, query_temperature
 from minimoe.core.token_mixers.sinks import sink_attention
 
 
@@ -195,13 +195,8 @@ class Attention(nn.Module):
 
     def temper(self, q, inputs):  # q [B, H, T, d] -> q * (1 + attn_scale * log1p(floor((p + 1) / floor_scale)))
         c = self.options
-        B, _, T, _ = q.shape
-        if inputs.segment_ids is not None:
-            p = inputs.position_ids.float()  # [B, T]: each packed candidate's own positions
-        else:
-            p = torch.arange(inputs.cache_start, inputs.cache_start + T, device=q.device).float().expand(B, T)
-        scale = torch.log1p(torch.floor((p + 1.0) / c.floor_scale)) * c.attn_scale + 1.0  # fp32, as the reference
-        return (q * scale[:, None, :, None]).to(q.dtype)
+        scale = query_temperature(inputs, q.shape[0], q.shape[2], c.floor_scale, c.attn_scale, 1.0, q.device)
+        return (q * scale).to(q.dtype)  # in fp32, as the reference
 
     def attend(self, q, k, v, mask):  # q [B, H, T, d], k/v [B, G, S, d], mask bool or None -> [B, H, T, d]
         if self.options.attention_sinks:

@@ -8,6 +8,7 @@ Each head's query and key are [no-rope part n | rope part r]; values are v wide.
 - kv: D -> C + r (kv_a_proj_with_mqa). The C part is normed (kv_a_layernorm) and expanded to every
   head's no-rope key and value, H*(n+v) (kv_b_proj). The r part is ONE rope key shared by all heads.
 - Softmax scale: (n+r)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (core/layers/rope.py).
+- Mistral 4 scales the query by position past YaRN's original context (llama_4_scaling_beta; rope.query_temperature).
 
 Decisions, for parity with transformers 4.57 (modeling_deepseek_v2.py, modeling_deepseek_v3.py):
 - q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says: both references build
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from minimoe.core.token_mixers.attention import KVSlot
 from minimoe.core.layers.masks import FULL
 from minimoe.core.layers.norms import RMSNorm
-from minimoe.core.layers.rope import apply_rope, deinterleave, yarn_softmax_mscale
+from minimoe.core.layers.rope import apply_rope, deinterleave, query_temperature, yarn_softmax_mscale
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the references' RMSNorm default, not rms_norm_eps
 
@@ -46,6 +47,9 @@ class MLAConfig:
     qk_nope_head_dim: int = 0  # n, each head's query/key part without rope
     qk_rope_head_dim: int = 0  # r, each head's query/key part with rope (one rope key for all heads)
     v_head_dim: int = 0  # v, each head's value width
+    # set: the query scaled by 1 + beta * log(1 + floor(p / YaRN's original_max_position_embeddings)) at position p,
+    # Llama 4's scaling as Mistral 4 applies it (its rope_parameters' llama_4_scaling_beta)
+    llama_4_scaling_beta: float | None = None
 
     def __post_init__(self):
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -54,6 +58,8 @@ class MLAConfig:
                                  f"int >= 1")
         if self.q_lora_rank is not None and not (isinstance(self.q_lora_rank, int) and self.q_lora_rank >= 1):
             raise ValueError(f"config: q_lora_rank {self.q_lora_rank!r}; expected an int >= 1 or null (one q_proj)")
+        if self.llama_4_scaling_beta is not None and not isinstance(self.llama_4_scaling_beta, (int, float)):
+            raise ValueError(f"config: llama_4_scaling_beta {self.llama_4_scaling_beta!r}; expected a number or null")
 
 
 class MLAttention(nn.Module):
@@ -82,6 +88,13 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(H * v, D, bias=bias)
         self.interleaved = getattr(config, "rope_interleave", None) is not False  # None or absent (DeepSeek-V2): interleaved
         self.scale = (n + r) ** -0.5 * yarn_softmax_mscale(config.rope_scaling)
+        self.beta = mla.llama_4_scaling_beta
+        if self.beta is not None:  # positions are scaled past YaRN's original context
+            original = (config.rope_scaling or {}).get("original_max_position_embeddings")
+            if not original:
+                raise ValueError("config: llama_4_scaling_beta needs rope_scaling's original_max_position_embeddings "
+                                 f"(the positions' floor scale); rope_scaling is {config.rope_scaling!r}")
+            self.floor_scale = float(original)
         self.mask_kind = FULL  # DeepSeek's layers all attend causally in full
 
     @staticmethod
@@ -105,6 +118,8 @@ class MLAttention(nn.Module):
             q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
         q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, T, n+r]
+        if self.beta is not None:  # Mistral 4 casts the fp32 scale to q's dtype first
+            q = q * query_temperature(inputs, B, T, self.floor_scale, self.beta, 0.0, q.device).to(q.dtype)
         k = torch.cat((k_pass, k_rot.expand(B, H, T, r)), dim=-1)
         if cache is not None:
             k, values = cache.update(inputs.cache_start, k, values)  # [B, H, S, n+r], [B, H, S, v]

@@ -15,7 +15,7 @@ from minimoe.core.adaptation.lora import add_lora, merge_lora
 from minimoe.core.routing_methods.methods import METHODS, set_router
 from minimoe.loading.checkpoint import checkpoint_layout, to_disk_layout
 from tests.core.decoder.test_model import batch, rel_err
-from tests.core.decoder.test_model import reference_model, with_v2_softmax_mscale
+from tests.core.decoder.test_model import hf_causal_lm, reference_model, with_v2_softmax_mscale
 from tests.conftest import TRANSFORMERS_5_ONLY
 from tests.tiny_families import VARIANTS, declared, family_of, mxfp4_reference_model, variant_config
 
@@ -181,15 +181,13 @@ def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
     """A LoRA trained on the family (every tensor moved), exported in peft's format, loads into
     transformers + peft with our logits, every key matched."""
     import peft
-    import transformers
     from safetensors.torch import load_file
     from minimoe.integrations.hf_export import export_peft
     from minimoe.runs.adapters import save_adapter
     model = with_trained_lora(variant, tmp_path / "base", seed=1).eval()
     save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
     export_peft(tmp_path / "adapter", tmp_path / "peft")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32,
-                                                           attn_implementation="eager")
+    hf = hf_causal_lm(tmp_path / "base", dtype=torch.float32, attn_implementation="eager")
     hf = peft.PeftModel.from_pretrained(with_v2_softmax_mscale(hf), tmp_path / "peft").eval()
     ours = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in peft.get_peft_model_state_dict(hf).items()}
@@ -205,7 +203,6 @@ def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
 @pytest.mark.parametrize("variant", DECLARED)
 def test_merged_export_loads_in_transformers_with_our_logits(variant, tmp_path):
     """export_merged (W + scale * B A, in the family's on-disk layout) loads in transformers with our logits."""
-    import transformers
     from minimoe.integrations.hf_export import export_merged
     model = with_trained_lora(variant, tmp_path / "base", seed=2)
     ids, mask = batch(model)
@@ -213,8 +210,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(variant, tmp_path):
     merge_lora(model)  # our own merged weights: the delta rule's chunked solve (Qwen3-Next) amplifies the
     with torch.no_grad():  # fp32 rounding of W + BA to 2.7e-5 of the logits, in ours and in transformers alike
         ours = model.eval()(ids, attention_mask=mask).logits
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager",
-                                                           dtype=torch.float32)
+    hf = hf_causal_lm(tmp_path / "merged", attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         assert rel_err(with_v2_softmax_mscale(hf).eval()(ids, attention_mask=mask).logits, ours, mask) <= FP32_TOL
 

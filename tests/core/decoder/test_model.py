@@ -5,6 +5,8 @@ save_pretrained; ours loads those files through the same `from_pretrained` that 
 checkpoints. Gradients are compared parameter by parameter, mapped through the checkpoint name table.
 """
 import contextlib
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 import minimoe
 import minimoe.core.layers.experts as mm
 import minimoe.core.decoder.model as model_module
+from minimoe.core.decoder.families import family_of
 from minimoe.core.layers import cpu_memory
 from minimoe.core.task.choices import forward_choices, make_choice_batch
 from minimoe.core.routing_methods.objectives import load_balancing_loss
@@ -32,7 +35,10 @@ def reference_model(kw: dict, folder, seed=0, *, shard=False):
     by its own save_pretrained into `folder` (`shard`: several files); ours loads it."""
     config = transformers.AutoConfig.for_model(**kw)
     torch.manual_seed(seed)
-    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    auto = transformers.AutoModelForCausalLM  # Mistral 4's causal LM is no AutoModelForCausalLM in transformers 5.23
+    build = auto.from_config if type(config) in auto._model_mapping else \
+        getattr(transformers, family_of(kw["model_type"]).architecture)._from_config
+    ref = build(config, attn_implementation="eager", dtype=torch.float32)
     with torch.no_grad():
         for name, p in ref.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
@@ -42,6 +48,13 @@ def reference_model(kw: dict, folder, seed=0, *, shard=False):
         ref.model.embed_tokens.weight[config.pad_token_id].zero_()
     ref.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")
     return with_v2_softmax_mscale(ref).eval()
+
+
+def hf_causal_lm(folder, **kwargs):
+    """transformers' causal LM of the checkpoint in `folder`, by the class its config.json names (as a user of a
+    family that transformers' AutoModelForCausalLM does not map, Mistral 4, loads it)."""
+    architecture = json.loads((Path(folder) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, architecture).from_pretrained(folder, **kwargs)
 
 
 def tiny(family, **overrides) -> dict:
