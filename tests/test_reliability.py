@@ -19,7 +19,8 @@ from minimoe.atomic import MARKER, atomic_directory
 from minimoe.cli import evaluate, sweep
 from minimoe.cli import train
 from minimoe.core.adaptation.lora import add_lora
-from minimoe.data.benchmarks import check_disjoint, load_examples, load_split
+from minimoe.data.benchmarks import load_examples, load_split
+from minimoe.data.manifests import check_disjoint
 from minimoe.integrations.hf_export import export_peft
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.making.upcycle import upcycle

@@ -47,7 +47,8 @@ from minimoe.core.task.choices import check_max_length, pad_id
 from minimoe.core.decoder.families import family_of
 from minimoe.core.decoder.model import MoEConfig, compile_layers
 from minimoe.core.adaptation.quantized import require as require_quantization
-from minimoe.data.benchmarks import SPLITS, check_disjoint, load_split, split_sha256
+from minimoe.data.benchmarks import SPLITS, load_split
+from minimoe.data.manifests import check_disjoint, split_sha256
 from minimoe.data.chat import TokenRow
 from minimoe.data.instruct import encode_splits
 from minimoe.data.userdata import resolve_data

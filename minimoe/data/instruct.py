@@ -1,4 +1,4 @@
-"""Chat and prompt/completion examples as manifest lines (userdata.py builds them, benchmarks.read_manifest reads them).
+"""Chat and prompt/completion examples as manifest lines (userdata.py builds them, manifests.read_manifest reads them).
 
     {"id": "train:0", "messages": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}]}
     {"id": "train:1", "prompt": "...", "completion": "..."}
@@ -32,7 +32,7 @@ class TextExample:
     def kind(self) -> str:
         return "chat" if self.messages is not None else "completion"
 
-    # benchmarks.check_disjoint's view: what is asked and what is answered
+    # manifests.check_disjoint's view: what is asked and what is answered
     @property
     def question(self) -> str:
         return self.prompt if self.messages is None else "\n".join(m["content"] for m in self.messages

@@ -41,7 +41,8 @@ import sys
 from pathlib import Path
 
 from minimoe.atomic import atomic_directory
-from minimoe.data.benchmarks import SPLITS, Example, _read_arrow, check_disjoint, check_example, example_json
+from minimoe.data.benchmarks import SPLITS, Example, _read_arrow
+from minimoe.data.manifests import check_disjoint, check_example, example_json
 from minimoe.data.instruct import TEXT_FIELDS, TEXT_KEYS, row_kind, to_text_example
 
 FIELDS = {"question": "question", "choices": "choices", "answer": "answer", "id": "id"}  # the default map

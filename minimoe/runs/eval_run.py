@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from minimoe.atomic import check_replaceable
-from minimoe.data.benchmarks import DEFAULT_DATA_DIR, SPLITS, Example, load_split, split_sha256
+from minimoe.data.benchmarks import DEFAULT_DATA_DIR, SPLITS, Example, load_split
+from minimoe.data.manifests import split_sha256
 from minimoe.data.chat import TokenRow
 from minimoe.data.instruct import TextExample, encode_splits
 from minimoe.core.decoder.generate import generate

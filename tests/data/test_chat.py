@@ -133,7 +133,7 @@ def test_template_sources(tmp_path):
 def test_chat_and_completion_rows_become_checked_manifests(tmp_path):
     """--field-map names the messages column; a manifest line keeps the conversation as given and reads back
     as the same example; a completion row among chat rows is refused with its line."""
-    from minimoe.data.benchmarks import read_manifest
+    from minimoe.data.manifests import read_manifest
     from minimoe.data.userdata import build_user_data, data_kind
     conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     rows = [{"turns": [{**conv[0], "content": f"hi {i}"}, conv[1]], "extra": 1} for i in range(12)]
