@@ -219,7 +219,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(variant, tmp_path):
         assert rel_err(with_v2_softmax_mscale(hf).eval()(ids, attention_mask=mask).logits, ours, mask) <= FP32_TOL
 
 
-HYBRIDS = [v for v in NAMES if family_of(v) in ("granitemoehybrid", "qwen3_next")]
+HYBRIDS = declared([v for v in NAMES if family_of(v) in ("granitemoehybrid", "qwen3_next", "qwen3_5_moe")])
 
 
 @pytest.mark.parametrize("variant", HYBRIDS)
@@ -285,3 +285,60 @@ def test_qwen3_next_loads_past_its_multi_token_prediction_keys(tmp_path):
     save_file({**tensors, "extra.fc.weight": torch.zeros(4, 4)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KeyError, match="unexpected key 'extra.fc.weight'"):
         minimoe.from_pretrained(tmp_path)
+
+
+@pytest.mark.tf5
+def test_qwen3_5_moe_rope_sections_on_text_are_the_plain_partial_rotary(tmp_path):
+    """Qwen3.5's multimodal rope (rope_parameters' mrope_section, interleaved) gives the rotary frequencies to the
+    temporal, height and width position streams by sections; text gives all three the token's position, and then
+    transformers' tables (three equal streams, as its text model expands one) are our plain partial rotary's. With
+    the streams apart (an image's) they are not: the sections are real, text never separates them."""
+    import transformers
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
+    from minimoe.core.decoder.model import position_embeddings
+    reference_model(variant_config("qwen3_5_moe"), tmp_path)
+    ours = minimoe.from_pretrained(tmp_path)
+    assert ours.config.rope_scaling["mrope_section"] == [2, 1, 1] and ours.config.rope_dim == 8
+    rotary = Qwen3_5MoeTextRotaryEmbedding(transformers.AutoConfig.from_pretrained(tmp_path))
+    pos = torch.arange(16)[None].expand(2, -1)  # [B, T]
+    x = torch.zeros(1)
+    want = position_embeddings(ours.config, pos, torch.float32)  # cos, sin [B, T, rope_dim]
+    for got, wanted in zip(rotary(x, pos[None].expand(3, -1, -1)), want):
+        assert torch.allclose(got, wanted, atol=1e-6)
+    apart = rotary(x, torch.stack([pos, pos + 5, 2 * pos]))[0]  # height and width streams of their own
+    assert not torch.allclose(apart, want[0], atol=1e-3)
+
+
+@pytest.mark.tf5
+def test_qwen3_5_moe_release_loads_as_the_vision_language_model_reads_it(tmp_path):
+    """The released form, as Qwen3_5MoeForConditionalGeneration saves it: config.json of the vision-language model
+    (the text model's under text_config), the text model's keys under model.language_model., the vision tower's
+    under model.visual. (not ours, ignored as transformers' text model ignores them). It loads with that model's
+    logits on text, padded and unpadded, and saves as Qwen3_5MoeForCausalLM writes (model_type qwen3_5_moe_text,
+    keys under model.)."""
+    import transformers
+    text = variant_config("qwen3_5_moe")
+    config = transformers.AutoConfig.for_model("qwen3_5_moe", text_config=text, tie_word_embeddings=False,
+                                               vision_config=dict(depth=1, hidden_size=32, intermediate_size=32,
+                                                                  num_heads=2, out_hidden_size=text["hidden_size"]))
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "release")
+    ref.eval()
+    on_disk = json.loads((tmp_path / "release" / "config.json").read_text())
+    assert on_disk["model_type"] == "qwen3_5_moe" and "hidden_size" not in on_disk  # the form this test is about
+    ours = minimoe.from_pretrained(tmp_path / "release", dtype=torch.float32)
+    ids, mask = batch(ours)
+    with torch.no_grad():
+        assert rel_err(ours(ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits,
+                       mask) <= FP32_TOL
+        assert rel_err(ours(ids).logits, ref(input_ids=ids).logits, torch.ones_like(ids)) <= FP32_TOL
+    minimoe.save_pretrained(ours, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel_err(again(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits, mask) <= FP32_TOL
