@@ -162,12 +162,13 @@ def test_kv_cached_decoding_gives_the_full_forward_logits(variant, tmp_path):
     assert rel_err(torch.cat(steps, dim=1), full, torch.ones_like(ids)) <= FP32_TOL
 
 
-def with_trained_lora(variant, base, seed: int):
-    """The variant's reference checkpoint saved at `base`, loaded by us with rank-4 LoRA (alpha 12) moved off
-    its zero start by random steps, as a trained adapter would be (what both export tests export)."""
+def with_trained_lora(variant, base, seed: int, targets=None):
+    """The variant's reference checkpoint saved at `base`, loaded by us with rank-4 LoRA (alpha 12; `targets`,
+    None: the family's) moved off its zero start by random steps, as a trained adapter would be (what both
+    export tests export)."""
     reference_model(variant_config(variant), base)
     model = minimoe.from_pretrained(base)
-    add_lora(model, rank=4, alpha=12, dropout=0.0)
+    add_lora(model, rank=4, alpha=12, dropout=0.0, targets=targets)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -180,12 +181,28 @@ def with_trained_lora(variant, base, seed: int):
 def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
     """A LoRA trained on the family (every tensor moved), exported in peft's format, loads into
     transformers + peft with our logits, every key matched."""
+    assert_peft_loads_the_export(with_trained_lora(variant, tmp_path / "base", seed=1).eval(), tmp_path)
+
+
+@pytest.mark.tf5
+def test_qwen3_5_moe_peft_loads_the_attention_and_deltanet_export(tmp_path):
+    """Qwen3.5's LoRA on the attention and the split DeltaNet projections (in_proj_qkv, in_proj_z, in_proj_b,
+    in_proj_a, out_proj: its module names, which peft targets), exported, loads into peft on transformers 5.23
+    with our logits. Not the experts: transformers 5 holds them fused, where peft adapts parameters, not the
+    per-expert modules the export names."""
+    pytest.importorskip("peft")  # not in the test5 extra
+    model = with_trained_lora("qwen3_5_moe", tmp_path / "base", seed=1, targets=("q", "k", "v", "o", "deltanet"))
+    assert_peft_loads_the_export(model.eval(), tmp_path)
+
+
+def assert_peft_loads_the_export(model, tmp_path):
+    """`model`'s LoRA saved, exported in peft's format, loaded by peft onto transformers' model of tmp_path/base:
+    every key matched, the adapter changing the logits, and peft's logits ours."""
     import peft
     import transformers
     from safetensors.torch import load_file
     from minimoe.integrations.hf_export import export_peft
     from minimoe.runs.adapters import save_adapter
-    model = with_trained_lora(variant, tmp_path / "base", seed=1).eval()
     save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
     export_peft(tmp_path / "adapter", tmp_path / "peft")
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32,
