@@ -10,6 +10,7 @@ pytest.importorskip("transformers")  # the oracle: a plain install skips these t
 import transformers
 from safetensors.torch import save_file
 
+from minimoe.core.decoder.families import TEXT_MODEL_TYPES
 from tests.conftest import by_oracle
 from tests.core.decoder.test_model import reference_model
 from tests.loading.test_mxfp4 import quantise_by_spec
@@ -111,6 +112,16 @@ VARIANTS = {
                                       "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.5,
                                       "partial_rotary_factor": 8 / 24}),
+    # Qwen3.5-MoE's text model (transformers 5 only; its text config's model_type): Qwen3-Next's variant with the
+    # DeltaNet projections split, every layer sparse, mrope sections on a partial rotary as its releases give them.
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", layer_types=["linear_attention", "full_attention",
+                                                                    "linear_attention"],
+                        num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, shared_expert_intermediate_size=40,
+                        num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+                        max_position_embeddings=64,
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
 }
 
 
@@ -120,7 +131,8 @@ def declared(variants) -> list:
 
 
 def family_of(variant: str) -> str:
-    return VARIANTS[variant]["model_type"]
+    model_type = VARIANTS[variant]["model_type"]
+    return TEXT_MODEL_TYPES.get(model_type, model_type)  # Qwen3.5's text config names its family's text model
 
 
 def variant_config(variant: str) -> dict:

@@ -326,9 +326,13 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
     """(safetensors file -> WeightFile, its header read; disk key -> its file), checked strictly
     against `checkpoint_layout(config)`: a missing or unexpected key raises, naming it."""
     layout = checkpoint_layout(config)
+    family = family_of(config.model_type)
     files, where = {}, {}  # file -> WeightFile (header only), disk key -> file
     for file, keys in _weight_files(folder).items():
         files[file] = WeightFile(folder / file)
+        if family.key_prefixes:  # the hub's other layout: its keys read under ours (the header's entries renamed)
+            files[file].entries = {as_ours(k, family.key_prefixes): e for k, e in files[file].entries.items()}
+            keys = None if keys is None else [as_ours(k, family.key_prefixes) for k in keys]
         for key in files[file].entries if keys is None else keys:
             if key not in files[file].entries:
                 raise KeyError(f"{folder}: the shard index puts {key!r} in {file}, which does not hold it")
@@ -336,7 +340,7 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
     quantized = mxfp4_stored(layout, where)
     expected = {key for disk in layout.values() for key in disk_keys(disk, quantized)}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
-    prefixes = family_of(config.model_type).ignored_prefixes
+    prefixes = family.ignored_prefixes
     ignored |= {k for k in where if prefixes and k.startswith(prefixes)}
     unexpected = sorted(set(where) - expected - ignored)
     if unexpected:
@@ -346,6 +350,14 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
     if missing:
         raise KeyError(f"{folder}: missing key {missing[0]!r} ({len(missing)} in all) for model_type {config.model_type!r}")
     return files, where
+
+
+def as_ours(key: str, prefixes: dict) -> str:
+    """An on-disk key under our prefix where it starts with one of `prefixes` (Family.key_prefixes)."""
+    for disk, ours in prefixes.items():
+        if key.startswith(disk):
+            return ours + key[len(disk):]
+    return key
 
 
 # ----------------------------------------------------------------------------- saving

@@ -19,7 +19,9 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 
 def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     family = family_of(d.get("model_type"), source)
-    d = from_transformers5(d, family, source)  # rope_parameters, dtype, ...: the names 4.57 wrote
+    if family.text_model_type and isinstance(d.get("text_config"), dict):
+        d = text_config_of(d, family, source)
+    d = {**from_transformers5(d, family, source), "model_type": family.model_type}  # rope_parameters, dtype, ...: the names 4.57 wrote
     d = {k: v for k, v in d.items() if k not in family.harmless}  # not ours to read (MLA's head_dim)
     d = {family.renames.get(k, k): v for k, v in d.items()}
     d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
@@ -46,6 +48,24 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     return MoEConfig.from_flat({**known, "extra": extra})  # each mixer's options to its own config
 
 
+def text_config_of(d: dict, family, source: str) -> dict:
+    """A multimodal release's config.json (Qwen3.5's: the vision-language model's fields, the text model's under
+    text_config) -> the text model's, as transformers' ForCausalLM reads that file; the vision tower is not ours
+    (its keys are the record's ignored_prefixes). The wrapper's dtype serves a text config that gives none."""
+    text = dict(d["text_config"])
+    if text.setdefault("model_type", family.text_model_type) != family.text_model_type:
+        raise ValueError(f"{source}: text_config's model_type {text['model_type']!r}; expected "
+                         f"{family.text_model_type!r} in a {family.model_type} config.json")
+    tie = d.get("tie_word_embeddings")
+    if tie is not None and text.setdefault("tie_word_embeddings", tie) != tie:
+        raise ValueError(f"{source}: tie_word_embeddings {tie!r} and text_config's {text['tie_word_embeddings']!r} "
+                         f"disagree")
+    for key in ("dtype", "torch_dtype"):
+        if key in d and "dtype" not in text and "torch_dtype" not in text:
+            text[key] = d[key]
+    return text
+
+
 def config_to_dict(config: MoEConfig) -> dict:
     """config.json as the family's transformers config writes it: the shared fields, the family's own
     (`Family.config_fields`) under its names, and whatever unknown fields were read."""
@@ -59,6 +79,7 @@ def config_to_dict(config: MoEConfig) -> dict:
     d = {**config.extra, **{back.get(k, k): flat[k] for k in config_field_names() if k in written and k in flat
                             and not (flat[k] is None and k in family.never_null)}}
     d["architectures"] = [family.architecture]
+    d["model_type"] = family.text_model_type or family.model_type  # what its transformers config class reads
     if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
         back_kinds = {v: k for k, v in family.layer_kinds.items()}
         d["layer_types"] = [back_kinds[m] for m in config.mixer_types]

@@ -111,6 +111,12 @@ FAMILY_SWITCHES = {
                        shared_expert_intermediate_size=40, norm_topk_prob=True, linear_num_key_heads=2,
                        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
                        pad_token_id=0, eos_token_id=1),
+    # Qwen3.5-MoE: Qwen3-Next's with the DeltaNet projections split (fixed by the family), every layer sparse, the
+    # rope sections of its releases on a partial rotary.
+    "qwen3_5_moe": dict(mixer_types=["gated_deltanet", "attention"], head_dim=16, partial_rotary_factor=0.5,
+                        shared_expert_intermediate_size=40, linear_num_key_heads=2, linear_num_value_heads=4,
+                        linear_key_head_dim=8, linear_value_head_dim=12, pad_token_id=0, eos_token_id=1,
+                        rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
 }
 
 # --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.

@@ -172,3 +172,21 @@ def test_every_family_saved_by_transformers5_loads_exactly(model_type, tmp_path)
         full = torch.ones_like(mask)
         assert rel_err(ours(ids).logits, ref(ids).logits, full) <= FP32_TOL
     assert math.isfinite(ours.config.rope_theta)
+
+
+def test_a_released_qwen3_5_config_json_reads_its_text_config():
+    """Qwen3.5's releases write the vision-language model's config.json (model_type qwen3_5_moe, the text model's
+    fields under text_config, the vision tower's under vision_config): it reads as the flat config.json that
+    Qwen3_5MoeForCausalLM writes (model_type qwen3_5_moe_text); a text_config of another model, or a
+    tie_word_embeddings that disagrees with it, is refused by name."""
+    flat = tiny("qwen3_5_moe")
+    assert flat["model_type"] == "qwen3_5_moe_text"
+    released = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                "text_config": flat, "vision_config": {"depth": 27}, "image_token_id": 248056,
+                "tie_word_embeddings": False}
+    assert config_from_dict(released) == config_from_dict(flat)
+    assert config_from_dict(released).model_type == "qwen3_5_moe"
+    with pytest.raises(ValueError, match="text_config's model_type 'qwen3_next'"):
+        config_from_dict({**released, "text_config": {**flat, "model_type": "qwen3_next"}})
+    with pytest.raises(ValueError, match="tie_word_embeddings True and text_config's False disagree"):
+        config_from_dict({**released, "tie_word_embeddings": True})

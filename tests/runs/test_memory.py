@@ -152,9 +152,34 @@ def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, mes
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny:qwen3_next"])
+@pytest.mark.parametrize("name", ["tiny", "tiny:qwen3_next", "tiny:qwen3_5_moe"])
 def test_the_memory_command_takes_a_tiny_model_as_train_py_does(name):
     """`python -m minimoe.runs.memory tiny:<family>` sizes the tiny model train.py would run, under its
     recipe, not the hub's repo-id error."""
     estimate = memory_estimate.main([name, "--gpus", "1", "--dtype", "float32"])
     assert estimate.weights > 0 and estimate.total > estimate.weights
+
+
+# Qwen3.5-35B-A3B's config.json in its released form (the vision-language model's, the text model's fields under
+# text_config): its text fields are Qwen3_5MoeTextConfig's defaults, which transformers documents as that checkpoint's.
+QWEN3_5_35B = {"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+               "tie_word_embeddings": False, "vision_config": {"depth": 27, "hidden_size": 1152},
+               "text_config": {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048,
+                               "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
+                               "head_dim": 256, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+                               "num_experts": 256, "num_experts_per_tok": 8, "linear_num_key_heads": 16,
+                               "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                               "linear_conv_kernel_dim": 4, "full_attention_interval": 4, "dtype": "bfloat16",
+                               "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                                                   "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
+                                                   "mrope_interleaved": True}}}
+
+
+def test_the_memory_command_sizes_qwen3_5_at_its_released_size(tmp_path):
+    """The released config.json alone (no weights, no hub): the text model's 34.7B parameters (the 35B of its
+    name; the vision tower, not loaded, is the rest) in bf16, which one 80 GiB GPU cannot train and two under
+    FSDP can."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_5_35B))
+    one = memory_estimate.main([str(tmp_path), "--gpus", "1"])
+    assert 34e9 < one.weights / 2 < 35e9 and not one.fits
+    assert memory_estimate.main([str(tmp_path), "--gpus", "2", "--shard", "fsdp"]).fits

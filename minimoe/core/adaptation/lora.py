@@ -75,9 +75,12 @@ TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_p
            "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj",
            # the recurrent mixers' projections (core/token_mixers/mamba2.py, core/token_mixers/deltanet.py), in the layers that have them
            "mamba_in": "mamba.in_proj", "mamba_out": "mamba.out_proj", "linear_qkvz": "linear_attn.in_proj_qkvz",
-           "linear_ba": "linear_attn.in_proj_ba", "linear_out": "linear_attn.out_proj"}
+           "linear_ba": "linear_attn.in_proj_ba", "linear_out": "linear_attn.out_proj",
+           # Qwen3.5's DeltaNet projections, stored apart (deltanet.py's linear_in_proj "split")
+           "linear_qkv": "linear_attn.in_proj_qkv", "linear_z": "linear_attn.in_proj_z",
+           "linear_b": "linear_attn.in_proj_b", "linear_a": "linear_attn.in_proj_a"}
 ALIASES = {"experts": ("gate_up", "down"), "mamba": ("mamba_in", "mamba_out"),
-           "deltanet": ("linear_qkvz", "linear_ba", "linear_out")}
+           "deltanet": ("linear_qkvz", "linear_ba", "linear_qkv", "linear_z", "linear_b", "linear_a", "linear_out")}
 
 
 def target_path(layer: nn.Module, paths: dict, t: str) -> str:
@@ -322,6 +325,8 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
                 continue  # a dense layer's MLP is not adapted (nor is a shared expert: docs/methods.md)
             if not path.startswith("mlp.") and path.split(".")[0] != layer.mixer_attribute:
                 continue  # a hybrid's layer: attention targets reach its attention layers, mamba ones its Mamba-2 layers
+            if path.startswith("linear_attn.") and not has_submodule(layer, path):
+                continue  # a DeltaNet layer holds the fused projections (Qwen3-Next) or the split ones (Qwen3.5)
             parent_name, _, leaf = path.rpartition(".")
             parent, base = layer.get_submodule(parent_name), layer.get_submodule(path)
             if isinstance(base, LoRAMixin):  # MLA's kv_b_proj, named by both "k" and "v"

@@ -55,6 +55,13 @@ class Family:
     # hybrids, whose layer_types name each layer's token mixer (read into `mixer_types`, written back)
     layer_kinds: dict = field(default_factory=dict)
     ignored_prefixes: tuple[str, ...] = ()  # on-disk keys we do not load (transformers ignores them too)
+    # on-disk key prefix -> ours, for a layout of the hub's files beside the one we write (Qwen3.5's vision-language
+    # release nests the text model under model.language_model.; transformers' conversion mapping reads both)
+    key_prefixes: dict = field(default_factory=dict)
+    # config.json's model_type for the text model where the family is named after a multimodal release (Qwen3.5's
+    # text config class writes "qwen3_5_moe_text"): read as this family, and written back; the release's own
+    # config.json nests it under text_config (loading/config_json.py reads that)
+    text_model_type: str | None = None
     # our field left None -> a callable of the MoEConfig giving what config.json gets instead, where the family's
     # transformers config would fill in another value than the one our model runs with
     write_defaults: dict = field(default_factory=dict)
@@ -82,17 +89,20 @@ class Converted:
 
 
 FAMILIES: dict[str, Family] = {}
+TEXT_MODEL_TYPES: dict[str, str] = {}  # a family's text_model_type -> its model_type
 
 
 def register_family(family: Family) -> Family:
     """Add a family to `FAMILIES` (a file of your own may declare one the same way)."""
     FAMILIES[family.model_type] = family
+    if family.text_model_type:
+        TEXT_MODEL_TYPES[family.text_model_type] = family.model_type
     return family
 
 
 def family_of(model_type: str, source: str = "config") -> Family:
-    """The record of `model_type`; an unknown one is an error naming the families there are."""
-    family = FAMILIES.get(model_type)
+    """The record of `model_type` (or of its text_model_type); an unknown one is an error naming the families."""
+    family = FAMILIES.get(TEXT_MODEL_TYPES.get(model_type, model_type))
     if family is None:
         raise ValueError(f"{source}: unknown model_type {model_type!r}; expected one of {sorted(FAMILIES)}")
     return family

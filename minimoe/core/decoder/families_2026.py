@@ -3,8 +3,9 @@ families.py declares the others, whose module docstring says what a record holds
 file, so that importing any of the decoder's modules registers them."""
 from __future__ import annotations
 
-from minimoe.core.decoder.families import (DEEPSEEK_FIELDS, DEEPSEEK_KEYS, DEEPSEEK_RENAMES, MLA_LORA_PATHS,
-                                           MLA_UNREAD, Family, register_family)
+from minimoe.core.decoder.families import (DEEPSEEK_FIELDS, DEEPSEEK_KEYS, DEEPSEEK_RENAMES, DELTANET_FIELDS,
+                                           FAMILIES, MLA_LORA_PATHS, MLA_UNREAD, PER_EXPERT_KEYS, QWEN_RENAMES, Family,
+                                           register_family)
 
 
 # MiniMax-M2's released config.json gives its partial rotary as rotary_dim (dims per head), transformers 5's
@@ -113,3 +114,36 @@ register_family(Family(
               "qk_nope_head_dim": 64, "dense_intermediate_size": 12288, "num_key_value_heads": 32,
               "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "pad_token_id": 11, "bos_token_id": 1,
               "eos_token_id": 2}))
+# Qwen3.5's MoE text model: Qwen3-Next's layer (transformers 5.23 builds it from Qwen3-Next's attention, norms, experts
+# and gated shared expert) with the DeltaNet projections stored apart (linear_in_proj "split": in_proj_qkv, in_proj_z,
+# in_proj_b, in_proj_a), every layer sparse (its config deletes mlp_only_layers, decoder_sparse_step and
+# norm_topk_prob: Qwen3-VL-MoE's router always renormalises the top-K) and multimodal rope sections
+# (rope_parameters' mrope_section, interleaved): rope_fields keeps them in rope_scaling, of rope_type "default".
+# They split the rotary frequencies among the temporal, height and width position streams; text gives all three
+# the token's position (transformers' text model expands one stream to three), so each frequency turns by that
+# position: the plain partial rotary (tests/core/decoder/test_families_parity.py holds our tables to its rotary
+# embedding and our logits to the vision-language model's on text).
+register_family(Family(
+    "qwen3_5_moe", "Qwen3_5MoeForCausalLM",
+    brings="Qwen3-Next's hybrid with the DeltaNet projections split (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), "
+           "every layer sparse, multimodal rope sections (text: the plain partial rotary); the released files nest "
+           "the text model under model.language_model. and its config under text_config",
+    hub_examples=("Qwen/Qwen3.5-35B-A3B", "Qwen/Qwen3.5-122B-A10B", "Qwen/Qwen3.5-397B-A17B"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts", "deltanet"), name_hints=("qwen3.5", "qwen3_5"),
+    recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe; LoRA as Qwen3-Next's, on the "
+                "DeltaNet layers' in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj too (peft names no "
+                "default for it: these are its module names)",
+    text_model_type="qwen3_5_moe_text",
+    # transformers 5.23's save_pretrained and the qwen2_moe conversion it applies: per-expert matrices; the
+    # vision-language release's keys under model.language_model. (its PrefixChange), read as ours
+    layer_keys=PER_EXPERT_KEYS, key_prefixes={"model.language_model.": "model."},
+    renames={**QWEN_RENAMES, "layer_types": "mixer_types"}, layer_kinds=FAMILIES["qwen3_next"].layer_kinds,
+    ignored_prefixes=("mtp.", "model.visual."),  # as Qwen3_5MoeForCausalLM's _keys_to_ignore_on_load_unexpected
+    config_fields=DELTANET_FIELDS | {"router_aux_loss_coef", "attention_bias", "head_dim", "partial_rotary_factor",
+                                     "shared_expert_intermediate_size", "mixer_types"},
+    fixed={"qk_norm": "head", "shared_expert_gate": True, "attn_output_gate": True, "norm_zero_centred": True,
+           "norm_topk_prob": True, "mlp_only_layers": [], "decoder_sparse_step": 1, "linear_in_proj": "split"},
+    defaults={"router_aux_loss_coef": 0.001, "partial_rotary_factor": 0.25, "head_dim": 256,
+              "shared_expert_intermediate_size": 512, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+              # every full_attention_interval-th layer full attention, the others DeltaNet (Qwen3_5MoeTextConfig's)
+              "mixer_types": FAMILIES["qwen3_next"].defaults["mixer_types"]}))

@@ -11,8 +11,10 @@ L chunk length. The delta rule runs in chunks (Gated DeltaNet paper, the WY form
 updates are folded into one unit lower-triangular solve, between chunks the state [dk, dv] is carried by
 a loop. It equals transformers 4.57's `torch_chunk_gated_delta_rule` (which runs the same solve as a
 row-by-row substitution) and keeps its dtype flow: the rule in fp32, its output cast to the model dtype.
-The checkpoint interleaves q, k, v, z per key head in in_proj_qkvz (and b, a in in_proj_ba);
-`split_projections` undoes that. Parameter names are the checkpoint's (`linear_attn.*`).
+Qwen3-Next's checkpoint interleaves q, k, v, z per key head in in_proj_qkvz (and b, a in in_proj_ba);
+`split_projections` undoes that. Qwen3.5 stores them as four matrices instead (`linear_in_proj` "split":
+in_proj_qkv [q | k | v], in_proj_z, in_proj_b, in_proj_a, each head's rows contiguous): the same layer, its
+projections apart. Parameter names are the checkpoint's (`linear_attn.*`).
 Padding and packed rows: core/token_mixers/ssm_common.py. Its options are `DeltaNetConfig` (MoEConfig.mixers["gated_deltanet"]),
 named as Qwen3-Next's config.json names them.
 """
@@ -28,6 +30,9 @@ from minimoe.core.layers.masks import FULL
 from minimoe.core.token_mixers.ssm_common import GatedRMSNorm, RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
 
 
+IN_PROJ_LAYOUTS = ("fused", "split")
+
+
 @dataclass
 class DeltaNetConfig:
     """A Gated DeltaNet layer's heads (Hk key heads of dk, Hv value heads of dv) and its conv."""
@@ -36,10 +41,16 @@ class DeltaNetConfig:
     linear_value_head_dim: int = 128  # dv
     linear_num_key_heads: int = 16  # Hk
     linear_num_value_heads: int = 32  # Hv: each key head serves Hv / Hk value heads
+    # how the input projections are stored: "fused" (Qwen3-Next: in_proj_qkvz, in_proj_ba, interleaved per key
+    # head) or "split" (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a); no config.json says it, the
+    # family's record fixes it
+    linear_in_proj: str = "fused"
 
     def __post_init__(self):
+        if self.linear_in_proj not in IN_PROJ_LAYOUTS:
+            raise ValueError(f"config: linear_in_proj {self.linear_in_proj!r}; expected one of {IN_PROJ_LAYOUTS}")
         for name, value in vars(self).items():
-            if not (isinstance(value, int) and value >= 1):
+            if name != "linear_in_proj" and not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"config: {name} {value!r}; expected an int >= 1")
         if self.linear_num_value_heads % self.linear_num_key_heads:
             raise ValueError(f"config: linear_num_value_heads {self.linear_num_value_heads} is not a multiple of "
@@ -91,8 +102,15 @@ class GatedDeltaNet(nn.Module):
         self.Hk, self.Hv, self.dk, self.dv = Hk, Hv, c.linear_key_head_dim, c.linear_value_head_dim
         self.key_dim, self.value_dim = Hk * self.dk, Hv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim  # q, k, v go through the conv
-        self.in_proj_qkvz = nn.Linear(D, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(D, 2 * Hv, bias=False)
+        self.split = c.linear_in_proj == "split"
+        if self.split:
+            self.in_proj_qkv = nn.Linear(D, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(D, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(D, Hv, bias=False)
+            self.in_proj_a = nn.Linear(D, Hv, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(D, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(D, 2 * Hv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, c.linear_conv_kernel_dim, groups=self.conv_dim,
                                 bias=False)
         self.dt_bias = nn.Parameter(torch.ones(Hv))
@@ -111,9 +129,16 @@ class GatedDeltaNet(nn.Module):
         b, a = ba.unflatten(-1, (self.Hk, -1)).split([r, r], dim=-1)
         return [t.flatten(-2) for t in (q, k, v, z, b, a)]
 
-    def forward(self, x, inputs, cache: StateSlot | None = None):  # inputs: mixers.MixerInputs
+    def projections(self, x):
+        """x [B, T, D] -> u [B, T, conv_dim + 2*Hv] (q, k, v, b, a: what `sequence` reads), z [B, T, Hv*dv]."""
+        if self.split:
+            return torch.cat([self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x)], dim=-1), self.in_proj_z(x)
         q, k, v, z, b, a = self.split_projections(self.in_proj_qkvz(x), self.in_proj_ba(x))
-        o = run_sequence(self.sequence, torch.cat([q, k, v, b, a], dim=-1), inputs, cache)
+        return torch.cat([q, k, v, b, a], dim=-1), z
+
+    def forward(self, x, inputs, cache: StateSlot | None = None):  # inputs: mixers.MixerInputs
+        u, z = self.projections(x)
+        o = run_sequence(self.sequence, u, inputs, cache)
         o = self.norm(o.unflatten(-1, (self.Hv, self.dv)), z.unflatten(-1, (self.Hv, self.dv)))
         return self.out_proj(o.flatten(-2))
 

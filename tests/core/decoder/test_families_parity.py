@@ -162,12 +162,13 @@ def test_kv_cached_decoding_gives_the_full_forward_logits(variant, tmp_path):
     assert rel_err(torch.cat(steps, dim=1), full, torch.ones_like(ids)) <= FP32_TOL
 
 
-def with_trained_lora(variant, base, seed: int):
-    """The variant's reference checkpoint saved at `base`, loaded by us with rank-4 LoRA (alpha 12) moved off
-    its zero start by random steps, as a trained adapter would be (what both export tests export)."""
+def with_trained_lora(variant, base, seed: int, targets=None):
+    """The variant's reference checkpoint saved at `base`, loaded by us with rank-4 LoRA (alpha 12; `targets`,
+    None: the family's) moved off its zero start by random steps, as a trained adapter would be (what both
+    export tests export)."""
     reference_model(variant_config(variant), base)
     model = minimoe.from_pretrained(base)
-    add_lora(model, rank=4, alpha=12, dropout=0.0)
+    add_lora(model, rank=4, alpha=12, dropout=0.0, targets=targets)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -180,11 +181,27 @@ def with_trained_lora(variant, base, seed: int):
 def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
     """A LoRA trained on the family (every tensor moved), exported in peft's format, loads into
     transformers + peft with our logits, every key matched."""
+    assert_peft_loads_the_export(with_trained_lora(variant, tmp_path / "base", seed=1).eval(), tmp_path)
+
+
+@pytest.mark.tf5
+def test_qwen3_5_moe_peft_loads_the_attention_and_deltanet_export(tmp_path):
+    """Qwen3.5's LoRA on the attention and the split DeltaNet projections (in_proj_qkv, in_proj_z, in_proj_b,
+    in_proj_a, out_proj: its module names, which peft targets), exported, loads into peft on transformers 5.23
+    with our logits. Not the experts: transformers 5 holds them fused, where peft adapts parameters, not the
+    per-expert modules the export names."""
+    pytest.importorskip("peft")  # not in the test5 extra
+    model = with_trained_lora("qwen3_5_moe", tmp_path / "base", seed=1, targets=("q", "k", "v", "o", "deltanet"))
+    assert_peft_loads_the_export(model.eval(), tmp_path)
+
+
+def assert_peft_loads_the_export(model, tmp_path):
+    """`model`'s LoRA saved, exported in peft's format, loaded by peft onto transformers' model of tmp_path/base:
+    every key matched, the adapter changing the logits, and peft's logits ours."""
     import peft
     from safetensors.torch import load_file
     from minimoe.integrations.hf_export import export_peft
     from minimoe.runs.adapters import save_adapter
-    model = with_trained_lora(variant, tmp_path / "base", seed=1).eval()
     save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
     export_peft(tmp_path / "adapter", tmp_path / "peft")
     hf = hf_causal_lm(tmp_path / "base", dtype=torch.float32, attn_implementation="eager")
@@ -215,7 +232,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(variant, tmp_path):
         assert rel_err(with_v2_softmax_mscale(hf).eval()(ids, attention_mask=mask).logits, ours, mask) <= FP32_TOL
 
 
-HYBRIDS = [v for v in NAMES if family_of(v) in ("granitemoehybrid", "qwen3_next")]
+HYBRIDS = declared([v for v in NAMES if family_of(v) in ("granitemoehybrid", "qwen3_next", "qwen3_5_moe")])
 
 
 @pytest.mark.parametrize("variant", HYBRIDS)
@@ -281,3 +298,60 @@ def test_qwen3_next_loads_past_its_multi_token_prediction_keys(tmp_path):
     save_file({**tensors, "extra.fc.weight": torch.zeros(4, 4)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KeyError, match="unexpected key 'extra.fc.weight'"):
         minimoe.from_pretrained(tmp_path)
+
+
+@pytest.mark.tf5
+def test_qwen3_5_moe_rope_sections_on_text_are_the_plain_partial_rotary(tmp_path):
+    """Qwen3.5's multimodal rope (rope_parameters' mrope_section, interleaved) gives the rotary frequencies to the
+    temporal, height and width position streams by sections; text gives all three the token's position, and then
+    transformers' tables (three equal streams, as its text model expands one) are our plain partial rotary's. With
+    the streams apart (an image's) they are not: the sections are real, text never separates them."""
+    import transformers
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
+    from minimoe.core.decoder.model import position_embeddings
+    reference_model(variant_config("qwen3_5_moe"), tmp_path)
+    ours = minimoe.from_pretrained(tmp_path)
+    assert ours.config.rope_scaling["mrope_section"] == [2, 1, 1] and ours.config.rope_dim == 8
+    rotary = Qwen3_5MoeTextRotaryEmbedding(transformers.AutoConfig.from_pretrained(tmp_path))
+    pos = torch.arange(16)[None].expand(2, -1)  # [B, T]
+    x = torch.zeros(1)
+    want = position_embeddings(ours.config, pos, torch.float32)  # cos, sin [B, T, rope_dim]
+    for got, wanted in zip(rotary(x, pos[None].expand(3, -1, -1)), want):
+        assert torch.allclose(got, wanted, atol=1e-6)
+    apart = rotary(x, torch.stack([pos, pos + 5, 2 * pos]))[0]  # height and width streams of their own
+    assert not torch.allclose(apart, want[0], atol=1e-3)
+
+
+@pytest.mark.tf5
+def test_qwen3_5_moe_release_loads_as_the_vision_language_model_reads_it(tmp_path):
+    """The released form, as Qwen3_5MoeForConditionalGeneration saves it: config.json of the vision-language model
+    (the text model's under text_config), the text model's keys under model.language_model., the vision tower's
+    under model.visual. (not ours, ignored as transformers' text model ignores them). It loads with that model's
+    logits on text, padded and unpadded, and saves as Qwen3_5MoeForCausalLM writes (model_type qwen3_5_moe_text,
+    keys under model.)."""
+    import transformers
+    text = variant_config("qwen3_5_moe")
+    config = transformers.AutoConfig.for_model("qwen3_5_moe", text_config=text, tie_word_embeddings=False,
+                                               vision_config=dict(depth=1, hidden_size=32, intermediate_size=32,
+                                                                  num_heads=2, out_hidden_size=text["hidden_size"]))
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForImageTextToText.from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "release")
+    ref.eval()
+    on_disk = json.loads((tmp_path / "release" / "config.json").read_text())
+    assert on_disk["model_type"] == "qwen3_5_moe" and "hidden_size" not in on_disk  # the form this test is about
+    ours = minimoe.from_pretrained(tmp_path / "release", dtype=torch.float32)
+    ids, mask = batch(ours)
+    with torch.no_grad():
+        assert rel_err(ours(ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits,
+                       mask) <= FP32_TOL
+        assert rel_err(ours(ids).logits, ref(input_ids=ids).logits, torch.ones_like(ids)) <= FP32_TOL
+    minimoe.save_pretrained(ours, tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", attn_implementation="eager",
+                                                              dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel_err(again(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits, mask) <= FP32_TOL

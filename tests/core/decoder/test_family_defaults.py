@@ -29,6 +29,7 @@ SAME_MEANING = {
     ("granitemoehybrid", "mixer_types"): "None in transformers 4.57's config: its layers_block_type property, which "
                                          "falls back to every layer Mamba, is shadowed by its attribute_map; ours is "
                                          "that fallback",
+    ("qwen3_5_moe", "model_type"): "the family's name; config.json gets its text_model_type, this one",
     ("llama4_text", "moe_layers"): "None: every decoder_sparse_step-th layer (i + 1) % step == 0, the list "
                                     "transformers fills in (range(step - 1, layers, step))",
 }
@@ -42,7 +43,8 @@ def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(mo
     on_disk = {ours: disk for disk, ours in family.renames.items()}  # our field -> its config.json name
     d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}}
     ours = config_from_dict(dict(d)).flat()  # the shared fields and those of the mixers the model holds
-    reference = transformers.AutoConfig.for_model(**d)
+    # a multimodal release's text model (Qwen3.5): its text config class, which config.json names text_model_type
+    reference = transformers.AutoConfig.for_model(**{**d, "model_type": family.text_model_type or model_type})
     # transformers 5 holds rope_theta, its scaling and partial_rotary_factor in rope_parameters: read as we read it
     rope = rope_fields(reference.rope_parameters, {}, model_type) if hasattr(reference, "rope_parameters") else {}
     wrong, compared = [], 0
