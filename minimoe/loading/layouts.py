@@ -93,6 +93,9 @@ def as_our_keys(entries: dict, prefixes: dict, fused_banks: dict, itemsize) -> t
             out[key], became[disk] = entry, [key]
             continue
         E, rows, cols = entry["shape"]
+        if rows % len(parts):
+            raise ValueError(f"checkpoint key {disk!r}: a fused bank of shape {entry['shape']}; expected its "
+                             f"{rows} rows to split evenly into {len(parts)} parts ({', '.join(parts)})")
         rows //= len(parts)  # each part's rows (gate, then up)
         size, begin = rows * cols * itemsize(entry["dtype"]), entry["data_offsets"][0]
         split = {f"{head}.layers.{index}." + pattern.format(j=j): {
