@@ -110,9 +110,10 @@ def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, mo
     assert [c.model for c in cells] == [str(folder)] and guess_recipe(str(folder)) == FAMILIES[model_type].recipe
 
 
-@pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS)
+@pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS + tiny_families.declared(["qwen3_5_moe"]))
 def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, tmp_path, monkeypatch, offline):
-    """The hub path (HF_HUB_OFFLINE=1, a cache laid out as huggingface_hub writes it) gives transformers' logits."""
+    """The hub path (HF_HUB_OFFLINE=1, a cache laid out as huggingface_hub writes it) gives transformers' logits
+    (Qwen3.5-MoE's: transformers 5.23's, a tf5 case)."""
     ref, folder = transformers_saved(variant, tmp_path / "saved", monkeypatch)
     populate_hub_cache(tmp_path / "cache", f"org/{variant}-tiny", folder)
     ours = minimoe.from_pretrained(f"org/{variant}-tiny", cache_dir=tmp_path / "cache")

@@ -30,7 +30,7 @@ from minimoe.core.adaptation.quantized import require as require_quantization
 from minimoe.process_memory import advise_huge_pages, mapped_big_blocks
 from minimoe.loading.config_json import config_to_dict, read_config
 from minimoe.loading.hub import resolve_checkpoint
-from minimoe.loading.layouts import layout_of
+from minimoe.loading.layouts import as_our_keys, layout_of
 from minimoe.loading.mxfp4 import MXFP4Weight, dequantize_mxfp4
 
 
@@ -329,13 +329,14 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
     family = family_of(config.model_type)
     files, where = {}, {}  # file -> WeightFile (header only), disk key -> file
     for file, keys in _weight_files(folder).items():
-        files[file] = WeightFile(folder / file)
-        if family.key_prefixes:  # the hub's other layout: its keys read under ours (the header's entries renamed)
-            files[file].entries = {as_ours(k, family.key_prefixes): e for k, e in files[file].entries.items()}
-            keys = None if keys is None else [as_ours(k, family.key_prefixes) for k in keys]
-        for key in files[file].entries if keys is None else keys:
-            if key not in files[file].entries:
+        weights = files[file] = WeightFile(folder / file)
+        for key in keys or ():
+            if key not in weights.entries:
                 raise KeyError(f"{folder}: the shard index puts {key!r} in {file}, which does not hold it")
+        # the hub's other layouts (Family.key_prefixes, fused_banks), read under the record's keys
+        weights.entries, became = as_our_keys(weights.entries, family.key_prefixes, family.fused_banks,
+                                              lambda dtype: SAFETENSORS_DTYPES[dtype].itemsize)
+        for key in weights.entries if keys is None else [k for disk in keys for k in became[disk]]:
             where[key] = file
     quantized = mxfp4_stored(layout, where)
     expected = {key for disk in layout.values() for key in disk_keys(disk, quantized)}
@@ -350,14 +351,6 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
     if missing:
         raise KeyError(f"{folder}: missing key {missing[0]!r} ({len(missing)} in all) for model_type {config.model_type!r}")
     return files, where
-
-
-def as_ours(key: str, prefixes: dict) -> str:
-    """An on-disk key under our prefix where it starts with one of `prefixes` (Family.key_prefixes)."""
-    for disk, ours in prefixes.items():
-        if key.startswith(disk):
-            return ours + key[len(disk):]
-    return key
 
 
 # ----------------------------------------------------------------------------- saving

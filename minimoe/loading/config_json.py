@@ -21,7 +21,8 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     family = family_of(d.get("model_type"), source)
     if family.text_model_type and isinstance(d.get("text_config"), dict):
         d = text_config_of(d, family, source)
-    d = {**from_transformers5(d, family, source), "model_type": family.model_type}  # rope_parameters, dtype, ...: the names 4.57 wrote
+    # rope_parameters, dtype, ...: the names 4.57 wrote; the family's own name for its text model's model_type
+    d = {**from_transformers5(d, family, source), "model_type": family.model_type}
     d = {k: v for k, v in d.items() if k not in family.harmless}  # not ours to read (MLA's head_dim)
     d = {family.renames.get(k, k): v for k, v in d.items()}
     d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}

@@ -9,6 +9,11 @@ gate_up_proj [E, D, 2I] with column 2i the gate of unit i and column 2i+1 its up
 [E, 2I] interleaved the same way, down_proj [E, I, D]; or, in openai/gpt-oss-20b, the matrices as MXFP4
 blocks and scales of [E, out, in] (gate_up's 2I rows interleaved as above). Llama 4: gate_up_proj
 [E, D, 2I] gate columns first, down_proj [E, I, D]. Ours: [E, out, in], gate rows then up rows.
+
+Layouts of a whole file (`as_our_keys`), for a family whose hub files differ from what transformers' save_pretrained
+writes and we write: keys under another prefix (Family.key_prefixes: Qwen3.5's model.language_model.), and expert
+banks stored fused where the record reads them per expert (Family.fused_banks), seen in the safetensors header as
+the per-expert matrices they hold, so that every reader (the whole load, the sharded one) reads them unchanged.
 """
 from __future__ import annotations
 
@@ -70,3 +75,33 @@ def layout_of(disk) -> Layout:
     if layout is None:
         raise ValueError(f"checkpoint key {disk.key!r}: unknown layout {disk.layout!r}; expected one of {sorted(LAYOUTS)}")
     return layout
+
+
+def as_our_keys(entries: dict, prefixes: dict, fused_banks: dict, itemsize) -> tuple[dict, dict]:
+    """A safetensors header's entries ({key: {dtype, shape, data_offsets}}) under the keys the record reads: a key
+    under one of `prefixes` (disk prefix -> ours) renamed; a fused bank of `fused_banks` (its key in a layer, e.g.
+    mlp.experts.gate_up_proj [E, out, in] -> the per-expert patterns it holds, splitting out evenly in order) seen as
+    those per-expert matrices: expert j's rows are contiguous on disk, so each is a byte range of the same tensor,
+    nothing copied. itemsize(dtype name) -> bytes. Returns (the entries, each disk key -> the keys it became)."""
+    out, became = {}, {}
+    for disk, entry in entries.items():
+        key = next((ours + disk[len(p):] for p, ours in prefixes.items() if disk.startswith(p)), disk)
+        head, _, rest = key.partition(".layers.")
+        index, _, local = rest.partition(".")
+        parts = fused_banks.get(local) if rest else None
+        if parts is None or len(entry["shape"]) != 3:
+            out[key], became[disk] = entry, [key]
+            continue
+        E, rows, cols = entry["shape"]
+        if rows % len(parts):
+            raise ValueError(f"checkpoint key {disk!r}: a fused bank of shape {entry['shape']}; expected its "
+                             f"{rows} rows to split evenly into {len(parts)} parts ({', '.join(parts)})")
+        rows //= len(parts)  # each part's rows (gate, then up)
+        size, begin = rows * cols * itemsize(entry["dtype"]), entry["data_offsets"][0]
+        split = {f"{head}.layers.{index}." + pattern.format(j=j): {
+            "dtype": entry["dtype"], "shape": [rows, cols],
+            "data_offsets": [begin + (j * len(parts) + p) * size, begin + (j * len(parts) + p + 1) * size]}
+            for j in range(E) for p, pattern in enumerate(parts)}
+        out.update(split)
+        became[disk] = list(split)
+    return out, became

@@ -58,6 +58,9 @@ class Family:
     # on-disk key prefix -> ours, for a layout of the hub's files beside the one we write (Qwen3.5's vision-language
     # release nests the text model under model.language_model.; transformers' conversion mapping reads both)
     key_prefixes: dict = field(default_factory=dict)
+    # a layer's on-disk expert bank [E, out, in] stored fused -> the per-expert keys of layer_keys it holds (its out
+    # rows split evenly among them, in order): the hub's layout beside the per-expert one we write (loading/layouts.py)
+    fused_banks: dict = field(default_factory=dict)
     # config.json's model_type for the text model where the family is named after a multimodal release (Qwen3.5's
     # text config class writes "qwen3_5_moe_text"): read as this family, and written back; the release's own
     # config.json nests it under text_config (loading/config_json.py reads that)

@@ -135,8 +135,10 @@ register_family(Family(
                 "default for it: these are its module names)",
     text_model_type="qwen3_5_moe_text",
     # transformers 5.23's save_pretrained and the qwen2_moe conversion it applies: per-expert matrices; the
-    # vision-language release's keys under model.language_model. (its PrefixChange), read as ours
+    # vision-language release's keys under model.language_model. (its PrefixChange), read as ours, and its experts
+    # fused ([E, 2I, D] gate rows first, [E, D, I], no .weight: Qwen3_5MoeExperts' own), read as per-expert
     layer_keys=PER_EXPERT_KEYS, key_prefixes={"model.language_model.": "model."},
+    fused_banks={disk.removesuffix(".weight"): PER_EXPERT_KEYS[disk] for disk in PER_EXPERT_KEYS},
     renames={**QWEN_RENAMES, "layer_types": "mixer_types"}, layer_kinds=FAMILIES["qwen3_next"].layer_kinds,
     ignored_prefixes=("mtp.", "model.visual."),  # as Qwen3_5MoeForCausalLM's _keys_to_ignore_on_load_unexpected
     config_fields=DELTANET_FIELDS | {"router_aux_loss_coef", "attention_bias", "head_dim", "partial_rotary_factor",

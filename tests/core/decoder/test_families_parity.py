@@ -326,9 +326,11 @@ def test_qwen3_5_moe_rope_sections_on_text_are_the_plain_partial_rotary(tmp_path
 def test_qwen3_5_moe_release_loads_as_the_vision_language_model_reads_it(tmp_path):
     """The released form, as Qwen3_5MoeForConditionalGeneration saves it: config.json of the vision-language model
     (the text model's under text_config), the text model's keys under model.language_model., the vision tower's
-    under model.visual. (not ours, ignored as transformers' text model ignores them). It loads with that model's
-    logits on text, padded and unpadded, and saves as Qwen3_5MoeForCausalLM writes (model_type qwen3_5_moe_text,
-    keys under model.)."""
+    under model.visual. (not ours, ignored as transformers' text model ignores them); its experts per expert, as
+    save_pretrained writes them, and fused ([E, 2I, D], [E, D, I] as Qwen3_5MoeExperts holds them, which
+    transformers reads as the same model). Each loads with that model's logits on text, padded and unpadded, and
+    saves as Qwen3_5MoeForCausalLM writes (model_type qwen3_5_moe_text, keys under model.)."""
+    from safetensors.torch import load_file, save_file
     import transformers
     text = variant_config("qwen3_5_moe")
     config = transformers.AutoConfig.for_model("qwen3_5_moe", text_config=text, tie_word_embeddings=False,
@@ -343,12 +345,25 @@ def test_qwen3_5_moe_release_loads_as_the_vision_language_model_reads_it(tmp_pat
     ref.eval()
     on_disk = json.loads((tmp_path / "release" / "config.json").read_text())
     assert on_disk["model_type"] == "qwen3_5_moe" and "hidden_size" not in on_disk  # the form this test is about
-    ours = minimoe.from_pretrained(tmp_path / "release", dtype=torch.float32)
-    ids, mask = batch(ours)
+    tensors, E = load_file(tmp_path / "release" / "model.safetensors"), text["num_experts"]
+    fused = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for i in range(text["num_hidden_layers"]):
+        at = f"model.language_model.layers.{i}.mlp.experts."
+        fused[at + "gate_up_proj"] = torch.stack([torch.cat([tensors[f"{at}{j}.{p}_proj.weight"] for p in ("gate", "up")])
+                                                  for j in range(E)])
+        fused[at + "down_proj"] = torch.stack([tensors[f"{at}{j}.down_proj.weight"] for j in range(E)])
+    (tmp_path / "fused").mkdir()
+    (tmp_path / "fused" / "config.json").write_text(json.dumps(on_disk))
+    save_file(fused, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"})
+    ids, mask = batch(minimoe.from_pretrained(tmp_path / "release", dtype=torch.float32))
     with torch.no_grad():
-        assert rel_err(ours(ids, attention_mask=mask).logits, ref(input_ids=ids, attention_mask=mask).logits,
-                       mask) <= FP32_TOL
-        assert rel_err(ours(ids).logits, ref(input_ids=ids).logits, torch.ones_like(ids)) <= FP32_TOL
+        want, want_full = ref(input_ids=ids, attention_mask=mask).logits, ref(input_ids=ids).logits
+        read_back = transformers.AutoModelForImageTextToText.from_pretrained(tmp_path / "fused", dtype=torch.float32)
+        assert rel_err(read_back.eval()(input_ids=ids, attention_mask=mask).logits, want, mask) <= FP32_TOL
+        for folder in ("release", "fused"):
+            ours = minimoe.from_pretrained(tmp_path / folder, dtype=torch.float32)
+            assert rel_err(ours(ids, attention_mask=mask).logits, want, mask) <= FP32_TOL, folder
+            assert rel_err(ours(ids).logits, want_full, torch.ones_like(ids)) <= FP32_TOL, folder
     minimoe.save_pretrained(ours, tmp_path / "again")
     assert json.loads((tmp_path / "again" / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again", attn_implementation="eager",
