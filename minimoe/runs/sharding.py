@@ -42,8 +42,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from minimoe.core.adaptation.lora import lora_modules
+from minimoe.core.adaptation.quantized import is_quantized, quantized_modules
+from minimoe.core.adaptation.sharded_nf4 import RECORDS, NF4Records, shardable
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_entries, weight_index
+from minimoe.process_memory import mapped_big_blocks
 from minimoe.loading.config_json import read_config
 from minimoe.runs.config import TrainConfig
 
@@ -100,10 +103,46 @@ def read_base_rows(model: MoEForCausalLM, folder: Path) -> int:
     files, where = weight_index(folder, config)
     targets = []  # (record entry, this rank's rows of its parameter, their first row)
     for name, disk in checkpoint_layout(config).items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and is_quantized(model.get_submodule(module)):
+            continue  # packed: pack_base_rows (its bias is read here)
         local, first = local_rows(model.get_parameter(name))
         if len(local):
             targets.append((disk, local, first))
     return read_entries(files, where, targets, config.num_experts, str(folder))
+
+
+def pack_base_rows(model: MoEForCausalLM, folder: Path, dtype: torch.dtype) -> tuple[int, int]:
+    """--quantize nf4: each rank packs the matrices its bytes of each packed weight touch (NF4Records.matrices_of:
+    its experts of a bank, give or take one at each edge; the whole of an nn.Linear), read from the files one
+    module after the other into one staging buffer, and keeps its bytes; returns (the tensor bytes it read,
+    the most values the buffer held: the dense rows of one module, never a layer's)."""
+    config = model.config
+    files, where = weight_index(folder, config)
+    layout = checkpoint_layout(config)
+    todo = []  # (module name, its records, this rank's bytes, their first, matrices [m0, m1))
+    for name, module in model.named_modules():
+        if is_quantized(module) and isinstance(module.packed, NF4Records):
+            local, first = local_rows(getattr(module, RECORDS))
+            if len(local):
+                todo.append((name, module.packed, local, first, *module.packed.matrices_of(first, len(local))))
+    per = lambda records: records.shape[-2] * records.shape[-1]  # noqa: E731  values a matrix
+    largest = max((per(records) * (m1 - m0) for _, records, _, _, m0, m1 in todo), default=0)
+    stage, read = torch.empty(largest, dtype=dtype, device=local_device(model)), 0
+    for name, records, local, first, m0, m1 in todo:
+        rows, cols = records.shape[-2:]
+        dense = stage[:per(records) * (m1 - m0)]
+        bank = len(records.shape) == 3  # its rows on disk are experts: read only ours; a Linear's, whole
+        target = dense.view(m1 - m0, rows, cols) if bank else dense.view(rows, cols)
+        read += read_entries(files, where, [(layout[f"{name}.weight"], target, m0 if bank else None)],
+                             config.num_experts, str(folder))
+        with mapped_big_blocks():  # the packing's transients, unmapped when freed (as from_pretrained packs)
+            records.fill_shard(local, first, dense.view(m1 - m0, rows, cols), m0)
+    return read, largest
+
+
+def local_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def shard(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
@@ -142,6 +181,7 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
         set_parameter(model, name, nn.Parameter(value, requires_grad=False))
     read = read_entries(files, where, gates, config.num_experts, str(folder))
     model.tie_weights()
+    packed = quantized_modules(model) if cfg.quantize is not None else []  # named before LoRA wraps them
     install(model)
     base = set(layout) | ({"lm_head.weight"} if config.tie_word_embeddings else set())
     small = {n: p.detach().to(device) for n, p in model.named_parameters() if n not in base}  # LoRA, heads, copies
@@ -149,9 +189,13 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
         set_parameter(model, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                 requires_grad=p.requires_grad))
     model.tie_weights()
+    for name in packed:  # --quantize nf4: the packed base as bytes FSDP shards (core/adaptation/sharded_nf4.py)
+        shardable(model.get_submodule(name))
     shard(model, device)
     model.to_empty(device=device)
-    read += read_base_rows(model, folder)  # every base weight's rows, the gates' included
+    read += read_base_rows(model, folder)  # every unpacked base weight's rows, the gates' included
+    if packed:
+        read += pack_base_rows(model, folder, dtype)[0]
     put_rows(model, small)
     return model, read
 

@@ -135,13 +135,13 @@ def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
 
 @pytest.mark.parametrize("family,flags,message", [
     ("olmoe", ["--quantize", "mxfp4"], "this model is olmoe; use --quantize nf4"),
-    ("olmoe", ["--quantize", "nf4", "--gpus", "2", "--shard", "fsdp"], "--quantize nf4 with --shard fsdp"),
+    ("gpt_oss", ["--quantize", "mxfp4", "--gpus", "2", "--shard", "fsdp"], "--quantize mxfp4 with --shard fsdp"),
     ("olmoe", ["--gpu-memory", "-5"], "--gpu-memory -5: expected"),
     ("mixtral", ["--quantize", "nf4"], "not a multiple of NF4's block of 64"),  # [2 x 36, 60]: 4320 values
 ])
 def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, message):
     """The memory command checks its settings with train.py's own check (install.check_model_settings):
-    MXFP4 on a family not released in it, NF4 where a matrix holds no whole blocks of 64, NF4 under FSDP;
+    MXFP4 on a family not released in it, NF4 where a matrix holds no whole blocks of 64, MXFP4 under FSDP;
     and a GPU of no memory."""
     widths = {"hidden_size": 60, "intermediate_size": 36, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16} \
