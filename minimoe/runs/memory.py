@@ -21,7 +21,9 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
-the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time.
+the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time. With
+--shard fsdp too: the rank's share of the packed bytes (ceil(1/N) of each module's, core/adaptation/sharded_nf4.py)
+and its rows of the rest, two layers gathered (packed), and the largest packed module dequantised.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
 """
 from __future__ import annotations

@@ -18,6 +18,10 @@ Decisions:
 - Each rank reads through the one-process loader's map of the family's record (checkpoint.entry_reads,
   restricted to the rank's rows: experts, for per-expert, Converted and MXFP4 entries), so that a family
   cannot load one way whole and another in shards (tests/runs/test_sharded_load.py holds the two equal).
+- --quantize nf4: each packed module's NF4 values are one frozen uint8 parameter (core/adaptation/sharded_nf4.py),
+  sharded and gathered as any weight; after sharding, each rank reads the matrices its bytes touch, one
+  module at a time into one staging buffer, packs them as one process packs them and keeps its bytes
+  (`pack_base_rows`). --quantize mxfp4 is refused (install.check_model_settings).
 - Mixed precision: `MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`. The base is stored
   in the run's dtype (bf16 on CUDA), so its all-gathers move bf16; the adapters and heads stay fp32
   as in one process (a param_dtype of bf16 would cast them too), their gradients reduce in fp32, and

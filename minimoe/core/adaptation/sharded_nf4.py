@@ -4,8 +4,8 @@ FSDP2 shards and all-gathers parameters, and `NF4Weight` (quantized.py) is a pla
 tensors of three dtypes. Here a module's packed weight is one frozen uint8 parameter, `weight_nf4`
 [E * R]: one record of R bytes per matrix, [factors | mean | codes | scalers | padding], the float parts
 first so that each is a view in its dtype (R a multiple of the dtype's size). FSDP2 shards it on its one
-dimension as it shards any weight (rank r holds bytes [r * ceil(E R / W), ...): 1/N of the packed bytes,
-whatever E, N or the module), all-gathers it with the layer's other parameters before the layer's forward
+dimension as it shards any weight (rank r of N holds bytes [r * ceil(E R / N), ...): 1/N of the packed
+bytes, whatever E, N or the module), all-gathers it with the layer's other parameters before the layer's forward
 and again before its backward, and frees it after. `NF4Records` reads the parameter at each dequantisation,
 so it reads the gathered one, and `nf4_dequantize` rebuilds the bank from the same values as the
 one-process NF4Weight: the same weight, bit for bit.
@@ -17,9 +17,10 @@ Decisions:
   carries FSDP2 hooks (fsdp_pre_all_gather / fsdp_post_all_gather over its inner tensors), for 2-D
   weights whose dim-0 chunks divide its blocks evenly, its per-matrix mean replicated; a bank [E, out, in]
   at uneven rank counts is outside it.
-- A rank packs the matrices its bytes touch (`matrices`: its rows of a bank, one matrix more at each
-  edge at most; a whole nn.Linear, which every rank reads), each by torchao's own `to_nf4` as one process
-  packs it, and keeps its bytes (`fill_shard`); runs/sharding.py reads them from the checkpoint.
+- A rank packs the matrices its bytes touch (`matrices_of`: about E / N experts of a bank, one more where
+  its bytes start or end inside a matrix; an nn.Linear whole, which every rank reads), each by torchao's own
+  `to_nf4` as one process packs it, and keeps its bytes (`fill_shard`); runs/sharding.py reads the matrices
+  from the checkpoint, one module at a time: a rank never holds a dense layer.
 - The base-weights digest samples the weight as loaded (adapters.py): each rank keeps the sampled values of
   the matrices whose first byte it holds, zeros elsewhere, and the digest sums them over the ranks.
 """
@@ -32,11 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from minimoe.core.adaptation.quantized import (NF4_BLOCK, NF4_SCALER_BLOCK, NF4Weight, _to_nf4, nf4_dequantize,
-                                               nf4_pairs, quantize_module)
+from minimoe.core.adaptation.quantized import (DIGEST_VALUES, NF4_BLOCK, NF4_SCALER_BLOCK, NF4Weight, _to_nf4,
+                                               digest_stride, nf4_dequantize, nf4_pairs, quantize_module)
 
 RECORDS = "weight_nf4"  # the uint8 parameter's name on its module
-SAMPLE = 4096  # values of the digest sample (quantized.digest_sample)
 
 
 def record_widths(rows: int, cols: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -121,7 +121,8 @@ class NF4Records:
             records = records_of(NF4Weight(dense)).flatten()
             local.copy_(records[first - m0 * self.record:][:len(local)])
         per = self.shape[-2] * self.shape[-1]
-        at = torch.arange(0, self.matrices * per, max(1, self.matrices * per // SAMPLE), device=dense.device)[:SAMPLE]
+        at = torch.arange(0, self.matrices * per, digest_stride(self.matrices * per), device=dense.device)
+        at = at[:DIGEST_VALUES]  # quantized.digest_sample's positions in the whole weight
         owned = (at // per >= -(-first // self.record)) & (at // per < -(-(first + len(local)) // self.record))
         self.sampled = torch.zeros(len(at), dtype=torch.float32, device=self.device)
         self.sampled[owned] = dense.reshape(-1)[at[owned] - m0 * per].to(torch.bfloat16).float()
