@@ -1,9 +1,10 @@
 """--quantize nf4 --shard fsdp on the CPU with gloo: two FSDP processes, each holding its bytes of the packed base
 (core/adaptation/sharded_nf4.py), equal the one-process quantized run at the same global batch over 4 real updates
 at the FSDP tests' tolerance (tests/runs/test_sharding.py), for OLMoE (TES-IS: packed expert banks and attention) and
-DeepSeek-V3 (Dual Affinity: MLA's projections, a dense layer and shared experts packed); a sharded quantized run
-killed after step 2 resumes to the uninterrupted result; the gathered adapter loads onto the one-process packed base
-(its base-weights digest, summed over the ranks' samples, is the one-process one). One torchrun launch.
+DeepSeek-V3 (Dual Affinity, --gradient-checkpointing: MLA's projections, a dense layer and shared experts packed); a
+sharded quantized run killed after step 2 resumes to the uninterrupted result; the gathered adapter loads onto the
+one-process packed base (its base-weights digest, summed over the ranks' samples, is the one-process one). One
+torchrun launch (about 25 s of CPU in all).
 """
 import json
 import os
@@ -18,7 +19,8 @@ from minimoe.runs.adapters import load_adapter
 from tests.runs.test_sharding import FLAGS, LR, REPO, STEPS, TRAINING_MARGIN, adapter, clear_of_ties, manifests, steps
 
 pytest.importorskip("torchao")
-RUNS = {"olmoe": ["--method", "tes", "--objective", "is"], "deepseek_v3": ["--method", "dual"]}
+# DeepSeek-V3 with --gradient-checkpointing: its layers' forwards run again inside the backward, on the gathered bytes
+RUNS = {"olmoe": ["--method", "tes", "--objective", "is"], "deepseek_v3": ["--method", "dual", "--gradient-checkpointing"]}
 KILLED = "olmoe"
 
 
