@@ -169,6 +169,8 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
     """The checkpoint in `folder` as an FSDP2 model on cfg.device with `install(model)` (training's
     install_method: LoRA and the method) applied, without the whole base on any rank (module
     docstring); returns it and the base-weight bytes this rank read from the files."""
+    if cfg.quantize not in (None, "nf4"):  # install.check_model_settings refuses it first, before any folder
+        raise ShardingRefused(f"--quantize {cfg.quantize} with --shard fsdp: the sharded load packs nf4 only")
     config = read_config(folder)
     dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
     with torch.device("meta"):

@@ -20,7 +20,8 @@ from tests.runs.test_sharding import FLAGS, LR, REPO, STEPS, TRAINING_MARGIN, ad
 
 pytest.importorskip("torchao")
 # DeepSeek-V3 with --gradient-checkpointing: its layers' forwards run again inside the backward, on the gathered bytes
-RUNS = {"olmoe": ["--method", "tes", "--objective", "is"], "deepseek_v3": ["--method", "dual", "--gradient-checkpointing"]}
+RUNS = {"olmoe": ["--method", "tes", "--objective", "is"],
+        "deepseek_v3": ["--method", "dual", "--gradient-checkpointing"]}
 KILLED = "olmoe"
 
 
