@@ -116,37 +116,32 @@ def read_base_rows(model: MoEForCausalLM, folder: Path) -> int:
     return read_entries(files, where, targets, config.num_experts, str(folder))
 
 
-def pack_base_rows(model: MoEForCausalLM, folder: Path, dtype: torch.dtype) -> tuple[int, int]:
+def pack_base_rows(model: MoEForCausalLM, folder: Path, dtype: torch.dtype, device: torch.device) -> int:
     """--quantize nf4: each rank packs the matrices its bytes of each packed weight touch (NF4Records.matrices_of:
     its experts of a bank, give or take one at each edge; the whole of an nn.Linear), read from the files one
-    module after the other into one staging buffer, and keeps its bytes; returns (the tensor bytes it read,
-    the most values the buffer held: the dense rows of one module, never a layer's)."""
+    module after the other into one staging buffer (the largest such share: never a layer), and keeps its
+    bytes; returns the tensor bytes it read."""
     config = model.config
     files, where = weight_index(folder, config)
     layout = checkpoint_layout(config)
-    todo = []  # (module name, its records, this rank's bytes, their first, matrices [m0, m1))
+    todo = []  # (module name, its records, this rank's bytes, their first, matrices [m0, m1), its dense shape)
     for name, module in model.named_modules():
         if is_quantized(module) and isinstance(module.packed, NF4Records):
             local, first = local_rows(getattr(module, RECORDS))
+            m0, m1 = module.packed.matrices_of(first, len(local))
+            bank = len(module.packed.shape) == 3  # its rows on disk are experts: read only ours; a Linear whole
             if len(local):
-                todo.append((name, module.packed, local, first, *module.packed.matrices_of(first, len(local))))
-    per = lambda records: records.shape[-2] * records.shape[-1]  # noqa: E731  values a matrix
-    largest = max((per(records) * (m1 - m0) for _, records, _, _, m0, m1 in todo), default=0)
-    stage, read = torch.empty(largest, dtype=dtype, device=local_device(model)), 0
-    for name, records, local, first, m0, m1 in todo:
-        rows, cols = records.shape[-2:]
-        dense = stage[:per(records) * (m1 - m0)]
-        bank = len(records.shape) == 3  # its rows on disk are experts: read only ours; a Linear's, whole
-        target = dense.view(m1 - m0, rows, cols) if bank else dense.view(rows, cols)
-        read += read_entries(files, where, [(layout[f"{name}.weight"], target, m0 if bank else None)],
+                todo.append((name, module.packed, local, first, m0, (m1 - m0, *module.packed.shape[-2:])
+                             if bank else module.packed.shape))
+    stage = torch.empty(max((math.prod(shape) for *_, shape in todo), default=0), dtype=dtype, device=device)
+    read = 0
+    for name, records, local, first, m0, shape in todo:
+        dense = stage[:math.prod(shape)].view(shape)
+        read += read_entries(files, where, [(layout[f"{name}.weight"], dense, m0 if len(shape) == 3 else None)],
                              config.num_experts, str(folder))
         with mapped_big_blocks():  # the packing's transients, unmapped when freed (as from_pretrained packs)
-            records.fill_shard(local, first, dense.view(m1 - m0, rows, cols), m0)
-    return read, largest
-
-
-def local_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+            records.fill_shard(local, first, dense.view(-1, *shape[-2:]), m0)
+    return read
 
 
 def shard(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
@@ -201,7 +196,7 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
     model.to_empty(device=device)
     read += read_base_rows(model, folder)  # every unpacked base weight's rows, the gates' included
     if packed:
-        read += pack_base_rows(model, folder, dtype)[0]
+        read += pack_base_rows(model, folder, dtype, device)
     put_rows(model, small)
     return model, read
 
