@@ -154,7 +154,7 @@ def resolve_config(args, model_config) -> TrainConfig:
 
 def check_quantization(cfg: TrainConfig, model_config) -> None:
     """--quantize: its library installed (the quant extra), and what install.check_model_settings allows
-    (mxfp4 for the families released in it, NF4's blocks, not with --shard fsdp: docs/quantization.md)."""
+    (mxfp4 for the families released in it and not with --shard fsdp, NF4's blocks: docs/quantization.md)."""
     try:
         require_quantization(cfg.quantize)
     except ImportError as e:
@@ -179,7 +179,7 @@ def preflight(args, model_config) -> TrainConfig:
     weights/tiny-*); the sweep's dry run runs it for each cell."""
     cfg = resolve_config(args, model_config)  # the method, device and dtype are resolved here, once
     if cfg.quantize is not None:
-        check_quantization(cfg, model_config)  # the library, the family, no --shard fsdp
+        check_quantization(cfg, model_config)  # the library, the family, no mxfp4 with --shard fsdp
     check_settings(cfg, model_config)  # --aux-coef family and the rest
     check_install(model_config, cfg, cfg.device)
     return cfg

@@ -41,6 +41,7 @@ from minimoe.core.routing_methods.methods import Method
 from minimoe.core.routing_methods.methods import set_router
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.core.adaptation.quantized import digest_sample, is_quantized
+from minimoe.core.adaptation.sharded_nf4 import RECORDS
 from minimoe.core.routing_methods.routing import moe_blocks, tuned_layers
 from minimoe.loading.checkpoint import DTYPES, atomic_directory
 from minimoe.runs.compat import adapter_record
@@ -78,8 +79,8 @@ def base_samples(model: nn.Module):
     seen = set()
     for prefix, module in model.named_modules():
         entries = list(module._parameters.items())
-        if is_quantized(module):
-            entries.insert(0, ("weight", module.packed))
+        if is_quantized(module):  # the packed weight, not its sharded bytes (core/adaptation/sharded_nf4.py)
+            entries = [("weight", module.packed), *((k, p) for k, p in entries if k != RECORDS)]
         for leaf, p in entries:
             if p is None or id(p) in seen:
                 continue

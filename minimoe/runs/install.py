@@ -66,17 +66,16 @@ def check_model_settings(cfg: TrainConfig, model_config) -> None:
     model), the memory command and the sweep's dry run share; a ValueError names the setting and why.
     --aux-coef family on a family without one (`aux_coefficient`); --quantize mxfp4 only where the release
     stores MXFP4 experts (Family.packed_release: gpt-oss); --quantize nf4 only where every matrix it packs
-    holds whole blocks of 64 values; no --quantize with --shard fsdp."""
+    holds whole blocks of 64 values; no --quantize mxfp4 with --shard fsdp."""
     aux_coefficient(cfg, model_config)
     if cfg.quantize == "mxfp4" and family_of(model_config.model_type).packed_release != "mxfp4":
         released = ", ".join(f.model_type for f in FAMILIES.values() if f.packed_release == "mxfp4")
         raise ValueError(f"--quantize mxfp4 keeps released MXFP4 experts packed, as {released} stores them; this "
                          f"model is {model_config.model_type}; use --quantize nf4")
-    # NF4 under FSDP: refused here alone (issue 58 makes it work; delete this check then)
-    if cfg.quantize is not None and cfg.shard == "fsdp":
-        raise ValueError(f"--quantize {cfg.quantize} with --shard fsdp is not supported: FSDP2 shards and gathers "
-                         f"parameters, and a packed base is no parameter (docs/quantization.md); use one process, "
-                         f"or --shard ddp")
+    if cfg.quantize == "mxfp4" and cfg.shard == "fsdp":
+        raise ValueError("--quantize mxfp4 with --shard fsdp is not supported: the sharded load packs NF4 only "
+                         "(core/adaptation/sharded_nf4.py); use --quantize nf4 with --shard fsdp, or --quantize "
+                         "mxfp4 in one process or under --shard ddp")
     if cfg.quantize == "nf4":
         from minimoe.core.decoder.model import MoEForCausalLM
         with torch.device("meta"):

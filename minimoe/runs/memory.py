@@ -21,7 +21,9 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
-the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time.
+the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time. With
+--shard fsdp too: the rank's share of the packed bytes (ceil(1/N) of each module's, core/adaptation/sharded_nf4.py)
+and its rows of the rest, two layers gathered (packed), and the largest packed module dequantised.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
 """
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch
 
 from minimoe.core.layers.experts import GroupedLinear
 from minimoe.core.adaptation.quantized import nf4_bytes, quantized_modules
+from minimoe.core.adaptation.sharded_nf4 import record_widths
 from minimoe.loading.checkpoint import DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files
 from minimoe.loading.config_json import config_from_dict, read_config
 from minimoe.loading.hub import hub_file
@@ -92,19 +95,39 @@ def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
                                                                      for n in packed), default=0)
 
 
+def packed_shard_bytes(model, dtype: torch.dtype, gpus: int) -> tuple[int, int]:
+    """--quantize nf4 --shard fsdp, on a meta model without LoRA: (the first rank's base bytes: its share of each
+    packed module's records, ceil(E R / gpus) bytes (core/adaptation/sharded_nf4.py), and its rows of every other
+    base parameter in `dtype`; the largest decoder layer's base bytes as FSDP gathers it: records whole, the rest)."""
+    packed = {f"{name}.weight": model.get_parameter(f"{name}.weight").shape for name in quantized_modules(model)}
+    records = {n: math.prod(shape[:-2]) * record_widths(*shape[-2:], dtype)[-1] for n, shape in packed.items()}
+    dense = [(n, p) for n, p in model.named_parameters() if n not in packed]
+    mine = sum(math.ceil(r / gpus) for r in records.values()) + shard_bytes([p for _, p in dense], gpus)
+    layer = max(sum(r for n, r in records.items() if n.startswith(f"model.layers.{i}.")) +
+                sum(p.numel() * p.element_size() for n, p in dense if n.startswith(f"model.layers.{i}."))
+                for i in range(len(model.model.layers)))
+    return mine, layer
+
+
 def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None) -> Estimate:
     """Bytes per GPU for `model` (a meta-device MoEForCausalLM in the run's dtype, LoRA and `cfg.method`
     installed) under `cfg`'s batch; `weights_total`: the stored bytes when the files' shapes are unknown."""
     from minimoe.runs.install import install_method
     if cfg.quantize is not None:
         weights_total = quantized_weights(model, DTYPES[cfg.dtype], cfg.quantize)  # before LoRA wraps the linears
+        if shard == "fsdp":  # the rank's packed share, two packed layers gathered, one module dequantised
+            mine, layer = packed_shard_bytes(model, DTYPES[cfg.dtype], gpus)
+            sharded = mine + 2 * layer + max(model.get_submodule(n).weight.numel() * DTYPES[cfg.dtype].itemsize
+                                             for n in quantized_modules(model))
     install_method(model, cfg)
     config = model.config
     base = [p for p in model.parameters() if not p.requires_grad]
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     whole = weights_total or sum(p.numel() * p.element_size() for p in base)
     split = gpus if shard == "fsdp" else 1
-    if shard == "fsdp":
+    if shard == "fsdp" and cfg.quantize is not None:
+        weights = sharded
+    elif shard == "fsdp":
         layer = max(sum(p.numel() * p.element_size() for p in layer.parameters() if not p.requires_grad)
                     for layer in model.model.layers)  # its base weights (its LoRA, gathered beside them, is small)
         weights = shard_bytes(base, gpus) + 2 * layer

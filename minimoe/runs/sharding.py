@@ -18,6 +18,10 @@ Decisions:
 - Each rank reads through the one-process loader's map of the family's record (checkpoint.entry_reads,
   restricted to the rank's rows: experts, for per-expert, Converted and MXFP4 entries), so that a family
   cannot load one way whole and another in shards (tests/runs/test_sharded_load.py holds the two equal).
+- --quantize nf4: each packed module's NF4 values are one frozen uint8 parameter (core/adaptation/sharded_nf4.py),
+  sharded and gathered as any weight; after sharding, each rank reads the matrices its bytes touch, one
+  module at a time into one staging buffer, packs them as one process packs them and keeps its bytes
+  (`pack_base_rows`). --quantize mxfp4 is refused (install.check_model_settings).
 - Mixed precision: `MixedPrecisionPolicy(param_dtype=None, reduce_dtype=float32)`. The base is stored
   in the run's dtype (bf16 on CUDA), so its all-gathers move bf16; the adapters and heads stay fp32
   as in one process (a param_dtype of bf16 would cast them too), their gradients reduce in fp32, and
@@ -42,8 +46,11 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from minimoe.core.adaptation.lora import lora_modules
+from minimoe.core.adaptation.quantized import is_quantized, quantized_modules
+from minimoe.core.adaptation.sharded_nf4 import RECORDS, NF4Records, shardable
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_entries, weight_index
+from minimoe.process_memory import mapped_big_blocks
 from minimoe.loading.config_json import read_config
 from minimoe.runs.config import TrainConfig
 
@@ -100,10 +107,41 @@ def read_base_rows(model: MoEForCausalLM, folder: Path) -> int:
     files, where = weight_index(folder, config)
     targets = []  # (record entry, this rank's rows of its parameter, their first row)
     for name, disk in checkpoint_layout(config).items():
+        module, _, leaf = name.rpartition(".")
+        if leaf == "weight" and is_quantized(model.get_submodule(module)):
+            continue  # packed: pack_base_rows (its bias is read here)
         local, first = local_rows(model.get_parameter(name))
         if len(local):
             targets.append((disk, local, first))
     return read_entries(files, where, targets, config.num_experts, str(folder))
+
+
+def pack_base_rows(model: MoEForCausalLM, folder: Path, dtype: torch.dtype, device: torch.device) -> int:
+    """--quantize nf4: each rank packs the matrices its bytes of each packed weight touch (NF4Records.matrices_of:
+    its experts of a bank, give or take one at each edge; the whole of an nn.Linear), read from the files one
+    module after the other into one staging buffer (the largest such share: never a layer), and keeps its
+    bytes; returns the tensor bytes it read."""
+    config = model.config
+    files, where = weight_index(folder, config)
+    layout = checkpoint_layout(config)
+    todo = []  # (module name, its records, this rank's bytes, their first, matrices [m0, m1), its dense shape)
+    for name, module in model.named_modules():
+        if is_quantized(module) and isinstance(module.packed, NF4Records):
+            local, first = local_rows(getattr(module, RECORDS))
+            m0, m1 = module.packed.matrices_of(first, len(local))
+            bank = len(module.packed.shape) == 3  # its rows on disk are experts: read only ours; a Linear whole
+            if len(local):
+                todo.append((name, module.packed, local, first, m0, (m1 - m0, *module.packed.shape[-2:])
+                             if bank else module.packed.shape))
+    stage = torch.empty(max((math.prod(shape) for *_, shape in todo), default=0), dtype=dtype, device=device)
+    read = 0
+    for name, records, local, first, m0, shape in todo:
+        dense = stage[:math.prod(shape)].view(shape)
+        read += read_entries(files, where, [(layout[f"{name}.weight"], dense, m0 if len(shape) == 3 else None)],
+                             config.num_experts, str(folder))
+        with mapped_big_blocks():  # the packing's transients, unmapped when freed (as from_pretrained packs)
+            records.fill_shard(local, first, dense.view(-1, *shape[-2:]), m0)
+    return read
 
 
 def shard(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
@@ -126,6 +164,8 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
     """The checkpoint in `folder` as an FSDP2 model on cfg.device with `install(model)` (training's
     install_method: LoRA and the method) applied, without the whole base on any rank (module
     docstring); returns it and the base-weight bytes this rank read from the files."""
+    if cfg.quantize not in (None, "nf4"):  # install.check_model_settings refuses it first, before any folder
+        raise ShardingRefused(f"--quantize {cfg.quantize} with --shard fsdp: the sharded load packs nf4 only")
     config = read_config(folder)
     dtype, device = DTYPES[cfg.dtype], torch.device(cfg.device)
     with torch.device("meta"):
@@ -142,6 +182,7 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
         set_parameter(model, name, nn.Parameter(value, requires_grad=False))
     read = read_entries(files, where, gates, config.num_experts, str(folder))
     model.tie_weights()
+    packed = quantized_modules(model) if cfg.quantize is not None else []  # named before LoRA wraps them
     install(model)
     base = set(layout) | ({"lm_head.weight"} if config.tie_word_embeddings else set())
     small = {n: p.detach().to(device) for n, p in model.named_parameters() if n not in base}  # LoRA, heads, copies
@@ -149,9 +190,13 @@ def build_sharded(folder: Path, cfg: TrainConfig, install) -> tuple[MoEForCausal
         set_parameter(model, name, nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                 requires_grad=p.requires_grad))
     model.tie_weights()
+    for name in packed:  # --quantize nf4: the packed base as bytes FSDP shards (core/adaptation/sharded_nf4.py)
+        shardable(model.get_submodule(name))
     shard(model, device)
     model.to_empty(device=device)
-    read += read_base_rows(model, folder)  # every base weight's rows, the gates' included
+    read += read_base_rows(model, folder)  # every unpacked base weight's rows, the gates' included
+    if packed:
+        read += pack_base_rows(model, folder, dtype, device)
     put_rows(model, small)
     return model, read
 

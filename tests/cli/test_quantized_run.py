@@ -47,7 +47,8 @@ def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path):
 
 @pytest.mark.parametrize("flags,message", [
     (["--quantize", "mxfp4"], "--quantize mxfp4 keeps released MXFP4 experts packed, as gpt_oss stores them; this model is olmoe"),
-    (["--quantize", "nf4", "--shard", "fsdp"], "--quantize nf4 with --shard fsdp is not supported"),
+    (["--model", "tiny:gpt_oss", "--quantize", "mxfp4", "--shard", "fsdp"],
+     "--quantize mxfp4 with --shard fsdp is not supported"),
     (["--quantize", "nf4"], r'needs torchao, which is not installed: pip install -e "\.\[quant\]"'),
 ])
 def test_bad_quantize_settings_stop_before_any_run_folder(tmp_path, monkeypatch, flags, message):

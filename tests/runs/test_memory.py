@@ -113,6 +113,33 @@ def test_quantized_weight_figures_are_the_real_packed_sizes(tmp_path, family, fm
         assert memory_estimate.main([str(tmp_path / "m"), "--dtype", dtype, "--quantize", fmt]).weights == held
 
 
+def test_the_sharded_quantized_figure_is_a_ranks_share_two_gathered_layers_and_one_module(tmp_path):
+    """--quantize nf4 --shard fsdp: the weights per GPU are the rank's bytes of the base (packed_shard_bytes, which
+    tests/runs/test_sharded_load.py holds to what a sharded rank holds), plus the largest decoder layer as FSDP
+    gathers it (its packed modules' whole records and its other parameters, counted here on a loaded packed
+    model), twice, plus the largest packed module dequantised; under a quarter of the one-GPU packed figure at 8."""
+    pytest.importorskip("torchao")
+    import torch
+    from minimoe.core.adaptation.quantized import is_quantized
+    from minimoe.core.adaptation.sharded_nf4 import records_of
+    from minimoe.core.decoder.model import MoEForCausalLM
+    from minimoe.loading.checkpoint import from_pretrained
+    save_pretrained(tiny_model("olmoe"), tmp_path / "m")
+    model = from_pretrained(tmp_path / "m", dtype="float32", quantize="nf4")
+    with torch.device("meta"):
+        meta = MoEForCausalLM(model.config)
+    layers = [sum(sum(p.nbytes for p in m.parameters(recurse=False)) + (records_of(m.packed).nbytes if is_quantized(m)
+                                                                         else 0) for m in layer.modules())
+              for layer in model.model.layers]
+    largest = max(m.weight.numel() * 4 for m in model.modules() if is_quantized(m))
+    for gpus in (2, 8):
+        share = memory.packed_shard_bytes(meta, torch.float32, gpus)[0]
+        flags = [str(tmp_path / "m"), "--dtype", "float32", "--quantize", "nf4", "--shard", "fsdp", "--gpus", str(gpus)]
+        assert memory_estimate.main(flags).weights == share + 2 * max(layers) + largest
+    one = memory_estimate.main([str(tmp_path / "m"), "--dtype", "float32", "--quantize", "nf4"]).weights
+    assert share < one / 4
+
+
 @pytest.mark.plain
 def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
     """Issue 47: offline, an uncached hub id was a 29-line traceback here where train.py said it in one line;
@@ -135,13 +162,13 @@ def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
 
 @pytest.mark.parametrize("family,flags,message", [
     ("olmoe", ["--quantize", "mxfp4"], "this model is olmoe; use --quantize nf4"),
-    ("olmoe", ["--quantize", "nf4", "--gpus", "2", "--shard", "fsdp"], "--quantize nf4 with --shard fsdp"),
+    ("gpt_oss", ["--quantize", "mxfp4", "--gpus", "2", "--shard", "fsdp"], "--quantize mxfp4 with --shard fsdp"),
     ("olmoe", ["--gpu-memory", "-5"], "--gpu-memory -5: expected"),
     ("mixtral", ["--quantize", "nf4"], "not a multiple of NF4's block of 64"),  # [2 x 36, 60]: 4320 values
 ])
 def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, message):
     """The memory command checks its settings with train.py's own check (install.check_model_settings):
-    MXFP4 on a family not released in it, NF4 where a matrix holds no whole blocks of 64, NF4 under FSDP;
+    MXFP4 on a family not released in it, NF4 where a matrix holds no whole blocks of 64, MXFP4 under FSDP;
     and a GPU of no memory."""
     widths = {"hidden_size": 60, "intermediate_size": 36, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16} \

@@ -16,6 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from minimoe.core.adaptation.quantized import is_quantized
+from minimoe.core.adaptation.sharded_nf4 import NF4Records, records_of
 from minimoe.core.decoder.families import FAMILIES
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.loading.checkpoint import checkpoint_layout, from_pretrained, save_pretrained
@@ -70,24 +72,28 @@ def checkpoint(case: str, folder):
     return folder
 
 
-def settings(folder):
+def settings(folder, quantize=None):
     """Dual Affinity: its copy of each native gate (the bias too, gpt-oss) is made from the gate read whole."""
-    return build_config({"model": str(folder), "method": "dual", "dtype": "float32", "device": "cpu"}, "tiny")
+    return build_config({"model": str(folder), "method": "dual", "dtype": "float32", "device": "cpu",
+                         "quantize": quantize}, "tiny")
 
 
-def build_rank(folder, rank: int, world_size: int) -> tuple[dict, int]:
+def build_rank(folder, rank: int, world_size: int, quantize=None, samples=None) -> tuple[dict, int]:
     """Rank `rank` of `world_size` built sharded: ({parameter: this rank's rows}, the bytes it read). Its FSDP
-    units are the root and each decoder layer whole, whatever its mixer (attention, Mamba-2, DeltaNet)."""
+    units are the root and each decoder layer whole, whatever its mixer (attention, Mamba-2, DeltaNet).
+    samples: a dict that takes {packed module: this rank's share of its digest sample} (--quantize nf4)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    cfg = settings(folder)
+    cfg = settings(folder, quantize)
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         torch.manual_seed(cfg.seed)  # as train.py seeds every rank before the build
         model, read = build_sharded(folder, cfg, lambda m: install_method(m, cfg))
         units = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
         assert units == ["", *(f"model.layers.{i}" for i in range(len(model.model.layers)))], units
+        if samples is not None:
+            samples.update({n: m.packed.sampled.clone() for n, m in model.named_modules() if is_quantized(m)})
         return {name: local_rows(p)[0].clone() for name, p in model.named_parameters()}, read
     finally:
         dist.destroy_process_group()
@@ -127,3 +133,56 @@ def test_the_sharded_model_gathered_equals_the_one_process_model(case, world_siz
         with torch.device("meta"):
             meta = MoEForCausalLM(reference.config)
         assert memory.shard_bytes(list(meta.parameters()), world_size) + gates == reads[0]
+
+
+# --quantize nf4: packed expert banks and attention (OLMoE); MLA's projections, a dense layer and shared experts
+# (DeepSeek-V3); DeltaNet's fused projections (Qwen3-Next); experts stored in MXFP4, packed in NF4 (gpt-oss).
+PACKED = ["olmoe", "deepseek_v3", "qwen3_next", "gpt_oss-mxfp4"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("case", PACKED)
+def test_the_packed_sharded_model_gathered_equals_the_one_process_packed_model(case, world_size, tmp_path,
+                                                                               monkeypatch):
+    """--quantize nf4 --shard fsdp: each packed weight's bytes (core/adaptation/sharded_nf4.py), the ranks'
+    concatenated in rank order, are the records of from_pretrained(quantize="nf4")'s NF4Weight bit for bit, and
+    every other parameter equals its; the ranks' digest samples add up to the one-process packed weight's
+    (an adapter's base digest); no rank holds more than ceil(1 / N) of a module's bytes. While it packs, a rank
+    holds the dense values of one module's matrices that its bytes touch (a bank: its experts, one more at an
+    edge at most; an nn.Linear whole), and no more: never a dense layer."""
+    folder = checkpoint(case, tmp_path / case)
+    reference = from_pretrained(folder, dtype="float32", quantize="nf4")
+    torch.manual_seed(settings(folder).seed)
+    install_method(reference, settings(folder, "nf4"))
+    held, fill = [], NF4Records.fill_shard
+
+    def packing(records, local, first, dense, m0):  # what the rank holds dense while it packs
+        held.append((records.shape, len(dense), dense.numel(), dense.untyped_storage().nbytes()))
+        return fill(records, local, first, dense, m0)
+    monkeypatch.setattr(NF4Records, "fill_shard", packing)
+    samples = [{} for _ in range(world_size)]
+    ranks = [build_rank(folder, r, world_size, "nf4", samples[r]) for r in range(world_size)]
+    packed = {name: m for name, m in reference.named_modules() if is_quantized(m)}
+    assert packed and set(samples[0]) == set(packed)
+    for name, module in packed.items():
+        records = records_of(module.packed).flatten()
+        shares = [rows[f"{name}.weight_nf4"] for rows, _ in ranks]
+        assert torch.equal(torch.cat(shares), records), name
+        assert max(len(s) for s in shares) == -(-len(records) // world_size)
+        assert torch.equal(sum(s[name] for s in samples).to(torch.bfloat16), module.packed.sample), name
+    for name, want in reference.named_parameters():
+        assert torch.equal(torch.cat([rows[name] for rows, _ in ranks]), want.detach()), name
+    layer = max(sum(m.weight.numel() for n, m in packed.items() if n.startswith(f"model.layers.{i}."))
+                for i in range(reference.config.num_hidden_layers))
+    for shape, matrices, values, _ in held:
+        assert matrices <= (-(-shape[0] // world_size) + 1 if len(shape) == 3 else 1)
+        assert values < layer
+    # one staging buffer for the build, the size of the largest share (float32): not one allocation per module
+    assert {stage for *_, stage in held} == {4 * max(values for _, _, values, _ in held)}
+    # the memory command's packed weights per GPU: rank 0's bytes of the base, packed and not
+    with torch.device("meta"):
+        meta = MoEForCausalLM(reference.config)
+    base = [n for n in dict(meta.named_parameters()) if n.removesuffix(".weight") not in packed] + \
+        [f"{n}.weight_nf4" for n in packed]
+    assert memory.packed_shard_bytes(meta, torch.float32, world_size)[0] == sum(ranks[0][0][n].nbytes for n in base)
+    assert {stage for *_, stage in held} == {4 * max(values for _, _, values, _ in held)}

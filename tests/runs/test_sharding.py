@@ -121,13 +121,7 @@ def runs(tmp_path_factory):
     common = ["--data", str(manifests(root / "data")), "--dtype", "float32", "--device", "cpu", *FLAGS]
     models, flags, margins = {}, {}, {}
     for name, (family, method) in RUNS.items():
-        for seed in range(5):  # the first model whose one-process run routes clear of ties
-            models[name] = transformers_saved(family, root / "models" / f"{name}-{seed}", seed)
-            flags[name] = ["--model", str(models[name]), *method, *common]
-            shutil.rmtree(root / "one" / name, ignore_errors=True)
-            margins[name] = one_process(["--out-dir", str(root / "one"), "--run-name", name, *flags[name]])
-            if margins[name] >= TRAINING_MARGIN:
-                break
+        models[name], flags[name], margins[name] = clear_of_ties(root, name, family, [*method, *common])
     sharded = {f: ["--out-dir", str(root / "fsdp"), "--shard", "fsdp", "--save-every-steps", "2", *fl]
                for f, fl in flags.items()}
     plan = [{"flags": [*sharded[f], "--run-name", f]} for f in RUNS if f not in UNSHARDED]
@@ -148,6 +142,18 @@ def runs(tmp_path_factory):
                               cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     return {"root": root, "models": models, "log": done.stderr, "margins": margins}
+
+
+def clear_of_ties(root: Path, name: str, family: str, flags: list) -> tuple[Path, list, float]:
+    """The first of five models of `family` (seeds 0-4) whose one-process run (root/one/name, with `flags`)
+    routes clear of ties: (the model, its flags, the run's routing margin)."""
+    for seed in range(5):
+        model = transformers_saved(family, root / "models" / f"{name}-{seed}", seed)
+        shutil.rmtree(root / "one" / name, ignore_errors=True)
+        margin = one_process(["--out-dir", str(root / "one"), "--run-name", name, "--model", str(model), *flags])
+        if margin >= TRAINING_MARGIN:
+            break
+    return model, ["--model", str(model), *flags], margin
 
 
 def one_process(flags: list) -> float:

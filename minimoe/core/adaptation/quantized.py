@@ -155,11 +155,18 @@ def nf4_dequantize(codes, scalers, factors, means, pairs):
     return values.mul_(scales.unsqueeze(-1)).view(E, -1)
 
 
+DIGEST_VALUES = 4096  # values of a weight in the base-weights digest
+
+
 def digest_sample(weight: torch.Tensor) -> torch.Tensor:
     """<= 4096 values of a weight, strided, in bf16: what the base-weights digest of an adapter reads
     (runs/adapters.py), kept of a packed weight as it was before packing."""
     flat = weight.detach().reshape(-1)
-    return flat[::max(1, flat.numel() // 4096)][:4096].to(torch.bfloat16)
+    return flat[::digest_stride(flat.numel())][:DIGEST_VALUES].to(torch.bfloat16)
+
+
+def digest_stride(numel: int) -> int:
+    return max(1, numel // DIGEST_VALUES)
 
 
 def nf4_bytes(shape, dtype: torch.dtype) -> int:
