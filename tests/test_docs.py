@@ -90,7 +90,7 @@ def test_the_cpu_install_names_pytorchs_cpu_index_in_the_readme_and_in_ci():
     install of the quickstart, and the one .ci/run uses, takes PyTorch's CPU index (the manual check that
     it resolves to the CPU build: docs/install.md#the-cpu-wheel)."""
     text = README.read_text(encoding="utf-8")
-    quickstart = text[text.index("## Quickstart (CPU)"):text.index("**On a GPU:**")]
+    quickstart = text[text.index("## Quickstart (CPU)"):text.index("**On a GPU**")]
     code = "\n".join(re.findall(r"^```bash\n(.*?)^```", quickstart, flags=re.M | re.S))
     installs = re.findall(r"pip install (torch\S*[^&]*)", code)
     assert len(installs) >= 2, f"the quickstart's commands install torch {len(installs)} times; expected both"

@@ -122,6 +122,15 @@ VARIANTS = {
                         max_position_embeddings=64,
                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+    # Kimi Linear (transformers 5 only): KDA layers around an MLA layer without rope, a plain q_proj, the sigmoid
+    # router with its correction bias, scaled and renormalised, a shared expert; every layer sparse (the dense layer,
+    # whose keys transformers 5.23 saves otherwise than the release, is tiny:kimi_linear's: test_config_keys).
+    "kimi_linear": dict(model_type="kimi_linear", num_key_value_heads=4, kv_lora_rank=24, q_lora_rank=None,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, intermediate_size=96,
+                        moe_intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                        routed_scaling_factor=2.5, linear_head_dim=8, linear_num_heads=4,
+                        layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        mlp_layer_types=["sparse", "sparse", "sparse"], max_position_embeddings=64),
 }
 
 

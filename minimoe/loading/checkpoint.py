@@ -335,7 +335,7 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
                 raise KeyError(f"{folder}: the shard index puts {key!r} in {file}, which does not hold it")
         # the hub's other layouts (Family.key_prefixes, fused_banks), read under the record's keys
         weights.entries, became = as_our_keys(weights.entries, family.key_prefixes, family.fused_banks,
-                                              lambda dtype: SAFETENSORS_DTYPES[dtype].itemsize)
+                                              lambda dtype: SAFETENSORS_DTYPES[dtype].itemsize, family.key_aliases)
         for key in weights.entries if keys is None else [k for disk in keys for k in became[disk]]:
             where[key] = file
     quantized = mxfp4_stored(layout, where)

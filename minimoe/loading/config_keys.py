@@ -50,6 +50,8 @@ LAYER_KINDS_4 = {"linear_attention": "mamba", "full_attention": "attention"}
 def from_transformers5(d: dict, family, source: str) -> dict:
     """config.json `d` with transformers 5's names rewritten to the 4.57 names `family` reads."""
     d = dict(d)
+    if d.get("rope_parameters", {}) is None:  # a config without rope (Kimi Linear's) writes null
+        del d["rope_parameters"]
     if "rope_parameters" in d:
         d.update(rope_fields(d.pop("rope_parameters"), d, source))
     if "dtype" in d:

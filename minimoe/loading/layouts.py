@@ -77,9 +77,10 @@ def layout_of(disk) -> Layout:
     return layout
 
 
-def as_our_keys(entries: dict, prefixes: dict, fused_banks: dict, itemsize) -> tuple[dict, dict]:
+def as_our_keys(entries: dict, prefixes: dict, fused_banks: dict, itemsize, aliases=None) -> tuple[dict, dict]:
     """A safetensors header's entries ({key: {dtype, shape, data_offsets}}) under the keys the record reads: a key
-    under one of `prefixes` (disk prefix -> ours) renamed; a fused bank of `fused_banks` (its key in a layer, e.g.
+    under one of `prefixes` (disk prefix -> ours) renamed; a layer's key of `aliases` (Family.key_aliases) read as the
+    one it stands for; a fused bank of `fused_banks` (its key in a layer, e.g.
     mlp.experts.gate_up_proj [E, out, in] -> the per-expert patterns it holds, splitting out evenly in order) seen as
     those per-expert matrices: expert j's rows are contiguous on disk, so each is a byte range of the same tensor,
     nothing copied. itemsize(dtype name) -> bytes. Returns (the entries, each disk key -> the keys it became)."""
@@ -88,6 +89,9 @@ def as_our_keys(entries: dict, prefixes: dict, fused_banks: dict, itemsize) -> t
         key = next((ours + disk[len(p):] for p, ours in prefixes.items() if disk.startswith(p)), disk)
         head, _, rest = key.partition(".layers.")
         index, _, local = rest.partition(".")
+        if rest and local in (aliases or {}):
+            local = aliases[local]
+            key = f"{head}.layers.{index}.{local}"
         parts = fused_banks.get(local) if rest else None
         if parts is None or len(entry["shape"]) != 3:
             out[key], became[disk] = entry, [key]

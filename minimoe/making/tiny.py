@@ -117,6 +117,13 @@ FAMILY_SWITCHES = {
                         shared_expert_intermediate_size=40, linear_num_key_heads=2, linear_num_value_heads=4,
                         linear_key_head_dim=8, linear_value_head_dim=12, pad_token_id=0, eos_token_id=1,
                         rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+    # Kimi Linear: KDA layers around an MLA layer without rope, the sigmoid router with its bias, scaled, a shared
+    # expert, a dense first layer (its default).
+    "kimi_linear": dict(mixer_types=["kda", "mla", "kda"], num_hidden_layers=3, kv_lora_rank=24, q_lora_rank=None,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, num_key_value_heads=4,
+                        linear_head_dim=8, linear_num_heads=4, n_shared_experts=1, routed_scaling_factor=2.5,
+                        norm_topk_prob=True, mlp_only_layers=[0], dense_intermediate_size=96, pad_token_id=0,
+                        eos_token_id=1),
 }
 
 # --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.

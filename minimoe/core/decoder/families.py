@@ -61,6 +61,9 @@ class Family:
     # a layer's on-disk expert bank [E, out, in] stored fused -> the per-expert keys of layer_keys it holds (its out
     # rows split evenly among them, in order): the hub's layout beside the per-expert one we write (loading/layouts.py)
     fused_banks: dict = field(default_factory=dict)
+    # a layer's on-disk key in another layout the family's files come in -> the layer_keys key it holds (Kimi Linear:
+    # transformers 5.23 saves a dense layer's MLP under block_sparse_moe., the release under mlp.): read as that key
+    key_aliases: dict = field(default_factory=dict)
     # config.json's model_type for the text model where the family is named after a multimodal release (Qwen3.5's
     # text config class writes "qwen3_5_moe_text"): read as this family, and written back; the release's own
     # config.json nests it under text_config (loading/config_json.py reads that)

@@ -149,3 +149,76 @@ register_family(Family(
               "shared_expert_intermediate_size": 512, "num_key_value_heads": 2, "max_position_embeddings": 32768,
               # every full_attention_interval-th layer full attention, the others DeltaNet (Qwen3_5MoeTextConfig's)
               "mixer_types": FAMILIES["qwen3_next"].defaults["mixer_types"]}))
+
+
+# Kimi Linear: Kimi Delta Attention layers (core/token_mixers/kda.py) among MLA layers that turn no rope, DeepSeek-V3's
+# sigmoid router with its selection-only bias and a shared expert, dense layers by mlp_layer_types. Its config.json
+# names several fields its own way (KimiLinearConfig's attribute_map: num_experts_per_token, moe_renormalize,
+# num_shared_experts, model_max_length, num_expert_group), and Moonshot's release gives the layer kinds and the
+# linear heads inside linear_attn_config (its layers 1-indexed), which KimiLinearConfig reads when layer_types is absent.
+KIMI_KEYS = {"mlp.gate.weight": "block_sparse_moe.gate.weight",
+             "mlp.gate.e_score_correction_bias": "block_sparse_moe.gate.e_score_correction_bias",
+             "mlp.experts.gate_up_proj.weight": ("block_sparse_moe.experts.{j}.w1.weight",
+                                                 "block_sparse_moe.experts.{j}.w3.weight"),
+             "mlp.experts.down_proj.weight": ("block_sparse_moe.experts.{j}.w2.weight",),
+             **{f"mlp.shared_expert.{p}_proj.weight": f"block_sparse_moe.shared_experts.{p}_proj.weight"
+                for p in ("gate", "up", "down")}}
+
+
+def kimi_linear_option(name: str, default):
+    return lambda d: (d.get("linear_attn_config") or {}).get(name, default)
+
+
+def kimi_layer_kinds(d: dict) -> list[str]:
+    """KimiLinearConfig's layer_types when config.json has none: from linear_attn_config's 1-indexed full_attn_layers
+    and kda_layers, else every 4th layer (but the first) full attention."""
+    linear = d.get("linear_attn_config") or {}
+    n = d["num_hidden_layers"]
+    if "full_attn_layers" in linear and "kda_layers" in linear:
+        kinds = [None] * n
+        for i in linear["full_attn_layers"]:
+            kinds[i - 1] = "full_attention"
+        for i in linear["kda_layers"]:
+            kinds[i - 1] = "linear_attention"
+        return kinds
+    return ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+
+
+register_family(Family(
+    "kimi_linear", "KimiLinearForCausalLM",
+    brings="Kimi Delta Attention (a gated delta rule with a forget gate per key channel) among MLA layers without "
+           "rope; DeepSeek-V3's sigmoid router with its selection-only bias; a shared expert; dense layers by "
+           "mlp_layer_types",
+    hub_examples=("moonshotai/Kimi-Linear-48B-A3B-Instruct", "moonshotai/Kimi-Linear-48B-A3B-Base"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("kimi-linear", "kimi_linear"),
+    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe; q, k, v and o are the KDA "
+                "layers' own projections there, MLA's as DeepSeek's elsewhere (MLA_LORA_PATHS)",
+    # the release's keys, which transformers 5.23's conversion mapping reads and its save_pretrained writes back:
+    # its MoE layers under block_sparse_moe, per-expert w1/w2/w3, KDA's three convs apart; a dense layer's MLP under
+    # mlp. (the release's; transformers 5.23 saves it under block_sparse_moe., read as well: key_aliases)
+    layer_keys=KIMI_KEYS, lora_paths=MLA_LORA_PATHS,
+    key_aliases={f"block_sparse_moe.{p}_proj.weight": f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")},
+    renames={"moe_intermediate_size": "intermediate_size", "intermediate_size": "dense_intermediate_size",
+             "num_experts_per_token": "num_experts_per_tok", "moe_renormalize": "norm_topk_prob",
+             "num_shared_experts": "n_shared_experts", "model_max_length": "max_position_embeddings",
+             "layer_types": "mixer_types", "linear_conv_kernel_dim": "kda_conv_kernel_dim"},
+    layer_kinds={"full_attention": "mla", "linear_attention": "kda"},
+    config_fields=DEEPSEEK_FIELDS - {"first_k_dense_replace", "n_group", "topk_group"} | {
+        "norm_topk_prob", "mixer_types", "linear_head_dim", "linear_num_heads", "kda_conv_kernel_dim"},
+    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "mla_nope": True,
+           "n_group": 1, "topk_group": 1},
+    # KimiLinearTopkRouter masks the groups it drops with -inf where DeepSeek-V3's masks with 0: one group only
+    unread={**MLA_UNREAD, "num_expert_group": 1, "topk_group": 1, "mlp_layer_types": lambda d: d["mlp_layer_types"]},
+    harmless=frozenset({"head_dim"}),  # KimiLinearConfig's head_dim is qk_rope_head_dim; MLA reads its own widths
+    applies_aux_loss=False,  # KimiLinearForCausalLM returns no auxiliary loss
+    # what transformers reads for the layers' MLPs where config.json came from our mlp_only_layers
+    write_defaults={"mlp_layer_types": lambda c: ["dense" if i in c.mlp_only_layers else "sparse"
+                                                  for i in range(c.num_hidden_layers)]},
+    defaults={"mixer_types": kimi_layer_kinds, "mlp_only_layers": dense_layers,
+              "linear_head_dim": kimi_linear_option("head_dim", 128),
+              "linear_num_heads": kimi_linear_option("num_heads", 32),
+              "kda_conv_kernel_dim": kimi_linear_option("short_conv_kernel_size", 4),
+              "routed_scaling_factor": 2.446, "n_shared_experts": 1, "norm_topk_prob": True, "kv_lora_rank": 512,
+              "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
+              "dense_intermediate_size": 9216, "num_key_value_heads": 32, "max_position_embeddings": 1048576,
+              "rms_norm_eps": 1e-5, "pad_token_id": 163839, "bos_token_id": 163584, "eos_token_id": 163586}))

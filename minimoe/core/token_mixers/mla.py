@@ -9,6 +9,7 @@ Each head's query and key are [no-rope part n | rope part r]; values are v wide.
   head's no-rope key and value, H*(n+v) (kv_b_proj). The r part is ONE rope key shared by all heads.
 - Softmax scale: (n+r)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 (core/layers/rope.py).
 - Mistral 4 scales the query by position past YaRN's original context (llama_4_scaling_beta; rope.query_temperature).
+  Kimi Linear's MLA turns nothing (`mla_nope`): its "rope" dims pass as they are.
 
 Decisions, for parity with transformers 4.57 (modeling_deepseek_v2.py, modeling_deepseek_v3.py):
 - q_a_layernorm and kv_a_layernorm use eps 1e-6 whatever rms_norm_eps says: both references build
@@ -50,6 +51,7 @@ class MLAConfig:
     # set: the query scaled by 1 + beta * log(1 + floor(p / YaRN's original_max_position_embeddings)) at position p,
     # Llama 4's scaling as Mistral 4 applies it (its rope_parameters' llama_4_scaling_beta)
     llama_4_scaling_beta: float | None = None
+    mla_nope: bool = False  # no rope at all: the r "rope" dims of q and the shared key pass unrotated (Kimi Linear)
 
     def __post_init__(self):
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -88,7 +90,7 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(H * v, D, bias=bias)
         self.interleaved = getattr(config, "rope_interleave", None) is not False  # None or absent (DeepSeek-V2): interleaved
         self.scale = (n + r) ** -0.5 * yarn_softmax_mscale(config.rope_scaling)
-        self.beta = mla.llama_4_scaling_beta
+        self.beta, self.nope = mla.llama_4_scaling_beta, mla.mla_nope
         if self.beta is not None:  # positions are scaled past YaRN's original context
             original = (config.rope_scaling or {}).get("original_max_position_embeddings")
             if not original:
@@ -114,9 +116,10 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, H, n + v).transpose(1, 2)
         k_pass, values = kv.split([n, v], dim=-1)  # [B, H, T, n], [B, H, T, v]
         k_rot = k_rot[:, None]  # [B, 1, T, r]: one rope key for all heads
-        if self.interleaved:
-            q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
-        q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
+        if not self.nope:
+            if self.interleaved:
+                q_rot, k_rot = deinterleave(q_rot), deinterleave(k_rot)
+            q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
         q = torch.cat((q_pass, q_rot), dim=-1)  # [B, H, T, n+r]
         if self.beta is not None:  # Mistral 4 casts the fp32 scale to q's dtype first
             q = q * query_temperature(inputs, B, T, self.floor_scale, self.beta, 0.0, q.device).to(q.dtype)

@@ -22,6 +22,7 @@ SAME_MEANING = {
     ("deepseek_v3", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
     ("glm4_moe_lite", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
     ("glm4_moe_lite", "num_key_value_heads"): "MLA gives every head its own key and value (kv_b_proj): not read",
+    ("kimi_linear", "head_dim"): "KimiLinearConfig's head_dim is qk_rope_head_dim, which MLA reads as its own",
     ("mistral4", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
     ("mistral4", "partial_rotary_factor"): "MLA turns its qk_rope_head_dim rope dims, the factor's share of n + r",
     ("deepseek_v2", "n_group"): "None with greedy top-K: no groups; ours 1 group of every expert, the same selection",
