@@ -110,7 +110,11 @@ def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, mo
     assert [c.model for c in cells] == [str(folder)] and guess_recipe(str(folder)) == FAMILIES[model_type].recipe
 
 
-@pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS)
+# Round 3's families whose hub path runs here too, under transformers 5.23 (tf5): LFM2's short conv and names.
+ROUND3_HUB = tiny_families.declared(["lfm2_moe"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS + ROUND3_HUB)
 def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, tmp_path, monkeypatch, offline):
     """The hub path (HF_HUB_OFFLINE=1, a cache laid out as huggingface_hub writes it) gives transformers' logits."""
     ref, folder = transformers_saved(variant, tmp_path / "saved", monkeypatch)

@@ -103,6 +103,13 @@ VARIANTS = {
     # scaling, a shared expert, a dense layer placed by mlp_layer_types.
     "glm4_moe_lite": dict(model_type="glm4_moe_lite", q_lora_rank=32, n_group=4, topk_group=2, n_shared_experts=1,
                           routed_scaling_factor=1.8, norm_topk_prob=True, mlp_layer_types=["sparse", "dense", "sparse"]),
+    # LFM2-8B-A1B (transformers 5 only): its config's names (norm_eps, num_dense_layers, conv_L_cache), short conv
+    # layers with biases around an attention layer, a dense first layer, the expert bias scaled, the head tied.
+    "lfm2_moe": dict(model_type="lfm2_moe", layer_types=["conv", "full_attention", "conv"], num_key_value_heads=2,
+                     intermediate_size=48, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                     num_dense_layers=1, norm_eps=1e-6, conv_L_cache=3, conv_bias=True, use_expert_bias=True,
+                     routed_scaling_factor=1.5, norm_topk_prob=True, tie_word_embeddings=True,
+                     max_position_embeddings=64),
 }
 
 

@@ -75,9 +75,10 @@ TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_p
            "gate_up": "mlp.experts.gate_up_proj", "down": "mlp.experts.down_proj",
            # the recurrent mixers' projections (core/token_mixers/mamba2.py, core/token_mixers/deltanet.py), in the layers that have them
            "mamba_in": "mamba.in_proj", "mamba_out": "mamba.out_proj", "linear_qkvz": "linear_attn.in_proj_qkvz",
-           "linear_ba": "linear_attn.in_proj_ba", "linear_out": "linear_attn.out_proj"}
+           "linear_ba": "linear_attn.in_proj_ba", "linear_out": "linear_attn.out_proj",
+           "conv_in": "conv.in_proj", "conv_out": "conv.out_proj"}  # LFM2's short conv (core/token_mixers/short_conv.py)
 ALIASES = {"experts": ("gate_up", "down"), "mamba": ("mamba_in", "mamba_out"),
-           "deltanet": ("linear_qkvz", "linear_ba", "linear_out")}
+           "deltanet": ("linear_qkvz", "linear_ba", "linear_out"), "short_conv": ("conv_in", "conv_out")}
 
 
 def target_path(layer: nn.Module, paths: dict, t: str) -> str:
