@@ -131,6 +131,13 @@ VARIANTS = {
                         routed_scaling_factor=2.5, linear_head_dim=8, linear_num_heads=4,
                         layer_types=["linear_attention", "full_attention", "linear_attention"],
                         mlp_layer_types=["sparse", "sparse", "sparse"], max_position_embeddings=64),
+    # LFM2-8B-A1B (transformers 5 only): its config's names (norm_eps, num_dense_layers, conv_L_cache), short conv
+    # layers with biases around an attention layer, a dense first layer, the expert bias scaled, the head tied.
+    "lfm2_moe": dict(model_type="lfm2_moe", layer_types=["conv", "full_attention", "conv"], num_key_value_heads=2,
+                     intermediate_size=48, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                     num_dense_layers=1, norm_eps=1e-6, conv_L_cache=3, conv_bias=True, use_expert_bias=True,
+                     routed_scaling_factor=1.5, norm_topk_prob=True, tie_word_embeddings=True,
+                     max_position_embeddings=64),
 }
 
 

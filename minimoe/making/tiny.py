@@ -124,6 +124,12 @@ FAMILY_SWITCHES = {
                         linear_head_dim=8, linear_num_heads=4, n_shared_experts=1, routed_scaling_factor=2.5,
                         norm_topk_prob=True, mlp_only_layers=[0], dense_intermediate_size=96, pad_token_id=0,
                         eos_token_id=1),
+    # LFM2-8B-A1B: a gated short conv layer (biases on) beside an attention layer with per-head q/k norms, a dense
+    # first layer, the sigmoid router with its expert bias scaled, the head tied to the embedding.
+    "lfm2_moe": dict(num_hidden_layers=3, mixer_types=["short_conv", "attention", "short_conv"], conv_L_cache=3,
+                     conv_bias=True, first_k_dense_replace=1, dense_intermediate_size=48, topk_method="noaux_tc",
+                     routed_scaling_factor=1.5, norm_topk_prob=True, tie_word_embeddings=True, pad_token_id=0,
+                     eos_token_id=1),
 }
 
 # --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.

@@ -179,7 +179,7 @@ def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, mes
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny:qwen3_next", "tiny:qwen3_5_moe"])
+@pytest.mark.parametrize("name", ["tiny", "tiny:qwen3_next", "tiny:qwen3_5_moe", "tiny:lfm2_moe"])
 def test_the_memory_command_takes_a_tiny_model_as_train_py_does(name):
     """`python -m minimoe.runs.memory tiny:<family>` sizes the tiny model train.py would run, under its
     recipe, not the hub's repo-id error."""
@@ -210,3 +210,25 @@ def test_the_memory_command_sizes_qwen3_5_at_its_released_size(tmp_path):
     one = memory_estimate.main([str(tmp_path), "--gpus", "1"])
     assert 34e9 < one.weights / 2 < 35e9 and not one.fits
     assert memory_estimate.main([str(tmp_path), "--gpus", "2", "--shard", "fsdp"]).fits
+
+
+# LiquidAI/LFM2-8B-A1B's config.json as released (its model card: 8.3B parameters, 1.5B active), in its own names.
+LFM2_8B = {"model_type": "lfm2_moe", "vocab_size": 65536, "hidden_size": 2048, "intermediate_size": 7168,
+           "moe_intermediate_size": 1792, "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "max_position_embeddings": 128000, "norm_eps": 1e-5, "conv_bias": False, "conv_L_cache": 3,
+           "rope_theta": 1e6, "num_dense_layers": 2, "num_experts": 32, "num_experts_per_tok": 4, "norm_topk_prob": True,
+           "use_expert_bias": True, "routed_scaling_factor": 1.0, "eos_token_id": 7, "tie_word_embeddings": True,
+           "layer_types": ["full_attention" if i in (2, 6, 10, 14, 18, 21) else "conv" for i in range(24)]}
+
+
+def test_lfm2_moe_is_sized_at_its_released_sizes(tmp_path):
+    """config.json alone: the memory command sizes the model it describes, its bf16 weights 2 bytes for each of the
+    parameters counted here from the architecture (8.34e9: the card's 8.3B), the short conv layers included."""
+    D, V, E, I, hd = 2048, 65536, 32, 1792, 64
+    per_layer = [2 * D + ((3 * D * D + 3 * D + D * D) if kind == "conv" else (2 * D * D + 2 * D * 8 * hd + 2 * hd))
+                 + (3 * D * 7168 if i < 2 else E * D + E + E * 3 * D * I) for i, kind in enumerate(LFM2_8B["layer_types"])]
+    params = V * D + sum(per_layer) + D  # the embedding (the head is tied to it), the layers, the final norm
+    assert round(params / 1e8) == 83
+    (tmp_path / "config.json").write_text(json.dumps(LFM2_8B))
+    estimate = memory_estimate.main([str(tmp_path), "--gpus", "1", "--dtype", "bfloat16"])
+    assert estimate.weights == 2 * params and estimate.lora > 0

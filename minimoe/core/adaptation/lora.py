@@ -78,9 +78,11 @@ TARGETS = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_p
            "linear_ba": "linear_attn.in_proj_ba", "linear_out": "linear_attn.out_proj",
            # Qwen3.5's DeltaNet projections, stored apart (deltanet.py's linear_in_proj "split")
            "linear_qkv": "linear_attn.in_proj_qkv", "linear_z": "linear_attn.in_proj_z",
-           "linear_b": "linear_attn.in_proj_b", "linear_a": "linear_attn.in_proj_a"}
+           "linear_b": "linear_attn.in_proj_b", "linear_a": "linear_attn.in_proj_a",
+           "conv_in": "conv.in_proj", "conv_out": "conv.out_proj"}  # LFM2's short conv (core/token_mixers/short_conv.py)
 ALIASES = {"experts": ("gate_up", "down"), "mamba": ("mamba_in", "mamba_out"),
-           "deltanet": ("linear_qkvz", "linear_ba", "linear_qkv", "linear_z", "linear_b", "linear_a", "linear_out")}
+           "deltanet": ("linear_qkvz", "linear_ba", "linear_qkv", "linear_z", "linear_b", "linear_a", "linear_out"),
+           "short_conv": ("conv_in", "conv_out")}
 
 
 def target_path(layer: nn.Module, paths: dict, t: str) -> str:

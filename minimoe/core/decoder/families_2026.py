@@ -222,3 +222,57 @@ register_family(Family(
               "q_lora_rank": None, "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128,
               "dense_intermediate_size": 9216, "num_key_value_heads": 32, "max_position_embeddings": 1048576,
               "rms_norm_eps": 1e-5, "pad_token_id": 163839, "bos_token_id": 163584, "eos_token_id": 163586}))
+
+
+# LFM2's layer names: operator_norm before the mixer (attention, out_proj its output, q/k_layernorm its per-head norms,
+# or the short conv), ffn_norm before feed_forward (SwiGLU w1/w3/w2 on the first num_dense_layers, then the MoE block,
+# its selection-only bias on the block); the final norm is model.embedding_norm. The hub's files and transformers
+# 5.23's save_pretrained alike (its conversion mapping fuses the per-expert w1/w3 and w2 on load, unfuses them on save).
+LFM2_KEYS = {"input_layernorm.weight": "operator_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+             "self_attn.o_proj.weight": "self_attn.out_proj.weight",
+             "self_attn.q_norm.weight": "self_attn.q_layernorm.weight",
+             "self_attn.k_norm.weight": "self_attn.k_layernorm.weight",
+             "mlp.gate_proj.weight": "feed_forward.w1.weight", "mlp.up_proj.weight": "feed_forward.w3.weight",
+             "mlp.down_proj.weight": "feed_forward.w2.weight", "mlp.gate.weight": "feed_forward.gate.weight",
+             "mlp.gate.e_score_correction_bias": "feed_forward.expert_bias",
+             "mlp.experts.gate_up_proj.weight": ("feed_forward.experts.{j}.w1.weight",
+                                                 "feed_forward.experts.{j}.w3.weight"),
+             "mlp.experts.down_proj.weight": ("feed_forward.experts.{j}.w2.weight",)}
+
+
+def uses_expert_bias(d: dict) -> str:
+    """LFM2's use_expert_bias as our selection: the bias added to the sigmoid scores for the choice only
+    (noaux_tc, one group), or plain top-K of the sigmoid scores."""
+    return "noaux_tc" if d.get("use_expert_bias", True) else "greedy"
+
+
+register_family(Family(
+    "lfm2_moe", "Lfm2MoeForCausalLM",
+    brings="gated short convolutions (C * conv(B * x), no activation) among GQA layers (layer_types conv / "
+           "full_attention); per-head q/k RMSNorm; sigmoid router with a selection-only expert bias "
+           "(use_expert_bias), top-K renormalised; dense first layers (num_dense_layers); w1/w2/w3 names",
+    hub_examples=("LiquidAI/LFM2-8B-A1B",),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts", "short_conv"), name_hints=("lfm2",),
+    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe. LoRA on q, k, v, out_proj, the "
+                "routed experts and the short convs' in_proj and out_proj (peft 0.21 has no default for lfm2_moe; "
+                "Liquid's fine-tuning guides adapt these projections); the conv kernel and the dense layers are not",
+    layer_keys=LFM2_KEYS, model_keys={"model.norm.weight": "model.embedding_norm.weight"},
+    renames={**QWEN_RENAMES, "norm_eps": "rms_norm_eps", "num_dense_layers": "first_k_dense_replace",
+             "layer_types": "mixer_types"},
+    layer_kinds={"conv": "short_conv", "full_attention": "attention"},  # no default: transformers needs the list
+    config_fields=frozenset({"conv_L_cache", "conv_bias", "first_k_dense_replace", "dense_intermediate_size",
+                             "norm_topk_prob", "routed_scaling_factor", "head_dim", "mixer_types"}),
+    # Lfm2MoeTopKRouter: the gate in the model dtype, sigmoid, the bias for the choice only, the K renormalised with
+    # 1e-6 in the denominator, then scaled; its rope turns the whole head (the default init reads no partial factor)
+    fixed={"qk_norm": "head", "scoring_func": "sigmoid", "n_group": 1, "topk_group": 1, "router_fp32": False,
+           "sigmoid_norm_eps": 1e-6, "attention_bias": False, "partial_rotary_factor": 1.0},
+    applies_aux_loss=False,  # Lfm2MoeForCausalLM returns no load-balancing loss
+    write_defaults={"use_expert_bias": lambda config: config.topk_method == "noaux_tc"},
+    # transformers pops tie_embedding (LFM2's own name) over tie_word_embeddings; both are read, and must agree
+    unread={"use_expert_bias": lambda d: d["topk_method"] == "noaux_tc",
+            "tie_embedding": lambda d: d["tie_word_embeddings"]},
+    defaults={"topk_method": uses_expert_bias, "tie_word_embeddings": lambda d: d.get("tie_embedding", True),
+              "rope_theta": 1e6, "rms_norm_eps": 1e-5, "num_key_value_heads": 8, "max_position_embeddings": 128000,
+              "first_k_dense_replace": 2, "dense_intermediate_size": 7168, "norm_topk_prob": True,
+              "routed_scaling_factor": 1.0, "conv_L_cache": 3, "conv_bias": False, "pad_token_id": 0,
+              "bos_token_id": 1, "eos_token_id": 2}))

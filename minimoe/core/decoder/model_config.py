@@ -61,6 +61,7 @@ class MoEConfig:
     n_group: int = 1  # expert groups for the group-limited methods
     topk_group: int = 1  # groups kept per token
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek)
+    sigmoid_norm_eps: float = 1e-20  # added to the K sigmoid scores' sum when renormalised (DeepSeek-V3's; LFM2: 1e-6)
     router_bias: bool = False  # the gate has a bias (gpt-oss)
     router_fp32: bool = False  # the gate's matmul in fp32, its input upcast (DeepSeek); else the model dtype
     norm_weight_in_fp32: bool = False  # the layer norms multiply their weight before the cast back (gpt-oss)

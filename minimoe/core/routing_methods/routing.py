@@ -119,6 +119,7 @@ class Scoring:
       sum of their two best scores, correction included). Experts outside the kept groups score 0,
       as the reference masks them.
     - scaling: routed_scaling_factor, applied to the weights last.
+    - norm_eps: added to the K sigmoid scores' sum where they are renormalised (DeepSeek-V3's 1e-20, LFM2's 1e-6).
     """
     top_k: int
     normalize: bool = False
@@ -128,12 +129,13 @@ class Scoring:
     n_group: int = 1
     topk_group: int = 1
     scaling: float = 1.0
+    norm_eps: float = 1e-20
 
     @classmethod
     def of(cls, config) -> Scoring:
         c = config
         return cls(c.num_experts_per_tok, c.norm_topk_prob, c.scoring_func, c.topk_on_logits, c.topk_method,
-                   c.n_group, c.topk_group, c.routed_scaling_factor)
+                   c.n_group, c.topk_group, c.routed_scaling_factor, c.sigmoid_norm_eps)
 
     def scores(self, logits):  # [T, E] -> [T, E] fp32 per-expert scores (softmax or sigmoid)
         return logits.float().softmax(dim=-1) if self.func == "softmax" else logits.float().sigmoid()
@@ -169,7 +171,7 @@ class Scoring:
             weights = scores.gather(-1, experts)  # one op sequence whether chosen or replayed
             if self.normalize:
                 total = weights.sum(dim=-1, keepdim=True)
-                weights = weights / (total + 1e-20 if self.func == "sigmoid" else total)  # DeepSeek-V3's guard
+                weights = weights / (total + self.norm_eps if self.func == "sigmoid" else total)
         return experts, weights if self.scaling == 1.0 else weights * self.scaling
 
     def shares(self, logits, experts):

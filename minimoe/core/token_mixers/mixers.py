@@ -9,6 +9,7 @@ holds MLA's options, else GQA attention. `MIXERS` maps each name to its class, o
     "mamba2"     core/token_mixers/mamba2.py     Mamba-2 (Granite 4.0-H's mamba layers): conv1d + chunked SSD scan (Mamba2Config)
     "gated_deltanet"  core/token_mixers/deltanet.py  Gated DeltaNet (Qwen3-Next's linear_attention layers) (DeltaNetConfig)
     "kda"        core/token_mixers/kda.py        Kimi Delta Attention (Kimi Linear's linear_attention layers) (KDAConfig)
+    "short_conv" core/token_mixers/short_conv.py LFM2's gated short convolution: C * conv(B * x) (ShortConvConfig)
 
 The interface every mixer keeps (a new one is a file with its class and its config, added to `MIXERS`):
 - `config_class`: a dataclass of the mixer's own options, defined and value-checked (in `__post_init__`,
@@ -45,9 +46,10 @@ from minimoe.core.token_mixers.deltanet import GatedDeltaNet
 from minimoe.core.token_mixers.kda import KimiDeltaAttention
 from minimoe.core.token_mixers.mamba2 import Mamba2Mixer
 from minimoe.core.token_mixers.mla import MLAttention
+from minimoe.core.token_mixers.short_conv import ShortConv
 
 MIXERS: dict[str, type] = {"attention": Attention, "mla": MLAttention, "mamba2": Mamba2Mixer,
-                           "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention}
+                           "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "short_conv": ShortConv}
 
 
 def register_mixer(name: str, cls: type) -> type:

@@ -1,9 +1,9 @@
-"""What the recurrent token mixers share (core/token_mixers/mamba2.py, core/token_mixers/deltanet.py): the causal depthwise conv1d
-with its window state, padding masks, chunk padding, and packed rows run as a prompt plus candidates
+"""What the recurrent token mixers share (core/token_mixers/mamba2.py, core/token_mixers/deltanet.py,
+core/token_mixers/short_conv.py): the causal depthwise conv1d with its window state, padding masks, chunk padding, and packed rows run as a prompt plus candidates
 that each continue from the prompt's state.
 
-Both mixers are: position-wise projections, then a *sequential part* (the causal conv1d and a chunked
-scan whose state is carried from position to position), then position-wise output. The sequential
+Each mixer is: position-wise projections, then a *sequential part* (the causal conv1d and, but for the short
+conv, a chunked scan whose state is carried from position to position), then position-wise output. The sequential
 part is a function `sequence(u [B, T, F], mask [B, T] | None, state | None) -> (y [B, T, F'], state)`
 of the projections `u`; its `state` (a `RecurrentState`) is the conv window and the scan's state, the
 same thing the generation cache keeps.
@@ -39,10 +39,10 @@ from minimoe.core.layers.norms import rms_normalized
 class RecurrentState:
     """One recurrent layer's state after the positions it has seen: the conv window and the scan state."""
     conv: torch.Tensor  # [B, C, K-1] the last K-1 conv inputs (C channels, K the kernel width)
-    scan: torch.Tensor  # [B, H, ...] Mamba-2: [B, H, P, N]; Gated DeltaNet: [B, H, dk, dv]; fp32
+    scan: torch.Tensor | None  # [B, H, ...] Mamba-2: [B, H, P, N]; Gated DeltaNet: [B, H, dk, dv]; fp32; short conv: None
 
     def select(self, rows) -> "RecurrentState":
-        return RecurrentState(self.conv[rows], self.scan[rows])
+        return RecurrentState(self.conv[rows], None if self.scan is None else self.scan[rows])
 
 
 class StateSlot:
@@ -67,16 +67,16 @@ def run_sequence(sequence, u, inputs, cache: StateSlot | None):
     return y
 
 
-def causal_conv1d(u, weight, bias, window=None):
-    """Depthwise causal conv then SiLU. u [B, T, C]; weight [C, 1, K] (nn.Conv1d's); window [B, C, K-1]
-    the inputs before u (None: zeros) -> (y [B, T, C], the new window [B, C, K-1])."""
+def causal_conv1d(u, weight, bias, window=None, silu: bool = True):
+    """Depthwise causal conv then SiLU (`silu` False: none, LFM2's short conv). u [B, T, C]; weight [C, 1, K]
+    (nn.Conv1d's); window [B, C, K-1] the inputs before u (None: zeros) -> (y [B, T, C], the new window [B, C, K-1])."""
     B, T, C = u.shape
     K = weight.shape[-1]
     if window is None:
         window = u.new_zeros(B, C, K - 1)
     x = torch.cat([window.to(u.dtype), u.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
     y = F.conv1d(x, weight, bias, groups=C)  # [B, C, T]
-    return F.silu(y).transpose(1, 2), x[:, :, x.shape[-1] - (K - 1):]
+    return (F.silu(y) if silu else y).transpose(1, 2), x[:, :, x.shape[-1] - (K - 1):]
 
 
 def wide(t):

@@ -696,3 +696,13 @@ def test_dropout_saved_as_mask_keeps_no_fp32_input_for_backward():
         held = [t for t in saved_tensors(a.grad_fn) if t.shape == dropped.shape]
         assert len(held) == 1 and torch.equal(held[0], dropped)
         assert (held[0].untyped_storage().data_ptr() != dropped.untyped_storage().data_ptr()) == packed
+
+
+def test_lfm2_moe_default_targets_are_its_record_s():
+    """LFM2's default LoRA (its record: peft has no default for it): q, k, v, out_proj on the attention layers, the
+    short convs' in_proj and out_proj, the routed experts; neither the conv kernel nor the dense first layer's MLP."""
+    from tests.conftest import tiny_model
+    model = add_lora(tiny_model("lfm2_moe"), rank=4)
+    adapted = {name.split(".", 3)[-1] for name in lora_modules(model)}  # model.layers.i.<module>
+    assert adapted == {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "conv.in_proj",
+                       "conv.out_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}

@@ -99,9 +99,12 @@ def test_gradients_match_transformers(variant, tmp_path):
     if revert_weight_conversion is not None:  # transformers 5: its names in memory -> its checkpoint's, by its own map
         ref_grads = dict(revert_weight_conversion(ref, ref_grads))
     # transformers 5 holds the experts fused in memory ([E, 2I, D] gate rows then up, [E, D, I]), as we do:
-    # a name its checkpoint does not have is our parameter's, under ours (the experts': `.weight` added)
+    # a name its checkpoint does not have is our parameter's, under ours (the experts': `.weight` added), or
+    # our bank's under the module its per-expert keys sit in (LFM2's feed_forward.experts)
+    fused = {disk[0].rpartition(".0.")[0] + "." + name.split(".")[-2]: name for name, disk in layout.items()
+             if isinstance(disk, tuple)}
     ours_grads.update({key: ours.get_parameter(name).grad for key in set(ref_grads) - set(ours_grads)
-                       for name in (key, key + ".weight") if name in names})
+                       for name in (key, key + ".weight", fused.get(key)) if name in names})
     assert set(ours_grads) >= set(ref_grads)
     for key, want in ref_grads.items():
         scale = want.abs().max().clamp(min=1e-8)
@@ -240,7 +243,7 @@ def test_merged_export_loads_in_transformers_with_our_logits(variant, tmp_path):
         assert rel_err(with_v2_softmax_mscale(hf).eval()(ids, attention_mask=mask).logits, ours, mask) <= FP32_TOL
 
 
-HYBRIDS = declared([v for v in NAMES if family_of(v) in ("granitemoehybrid", "qwen3_next", "qwen3_5_moe")])
+HYBRIDS = declared([v for v in NAMES if family_of(v) in ("granitemoehybrid", "qwen3_next", "qwen3_5_moe", "lfm2_moe")])
 
 
 @pytest.mark.parametrize("variant", HYBRIDS)

@@ -15,6 +15,10 @@ from minimoe.loading.config_keys import rope_fields
 REQUIRED = dict(vocab_size=128, hidden_size=1024, intermediate_size=32, num_hidden_layers=4, num_attention_heads=128,
                 num_experts=64, num_experts_per_tok=2)
 
+# Fields a family needs beyond REQUIRED: transformers' config leaves them None, which its model cannot run
+# (LFM2's layer_types: Lfm2MoeDecoderLayer indexes the list), and minimoe refuses by name.
+NEEDED = {"lfm2_moe": {"layer_types": ["conv", "full_attention"] * 2}}
+
 # Where transformers' value differs from ours in form, not in what the model computes.
 SAME_MEANING = {
     ("mixtral", "head_dim"): "None: hidden_size / heads, the value MoEConfig fills in",
@@ -42,7 +46,7 @@ def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(mo
     assert set(REQUIRED) == set(REQUIRED_FIELDS)
     family = FAMILIES[model_type]
     on_disk = {ours: disk for disk, ours in family.renames.items()}  # our field -> its config.json name
-    d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}}
+    d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}, **NEEDED.get(model_type, {})}
     ours = config_from_dict(dict(d)).flat()  # the shared fields and those of the mixers the model holds
     # a multimodal release's text model (Qwen3.5): its text config class, which config.json names text_model_type
     reference = transformers.AutoConfig.for_model(**{**d, "model_type": family.text_model_type or model_type})
@@ -64,6 +68,15 @@ def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(mo
             wrong.append(f"{name} ({disk}): ours {value!r}, transformers {theirs!r}")
     assert not wrong, f"{model_type}: defaults unlike transformers' {type(reference).__name__}: " + "; ".join(wrong)
     assert compared >= 15  # the comparison reached the family's fields, not only a few shared ones
+
+
+@pytest.mark.parametrize("model_type", NEEDED)
+def test_a_config_json_without_a_needed_field_is_refused_by_name(model_type):
+    on_disk = {ours: disk for disk, ours in FAMILIES[model_type].renames.items()}
+    d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}}
+    for name in NEEDED[model_type]:
+        with pytest.raises(ValueError, match=name):
+            config_from_dict(dict(d))
 
 
 # The fields a config built in code may leave None that transformers' configs fill in otherwise than we run:

@@ -43,7 +43,7 @@ def reference_model(kw: dict, folder, seed=0, *, shard=False):
         for name, p in ref.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
         for name, b in ref.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # selection only: large enough to change choices
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # selection only: large enough to change choices
                 b.copy_(0.5 * torch.randn_like(b))
         ref.model.embed_tokens.weight[config.pad_token_id].zero_()
     ref.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")

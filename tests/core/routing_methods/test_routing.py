@@ -453,7 +453,11 @@ SCORERS = {  # name -> (Scoring, whether the layer has a correction bias)
     "sigmoid-noaux-glm": (Scoring(3, normalize=True, func="sigmoid", method="noaux_tc", n_group=4, topk_group=2,
                                   scaling=2.5), True),  # GLM-4.5 (its own module, V3's rule)
     "sigmoid-top1-on-logits": (Scoring(1, func="sigmoid", on_logits=True), False),  # Llama 4 (scales the input)
+    # LFM2-MoE: V3's selection-only bias without groups, its own 1e-6 guard, scaled (transformers 5 only: tf5)
+    "sigmoid-bias-lfm2": (Scoring(3, normalize=True, func="sigmoid", method="noaux_tc", scaling=1.5, norm_eps=1e-6),
+                          True),
 }
+TRANSFORMERS_5_SCORERS = {"sigmoid-bias-lfm2"}  # their oracle is transformers 5.23
 
 
 def scorer_inputs(name, seed=0, D=16, E=8, T=32):
@@ -465,6 +469,10 @@ def scorer_inputs(name, seed=0, D=16, E=8, T=32):
         if gate.bias is not None:
             gate.bias.copy_(torch.randn(E, generator=g))
     x = torch.randn(T, D, generator=g)
+    if name == "sigmoid-bias-lfm2":  # scores far below 1/2 (logits near -8), where LFM2's 1e-6 guard shows
+        x[:, 0] = 1.0
+        with torch.no_grad():
+            gate.weight[:, 0] = -8.0
     correction = torch.randn(E, generator=g) * 0.3 if has_bias else None
     return scoring, gate, x, gate(x).detach().float(), correction
 
@@ -506,6 +514,14 @@ def transformers_routing(name, gate, x, correction):
         ref.weight.data.copy_(gate.weight)
         ref.e_score_correction_bias.copy_(correction)
         return ref(x)
+    if name == "sigmoid-bias-lfm2":
+        from transformers import Lfm2MoeConfig
+        from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeTopKRouter
+        ref = Lfm2MoeTopKRouter(Lfm2MoeConfig(num_experts=E, hidden_size=D, num_experts_per_tok=3,
+                                              routed_scaling_factor=1.5, norm_topk_prob=True))
+        ref.weight.data.copy_(gate.weight)
+        _, weights, experts = ref(x, correction)
+        return experts, weights
     if name == "sigmoid-top1-on-logits":
         from transformers import Llama4TextConfig
         from transformers.models.llama4.modeling_llama4 import Llama4Router
@@ -531,7 +547,8 @@ def transformers_routing(name, gate, x, correction):
     return e, (w / w.sum(-1, keepdim=True) if scoring.normalize else w)
 
 
-@pytest.mark.parametrize("name", list(SCORERS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.tf5) if n in TRANSFORMERS_5_SCORERS else n
+                                  for n in SCORERS])
 def test_each_scorer_routes_as_transformers_does(name):
     scoring, gate, x, logits, correction = scorer_inputs(name)
     r = NativeRouter(scoring)(x, logits, correction=correction)

@@ -3,25 +3,35 @@ layers on their pure-PyTorch paths (GraniteMoeHybridMambaLayer.torch_forward, Qw
 torch_chunk_gated_delta_rule) on the same random weights: outputs in fp32 (unpadded, left and right
 padded), gradients, bf16 error; and against themselves: a padded row equals the row alone, a packed row
 (prompt + candidates, core/task/choices.py's layout) equals each candidate's own row, and a forward in
-pieces through the state cache equals one forward over the whole row."""
+pieces through the state cache equals one forward over the whole row. LFM2's gated short conv
+(core/token_mixers/short_conv.py) likewise, against transformers 5.23's Lfm2MoeShortConv (tf5)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from minimoe.core.token_mixers.deltanet import GatedDeltaNet
 from minimoe.core.token_mixers.mamba2 import Mamba2Mixer
 from minimoe.core.token_mixers.mixers import MixerInputs
+from minimoe.core.token_mixers.short_conv import ShortConv, ShortConvConfig
 from minimoe.core.token_mixers.ssm_common import StateSlot
 from tests.conftest import as_our_mixer_config, oracle
 
 D = 32
 
 
-def pair(kind: str, seed: int = 0):
+def pair(kind: str, seed: int = 0, conv_bias: bool = True):
     """(transformers' layer, ours) with the same random weights. Chunks of 8 over rows of 21: several
-    chunks and a partial last one; ours chunks the delta rule by 8 where transformers chunks by 64."""
+    chunks and a partial last one; ours chunks the delta rule by 8 where transformers chunks by 64. The short
+    conv's oracle is transformers 5.23 (its cases marked tf5), kernel 4, biases on unless `conv_bias` is False."""
     transformers = oracle("transformers")
     torch.manual_seed(seed)
-    if kind == "mamba2":
+    if kind == "short_conv":
+        from transformers.models.lfm2_moe.modeling_lfm2_moe import Lfm2MoeShortConv
+        cfg = transformers.Lfm2MoeConfig(hidden_size=D, conv_L_cache=4, conv_bias=conv_bias, num_hidden_layers=1,
+                                         layer_types=["conv"])
+        ref, ours = Lfm2MoeShortConv(cfg, 0), ShortConv(as_our_mixer_config(cfg, "short_conv"), 0)
+    elif kind == "mamba2":
         from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridMambaLayer
         cfg = transformers.GraniteMoeHybridConfig(hidden_size=D, mamba_n_heads=8, mamba_n_groups=2, mamba_d_state=16,
                                                   mamba_d_head=8, mamba_chunk_size=8, mamba_d_conv=4)
@@ -37,6 +47,19 @@ def pair(kind: str, seed: int = 0):
             p.copy_(torch.rand_like(p).log() if name == "A_log" else 0.3 * torch.randn_like(p))
     ours.load_state_dict(ref.state_dict())  # the checkpoint's names, strictly
     return ref.float(), Run(ours.float())
+
+
+def ours_alone(kind: str):
+    """Our mixer with random weights, for the tests that hold it to itself: pair's, or LFM2's short conv (its oracle
+    is transformers 5) with biases on, which padding must keep out, built without transformers."""
+    if kind != "short_conv":
+        return pair(kind)[1]
+    torch.manual_seed(0)
+    ours = ShortConv(SimpleNamespace(hidden_size=D, mixers={"short_conv": ShortConvConfig(4, conv_bias=True)}), 0)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(0.3 * torch.randn_like(p))
+    return Run(ours)
 
 
 class Run:
@@ -77,7 +100,26 @@ def test_fp32_matches_transformers(kind):
         assert rel(ours(x, attention_mask=mask), ref(x, attention_mask=mask), real) <= 2e-5
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "gated_deltanet"])
+# the mixers held to transformers: 4.57's, and 5.23's short conv (tf5: .ci/run's third environment)
+ORACLE_KINDS = ["mamba2", "gated_deltanet", pytest.param("short_conv", marks=pytest.mark.tf5)]
+
+
+@pytest.mark.tf5
+@pytest.mark.parametrize("conv_bias", [False, True])
+def test_short_conv_fp32_matches_transformers(conv_bias):
+    """Unpadded and padded. With conv_bias, transformers lets in_proj's bias through left padding into the conv
+    (core/token_mixers/short_conv.py's docstring), which ours keeps out: there only the right-padded row is compared."""
+    ref, ours = pair("short_conv", conv_bias=conv_bias)
+    x = torch.randn(3, 21, D)
+    mask = padded_mask()  # row 0 left-padded, row 1 right-padded
+    rows = slice(1, None) if conv_bias else slice(None)
+    with torch.no_grad():
+        assert rel(ours(x), ref(x)) <= 2e-5
+        theirs = ref(x, attention_mask=mask)[rows]
+        assert rel(ours(x, attention_mask=mask)[rows], theirs, mask[rows].bool()) <= 2e-5
+
+
+@pytest.mark.parametrize("kind", ORACLE_KINDS)
 def test_gradients_match_transformers(kind):
     ref, ours = pair(kind)
     x = torch.randn(3, 21, D)
@@ -91,7 +133,7 @@ def test_gradients_match_transformers(kind):
         assert rel(p.grad, theirs[name].grad) <= 1e-4, name
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "gated_deltanet"])
+@pytest.mark.parametrize("kind", ORACLE_KINDS)
 def test_bf16_error_within_3x_transformers(kind):
     ref, ours = pair(kind)
     x = torch.randn(3, 21, D)
@@ -103,11 +145,11 @@ def test_bf16_error_within_3x_transformers(kind):
     assert our_err <= 3 * ref_err, (our_err, ref_err)
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "gated_deltanet"])
+@pytest.mark.parametrize("kind", ["mamba2", "gated_deltanet", "short_conv"])
 def test_padding_does_not_leak(kind):
     """Each row of a padded batch equals that row alone, unpadded: left padding leaves the state zero,
     right padding comes after every real token."""
-    _, ours = pair(kind)
+    ours = ours_alone(kind)
     x = torch.randn(3, 21, D)
     mask = padded_mask()
     with torch.no_grad():
@@ -118,11 +160,11 @@ def test_padding_does_not_leak(kind):
             assert rel(y[r, real], alone) <= 1e-5, r
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "gated_deltanet"])
+@pytest.mark.parametrize("kind", ["mamba2", "gated_deltanet", "short_conv"])
 def test_packed_row_equals_each_candidate_alone(kind):
     """A prompt (segment 0) then candidates 1..3, right-padded, as core/task/choices.py packs them: the prompt's
     outputs equal the prompt alone, each candidate's equal its own row (prompt + candidate)."""
-    _, ours = pair(kind)
+    ours = ours_alone(kind)
     lengths = [[9, 4, 11, 2], [3, 6, 1, 5]]  # prompt, then candidates, per row
     T = max(map(sum, lengths)) + 2
     x = torch.randn(2, T, D)
@@ -141,14 +183,15 @@ def test_packed_row_equals_each_candidate_alone(kind):
                 alone = ours(torch.cat([prompt, x[r:r + 1, start:start + n]], 1))[0, P:]
                 assert rel(y[r, start:start + n], alone) <= 1e-5, (r, start)
                 start += n
-            assert y[r, start:].abs().max() == 0  # padding
+            pad = y[r, start:]  # padding: nothing reaches it but out_proj's bias (the short conv's)
+            assert torch.equal(pad, ours.out_proj(pad.new_zeros(len(pad), ours.out_proj.in_features)))
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "gated_deltanet"])
+@pytest.mark.parametrize("kind", ["mamba2", "gated_deltanet", "short_conv"])
 def test_cache_in_pieces_equals_one_forward(kind):
     """Prefill 2 positions (fewer than the conv window), then 11, then one at a time: the state cache
     carries the conv window and the scan state exactly."""
-    _, ours = pair(kind)
+    ours = ours_alone(kind)
     x = torch.randn(2, 17, D)
     with torch.no_grad():
         full = ours(x)
