@@ -49,15 +49,16 @@ def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str | Co
     dense layers, shared experts) are in the table without being listed here."""
     with torch.device("meta"):
         names = [n for n, _ in MoEForCausalLM(config).named_parameters()]  # a tied head is the embedding's
-    table = family_of(config.model_type).layer_keys
+    family = family_of(config.model_type)
+    table = family.layer_keys
     layout = {}
     for name in names:
-        prefix, _, rest = name.partition(".layers.")
+        _, _, rest = name.partition(".layers.")
         if not rest:
-            layout[name] = name
+            layout[name] = family.outer_keys.get(name, name)
             continue
         index, _, local = rest.partition(".")
-        at = f"{prefix}.layers.{index}."
+        at = f"{family.layers_prefix}{index}."
         disk = table.get(local, local)
         if isinstance(disk, tuple):
             layout[name] = tuple(at + pat.format(j=j) for j in range(config.num_experts) for pat in disk)

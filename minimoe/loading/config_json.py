@@ -61,7 +61,7 @@ def config_to_dict(config: MoEConfig) -> dict:
     d["architectures"] = [family.architecture]
     if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
         back_kinds = {v: k for k, v in family.layer_kinds.items()}
-        d["layer_types"] = [back_kinds[m] for m in config.mixer_types]
+        d[back.get("mixer_types", "layer_types")] = [back_kinds[m] for m in config.mixer_types]
     for name, default in family.write_defaults.items():  # None, which the family's config would fill in otherwise
         if d.get(back.get(name, name)) is None:
             d[back.get(name, name)] = default(config)

@@ -50,8 +50,9 @@ LAYER_KINDS_4 = {"linear_attention": "mamba", "full_attention": "attention"}
 def from_transformers5(d: dict, family, source: str) -> dict:
     """config.json `d` with transformers 5's names rewritten to the 4.57 names `family` reads."""
     d = dict(d)
-    if "rope_parameters" in d:
+    if d.get("rope_parameters") is not None:
         d.update(rope_fields(d.pop("rope_parameters"), d, source))
+    d.pop("rope_parameters", None)  # null: a model without rope (Nemotron-H's)
     if "dtype" in d:
         dtype = d.pop("dtype")
         if d.setdefault("torch_dtype", dtype) != dtype:
