@@ -108,7 +108,7 @@ register_family(Family(
            "dense MLP; squared-ReLU experts without a gate; optional latent expert width (moe_latent_size); "
            "DeepSeek-V3's sigmoid router with correction bias, group top-K and scaling; a shared expert",
     hub_examples=("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-Base-BF16"),
-    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts", "mamba"), name_hints=("nemotron-3", "nemotron_h"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts", "mamba"), name_hints=("nemotron-3", "nemotron-h", "nemotron_h"),
     recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe; LoRA as peft puts it on "
                 "the attention blocks' q/k/v/o, the routed experts' up_proj and down_proj and the Mamba-2 "
                 "blocks' in_proj and out_proj (lora_paths: the experts' up_proj for gate_up)",
