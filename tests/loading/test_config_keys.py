@@ -173,3 +173,15 @@ def test_every_family_saved_by_transformers5_loads_exactly(model_type, tmp_path)
         full = torch.ones_like(mask)
         assert rel_err(ours(ids).logits, ref(ids).logits, full) <= FP32_TOL
     assert math.isfinite(ours.config.rope_theta)
+
+
+def test_nemotron_h_reads_its_layer_pattern_or_list_and_refuses_them_disagreeing():
+    """Nemotron-H's layers: layers_block_type, or an older config.json's hybrid_override_pattern (one character a
+    layer, as NemotronHConfig reads it where the list is missing); both given and disagreeing is refused by name."""
+    d = {k: v for k, v in tiny("nemotron_h").items() if k != "layers_block_type"}
+    config = config_from_dict({**d, "hybrid_override_pattern": "M*-EE"})
+    assert config.mixer_types == ["mamba2", "attention", "mlp", "moe", "moe"] and config.sparse_layers == [3, 4]
+    listed = ["linear_attention", "full_attention", "mlp", "moe", "moe"]
+    assert config_from_dict({**d, "layers_block_type": listed, "hybrid_override_pattern": "M*-EE"}) == config
+    with pytest.raises(ValueError, match="hybrid_override_pattern = 'M\\*EE-', but minimoe's nemotron_h runs with 'M\\*-EE'"):
+        config_from_dict({**d, "layers_block_type": listed, "hybrid_override_pattern": "M*EE-"})
