@@ -109,9 +109,10 @@ register_family(Family(
            "DeepSeek-V3's sigmoid router with correction bias, group top-K and scaling; a shared expert",
     hub_examples=("nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16", "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-Base-BF16"),
     recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts", "mamba"), name_hints=("nemotron-3", "nemotron-h", "nemotron_h"),
-    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe; LoRA as peft puts it on "
-                "the attention blocks' q/k/v/o, the routed experts' up_proj and down_proj and the Mamba-2 "
-                "blocks' in_proj and out_proj (lora_paths: the experts' up_proj for gate_up)",
+    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe; LoRA on the modules peft "
+                "names: the attention blocks' q/k/v/o (peft 0.21's own default for nemotron_h, and no more), plus "
+                "the routed experts' up_proj and down_proj (every family's, lora_paths: up_proj for gate_up) and "
+                "the Mamba-2 blocks' in_proj and out_proj (as Granite 4.0-H's: 23 of Nano's 52 layers are Mamba-2)",
     layer_keys=NEMOTRON_KEYS, layers_prefix="backbone.layers.",
     outer_keys={"model.embed_tokens.weight": "backbone.embeddings.weight", "model.norm.weight": "backbone.norm_f.weight"},
     lora_paths={"gate_up": ("mlp.experts.up_proj",)},
