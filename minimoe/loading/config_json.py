@@ -21,7 +21,7 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     family = family_of(d.get("model_type"), source)
     d = from_transformers5(d, family, source)  # rope_parameters, dtype, ...: the names 4.57 wrote
     d = {k: v for k, v in d.items() if k not in family.harmless}  # not ours to read (MLA's head_dim)
-    d = {family.renames.get(k, k): v for k, v in d.items()}
+    d = renamed(d, family, source)
     d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
     refuse_unread(d, family, source)  # a key we do not read, set to change the model
     if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/token_mixers/mixers.py)
@@ -44,6 +44,19 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     known = {k: v for k, v in d.items() if k in ours}
     extra = {k: v for k, v in d.items() if k not in ours}
     return MoEConfig.from_flat({**known, "extra": extra})  # each mixer's options to its own config
+
+
+def renamed(d: dict, family, source: str) -> dict:
+    """config.json's fields under our names (`family.renames`). Two keys that become one field (Nemotron-H's n_groups
+    and its older mamba_n_groups) must agree: which one transformers' config takes is its own rule, not ours."""
+    out, came_from = {}, {}
+    for k, v in d.items():
+        name = family.renames.get(k, k)
+        if name in out and out[name] != v:
+            raise ValueError(f"{source}: {came_from[name]} = {out[name]!r} and {k} = {v!r} disagree; both give "
+                             f"{name}: keep one")
+        out[name], came_from[name] = v, k
+    return out
 
 
 def config_to_dict(config: MoEConfig) -> dict:

@@ -185,3 +185,12 @@ def test_nemotron_h_reads_its_layer_pattern_or_list_and_refuses_them_disagreeing
     assert config_from_dict({**d, "layers_block_type": listed, "hybrid_override_pattern": "M*-EE"}) == config
     with pytest.raises(ValueError, match="hybrid_override_pattern = 'M\\*EE-', but minimoe's nemotron_h runs with 'M\\*-EE'"):
         config_from_dict({**d, "layers_block_type": listed, "hybrid_override_pattern": "M*EE-"})
+
+
+def test_two_keys_giving_one_field_must_agree():
+    """Nemotron-H's config.json may hold a field under its transformers 5 name and its older one (n_groups,
+    mamba_n_groups): equal, it loads; unequal, it is refused naming both, never one taken silently."""
+    d = tiny("nemotron_h")
+    assert config_from_dict({**d, "mamba_n_groups": d["n_groups"]}).mixers["mamba2"].mamba_n_groups == d["n_groups"]
+    with pytest.raises(ValueError, match="n_groups = 2 and mamba_n_groups = 1 disagree; both give mamba_n_groups"):
+        config_from_dict({**d, "mamba_n_groups": 1})
