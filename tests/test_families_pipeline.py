@@ -110,8 +110,8 @@ def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, mo
     assert [c.model for c in cells] == [str(folder)] and guess_recipe(str(folder)) == FAMILIES[model_type].recipe
 
 
-# Round 3's families whose hub path runs here too, under transformers 5.23 (tf5): Qwen3.5's and LFM2's.
-ROUND3_HUB = tiny_families.declared(["qwen3_5_moe", "lfm2_moe"])
+# Round 3's families whose hub path runs here too, under transformers 5.23 (tf5): Qwen3.5's, LFM2's, Nemotron-H's.
+ROUND3_HUB = tiny_families.declared(["qwen3_5_moe", "lfm2_moe", "nemotron_h"])
 
 
 @pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS + ROUND3_HUB)
@@ -129,7 +129,7 @@ def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, 
 
 # Round 3 (issue 56): transformers-5-only families. Their oracle tests run in the tf5 environment
 # (tests/core/decoder/test_families_parity.py); here, in the main one, every method trains on the family's tiny checkpoint.
-ROUND3 = ["minimax_m2", "glm4_moe_lite", "mistral4", "qwen3_5_moe", "kimi_linear", "lfm2_moe"]
+ROUND3 = ["minimax_m2", "glm4_moe_lite", "mistral4", "qwen3_5_moe", "kimi_linear", "lfm2_moe", "nemotron_h"]
 METHOD_FLAGS = ["ce", "dual", "tes", "acs", "densemixer", "router", "esft"]
 
 

@@ -138,7 +138,26 @@ VARIANTS = {
                      num_dense_layers=1, norm_eps=1e-6, conv_L_cache=3, conv_bias=True, use_expert_bias=True,
                      routed_scaling_factor=1.5, norm_topk_prob=True, tie_word_embeddings=True,
                      max_position_embeddings=64),
+    # Nemotron-H (transformers 5 only): one block per layer, its released names; Mamba-2 with two groups (the
+    # gated norm per group), biases, several scan chunks and a time step clamp that bites; NoPE attention; V3's
+    # router with groups and scaling over squared-ReLU experts; a shared expert; a dense MLP block.
+    "nemotron_h": dict(model_type="nemotron_h", layers_block_type=["linear_attention", "moe", "full_attention", "mlp",
+                                                                   "moe", "linear_attention"],
+                       layer_norm_epsilon=1e-6, num_key_value_heads=2, head_dim=16, intermediate_size=48,
+                       moe_intermediate_size=32, moe_shared_expert_intermediate_size=40, n_routed_experts=8,
+                       num_experts_per_tok=2, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                       mamba_num_heads=8, mamba_head_dim=8, n_groups=2, ssm_state_size=16, chunk_size=8,
+                       conv_kernel=4, use_bias=True, time_step_min=0.4, max_position_embeddings=64),
+    # Nemotron-H's latent MoE (the experts in a narrower width between two projections), top-K not renormalised.
+    "nemotron_h-latent": dict(model_type="nemotron_h", layers_block_type=["full_attention", "moe", "linear_attention",
+                                                                          "moe"],
+                              layer_norm_epsilon=1e-6, num_key_value_heads=4, head_dim=16, moe_intermediate_size=32,
+                              moe_shared_expert_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3,
+                              moe_latent_size=24, norm_topk_prob=False, mamba_num_heads=4, mamba_head_dim=16,
+                              n_groups=1, ssm_state_size=8, chunk_size=16, conv_kernel=3),
 }
+# COMMON's fields a family's config names otherwise (Nemotron-H's layer_norm_epsilon): left out of its variants.
+NOT_COMMON = {"nemotron_h": ("rms_norm_eps", "num_hidden_layers")}
 
 
 def declared(variants) -> list:
@@ -156,6 +175,9 @@ def variant_config(variant: str) -> dict:
     builds and saves its model)."""
     mla = variant.startswith("deepseek") or variant in ("glm4_moe_lite", "mistral4")
     return {**COMMON, **(MLA if mla else {}), **VARIANTS[variant]}
+    mla = variant.startswith("deepseek") or variant == "glm4_moe_lite"
+    common = {k: v for k, v in COMMON.items() if k not in NOT_COMMON.get(family_of(variant), ())}
+    return {**common, **(MLA if mla else {}), **VARIANTS[variant]}
 
 
 def mxfp4_reference_model(folder, seed: int = 0):

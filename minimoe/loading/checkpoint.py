@@ -53,12 +53,12 @@ def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str | Co
     table = family.layer_keys
     layout = {}
     for name in names:
-        prefix, _, rest = name.partition(".layers.")
+        _, _, rest = name.partition(".layers.")
         if not rest:
-            layout[name] = family.model_keys.get(name, name)
+            layout[name] = family.outer_keys.get(name, name)
             continue
         index, _, local = rest.partition(".")
-        at = f"{prefix}.layers.{index}."
+        at = f"{family.layers_prefix}{index}."
         disk = table.get(local, local)
         if isinstance(disk, tuple):
             layout[name] = tuple(at + pat.format(j=j) for j in range(config.num_experts) for pat in disk)

@@ -24,7 +24,7 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     # rope_parameters, dtype, ...: the names 4.57 wrote; the family's own name for its text model's model_type
     d = {**from_transformers5(d, family, source), "model_type": family.model_type}
     d = {k: v for k, v in d.items() if k not in family.harmless}  # not ours to read (MLA's head_dim)
-    d = {family.renames.get(k, k): v for k, v in d.items()}
+    d = renamed(d, family, source)
     d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
     refuse_unread(d, family, source)  # a key we do not read, set to change the model
     if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/token_mixers/mixers.py)
@@ -67,6 +67,19 @@ def text_config_of(d: dict, family, source: str) -> dict:
     return text
 
 
+def renamed(d: dict, family, source: str) -> dict:
+    """config.json's fields under our names (`family.renames`). Two keys that become one field (Nemotron-H's n_groups
+    and its older mamba_n_groups) must agree: which one transformers' config takes is its own rule, not ours."""
+    out, came_from = {}, {}
+    for k, v in d.items():
+        name = family.renames.get(k, k)
+        if name in out and out[name] != v:
+            raise ValueError(f"{source}: {came_from[name]} = {out[name]!r} and {k} = {v!r} disagree; both give "
+                             f"{name}: keep one")
+        out[name], came_from[name] = v, k
+    return out
+
+
 def config_to_dict(config: MoEConfig) -> dict:
     """config.json as the family's transformers config writes it: the shared fields, the family's own
     (`Family.config_fields`) under its names, and whatever unknown fields were read."""
@@ -83,7 +96,7 @@ def config_to_dict(config: MoEConfig) -> dict:
     d["model_type"] = family.text_model_type or family.model_type  # what its transformers config class reads
     if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
         back_kinds = {v: k for k, v in family.layer_kinds.items()}
-        d["layer_types"] = [back_kinds[m] for m in config.mixer_types]
+        d[back.get("mixer_types", "layer_types")] = [back_kinds[m] for m in config.mixer_types]
     for name, default in family.write_defaults.items():  # None, which the family's config would fill in otherwise
         if d.get(back.get(name, name)) is None:
             d[back.get(name, name)] = default(config)

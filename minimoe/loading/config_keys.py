@@ -54,6 +54,7 @@ def from_transformers5(d: dict, family, source: str) -> dict:
         del d["rope_parameters"]
     if "rope_parameters" in d:
         d.update(rope_fields(d.pop("rope_parameters"), d, source))
+    d.pop("rope_parameters", None)  # null: a model without rope (Nemotron-H's)
     if "dtype" in d:
         dtype = d.pop("dtype")
         if d.setdefault("torch_dtype", dtype) != dtype:

@@ -130,6 +130,14 @@ FAMILY_SWITCHES = {
                      conv_bias=True, first_k_dense_replace=1, dense_intermediate_size=48, topk_method="noaux_tc",
                      routed_scaling_factor=1.5, norm_topk_prob=True, tie_word_embeddings=True, pad_token_id=0,
                      eos_token_id=1),
+    # Nemotron-H: one block per layer (Mamba-2 with the gated norm per group and the time step clamp that bites,
+    # NoPE attention, MoE, a dense MLP), squared-ReLU experts in a latent width, V3's router with groups and
+    # scaling, a shared expert.
+    "nemotron_h": dict(num_hidden_layers=5, mixer_types=["mamba2", "moe", "attention", "mlp", "moe"], head_dim=16,
+                       dense_intermediate_size=48, shared_expert_intermediate_size=40, moe_latent_size=32,
+                       mamba_n_heads=8, mamba_d_head=8, mamba_proj_bias=True,
+                       mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8, mamba_dt_min=0.4, n_group=4,
+                       topk_group=2, routed_scaling_factor=2.5, pad_token_id=0, eos_token_id=1),
 }
 
 # --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.

@@ -164,7 +164,8 @@ def test_every_family_saved_by_transformers5_loads_exactly(model_type, tmp_path)
     from tests.core.decoder.test_model import batch, reference_model, rel_err
     ref = reference_model(tiny(model_type), tmp_path)
     on_disk = json.loads((tmp_path / "config.json").read_text())
-    if not FAMILIES[model_type].fixed.get("mla_nope"):  # Kimi Linear turns no rope: its config names none
+    family = FAMILIES[model_type]  # Kimi Linear's and Nemotron-H's configs name no rope
+    if not family.fixed.get("mla_nope") and family.fixed.get("position_embedding_type") != "nope":
         assert "rope_parameters" in on_disk and "rope_theta" not in on_disk  # the form this test is about
     ours = minimoe.from_pretrained(tmp_path, dtype=torch.float32)
     ids, mask = batch()
@@ -191,3 +192,24 @@ def test_a_released_qwen3_5_config_json_reads_its_text_config():
         config_from_dict({**released, "text_config": {**flat, "model_type": "qwen3_next"}})
     with pytest.raises(ValueError, match="tie_word_embeddings True and text_config's False disagree"):
         config_from_dict({**released, "tie_word_embeddings": True})
+
+
+def test_nemotron_h_reads_its_layer_pattern_or_list_and_refuses_them_disagreeing():
+    """Nemotron-H's layers: layers_block_type, or an older config.json's hybrid_override_pattern (one character a
+    layer, as NemotronHConfig reads it where the list is missing); both given and disagreeing is refused by name."""
+    d = {k: v for k, v in tiny("nemotron_h").items() if k != "layers_block_type"}
+    config = config_from_dict({**d, "hybrid_override_pattern": "M*-EE"})
+    assert config.mixer_types == ["mamba2", "attention", "mlp", "moe", "moe"] and config.sparse_layers == [3, 4]
+    listed = ["linear_attention", "full_attention", "mlp", "moe", "moe"]
+    assert config_from_dict({**d, "layers_block_type": listed, "hybrid_override_pattern": "M*-EE"}) == config
+    with pytest.raises(ValueError, match="hybrid_override_pattern = 'M\\*EE-', but minimoe's nemotron_h runs with 'M\\*-EE'"):
+        config_from_dict({**d, "layers_block_type": listed, "hybrid_override_pattern": "M*EE-"})
+
+
+def test_two_keys_giving_one_field_must_agree():
+    """Nemotron-H's config.json may hold a field under its transformers 5 name and its older one (n_groups,
+    mamba_n_groups): equal, it loads; unequal, it is refused naming both, never one taken silently."""
+    d = tiny("nemotron_h")
+    assert config_from_dict({**d, "mamba_n_groups": d["n_groups"]}).mixers["mamba2"].mamba_n_groups == d["n_groups"]
+    with pytest.raises(ValueError, match="n_groups = 2 and mamba_n_groups = 1 disagree; both give mamba_n_groups"):
+        config_from_dict({**d, "mamba_n_groups": 1})

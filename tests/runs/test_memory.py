@@ -232,3 +232,24 @@ def test_lfm2_moe_is_sized_at_its_released_sizes(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LFM2_8B))
     estimate = memory_estimate.main([str(tmp_path), "--gpus", "1", "--dtype", "bfloat16"])
     assert estimate.weights == 2 * params and estimate.lora > 0
+# NVIDIA-Nemotron-3-Nano-30B-A3B's config.json (its widths and layer pattern as released; the optional fields left
+# to NemotronHConfig's defaults): 23 Mamba-2, 23 MoE and 6 attention blocks.
+NEMOTRON_3_NANO = dict(
+    architectures=["NemotronHForCausalLM"], model_type="nemotron_h", vocab_size=131072, hidden_size=2688,
+    num_hidden_layers=52, hybrid_override_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+    num_attention_heads=32, head_dim=128, num_key_value_heads=2, mamba_num_heads=64, mamba_head_dim=64,
+    ssm_state_size=128, n_groups=8, conv_kernel=4, chunk_size=128, n_routed_experts=128, num_experts_per_tok=6,
+    moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712, intermediate_size=1856, n_group=1,
+    topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, layer_norm_epsilon=1e-5, mlp_hidden_act="relu2",
+    mamba_hidden_act="silu", use_bias=False, use_conv_bias=True, tie_word_embeddings=False, n_shared_experts=1,
+    max_position_embeddings=262144, time_step_min=0.001, torch_dtype="bfloat16")
+
+
+def test_the_memory_command_sizes_nemotron_3_nano_from_its_config_json(tmp_path):
+    """config.json alone: the parameters its config makes, 31.6B as the model card gives them (31.58B), in bf16."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text(json.dumps(NEMOTRON_3_NANO))
+    e = memory_estimate.main([str(tmp_path / "m"), "--gpus", "1", "--gpu-memory", "80"])
+    assert 31.5e9 < e.weights / 2 < 31.7e9
+    assert not e.fits  # a LoRA run of the whole bf16 model is more than one 80 GB card
+    assert memory_estimate.main([str(tmp_path / "m"), "--gpus", "4", "--gpu-memory", "80"]).fits  # FSDP over 4

@@ -39,7 +39,8 @@ ODD_FAMILY = {"qwen3_moe": dict(dense_intermediate_size=49), "qwen2_moe": dict(s
               "granitemoeshared": dict(shared_expert_intermediate_size=41),
               "granitemoehybrid": dict(shared_expert_intermediate_size=41),
               "qwen3_next": dict(shared_expert_intermediate_size=41),
-              "lfm2_moe": dict(dense_intermediate_size=49)}
+              "lfm2_moe": dict(dense_intermediate_size=49),
+              "nemotron_h": dict(dense_intermediate_size=49, shared_expert_intermediate_size=41, n_group=1, topk_group=1)}
 CASES = [*FAMILIES, "gpt_oss-mxfp4"]  # gpt-oss's experts as the official checkpoint stores them, too
 
 

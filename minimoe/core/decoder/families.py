@@ -84,9 +84,10 @@ class Family:
     # config.json keys of its transformers config that change nothing it computes, dropped on read where one is also
     # our field's name (MLA's head_dim, which transformers writes as qk_rope_head_dim; ours is not that)
     harmless: frozenset = frozenset()
-    # our parameter name outside the layers -> its on-disk key, where the family names it otherwise (LFM2's final
-    # norm, model.embedding_norm); read and written alike
-    model_keys: dict = field(default_factory=dict)
+    # where its checkpoint names our modules outside `layer_keys`: the layers' prefix for our `model.layers.`,
+    # and our other parameters' keys (Nemotron-H: backbone.layers., backbone.embeddings, backbone.norm_f; LFM2's final norm, model.embedding_norm)
+    layers_prefix: str = "model.layers."
+    outer_keys: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.layers.clamped_experts import ClampedSwiGLUExperts
-from minimoe.core.layers.experts import Experts
+from minimoe.core.layers.experts import Experts, SquaredReLUExperts
 from minimoe.core.layers.masks import block_mask, bool_mask, flex_applies
 from minimoe.core.token_mixers.mixers import KVCache, MixerInputs, mixer_for
 from minimoe.core.layers.mlp import DenseMLP
@@ -73,16 +73,22 @@ class MoEBlock(nn.Module):
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)  # native affinity W_aff
         if config.topk_method == "noaux_tc" and config.correction_bias:  # DeepSeek-V3's selection-only bias, never trained
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+        if config.moe_latent_size is not None:  # Nemotron-H's latent MoE: experts in a narrower width
+            self.fc1_latent_proj = nn.Linear(config.hidden_size, config.moe_latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(config.moe_latent_size, config.hidden_size, bias=False)
         if config.swiglu_limit is not None:  # gpt-oss (core/layers/clamped_experts.py)
             self.experts = ClampedSwiGLUExperts(config.num_experts, config.hidden_size, config.intermediate_size,
                                                 limit=config.swiglu_limit)
+        elif config.hidden_act == "relu2":  # Nemotron-H: no gate, squared ReLU
+            self.experts = SquaredReLUExperts(config.num_experts, config.moe_latent_size or config.hidden_size,
+                                              config.intermediate_size)
         else:
             self.experts = Experts(config)
         self.router = NativeRouter(Scoring.of(config))
         self.router_fp32 = config.router_fp32
         if config.shared_expert_intermediate_size:  # never routed: every token's, beside the routed K (mlp.py)
             self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
-                                          fused=config.shared_expert_fused)
+                                          fused=config.shared_expert_fused, act=config.hidden_act)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
 
     def forward(self, x, stash: dict | None = None) -> tuple[torch.Tensor, Routing]:  # x [B, T, D]
@@ -104,9 +110,13 @@ class MoEBlock(nn.Module):
         routing = self.router(gx, logits, experts=replay, **extra)
         if stash is not None and replay is None:
             stash["experts"] = routing.experts.detach()
-        y = self.experts(flat, routing.experts, routing.weights)  # [B*T, D]
-        if routing.addend is not None:  # the policy's own term (routing.Routing)
-            y = y + routing.addend(self.experts, flat)
+        latent = hasattr(self, "fc1_latent_proj")  # routed on the hidden state, the experts run in the latent width
+        xe = self.fc1_latent_proj(flat) if latent else flat
+        y = self.experts(xe, routing.experts, routing.weights)  # [B*T, D] (latent: [B*T, moe_latent_size])
+        if routing.addend is not None:  # the policy's own term (routing.Routing), in the experts' width
+            y = y + routing.addend(self.experts, xe)
+        if latent:
+            y = self.fc2_latent_proj(y)
         if hasattr(self, "shared_expert"):
             shared = self.shared_expert(flat)
             if self.shared_expert_gate is not None:  # Qwen2-MoE: sigmoid(w . x) per token
@@ -121,26 +131,38 @@ def scaled(x, factor: float):
 
 
 class DecoderLayer(nn.Module):
+    """A token mixer then a feed-forward block (the MoE block, or a dense layer's MLP), each with its norm and
+    residual; in a one-block-per-layer model (Nemotron-H: config.single_block_layers) only one of the two, the
+    other None: a mixer layer has input_layernorm and no `mlp`, a feed-forward one post_attention_layernorm and
+    no mixer (mixer_attribute None)."""
+
     def __init__(self, config: MoEConfig, layer_idx: int):
         super().__init__()
-        mixer = mixer_for(config, layer_idx)  # attention, MLA, ... (core/token_mixers/mixers.py)
-        self.mixer_attribute = type(mixer).attribute  # the checkpoint's name for it: self_attn, ...
-        setattr(self, self.mixer_attribute, mixer)
+        mixer = mixer_for(config, layer_idx)  # attention, MLA, ... (core/token_mixers/mixers.py); None: no mixer
+        self.mixer_attribute = None if mixer is None else type(mixer).attribute  # the checkpoint's name: self_attn, ...
+        if mixer is not None:
+            setattr(self, self.mixer_attribute, mixer)
         self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
-        self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size)
+        self.mlp = None
+        if config.has_mlp(layer_idx):
+            self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size,
+                                                                     act=config.hidden_act)
         norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32,
                                  config.norm_zero_centred)
         self.norm_after = config.norm_after
         if self.norm_after:  # OLMo-2's placement (FlexOlmo): each branch's output normed, the checkpoint's names
             self.post_attention_layernorm, self.post_feedforward_layernorm = norm(), norm()
         else:  # pre-norm: each branch's input normed
-            self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+            if mixer is not None:
+                self.input_layernorm = norm()
+            if self.mlp is not None:
+                self.post_attention_layernorm = norm()
         self.residual_multiplier = config.residual_multiplier
         self.gradient_checkpointing = False  # recompute this block in backward instead of storing it
 
     @property
-    def mixer(self) -> nn.Module:
-        return getattr(self, self.mixer_attribute)
+    def mixer(self) -> nn.Module | None:
+        return None if self.mixer_attribute is None else getattr(self, self.mixer_attribute)
 
     def forward(self, h, inputs: MixerInputs, cache=None):  # cache: this layer's slot of a KVCache
         if self.gradient_checkpointing and torch.is_grad_enabled() and cache is None:
@@ -152,7 +174,10 @@ class DecoderLayer(nn.Module):
             h = h + scaled(self.post_attention_layernorm(self.mixer(h, inputs, cache)), self.residual_multiplier)
             mlp_out, routing = self.mlp(h, stash) if self.sparse else (self.mlp(h), None)
             return h + scaled(self.post_feedforward_layernorm(mlp_out), self.residual_multiplier), routing
-        h = h + scaled(self.mixer(self.input_layernorm(h), inputs, cache), self.residual_multiplier)
+        if self.mixer is not None:
+            h = h + scaled(self.mixer(self.input_layernorm(h), inputs, cache), self.residual_multiplier)
+        if self.mlp is None:
+            return h, None
         x = self.post_attention_layernorm(h)
         mlp_out, routing = self.mlp(x, stash) if self.sparse else (self.mlp(x), None)
         return h + scaled(mlp_out, self.residual_multiplier), routing
@@ -248,7 +273,7 @@ class MoEForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(start, start + T, device=device).expand(B, T)
         cos, sin = position_embeddings(self.config, position_ids, torch.float32 if self.config.rope_in_fp32 else h.dtype)
-        mixers = [layer.mixer for layer in self.model.layers]
+        mixers = [layer.mixer for layer in self.model.layers if layer.mixer is not None]
         flex = device.type in FLEX_DEVICES and cache is None and (attention_mask is not None or segment_ids is not None)
         flex = flex and all(m.takes_block_mask for m in mixers) and flex_applies()  # sinks, MLA, small heads: bool
         masks = {kind: block_mask(attention_mask, segment_ids, B, T, kind, position_ids) if flex else

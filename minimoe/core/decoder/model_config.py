@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from minimoe.core.decoder.families import family_of
 from minimoe.core.layers.rope import rope_type
 from minimoe.core.routing_methods.routing import SCORE_FUNCS, TOPK_METHODS
-from minimoe.core.token_mixers.mixers import MIXERS, flat_mixer_types, mixer_field_names, mixer_type
+from minimoe.core.token_mixers.mixers import FEED_FORWARD, MIXERS, flat_mixer_types, mixer_field_names, mixer_type
 
 
 @dataclass
@@ -34,6 +34,9 @@ class MoEConfig:
     sliding_window: int | None = None
     layer_types: list | None = None  # per layer "sliding_attention" | "full_attention" | "chunked_attention"; None: alike
     mixer_types: list | None = None  # per layer a core/token_mixers/mixers.py MIXERS name; None: "mla" where mixers holds MLA's, else "attention"
+    # Nemotron-H: each layer is one block with its own norm and residual, a mixer alone (mixer_types' MIXERS
+    # names) or a feed-forward block alone (mixers.FEED_FORWARD in mixer_types: "moe" routed, "mlp" dense)
+    single_block_layers: bool = False
     # Each token mixer's own options (core/token_mixers/mixers.py): MIXERS name -> its config_class, one per kind the layers run
     # (and each kind of a hybrid family, Family.layer_kinds); one left out is built with its defaults.
     mixers: dict = field(default_factory=dict)
@@ -51,6 +54,7 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # > 0: a shared expert of this width beside the routed ones
     shared_expert_gate: bool = False  # the shared expert scaled by sigmoid(w . x) (Qwen2-MoE)
     shared_expert_fused: bool = False  # the shared expert's gate and up as one gate_up_proj [2I, D] (Granite's)
+    moe_latent_size: int | None = None  # set: the routed experts run in this width, projected in and out (Nemotron-H)
     n_shared_experts: int = 0  # DeepSeek: shared experts of intermediate_size each, run as one of n times the width
     # The router's scoring and selection (routing.Scoring reads these; families.py says who uses which).
     scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
@@ -81,7 +85,7 @@ class MoEConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     initializer_range: float = 0.02
-    hidden_act: str = "silu"
+    hidden_act: str = "silu"  # the experts' and MLPs': "silu" (SwiGLU) or "relu2" (no gate, squared ReLU: Nemotron-H)
     rope_scaling: dict | None = None
     torch_dtype: str | None = None  # dtype the checkpoint was saved in
     extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back on save
@@ -93,7 +97,7 @@ class MoEConfig:
         ones its layers run, a hybrid family's every kind); another kind's are dropped, as no layer reads them."""
         d = dict(flat)
         given = d.pop("mixers", None) or {}
-        held = flat_mixer_types(d) | set(family_of(d.get("model_type")).layer_kinds.values())
+        held = flat_mixer_types(d) | (set(family_of(d.get("model_type")).layer_kinds.values()) - set(FEED_FORWARD))
         owners = mixer_field_names()
         options = {kind: {} for kind in held}
         for name in [k for k in d if k in owners]:
@@ -112,10 +116,12 @@ class MoEConfig:
 
     def __post_init__(self):
         family = family_of(self.model_type)  # the unknown model_type error names them all
+        single = family.fixed.get("single_block_layers", self.single_block_layers)  # fixed: set just below
+        kinds = set(MIXERS) | (set(FEED_FORWARD) if single else set())
         if self.mixer_types is not None and (len(self.mixer_types) != self.num_hidden_layers
-                                             or not set(self.mixer_types) <= set(MIXERS)):
+                                             or not set(self.mixer_types) <= kinds):
             raise ValueError(f"config: mixer_types {self.mixer_types!r}; expected num_hidden_layers="
-                             f"{self.num_hidden_layers} entries, each one of {sorted(MIXERS)}")
+                             f"{self.num_hidden_layers} entries, each one of {sorted(kinds)}")
         self._hold_mixers(family)
         owners = mixer_field_names()
         for name, value in family.fixed.items():  # a mixer's option on its config, where the model holds that kind
@@ -140,8 +146,11 @@ class MoEConfig:
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"config: num_experts_per_tok {self.num_experts_per_tok} must be in "
                              f"[1, num_experts={self.num_experts}]")
-        if self.hidden_act != "silu":
-            raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
+        if self.hidden_act not in ("silu", "relu2") or (self.hidden_act == "relu2" and self.swiglu_limit is not None):
+            raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu' or 'relu2' "
+                             f"(the latter without swiglu_limit)")
+        if self.moe_latent_size is not None and not (isinstance(self.moe_latent_size, int) and self.moe_latent_size >= 1):
+            raise ValueError(f"config: moe_latent_size {self.moe_latent_size!r}; expected an int >= 1 or null")
         rope_type(self.rope_scaling)  # refuses, by name, a type core/layers/rope.py does not compute
         self._check_attention()
         if self.sliding_window is not None and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
@@ -152,13 +161,14 @@ class MoEConfig:
         if not self.sparse_layers:
             raise ValueError("config: no layer is sparse (mlp_only_layers, decoder_sparse_step, first_k_dense_replace); "
                              "expected at least one MoE layer")
-        if len(self.sparse_layers) < self.num_hidden_layers and not self.dense_intermediate_size:
+        dense = [i for i in range(self.num_hidden_layers) if self.has_mlp(i) and i not in self.sparse_layers]
+        if dense and not self.dense_intermediate_size:
             raise ValueError("config: dense layers need dense_intermediate_size (config.json's intermediate_size)")
         self._check_router()
 
     def _hold_mixers(self, family):
         """`mixers` as its own copies (replace re-checks each), one per kind held, each of its mixer's class."""
-        held = self.mixer_kinds | set(family.layer_kinds.values())
+        held = self.mixer_kinds | (set(family.layer_kinds.values()) - set(FEED_FORWARD))
         for kind, options in self.mixers.items():
             if kind not in held or not isinstance(options, MIXERS[kind].config_class):
                 raise ValueError(f"config: mixers[{kind!r}] {options!r}; expected a {kind} config only where a "
@@ -198,6 +208,8 @@ class MoEConfig:
         """The MoE layers' indices; the others are dense (the transformers 4.57 rule of each family)."""
         if self.moe_layers is not None:
             return sorted(i for i in self.moe_layers if 0 <= i < self.num_hidden_layers)
+        if self.single_block_layers:  # the "moe" blocks; "mlp" ones are dense, a mixer's layer has no MLP
+            return [i for i in range(self.num_hidden_layers) if mixer_type(self, i) == "moe"]
         return [i for i in range(self.num_hidden_layers) if i not in self.mlp_only_layers
                 and (i + 1) % self.decoder_sparse_step == 0 and i >= self.first_k_dense_replace]
 
@@ -211,7 +223,11 @@ class MoEConfig:
     @property
     def mixer_kinds(self) -> set[str]:
         """The MIXERS names the layers run."""
-        return {mixer_type(self, i) for i in range(self.num_hidden_layers)}
+        return {mixer_type(self, i) for i in range(self.num_hidden_layers)} - set(FEED_FORWARD)
+
+    def has_mlp(self, layer: int) -> bool:
+        """Whether layer `layer` has a feed-forward block (not in a one-block-per-layer model's mixer layers)."""
+        return not self.single_block_layers or mixer_type(self, layer) in FEED_FORWARD
 
     @property
     def rope_dim(self) -> int:  # the dims each head rotates: MLA's rope part, else the head's first partial_rotary_factor

@@ -148,3 +148,22 @@ class Experts(nn.Module):
         if not self.scale_input:
             y = y * dispatch.row_weights(weights).to(y.dtype)
         return dispatch.combine(y, *experts.shape)
+
+
+class SquaredReLUExperts(nn.Module):
+    """E experts without a gate (Nemotron-H): down(relu(up x)^2). up_proj [E, I, D_in], down_proj [E, D_in, I];
+    D_in is the hidden size, or the latent width of a block that projects into one first (model.MoEBlock).
+    The combine weight scales each expert's output, as `Experts`."""
+
+    def __init__(self, num_experts: int, width: int, intermediate_size: int):
+        super().__init__()
+        self.up_proj = GroupedLinear(num_experts, intermediate_size, width)
+        self.down_proj = GroupedLinear(num_experts, width, intermediate_size)
+
+    def forward(self, x, experts, weights):  # x [T, D_in], experts/weights [T, K] -> [T, D_in]
+        E = self.up_proj.weight.shape[0]
+        x = x.to(matmul_dtype(x, self.up_proj.weight))
+        dispatch = Dispatch(experts, E, cpu_memory.expert_block(x, experts.numel(), E))
+        h = F.relu(self.up_proj(x[dispatch.token], dispatch)).square()  # [N, I]
+        y = self.down_proj(h, dispatch) * dispatch.row_weights(weights).to(h.dtype)  # [N, D_in]
+        return dispatch.combine(y, *experts.shape)

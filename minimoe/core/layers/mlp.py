@@ -16,11 +16,15 @@ import torch.nn.functional as F
 
 
 class DenseMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), x [..., D] -> [..., D], I the hidden width."""
+    """down(silu(gate(x)) * up(x)), x [..., D] -> [..., D], I the hidden width; with act "relu2" no gate:
+    down(relu(up(x))^2) (Nemotron-H's dense layers and shared expert)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, fused: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, fused: bool = False, act: str = "silu"):
         super().__init__()
-        if fused:
+        self.act = act
+        if act == "relu2":
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        elif fused:
             self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         else:
             self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -28,6 +32,8 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x):
+        if self.act == "relu2":
+            return self.down_proj(F.relu(self.up_proj(x)).square())
         if hasattr(self, "gate_up_proj"):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:

@@ -64,7 +64,7 @@ class _DenseTerm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # grad [T, D] = dL/dy
         w, x = ctx.saved_tensors
-        T, E = x.shape[0], ctx.experts.gate_up_proj.weight.shape[0]
+        T, E = w.shape
         col = [x.new_full((T, 1), e, dtype=torch.long) for e in range(E)]
         if getattr(ctx.experts, "scale_input", False):
             # w_e sits inside the expert: its gradient goes through E_e's Jacobian at w_e h_t, one expert at a

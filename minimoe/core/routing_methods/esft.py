@@ -40,7 +40,12 @@ from minimoe.core.routing_methods.routing import NativeRouter, Routing, Scoring,
 
 CRITERIA = ("token", "gate")
 FORMS = ("lora", "full")
-BANKS = ("gate_up_proj", "down_proj")
+BANKS = ("gate_up_proj", "up_proj", "down_proj")  # a bank's name, whichever its experts have (`banks`)
+
+
+def banks(experts) -> list[str]:
+    """The expert banks of an experts module: SwiGLU's gate_up_proj and down_proj, squared ReLU's up_proj and down_proj."""
+    return [bank for bank in BANKS if hasattr(experts, bank)]
 
 
 def usage(routings, attention_mask) -> dict[int, torch.Tensor]:
@@ -110,7 +115,7 @@ class ESFTRouter(NativeRouter):
         if self.form != "full":
             return
         self.index = torch.nonzero(self.chosen).flatten().tolist()
-        for bank in BANKS:
+        for bank in banks(mlp.experts):
             weight = getattr(mlp.experts, bank).weight.detach()
             self.rows[bank] = nn.Parameter(weight[self.index].float())
         attach(mlp)
@@ -136,7 +141,7 @@ def attach(mlp):
     """A forward hook on each expert bank of `mlp`, once: the chosen experts' row blocks are computed with
     the router's `rows` instead of the frozen bank's (whose frozen LoRA adds exact zeros); the bank itself is
     never copied or written. The router is read at call time: loading an adapter installs a new one."""
-    for bank in BANKS:
+    for bank in banks(mlp.experts):
         module = getattr(mlp.experts, bank)
         if not getattr(module, "esft_attached", False):
             module.register_forward_hook(lambda m, args, y, mlp=mlp, bank=bank: chosen_rows(mlp.router, bank, *args, y))

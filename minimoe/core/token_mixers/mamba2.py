@@ -40,6 +40,9 @@ class Mamba2Config:
     mamba_chunk_size: int = 256  # L, the SSD scan's chunk (any length gives the same values to rounding)
     mamba_conv_bias: bool = True
     mamba_proj_bias: bool = False  # biases on in_proj and out_proj
+    mamba_dt_min: float = 0.0  # the time step, after its softplus, clamped from below (Nemotron-H: time_step_min)
+    # the gated norm per group of H*P/G channels (Nemotron-H, transformers 5's Mamba-2s) or over all of them (4.57's)
+    mamba_norm_per_group: bool = False
 
     def __post_init__(self):
         for name in ("mamba_n_heads", "mamba_n_groups", "mamba_d_state", "mamba_d_conv", "mamba_expand",
@@ -112,7 +115,9 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(H))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, H + 1, dtype=torch.float32)))
         self.D = nn.Parameter(torch.ones(H))
-        self.norm = GatedRMSNorm(self.inner, config.rms_norm_eps, gate_first=True)
+        self.norm = GatedRMSNorm(self.inner, config.rms_norm_eps, gate_first=True,
+                                 groups=G if c.mamba_norm_per_group else 1)
+        self.dt_min = c.mamba_dt_min
         self.out_proj = nn.Linear(self.inner, config.hidden_size, bias=c.mamba_proj_bias)
 
     @staticmethod
@@ -132,6 +137,8 @@ class Mamba2Mixer(nn.Module):
                                     None if state is None else state.conv)
         xs, B, C = masked(xBC, mask).split([self.inner, self.G * self.N, self.G * self.N], dim=-1)
         dt = F.softplus(dt + self.dt_bias)  # [B, T, H] in the model dtype, as the reference
+        if self.dt_min:  # Nemotron-H's reference clamps it (its time_step_limit is never read)
+            dt = dt.clamp(min=self.dt_min)
         A = -torch.exp(wide(self.A_log))
         per_group = self.H // self.G
         B, C = (wide(t).unflatten(-1, (self.G, self.N)).repeat_interleave(per_group, dim=2) for t in (B, C))

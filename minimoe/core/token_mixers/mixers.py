@@ -50,6 +50,9 @@ from minimoe.core.token_mixers.short_conv import ShortConv
 
 MIXERS: dict[str, type] = {"attention": Attention, "mla": MLAttention, "mamba2": Mamba2Mixer,
                            "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "short_conv": ShortConv}
+# A model of one block per layer (Nemotron-H, MoEConfig.single_block_layers) names its feed-forward layers by
+# these in mixer_types: such a layer has no mixer, only its MoE block ("moe") or dense MLP ("mlp").
+FEED_FORWARD = ("moe", "mlp")
 
 
 def register_mixer(name: str, cls: type) -> type:
@@ -69,7 +72,7 @@ def flat_mixer_types(fields: dict) -> set[str]:
     """The mixers the layers of a flat config (config.json's names) run: `mixer_types`, else MLA where
     kv_lora_rank is set (DeepSeek's config.json), else attention."""
     if fields.get("mixer_types"):
-        return set(fields["mixer_types"])
+        return set(fields["mixer_types"]) - set(FEED_FORWARD)
     return {"mla" if fields.get("kv_lora_rank") is not None else "attention"}
 
 
@@ -79,7 +82,9 @@ def mixer_field_names() -> dict[str, str]:
 
 
 def mixer_for(config, layer_idx: int):
-    return MIXERS[mixer_type(config, layer_idx)](config, layer_idx)
+    """Layer `layer_idx`'s mixer; None for a feed-forward layer of a one-block-per-layer model."""
+    kind = mixer_type(config, layer_idx)
+    return None if kind in FEED_FORWARD else MIXERS[kind](config, layer_idx)
 
 
 @dataclass
@@ -99,6 +104,8 @@ class KVCache:
     """Each layer's cache slot (its mixer's `cache_slot`), preallocated for `max_len` positions."""
 
     def __init__(self, config, batch_size: int, max_len: int, dtype, device):
-        self.layers = [MIXERS[mixer_type(config, i)].cache_slot(config, i, batch_size, max_len, dtype, device)
-                       for i in range(config.num_hidden_layers)]
+        kinds = [mixer_type(config, i) for i in range(config.num_hidden_layers)]
+        self.layers = [None if kind in FEED_FORWARD else MIXERS[kind].cache_slot(config, i, batch_size, max_len,
+                                                                                  dtype, device)
+                       for i, kind in enumerate(kinds)]
         self.length = 0  # positions filled so far; advanced once per forward by the model

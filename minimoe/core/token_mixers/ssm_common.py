@@ -87,18 +87,20 @@ def wide(t):
 class GatedRMSNorm(nn.Module):
     """The recurrent mixers' output norm, gated by z, with a weight over the last dim; computed wide (fp32).
     Each reference orders and rounds it its own way, and the parity tests hold both:
-    gate_first (Mamba-2): RMSNorm(y * silu(z)), rounded to y's dtype, times the weight;
+    gate_first (Mamba-2): RMSNorm(y * silu(z)), rounded to y's dtype, times the weight; with `groups`, over
+    each group of channels apart (transformers 5's Mamba-2s, Nemotron-H's: the B/C groups' channels);
     else (Qwen3-Next's Gated DeltaNet): RMSNorm(y) rounded to y's dtype, times the weight, times silu(z) in
     fp32, rounded once at the end."""
 
-    def __init__(self, dim: int, eps: float, gate_first: bool):
+    def __init__(self, dim: int, eps: float, gate_first: bool, groups: int = 1):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.gate_first = eps, gate_first
+        self.eps, self.gate_first, self.groups = eps, gate_first, groups
 
     def forward(self, y, z):
-        if self.gate_first:
-            return self.weight * rms_normalized(wide(y) * F.silu(wide(z)), self.eps).to(y.dtype)
+        if self.gate_first:  # groups > 1: each group of dim / groups channels over its own root mean square
+            g = (wide(y) * F.silu(wide(z))).unflatten(-1, (self.groups, -1))
+            return self.weight * rms_normalized(g, self.eps).flatten(-2).to(y.dtype)
         h = self.weight * rms_normalized(wide(y), self.eps).to(y.dtype)
         return (h * F.silu(wide(z))).to(y.dtype)
 

@@ -94,10 +94,18 @@ def test_gradients_match_transformers(variant, tmp_path):
     layout = checkpoint_layout(ours.config)
     ours_grads = to_disk_layout(ours.config, {n: ours.get_parameter(n).grad if n in names else
                                               torch.zeros_like(ours.get_parameter(n)) for n in layout})
-    ref_grads = {n: torch.zeros_like(p) if p.grad is None else p.grad  # None: an expert no token chose
+    # transformers 5 renames some checkpoints' root in memory (Nemotron-H's backbone. is its model.): ours on disk
+    root = FAMILIES[ours.config.model_type].layers_prefix.removesuffix("layers.")
+    ref_grads = {root + n.removeprefix("model.") if n.startswith("model.") else n:
+                 torch.zeros_like(p) if p.grad is None else p.grad  # None: an expert no token chose
                  for n, p in ref.named_parameters()}
     if revert_weight_conversion is not None:  # transformers 5: its names in memory -> its checkpoint's, by its own map
         ref_grads = dict(revert_weight_conversion(ref, ref_grads))
+    for key in set(ref_grads) - set(ours_grads):  # fused in its memory, per expert on disk (Nemotron-H): stacked
+        head, _, leaf = key.rpartition(".")
+        per_expert = [f"{head}.{j}.{leaf}.weight" for j in range(ours.config.num_experts)]
+        if all(k in ours_grads for k in per_expert):
+            ours_grads[key] = torch.stack([ours_grads[k] for k in per_expert])
     # transformers 5 holds the experts fused in memory ([E, 2I, D] gate rows then up, [E, D, I]), as we do:
     # a name its checkpoint does not have is our parameter's, under ours (the experts': `.weight` added), or
     # our bank's under the module its per-expert keys sit in (LFM2's feed_forward.experts)
@@ -243,7 +251,8 @@ def test_merged_export_loads_in_transformers_with_our_logits(variant, tmp_path):
         assert rel_err(with_v2_softmax_mscale(hf).eval()(ids, attention_mask=mask).logits, ours, mask) <= FP32_TOL
 
 
-HYBRIDS = declared([v for v in NAMES if family_of(v) in ("granitemoehybrid", "qwen3_next", "qwen3_5_moe", "lfm2_moe")])
+HYBRIDS = declared([v for v in NAMES if family_of(v) in ("granitemoehybrid", "qwen3_next", "qwen3_5_moe", "lfm2_moe",
+                                                                  "nemotron_h")])
 
 
 @pytest.mark.parametrize("variant", HYBRIDS)

@@ -37,6 +37,10 @@ SAME_MEANING = {
     ("qwen3_5_moe", "model_type"): "the family's name; config.json gets its text_model_type, this one",
     ("llama4_text", "moe_layers"): "None: every decoder_sparse_step-th layer (i + 1) % step == 0, the list "
                                     "transformers fills in (range(step - 1, layers, step))",
+    ("nemotron_h", "layer_types"): "NemotronHConfig's layer_types is its layers_block_type (attribute_map), our "
+                                   "mixer_types; ours, None, is every attention layer full, as its causal mask",
+    ("nemotron_h", "n_shared_experts"): "never read by its modeling file (the shared expert is "
+                                        "moe_shared_expert_intermediate_size wide): ours 0 leaves that width alone",
 }
 
 

@@ -45,7 +45,7 @@ def reference_model(kw: dict, folder, seed=0, *, shard=False):
         for name, b in ref.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # selection only: large enough to change choices
                 b.copy_(0.5 * torch.randn_like(b))
-        ref.model.embed_tokens.weight[config.pad_token_id].zero_()
+        ref.get_input_embeddings().weight[config.pad_token_id].zero_()
     ref.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")
     return with_v2_softmax_mscale(ref).eval()
 

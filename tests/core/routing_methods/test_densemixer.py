@@ -52,12 +52,16 @@ def dense_reference_gate_grad(block, x, r, scoring: Scoring):
         s = s / s.gather(-1, chosen).sum(-1, keepdim=True)
     w = s * scoring.scaling  # [T, E]
     ones = torch.ones(T, 1)
+    latent = hasattr(block, "fc1_latent_proj")  # Nemotron-H's: the experts run between two projections
+    flat = block.fc1_latent_proj(flat).detach() if latent else flat
     if getattr(block.experts, "scale_input", False):  # the input scaled by hand, the bank's own scale 1
         dense = sum(block.experts(w[:, e:e + 1] * flat, torch.full((T, 1), e), ones) for e in range(E))  # [T, D]
     else:
         with torch.no_grad():
             outs = torch.stack([block.experts(flat, torch.full((T, 1), e), ones) for e in range(E)], 1)
-        dense = (w[..., None] * outs).sum(1)  # [T, D]
+        dense = (w[..., None] * outs).sum(1)  # [T, D] (latent: [T, moe_latent_size])
+    if latent:
+        dense = block.fc2_latent_proj(dense)
     (grad,) = torch.autograd.grad((dense * r.reshape(T, -1)).sum(), W)
     return grad, w, chosen
 

@@ -67,8 +67,8 @@ def test_only_the_chosen_experts_lora_trains(family_or_deepseek):
     for i, mlp in layers.items():
         mlp.router.chosen.copy_(torch.tensor([i % 2 == 0, True, False, False, True, False, False, False]))
         with torch.no_grad():  # B off zero, so that A gets gradient too
-            mlp.experts.gate_up_proj.lora_B.normal_()
-            mlp.experts.down_proj.lora_B.normal_()
+            for bank in esft.banks(mlp.experts):
+                getattr(mlp.experts, bank).lora_B.normal_()
     model(torch.randint(3, 128, (2, 9))).logits.square().mean().backward()
     for name, p in model.named_parameters():
         if ".lora_" in name and "experts" not in name:
@@ -97,7 +97,7 @@ def test_the_full_form_trains_the_chosen_rows_and_nothing_else():
     assert {n: tuple(p.shape) for n, p in trainable.items()} == {
         f"model.layers.{i}.mlp.router.rows.{bank}": (int(mlp.router.chosen.sum()),
                                                      *getattr(mlp.experts, bank).weight.shape[1:])
-        for i, mlp in layers.items() for bank in esft.BANKS}
+        for i, mlp in layers.items() for bank in esft.banks(mlp.experts)}
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.AdamW(trainable.values(), lr=1e-2)
     ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(0))
