@@ -103,6 +103,15 @@ VARIANTS = {
     # scaling, a shared expert, a dense layer placed by mlp_layer_types.
     "glm4_moe_lite": dict(model_type="glm4_moe_lite", q_lora_rank=32, n_group=4, topk_group=2, n_shared_experts=1,
                           routed_scaling_factor=1.8, norm_topk_prob=True, mlp_layer_types=["sparse", "dense", "sparse"]),
+    # DeepSeek-V3.2 (transformers 5 only): V3's MLA (interleaved rope, YaRN) and router, plus the DSA indexer keeping
+    # 5 keys per query of the 16-token rows, so that most queries attend to fewer keys than causal attention gives
+    # them (16 indexer heads: with 4, two keys of score exactly 0, every head's ReLU at 0, tie in most rows); a dense
+    # first layer by first_k_dense_replace.
+    "deepseek_v32": dict(model_type="deepseek_v32", q_lora_rank=32, n_group=4, topk_group=2, n_shared_experts=1,
+                         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=5,
+                         index_n_heads=16, index_head_dim=16,
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
 }
 
 
