@@ -158,3 +158,22 @@ def test_the_memory_command_takes_a_tiny_model_as_train_py_does(name):
     recipe, not the hub's repo-id error."""
     estimate = memory_estimate.main([name, "--gpus", "1", "--dtype", "float32"])
     assert estimate.weights > 0 and estimate.total > estimate.weights
+
+
+def test_a_dsa_indexers_scores_are_sized_at_deepseek_v32s_released_width(tmp_path):
+    """DeepSeek-V3.2's config.json at its released size (the family's defaults: 61 layers, 7168 wide, 256 experts,
+    the indexer's 64 heads): the weights from the parameters its config makes, and the indexer's fp32 scores
+    [rows, T, 64, T] (one layer's, freed before the next) on top of the activations of a model without it."""
+    import torch
+    from minimoe.cli.memory_estimate import main
+    released = {"model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                "n_routed_experts": 256, "num_experts_per_tok": 8}
+    (tmp_path / "v32").mkdir()
+    (tmp_path / "v32" / "config.json").write_text(json.dumps(released))
+    flags = ["--gpus", "1", "--batch-size", "8", "--max-length", "1024"]
+    with_indexer = main([str(tmp_path / "v32"), *flags])
+    assert 660e9 < with_indexer.weights / 2 < 690e9  # bf16: DeepSeek-V3.2's 671B parameters (its MTP layer not loaded)
+    (tmp_path / "v32" / "config.json").write_text(json.dumps({**released, "index_topk": None}))
+    without = main([str(tmp_path / "v32"), *flags])
+    assert with_indexer.activations - without.activations == 8 * 1024 * 64 * 1024 * 4
