@@ -159,7 +159,7 @@ def transformers_major() -> int | None:
 
 
 # The families whose model_type transformers 4.57 lacks: their oracle tests are marked tf5 (transformers 5.23).
-TRANSFORMERS_5_ONLY = {"minimax_m2", "glm4_moe_lite", "deepseek_v32"}
+TRANSFORMERS_5_ONLY = {"minimax_m2", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"}
 
 
 def by_oracle(cases, model_type=lambda case: case) -> list:

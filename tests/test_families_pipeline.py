@@ -111,7 +111,7 @@ def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, mo
 
 
 # Round 3's families whose hub path is checked here, under transformers 5.23 (tf5: their oracle)
-ROUND3_HUB = ["deepseek_v32"]
+ROUND3_HUB = ["deepseek_v32", "glm_moe_dsa"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS + by_oracle(ROUND3_HUB))
@@ -128,7 +128,7 @@ def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, 
 
 # Round 3 (issue 56): transformers-5-only families. Their oracle tests run in the tf5 environment
 # (tests/core/decoder/test_families_parity.py); here, in the main one, every method trains on the family's tiny checkpoint.
-ROUND3 = ["minimax_m2", "glm4_moe_lite", "deepseek_v32"]
+ROUND3 = ["minimax_m2", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa"]
 METHOD_FLAGS = ["ce", "dual", "tes", "acs", "densemixer", "router", "esft"]
 
 

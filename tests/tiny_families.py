@@ -112,6 +112,12 @@ VARIANTS = {
                          index_n_heads=16, index_head_dim=16,
                          rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
                                        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # GLM-5 (transformers 5 only): DSA with rope on interleaved pairs in the indexer, a shared layer reusing the first
+    # layer's top-k, then a full one; dense layers by mlp_layer_types.
+    "glm_moe_dsa": dict(model_type="glm_moe_dsa", q_lora_rank=32, n_group=1, topk_group=1, n_shared_experts=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=5, index_n_heads=16,
+                        index_head_dim=16, indexer_types=["full", "shared", "full"],
+                        mlp_layer_types=["dense", "sparse", "sparse"]),
 }
 
 
@@ -127,7 +133,7 @@ def family_of(variant: str) -> str:
 def variant_config(variant: str) -> dict:
     """`variant`'s transformers config fields at the tiny width (tests/core/decoder/test_model.py's reference_model
     builds and saves its model)."""
-    mla = variant.startswith("deepseek") or variant == "glm4_moe_lite"
+    mla = variant.startswith("deepseek") or variant in ("glm4_moe_lite", "glm_moe_dsa")
     return {**COMMON, **(MLA if mla else {}), **VARIANTS[variant]}
 
 

@@ -112,3 +112,34 @@ register_family(Family(
               "n_shared_experts": 1, "norm_topk_prob": True, **MLA_DEFAULTS, "dense_intermediate_size": 18432,
               "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64, "max_position_embeddings": 163840,
               "bos_token_id": 0, "eos_token_id": 1}))
+
+
+def glm5_indexer_types(d: dict) -> list[str]:
+    """GLM-5's indexer_types when config.json has none, as GlmMoeDsaConfig derives them: index_topk_pattern ("F"
+    full, "S" shared per layer), else a full layer every index_topk_freq layers from index_skip_topk_offset on."""
+    pattern = d.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}[c] for c in pattern] if isinstance(pattern, str) else list(pattern)
+    freq, offset = max(d.get("index_topk_freq", 1), 1), d.get("index_skip_topk_offset", 2)
+    return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(d["num_hidden_layers"])]
+
+
+register_family(Family(
+    "glm_moe_dsa", "GlmMoeDsaForCausalLM",
+    brings="DeepSeek-V3.2's sparse attention with GLM's widths: rope on interleaved pairs in the indexer, and "
+           "\"shared\" layers (indexer_types) that reuse the top-k of the full layer before them, with no indexer",
+    hub_examples=("zai-org/GLM-5",),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("glm-5", "glm_moe_dsa"),
+    recipe_note=DSA_NOTE,
+    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS,
+    config_fields=DSA_FIELDS | {"indexer_types"},
+    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "rope_interleave": True,
+           "index_rope_interleave": True, "first_k_dense_replace": 0},
+    write_defaults={"mlp_layer_types": mlp_kinds},
+    unread={**MLA_UNREAD, "mlp_layer_types": lambda d: d["mlp_layer_types"]},
+    harmless=frozenset({"head_dim", "layer_types"}),
+    defaults={"mlp_only_layers": dense_first_k, "indexer_types": glm5_indexer_types, "routed_scaling_factor": 2.5,
+              "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "norm_topk_prob": True, "kv_lora_rank": 512,
+              "q_lora_rank": 2048, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192,
+              "dense_intermediate_size": 12288, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
+              "rms_norm_eps": 1e-5, "max_position_embeddings": 202752, "bos_token_id": 0, "eos_token_id": 1}))

@@ -25,6 +25,9 @@ SAME_MEANING = {
     ("deepseek_v32", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
     ("deepseek_v32", "layer_types"): "'indexed_attention' in every layer picks transformers' cache classes only; "
                                      "ours None: every layer MLA with its indexer",
+    ("glm_moe_dsa", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
+    ("glm_moe_dsa", "layer_types"): "'indexed_attention' in every layer picks transformers' cache classes only",
+    ("glm_moe_dsa", "num_key_value_heads"): "MLA gives every head its own key and value (kv_b_proj): not read",
     ("deepseek_v2", "n_group"): "None with greedy top-K: no groups; ours 1 group of every expert, the same selection",
     ("deepseek_v2", "topk_group"): "None with greedy top-K: no groups; ours 1 group kept, the same selection",
     ("granitemoehybrid", "mixer_types"): "None in transformers 4.57's config: its layers_block_type property, which "
