@@ -91,6 +91,16 @@ DSA_NOTE = ("scores every expert then takes the top-K, as OLMoE: OLMoE's recipe 
             "MLA_LORA_PATHS). The DSA indexer is not a router and is not adapted: transformers computes its top-k "
             "under no_grad, so no gradient would reach a LoRA there (peft has no default targets for the family; "
             "all-linear would wrap wq_b, wk and weights_proj, which then never train)")
+# What both DSA records hold alike: V3's keys, renames, LoRA paths and router, MLA's rope always interleaved
+# (DeepseekV32Attention; its config has no rope_interleave), the dense layers' rule above
+DSA_COMMON = dict(
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), recipe_note=DSA_NOTE,
+    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS,
+    write_defaults={"mlp_layer_types": mlp_kinds},
+    unread={**MLA_UNREAD, "mlp_layer_types": lambda d: d["mlp_layer_types"]},
+    harmless=frozenset({"head_dim", "layer_types"}))
+DSA_FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "rope_interleave": True,
+             "first_k_dense_replace": 0}
 
 register_family(Family(
     "deepseek_v32", "DeepseekV32ForCausalLM",
@@ -98,16 +108,8 @@ register_family(Family(
            "LayerNorm'd key, rope on halves, ReLU head scores weighed per query) keeps each query's index_topk keys, "
            "and MLA attends to those only",
     hub_examples=("deepseek-ai/DeepSeek-V3.2-Exp", "deepseek-ai/DeepSeek-V3.2"),
-    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("deepseek-v3.2", "deepseek_v32"),
-    recipe_note=DSA_NOTE,
-    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS, config_fields=DSA_FIELDS,
-    # DeepseekV32Attention: always the q LoRA and interleaved MLA rope (its config has no rope_interleave), the
-    # indexer's rope on halves; V3's router
-    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "rope_interleave": True,
-           "index_rope_interleave": False, "first_k_dense_replace": 0},
-    write_defaults={"mlp_layer_types": mlp_kinds},
-    unread={**MLA_UNREAD, "mlp_layer_types": lambda d: d["mlp_layer_types"]},
-    harmless=frozenset({"head_dim", "layer_types"}),
+    name_hints=("deepseek-v3.2", "deepseek_v32"), **DSA_COMMON, config_fields=DSA_FIELDS,
+    fixed={**DSA_FIXED, "index_rope_interleave": False},  # the indexer's rope on halves
     defaults={"mlp_only_layers": dense_first_k, "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
               "n_shared_experts": 1, "norm_topk_prob": True, **MLA_DEFAULTS, "dense_intermediate_size": 18432,
               "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64, "max_position_embeddings": 163840,
@@ -129,15 +131,8 @@ register_family(Family(
     brings="DeepSeek-V3.2's sparse attention with GLM's widths: rope on interleaved pairs in the indexer, and "
            "\"shared\" layers (indexer_types) that reuse the top-k of the full layer before them, with no indexer",
     hub_examples=("zai-org/GLM-5",),
-    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("glm-5", "glm_moe_dsa"),
-    recipe_note=DSA_NOTE,
-    layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS,
-    config_fields=DSA_FIELDS | {"indexer_types"},
-    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "rope_interleave": True,
-           "index_rope_interleave": True, "first_k_dense_replace": 0},
-    write_defaults={"mlp_layer_types": mlp_kinds},
-    unread={**MLA_UNREAD, "mlp_layer_types": lambda d: d["mlp_layer_types"]},
-    harmless=frozenset({"head_dim", "layer_types"}),
+    name_hints=("glm-5", "glm_moe_dsa"), **DSA_COMMON, config_fields=DSA_FIELDS | {"indexer_types"},
+    fixed={**DSA_FIXED, "index_rope_interleave": True},  # the indexer's rope on interleaved pairs
     defaults={"mlp_only_layers": dense_first_k, "indexer_types": glm5_indexer_types, "routed_scaling_factor": 2.5,
               "n_group": 1, "topk_group": 1, "n_shared_experts": 1, "norm_topk_prob": True, "kv_lora_rank": 512,
               "q_lora_rank": 2048, "qk_rope_head_dim": 64, "v_head_dim": 256, "qk_nope_head_dim": 192,
