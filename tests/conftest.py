@@ -47,7 +47,8 @@ def as_our_mixer_config(reference_config, kind: str):
     """transformers' config of a layer as our mixer `kind` (core/token_mixers/mixers.py) reads one: its shared fields as they
     are, and the mixer's own options, by the same config.json names, in `mixers[kind]`."""
     options = MIXERS[kind].config_class
-    mine = options(**{f.name: getattr(reference_config, f.name) for f in fields(options)})
+    # an option the reference's config lacks keeps our default (MLA's DSA indexer options, on DeepSeek-V2's config)
+    mine = options(**{f.name: getattr(reference_config, f.name) for f in fields(options) if hasattr(reference_config, f.name)})
     return SimpleNamespace(**reference_config.to_dict(), mixers={kind: mine})
 
 
