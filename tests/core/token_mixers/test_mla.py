@@ -138,3 +138,16 @@ def test_dsa_shared_layers_under_gradient_checkpointing_get_the_same_gradients()
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         assert torch.allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7), n
+
+
+@pytest.mark.parametrize("family,overrides,message", [
+    ("deepseek_v32", dict(q_lora_rank=None), "the DSA indexer .* reads MLA's query latent"),
+    ("deepseek_v32", dict(index_topk=0), "index_topk 0; expected an int >= 1"),
+    ("deepseek_v32", dict(index_head_dim=4), "index_head_dim 4 is narrower than the rope part"),
+    ("glm_moe_dsa", dict(indexer_types=["shared", "full", "full"]), "the first layer 'full'"),
+    ("glm_moe_dsa", dict(indexer_types=["full", "shared"]), "indexer_types has 2 entries; expected num_hidden_layers=3"),
+])
+def test_a_dsa_config_the_indexer_cannot_run_is_refused_by_name(family, overrides, message):
+    from tests.conftest import tiny_config
+    with pytest.raises(ValueError, match=message):
+        tiny_config(family, **overrides)
