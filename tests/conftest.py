@@ -101,6 +101,29 @@ def routing_margin(model, routings, attention_mask=None) -> float:
     return min(g.item() for g in gaps)
 
 
+def indexer_margin(model, ids, mask) -> float:
+    """As `routing_margin`, for DeepSeek Sparse Attention's top-k keys (core/token_mixers/dsa_indexer.py): the
+    smallest gap, relative to the query's largest score, between the k-th and the (k+1)-th key that an indexer of
+    `model` keeps for a real query with more than k keys to choose from, padded (`mask`) or not; inf without DSA."""
+    from minimoe.core.token_mixers.dsa_indexer import LightningIndexer
+    margins = [float("inf")]
+    for m in (mask, None) if any(isinstance(i, LightningIndexer) for i in model.modules()) else ():
+        calls = []
+        hooks = [idx.register_forward_hook(lambda mod, args, out: calls.append((mod, args)))
+                 for idx in model.modules() if isinstance(idx, LightningIndexer)]
+        with torch.no_grad():
+            model(ids, attention_mask=m)
+            for mod, (x, q_latent, cos, sin, allowed, *_) in calls:
+                s = mod.scores(x, q_latent, cos, sin, None, 0).masked_fill(~allowed[:, 0], float("-inf"))
+                top = s.topk(min(mod.topk + 1, s.shape[-1]), dim=-1).values  # [B, T, k+1]
+                chooses = torch.isfinite(top[..., -1]) & (m.bool() if m is not None else True)  # > k keys allowed
+                if top.shape[-1] > mod.topk and chooses.any():
+                    margins.append(((top[..., -2] - top[..., -1]) / top[..., 0].abs())[chooses].min().item())
+        for h in hooks:
+            h.remove()
+    return min(margins)
+
+
 def tie_free(draw, margin_of, tries: int = 200):
     """The first of draw(0), draw(1), ... whose margin_of(drawn) clears TIE_MARGIN (`routing_margin`)."""
     for seed in range(tries):
@@ -139,7 +162,7 @@ def transformers_major() -> int | None:
 
 # The families whose model_type transformers 4.57 lacks: their oracle tests are marked tf5 (transformers 5.23).
 TRANSFORMERS_5_ONLY = {"minimax_m2", "glm4_moe_lite", "mistral4", "qwen3_5_moe", "kimi_linear", "lfm2_moe",
-                       "nemotron_h"}
+                       "nemotron_h", "deepseek_v32", "glm_moe_dsa"}
 
 
 def by_oracle(cases, model_type=lambda case: case) -> list:

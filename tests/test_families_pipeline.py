@@ -61,7 +61,7 @@ def transformers_saved(variant: str, folder, monkeypatch):
 def saved(name: str, tmp_path, monkeypatch):
     """A tiny checkpoint of `name` (a VARIANTS, ROUND2 or FAMILY_SWITCHES entry) that transformers saved, beside
     the tiny tokenizer."""
-    if name in VARIANTS + ROUND2 + HYBRIDS:
+    if name in VARIANTS + ROUND2 + HYBRIDS + ROUND3_HUB:
         return transformers_saved(name, tmp_path / "saved", monkeypatch)[1]
     from tests.core.decoder.test_model import tiny
     base = read_config(tiny_checkpoint())
@@ -110,11 +110,11 @@ def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, mo
     assert [c.model for c in cells] == [str(folder)] and guess_recipe(str(folder)) == FAMILIES[model_type].recipe
 
 
-# Round 3's families whose hub path runs here too, under transformers 5.23 (tf5): Qwen3.5's, LFM2's, Nemotron-H's.
-ROUND3_HUB = tiny_families.declared(["qwen3_5_moe", "lfm2_moe", "nemotron_h"])
+# Round 3's families whose hub path runs here too, under transformers 5.23 (tf5: their oracle)
+ROUND3_HUB = ["qwen3_5_moe", "lfm2_moe", "nemotron_h", "deepseek_v32", "glm_moe_dsa"]
 
 
-@pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS + ROUND3_HUB)
+@pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS + tiny_families.declared(ROUND3_HUB))
 def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, tmp_path, monkeypatch, offline):
     """The hub path (HF_HUB_OFFLINE=1, a cache laid out as huggingface_hub writes it) gives transformers' logits
     (Qwen3.5-MoE's: transformers 5.23's, a tf5 case)."""
@@ -122,14 +122,15 @@ def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, 
     populate_hub_cache(tmp_path / "cache", f"org/{variant}-tiny", folder)
     ours = minimoe.from_pretrained(f"org/{variant}-tiny", cache_dir=tmp_path / "cache")
     assert type(ours).__module__.startswith("minimoe") and ours.config.model_type == tiny_families.family_of(variant)
-    ids, mask = batch(vocab=ref.config.vocab_size)
+    ids, mask = batch(ours, vocab=ref.config.vocab_size)  # clear of routing and selection ties
     with torch.no_grad():
         assert rel_err(ours(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits, mask) <= FP32_TOL
 
 
 # Round 3 (issue 56): transformers-5-only families. Their oracle tests run in the tf5 environment
 # (tests/core/decoder/test_families_parity.py); here, in the main one, every method trains on the family's tiny checkpoint.
-ROUND3 = ["minimax_m2", "glm4_moe_lite", "mistral4", "qwen3_5_moe", "kimi_linear", "lfm2_moe", "nemotron_h"]
+ROUND3 = ["minimax_m2", "glm4_moe_lite", "mistral4", "qwen3_5_moe", "kimi_linear", "lfm2_moe", "nemotron_h",
+          "deepseek_v32", "glm_moe_dsa"]
 METHOD_FLAGS = ["ce", "dual", "tes", "acs", "densemixer", "router", "esft"]
 
 

@@ -155,6 +155,21 @@ VARIANTS = {
                               moe_shared_expert_intermediate_size=24, n_routed_experts=8, num_experts_per_tok=3,
                               moe_latent_size=24, norm_topk_prob=False, mamba_num_heads=4, mamba_head_dim=16,
                               n_groups=1, ssm_state_size=8, chunk_size=16, conv_kernel=3),
+    # DeepSeek-V3.2 (transformers 5 only): V3's MLA (interleaved rope, YaRN) and router, plus the DSA indexer keeping
+    # 5 keys per query of the 16-token rows, so that most queries attend to fewer keys than causal attention gives
+    # them (16 indexer heads: with 4, two keys of score exactly 0, every head's ReLU at 0, tie in most rows); a dense
+    # first layer by first_k_dense_replace.
+    "deepseek_v32": dict(model_type="deepseek_v32", q_lora_rank=32, n_group=4, topk_group=2, n_shared_experts=1,
+                         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=5,
+                         index_n_heads=16, index_head_dim=16,
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    # GLM-5 (transformers 5 only): DSA with rope on interleaved pairs in the indexer, a shared layer reusing the first
+    # layer's top-k, then a full one; dense layers by mlp_layer_types.
+    "glm_moe_dsa": dict(model_type="glm_moe_dsa", q_lora_rank=32, n_group=1, topk_group=1, n_shared_experts=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=5, index_n_heads=16,
+                        index_head_dim=16, indexer_types=["full", "shared", "full"],
+                        mlp_layer_types=["dense", "sparse", "sparse"]),
 }
 # COMMON's fields a family's config names otherwise (Nemotron-H's layer_norm_epsilon): left out of its variants.
 NOT_COMMON = {"nemotron_h": ("rms_norm_eps", "num_hidden_layers")}
@@ -173,9 +188,7 @@ def family_of(variant: str) -> str:
 def variant_config(variant: str) -> dict:
     """`variant`'s transformers config fields at the tiny width (tests/core/decoder/test_model.py's reference_model
     builds and saves its model)."""
-    mla = variant.startswith("deepseek") or variant in ("glm4_moe_lite", "mistral4")
-    return {**COMMON, **(MLA if mla else {}), **VARIANTS[variant]}
-    mla = variant.startswith("deepseek") or variant == "glm4_moe_lite"
+    mla = variant.startswith("deepseek") or variant in ("glm4_moe_lite", "mistral4", "glm_moe_dsa")
     common = {k: v for k, v in COMMON.items() if k not in NOT_COMMON.get(family_of(variant), ())}
     return {**common, **(MLA if mla else {}), **VARIANTS[variant]}
 

@@ -138,6 +138,18 @@ FAMILY_SWITCHES = {
                        mamba_n_heads=8, mamba_d_head=8, mamba_proj_bias=True,
                        mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8, mamba_dt_min=0.4, n_group=4,
                        topk_group=2, routed_scaling_factor=2.5, pad_token_id=0, eos_token_id=1),
+    # DeepSeek-V3.2: V3's MLA and router, a dense first layer, the DSA indexer keeping 4 keys per query (fewer than
+    # a benchmark question's tokens, so that the selection bites).
+    "deepseek_v32": dict(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                         num_key_value_heads=4, num_hidden_layers=3, mlp_only_layers=[0], dense_intermediate_size=96,
+                         n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+                         index_topk=4, index_n_heads=4, index_head_dim=16, pad_token_id=0, eos_token_id=1),
+    # GLM-5: as DeepSeek-V3.2's, rope on interleaved pairs in the indexer, the second layer reusing the first's top-k.
+    "glm_moe_dsa": dict(kv_lora_rank=24, q_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        num_key_value_heads=4, num_hidden_layers=3, mlp_only_layers=[0], dense_intermediate_size=96,
+                        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=4,
+                        index_n_heads=4, index_head_dim=16, indexer_types=["full", "shared", "full"],
+                        pad_token_id=0, eos_token_id=1),
 }
 
 # --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.

@@ -17,7 +17,8 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   backward of one micro-batch, in the run's dtype: ~12 * hidden (norms, attention in/out, residuals)
   + top-K * 3 * expert width (each routed expert's gate, up and activation), for the rank's share of
   `batch_size * max_length` tokens; with --gradient-checkpointing, one hidden vector per layer plus
-  one layer's full set.
+  one layer's full set. A DSA indexer (DeepSeek-V3.2, GLM-5) adds its fp32 scores, [rows, T, heads, T], one
+  layer's at a time and kept for no backward (core/token_mixers/dsa_indexer.py).
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
@@ -138,8 +139,10 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     per_token = 12 * config.hidden_size + config.num_experts_per_tok * 3 * config.intermediate_size
     layers = config.num_hidden_layers
     kept = (layers * config.hidden_size + per_token) if cfg.gradient_checkpointing else layers * per_token
+    mla = config.mixers.get("mla")
+    indexer = tokens * cfg.max_length * mla.index_n_heads * 4 if mla is not None and mla.index_topk else 0
     return Estimate(weights=weights, lora=math.ceil(8 * trainable / split), optimizer=math.ceil(8 * trainable / split),
-                    activations=tokens * kept * itemsize, gpu_memory=gpu_memory)
+                    activations=tokens * kept * itemsize + indexer, gpu_memory=gpu_memory)
 
 
 def model_config(name: str):

@@ -253,3 +253,21 @@ def test_the_memory_command_sizes_nemotron_3_nano_from_its_config_json(tmp_path)
     assert 31.5e9 < e.weights / 2 < 31.7e9
     assert not e.fits  # a LoRA run of the whole bf16 model is more than one 80 GB card
     assert memory_estimate.main([str(tmp_path / "m"), "--gpus", "4", "--gpu-memory", "80"]).fits  # FSDP over 4
+
+
+def test_a_dsa_indexers_scores_are_sized_at_deepseek_v32s_released_width(tmp_path):
+    """DeepSeek-V3.2's config.json at its released size (the family's defaults: 61 layers, 7168 wide, 256 experts,
+    the indexer's 64 heads): the weights from the parameters its config makes, and the indexer's fp32 scores
+    [rows, T, 64, T] (one layer's, freed before the next) on top of the activations of a model without it."""
+    from minimoe.cli.memory_estimate import main
+    released = {"model_type": "deepseek_v32", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+                "n_routed_experts": 256, "num_experts_per_tok": 8}
+    (tmp_path / "v32").mkdir()
+    (tmp_path / "v32" / "config.json").write_text(json.dumps(released))
+    flags = ["--gpus", "1", "--batch-size", "8", "--max-length", "1024"]
+    with_indexer = main([str(tmp_path / "v32"), *flags])
+    assert 660e9 < with_indexer.weights / 2 < 690e9  # bf16: DeepSeek-V3.2's 671B parameters (its MTP layer not loaded)
+    (tmp_path / "v32" / "config.json").write_text(json.dumps({**released, "index_topk": None}))
+    without = main([str(tmp_path / "v32"), *flags])
+    assert with_indexer.activations - without.activations == 8 * 1024 * 64 * 1024 * 4

@@ -5,7 +5,8 @@ A layer's mixer is chosen by the config (`mixer_type`): `config.mixer_types[i]` 
 holds MLA's options, else GQA attention. `MIXERS` maps each name to its class, one room each:
 
     "attention"  core/token_mixers/attention.py  GQA: q/k norms, sinks, sliding windows (its options: AttentionConfig)
-    "mla"        core/token_mixers/mla.py        DeepSeek's Multi-head Latent Attention (MLAConfig)
+    "mla"        core/token_mixers/mla.py        DeepSeek's Multi-head Latent Attention (MLAConfig), with DSA's
+                 core/token_mixers/dsa_indexer.py where index_topk is set (DeepSeek-V3.2, GLM-5)
     "mamba2"     core/token_mixers/mamba2.py     Mamba-2 (Granite 4.0-H's mamba layers): conv1d + chunked SSD scan (Mamba2Config)
     "gated_deltanet"  core/token_mixers/deltanet.py  Gated DeltaNet (Qwen3-Next's linear_attention layers) (DeltaNetConfig)
     "kda"        core/token_mixers/kda.py        Kimi Delta Attention (Kimi Linear's linear_attention layers) (KDAConfig)
@@ -37,7 +38,7 @@ Decisions:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -98,6 +99,7 @@ class MixerInputs:
     position_ids: torch.Tensor  # [B, T]
     cache_start: int = 0  # positions already in the cache (S = cache_start + T)
     segment_plan: object = None  # packed rows' layout for the recurrent mixers, read once (ssm_common.segment_plan)
+    shared: dict = field(default_factory=dict)  # what a layer's mixer leaves for later layers, by its index (DSA's top-k)
 
 
 class KVCache:

@@ -23,6 +23,9 @@ Decisions, for parity with transformers 4.57 (modeling_deepseek_v2.py, modeling_
   we do not need for training; the KV cache holds keys [B, H, S, n+r] and values [B, H, S, v].
 - Its options are `MLAConfig` (MoEConfig.mixers["mla"]), by DeepSeek's config.json names; a flat config whose
   kv_lora_rank is set runs MLA in every layer (core/token_mixers/mixers.py's `layer_kinds`).
+- DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): where `index_topk` is set, a lightning indexer
+  (core/token_mixers/dsa_indexer.py, whose options MLAConfig extends) picks each query's top-k keys and the
+  attention mask keeps only those; the cache slot then holds the indexer's keys too.
 """
 from __future__ import annotations
 
@@ -33,6 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.token_mixers.attention import KVSlot
+from minimoe.core.token_mixers.dsa_indexer import IndexedKVSlot, IndexerConfig, LightningIndexer, causal, keep_selected
 from minimoe.core.layers.masks import FULL
 from minimoe.core.layers.norms import RMSNorm
 from minimoe.core.layers.rope import apply_rope, deinterleave, query_temperature, yarn_softmax_mscale
@@ -41,8 +45,8 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: the references' RMSNor
 
 
 @dataclass
-class MLAConfig:
-    """MLA's low ranks and head parts (the letters of the module docstring)."""
+class MLAConfig(IndexerConfig):
+    """MLA's low ranks and head parts (the letters of the module docstring), and DSA's indexer's options."""
     kv_lora_rank: int | None = None  # C, the latent every head's no-rope key and value come from
     q_lora_rank: int | None = None  # Q, the query's low rank; None: one q_proj (DeepSeek-V2-Lite)
     qk_nope_head_dim: int = 0  # n, each head's query/key part without rope
@@ -54,6 +58,7 @@ class MLAConfig:
     mla_nope: bool = False  # no rope at all: the r "rope" dims of q and the shared key pass unrotated (Kimi Linear)
 
     def __post_init__(self):
+        super().__post_init__()
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if not (isinstance(getattr(self, name), int) and getattr(self, name) >= 1):
                 raise ValueError(f"config: Multi-head Latent Attention's {name} {getattr(self, name)!r}; expected an "
@@ -62,6 +67,9 @@ class MLAConfig:
             raise ValueError(f"config: q_lora_rank {self.q_lora_rank!r}; expected an int >= 1 or null (one q_proj)")
         if self.llama_4_scaling_beta is not None and not isinstance(self.llama_4_scaling_beta, (int, float)):
             raise ValueError(f"config: llama_4_scaling_beta {self.llama_4_scaling_beta!r}; expected a number or null")
+
+    def resolve(self, config):
+        self.check_model(config, self.qk_rope_head_dim, self.q_lora_rank)
 
 
 class MLAttention(nn.Module):
@@ -98,19 +106,26 @@ class MLAttention(nn.Module):
                                  f"(the positions' floor scale); rope_scaling is {config.rope_scaling!r}")
             self.floor_scale = float(original)
         self.mask_kind = FULL  # DeepSeek's layers all attend causally in full
+        self.topk_from = mla.source(layer_idx)  # the layer whose indexer picks our keys; None: no DSA
+        if self.topk_from == layer_idx:
+            self.indexer = LightningIndexer(config, self.q_lora_rank)
 
     @staticmethod
     def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> KVSlot:
         """Every head's full key and value (the readable form, module docstring)."""
         mla = config.mixers["mla"]
         n, r, v = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+        if mla.source(layer_idx) == layer_idx:  # its indexer's keys too
+            return IndexedKVSlot(batch_size, config.num_attention_heads, max_len, n + r, v, mla.index_head_dim,
+                                 dtype, device)
         return KVSlot(batch_size, config.num_attention_heads, max_len, n + r, v, dtype, device)
 
     def forward(self, x, inputs, cache: KVSlot | None = None):  # x [B, T, D]; inputs.cos, .sin [B, T, r]
         cos, sin = inputs.cos, inputs.sin
         B, T, _ = x.shape
         H, n, r, v = self.H, self.n, self.r, self.v
-        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_latent = None if self.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x))  # [B, T, Q]
+        q = self.q_proj(x) if q_latent is None else self.q_b_proj(q_latent)
         q_pass, q_rot = q.view(B, T, H, n + r).transpose(1, 2).split([n, r], dim=-1)  # [B, H, T, n], [B, H, T, r]
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.C, r], dim=-1)  # [B, T, C], [B, T, r]
         kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, H, n + v).transpose(1, 2)
@@ -127,6 +142,17 @@ class MLAttention(nn.Module):
         if cache is not None:
             k, values = cache.update(inputs.cache_start, k, values)  # [B, H, S, n+r], [B, H, S, v]
         mask = inputs.masks[self.mask_kind]
+        if self.topk_from is not None:  # DSA: only the keys the indexer picks (core/token_mixers/dsa_indexer.py)
+            mask = self.sparse_mask(x, q_latent, inputs, mask, cache)
         y = F.scaled_dot_product_attention(q, k, values, attn_mask=mask, is_causal=mask is None,
                                            scale=self.scale)  # [B, H, T, v]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, H * v))
+
+    def sparse_mask(self, x, q_latent, inputs, mask, cache):
+        """`mask` (None: causal) AND the top-k keys of each query, from this layer's indexer or, on a shared layer,
+        from its source layer's (MixerInputs.shared) -> bool [B, 1, T, S]."""
+        allowed = mask if mask is not None else causal(x.shape[1], inputs.cache_start, x.device)
+        if self.topk_from == self.layer_idx:
+            inputs.shared[self.layer_idx] = self.indexer(x, q_latent, inputs.cos, inputs.sin, allowed, cache,
+                                                         inputs.cache_start)
+        return keep_selected(allowed, inputs.shared[self.topk_from])

@@ -29,6 +29,12 @@ SAME_MEANING = {
     ("kimi_linear", "head_dim"): "KimiLinearConfig's head_dim is qk_rope_head_dim, which MLA reads as its own",
     ("mistral4", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
     ("mistral4", "partial_rotary_factor"): "MLA turns its qk_rope_head_dim rope dims, the factor's share of n + r",
+    ("deepseek_v32", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
+    ("deepseek_v32", "layer_types"): "'indexed_attention' in every layer picks transformers' cache classes only; "
+                                     "ours None: every layer MLA with its indexer",
+    ("glm_moe_dsa", "head_dim"): "MLA reads qk_nope_head_dim, qk_rope_head_dim and v_head_dim, never head_dim",
+    ("glm_moe_dsa", "layer_types"): "'indexed_attention' in every layer picks transformers' cache classes only",
+    ("glm_moe_dsa", "num_key_value_heads"): "MLA gives every head its own key and value (kv_b_proj): not read",
     ("deepseek_v2", "n_group"): "None with greedy top-K: no groups; ours 1 group of every expert, the same selection",
     ("deepseek_v2", "topk_group"): "None with greedy top-K: no groups; ours 1 group kept, the same selection",
     ("granitemoehybrid", "mixer_types"): "None in transformers 4.57's config: its layers_block_type property, which "

@@ -21,7 +21,7 @@ from minimoe.core.task.choices import forward_choices, make_choice_batch
 from minimoe.core.routing_methods.objectives import load_balancing_loss
 from minimoe.loading.checkpoint import checkpoint_layout, to_disk_layout
 from minimoe.loading.config_json import config_to_dict
-from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, oracle, routing_margin, spy_grouped_mm, tie_free, tiny_config, tiny_model
+from tests.conftest import NEW_FAMILIES, OTHER_ROUTERS, indexer_margin, oracle, routing_margin, spy_grouped_mm, tie_free, tiny_config, tiny_model
 
 
 transformers = oracle("transformers")  # its tests skip without the test extra
@@ -76,7 +76,8 @@ def with_v2_softmax_mscale(model):
 
 def batch(model=None, vocab=128, seed=1):
     """ids [3, 16] and a right-padding mask. With `model` (what a parity test compares): the first draw on
-    which it routes every token clear of ties, padded or not (conftest.routing_margin), so that a reference
+    which it routes every token clear of ties, padded or not (conftest.routing_margin; a DSA indexer's keys too:
+    conftest.indexer_margin), so that a reference
     rounding otherwise picks the same experts."""
     def draw(s):
         g = torch.Generator().manual_seed(s)
@@ -90,8 +91,8 @@ def batch(model=None, vocab=128, seed=1):
 
     def margin(drawn):
         with torch.no_grad():
-            return min(routing_margin(model, model(drawn[0], attention_mask=m).routings, m)
-                       for m in (drawn[1], None))
+            return min(*(routing_margin(model, model(drawn[0], attention_mask=m).routings, m) for m in (drawn[1], None)),
+                       indexer_margin(model, *drawn))
     return tie_free(lambda s: draw(seed + 1000 * s), margin)
 
 

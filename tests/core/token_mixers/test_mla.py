@@ -113,3 +113,41 @@ def test_mla_parameter_gradients_match_deepseek_v3():
     grads = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
         assert rel(p.grad, grads[name].grad) < 1e-4, name
+
+
+def test_dsa_shared_layers_under_gradient_checkpointing_get_the_same_gradients():
+    """GLM-5's shared layer reuses the top-k of the full layer before it (MixerInputs.shared, by layer index): the
+    backward's recompute of each layer reads its own source's choice, not the last one written, so that LoRA's
+    gradients with gradient checkpointing equal those without (tiny:glm_moe_dsa: full, shared, full layers)."""
+    import torch.nn.functional as F
+    from minimoe.core.adaptation.lora import add_lora
+    from tests.conftest import tiny_model
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # LoRA's A drawn alike
+        model = add_lora(tiny_model("glm_moe_dsa"), rank=4, dropout=0.0).train()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith("lora_B"):
+                    p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+        model.gradient_checkpointing_enable(checkpointing)
+        ids = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+        logits = model(ids).logits
+        F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-7), n
+
+
+@pytest.mark.parametrize("family,overrides,message", [
+    ("deepseek_v32", dict(q_lora_rank=None), "the DSA indexer .* reads MLA's query latent"),
+    ("deepseek_v32", dict(index_topk=0), "index_topk 0; expected an int >= 1"),
+    ("deepseek_v32", dict(index_head_dim=4), "index_head_dim 4 is narrower than the rope part"),
+    ("glm_moe_dsa", dict(indexer_types=["shared", "full", "full"]), "the first layer 'full'"),
+    ("glm_moe_dsa", dict(indexer_types=["full", "shared"]), "indexer_types has 2 entries; expected num_hidden_layers=3"),
+])
+def test_a_dsa_config_the_indexer_cannot_run_is_refused_by_name(family, overrides, message):
+    from tests.conftest import tiny_config
+    with pytest.raises(ValueError, match=message):
+        tiny_config(family, **overrides)
