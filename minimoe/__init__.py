@@ -1,6 +1,6 @@
 """minimoe: sparse MoE language models in a few readable files (Granite-MoE, GraniteMoeShared, OLMoE, FlexOlmo,
-Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, GLM-4.5, Llama-4, gpt-oss, MiniMax-M2, GLM-4.7-Flash, and
-the hybrids Granite-4.0-H and Qwen3-Next: one record each in minimoe/core/decoder/families.py), with LoRA and token-error-supervised routing."""
+Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, GLM-4.5, Llama-4, gpt-oss, MiniMax-M2, GLM-4.7-Flash,
+Gemma-4, and the hybrids Granite-4.0-H and Qwen3-Next: one record each in minimoe/core/decoder/families.py), with LoRA and token-error-supervised routing."""
 from minimoe.core.decoder.generate import generate
 from minimoe.core.adaptation.lora import add_lora, merge_lora, unmerge_lora
 from minimoe.core.routing_methods.methods import METHODS, Method, set_router

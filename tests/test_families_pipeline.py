@@ -110,7 +110,7 @@ def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, mo
     assert [c.model for c in cells] == [str(folder)] and guess_recipe(str(folder)) == FAMILIES[model_type].recipe
 
 
-@pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS)
+@pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS + [pytest.param("gemma4_text", marks=pytest.mark.tf5)])
 def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, tmp_path, monkeypatch, offline):
     """The hub path (HF_HUB_OFFLINE=1, a cache laid out as huggingface_hub writes it) gives transformers' logits."""
     ref, folder = transformers_saved(variant, tmp_path / "saved", monkeypatch)
@@ -124,7 +124,7 @@ def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, 
 
 # Round 3 (issue 56): transformers-5-only families. Their oracle tests run in the tf5 environment
 # (tests/core/decoder/test_families_parity.py); here, in the main one, every method trains on the family's tiny checkpoint.
-ROUND3 = ["minimax_m2", "glm4_moe_lite"]
+ROUND3 = ["minimax_m2", "glm4_moe_lite", "gemma4_text"]
 METHOD_FLAGS = ["ce", "dual", "tes", "acs", "densemixer", "router", "esft"]
 
 

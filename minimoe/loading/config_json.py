@@ -58,6 +58,8 @@ def config_to_dict(config: MoEConfig) -> dict:
     flat = config.flat()  # a mixer's options where the model holds that mixer
     d = {**config.extra, **{back.get(k, k): flat[k] for k in config_field_names() if k in written and k in flat
                             and not (flat[k] is None and k in family.never_null)}}
+    if "rope_parameters" in family.config_fields:  # a rope per layer type (Gemma 4) replaces the one-rope names
+        d = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling")}
     d["architectures"] = [family.architecture]
     if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind
         back_kinds = {v: k for k, v in family.layer_kinds.items()}

@@ -101,7 +101,12 @@ PLANTED = [("gpt_oss", "swiglu_alpha", 1.702, 1.0),
            ("mixtral", "router_jitter_noise", 0.0, 0.1), ("olmoe", "attention_dropout", 0.0, 0.1),
            ("deepseek_v2", "mlp_bias", False, True), ("deepseek_v3", "qk_head_dim", 16 + 8, 7),
            ("granitemoe", "position_embedding_type", "rope", "nope"),
-           ("qwen2_moe", "layer_types", ["full_attention"] * 2, ["full_attention", "sliding_attention"])]
+           ("qwen2_moe", "layer_types", ["full_attention"] * 2, ["full_attention", "sliding_attention"]),
+           # Gemma 4: the dense model, per-layer embeddings, KV-shared layers, bidirectional attention; its global
+           # layers' overrides as transformers 5.23 saves them, disagreeing with global_head_dim and its KV heads
+           ("gemma4_text", "enable_moe_block", True, False), ("gemma4_text", "hidden_size_per_layer_input", 0, 256),
+           ("gemma4_text", "num_kv_shared_layers", 0, 1), ("gemma4_text", "use_bidirectional_attention", "vision", "all"),
+           ("gemma4_text", "per_layer_config", {"1": {"head_dim": 32, "num_key_value_heads": 1}}, {"1": {"head_dim": 32}})]
 
 
 @pytest.mark.parametrize("model_type,key,good,bad", PLANTED)

@@ -71,6 +71,9 @@ class Family:
     # config.json keys of its transformers config that change nothing it computes, dropped on read where one is also
     # our field's name (MLA's head_dim, which transformers writes as qk_rope_head_dim; ours is not that)
     harmless: frozenset = frozenset()
+    # unread keys whose transformers default is not the value our model runs with: that default, so that a config.json
+    # leaving one out is refused as one setting it would be (Gemma 4's enable_moe_block, false: the dense model)
+    unread_defaults: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

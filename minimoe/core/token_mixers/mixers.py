@@ -89,6 +89,7 @@ class MixerInputs:
     position_ids: torch.Tensor  # [B, T]
     cache_start: int = 0  # positions already in the cache (S = cache_start + T)
     segment_plan: object = None  # packed rows' layout for the recurrent mixers, read once (ssm_common.segment_plan)
+    ropes: dict | None = None  # layer type -> its (cos, sin) where each type has its own rope (Gemma 4), else None
 
 
 class KVCache:
