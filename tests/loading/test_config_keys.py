@@ -118,6 +118,13 @@ def test_a_planted_unread_field_that_matters_fails_by_name(model_type, key, good
         config_from_dict({**d, key: bad})
 
 
+def test_gemma4_last_layer_sliding_is_refused():
+    """Gemma4TextConfig turns a last sliding layer into a full one (with a warning): refused rather than run otherwise."""
+    d = tiny("gemma4_text")
+    with pytest.raises(ValueError, match="layer_types ends with 'sliding_attention'"):
+        config_from_dict({**d, "layer_types": ["full_attention", "sliding_attention"]})
+
+
 def test_qwen2_moe_sliding_from_max_window_layers_on_is_refused():
     """transformers slides Qwen2-MoE's layers from max_window_layers on; ours slides every layer or none."""
     d = {**tiny("qwen2_moe"), "use_sliding_window": True, "sliding_window": 4}

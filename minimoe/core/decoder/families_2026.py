@@ -119,6 +119,10 @@ register_family(Family(
            "parallel_dense": True, "per_expert_scale": True, "layer_scalar": True, "embedding_sqrt_scale": True,
            "attention_multiplier": 1.0, "norm_topk_prob": True, "use_sliding_window": True, "scoring_func": "softmax"},
     applies_aux_loss=False,  # Gemma4ForCausalLM returns no load-balancing loss
+    # the released checkpoints: Gemma4ForConditionalGeneration's config.json (model_type gemma4, this as its
+    # text_config), the text model under model.language_model.; its vision and audio towers are not loaded
+    containers=("gemma4",),
+    ignored_prefixes=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio."),
     # what a config built here must say for transformers to build this model (its defaults build another)
     write_defaults={"enable_moe_block": lambda config: True, "hidden_size_per_layer_input": lambda config: 0,
                     "num_kv_shared_layers": lambda config: 0},

@@ -92,6 +92,9 @@ class AttentionConfig:
         n = config.num_hidden_layers
         if self.global_head_dim is not None and config.layer_types is None:
             config.layer_types = gemma_layer_types(n)
+        if self.global_head_dim is not None and config.layer_types[-1] != "full_attention":
+            raise ValueError(f"config: layer_types ends with {config.layer_types[-1]!r}; Gemma 4 (global_head_dim) runs "
+                             f"its last layer as full_attention whatever the file says: expected it to say so")
         if not self.no_rope_layers and self.no_rope_layer_interval:
             self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(n)]
         if self.no_rope_layers is not None and len(self.no_rope_layers) < n:

@@ -285,3 +285,40 @@ def test_qwen3_next_loads_past_its_multi_token_prediction_keys(tmp_path):
     save_file({**tensors, "extra.fc.weight": torch.zeros(4, 4)}, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(KeyError, match="unexpected key 'extra.fc.weight'"):
         minimoe.from_pretrained(tmp_path)
+
+
+@pytest.mark.tf5
+def test_gemma4_multimodal_release_loads_its_text_model(tmp_path):
+    """Gemma 4's released layout (Gemma4ForConditionalGeneration: config.json of model_type gemma4 holding the text
+    model's as text_config, its tensors under model.language_model., a vision tower beside them) loads as
+    gemma4_text with transformers 5.23's logits; saved, it is a gemma4_text checkpoint transformers loads."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    text = {k: v for k, v in variant_config("gemma4_text").items() if k != "model_type"}
+    torch.manual_seed(0)
+    ref = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=text, vision_config=None, audio_config=None))
+    with torch.no_grad():  # as reference_model's: norms near 1, the rest large enough to show, layer scalars off 1
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+        for name, b in ref.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(1 + 0.1 * torch.randn_like(b))
+        ref.model.language_model.embed_tokens.weight[0].zero_()
+    ref.eval().save_pretrained(tmp_path / "release")
+    tensors = load_file(tmp_path / "release" / "model.safetensors")
+    assert all(k.startswith("model.language_model.") for k in tensors)
+    save_file({**tensors, "model.vision_tower.patch.weight": torch.zeros(2, 2)},  # a tower we do not load
+              tmp_path / "release" / "model.safetensors", metadata={"format": "pt"})
+    ours = minimoe.from_pretrained(tmp_path / "release", dtype=torch.float32)
+    assert ours.config.model_type == "gemma4_text"
+    ids, mask = batch(ours)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits
+        assert rel_err(ours(ids, attention_mask=mask).logits, want, mask) <= FP32_TOL
+    minimoe.save_pretrained(ours, tmp_path / "text")
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "gemma4_text"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert rel_err(hf(ids, attention_mask=mask).logits, want, mask) <= FP32_TOL
