@@ -322,3 +322,26 @@ def test_gemma4_multimodal_release_loads_its_text_model(tmp_path):
                                                            attn_implementation="eager").eval()
     with torch.no_grad():
         assert rel_err(hf(ids, attention_mask=mask).logits, want, mask) <= FP32_TOL
+
+
+@pytest.mark.tf5
+def test_gemma4_26b_a4b_text_config_builds_transformers_parameters():
+    """The 26B-A4B's text config (published widths; 25.2B parameters by its model card) builds, on the meta device,
+    the parameters of transformers 5.23's model under the checkpoint's names, shape for shape (its layer_scalar
+    buffers are our frozen parameters)."""
+    import transformers
+    from minimoe.core.decoder.model import MoEForCausalLM
+    from minimoe.loading.config_json import config_from_dict
+    d = dict(model_type="gemma4_text", hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
+             num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+             num_global_key_value_heads=2, attention_k_eq_v=True, num_experts=128, top_k_experts=8,
+             vocab_size=262144, sliding_window=1024, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+             enable_moe_block=True, max_position_embeddings=262144)
+    with torch.device("meta"):
+        ours = MoEForCausalLM(config_from_dict(dict(d)))
+        ref = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**d))
+    layout = checkpoint_layout(ours.config)
+    assert {layout[n]: tuple(p.shape) for n, p in ours.named_parameters()} == \
+        {n: tuple(p.shape) for n, p in [*ref.named_parameters(), *ref.named_buffers()]
+         if n != "lm_head.weight" and not n.endswith(("inv_freq", "embed_scale"))}
+    assert round(sum(p.numel() for p in ours.parameters()) / 1e9, 1) == 25.2
