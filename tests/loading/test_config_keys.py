@@ -125,6 +125,16 @@ def test_gemma4_last_layer_sliding_is_refused():
         config_from_dict({**d, "layer_types": ["full_attention", "sliding_attention"]})
 
 
+@pytest.mark.parametrize("rope,message", [
+    ({"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type 'yarn' is not supported"),
+    ({"sliding_attention": {"rope_type": "default"}}, "has no rope_theta"),
+    ({}, "expected one rope per layer type")])
+def test_gemma4_rope_per_layer_type_we_do_not_compute_is_refused(rope, message):
+    d = tiny("gemma4_text")
+    with pytest.raises(ValueError, match=message):
+        config_from_dict({**d, "rope_parameters": {"full_attention": d["rope_parameters"]["full_attention"], **rope}})
+
+
 def test_qwen2_moe_sliding_from_max_window_layers_on_is_refused():
     """transformers slides Qwen2-MoE's layers from max_window_layers on; ours slides every layer or none."""
     d = {**tiny("qwen2_moe"), "use_sliding_window": True, "sliding_window": 4}

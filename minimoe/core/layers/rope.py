@@ -112,6 +112,8 @@ def layer_type_frequencies(rope: dict, head_dim: int) -> torch.Tensor:
     if kind not in LAYER_ROPE_TYPES:
         raise ValueError(f"config: rope_parameters rope_type {kind!r} is not supported per layer type; expected one "
                          f"of {LAYER_ROPE_TYPES}")
+    if not isinstance(rope.get("rope_theta"), (int, float)):
+        raise ValueError(f"config: rope_parameters {rope!r} of a layer type has no rope_theta; expected a number")
     inv_freq, _ = rope_frequencies(head_dim, rope["rope_theta"], None, 0)  # [d/2]
     if kind == "default":
         return inv_freq
