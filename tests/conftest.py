@@ -135,10 +135,10 @@ def tie_free(draw, margin_of, tries: int = 200):
 
 # Families beyond the paper's two (the `family` fixture's params; heavy suites run on the paper's two only).
 NEW_FAMILIES = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "granitemoeshared", "flex_olmo"]
-# Families whose router is not a softmax top-K (V3-style sigmoid with groups; top-1 sigmoid scaling the input): as
-# DeepSeek's, their parity suite is tests/core/decoder/test_families_parity.py; the `family` tests that read no router's
-# numerics (padding, packing, loading) name them too.
-OTHER_ROUTERS = ["glm4_moe", "llama4_text"]
+# Families whose router is not a softmax top-K (V3-style sigmoid with groups; top-1 sigmoid scaling the input; Gemma 4's
+# on its own norm, with a gain per expert): as DeepSeek's, their parity suite is tests/core/decoder/test_families_parity.py;
+# the `family` tests that read no router's numerics (padding, packing, loading) name them too.
+OTHER_ROUTERS = ["glm4_moe", "llama4_text", "gemma4_text"]
 
 
 @pytest.fixture(autouse=True)
@@ -162,7 +162,7 @@ def transformers_major() -> int | None:
 
 # The families whose model_type transformers 4.57 lacks: their oracle tests are marked tf5 (transformers 5.23).
 TRANSFORMERS_5_ONLY = {"minimax_m2", "glm4_moe_lite", "mistral4", "qwen3_5_moe", "kimi_linear", "lfm2_moe",
-                       "nemotron_h", "deepseek_v32", "glm_moe_dsa"}
+                       "nemotron_h", "deepseek_v32", "glm_moe_dsa", "gemma4_text"}
 
 
 def by_oracle(cases, model_type=lambda case: case) -> list:

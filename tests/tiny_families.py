@@ -170,6 +170,18 @@ VARIANTS = {
                         routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=5, index_n_heads=16,
                         index_head_dim=16, indexer_types=["full", "shared", "full"],
                         mlp_layer_types=["dense", "sparse", "sparse"]),
+    # Gemma 4 26B-A4B's switches (transformers 5 only): sliding layers (window 4) and global ones with their own head
+    # width and one KV head, keys = values, proportional rope on half the pairs; the dense MLP beside the experts;
+    # logits softcapped low enough to bite; tied embeddings.
+    "gemma4_text": dict(model_type="gemma4_text", num_hidden_layers=4, intermediate_size=48, moe_intermediate_size=32,
+                        num_experts=8, top_k_experts=2, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+                        num_global_key_value_heads=1, attention_k_eq_v=True, enable_moe_block=True,
+                        hidden_size_per_layer_input=0, sliding_window=4, final_logit_softcapping=5.0,
+                        tie_word_embeddings=True, max_position_embeddings=64,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                         "full_attention": {"rope_type": "proportional",
+                                                            "partial_rotary_factor": 0.5, "rope_theta": 1000.0}}),
 }
 # COMMON's fields a family's config names otherwise (Nemotron-H's layer_norm_epsilon): left out of its variants.
 NOT_COMMON = {"nemotron_h": ("rms_norm_eps", "num_hidden_layers")}

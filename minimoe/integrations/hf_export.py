@@ -17,7 +17,8 @@ through the family's `layer_keys` (core/decoder/families.py), the one name table
   transposes (`Layout.to_disk`), so our delta B A stored is A^T to_disk(B): peft's B_e is our A_e^T and
   its A_e is to_disk(our B_e) (gate_up's columns interleaved as the checkpoint's, where they are). The
   banks are parameters of one module (`mlp.experts`), which peft wraps once per parameter in the module's
-  parameter order: the first one's keys sit under one `base_layer.` per later wrapper.
+  parameter order: the first one's keys sit under one `base_layer.` per later wrapper. Gemma 4's banks are such
+  parameters too (`experts.gate_up_proj`, `experts.down_proj`, no `.weight`), stored [E, out, in] as ours.
 - OLMoE keeps per-expert modules on transformers 4.x: our fused gate_up pair splits into rank-r
   LoRAs on `experts.{j}.gate_proj` (A rows [0, r), B rows [0, I)) and `up_proj` (the rest), and
   down_proj's pair into `experts.{j}.down_proj`.
@@ -84,13 +85,21 @@ def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[s
     return config, load_file(str(source.folder / "adapter.safetensors")), source.method
 
 
+def param_wrapper_factor(t, ab: str, E: int, r: int):
+    """Our grouped LoRA factor of an [E, out, in] bank -> peft's ParamWrapper's: A [E, r, in] -> [E*r, in], the
+    expert slowest; B [E, out, r] -> [out, r*E], the expert fastest."""
+    return t.reshape(E * r, t.shape[-1]) if ab == "lora_A" else t.permute(1, 2, 0).reshape(t.shape[1], r * E)
+
+
 def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
     """Our adapter tensors -> (peft's state dict, the targets for its config); unknown keys raise."""
     fp = config["fingerprint"]
     table, E, r = family_of(fp["model_type"]).layer_keys, fp["num_experts"], config["rank"]
     out, modules, params, saved = {}, set(), set(), []
     wrapped = {}  # peft module path -> {parameter name: {"lora_A"/"lora_B": tensor}} (Converted banks)
-    order = [d.key.rpartition(".")[2] for d in table.values() if isinstance(d, Converted)]  # the module's param order
+    # the order of the banks that are parameters of one module (Converted ones, and Gemma 4's bare ones)
+    order = [(d.key if isinstance(d, Converted) else d).rpartition(".")[2] for d in table.values()
+             if isinstance(d, Converted) or isinstance(d, str) and not d.endswith(".weight")]
     for key in sorted(tensors):
         t = tensors[key]
         layer, _, name = key.partition(".layers.")[2].partition(".")
@@ -115,16 +124,17 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
             else:  # ours [E, out, r] -> [E, r, in'] (in' = our out, in the disk's order) -> peft's A [E*r, in']
                 pieces["lora_A"] = layout_of(disk).to_disk(t).reshape(E * r, t.shape[1])
             params.add(f"{module.rpartition('.')[2]}.{param}")  # "experts.gate_up_proj"
+        elif isinstance(disk, str) and t.dim() == 3 and not disk.endswith(".weight"):  # a bank that is a bare
+            module, _, param = disk.rpartition(".")  # parameter of one module holding both (Gemma 4's experts)
+            wrapped.setdefault(prefix + module, {}).setdefault(param, {})[ab] = param_wrapper_factor(t, ab, E, r)
+            params.add(f"{module.rpartition('.')[2]}.{param}")  # "experts.gate_up_proj"
         elif isinstance(disk, str) and t.dim() == 2:  # a linear layer: same module, same shapes
             module = disk.removesuffix(".weight")
             out[f"{prefix}{module}.{ab}.weight"] = t
             modules.add(module.rpartition(".")[2])
         elif isinstance(disk, str):  # a fused [E, out, in] bank: peft's ParamWrapper layout
             module = disk.removesuffix(".weight")
-            if ab == "lora_A":  # [E, r, in] -> [E*r, in], expert slowest
-                out[f"{prefix}{module}.{ab}.weight"] = t.reshape(E * r, t.shape[-1])
-            else:  # [E, out, r] -> [out, r*E], expert fastest
-                out[f"{prefix}{module}.{ab}.weight"] = t.permute(1, 2, 0).reshape(t.shape[1], r * E)
+            out[f"{prefix}{module}.{ab}.weight"] = param_wrapper_factor(t, ab, E, r)
             # "block_sparse_moe.input_linear.weight": peft matches a suffix, and a shared expert's linear
             # (Granite's shared_mlp.input_linear) would match "input_linear.weight" too
             params.add(".".join(disk.split(".")[-3:]))

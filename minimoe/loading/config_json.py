@@ -8,7 +8,7 @@ import copy
 import json
 from pathlib import Path
 
-from minimoe.core.decoder.families import CONFIG_FIELDS, family_of
+from minimoe.core.decoder.families import CONFIG_FIELDS, FAMILIES, family_of
 from minimoe.core.decoder.model_config import MoEConfig, config_field_names
 from minimoe.loading.config_keys import from_transformers5, refuse_unread
 
@@ -17,7 +17,18 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
                    "num_attention_heads", "num_experts", "num_experts_per_tok")
 
 
+def text_model_config(d: dict) -> dict:
+    """A multimodal config.json holding a family's as its text_config (Family.containers: the released Gemma 4s)
+    -> that text_config, its dtype the file's where it has none; any other config.json as it is."""
+    text = d.get("text_config")
+    family = FAMILIES.get(text.get("model_type")) if isinstance(text, dict) else None
+    if family is None or d.get("model_type") not in family.containers:
+        return d
+    return {"dtype": d.get("dtype", d.get("torch_dtype")), **text}
+
+
 def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
+    d = text_model_config(d)  # the text model of a multimodal release; its other towers are not loaded
     family = family_of(d.get("model_type"), source)
     if family.text_model_type and isinstance(d.get("text_config"), dict):
         d = text_config_of(d, family, source)
@@ -92,6 +103,8 @@ def config_to_dict(config: MoEConfig) -> dict:
     flat = config.flat()  # a mixer's options where the model holds that mixer
     d = {**config.extra, **{back.get(k, k): flat[k] for k in config_field_names() if k in written and k in flat
                             and not (flat[k] is None and k in family.never_null)}}
+    if "rope_parameters" in family.config_fields:  # a rope per layer type (Gemma 4) replaces the one-rope names
+        d = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling")}
     d["architectures"] = [family.architecture]
     d["model_type"] = family.text_model_type or family.model_type  # what its transformers config class reads
     if family.layer_kinds:  # each layer's token mixer -> config.json's name for its kind

@@ -2,7 +2,7 @@
 
 transformers 5 writes config.json otherwise than 4.57 for the same model: `rope_parameters` holds rope_theta,
 the scaling type and its fields and partial_rotary_factor (one dict, or one per layer type); `dtype` is
-`torch_dtype`; Qwen3-MoE's expert count is `num_local_experts`; the hybrids' layer kinds are
+`torch_dtype` (a family whose rope differs per layer type reads rope_parameters itself: Gemma 4); Qwen3-MoE's expert count is `num_local_experts`; the hybrids' layer kinds are
 `linear_attention` / `full_attention` where 4.57 wrote `mamba` / `attention`. `from_transformers5` rewrites
 those into the 4.57 names the family records read (and we keep writing: transformers 5 reads them).
 
@@ -50,11 +50,10 @@ LAYER_KINDS_4 = {"linear_attention": "mamba", "full_attention": "attention"}
 def from_transformers5(d: dict, family, source: str) -> dict:
     """config.json `d` with transformers 5's names rewritten to the 4.57 names `family` reads."""
     d = dict(d)
-    if d.get("rope_parameters", {}) is None:  # a config without rope (Kimi Linear's) writes null
+    if d.get("rope_parameters", {}) is None:  # a config without rope (Kimi Linear's, Nemotron-H's) writes null
         del d["rope_parameters"]
-    if "rope_parameters" in d:
+    if "rope_parameters" in d and "rope_parameters" not in family.config_fields:  # Gemma 4 reads its per-type ropes
         d.update(rope_fields(d.pop("rope_parameters"), d, source))
-    d.pop("rope_parameters", None)  # null: a model without rope (Nemotron-H's)
     if "dtype" in d:
         dtype = d.pop("dtype")
         if d.setdefault("torch_dtype", dtype) != dtype:
@@ -113,6 +112,7 @@ def refuse_unread(d: dict, family, source: str) -> None:
     does not read: a held key (`UNREAD`, `family.unread`) with another value. A `fixed` field is not one: the
     family's modeling file hard-codes it whatever config.json says, in transformers as here."""
     held = {**UNREAD, **family.unread}
+    d = {**family.unread_defaults, **d}  # a key left out is transformers' default (Family.unread_defaults)
     for key, expected in held.items():
         if d.get(key) is None:
             continue

@@ -150,6 +150,15 @@ FAMILY_SWITCHES = {
                         n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=4,
                         index_n_heads=4, index_head_dim=16, indexer_types=["full", "shared", "full"],
                         pad_token_id=0, eos_token_id=1),
+    # Gemma 4's MoE: a sliding then a global layer (its own head width, one KV head, keys = values, proportional rope
+    # on half its pairs), the dense MLP beside the experts, logits softcapped low enough to bite.
+    "gemma4_text": dict(head_dim=16, global_head_dim=32, num_global_key_value_heads=1, attention_k_eq_v=True,
+                        dense_intermediate_size=48, layer_types=["sliding_attention", "full_attention"],
+                        sliding_window=4, final_logit_softcapping=5.0, hidden_act="gelu_pytorch_tanh",
+                        tie_word_embeddings=True, pad_token_id=0, eos_token_id=1,
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
+                                                            "rope_theta": 1000.0}}),
 }
 
 # --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.

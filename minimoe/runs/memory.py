@@ -137,6 +137,8 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     itemsize = DTYPES[cfg.dtype].itemsize
     tokens = math.ceil(cfg.batch_size / gpus) * cfg.max_length  # DDP and FSDP alike split the batch over ranks
     per_token = 12 * config.hidden_size + config.num_experts_per_tok * 3 * config.intermediate_size
+    if config.parallel_dense:  # Gemma 4: the dense MLP beside the experts (gate, up, their product) and its 4 norms
+        per_token += 3 * config.dense_intermediate_size + 4 * config.hidden_size
     layers = config.num_hidden_layers
     kept = (layers * config.hidden_size + per_token) if cfg.gradient_checkpointing else layers * per_token
     mla = config.mixers.get("mla")

@@ -101,7 +101,12 @@ PLANTED = [("gpt_oss", "swiglu_alpha", 1.702, 1.0),
            ("mixtral", "router_jitter_noise", 0.0, 0.1), ("olmoe", "attention_dropout", 0.0, 0.1),
            ("deepseek_v2", "mlp_bias", False, True), ("deepseek_v3", "qk_head_dim", 16 + 8, 7),
            ("granitemoe", "position_embedding_type", "rope", "nope"),
-           ("qwen2_moe", "layer_types", ["full_attention"] * 2, ["full_attention", "sliding_attention"])]
+           ("qwen2_moe", "layer_types", ["full_attention"] * 2, ["full_attention", "sliding_attention"]),
+           # Gemma 4: the dense model, per-layer embeddings, KV-shared layers, bidirectional attention; its global
+           # layers' overrides as transformers 5.23 saves them, disagreeing with global_head_dim and its KV heads
+           ("gemma4_text", "enable_moe_block", True, False), ("gemma4_text", "hidden_size_per_layer_input", 0, 256),
+           ("gemma4_text", "num_kv_shared_layers", 0, 1), ("gemma4_text", "use_bidirectional_attention", "vision", "all"),
+           ("gemma4_text", "per_layer_config", {"1": {"head_dim": 32, "num_key_value_heads": 1}}, {"1": {"head_dim": 32}})]
 
 
 @pytest.mark.parametrize("model_type,key,good,bad", PLANTED)
@@ -111,6 +116,23 @@ def test_a_planted_unread_field_that_matters_fails_by_name(model_type, key, good
     config_from_dict({**d, key: good})
     with pytest.raises(ValueError, match=f"{key} = .*minimoe's {model_type} runs with"):
         config_from_dict({**d, key: bad})
+
+
+def test_gemma4_last_layer_sliding_is_refused():
+    """Gemma4TextConfig turns a last sliding layer into a full one (with a warning): refused rather than run otherwise."""
+    d = tiny("gemma4_text")
+    with pytest.raises(ValueError, match="layer_types ends with 'sliding_attention'"):
+        config_from_dict({**d, "layer_types": ["full_attention", "sliding_attention"]})
+
+
+@pytest.mark.parametrize("rope,message", [
+    ({"sliding_attention": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type 'yarn' is not supported"),
+    ({"sliding_attention": {"rope_type": "default"}}, "has no rope_theta"),
+    ({}, "expected one rope per layer type")])
+def test_gemma4_rope_per_layer_type_we_do_not_compute_is_refused(rope, message):
+    d = tiny("gemma4_text")
+    with pytest.raises(ValueError, match=message):
+        config_from_dict({**d, "rope_parameters": {"full_attention": d["rope_parameters"]["full_attention"], **rope}})
 
 
 def test_qwen2_moe_sliding_from_max_window_layers_on_is_refused():

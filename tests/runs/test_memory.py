@@ -17,7 +17,8 @@ def tensor_bytes(path) -> int:
     return path.stat().st_size - 8 - header
 
 
-@pytest.mark.parametrize("family", ["granitemoe", "olmoe", "granitemoeshared", "flex_olmo", "glm4_moe", "llama4_text"])
+@pytest.mark.parametrize("family", ["granitemoe", "olmoe", "granitemoeshared", "flex_olmo", "glm4_moe", "llama4_text",
+                                    "gemma4_text"])
 def test_weight_figures_are_the_safetensors_sizes(tmp_path, family):
     save_pretrained(tiny_model(family), tmp_path / "m", max_shard_bytes=200_000)  # several shards and an index
     files = sorted((tmp_path / "m").glob("*.safetensors"))

@@ -327,8 +327,9 @@ def add_lora(model: MoEForCausalLM, rank: int = RANK, alpha: float = ALPHA, drop
                 continue  # a dense layer's MLP is not adapted (nor is a shared expert: docs/methods.md)
             if not path.startswith("mlp.") and path.split(".")[0] != layer.mixer_attribute:
                 continue  # a hybrid's layer: attention targets reach its attention layers, mamba ones its Mamba-2 layers
-            if path.startswith("linear_attn.") and not has_submodule(layer, path):
-                continue  # a DeltaNet layer holds the fused projections (Qwen3-Next) or the split ones (Qwen3.5)
+            if not has_submodule(layer, path):
+                continue  # a DeltaNet layer holds the fused projections (Qwen3-Next) or the split ones (Qwen3.5);
+                # Gemma 4's global layers, whose keys are values, have no v_proj (peft adapts none there either)
             parent_name, _, leaf = path.rpartition(".")
             parent, base = layer.get_submodule(parent_name), layer.get_submodule(path)
             if isinstance(base, LoRAMixin):  # MLA's kv_b_proj, named by both "k" and "v"

@@ -88,6 +88,15 @@ class Family:
     # and our other parameters' keys (Nemotron-H: backbone.layers., backbone.embeddings, backbone.norm_f; LFM2's final norm, model.embedding_norm)
     layers_prefix: str = "model.layers."
     outer_keys: dict = field(default_factory=dict)
+    # unread keys whose transformers default is not the value our model runs with: that default, so that a config.json
+    # leaving one out is refused as one setting it would be (Gemma 4's enable_moe_block, false: the dense model)
+    unread_defaults: dict = field(default_factory=dict)
+    # model_types of the multimodal config.json that hold this family's as their text_config, their text model's
+    # tensors under TEXT_MODEL_PREFIX (the released Gemma 4s): read as this family's model, saved as it
+    containers: tuple[str, ...] = ()
+
+
+TEXT_MODEL_PREFIX = "model.language_model."  # where a container's checkpoint holds its text model's `model.`
 
 
 @dataclass(frozen=True)

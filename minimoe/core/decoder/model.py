@@ -30,6 +30,10 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
 - FlexOlmo (`norm_after`): OLMo-2's placement, each branch's output normed before the residual add
   and no input norm. Llama 4 (`expert_input_scaled`): the combine weight scales the routed expert's
   input (core/layers/experts.py); Granite's shared expert stores gate and up as one matrix (core/layers/mlp.py).
+- Gemma 4: a dense MLP beside the experts in every layer, each branch normed before and after (`parallel_dense`:
+  core/layers/parallel_dense.py), the gate reading its own weightless norm of the stream (`gate_input`), a gain per
+  expert (core/layers/experts.py); an input norm as well as OLMo-2's output norms (`sandwich_norm`), each layer's
+  output times the checkpoint's `layer_scalar`, the embedding times sqrt(D) in the model dtype, logits softcapped.
 - Experts: stacked `[E, out, in]` banks run on token blocks sorted by expert (core/layers/experts.py).
   Under autocast every matmul of a bf16 model runs in bf16, the banks included; nothing in forward or
   backward reads a device value back to the host (no bincount, .item() or boolean indexing).
@@ -50,7 +54,8 @@ from minimoe.core.layers.masks import block_mask, bool_mask, flex_applies
 from minimoe.core.token_mixers.mixers import KVCache, MixerInputs, mixer_for
 from minimoe.core.layers.mlp import DenseMLP
 from minimoe.core.layers.norms import RMSNorm
-from minimoe.core.layers.rope import rope_cos_sin, rope_frequencies
+from minimoe.core.layers.parallel_dense import ParallelDense
+from minimoe.core.layers.rope import layer_type_frequencies, rope_cos_sin, rope_frequencies
 from minimoe.core.decoder.model_config import MoEConfig, config_field_names  # noqa: F401 (importers' name for both)
 from minimoe.core.routing_methods.routing import NativeRouter, Routing, Scoring
 
@@ -62,6 +67,16 @@ def position_embeddings(config: MoEConfig, position_ids, dtype):
     inv_freq, factor = rope_frequencies(config.rope_dim, config.rope_theta, config.rope_scaling,
                                         config.max_position_embeddings)
     return rope_cos_sin(position_ids, inv_freq, factor, dtype)
+
+
+def layer_type_ropes(config: MoEConfig, position_ids, dtype) -> dict | None:
+    """Layer type -> its cos, sin [B, T, d] where each type has its own rope (config.rope_parameters: Gemma 4, over
+    each type's head width), else None."""
+    if config.rope_parameters is None:
+        return None
+    heads = {config.layer_types[i]: config.mixers["attention"].heads(config, i)[1] for i in range(config.num_hidden_layers)}
+    return {kind: rope_cos_sin(position_ids, layer_type_frequencies(config.rope_parameters[kind], d), 1.0, dtype)
+            for kind, d in heads.items()}
 
 
 
@@ -91,15 +106,18 @@ class MoEBlock(nn.Module):
                                           fused=config.shared_expert_fused, act=config.hidden_act)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
 
-    def forward(self, x, stash: dict | None = None) -> tuple[torch.Tensor, Routing]:  # x [B, T, D]
+    def forward(self, x, stash: dict | None = None, gate_input=None) -> tuple[torch.Tensor, Routing]:  # x [B, T, D]
         """stash: under gradient checkpointing, the first pass records its expert choice there and
-        the recompute replays it, so that backward never runs experts the forward did not."""
+        the recompute replays it, so that backward never runs experts the forward did not.
+        gate_input [B, T, D]: what the gate and the routing policy read where it is not the experts' input x
+        (Gemma 4's own norm, core/layers/parallel_dense.py)."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         replay = stash.get("experts") if stash is not None else None
+        g = flat if gate_input is None else gate_input.reshape(B * T, D)
         # A tuned gate is stored in fp32 (routing.py); cast at use, its logits are the model dtype's as ever
         # (DeepSeek's in fp32: then the router's input is the upcast hidden state, heads included).
-        gx = flat.float() if self.router_fp32 else flat
+        gx = g.float() if self.router_fp32 else g
         bias = self.gate.bias.to(gx.dtype) if self.gate.bias is not None else None
         # Autocast would run an fp32 router's F.linear in bf16 all the same (seen on an H200: gpt-oss picked
         # other experts than its fp32 model on 1% of tokens, 0.24 logit error against 0.03 without autocast).
@@ -147,16 +165,22 @@ class DecoderLayer(nn.Module):
         if config.has_mlp(layer_idx):
             self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size,
                                                                      act=config.hidden_act)
+        # Gemma 4: a dense MLP beside the experts, the branches' norms, the gate's own input (parallel_dense.py)
+        self.parallel = ParallelDense(config) if config.parallel_dense and self.sparse else None
         norm = functools.partial(RMSNorm, config.hidden_size, config.rms_norm_eps, config.norm_weight_in_fp32,
                                  config.norm_zero_centred)
         self.norm_after = config.norm_after
         if self.norm_after:  # OLMo-2's placement (FlexOlmo): each branch's output normed, the checkpoint's names
             self.post_attention_layernorm, self.post_feedforward_layernorm = norm(), norm()
+            if config.sandwich_norm:  # Gemma's: its input normed too
+                self.input_layernorm = norm()
         else:  # pre-norm: each branch's input normed
             if mixer is not None:
                 self.input_layernorm = norm()
             if self.mlp is not None:
                 self.post_attention_layernorm = norm()
+        if config.layer_scalar:  # Gemma 4: the checkpoint's layer_scalar [1], never trained
+            self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.residual_multiplier = config.residual_multiplier
         self.gradient_checkpointing = False  # recompute this block in backward instead of storing it
 
@@ -171,9 +195,14 @@ class DecoderLayer(nn.Module):
 
     def _forward(self, h, inputs, cache, stash):
         if self.norm_after:
-            h = h + scaled(self.post_attention_layernorm(self.mixer(h, inputs, cache)), self.residual_multiplier)
-            mlp_out, routing = self.mlp(h, stash) if self.sparse else (self.mlp(h), None)
-            return h + scaled(self.post_feedforward_layernorm(mlp_out), self.residual_multiplier), routing
+            x = self.input_layernorm(h) if hasattr(self, "input_layernorm") else h
+            h = h + scaled(self.post_attention_layernorm(self.mixer(x, inputs, cache)), self.residual_multiplier)
+            if self.parallel is not None:
+                mlp_out, routing = self.parallel(h, self.mlp, stash)
+            else:
+                mlp_out, routing = self.mlp(h, stash) if self.sparse else (self.mlp(h), None)
+            h = h + scaled(self.post_feedforward_layernorm(mlp_out), self.residual_multiplier)
+            return (h * self.layer_scalar if hasattr(self, "layer_scalar") else h), routing
         if self.mixer is not None:
             h = h + scaled(self.mixer(self.input_layernorm(h), inputs, cache), self.residual_multiplier)
         if self.mlp is None:
@@ -251,6 +280,8 @@ class MoEForCausalLM(nn.Module):
         c = self.config
         B, T = input_ids.shape
         h = scaled(self.model.embed_tokens(input_ids), c.embedding_multiplier)  # [B, T, D]
+        if c.embedding_sqrt_scale:  # Gemma: sqrt(D) rounded to the model dtype first, as its reference multiplies
+            h = h * torch.tensor(c.hidden_size ** 0.5).to(h.dtype)
         inputs = self.mixer_inputs(B, T, h, attention_mask, position_ids, cache, segment_ids)
         routings = []
         for i, layer in enumerate(self.model.layers):
@@ -279,13 +310,17 @@ class MoEForCausalLM(nn.Module):
         masks = {kind: block_mask(attention_mask, segment_ids, B, T, kind, position_ids) if flex else
                  bool_mask(attention_mask, B, T, start, device, segment_ids, kind, position_ids)
                  for kind in {m.mask_kind for m in mixers}}  # one per attention pattern (core/layers/masks.py)
-        return MixerInputs(cos, sin, masks, attention_mask, segment_ids, position_ids, start)
+        ropes = layer_type_ropes(self.config, position_ids, h.dtype)
+        return MixerInputs(cos, sin, masks, attention_mask, segment_ids, position_ids, start, ropes=ropes)
 
     def head(self, hidden):
         """Final-normed hidden states [..., D] -> logits [..., V], Granite's logits_scaling included."""
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:  # Granite divides, as the reference does (not * 1/s: other bits)
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcapping
+        if cap:  # Gemma: cap * tanh(logits / cap), in the logits' dtype as the reference
+            logits = torch.tanh(logits / cap) * cap
         return logits
 
     @property
@@ -314,7 +349,7 @@ def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:
 
 
 def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None):
-    """Random init for tests and tiny models: N(0, std) matrices, unit norms (zero-centred ones 0), zero
+    """Random init for tests and tiny models: N(0, std) matrices, unit norms and gains (zero-centred norms 0), zero
     biases; the recurrent mixers' dt_bias, A_log and D keep their constructors' values."""
     std = model.config.initializer_range if std is None else std
     zero_centred = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm) and m.zero_centred}
@@ -324,8 +359,8 @@ def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None
                 continue
             if name in zero_centred:
                 p.zero_()
-            elif name.endswith("norm.weight") or "layernorm" in name:
-                p.fill_(1.0)
+            elif name.endswith(("norm.weight", "layer_scalar", "gate_input_scale", "per_expert_scale")) or "layernorm" in name:
+                p.fill_(1.0)  # norms, and Gemma 4's gains (transformers' init: ones)
             elif name.endswith(".bias"):
                 p.zero_()
             else:

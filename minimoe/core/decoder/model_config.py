@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 
 from minimoe.core.decoder.families import family_of
-from minimoe.core.layers.rope import rope_type
+from minimoe.core.layers.mlp import ACTIVATIONS
+from minimoe.core.layers.rope import layer_type_frequencies, rope_type
 from minimoe.core.routing_methods.routing import SCORE_FUNCS, TOPK_METHODS
 from minimoe.core.token_mixers.mixers import FEED_FORWARD, MIXERS, flat_mixer_types, mixer_field_names, mixer_type
 
@@ -75,6 +76,17 @@ class MoEConfig:
     rope_in_fp32: bool = False  # rotate q and k in fp32 and cast once (Llama 4's complex product); else model dtype
     swiglu_limit: float | None = None  # set: gpt-oss's clamped SwiGLU experts with biases (core/layers/clamped_experts.py)
     norm_zero_centred: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Qwen3-Next)
+    # Gemma 4 (core/decoder/parallel_block.py): a dense MLP of dense_intermediate_size beside the routed experts in
+    # every MoE layer, each branch normed before and after, the gate reading its own weightless norm of the stream
+    parallel_dense: bool = False
+    per_expert_scale: bool = False  # a learned gain per expert on its combine weight (Gemma 4; core/layers/experts.py)
+    sandwich_norm: bool = False  # with norm_after: an input norm too before the mixer (Gemma's four norms a layer)
+    layer_scalar: bool = False  # each layer's output times a frozen scalar of the checkpoint (Gemma 4)
+    embedding_sqrt_scale: bool = False  # the embedding times sqrt(hidden_size) rounded to the model dtype (Gemma)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap) (Gemma); None: none
+    # per layer type its rope ({rope_type: default | proportional, rope_theta, partial_rotary_factor}), transformers
+    # 5's rope_parameters where the types differ (Gemma 4: core/layers/rope.py); None: rope_theta and rope_scaling
+    rope_parameters: dict | None = None
     # Granite's multipliers; the OLMoE values leave the forward unchanged.
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
@@ -85,7 +97,7 @@ class MoEConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     initializer_range: float = 0.02
-    hidden_act: str = "silu"  # the experts' and MLPs': "silu" (SwiGLU) or "relu2" (no gate, squared ReLU: Nemotron-H)
+    hidden_act: str = "silu"  # the experts' and MLPs': SwiGLU's gate (mlp.ACTIVATIONS) or "relu2" (no gate: Nemotron-H)
     rope_scaling: dict | None = None
     torch_dtype: str | None = None  # dtype the checkpoint was saved in
     extra: dict = field(default_factory=dict, repr=False)  # unknown config.json fields, written back on save
@@ -146,12 +158,13 @@ class MoEConfig:
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"config: num_experts_per_tok {self.num_experts_per_tok} must be in "
                              f"[1, num_experts={self.num_experts}]")
-        if self.hidden_act not in ("silu", "relu2") or (self.hidden_act == "relu2" and self.swiglu_limit is not None):
-            raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected 'silu' or 'relu2' "
-                             f"(the latter without swiglu_limit)")
+        if self.hidden_act not in (*ACTIVATIONS, "relu2") or (self.hidden_act == "relu2" and self.swiglu_limit is not None):
+            raise ValueError(f"config: hidden_act {self.hidden_act!r} is not supported; expected one of "
+                             f"{sorted(ACTIVATIONS)} or 'relu2' (without swiglu_limit)")
         if self.moe_latent_size is not None and not (isinstance(self.moe_latent_size, int) and self.moe_latent_size >= 1):
             raise ValueError(f"config: moe_latent_size {self.moe_latent_size!r}; expected an int >= 1 or null")
         rope_type(self.rope_scaling)  # refuses, by name, a type core/layers/rope.py does not compute
+        self._check_layer_ropes()
         self._check_attention()
         if self.sliding_window is not None and not (isinstance(self.sliding_window, int) and self.sliding_window >= 1):
             raise ValueError(f"config: sliding_window {self.sliding_window!r}; expected an int >= 1 or null")
@@ -164,6 +177,9 @@ class MoEConfig:
         dense = [i for i in range(self.num_hidden_layers) if self.has_mlp(i) and i not in self.sparse_layers]
         if dense and not self.dense_intermediate_size:
             raise ValueError("config: dense layers need dense_intermediate_size (config.json's intermediate_size)")
+        if self.parallel_dense and not self.dense_intermediate_size:
+            raise ValueError("config: parallel_dense (Gemma 4) needs dense_intermediate_size (config.json's "
+                             "intermediate_size), the width of the dense MLP beside the experts")
         self._check_router()
 
     def _hold_mixers(self, family):
@@ -184,6 +200,16 @@ class MoEConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rope_dim % 2:
             raise ValueError(f"config: partial_rotary_factor {self.partial_rotary_factor} turns {self.rope_dim} of "
                              f"head_dim={self.head_dim} dims; expected a factor in (0, 1] giving an even count")
+
+    def _check_layer_ropes(self):
+        if self.rope_parameters is None:
+            return
+        kinds = set(self.layer_types or [])
+        if not kinds or not isinstance(self.rope_parameters, dict) or not kinds <= set(self.rope_parameters):
+            raise ValueError(f"config: rope_parameters {self.rope_parameters!r}; expected one rope per layer type "
+                             f"of layer_types ({sorted(kinds)})")
+        for kind in kinds:
+            layer_type_frequencies(self.rope_parameters[kind], 2)  # refuses a rope_type it does not compute
 
     def _check_router(self):
         if self.scoring_func not in SCORE_FUNCS:

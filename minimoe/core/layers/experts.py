@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.layers import cpu_memory
+from minimoe.core.layers.mlp import ACTIVATIONS
 
 
 class Dispatch:
@@ -122,10 +123,13 @@ class GroupedLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts. gate_up_proj [E, 2I, D] holds the gate rows first, then the up rows.
+    """E gated experts (SwiGLU, or the config's `hidden_act`). gate_up_proj [E, 2I, D] holds the gate rows first,
+    then the up rows.
 
     The combine weight scales each expert's output, or with `scale_input` its input, the output then
-    summed unweighted (Llama 4: x * g, cast to the model dtype, is what the expert sees)."""
+    summed unweighted (Llama 4: x * g, cast to the model dtype, is what the expert sees). Gemma 4's
+    `per_expert_scale` [E] multiplies each expert's combine weight, in fp32 before the cast as its reference: part
+    of the expert, so that every routing policy sees it as the expert's own gain (a dense mixture's too)."""
 
     def __init__(self, config):  # a model.MoEConfig
         super().__init__()
@@ -133,9 +137,14 @@ class Experts(nn.Module):
         self.gate_up_proj = GroupedLinear(E, 2 * I, D)
         self.down_proj = GroupedLinear(E, D, I)
         self.scale_input = config.expert_input_scaled
+        self.act = ACTIVATIONS[config.hidden_act]
+        if config.per_expert_scale:
+            self.per_expert_scale = nn.Parameter(torch.ones(E))
 
     def forward(self, x, experts, weights):  # x [T, D], experts/weights [T, K] -> [T, D]
         E = self.gate_up_proj.weight.shape[0]
+        if hasattr(self, "per_expert_scale"):
+            weights = weights.float() * self.per_expert_scale.float()[experts]  # [T, K]
         # The bank's dtype (or autocast's): an fp32 x against a bf16 bank would leave grouped_mm for the loop.
         x = x.to(matmul_dtype(x, self.gate_up_proj.weight))
         dispatch = Dispatch(experts, E, cpu_memory.expert_block(x, experts.numel(), E))
@@ -144,7 +153,7 @@ class Experts(nn.Module):
             rows = rows * dispatch.row_weights(weights).to(rows.dtype)
         h = self.gate_up_proj(rows, dispatch)  # [N, 2I]
         gate, up = h.chunk(2, dim=-1)
-        y = self.down_proj(F.silu(gate) * up, dispatch)  # [N, D]
+        y = self.down_proj(self.act(gate) * up, dispatch)  # [N, D]
         if not self.scale_input:
             y = y * dispatch.row_weights(weights).to(y.dtype)
         return dispatch.combine(y, *experts.shape)

@@ -19,6 +19,10 @@ head_dim, biases, windows, rope) and its own, `AttentionConfig` (MoEConfig.mixer
   and the attention output is scaled by sigmoid(gate) before o_proj; no rope on any layer where
   `position_embedding_type` is not "rope" (Granite 4.0-H's "nope");
 - q/k norms zero-centred (1 + w) where the config says (Qwen3-Next, `norm_zero_centred`).
+- Gemma 4's global layers: full-attention layers with their own head width (`global_head_dim`) and, where keys are
+  values (`attention_k_eq_v`: no v_proj, v is k's projection before its norm and rope), their own key/value head
+  count (`num_global_key_value_heads`); a weightless RMSNorm on v (`v_norm`); a rope per layer type
+  (MoEConfig.rope_parameters: `MixerInputs.ropes`).
 
 Decisions:
 - Query head h reads key/value head h // (H/G), transformers' repeat_interleave layout, via SDPA's
@@ -67,6 +71,11 @@ class AttentionConfig:
     attn_temperature_tuning: bool = False
     floor_scale: float = 8192.0
     attn_scale: float = 0.1
+    # Gemma 4: its full_attention layers' head width and, where keys are values, key/value heads (None: the model's)
+    global_head_dim: int | None = None
+    num_global_key_value_heads: int | None = None
+    attention_k_eq_v: bool = False  # full_attention layers have no v_proj: v is k_proj's output, v-normed (Gemma 4)
+    v_norm: bool = False  # v over its RMS per head, without a weight (Gemma 4)
 
     def __post_init__(self):
         if not self.use_qk_norm:
@@ -78,8 +87,14 @@ class AttentionConfig:
 
     def resolve(self, config):
         """Llama 4's derived layers (config: the MoEConfig that holds this one): the NoPE layers from their
-        interval, and where config.json gives no layer_types, chunked attention on the rope layers."""
+        interval, and where config.json gives no layer_types, chunked attention on the rope layers; Gemma 4's
+        sliding and global layers where it gives none."""
         n = config.num_hidden_layers
+        if self.global_head_dim is not None and config.layer_types is None:
+            config.layer_types = gemma_layer_types(n)
+        if self.global_head_dim is not None and config.layer_types[-1] != "full_attention":
+            raise ValueError(f"config: layer_types ends with {config.layer_types[-1]!r}; Gemma 4 (global_head_dim) runs "
+                             f"its last layer as full_attention whatever the file says: expected it to say so")
         if not self.no_rope_layers and self.no_rope_layer_interval:
             self.no_rope_layers = [int((i + 1) % self.no_rope_layer_interval != 0) for i in range(n)]
         if self.no_rope_layers is not None and len(self.no_rope_layers) < n:
@@ -90,8 +105,24 @@ class AttentionConfig:
         if config.layer_types is not None and "chunked_attention" in config.layer_types and not self.attention_chunk_size:
             raise ValueError("config: chunked_attention layers need attention_chunk_size >= 1")
 
+    def global_layer(self, config, layer: int) -> bool:
+        """A layer with Gemma 4's global options: a full_attention one of a model that sets global_head_dim."""
+        return self.global_head_dim is not None and (config.layer_types or [None] * (layer + 1))[layer] == "full_attention"
+
+    def heads(self, config, layer: int) -> tuple[int, int]:
+        """(G key/value heads, d head width) of `layer`: the model's, or Gemma 4's global layers' own."""
+        if not self.global_layer(config, layer):
+            return config.num_key_value_heads, config.head_dim
+        G = self.num_global_key_value_heads if self.attention_k_eq_v and self.num_global_key_value_heads else None
+        return G or config.num_key_value_heads, self.global_head_dim
+
     def uses_rope(self, layer: int) -> bool:  # False: Llama 4's NoPE layers, every layer of Granite 4.0-H's "nope"
         return self.position_embedding_type == "rope" and (self.no_rope_layers is None or bool(self.no_rope_layers[layer]))
+
+
+def gemma_layer_types(n: int) -> list[str]:
+    """Gemma4TextConfig's layer_types where config.json gives none: five sliding layers, then a full one; the last full."""
+    return ["full_attention" if (i + 1) % 6 == 0 or i == n - 1 else "sliding_attention" for i in range(n)]
 
 
 def l2_norm(x, eps: float):
@@ -124,15 +155,20 @@ class Attention(nn.Module):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self.options = opts = config.mixers["attention"]
-        H, G, d, D = config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.hidden_size
+        (G, d), H, D = opts.heads(config, layer_idx), config.num_attention_heads, config.hidden_size
+        self.H, self.G, self.d = H, G, d
         qkv_bias = config.attention_bias or opts.qkv_bias
         self.gated = opts.attn_output_gate  # each head's q_proj rows: [query d | gate d]
         self.q_proj = nn.Linear(D, H * d * (2 if self.gated else 1), bias=qkv_bias)
         self.k_proj = nn.Linear(D, G * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(D, G * d, bias=qkv_bias)
+        self.k_is_v = opts.attention_k_eq_v and opts.global_layer(config, layer_idx)  # Gemma 4: no v_proj
+        if not self.k_is_v:
+            self.v_proj = nn.Linear(D, G * d, bias=qkv_bias)
         self.o_proj = nn.Linear(H * d, D, bias=config.attention_bias)
         self.rope = opts.uses_rope(layer_idx)  # False: a NoPE layer (Llama 4; every layer of Granite 4.0-H's nope)
-        self.rope_dim = config.rope_dim if self.rope else 0
+        # a rope per layer type (Gemma 4) turns the whole head (rope.layer_type_frequencies), else rope_dim dims
+        self.rope_kind = config.layer_types[layer_idx] if config.rope_parameters else None
+        self.rope_dim = (d if self.rope_kind else config.rope_dim) if self.rope else 0
         self.qk_norm = opts.qk_norm if opts.qk_norm != "l2" or self.rope else None  # Llama 4: rope layers only
         if self.qk_norm in ("full", "head"):  # OLMoE: over the whole projection width, before the head split; Qwen3: per head
             width = {"full": (H * d, G * d), "head": (d, d)}[opts.qk_norm]
@@ -149,17 +185,18 @@ class Attention(nn.Module):
 
     @staticmethod
     def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> KVSlot:
-        G, d = config.num_key_value_heads, config.head_dim
+        G, d = config.mixers["attention"].heads(config, layer_idx)
         return KVSlot(batch_size, G, max_len, d, d, dtype, device)
 
     def forward(self, x, inputs, cache: KVSlot | None = None):  # x [B, T, D], inputs: mixers.MixerInputs
-        c = self.config
+        c, H, G, d = self.config, self.H, self.G, self.d
         B, T, _ = x.shape
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = self.q_proj(x), self.k_proj(x)
+        v = k if self.k_is_v else self.v_proj(x)  # Gemma 4's global layers: keys are values (before k's norm)
         if self.gated:
-            q, gate = q.view(B, T, c.num_attention_heads, 2 * c.head_dim).chunk(2, dim=-1)  # [B, T, H, d] each
-        q = q.reshape(B, T, c.num_attention_heads, c.head_dim)  # [B, T, H, d]
-        k = k.view(B, T, c.num_key_value_heads, c.head_dim)  # [B, T, G, d]
+            q, gate = q.view(B, T, H, 2 * d).chunk(2, dim=-1)  # [B, T, H, d] each
+        q = q.reshape(B, T, H, d)  # [B, T, H, d]
+        k = k.view(B, T, G, d)  # [B, T, G, d]
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         elif self.qk_norm == "full":
@@ -168,7 +205,10 @@ class Attention(nn.Module):
         if clip is not None:
             q, k, v = (t.clamp(-clip, clip) for t in (q, k, v))
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, d], [B, G, T, d]
-        v = v.view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = v.view(B, T, G, d)
+        if self.options.v_norm:  # Gemma 4: over each head's RMS, no weight (Llama 4's l2_norm computes it)
+            v = l2_norm(v, c.rms_norm_eps)
+        v = v.transpose(1, 2)  # [B, G, T, d]
         if self.rope:
             q, k = self.rotate(q, inputs), self.rotate(k, inputs)
         if self.qk_norm == "l2":
@@ -184,13 +224,14 @@ class Attention(nn.Module):
 
     def rotate(self, x, inputs):  # x [B, h, T, d] -> rope on its first rope_dim dims (all of them but GLM's)
         r = self.rope_dim
+        cos, sin = inputs.ropes[self.rope_kind] if self.rope_kind else (inputs.cos, inputs.sin)
         turned, kept = x[..., :r], x[..., r:]
         if self.config.rope_interleave:
             turned = deinterleave(turned)
         if self.config.rope_in_fp32:  # cos, sin are fp32 then (model.mixer_inputs)
-            turned = apply_rope(turned.float(), inputs.cos, inputs.sin).to(x.dtype)
+            turned = apply_rope(turned.float(), cos, sin).to(x.dtype)
         else:
-            turned = apply_rope(turned, inputs.cos, inputs.sin)
+            turned = apply_rope(turned, cos, sin)
         return turned if r == x.shape[-1] else torch.cat((turned, kept), dim=-1)
 
     def temper(self, q, inputs):  # q [B, H, T, d] -> q * (1 + attn_scale * log1p(floor((p + 1) / floor_scale)))

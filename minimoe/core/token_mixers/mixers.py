@@ -100,6 +100,7 @@ class MixerInputs:
     cache_start: int = 0  # positions already in the cache (S = cache_start + T)
     segment_plan: object = None  # packed rows' layout for the recurrent mixers, read once (ssm_common.segment_plan)
     shared: dict = field(default_factory=dict)  # what a layer's mixer leaves for later layers, by its index (DSA's top-k)
+    ropes: dict | None = None  # layer type -> its (cos, sin) where each type has its own rope (Gemma 4), else None
 
 
 class KVCache:

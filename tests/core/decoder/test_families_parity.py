@@ -23,8 +23,10 @@ FP32_TOL = 2e-5
 # the families declared so far; a transformers-5-only one's cases marked tf5 (its oracle is transformers 5.23)
 NAMES = [v for v in VARIANTS if family_of(v) in FAMILIES]
 DECLARED = declared(NAMES)
-# the peft export's: peft is not in the test5 extra, so those tests hold the families transformers 4.57 has
-WITH_PEFT = [v for v in NAMES if family_of(v) not in TRANSFORMERS_5_ONLY]
+# the peft export's: peft is not in the test5 extra, so those tests hold the families transformers 4.57 has, and
+# Gemma 4's (its banks are bare parameters of one module, a layout of their own), skipped where peft is missing
+WITH_PEFT = [v for v in NAMES if family_of(v) not in TRANSFORMERS_5_ONLY] + [
+    pytest.param(v, marks=pytest.mark.tf5) for v in NAMES if family_of(v) == "gemma4_text"]
 
 
 @pytest.mark.parametrize("variant", DECLARED)
@@ -248,7 +250,7 @@ def test_qwen3_5_moe_peft_loads_the_attention_and_deltanet_export(tmp_path):
 def assert_peft_loads_the_export(model, tmp_path):
     """`model`'s LoRA saved, exported in peft's format, loaded by peft onto transformers' model of tmp_path/base:
     every key matched, the adapter changing the logits, and peft's logits ours."""
-    import peft
+    peft = pytest.importorskip("peft")  # not in the test5 extra
     from safetensors.torch import load_file
     from minimoe.integrations.hf_export import export_peft
     from minimoe.runs.adapters import save_adapter
@@ -424,3 +426,63 @@ def test_qwen3_5_moe_release_loads_as_the_vision_language_model_reads_it(tmp_pat
                                                               dtype=torch.float32).eval()
     with torch.no_grad():
         assert rel_err(again(ids, attention_mask=mask).logits, ours(ids, attention_mask=mask).logits, mask) <= FP32_TOL
+
+
+@pytest.mark.tf5
+def test_gemma4_multimodal_release_loads_its_text_model(tmp_path):
+    """Gemma 4's released layout (Gemma4ForConditionalGeneration: config.json of model_type gemma4 holding the text
+    model's as text_config, its tensors under model.language_model., a vision tower beside them) loads as
+    gemma4_text with transformers 5.23's logits; saved, it is a gemma4_text checkpoint transformers loads."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+    text = {k: v for k, v in variant_config("gemma4_text").items() if k != "model_type"}
+    torch.manual_seed(0)
+    ref = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=text, vision_config=None, audio_config=None))
+    with torch.no_grad():  # as reference_model's: norms near 1, the rest large enough to show, layer scalars off 1
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+        for name, b in ref.named_buffers():
+            if name.endswith("layer_scalar"):
+                b.copy_(1 + 0.1 * torch.randn_like(b))
+        ref.model.language_model.embed_tokens.weight[0].zero_()
+    ref.eval().save_pretrained(tmp_path / "release")
+    tensors = load_file(tmp_path / "release" / "model.safetensors")
+    assert all(k.startswith("model.language_model.") for k in tensors)
+    save_file({**tensors, "model.vision_tower.patch.weight": torch.zeros(2, 2)},  # a tower we do not load
+              tmp_path / "release" / "model.safetensors", metadata={"format": "pt"})
+    ours = minimoe.from_pretrained(tmp_path / "release", dtype=torch.float32)
+    assert ours.config.model_type == "gemma4_text"
+    ids, mask = batch(ours)
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits
+        assert rel_err(ours(ids, attention_mask=mask).logits, want, mask) <= FP32_TOL
+    minimoe.save_pretrained(ours, tmp_path / "text")
+    assert json.loads((tmp_path / "text" / "config.json").read_text())["model_type"] == "gemma4_text"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "text", dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert rel_err(hf(ids, attention_mask=mask).logits, want, mask) <= FP32_TOL
+
+
+@pytest.mark.tf5
+def test_gemma4_26b_a4b_text_config_builds_transformers_parameters():
+    """The 26B-A4B's text config (published widths; 25.2B parameters by its model card) builds, on the meta device,
+    the parameters of transformers 5.23's model under the checkpoint's names, shape for shape (its layer_scalar
+    buffers are our frozen parameters)."""
+    import transformers
+    from minimoe.core.decoder.model import MoEForCausalLM
+    from minimoe.loading.config_json import config_from_dict
+    d = dict(model_type="gemma4_text", hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704,
+             num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+             num_global_key_value_heads=2, attention_k_eq_v=True, num_experts=128, top_k_experts=8,
+             vocab_size=262144, sliding_window=1024, final_logit_softcapping=30.0, hidden_size_per_layer_input=0,
+             enable_moe_block=True, max_position_embeddings=262144)
+    with torch.device("meta"):
+        ours = MoEForCausalLM(config_from_dict(dict(d)))
+        ref = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**d))
+    layout = checkpoint_layout(ours.config)
+    assert {layout[n]: tuple(p.shape) for n, p in ours.named_parameters()} == \
+        {n: tuple(p.shape) for n, p in [*ref.named_parameters(), *ref.named_buffers()]
+         if n != "lm_head.weight" and not n.endswith(("inv_freq", "embed_scale"))}
+    assert round(sum(p.numel() for p in ours.parameters()) / 1e9, 1) == 25.2

@@ -4,7 +4,7 @@ model_type gives every field the file omits; and its `write_defaults`, what we w
 default (DeepSeek-V3's routed_scaling_factor 2.5, OLMoE's rms_norm_eps 1e-5, ...) showed nowhere else."""
 import pytest
 
-from tests.conftest import by_oracle, oracle, tiny_config
+from tests.conftest import TRANSFORMERS_5_ONLY, by_oracle, oracle, tiny_config
 from minimoe.core.decoder.families import FAMILIES
 from minimoe.loading.config_json import REQUIRED_FIELDS, config_from_dict, config_to_dict
 from minimoe.loading.config_keys import rope_fields
@@ -47,7 +47,13 @@ SAME_MEANING = {
                                    "mixer_types; ours, None, is every attention layer full, as its causal mask",
     ("nemotron_h", "n_shared_experts"): "never read by its modeling file (the shared expert is "
                                         "moe_shared_expert_intermediate_size wide): ours 0 leaves that width alone",
+    ("gemma4_text", "rope_scaling"): "transformers 5's alias of rope_parameters, which ours holds per layer type "
+                                     "(compared as rope_parameters); our rope_scaling is not read then",
 }
+
+# What a config.json of the family's MoE must say where transformers' defaults build another model (refused by name
+# otherwise: Family.unread): Gemma4TextConfig's defaults are the dense Gemma 4 with per-layer embeddings.
+MOE_REQUIRES = {"gemma4_text": dict(enable_moe_block=True, hidden_size_per_layer_input=0)}
 
 
 @pytest.mark.parametrize("model_type", by_oracle(FAMILIES))
@@ -56,19 +62,26 @@ def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(mo
     assert set(REQUIRED) == set(REQUIRED_FIELDS)
     family = FAMILIES[model_type]
     on_disk = {ours: disk for disk, ours in family.renames.items()}  # our field -> its config.json name
-    d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}, **NEEDED.get(model_type, {})}
+    d = {"model_type": model_type, **{on_disk.get(k, k): v for k, v in REQUIRED.items()}, **NEEDED.get(model_type, {}),
+         **MOE_REQUIRES.get(model_type, {})}
     ours = config_from_dict(dict(d)).flat()  # the shared fields and those of the mixers the model holds
     # a multimodal release's text model (Qwen3.5): its text config class, which config.json names text_model_type
     reference = transformers.AutoConfig.for_model(**{**d, "model_type": family.text_model_type or model_type})
+    globals_ = ours.get("global_head_dim") is not None  # Gemma 4: head_dim and KV heads per layer; ours name the
+    if globals_:  # sliding layers' (the global ones': compared below)
+        reference.allow_global_per_layer_attribute_access = True
     # transformers 5 holds rope_theta, its scaling and partial_rotary_factor in rope_parameters: read as we read it
-    rope = rope_fields(reference.rope_parameters, {}, model_type) if hasattr(reference, "rope_parameters") else {}
+    # (a family that reads a rope per layer type compares rope_parameters itself: Gemma 4)
+    rope = rope_fields(reference.rope_parameters, {}, model_type) if hasattr(reference, "rope_parameters") \
+        and "rope_parameters" not in family.config_fields else {}
     wrong, compared = [], 0
     for name in ours:
         disk = on_disk.get(name, name)
         if name in REQUIRED or name in family.fixed or not (hasattr(reference, disk) or name in rope) \
-                or family.renames.get(name, name) != name:
+                or family.renames.get(name, name) != name or name == "rope_parameters" and rope:
             continue  # given; the modeling file's (Family.fixed); a field transformers' config lacks; or a
-            # config.json name the family reads into another of our fields (the hybrids' layer_types)
+            # config.json name the family reads into another of our fields (the hybrids' layer_types); or
+            # rope_parameters, which a one-rope family reads as rope_theta and rope_scaling (`rope`)
         value, theirs = ours[name], rope[name] if name in rope else getattr(reference, disk)
         if name == "mixer_types" and family.layer_kinds:  # our mixers by config.json's names for their kinds
             back = {mixer: kind for kind, mixer in family.layer_kinds.items()}
@@ -78,6 +91,11 @@ def test_a_config_json_without_optional_fields_reads_as_transformers_defaults(mo
             wrong.append(f"{name} ({disk}): ours {value!r}, transformers {theirs!r}")
     assert not wrong, f"{model_type}: defaults unlike transformers' {type(reference).__name__}: " + "; ".join(wrong)
     assert compared >= 15  # the comparison reached the family's fields, not only a few shared ones
+    if globals_:  # Gemma 4's global layers: head width and KV heads
+        full = reference.layer_types.index("full_attention")
+        want = reference.per_layer_config[full]
+        assert (ours["global_head_dim"], ours["num_global_key_value_heads"] or ours["num_key_value_heads"]) == \
+            (want.head_dim, want.num_key_value_heads)
 
 
 @pytest.mark.parametrize("model_type", NEEDED)
@@ -95,7 +113,8 @@ LEFT_NONE = [(m, name) for m, f in FAMILIES.items() for name in ("layer_types", 
              if name in f.config_fields]
 
 
-@pytest.mark.parametrize("model_type,name", LEFT_NONE)
+@pytest.mark.parametrize("model_type,name", [pytest.param(*case, marks=pytest.mark.tf5) if case[0] in TRANSFORMERS_5_ONLY
+                                             else case for case in LEFT_NONE])
 def test_a_field_left_none_is_written_as_our_model_runs_it(model_type, name):
     """The write side (Family.write_defaults): a config built in code leaves the field None, and the
     config.json we write makes transformers' config run the layers as ours does, where its own fill-in

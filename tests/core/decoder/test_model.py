@@ -31,7 +31,8 @@ FP32_TOL = 2e-5  # max |ours - ref| / max |ref| on the logits
 
 def reference_model(kw: dict, folder, seed=0, *, shard=False):
     """transformers' model of the config fields `kw` (`tiny` below, tests/tiny_families.py's variant_config)
-    with random weights (norms near 1, DeepSeek-V3's selection bias large enough to change choices), saved
+    with random weights (norms near 1, DeepSeek-V3's selection bias large enough to change choices, Gemma 4's
+    layer scalars off 1), saved
     by its own save_pretrained into `folder` (`shard`: several files); ours loads it."""
     config = transformers.AutoConfig.for_model(**kw)
     torch.manual_seed(seed)
@@ -45,6 +46,8 @@ def reference_model(kw: dict, folder, seed=0, *, shard=False):
         for name, b in ref.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # selection only: large enough to change choices
                 b.copy_(0.5 * torch.randn_like(b))
+            elif name.endswith("layer_scalar"):  # Gemma 4's, a checkpoint buffer: off 1, so that a lost one shows
+                b.copy_(1 + 0.1 * torch.randn_like(b))
         ref.get_input_embeddings().weight[config.pad_token_id].zero_()
     ref.save_pretrained(folder, max_shard_size="200KB" if shard else "5GB")
     return with_v2_softmax_mscale(ref).eval()

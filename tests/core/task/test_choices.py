@@ -105,6 +105,13 @@ def test_packed_rows_equal_per_candidate_rows(family, method, max_length):
         assert any(g is not None and g.abs().sum() > 0 for g in a["grad_supervision"])
 
 
+@pytest.mark.parametrize("method", list(METHODS))
+def test_gemma4_packed_rows_equal_per_candidate_rows(method):
+    """Gemma 4's sliding and global layers (their own head width and KV heads, keys = values, a rope per layer type)
+    and its dense MLP beside the experts, in packed rows: every method's terms and gradients as per-candidate rows."""
+    test_packed_rows_equal_per_candidate_rows("gemma4_text", method, 40)
+
+
 def full_forward_logprobs(model, prompt, answer):
     """Reference: one causal row prompt + answer, every position's logits, log-softmax, pick the answer."""
     ids = torch.tensor([prompt + answer])
