@@ -53,6 +53,7 @@ from minimoe.core.task.tokens import make_token_batch
 from minimoe.data.chat import TokenRow
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
 from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter
+from minimoe.core.adaptation.quantized import torchao_module
 from minimoe.core.adaptation.trainable import trainable_parameters
 from minimoe.runs.config import TrainConfig
 from minimoe.runs.device import autocast_for
@@ -82,7 +83,18 @@ def make_optimizer(model, cfg: TrainConfig):
     lrs = {"lora": cfg.lr, **heads, "router": cfg.router_lr or cfg.lr}
     groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}  # grouped by `method`, as its rates
               for name, params in trainable_parameters(model, method).items() if params]
-    return torch.optim.AdamW(groups, weight_decay=cfg.weight_decay)
+    return optimizer_class(cfg.optim)(groups, weight_decay=cfg.weight_decay)
+
+
+def optimizer_class(name: str):
+    """--optim's class: torch's AdamW, or torchao.optim's AdamW8bit / AdamW4bit (the moments in 8 or 4 bits, a
+    scale per block; tensors under 4096 values keep fp32 moments); ImportError naming the extra without torchao."""
+    if name == "adamw":
+        return torch.optim.AdamW
+    try:
+        return getattr(torchao_module("torchao.optim"), {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}[name])
+    except ImportError as e:
+        raise ImportError(f"--optim {name} needs torchao, which is not installed: pip install -e \".[quant]\" ({e})") from None
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
@@ -355,7 +367,7 @@ def train(model, tokenizer, data: dict, cfg: TrainConfig, run: Path, *, resume: 
             bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
             if rank == 0:
                 record = {"kind": "step", "epoch": epoch, "step": step, "loss": loss, **logs,
-                          "lr": scheduler.get_last_lr()[0], "tokens_per_s": rate, "seconds": seconds}
+                          "lr": float(scheduler.get_last_lr()[0]), "tokens_per_s": rate, "seconds": seconds}
                 append_metrics(run, record)
                 tracker.log(record)
             every = cfg.save_every_steps
