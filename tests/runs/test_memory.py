@@ -138,6 +138,7 @@ def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
     ("olmoe", ["--quantize", "mxfp4"], "this model is olmoe; use --quantize nf4"),
     ("olmoe", ["--quantize", "nf4", "--gpus", "2", "--shard", "fsdp"], "--quantize nf4 with --shard fsdp"),
     ("olmoe", ["--gpu-memory", "-5"], "--gpu-memory -5: expected"),
+    ("olmoe", ["--optim", "adamw8bit", "--gpus", "2", "--shard", "fsdp"], "--shard fsdp with --optim adamw8bit"),
     ("mixtral", ["--quantize", "nf4"], "not a multiple of NF4's block of 64"),  # [2 x 36, 60]: 4320 values
 ])
 def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, message):

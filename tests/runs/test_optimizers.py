@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minimoe.cli import train
+from minimoe.cli import sweep, train
+from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import training
 from minimoe.runs.config import build_config
 from minimoe.runs.sharding import ShardingRefused, check_sharding
@@ -107,6 +108,17 @@ def test_the_groups_keep_their_rates_and_schedule(name):
                                                for g in full.param_groups]  # fp32 rates there: rounded once
         for s in schedules:
             s.step()
+
+
+def test_the_sweep_passes_optim_and_tells_runs_apart_by_it(tmp_path, data):
+    """--optim after a sweep's `--` reaches every cell's train.py flags; a finished run made with another optimizer
+    is a changed cell (its config.json records the optimizer), not a done one."""
+    cell, = sweep.main(["--preset", "main", "--models", str(tiny_checkpoint()), "--benchmarks", str(data), "--rows",
+                        "CE", "--seeds", "42", "--out-dir", str(tmp_path), "--dry-run", "--", "--optim", "adamw8bit"])
+    args = cell.train_args()
+    assert args[args.index("--optim") + 1] == "adamw8bit"
+    record = {**cell.flags, "recipe": "tiny"}  # as a finished run's config.json records them
+    assert cell.changed({**record, "optim": "adamw"}) == ["optim"] and cell.changed(record) == []
 
 
 def test_low_bit_optimizers_are_refused_with_fsdp_and_without_torchao(tmp_path, monkeypatch):
