@@ -28,6 +28,7 @@ def eager(monkeypatch):
     of compiling per test, so the tests run it eagerly, the same ops on the same state tensors (docs/quantization.md)."""
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
 
+
 # 8 training examples at 2 a step: 4 steps; a step checkpoint every 2
 SMOKE = ["--model", "tiny", "--batch-size", "2", "--epochs", "1", "--no-test-eval", "--quiet", "--method", "tes",
          "--save-every-steps", "2"]
@@ -92,6 +93,7 @@ def test_esft_trains_under_low_bit_moments_as_under_adamw(tmp_path, data, name, 
         assert {type(s["exp_avg"]).__name__ for s in state["state"].values()} == {"OptimState8bit"}
 
 
+@pytest.mark.filterwarnings(r"ignore:Detected call of `lr_scheduler.step\(\)` before")  # no step is taken here
 @pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
 def test_the_groups_keep_their_rates_and_schedule(name):
     """The method's head groups and a tuned gate keep their learning rates and weight decay, and the schedule
