@@ -67,8 +67,8 @@ from minimoe.runs.provenance import provenance
 from minimoe.runs.ranks import from_rank0, world
 from minimoe.runs.run_folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
 from minimoe.runs.sharding import build_sharded, check_sharding
-from minimoe.runs.install import check_install, check_model_settings, install_method, lora_trains
-from minimoe.runs.training import optimizer_class, train
+from minimoe.runs.install import check_install, check_model_settings, install_method, lora_trains, optimizer_class
+from minimoe.runs.training import train
 
 
 def parser() -> argparse.ArgumentParser:

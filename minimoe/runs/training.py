@@ -53,11 +53,10 @@ from minimoe.core.task.tokens import make_token_batch
 from minimoe.data.chat import TokenRow
 from minimoe.evaluation.accuracy import diagnosed_layers, evaluate_split
 from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter
-from minimoe.core.adaptation.quantized import torchao_module
 from minimoe.core.adaptation.trainable import trainable_parameters
 from minimoe.runs.config import TrainConfig
 from minimoe.runs.device import autocast_for
-from minimoe.runs.install import aux_coefficient, install_method  # noqa: F401 (training.install_method: its callers' name)
+from minimoe.runs.install import aux_coefficient, install_method, optimizer_class  # noqa: F401 (training.install_method: its callers' name)
 from minimoe.runs.ranks import full, global_sum, world
 from minimoe.runs.run_folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints,
                                  latest_checkpoint, params_device, read_json, read_metrics, remove_orphans, save_state,
@@ -85,16 +84,6 @@ def make_optimizer(model, cfg: TrainConfig):
               for name, params in trainable_parameters(model, method).items() if params]
     return optimizer_class(cfg.optim)(groups, weight_decay=cfg.weight_decay)
 
-
-def optimizer_class(name: str):
-    """--optim's class: torch's AdamW, or torchao.optim's AdamW8bit / AdamW4bit (the moments in 8 or 4 bits, a
-    scale per block; tensors under 4096 values keep fp32 moments); ImportError naming the extra without torchao."""
-    if name == "adamw":
-        return torch.optim.AdamW
-    try:
-        return getattr(torchao_module("torchao.optim"), {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}[name])
-    except ImportError as e:
-        raise ImportError(f"--optim {name} needs torchao, which is not installed: pip install -e \".[quant]\" ({e})") from None
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:

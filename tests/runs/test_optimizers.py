@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from minimoe.cli import sweep, train
 from minimoe.making.tiny import tiny_checkpoint
-from minimoe.runs import training
+from minimoe.runs import install
 from minimoe.runs.config import build_config
 from minimoe.runs.sharding import ShardingRefused, check_sharding
 from minimoe.runs.training import install_method, make_optimizer
@@ -19,7 +19,7 @@ from tests.conftest import tiny_model
 from tests.kill import killed_after
 
 pytest.importorskip("torchao")  # the quant extra's
-optim = training.optimizer_class
+optim = install.optimizer_class
 
 
 @pytest.fixture(autouse=True)
@@ -133,7 +133,7 @@ def test_low_bit_optimizers_are_refused_with_fsdp_and_without_torchao(tmp_path, 
 
     def missing(name):
         raise ImportError("No module named 'torchao'")
-    monkeypatch.setattr(training, "torchao_module", missing)
+    monkeypatch.setattr(install, "torchao_module", missing)
     with pytest.raises(SystemExit, match=r'--optim adamw4bit needs torchao.*pip install -e "\.\[quant\]"'):
         train.main(["--out-dir", str(tmp_path), "--model", "tiny", "--optim", "adamw4bit", "--quiet"])
     assert not any(tmp_path.iterdir())
