@@ -17,6 +17,7 @@ from minimoe.runs.memory import Estimate, estimate, hub_weights, model_config, s
 def main(argv=None) -> Estimate:
     from minimoe.runs.config import build_config
     from minimoe.runs.install import check_model_settings
+    from minimoe.runs.sharding import check_sharded_optimizer
     p = argparse.ArgumentParser(prog="python -m minimoe.runs.memory", description=memory_module.__doc__.split("\n\n")[0],
                                 epilog=memory_module.__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a checkpoint folder, a hub model id, or tiny / tiny:<model_type> (as train.py)")
@@ -29,6 +30,8 @@ def main(argv=None) -> Estimate:
         p.add_argument(flag, type=int, default=None, help=f"train.py's {flag} (default: the recipe's)")
     p.add_argument("--method", default="ce", help="train.py's --method (its heads count as trainable)")
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--optim", choices=["adamw", "adamw8bit", "adamw4bit"], default="adamw",
+                   help="train.py's --optim: AdamW's moments in fp32, or in 8 or 4 bits (torchao.optim)")
     p.add_argument("--quantize", choices=["nf4", "mxfp4"], default=None,
                    help="train.py's --quantize: the frozen base in 4 bits (mxfp4: gpt-oss's experts as released)")
     args = p.parse_args(argv)
@@ -43,10 +46,12 @@ def main(argv=None) -> Estimate:
     settings = {"model": args.model, "dtype": args.dtype, "device": "cpu", "method": args.method,
                 "shard": args.shard if args.gpus > 1 else "ddp", "batch_size": args.batch_size,
                 "max_length": args.max_length, "lora_rank": args.lora_rank,
-                "gradient_checkpointing": args.gradient_checkpointing or None, "quantize": args.quantize}
+                "gradient_checkpointing": args.gradient_checkpointing or None, "quantize": args.quantize,
+                "optim": args.optim}
     cfg = build_config(settings, recipe)
     try:
-        check_model_settings(cfg, config)  # train.py's own check: what it refuses is not sized
+        check_model_settings(cfg, config)  # train.py's own checks: what it refuses is not sized
+        check_sharded_optimizer(cfg)
     except ValueError as e:
         p.error(str(e))
     with torch.device("meta"):
@@ -61,7 +66,8 @@ def main(argv=None) -> Estimate:
                       shard=args.shard if args.gpus > 1 else "ddp", weights_total=total)
     print(f"{args.model}: {args.gpus} GPU(s) of {args.gpu_memory:g} GiB, {args.shard if args.gpus > 1 else 'one process'}"
           f", batch {cfg.batch_size} x {cfg.max_length} tokens, LoRA rank {cfg.lora_rank}, {cfg.dtype}"
-          + (f", base in {cfg.quantize}" if cfg.quantize else ""))
+          + (f", base in {cfg.quantize}" if cfg.quantize else "") + f", {cfg.optim}"
+          + (", gradient checkpointing" if cfg.gradient_checkpointing else ""))
     print(table(result))
     return result
 

@@ -68,7 +68,7 @@ from minimoe.runs.provenance import provenance
 from minimoe.runs.ranks import from_rank0, world
 from minimoe.runs.run_folder import claim_run_folder, has_training_output, is_run_folder, run_lock, set_aside
 from minimoe.runs.sharding import build_sharded, check_sharding
-from minimoe.runs.install import check_install, check_model_settings, install_method, lora_trains
+from minimoe.runs.install import check_install, check_model_settings, install_method, lora_trains, optimizer_class
 from minimoe.runs.training import train
 
 
@@ -180,6 +180,10 @@ def preflight(args, model_config) -> TrainConfig:
     cfg = resolve_config(args, model_config)  # the method, device and dtype are resolved here, once
     if cfg.quantize is not None:
         check_quantization(cfg, model_config)  # the library, the family, no mxfp4 with --shard fsdp
+    try:
+        optimizer_class(cfg.optim)  # --optim adamw8bit / adamw4bit: torchao installed
+    except ImportError as e:
+        sys.exit(f"train.py: error: {e}")
     check_settings(cfg, model_config)  # --aux-coef family and the rest
     check_install(model_config, cfg, cfg.device)
     return cfg

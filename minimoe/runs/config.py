@@ -262,6 +262,10 @@ class TrainConfig:
     schedule: str = setting("optimisation", help="decay after the warmup", choices=["cosine", "linear"])
     warmup: float = setting("optimisation", help="warmup as a fraction of all steps (rounded up)", type=FRACTION)
     weight_decay: float = setting("optimisation", help="AdamW weight decay", type=NONNEGATIVE)
+    optim: str = setting("optimisation", "adamw", "the trained parameters' optimizer: adamw (torch's, two fp32 moments, "
+                         "8 bytes a parameter), adamw8bit or adamw4bit (torchao.optim's: the moments in 8 or 4 bits "
+                         "with a scale per block, ~2 or ~1 byte a parameter; pip install -e \".[quant]\"; "
+                         "docs/quantization.md)", choices=["adamw", "adamw8bit", "adamw4bit"])
     clip: float = setting("optimisation", help="gradient-norm clip", type=POSITIVE)
     epochs: int = setting("optimisation", help="passes over the training examples; 1 with the default model", type=COUNT)
     train_examples: dict | None  # the paper's count per benchmark, for its steps per epoch; None: all (the recipe's)

@@ -1,7 +1,7 @@
 """A run's method installed on its model, and what the run's settings may be on that model: the checks
 train.py runs before it builds or loads anything (`check_install`, on a meta copy), which the memory
 command and the sweep's dry run share (`check_model_settings`), and the load-balancing coefficient a
-setting resolves to (`aux_coefficient`).
+setting resolves to (`aux_coefficient`), and the optimizer class --optim names (`optimizer_class`).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import torch
 
 from minimoe.core.adaptation.lora import add_lora, lora_modules
-from minimoe.core.adaptation.quantized import NF4_BLOCK, quantized_modules
+from minimoe.core.adaptation.quantized import NF4_BLOCK, quantized_modules, torchao_module
 from minimoe.core.decoder.families import FAMILIES, family_of
 from minimoe.core.routing_methods.methods import set_router
 from minimoe.runs.config import TrainConfig
@@ -103,3 +103,14 @@ def aux_coefficient(cfg: TrainConfig, model_config=None) -> float:
         raise ValueError(f"--aux-coef family: transformers 4.57 never applies {name}'s router_aux_loss_coef (it trains "
                          f"without a load-balancing loss); give the coefficient as a number")
     return model_config.router_aux_loss_coef
+
+
+def optimizer_class(name: str):
+    """--optim's class: torch's AdamW, or torchao.optim's AdamW8bit / AdamW4bit (the moments in 8 or 4 bits, a
+    scale per block; tensors under 4096 values keep fp32 moments); ImportError naming the extra without torchao."""
+    if name == "adamw":
+        return torch.optim.AdamW
+    try:
+        return getattr(torchao_module("torchao.optim"), {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}[name])
+    except ImportError as e:
+        raise ImportError(f"--optim {name} needs torchao, which is not installed: pip install -e \".[quant]\" ({e})") from None

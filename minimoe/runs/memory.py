@@ -10,19 +10,29 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   stored bytes only). FSDP: this rank's rows of every parameter (dim 0, ceil(n / GPUs) rows, as
   fully_shard cuts it), plus the largest decoder layer gathered whole while it runs, twice (FSDP2
   prefetches the next layer's all-gather).
-- lora: LoRA, method heads and tuned gates in fp32 with their gradients, 8 bytes a parameter
+- lora: LoRA, method heads and tuned gates in their dtype (fp32) with their gradients, 8 bytes a parameter
   (counted on a meta-device model with the run's LoRA and method, as train.py installs them).
-- optimizer: AdamW's two fp32 moments, 8 bytes a trainable parameter. FSDP divides both by the GPUs.
+- optimizer (--optim, train.py's): AdamW's two fp32 moments and its step, 8 bytes a trainable parameter;
+  adamw8bit / adamw4bit (torchao.optim): each moment of a tensor of 4096 values or more (and whole blocks) in
+  8 bits plus an fp32 scale per 256 values, or 4 bits plus one per 128, and the code table; smaller tensors
+  keep fp32 moments, as torchao decides (`optimizer_bytes`, exact: a test holds it to the optimizer's state).
+  FSDP divides lora and optimizer by the GPUs.
 - activations: an estimate, not a measurement: per token and layer, what autograd keeps for the
   backward of one micro-batch, in the run's dtype: ~12 * hidden (norms, attention in/out, residuals)
   + top-K * 3 * expert width (each routed expert's gate, up and activation), for the rank's share of
   `batch_size * max_length` tokens; with --gradient-checkpointing, one hidden vector per layer plus
   one layer's full set. A DSA indexer (DeepSeek-V3.2, GLM-5) adds its fp32 scores, [rows, T, heads, T], one
   layer's at a time and kept for no backward (core/token_mixers/dsa_indexer.py).
+- logits: an estimate: the LM head's output over the vocabulary at the supervised positions, at most
+  core/task/tokens.py's CHUNK of them at a time (the chunked loss), as three fp32 [positions, vocab] tensors
+  (logits, log-softmax, their gradient); the worst case, every position of the micro-batch supervised
+  (chat and completion data); answer-choice data scores only the candidates' tokens, fewer.
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
-the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time. With
+the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time; and
+dequantising: what dequantising it holds beside it (nf4: the lookup's result in the run's dtype and the int32
+codes, `nf4_dequantize`; mxfp4 decodes one expert at a time: not counted). With
 --shard fsdp too: the rank's share of the packed bytes (ceil(1/N) of each module's, core/adaptation/sharded_nf4.py)
 and its rows of the rest, two layers gathered (packed), and the largest packed module dequantised.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
@@ -37,6 +47,7 @@ from pathlib import Path
 import torch
 
 from minimoe.core.layers.experts import GroupedLinear
+from minimoe.core.task.tokens import CHUNK
 from minimoe.core.adaptation.quantized import nf4_bytes, quantized_modules
 from minimoe.core.adaptation.sharded_nf4 import record_widths
 from minimoe.loading.checkpoint import DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files
@@ -53,10 +64,12 @@ class Estimate:
     optimizer: int
     activations: int
     gpu_memory: int
+    logits: int = 0
+    dequantising: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.lora + self.optimizer + self.activations
+        return self.weights + self.dequantising + self.lora + self.optimizer + self.activations + self.logits
 
     @property
     def fits(self) -> bool:
@@ -96,6 +109,36 @@ def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
                                                                      for n in packed), default=0)
 
 
+# torchao.optim's low-bit AdamW: (bits a value, values per fp32 scale, code-table entries); tensors under 4096
+# values, or not whole blocks, keep fp32 moments (torchao's _AdamBase._new_buffer).
+LOW_BIT_STATE = {"adamw8bit": (8, 256, 256), "adamw4bit": (4, 128, 16)}
+LOW_BIT_MIN = 4096
+
+
+def optimizer_bytes(params, optim: str) -> int:
+    """The bytes of --optim's state for `params` (the trainable tensors): two moments and a step each."""
+    total = 0
+    for p in params:
+        n = p.numel()
+        bits, block, table = LOW_BIT_STATE.get(optim, (None, None, None))
+        if bits is not None and n >= LOW_BIT_MIN and n % block == 0:
+            moment = n * bits // 8 + n // block * 4 + table * 4
+        else:
+            moment = n * 4
+        total += 2 * moment + 4
+    return total
+
+
+def dequantising_bytes(model, dtype: torch.dtype, fmt: str) -> int:
+    """nf4: beside the largest packed matrix's dequantised weight, `nf4_dequantize`'s lookup result (the
+    matrix in `dtype`) and its int32 codes (4 bytes a pair of values), alive together for a moment."""
+    if fmt != "nf4":
+        return 0
+    modules = dict(model.named_modules())
+    n = max((modules[name].weight.numel() for name in quantized_modules(model)), default=0)
+    return n * dtype.itemsize + n // 2 * 4
+
+
 def packed_shard_bytes(model, dtype: torch.dtype, gpus: int) -> tuple[int, int]:
     """--quantize nf4 --shard fsdp, on a meta model without LoRA: (the first rank's base bytes: its share of each
     packed module's records, ceil(E R / gpus) bytes (core/adaptation/sharded_nf4.py), and its rows of every other
@@ -114,8 +157,10 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     """Bytes per GPU for `model` (a meta-device MoEForCausalLM in the run's dtype, LoRA and `cfg.method`
     installed) under `cfg`'s batch; `weights_total`: the stored bytes when the files' shapes are unknown."""
     from minimoe.runs.install import install_method
+    dequantising = 0
     if cfg.quantize is not None:
         weights_total = quantized_weights(model, DTYPES[cfg.dtype], cfg.quantize)  # before LoRA wraps the linears
+        dequantising = dequantising_bytes(model, DTYPES[cfg.dtype], cfg.quantize)
         if shard == "fsdp":  # the rank's packed share, two packed layers gathered, one module dequantised
             mine, layer = packed_shard_bytes(model, DTYPES[cfg.dtype], gpus)
             sharded = mine + 2 * layer + max(model.get_submodule(n).weight.numel() * DTYPES[cfg.dtype].itemsize
@@ -123,7 +168,7 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     install_method(model, cfg)
     config = model.config
     base = [p for p in model.parameters() if not p.requires_grad]
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     whole = weights_total or sum(p.numel() * p.element_size() for p in base)
     split = gpus if shard == "fsdp" else 1
     if shard == "fsdp" and cfg.quantize is not None:
@@ -141,10 +186,13 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
         per_token += 3 * config.dense_intermediate_size + 4 * config.hidden_size
     layers = config.num_hidden_layers
     kept = (layers * config.hidden_size + per_token) if cfg.gradient_checkpointing else layers * per_token
-    mla = config.mixers.get("mla")
+    mla = config.mixers.get("mla")  # a DSA indexer's fp32 scores (module docstring)
     indexer = tokens * cfg.max_length * mla.index_n_heads * 4 if mla is not None and mla.index_topk else 0
-    return Estimate(weights=weights, lora=math.ceil(8 * trainable / split), optimizer=math.ceil(8 * trainable / split),
-                    activations=tokens * kept * itemsize + indexer, gpu_memory=gpu_memory)
+    positions = min(tokens, CHUNK)  # the chunked loss's head call (module docstring)
+    return Estimate(weights=weights, lora=math.ceil(2 * sum(p.numel() * p.element_size() for p in trainable) / split),
+                    optimizer=math.ceil(optimizer_bytes(trainable, cfg.optim) / split),
+                    activations=tokens * kept * itemsize + indexer, gpu_memory=gpu_memory,
+                    logits=3 * positions * config.vocab_size * 4, dequantising=dequantising)
 
 
 def model_config(name: str):
@@ -162,8 +210,9 @@ def hub_weights(name: str) -> int:
 
 def table(e: Estimate) -> str:
     gib = 2**30
-    rows = [("weights", e.weights), ("LoRA + heads (fp32, with gradients)", e.lora), ("AdamW state", e.optimizer),
-            ("activations (estimate)", e.activations), ("total", e.total)]
+    rows = [("weights", e.weights), *([("dequantising (nf4's lookup, codes)", e.dequantising)] if e.dequantising else []),
+            ("LoRA + heads (fp32, with gradients)", e.lora), ("AdamW state", e.optimizer),
+            ("activations (estimate)", e.activations), ("logits (estimate: chat data)", e.logits), ("total", e.total)]
     lines = [f"{what:<38} {n / gib:9.3f} GiB" for what, n in rows]
     verdict = "fits" if e.fits else "does not fit"
     lines.append(f"{verdict}: {e.total / gib:.3f} GiB of {e.gpu_memory / gib:.1f} GiB a GPU "

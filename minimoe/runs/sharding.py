@@ -73,11 +73,20 @@ def check_sharding(cfg: TrainConfig, world_size: int):
     if cfg.zero_shot:
         raise ShardingRefused("--shard fsdp with --zero-shot: the zero-shot score runs the whole base model on rank 0; "
                               "score the base with evaluate.py instead")
+    check_sharded_optimizer(cfg)
     if cfg.method.name == "esft":
         raise ShardingRefused("--shard fsdp with --method esft: ESFT's LoRA form masks the expert LoRA's gradient to "
                               "the chosen experts with a hook on each parameter, which FSDP's sharded parameters "
                               "never run (every expert would train), and its full form copies the chosen rows out of "
                               "banks that each rank holds only in part; use DDP (torchrun without --shard)")
+
+
+def check_sharded_optimizer(cfg: TrainConfig):
+    """--shard fsdp takes torch's AdamW only (train.py, and the memory command sizes nothing else sharded)."""
+    if cfg.shard == "fsdp" and cfg.optim != "adamw":
+        raise ShardingRefused(f"--shard fsdp with --optim {cfg.optim}: a sharded run's checkpoint gathers the optimizer "
+                              f"state whole (get_optimizer_state_dict), which was not made to work for torchao's "
+                              f"low-bit state tensors; use --optim adamw, or DDP (torchrun without --shard)")
 
 
 def local_rows(param) -> tuple[torch.Tensor, int]:

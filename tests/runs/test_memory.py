@@ -3,6 +3,7 @@ saved tiny model, the per-GPU split, and the verdict."""
 import json
 
 import pytest
+import torch
 
 from minimoe.loading.checkpoint import save_pretrained
 from minimoe.cli import memory_estimate
@@ -60,7 +61,7 @@ def test_the_verdict_and_the_table(tmp_path, capsys):
 
 
 def test_lora_figures_count_the_trainable_parameters(tmp_path):
-    """8 bytes a trainable parameter for weights + gradients, 8 for AdamW's moments: the same count as the
+    """8 bytes a trainable parameter for weights + gradients, 8 for AdamW's moments (and a step a tensor): the same count as the
     optimizer train.py makes (LoRA rank 8 on the family's targets, TES's error head)."""
     import torch
     from minimoe.runs.config import build_config
@@ -69,10 +70,10 @@ def test_lora_figures_count_the_trainable_parameters(tmp_path):
     cfg = build_config({"model": str(tmp_path / "m"), "method": "tes", "lora_rank": 8}, "olmoe")
     model = tiny_model("olmoe")
     install_method(model, cfg)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     estimate = memory_estimate.main([str(tmp_path / "m"), "--gpus", "1", "--method", "tes", "--lora-rank", "8",
                             "--recipe", "olmoe"])
-    assert estimate.lora == estimate.optimizer == 8 * trainable
+    assert estimate.lora == estimate.optimizer - 4 * len(trainable) == 8 * sum(p.numel() for p in trainable)  # + steps
     assert json.dumps(vars(estimate))  # plain numbers
 
 
@@ -165,6 +166,7 @@ def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
     ("olmoe", ["--quantize", "mxfp4"], "this model is olmoe; use --quantize nf4"),
     ("gpt_oss", ["--quantize", "mxfp4", "--gpus", "2", "--shard", "fsdp"], "--quantize mxfp4 with --shard fsdp"),
     ("olmoe", ["--gpu-memory", "-5"], "--gpu-memory -5: expected"),
+    ("olmoe", ["--optim", "adamw8bit", "--gpus", "2", "--shard", "fsdp"], "--shard fsdp with --optim adamw8bit"),
     ("mixtral", ["--quantize", "nf4"], "not a multiple of NF4's block of 64"),  # [2 x 36, 60]: 4320 values
 ])
 def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, message):
@@ -272,3 +274,70 @@ def test_a_dsa_indexers_scores_are_sized_at_deepseek_v32s_released_width(tmp_pat
     (tmp_path / "v32" / "config.json").write_text(json.dumps({**released, "index_topk": None}))
     without = main([str(tmp_path / "v32"), *flags])
     assert with_indexer.activations - without.activations == 8 * 1024 * 64 * 1024 * 4
+
+
+def state_bytes(value) -> int:
+    """A tensor's bytes; a tensor subclass's (torchao's low-bit optimizer state) its inner tensors' (codes, scales,
+    code table)."""
+    if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+        return sum(state_bytes(getattr(value, name)) for name in value.__tensor_flatten__()[0])
+    return value.numel() * value.element_size()
+
+
+@pytest.mark.parametrize("optim", ["adamw", "adamw8bit", "adamw4bit"])
+def test_lora_and_optimizer_figures_are_the_bytes_a_step_holds(tmp_path, monkeypatch, optim):
+    """After one step of train.py's optimizer (--optim) on the tiny OLMoE with TES: the lora figure is the trainable
+    tensors' bytes and their gradients', the optimizer figure the bytes of every tensor in the optimizer's state
+    (torchao's: their codes, block scales and code tables; its fp32 moments for the small tensors)."""
+    from minimoe.runs.config import build_config
+    from minimoe.runs.training import install_method, make_optimizer
+    if optim != "adamw":
+        pytest.importorskip("torchao")
+        monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # its update, eagerly (test_optimizers.py)
+    save_pretrained(tiny_model("olmoe"), tmp_path / "m")
+    cfg = build_config({"model": str(tmp_path / "m"), "method": "tes", "optim": optim}, "olmoe")
+    install_method(model := tiny_model("olmoe"), cfg)
+    optimizer = make_optimizer(model, cfg)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    trainable = [p for g in optimizer.param_groups for p in g["params"]]
+    estimate = memory_estimate.main([str(tmp_path / "m"), "--method", "tes", "--recipe", "olmoe", "--optim", optim])
+    assert estimate.lora == sum(state_bytes(p) + state_bytes(p.grad) for p in trainable)
+    held = sum(state_bytes(v) for s in optimizer.state.values() for v in s.values())
+    assert estimate.optimizer == held
+    if optim != "adamw":  # the expert banks' LoRA in low bits: a quarter or an eighth of AdamW's, near enough
+        assert held < memory.optimizer_bytes(trainable, "adamw") * (0.5 if optim == "adamw8bit" else 0.4)
+
+
+def test_the_dequantising_figure_is_what_nf4_dequantize_allocates(tmp_path):
+    """--quantize nf4: beside the dequantised weight (in the weights figure), the bytes of the tensors that
+    dequantising the largest packed matrix allocates (the int32 codes, the lookup's result, the scales), counted
+    op by op as it runs: the figure holds them to within the small per-block scales."""
+    pytest.importorskip("torchao")
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from minimoe.core.adaptation.quantized import is_quantized
+    from minimoe.loading.checkpoint import from_pretrained
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.bytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(a, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
+                    self.bytes += t.untyped_storage().nbytes()  # a new tensor, not a view nor written in place
+            return out
+    save_pretrained(tiny_model("olmoe"), tmp_path / "m")
+    model = from_pretrained(tmp_path / "m", dtype="bfloat16", quantize="nf4")
+    largest = max((m for m in model.modules() if is_quantized(m)), key=lambda m: m.weight.numel())
+    out = torch.empty(largest.weight.shape, dtype=torch.bfloat16)
+    with Allocations() as counted:
+        largest.packed.dequantize_into(out)
+    figure = memory_estimate.main([str(tmp_path / "m"), "--dtype", "bfloat16", "--quantize", "nf4"]).dequantising
+    assert figure <= counted.bytes < figure * 1.1

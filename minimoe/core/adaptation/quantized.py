@@ -63,16 +63,20 @@ def require(fmt: str) -> None:
 
 
 def _nf4_module():
-    """torchao's NF4 module, imported without the warning torchao's import logs for each of its compiled
-    extensions that this machine cannot load (its CUDA kernels, on a CPU machine: "Failed to load
-    .../torchao/_C_mxfp8...so"), which reads as an error where nothing is wrong; its other messages pass."""
+    return torchao_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+
+
+def torchao_module(name: str):
+    """A torchao module (`name`: its dotted path), imported without the warning torchao's import logs for each
+    of its compiled extensions that this machine cannot load (its CUDA kernels, on a CPU machine: "Failed to
+    load .../torchao/_C_mxfp8...so"), which reads as an error where nothing is wrong; its other messages pass."""
     log = logging.getLogger("torchao")
     unloadable = logging.Filter()
     unloadable.filter = lambda record: not record.getMessage().startswith("Failed to load ")
     log.addFilter(unloadable)
     try:
         importlib.import_module("torchao")  # first: the submodule alone may sit in sys.modules after torchao went
-        return importlib.import_module("torchao.quantization.quantize_.workflows.nf4.nf4_tensor")
+        return importlib.import_module(name)
     finally:
         log.removeFilter(unloadable)
 
