@@ -129,3 +129,15 @@ def test_gpu_benchmark_default_stage_makes_random_weights_of_the_default_models_
     assert replace(model.config, torch_dtype=None) == replace(from_pretrained(tiny_checkpoint()).config, torch_dtype=None)
     assert load_tokenizer(folder).encode("a question") == load_tokenizer(tiny_checkpoint()).encode("a question")
     assert gpu.default_model(tiny_checkpoint(), torch.device("cpu")) == (tiny_checkpoint(), "trained weights")
+
+
+def test_chat_step_benchmark_times_packed_against_one_example_a_row(tmp_path, monkeypatch):
+    """bench/chat_step.py --smoke: train.py's chat step on 4 SciQ conversations (the tiny model), both layouts
+    timed; packed rows feed fewer rows and tokens (no padding between examples) for the same real tokens."""
+    from bench import chat_step
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    one, packed = chat_step.main(["--smoke"])
+    assert "one a row" in one.metric and "packed" in packed.metric and one.ratio == 1.0
+    fed = [tuple(map(int, re.match(r"(\d+) rows, (\d+) tokens fed", r.note).groups())) for r in (one, packed)]
+    assert fed[1][0] < fed[0][0] and fed[1][1] < fed[0][1] and one.ours > 0 and packed.ours > 0
+    assert (tmp_path / "chat_step-smoke.md").is_file()
