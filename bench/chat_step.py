@@ -26,6 +26,7 @@ from bench import common  # noqa: E402
 from examples.sciq_chat import SCIQ, conversation  # noqa: E402
 from minimoe.core.decoder.families import family_of  # noqa: E402
 from minimoe.core.task.choices import pad_id  # noqa: E402
+from minimoe.core.task import tokens  # noqa: E402
 from minimoe.core.task.step import step_loss  # noqa: E402
 from minimoe.data.benchmarks import _read_arrow  # noqa: E402
 from minimoe.data.instruct import TextExample, encode_example, read_template  # noqa: E402
@@ -49,17 +50,21 @@ def chat_rows(folder: Path, template_file, n: int, max_length: int) -> list:
     raise ValueError(f"only {len(rows)} SciQ conversations fit --max-length {max_length}; {n} asked for")
 
 
-def step_fns(folder: Path, rows: list, batch_size: int, max_length: int, recipe: str | None) -> tuple[dict, dict]:
-    """-> ({layout: one optimizer step over `rows`}, {layout: rows of tokens it feeds, padding included})."""
-    model = from_pretrained(folder, dtype=torch.float32).train()
+# layout -> (packed rows, positions per LM-head call: None is core/task/tokens.py's CHUNK)
+LAYOUTS = {"one a row": (False, None), "packed": (True, None)}
+
+
+def step_fns(model, rows: list, settings: dict, recipe: str | None, layouts: dict = LAYOUTS) -> tuple[dict, dict]:
+    """LoRA and TES installed on `model` (train.py's install for the recipe: the family's by default) ->
+    ({layout: one optimizer step over `rows`}, {layout: (rows, tokens) it feeds, padding included}).
+    settings: TrainConfig's device, dtype, batch_size (a micro-batch) and max_length."""
     family = family_of(model.config.model_type)
-    cfgs = {layout: build_config({"method": "tes", "lora_dropout": 0.0, "batch_size": batch_size, "device": "cpu",
-                                  "max_length": max_length, "pack": layout == "packed"}, recipe or family.recipe)
-            for layout in ("one a row", "packed")}
+    cfgs = {layout: build_config({"method": "tes", "lora_dropout": 0.0, "pack": pack, **settings},
+                                 recipe or family.recipe) for layout, (pack, _) in layouts.items()}
     for cfg in cfgs.values():
         cfg.pad_token_id, cfg.lora_targets = pad_id(model.config), cfg.lora_targets or list(family.lora_targets)
     torch.manual_seed(0)
-    training.install_method(model, cfgs["packed"])
+    training.install_method(model, next(iter(cfgs.values())))
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
     fed, fns = {}, {}
     for layout, cfg in cfgs.items():
@@ -68,10 +73,15 @@ def step_fns(folder: Path, rows: list, batch_size: int, max_length: int, recipe:
                   "rows": sum(b.input_ids.shape[0] for b in batches)}
         fed[layout] = (counts["rows"], sum(b.input_ids.numel() for b in batches))
 
-        def step(batches=batches, counts=counts, cfg=cfg):
-            optimizer.zero_grad(set_to_none=True)
-            step_loss(model, batches, cfg.method, counts, 1, **training.loss_settings(cfg, model.config))
-            optimizer.step()
+        def step(batches=batches, counts=counts, cfg=cfg, chunk=layouts[layout][1]):
+            kept = tokens.CHUNK
+            tokens.CHUNK = kept if chunk is None else chunk  # forward_tokens reads it at each call
+            try:
+                optimizer.zero_grad(set_to_none=True)
+                step_loss(model, batches, cfg.method, counts, 1, **training.loss_settings(cfg, model.config))
+                optimizer.step()
+            finally:
+                tokens.CHUNK = kept
         fns[layout] = step
     return fns, fed
 
@@ -94,7 +104,9 @@ def main(argv=None) -> list[common.Row]:
         template.write_text("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}")
         args.model, args.chat_template, args.examples, args.batch_size, args.rounds = tiny_checkpoint(), template, 4, 4, 1
     rows = chat_rows(args.model, args.chat_template, args.examples, args.max_length)
-    fns, fed = step_fns(args.model, rows, args.batch_size, args.max_length, args.recipe)
+    model = from_pretrained(args.model, dtype=torch.float32).train()
+    fns, fed = step_fns(model, rows, {"device": "cpu", "dtype": "float32", "batch_size": args.batch_size,
+                                      "max_length": args.max_length}, args.recipe)
     t0 = time.perf_counter()
     timing = common.interleaved(fns, rounds=args.rounds, warmup=1)
     tokens = sum(len(r.ids) for r in rows)
