@@ -34,6 +34,9 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
 - compile: granite8 with `compile_layers`, and in mode="reduce-overhead" (CUDA graphs), beside eager.
 - baselines: DenseMixer, router-only tuning, CE + affinity tuning and CE + load balancing, each one step's
   time over CE's, one layer at Granite's and OLMoE's widths, 4096 tokens (bench/baselines.py).
+- chat: a chat LoRA + TES step at 4 layers of Qwen3-30B-A3B's widths (151,936-token vocabulary), 16 examples
+  up to 2,048 tokens: one example a row, packed into rows of 4,096, and packed with the plain loss against
+  the chunked one: tokens per second and peak memory (bench/chat_step.py's step).
 - default: the default run's epoch (eager and --compile) and the scoring of the 500 SciQ test
   questions, on --default-model: its weights, or, for a folder holding only its config.json and
   tokenizer files (they travel; the 1.5 GB weights do not), random weights of its shape: timing only.
@@ -529,8 +532,51 @@ def baseline_steps(device, smoke: bool):
                 note=f"[{r['low']:.2f}-{r['high']:.2f}] over interleaved rounds; {r['trained']:,} trained parameters")
 
 
+def chat_step(device, smoke: bool, steps: int = 3):
+    """A chat LoRA + TES step (bench/chat_step.py's: train.py's micro-batches, step_loss, AdamW; the GPU recipe's
+    bf16 base under autocast) at 4 layers of Qwen3-30B-A3B's widths and its 151,936-token vocabulary: 16
+    examples of 256 to 2,048 random tokens, each one's second half supervised (an assistant turn), micro-batches
+    of 8: one example a row, packed into rows of 4,096, and packed with the plain loss (the head on all of a
+    micro-batch's supervised positions at once, not 1,024 at a time). Tokens per second (real tokens) and peak
+    memory of each, the three interleaved step by step. --smoke: tiny widths, 8-position chunks (so that the
+    chunked path runs), fp32."""
+    from bench.chat_step import step_fns
+    from minimoe.data.chat import TokenRow
+    cuda = device.type == "cuda"
+    c = config("qwen3_moe", 2 if smoke else 4, smoke)
+    c = replace(c, pad_token_id=0, eos_token_id=1) if smoke else c  # Qwen's ids are past the smoke vocabulary
+    g = torch.Generator().manual_seed(7)
+    lengths = torch.randint(8, 40, (6,), generator=g) if smoke else torch.randint(256, 2049, (16,), generator=g)
+    rows = [TokenRow(torch.randint(2, c.vocab_size, (n,), generator=g).tolist(), [t >= n // 2 for t in range(n)])
+            for n in lengths.tolist()]
+    chunk = 8 if smoke else None
+    layouts = {"one a row": (False, chunk), "packed": (True, chunk), "packed, plain loss": (True, 10**9)}
+    model = random_model(c, device).train()
+    model = model if cuda else model.float()
+    fns, fed = step_fns(model, rows, {"device": str(device), "dtype": "bfloat16" if cuda else "float32",
+                                      "batch_size": 3 if smoke else 8, "max_length": 64 if smoke else 4096},
+                        None, layouts)
+    times, peaks = {layout: [] for layout in fns}, {}
+    for i in range(1 + steps):  # the first round warms up
+        for layout, fn in fns.items():
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            t = timed(fn, device, 1, 0)[0]
+            times[layout] += [t] if i else []
+            if cuda:
+                peaks[layout] = max(peaks.get(layout, 0.0), torch.cuda.max_memory_allocated(device) / 2**30)
+    real, base = sum(len(r.ids) for r in rows), statistics.median(times["one a row"])
+    name = f"qwen3_moe {c.num_hidden_layers}L V{c.vocab_size}"
+    for layout in fns:
+        t = statistics.median(times[layout])
+        peak = f"; peak {peaks[layout]:.2f} GiB" if peaks else ""
+        row("chat", name, f"tokens/s, {layout}", real / t, real / base, base / t,
+            note=f"reference: one example a row; {fed[layout][0]} rows, {fed[layout][1]} tokens fed; {steps} steps{peak}")
+
+
 STAGES = ("parity", "grouped", "syncs", "copies", "attention", "granite8", "olmoe8", "granite32", "olmoe16",
-          "qwen3", "deepseek3", "granite4h", "qwen3next", "nf4", "compile", "baselines", "default")
+          "qwen3", "deepseek3", "granite4h", "qwen3next", "nf4", "compile", "baselines", "chat", "default")
 # --full-depth adds granite32 and olmoe16; today's families, the hybrids and nf4 (needs torchao) run when --only names them
 DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16", "qwen3", "deepseek3", "granite4h",
                                                       "qwen3next", "nf4"))
@@ -560,6 +606,7 @@ def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:
     else:
         todo["compile"] = lambda: row("compile", "-", "not run on the CPU", note="the CPU recipe's LoRA is fp32")
     todo["baselines"] = lambda: baseline_steps(device, args.smoke)
+    todo["chat"] = lambda: chat_step(device, args.smoke)
     if args.default_model.is_dir() and (args.default_model / "config.json").is_file() and not args.smoke:
         todo["default"] = lambda: default_run(device, args.default_model, budget)
     else:

@@ -129,3 +129,32 @@ def test_gpu_benchmark_default_stage_makes_random_weights_of_the_default_models_
     assert replace(model.config, torch_dtype=None) == replace(from_pretrained(tiny_checkpoint()).config, torch_dtype=None)
     assert load_tokenizer(folder).encode("a question") == load_tokenizer(tiny_checkpoint()).encode("a question")
     assert gpu.default_model(tiny_checkpoint(), torch.device("cpu")) == (tiny_checkpoint(), "trained weights")
+
+
+def test_chat_step_benchmark_times_packed_against_one_example_a_row(tmp_path, monkeypatch):
+    """bench/chat_step.py --smoke: train.py's chat step on 4 SciQ conversations (the tiny model), both layouts
+    timed; packed rows feed fewer rows and tokens (no padding between examples) for the same real tokens."""
+    from bench import chat_step
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    one, packed = chat_step.main(["--smoke"])
+    assert "one a row" in one.metric and "packed" in packed.metric and one.ratio == 1.0
+    fed = [tuple(map(int, re.match(r"(\d+) rows, (\d+) tokens fed", r.note).groups())) for r in (one, packed)]
+    assert fed[1][0] < fed[0][0] and fed[1][1] < fed[0][1] and one.ours > 0 and packed.ours > 0
+    assert (tmp_path / "chat_step-smoke.md").is_file()
+
+
+def test_gpu_benchmark_chat_stage_runs_the_chunked_and_the_plain_loss(tmp_path, monkeypatch):
+    """bench/gpu.py --only chat --smoke on the CPU: the three layouts' rows, and the chunked loss ran (8-position
+    chunks at smoke size) in the chunked layouts only."""
+    from bench import gpu
+    from minimoe.core.task import tokens
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    chunked, chunk_loss = [], tokens.chunked_token_ce
+    monkeypatch.setattr(tokens, "chunked_token_ce", lambda head, h, t, chunk: chunked.append(chunk) or
+                        chunk_loss(head, h, t, chunk))
+    rows = gpu.main(["--smoke", "--device", "cpu", "--only", "chat", "--out", "c"])
+    chat = {r["metric"]: r for r in rows if r["section"] == "chat"}
+    assert set(chat) == {"tokens/s, one a row", "tokens/s, packed", "tokens/s, packed, plain loss"}, rows
+    assert all(r["minimoe"] > 0 for r in chat.values()) and chat["tokens/s, one a row"]["ratio"] == 1.0
+    assert chunked and set(chunked) == {8}  # 4 rounds x 2 chunked layouts x 2 micro-batches
+    assert len(chunked) == 4 * 2 * 2

@@ -165,7 +165,10 @@ def shard(model: MoEForCausalLM, device: torch.device) -> MoEForCausalLM:
     policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    # The root (embedding, final norm, LM head) stays gathered from its forward to the end of the backward
+    # (FSDP2's default for a root, said here since the chunked next-token loss relies on it: it runs the
+    # head after the forward, core/task/tokens.py's forward_tokens).
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
     return model
 
 

@@ -174,8 +174,9 @@ class Tracker:
 
 # ----------------------------------------------------------------------------- curves
 
-CURVES = [("loss", "total loss"), ("task", "task (answer-choice CE)"), ("method", "method term L_m"),
-          ("aux", "load-balancing loss"), ("lr", "learning rate"), ("val_choice_nll", "validation choice NLL")]
+CURVES = [("loss", "total loss"), ("task", "task CE (answer choices or supervised tokens)"),
+          ("method", "method term L_m"), ("aux", "load-balancing loss"), ("lr", "learning rate"),
+          ("val_choice_nll", "validation choice NLL"), ("val_loss", "validation next-token loss (chat, completion)")]
 
 
 def plot_training_curves(runs: list[Path], out: Path) -> Path:

@@ -28,6 +28,8 @@ from minimoe.study.grid import Cell
 ZERO_SHOT = "zero-shot (base model)"  # the report row of the base model's scores (train.py --zero-shot)
 
 REPORT_FILES = ("report.md", "report.csv", "comparisons.json")  # what write_report writes into out_dir
+TOKEN_COLUMNS = ("loss",)  # chat and completion data: the test loss per supervised token (metrics.json's "loss")
+HEADS = {"accuracy": "acc", "choice_nll": "NLL", "loss": "loss"}  # a column's word in the table's header
 
 
 def claim_out_dir(out_dir) -> None:
@@ -67,9 +69,23 @@ def _row_key(cell: Cell) -> str:
     return diagnostics.row_label({"method": cell.method.row, "settings": ablation_settings(cell.cfg, cell.method)})
 
 
+def _data_columns(cells, columns) -> dict[str, tuple]:
+    """Each dataset's report columns: the preset's, or TOKEN_COLUMNS where its runs scored chat or completion
+    data (their metrics hold a held-out loss and no accuracy)."""
+    out = {c.data: columns for c in cells}
+    for c in cells:
+        m = _metrics(c)
+        if m is not None and "accuracy" not in m and "loss" in m:
+            out[c.data] = TOKEN_COLUMNS
+    return out
+
+
 def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
     """Markdown table (mean ± sample std over the seeds that finished, n=k/N when some are missing,
-    Δ from the lambda_m = 1e-3 cell for lambda-changed rows) and the per-cell CSV rows."""
+    Δ from the lambda_m = 1e-3 cell for lambda-changed rows) and the per-cell CSV rows. Chat and completion
+    data report the test loss per supervised token instead (`_data_columns`)."""
+    by_data = _data_columns(cells, columns)
+    every = list(dict.fromkeys(k for cols in by_data.values() for k in cols))  # the CSV's columns
     groups: dict[tuple, list[Cell]] = {}
     for c in cells:
         groups.setdefault((Path(c.model).name, _row_key(c), c.data), []).append(c)
@@ -79,25 +95,25 @@ def report(cells, columns=("accuracy",)) -> tuple[str, list[dict]]:
         for c in members:
             m = dict(found).get(c)
             csv_rows.append({"model": model, "row": row, "dataset": data, "seed": c.seed, "run": c.run.name,
-                             "state": _state(c), **{k: (m or {}).get(k) for k in columns}})
-        summary[(model, row, data)] = {k: [m[k] for _, m in found] for k in columns} | {"n": len(found),
-                                                                                        "of": len(members)}
+                             "state": _state(c), **{k: (m or {}).get(k) for k in every}})
+        summary[(model, row, data)] = {k: [m[k] for _, m in found] for k in by_data[data]} | {"n": len(found),
+                                                                                              "of": len(members)}
     for c in cells:  # the zero-shot row: the base model's scores, where a run made them (--zero-shot);
         base, key = eval_dir(c.run, checkpoint="base") / METRICS, (Path(c.model).name, ZERO_SHOT, c.data)
         if base.is_file() and key not in summary and not _partial(base, c):  # deterministic: one run's copy serves
             m = json.loads(base.read_text())
-            summary[key] = {k: [m[k]] for k in columns} | {"n": 1, "of": 1}
+            summary[key] = {k: [m[k]] for k in by_data[c.data]} | {"n": 1, "of": 1}
     datasets = list(dict.fromkeys(c.data for c in cells))
     rows = sorted(dict.fromkeys((m, r) for m, r, _ in summary), key=lambda mr: mr[1] != ZERO_SHOT)  # stable
-    head = [f"{Path(d).name} {'acc' if k == 'accuracy' else 'NLL'}" if len(columns) > 1 else Path(d).name
-            for d in datasets for k in columns]
+    head = [f"{Path(d).name} {HEADS[k]}" if len(by_data[d]) > 1 or k not in columns else Path(d).name
+            for d in datasets for k in by_data[d]]
     lines = ["| Model | Method | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
     for model, row in rows:
         out = [model, row]
         base = _lambda_baseline(row)
         for d in datasets:
             s = summary.get((model, row, d))
-            for k in columns:
+            for k in by_data[d]:
                 if s is None:
                     out.append("")
                 elif not s[k]:

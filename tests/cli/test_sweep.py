@@ -533,3 +533,25 @@ def test_the_dry_run_refuses_what_the_runs_would_refuse(tmp_path, data, capsys):
     refused = [line for line in out.splitlines() if line.startswith("refused")]
     assert len(refused) == 2 and all("layers='first:8'" in line or "layers='last:8'" in line for line in refused), out
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_cell_on_chat_data_runs_and_reports_the_test_loss(tmp_path, capsys):
+    """A grid of your own over a chat file (--chat-template passed after --, to every run): the dry run lists
+    the cell as missing and writes nothing; the cell then runs (TES on the conversations' assistant turns) and
+    the report gives the run's test loss per supervised token (its metrics.json), headed as a loss."""
+    from tests.cli.test_train_chat import CHATML, chat_rows, write_jsonl
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    args = ["--models", "tiny", "--benchmarks", str(data), "--rows", "TES-IS", "--seeds", "42",
+            "--out-dir", str(tmp_path / "out")]
+    extra = ["--", "--chat-template", str(tmp_path / "chatml.jinja"), "--batch-size", "8", "--epochs", "1", "--quiet"]
+    sweep.main([*args, "--dry-run", *extra])
+    assert "missing  " + str(tmp_path / "out" / "tiny-olmoe-chat.jsonl-TES-IS-seed42") in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+    [cell] = sweep.main([*args, *extra])
+    assert cell.state() == "done"
+    loss = json.loads((cell.test_dir / "metrics.json").read_text())["loss"]
+    table = (tmp_path / "out" / "report.md").read_text()
+    assert "| Model | Method | chat.jsonl loss |" in table and f"| tiny-olmoe | TES-IS | {loss:.4f} |" in table
+    [row] = csv.DictReader((tmp_path / "out" / "report.csv").open())
+    assert float(row["loss"]) == pytest.approx(loss) and "accuracy" not in row

@@ -1,5 +1,6 @@
 """minimoe.runs.tracking: routing statistics against evaluate.py's diagnostics, TensorBoard event files that
-tensorboard's own reader loads, an offline W&B run's records, and the training-curve plot."""
+tensorboard's own reader loads, an offline W&B run's records (on answer-choice and on chat data), and the
+training-curve plot."""
 import json
 import struct
 from pathlib import Path
@@ -19,6 +20,7 @@ from minimoe.loading.checkpoint import from_pretrained
 from minimoe.loading.tokenizer import load_tokenizer
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs.tracking import RoutingStats
+from tests.cli.test_train_chat import CHATML, chat_rows, write_jsonl
 
 SMOKE = ["--model", "tiny", "--max-train-examples", "16", "--batch-size", "8", "--epochs", "2", "--no-test-eval",
          "--quiet"]
@@ -58,30 +60,44 @@ def test_routing_stats_equal_a_direct_count_and_the_evaluation_diagnostics(tmp_p
 
 # what a TES run of SMOKE reports: layer3 is the tiny model's final layer (TES's default scope), 8 experts
 EXPECTED_TAGS = {f"train/{k}" for k in ("loss", "task", "method", "aux", "grad_norm", "lr", "tokens_per_s", "seconds")}
-EXPECTED_TAGS |= {"val/choice_nll", "val/accuracy", "val/seconds"}
+EXPECTED_TAGS |= {"val/seconds"}
 EXPECTED_TAGS |= {f"routing/layer3/{k}" for k in ("c_t", "e_hat", "token_loss")}
 EXPECTED_TAGS |= {f"routing/layer3/load/expert{e}" for e in range(8)}
+# each kind of data: the validation metric followed (as in metrics.jsonl) and the tags it adds to EXPECTED_TAGS
+VALIDATION = {"choices": ("val_choice_nll", {"val/choice_nll", "val/accuracy"}),
+              "chat": ("val_loss", {"val/loss", "val/perplexity"})}
 
 
-def test_tensorboard_event_files_hold_every_metrics_line(tmp_path):
+def data_flags(kind: str, tmp_path: Path) -> list[str]:
+    """The tiny model's default benchmark (answer choices), or 30 ChatML conversations (tests/cli/test_train_chat.py)."""
+    if kind == "choices":
+        return []
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    return ["--data", str(write_jsonl(tmp_path / "chat.jsonl", chat_rows())), "--chat-template",
+            str(tmp_path / "chatml.jinja")]
+
+
+@pytest.mark.parametrize("kind", VALIDATION)
+def test_tensorboard_event_files_hold_every_metrics_line(tmp_path, kind):
     event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"), *SMOKE,
-                "--method", "tes", "--report-to", "tensorboard"])
+                "--method", "tes", "--report-to", "tensorboard", *data_flags(kind, tmp_path)])
+    val, val_tags = VALIDATION[kind]
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     reader = event_accumulator.EventAccumulator(str(run / "tensorboard"))
     reader.Reload()
     last = "layer3"  # the tiny model's final layer: TES's default scope
-    assert set(reader.Tags()["scalars"]) == EXPECTED_TAGS
+    assert set(reader.Tags()["scalars"]) == EXPECTED_TAGS | val_tags
     steps = [r for r in records if r["kind"] == "step"]
     assert [e.step for e in reader.Scalars("train/loss")] == [r["step"] for r in steps] == [1, 2, 3, 4]
     assert [e.value for e in reader.Scalars("train/loss")] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
     assert [e.value for e in reader.Scalars(f"routing/{last}/e_hat")] == pytest.approx(
         [r["routing"][last]["e_hat"] for r in steps], rel=1e-6)
     epochs = [r for r in records if r["kind"] == "epoch"]
-    assert [e.step for e in reader.Scalars("val/choice_nll")] == [r["step"] for r in epochs] == [2, 4]
-    assert [e.value for e in reader.Scalars("val/choice_nll")] == pytest.approx([r["val_choice_nll"] for r in epochs],
-                                                                                rel=1e-6)
+    tag = "val/" + val.removeprefix("val_")
+    assert [e.step for e in reader.Scalars(tag)] == [r["step"] for r in epochs] == [2, 4]
+    assert [e.value for e in reader.Scalars(tag)] == pytest.approx([r[val] for r in epochs], rel=1e-6)
     loads = [sum(r["routing"][last]["load"]) for r in steps]
     assert loads == pytest.approx([1.0] * len(steps), abs=1e-5)
 
@@ -108,13 +124,15 @@ def wandb_records(path: Path):
             yield record
 
 
-def test_wandb_offline_run_holds_every_metrics_line(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", VALIDATION)
+def test_wandb_offline_run_holds_every_metrics_line(tmp_path, monkeypatch, kind):
     pytest.importorskip("wandb")
+    val, val_tags = VALIDATION[kind]
     for name, value in (("WANDB_MODE", "offline"), ("WANDB_SILENT", "true"), ("WANDB_DIR", str(tmp_path)),
                         ("WANDB_CONFIG_DIR", str(tmp_path / "config")), ("WANDB_CACHE_DIR", str(tmp_path / "cache"))):
         monkeypatch.setenv(name, value)
     train.main(["--out-dir", str(tmp_path), "--run-name", "run", "--data-dir", str(tmp_path / "splits"), *SMOKE,
-                "--method", "tes", "--report-to", "wandb"])
+                "--method", "tes", "--report-to", "wandb", *data_flags(kind, tmp_path)])
     run = tmp_path / "run"
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     [log] = run.glob("wandb/offline-run-*/run-*.wandb")
@@ -128,22 +146,29 @@ def test_wandb_offline_run_holds_every_metrics_line(tmp_path, monkeypatch):
             config = {item.key or "/".join(item.nested_key): json.loads(item.value_json)
                       for item in record.run.config.update}
     assert config["method"]["name"] == "tes" and config["report_to"] == "wandb"  # the run's config.json
-    assert set().union(*history.values()) - {"_step", "_runtime", "_timestamp"} == EXPECTED_TAGS
+    assert set().union(*history.values()) - {"_step", "_runtime", "_timestamp"} == EXPECTED_TAGS | val_tags
     steps = [r for r in records if r["kind"] == "step"]
     assert sorted(history) == [r["step"] for r in steps] == [1, 2, 3, 4]
     assert [history[r["step"]]["train/loss"] for r in steps] == pytest.approx([r["loss"] for r in steps], rel=1e-6)
     assert [history[r["step"]]["routing/layer3/load/expert0"] for r in steps] == \
         pytest.approx([r["routing"]["layer3"]["load"][0] for r in steps], rel=1e-6)
     epochs = [r for r in records if r["kind"] == "epoch"]
-    assert [history[r["step"]]["val/choice_nll"] for r in epochs] == pytest.approx([r["val_choice_nll"] for r in epochs])
+    assert [history[r["step"]]["val/" + val.removeprefix("val_")] for r in epochs] == pytest.approx(
+        [r[val] for r in epochs])
 
 
 @pytest.mark.plain
-def test_plot_draws_several_runs_on_one_png(tmp_path, capsys):
-    for name, method in (("a", "ce"), ("b", "acs")):
+def test_plot_draws_several_runs_on_one_png(tmp_path, capsys, monkeypatch):
+    """Answer-choice runs and a chat run on one figure: each validation curve gets its panel."""
+    from minimoe.runs import tracking
+    for name, method, kind in (("a", "ce", "choices"), ("b", "acs", "choices"), ("c", "tes", "chat")):
         train.main(["--out-dir", str(tmp_path), "--run-name", name, "--data-dir", str(tmp_path / "splits"), *SMOKE,
-                    "--method", method])
-    evaluate.main(["plot", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "fig" / "curves.png")])
+                    "--method", method, *data_flags(kind, tmp_path)])
+    import matplotlib.axes
+    titles = []
+    monkeypatch.setattr(matplotlib.axes.Axes, "set_title", lambda ax, title, **k: titles.append(title))
+    evaluate.main(["plot", *(str(tmp_path / n) for n in "abc"), "--out", str(tmp_path / "fig" / "curves.png")])
+    assert {dict(tracking.CURVES)[k] for k in ("val_choice_nll", "val_loss")} <= set(titles)
     png = tmp_path / "fig" / "curves.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     with pytest.raises(FileNotFoundError, match="no metrics.jsonl"):

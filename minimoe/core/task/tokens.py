@@ -125,10 +125,13 @@ def chunked_token_ce(head, hidden, target, chunk: int = CHUNK) -> torch.Tensor:
                       for h, t in zip(hidden.split(chunk), target.split(chunk))])
 
 
-def forward_tokens(model, batch: TokenBatch, chunk: int = CHUNK):
+def forward_tokens(model, batch: TokenBatch, chunk: int | None = None):
     """One forward, the LM head at the supervised positions a chunk at a time -> (output, log-probs [n] fp32),
-    as choices.forward_choices returns them. Up to `chunk` supervised tokens the head runs inside the
-    forward, as for answer choices (FSDP2 gathers the head's weight only there)."""
+    as choices.forward_choices returns them (chunk: CHUNK, read at the call). Up to `chunk` supervised tokens
+    the head runs inside the forward, as for answer choices. Past it the head runs after the forward: under
+    --shard fsdp its weight is then still gathered, since the root unit keeps its parameters unsharded from
+    its forward to the end of the backward (runs/sharding.py; tests/runs/test_sharded_chat.py)."""
+    chunk = CHUNK if chunk is None else chunk
     if batch.supervised_tokens <= chunk:
         return forward_choices(model, batch)
     out = model(batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
