@@ -23,7 +23,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.core.decoder.families import TEXT_MODEL_PREFIX, Converted, family_of
+from minimoe.core.decoder.families import Converted, family_of
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM
 from minimoe.core.adaptation.quantized import pack, quantize_module, quantized_modules
 from minimoe.core.adaptation.quantized import require as require_quantization
@@ -339,8 +339,6 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
                                               lambda dtype: SAFETENSORS_DTYPES[dtype].itemsize, family.key_aliases)
         for key in weights.entries if keys is None else [k for disk in keys for k in became[disk]]:
             where[key] = file
-    if family_of(config.model_type).containers:  # a multimodal release: its text model's keys as the text model's own
-        where = text_model_keys(files, where)
     quantized = mxfp4_stored(layout, where)
     expected = {key for disk in layout.values() for key in disk_keys(disk, quantized)}
     ignored = {"lm_head.weight"} if config.tie_word_embeddings else set()  # tied: the embedding serves
@@ -354,16 +352,6 @@ def weight_index(folder: Path, config: MoEConfig) -> tuple[dict[str, WeightFile]
     if missing:
         raise KeyError(f"{folder}: missing key {missing[0]!r} ({len(missing)} in all) for model_type {config.model_type!r}")
     return files, where
-
-
-def text_model_keys(files: dict, where: dict) -> dict:
-    """Keys under TEXT_MODEL_PREFIX (a container's text model: Family.containers) renamed to `model.`, in `where`
-    and in their files' headers, so that every read finds them under our names."""
-    renamed = {k: "model." + k[len(TEXT_MODEL_PREFIX):] for k in where if k.startswith(TEXT_MODEL_PREFIX)}
-    for old, new in renamed.items():
-        entries = files[where[old]].entries
-        entries[new] = entries.pop(old)
-    return {renamed.get(k, k): file for k, file in where.items()}
 
 
 # ----------------------------------------------------------------------------- saving

@@ -17,21 +17,9 @@ REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
                    "num_attention_heads", "num_experts", "num_experts_per_tok")
 
 
-def text_model_config(d: dict) -> dict:
-    """A multimodal config.json holding a family's as its text_config (Family.containers: the released Gemma 4s)
-    -> that text_config, its dtype the file's where it has none; any other config.json as it is."""
-    text = d.get("text_config")
-    family = FAMILIES.get(text.get("model_type")) if isinstance(text, dict) else None
-    if family is None or d.get("model_type") not in family.containers:
-        return d
-    return {"dtype": d.get("dtype", d.get("torch_dtype")), **text}
-
-
 def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
-    d = text_model_config(d)  # the text model of a multimodal release; its other towers are not loaded
+    d = text_model_config(d, source)  # the text model of a multimodal release; its other towers are not loaded
     family = family_of(d.get("model_type"), source)
-    if family.text_model_type and isinstance(d.get("text_config"), dict):
-        d = text_config_of(d, family, source)
     # rope_parameters, dtype, ...: the names 4.57 wrote; the family's own name for its text model's model_type
     d = {**from_transformers5(d, family, source), "model_type": family.model_type}
     d = {k: v for k, v in d.items() if k not in family.harmless}  # not ours to read (MLA's head_dim)
@@ -60,14 +48,19 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     return MoEConfig.from_flat({**known, "extra": extra})  # each mixer's options to its own config
 
 
-def text_config_of(d: dict, family, source: str) -> dict:
-    """A multimodal release's config.json (Qwen3.5's: the vision-language model's fields, the text model's under
-    text_config) -> the text model's, as transformers' ForCausalLM reads that file; the vision tower is not ours
-    (its keys are the record's ignored_prefixes). The wrapper's dtype serves a text config that gives none."""
-    text = dict(d["text_config"])
-    if text.setdefault("model_type", family.text_model_type) != family.text_model_type:
-        raise ValueError(f"{source}: text_config's model_type {text['model_type']!r}; expected "
-                         f"{family.text_model_type!r} in a {family.model_type} config.json")
+def text_model_config(d: dict, source: str) -> dict:
+    """A multimodal release's config.json (a model_type of some family's `containers`: the released Qwen3.5s and
+    Gemma 4s, the text model's fields under text_config) -> the text model's, as transformers' ForCausalLM reads
+    that file; its other towers are not ours. A text_config of another model, or a tie_word_embeddings that
+    disagrees with it, is refused by name; the wrapper's dtype serves a text config that gives none. Any other
+    config.json is returned as it is."""
+    family = next((f for f in FAMILIES.values() if d.get("model_type") in f.containers), None)
+    if family is None or not isinstance(d.get("text_config"), dict):
+        return d
+    text, expected = dict(d["text_config"]), family.text_model_type or family.model_type
+    if text.setdefault("model_type", expected) != expected:
+        raise ValueError(f"{source}: text_config's model_type {text['model_type']!r}; expected {expected!r} in a "
+                         f"{d['model_type']} config.json")
     tie = d.get("tie_word_embeddings")
     if tie is not None and text.setdefault("tie_word_embeddings", tie) != tie:
         raise ValueError(f"{source}: tie_word_embeddings {tie!r} and text_config's {text['tie_word_embeddings']!r} "

@@ -91,12 +91,9 @@ class Family:
     # unread keys whose transformers default is not the value our model runs with: that default, so that a config.json
     # leaving one out is refused as one setting it would be (Gemma 4's enable_moe_block, false: the dense model)
     unread_defaults: dict = field(default_factory=dict)
-    # model_types of the multimodal config.json that hold this family's as their text_config, their text model's
-    # tensors under TEXT_MODEL_PREFIX (the released Gemma 4s): read as this family's model, saved as it
+    # model_types of the multimodal config.json that hold this family's as their text_config (the released Qwen3.5s
+    # and Gemma 4s; their tensors' prefix: key_prefixes): read as this family's model (loading/config_json.py)
     containers: tuple[str, ...] = ()
-
-
-TEXT_MODEL_PREFIX = "model.language_model."  # where a container's checkpoint holds its text model's `model.`
 
 
 @dataclass(frozen=True)

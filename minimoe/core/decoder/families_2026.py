@@ -134,7 +134,7 @@ register_family(Family(
     recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe; LoRA as Qwen3-Next's, on the "
                 "DeltaNet layers' in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj too (peft names no "
                 "default for it: these are its module names)",
-    text_model_type="qwen3_5_moe_text",
+    text_model_type="qwen3_5_moe_text", containers=("qwen3_5_moe",),
     # transformers 5.23's save_pretrained and the qwen2_moe conversion it applies: per-expert matrices; the
     # vision-language release's keys under model.language_model. (its PrefixChange), read as ours, and its experts
     # fused ([E, 2I, D] gate rows first, [E, D, I], no .weight: Qwen3_5MoeExperts' own), read as per-expert
@@ -485,7 +485,7 @@ register_family(Family(
     applies_aux_loss=False,  # Gemma4ForCausalLM returns no load-balancing loss
     # the released checkpoints: Gemma4ForConditionalGeneration's config.json (model_type gemma4, this as its
     # text_config), the text model under model.language_model.; its vision and audio towers are not loaded
-    containers=("gemma4",),
+    containers=("gemma4",), key_prefixes={"model.language_model.": "model."},
     ignored_prefixes=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio."),
     # what a config built here must say for transformers to build this model (its defaults build another)
     write_defaults={"enable_moe_block": lambda config: True, "hidden_size_per_layer_input": lambda config: 0,
