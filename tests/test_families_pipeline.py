@@ -111,7 +111,7 @@ def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, mo
 
 
 # Round 3's families whose hub path runs here too, under transformers 5.23 (tf5: their oracle)
-ROUND3_HUB = ["qwen3_5_moe", "lfm2_moe", "nemotron_h", "deepseek_v32", "glm_moe_dsa", "gemma4_text"]
+ROUND3_HUB = ["qwen3_5_moe", "lfm2_moe", "nemotron_h", "deepseek_v32", "glm_moe_dsa", "gemma4_text", "granitemoe_swa"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS + tiny_families.declared(ROUND3_HUB))
@@ -130,7 +130,7 @@ def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, 
 # Round 3 (issue 56): transformers-5-only families. Their oracle tests run in the tf5 environment
 # (tests/core/decoder/test_families_parity.py); here, in the main one, every method trains on the family's tiny checkpoint.
 ROUND3 = ["minimax_m2", "glm4_moe_lite", "mistral4", "qwen3_5_moe", "kimi_linear", "lfm2_moe", "nemotron_h",
-          "deepseek_v32", "glm_moe_dsa", "gemma4_text"]
+          "deepseek_v32", "glm_moe_dsa", "gemma4_text", "granitemoe_swa"]
 METHOD_FLAGS = ["ce", "dual", "tes", "acs", "densemixer", "router", "esft"]
 
 

@@ -182,6 +182,13 @@ VARIANTS = {
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                          "full_attention": {"rope_type": "proportional",
                                                             "partial_rotary_factor": 0.5, "rope_theta": 1000.0}}),
+    # Granite MoE with sliding windows (transformers 5 only): sliding and full layers, sinks, a NoPE layer by its
+    # rope theta 0, every multiplier away from 1, a fused shared expert.
+    "granitemoe_swa": dict(model_type="granitemoe_swa", intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                           num_key_value_heads=2, shared_intermediate_size=40, sliding_window=4,
+                           layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           layer_rope_theta=[10000.0, 0, 10000.0], embedding_multiplier=12.0, residual_multiplier=0.22,
+                           logits_scaling=6.0, attention_multiplier=0.1, max_position_embeddings=64),
 }
 # COMMON's fields a family's config names otherwise (Nemotron-H's layer_norm_epsilon): left out of its variants.
 NOT_COMMON = {"nemotron_h": ("rms_norm_eps", "num_hidden_layers")}

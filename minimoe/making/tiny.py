@@ -159,6 +159,12 @@ FAMILY_SWITCHES = {
                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                          "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.5,
                                                             "rope_theta": 1000.0}}),
+    # Granite with sliding windows: sliding and full layers, sinks, a NoPE layer (its rope theta 0), Granite's
+    # multipliers, a fused shared expert.
+    "granitemoe_swa": dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                           sliding_window=4, no_rope_layers=[1, 0, 1], shared_expert_intermediate_size=40,
+                           embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=6.0,
+                           attention_multiplier=0.1, pad_token_id=0, eos_token_id=1),
 }
 
 # --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.

@@ -3,9 +3,9 @@ families.py declares the others, whose module docstring says what a record holds
 file, so that importing any of the decoder's modules registers them."""
 from __future__ import annotations
 
-from minimoe.core.decoder.families import (DEEPSEEK_FIELDS, DEEPSEEK_KEYS, DEEPSEEK_RENAMES, DELTANET_FIELDS,
-                                           FAMILIES, MAMBA2_FIELDS, MLA_DEFAULTS, MLA_LORA_PATHS, MLA_UNREAD,
-                                           PER_EXPERT_KEYS, QWEN_RENAMES, Family, register_family)
+from minimoe.core.decoder.families import (DEEPSEEK_FIELDS, DEEPSEEK_KEYS, DEEPSEEK_RENAMES, DELTANET_FIELDS, FAMILIES,
+                                           Family, GRANITE_WRITE, MAMBA2_FIELDS, MLA_DEFAULTS, MLA_LORA_PATHS,
+                                           MLA_UNREAD, PER_EXPERT_KEYS, QWEN_RENAMES, attention_kinds, register_family)
 from minimoe.core.token_mixers.attention import gemma_layer_types
 
 
@@ -510,3 +510,56 @@ register_family(Family(
               "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                   "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                                      "rope_theta": 1000000.0}}}))
+
+
+# Granite's MoE with sliding-window layers and attention sinks (IBM's granite-swash): Granite's router, multipliers and
+# fused shared expert, gpt-oss's sinks and sliding/full layer_types, and a rope theta per layer (0: no rope), which we
+# run as one theta and NoPE layers (no_rope_layers); a file with two different non-zero thetas, or one unlike
+# rope_parameters' rope_theta, is refused by name. transformers 5.23 has no conversion mapping for it: its
+# save_pretrained names (fused 3-D experts, router.weight) are the ones read.
+def granite_swa_no_rope(d: dict):
+    thetas = d.get("layer_rope_theta")
+    return None if thetas is None else [int(t != 0) for t in thetas]
+
+
+def granite_swa_theta(d: dict) -> float:
+    return next((t for t in d.get("layer_rope_theta") or () if t), 10000.0)
+
+
+def granite_swa_layer_thetas(d: dict) -> list:
+    """The per-layer thetas our model runs: rope_theta where a layer turns, 0 where it does not."""
+    return [d["rope_theta"] if rope else 0 for rope in d.get("no_rope_layers") or [1] * d["num_hidden_layers"]]
+
+
+def granite_swa_kinds(d: dict) -> list[str]:
+    """GraniteMoeSWAConfig's layer_types when config.json has none: every fourth layer (the first) full."""
+    return ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(d.get("num_hidden_layers") or 0)]
+
+
+register_family(Family(
+    "granitemoe_swa", "GraniteMoeSWAForCausalLM",
+    brings="Granite MoE with sliding-window layers (layer_types), attention sinks and a rope theta per layer (0: no "
+           "rope); Granite's multipliers and optional fused shared expert; experts fused on disk",
+    hub_examples=("ibm-granite/granite-swash-3b-a600m",),
+    recipe="granite", lora_targets=("q", "k", "v", "experts"), name_hints=("granite-swash", "granitemoe_swa"),
+    recipe_note="Granite's router (top-K on logits, softmax over the K): Granite's recipe and LoRA targets (Q/K/V and "
+                "the routed experts; the shared expert is neither routed nor adapted)",
+    layer_keys={"mlp.gate.weight": "block_sparse_moe.router.weight",
+                "mlp.experts.gate_up_proj.weight": "block_sparse_moe.experts.gate_up_proj",
+                "mlp.experts.down_proj.weight": "block_sparse_moe.experts.down_proj",
+                "mlp.shared_expert.gate_up_proj.weight": "shared_mlp.input_linear.weight",
+                "mlp.shared_expert.down_proj.weight": "shared_mlp.output_linear.weight"},
+    renames={"shared_intermediate_size": "shared_expert_intermediate_size"},
+    config_fields=frozenset({"attention_bias", "router_aux_loss_coef", "embedding_multiplier", "residual_multiplier",
+                             "logits_scaling", "attention_multiplier", "shared_expert_intermediate_size",
+                             "sliding_window", "layer_types"}),
+    fixed={"norm_topk_prob": True, "topk_on_logits": True, "shared_expert_fused": True, "attention_sinks": True,
+           "use_sliding_window": True},  # the window applies on layer_types' sliding layers
+    # the per-layer thetas are read into rope_theta and no_rope_layers, and held to them
+    unread={"layer_rope_theta": granite_swa_layer_thetas},
+    write_defaults={**GRANITE_WRITE, "layer_types": attention_kinds, "layer_rope_theta": lambda c: [
+        c.rope_theta if c.mixers["attention"].no_rope_layers is None or c.mixers["attention"].no_rope_layers[i] else 0
+        for i in range(c.num_hidden_layers)]},
+    defaults={"no_rope_layers": granite_swa_no_rope, "rope_theta": granite_swa_theta, "layer_types": granite_swa_kinds,
+              "sliding_window": 128, "attention_multiplier": 1.0, "max_position_embeddings": 2048,
+              "router_aux_loss_coef": 0.001, "bos_token_id": 1, "eos_token_id": 2}))
