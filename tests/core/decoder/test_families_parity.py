@@ -23,8 +23,9 @@ FP32_TOL = 2e-5
 # the families declared so far; a transformers-5-only one's cases marked tf5 (its oracle is transformers 5.23)
 NAMES = [v for v in VARIANTS if family_of(v) in FAMILIES]
 DECLARED = declared(NAMES)
-# the peft export's: peft is not in the test5 extra, so those tests hold the families transformers 4.57 has, and
-# Gemma 4's (its banks are bare parameters of one module, a layout of their own), skipped where peft is missing
+# the peft export's: the families transformers 4.57 has, and Gemma 4's (its banks are bare parameters of one module,
+# a layout of their own); the other transformers-5 families hold their experts fused, where peft adapts parameters,
+# not the per-expert modules the export names (peft 0.21.2 is in the test5 extra; skipped where peft is missing)
 WITH_PEFT = [v for v in NAMES if family_of(v) not in TRANSFORMERS_5_ONLY] + [
     pytest.param(v, marks=pytest.mark.tf5) for v in NAMES if family_of(v) == "gemma4_text"]
 
@@ -242,7 +243,7 @@ def test_qwen3_5_moe_peft_loads_the_attention_and_deltanet_export(tmp_path):
     in_proj_a, out_proj: its module names, which peft targets), exported, loads into peft on transformers 5.23
     with our logits. Not the experts: transformers 5 holds them fused, where peft adapts parameters, not the
     per-expert modules the export names."""
-    pytest.importorskip("peft")  # not in the test5 extra
+    pytest.importorskip("peft")
     model = with_trained_lora("qwen3_5_moe", tmp_path / "base", seed=1, targets=("q", "k", "v", "o", "deltanet"))
     assert_peft_loads_the_export(model.eval(), tmp_path)
 
@@ -250,7 +251,7 @@ def test_qwen3_5_moe_peft_loads_the_attention_and_deltanet_export(tmp_path):
 def assert_peft_loads_the_export(model, tmp_path):
     """`model`'s LoRA saved, exported in peft's format, loaded by peft onto transformers' model of tmp_path/base:
     every key matched, the adapter changing the logits, and peft's logits ours."""
-    peft = pytest.importorskip("peft")  # not in the test5 extra
+    peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
     from minimoe.integrations.hf_export import export_peft
     from minimoe.runs.adapters import save_adapter
