@@ -79,6 +79,30 @@ OFFICIAL_NEW = {
                        linear_num_key_heads=16, linear_num_value_heads=32, num_experts=512, num_experts_per_tok=10,
                        norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=32768,
                        tie_word_embeddings=False, pad_token_id=None, eos_token_id=151645),
+    # The 2026 families (transformers 5 only; their reference side needs transformers 5.23, the test5 extra).
+    # Qwen/Qwen3.5-35B-A3B's text model (its config.json's text_config): 40 layers, every 4th gated full attention
+    # (16 heads of 256, 2 kv, a quarter rotary), the rest Gated DeltaNet with the projections split; 256 experts of
+    # 512, top-8, a gated shared expert of 512.
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+                        num_attention_heads=16, num_key_value_heads=2, head_dim=256, moe_intermediate_size=512,
+                        shared_expert_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+                        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                        linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)],
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+                                         "mrope_section": [11, 11, 10], "mrope_interleaved": True}),
+    # deepseek-ai/DeepSeek-V3.2's widths (DeepseekV32Config's defaults, V3's): MLA with q LoRA 1536 and the DSA
+    # indexer (64 heads of 128, top-2048 keys), 256 experts of 2048, top-8, 3 dense layers of 18432 first.
+    "deepseek_v32": dict(model_type="deepseek_v32", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                         moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                         n_routed_experts=256, num_experts_per_tok=8, tie_word_embeddings=False),
+    # google/gemma-4-26B-A4B's text model: 30 layers, 5 sliding (16 heads of 256, 8 kv) to 1 global (512 wide,
+    # 2 kv, keys = values), 128 experts of 704, top-8, and a dense MLP of 2112 beside them in every layer.
+    "gemma4_text": dict(model_type="gemma4_text", vocab_size=262144, hidden_size=2816, intermediate_size=2112,
+                        moe_intermediate_size=704, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=256, global_head_dim=512, num_global_key_value_heads=2, attention_k_eq_v=True,
+                        num_experts=128, top_k_experts=8, sliding_window=1024, final_logit_softcapping=30.0,
+                        hidden_size_per_layer_input=0, enable_moe_block=True, tie_word_embeddings=True),
 }
 
 

@@ -77,7 +77,10 @@ SMOKE_EXTRA = dict(head_dim=16, dense_intermediate_size=48, kv_lora_rank=16, qk_
                    qk_rope_head_dim=8, v_head_dim=16, shared_expert_intermediate_size=40,
                    # the hybrids' mixers (Mamba-2's head width follows: 2 x 64 / 8; chunks shorter than the rows)
                    mamba_n_heads=8, mamba_d_head="auto", mamba_d_state=16, mamba_chunk_size=16,
-                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12)
+                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+                   # the 2026 families': the DSA indexer, MLA's q low rank, Gemma 4's global layers
+                   index_n_heads=4, index_head_dim=16, index_topk=16, q_lora_rank=32, global_head_dim=32,
+                   num_global_key_value_heads=1)
 
 
 def row(section, model, metric, minimoe=None, reference=None, ratio=None, note=""):
@@ -131,6 +134,8 @@ def config(family: str, layers: int, smoke: bool) -> MoEConfig:
             every = list(dict.fromkeys(config_from_dict(dict(d)).mixer_types))
             mla["mixer_types"] = (every * layers)[:layers]
         flat = c.flat()  # the mixers' options by their flat names, as SMOKE_EXTRA's
+        if flat.get("n_group", 1) > 1:  # expert groups of two at the smoke run's 8 experts (DeepSeek-V3.2's 8 groups)
+            mla.update(n_group=4, topk_group=2)
         return MoEConfig.from_flat({**flat, **SMOKE_WIDTHS, **mla, **{k: v for k, v in SMOKE_EXTRA.items() if flat.get(k)},
                                     "extra": c.extra})
     d = dict(common.OFFICIAL[family], num_hidden_layers=layers)
@@ -576,17 +581,35 @@ def chat_step(device, smoke: bool, steps: int = 3):
 
 
 STAGES = ("parity", "grouped", "syncs", "copies", "attention", "granite8", "olmoe8", "granite32", "olmoe16",
-          "qwen3", "deepseek3", "granite4h", "qwen3next", "nf4", "compile", "baselines", "chat", "default")
-# --full-depth adds granite32 and olmoe16; today's families, the hybrids and nf4 (needs torchao) run when --only names them
+          "qwen3", "deepseek3", "granite4h", "qwen3next", "qwen35", "deepseek32", "gemma4", "nf4", "compile",
+          "baselines", "chat", "default")
+# --full-depth adds granite32 and olmoe16; today's families, the hybrids, the 2026 families and nf4 (needs torchao)
+# run when --only names them
 DEFAULT_STAGES = tuple(s for s in STAGES if s not in ("granite32", "olmoe16", "qwen3", "deepseek3", "granite4h",
-                                                      "qwen3next", "nf4"))
+                                                      "qwen3next", "qwen35", "deepseek32", "gemma4", "nf4"))
 LORA_STAGES = {"granite8": ("granitemoe", 8), "olmoe8": ("olmoe", 8), "granite32": ("granitemoe", 32),
                "olmoe16": ("olmoe", 16), "qwen3": ("qwen3_moe", 8), "deepseek3": ("deepseek_v3", 8),
-               "granite4h": ("granitemoehybrid", 8), "qwen3next": ("qwen3_next", 8)}
+               "granite4h": ("granitemoehybrid", 8), "qwen3next": ("qwen3_next", 8),
+               # the 2026 families (transformers 5 only): DeepSeek-V3.2 at 4 layers, its first 3 dense, 1 of 256 experts
+               "qwen35": ("qwen3_5_moe", 8), "deepseek32": ("deepseek_v32", 4), "gemma4": ("gemma4_text", 8)}
+SMOKE_LAYERS = {"deepseek32": 4}  # a stage whose smoke run needs more than 2 layers (DeepSeek-V3.2: an MoE layer)
 
 
 # The nf4 stage: on a GPU 8 layers at the recipe's batch; on a CPU one layer, a 2048-token vocabulary, 2 x 256.
 NF4_STAGE = {True: dict(layers=8), False: dict(layers=1, vocab=2048, batch=(2, 256), steps=3)}
+
+
+def reference_holds(family: str) -> bool:
+    """Whether the installed transformers builds `family` (the 2026 families: transformers 5, the test5 extra); where
+    it does not, the stage times minimoe alone and says why."""
+    try:
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    except ImportError:
+        CONFIG_MAPPING_NAMES = {}
+    held = common.OFFICIAL_NEW.get(family, {}).get("model_type", family) in CONFIG_MAPPING_NAMES
+    if not held:
+        row("lora", family, "transformers + peft: skipped", note="needs transformers 5 (pip install -e '.[test5]')")
+    return held
 
 
 def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:
@@ -597,8 +620,9 @@ def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:
             "attention": lambda: attention_backends(device, args.smoke),
             "nf4": lambda: quantized_step(device, args.smoke, **NF4_STAGE[device.type == "cuda"])}
     for name, (family, layers) in LORA_STAGES.items():
-        todo[name] = lambda f=family, n=2 if args.smoke else layers: lora_step(device, f, n, args.smoke, peak,
-                                                                              budget, plain + peft)
+        n = SMOKE_LAYERS.get(name, 2) if args.smoke else layers
+        sides = plain + peft if reference_holds(family) else plain  # transformers 4.57 has no 2026 family
+        todo[name] = lambda f=family, n=n, s=sides: lora_step(device, f, n, args.smoke, peak, budget, s)
     compiled = ["minimoe compiled", "minimoe compiled + CUDA graphs"]
     if device.type == "cuda":  # compile_layers needs bf16 grouped_mm everywhere: not the CPU recipe
         todo["compile"] = lambda: lora_step(device, "granitemoe", 2 if args.smoke else 8, args.smoke, peak, budget,

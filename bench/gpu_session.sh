@@ -28,7 +28,7 @@ echo "bench rc $? at $(elapsed) s"; cp bench/results/gpu.md bench/results/gpu.js
 left=$(( SECONDS_IN_ALL - $(elapsed) ))
 if [ "$left" -gt 40 ]; then
   timeout -s TERM "$left" python3 bench/gpu.py --time-limit $(( left - 12 )) --out gpu_families \
-    --only qwen3,deepseek3,granite4h,qwen3next,baselines,chat >> "$OUT/bench.log" 2>&1
+    --only qwen3,deepseek3,granite4h,qwen3next,qwen35,deepseek32,gemma4,baselines,chat >> "$OUT/bench.log" 2>&1
   cp bench/results/gpu_families.md bench/results/gpu_families.jsonl "$OUT/" 2>/dev/null
 fi
 cat "$OUT"/gpu*.md 2>/dev/null

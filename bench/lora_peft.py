@@ -21,7 +21,7 @@ RANK, ALPHA = 8, 8
 # peft's target_parameters (Granite's 3-D expert weights) refuses lora_dropout != 0, so Granite runs
 # with dropout 0 on both sides; OLMoE with the requested 0.05 on both.
 DROPOUT = {"olmoe": 0.05, "granitemoe": 0.0, "qwen3_moe": 0.0, "deepseek_v3": 0.0, "granitemoehybrid": 0.0,
-           "qwen3_next": 0.0}
+           "qwen3_next": 0.0, "qwen3_5_moe": 0.0, "deepseek_v32": 0.0, "gemma4_text": 0.0}
 # Today's families in transformers 4.57 hold per-expert modules: q/k/v (MLA's q_proj or q_b_proj, and kv_b_proj
 # for k and v, as core/adaptation/lora.py adapts them) and the routed experts only (not the shared experts, not the dense
 # layers' MLP, whose names are the same), as one regex peft matches against the full module name.
@@ -32,10 +32,21 @@ PEFT_TARGETS = {
 }
 
 
+# The 2026 families in transformers 5 hold their routed experts fused, as parameters: peft adapts those
+# (target_parameters), beside the attention projections ours adapts (MLA's q_b_proj and kv_b_proj).
+FUSED_TARGETS = {"qwen3_5_moe": (["q_proj", "k_proj", "v_proj"], "mlp.experts"),
+                 "deepseek_v32": (["q_b_proj", "kv_b_proj"], "mlp.experts"),
+                 "gemma4_text": (["q_proj", "k_proj", "v_proj"], "experts")}
+
+
 def peft_wrap(hf_model, family: str):
     from peft import LoraConfig, get_peft_model
     qkv = ["q_proj", "k_proj", "v_proj"]
-    if family in PEFT_TARGETS:
+    if family in FUSED_TARGETS:
+        modules, experts = FUSED_TARGETS[family]
+        cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT[family], target_modules=modules,
+                         target_parameters=[f"{experts}.gate_up_proj", f"{experts}.down_proj"])
+    elif family in PEFT_TARGETS:
         cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT[family], target_modules=PEFT_TARGETS[family])
     elif family == "olmoe":
         cfg = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=DROPOUT[family],

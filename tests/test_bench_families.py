@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from bench import common, gpu
+from tests.conftest import transformers_major
 from minimoe.core.decoder.model import MoEForCausalLM
 
 
@@ -81,3 +82,37 @@ def test_peft_adapts_what_minimoe_adapts(family, tmp_path):
     add_lora(ours, rank=8, alpha=8, dropout=0.0, targets=("q", "k", "v", "experts"))
     trainable = lambda model: sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert trainable(theirs) == trainable(ours) > 0
+
+
+STAGES_2026 = {"qwen35": "qwen3_5_moe 2L", "deepseek32": "deepseek_v32 4L", "gemma4": "gemma4_text 2L"}
+
+
+def run_2026_stages(tmp_path, monkeypatch) -> list[dict]:
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    rows = gpu.main(["--smoke", "--device", "cpu", "--only", ",".join(STAGES_2026), "--out", "families2026"])
+    assert not [r for r in rows if r["metric"].endswith("failed")], rows
+    return rows
+
+
+def test_the_2026_family_stages_time_minimoe_and_say_why_not_transformers_4(tmp_path, monkeypatch):
+    """Qwen3.5-MoE, DeepSeek-V3.2 and Gemma 4 at the stages' tiny widths (DeepSeek-V3.2's 4 layers: its 3 dense and
+    one MoE): ours timed; where transformers 4.57 is the oracle installed, the reference side is a skipped row that
+    names what it needs, never a failure."""
+    if transformers_major() == 5:
+        pytest.skip("transformers 5 holds these families: the tf5 case below times both sides")
+    rows = run_2026_stages(tmp_path, monkeypatch)
+    steps = {(r["model"], r["metric"].split(":")[0]) for r in rows if r["section"] == "lora" and "step s" in r["metric"]}
+    assert steps == {(model, "minimoe") for model in STAGES_2026.values()}
+    skipped = [r for r in rows if r["metric"] == "transformers + peft: skipped"]
+    assert len(skipped) == 3 and all("transformers 5" in r["note"] for r in skipped)
+    assert not set(STAGES_2026) & set(gpu.DEFAULT_STAGES)  # run only when named
+
+
+@pytest.mark.tf5
+def test_the_2026_family_stages_time_both_sides_under_transformers_5(tmp_path, monkeypatch):
+    """The same stages with transformers 5.23 and peft (the test5 extra): transformers + peft's LoRA on the same
+    projections and on the fused experts' parameters, timed beside ours."""
+    pytest.importorskip("peft")
+    rows = run_2026_stages(tmp_path, monkeypatch)
+    steps = {(r["model"], r["metric"].split(":")[0]) for r in rows if r["section"] == "lora" and "step s" in r["metric"]}
+    assert steps == {(m, side) for m in STAGES_2026.values() for side in ("minimoe", "transformers + peft")}
