@@ -621,8 +621,8 @@ def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:
             "nf4": lambda: quantized_step(device, args.smoke, **NF4_STAGE[device.type == "cuda"])}
     for name, (family, layers) in LORA_STAGES.items():
         n = SMOKE_LAYERS.get(name, 2) if args.smoke else layers
-        sides = plain + peft if reference_holds(family) else plain  # transformers 4.57 has no 2026 family
-        todo[name] = lambda f=family, n=n, s=sides: lora_step(device, f, n, args.smoke, peak, budget, s)
+        todo[name] = lambda f=family, n=n: lora_step(device, f, n, args.smoke, peak, budget,  # 4.57: no 2026 family
+                                                     plain + peft if reference_holds(f) else plain)
     compiled = ["minimoe compiled", "minimoe compiled + CUDA graphs"]
     if device.type == "cuda":  # compile_layers needs bf16 grouped_mm everywhere: not the CPU recipe
         todo["compile"] = lambda: lora_step(device, "granitemoe", 2 if args.smoke else 8, args.smoke, peak, budget,
