@@ -341,3 +341,26 @@ def test_the_dequantising_figure_is_what_nf4_dequantize_allocates(tmp_path):
         largest.packed.dequantize_into(out)
     figure = memory_estimate.main([str(tmp_path / "m"), "--dtype", "bfloat16", "--quantize", "nf4"]).dequantising
     assert figure <= counted.bytes < figure * 1.1
+
+
+# config.json with only the required fields: the rest are the family's defaults, which transformers 5.23 documents as
+# these checkpoints' (Mistral4Config: mistralai/Mistral-Small-4-119B-2603; KimiLinearConfig: Kimi-Linear-48B-A3B).
+RELEASED_BY_DEFAULTS = {
+    "mistral4": ({"model_type": "mistral4", "vocab_size": 131072, "hidden_size": 4096, "intermediate_size": 12288,
+                  "moe_intermediate_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 32,
+                  "n_routed_experts": 128, "num_experts_per_tok": 4}, 118.9e9, 119.1e9),  # "119B"
+    # 48.4B in the layers and 0.75B in the untied embedding and head: the card's "48B" counts without them
+    "kimi_linear": ({"model_type": "kimi_linear", "vocab_size": 163840, "hidden_size": 2304, "intermediate_size": 9216,
+                     "moe_intermediate_size": 1024, "num_hidden_layers": 27, "num_attention_heads": 32,
+                     "num_experts": 256, "num_experts_per_token": 8}, 49.0e9, 49.3e9),
+}
+
+
+@pytest.mark.parametrize("family", RELEASED_BY_DEFAULTS)
+def test_the_memory_command_sizes_mistral4_and_kimi_linear_at_their_released_size(family, tmp_path):
+    """config.json alone: Mistral Small 4's 119B and Kimi Linear's 48B (the KDA layers' convs and gates, the MLA
+    layers without rope) in bf16, neither on one 80 GB card."""
+    config, low, high = RELEASED_BY_DEFAULTS[family]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    e = memory_estimate.main([str(tmp_path), "--gpus", "1", "--gpu-memory", "80"])
+    assert low < e.weights / 2 < high and not e.fits
