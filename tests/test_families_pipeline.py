@@ -25,7 +25,7 @@ from minimoe.core.decoder.families import FAMILIES
 from minimoe.loading.config_json import read_config
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.study.grid import guess_recipe
-from tests.conftest import ALL_FAMILIES
+from tests.conftest import ALL_FAMILIES, TRANSFORMERS_5_ONLY
 from tests.core.decoder.test_families_parity import FP32_TOL, batch, rel_err
 from tests.core.decoder.test_model import reference_model
 from tests.kill import killed_after
@@ -129,8 +129,7 @@ def test_a_hub_id_loads_from_an_offline_cache_with_transformers_logits(variant, 
 
 # Round 3 (issue 56): transformers-5-only families. Their oracle tests run in the tf5 environment
 # (tests/core/decoder/test_families_parity.py); here, in the main one, every method trains on the family's tiny checkpoint.
-ROUND3 = ["minimax_m2", "glm4_moe_lite", "mistral4", "qwen3_5_moe", "kimi_linear", "lfm2_moe", "nemotron_h",
-          "deepseek_v32", "glm_moe_dsa", "gemma4_text", "granitemoe_swa"]
+ROUND3 = sorted(TRANSFORMERS_5_ONLY)  # conftest's one list of them
 METHOD_FLAGS = ["ce", "dual", "tes", "acs", "densemixer", "router", "esft"]
 
 
