@@ -21,7 +21,8 @@ is exactly what a candidate's own unpacked row computes, prompt once instead of 
 Packed examples (core/task/tokens.py: several whole examples in one row, segments 1, 2, ..., no segment 0)
 are the same pieces without a prompt: each starts from the zero state, as its own row would.
 The piece layout is read on the host once per forward (`segment_plan`, one device sync) and kept on the
-forward's MixerInputs for every recurrent layer after the first.
+forward's MixerInputs for every recurrent layer after the first; it holds the real positions as index tensors
+(found on the host), so that no layer indexes by a mask on the device (a mask index is a nonzero: a sync each).
 """
 from __future__ import annotations
 
@@ -130,6 +131,8 @@ class SegmentPlan(NamedTuple):
     cols: torch.Tensor | None  # [N, L] its positions (clamped where c_mask is False)
     c_mask: torch.Tensor | None  # [N, L] a real candidate position
     piece_row: torch.Tensor | None  # [N] the row whose prompt state each piece starts from
+    p_at: tuple  # ([n], [n]) the (row, column) of each real prompt position in the [B, P] layout
+    c_at: tuple | None  # ([m], [m]) the (piece, column) of each real candidate position in the [N, L] layout
 
 
 def segment_plan(segment_ids, attention_mask=None) -> SegmentPlan:
@@ -137,8 +140,12 @@ def segment_plan(segment_ids, attention_mask=None) -> SegmentPlan:
     -> the layout `run_segments` gathers by, read on the host (one device sync)."""
     B, T = segment_ids.shape
     dev = segment_ids.device
-    seg = segment_ids.cpu()
-    ok = torch.ones_like(seg, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu()
+    if attention_mask is None:
+        seg = segment_ids.cpu()
+        ok = torch.ones_like(seg, dtype=torch.bool)
+    else:  # both in one copy to the host
+        seg, ok = torch.stack((segment_ids, attention_mask.to(segment_ids.dtype))).cpu()
+        ok = ok.bool()
     prompt_len = ((seg == 0) & ok).sum(1)  # [B]
     P = int(prompt_len.max())
     # prompts, right-aligned: column j of row r holds position j - (P - P_r)
@@ -146,8 +153,9 @@ def segment_plan(segment_ids, attention_mask=None) -> SegmentPlan:
     p_mask = src >= 0
     rows = torch.arange(B)[:, None].expand(B, P)
     pieces = [(r, int(s)) for r in range(B) for s in torch.unique(seg[r][ok[r]]) if s > 0]
+    p_at = tuple(i.to(dev) for i in p_mask.nonzero().unbind(1))
     if not pieces:
-        return SegmentPlan(rows.to(dev), src.clamp(min=0).to(dev), p_mask.to(dev), None, None, None, None)
+        return SegmentPlan(rows.to(dev), src.clamp(min=0).to(dev), p_mask.to(dev), None, None, None, None, p_at, None)
     # candidates: one piece each, left-aligned, starting from its row's prompt state
     starts, lengths = [], []
     for r, s in pieces:
@@ -158,8 +166,9 @@ def segment_plan(segment_ids, attention_mask=None) -> SegmentPlan:
     cols = torch.tensor(starts)[:, None] + torch.arange(L)[None, :]  # [N, L]
     c_mask = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
     c_rows = piece_row[:, None].expand_as(cols)
+    c_at = tuple(i.to(dev) for i in c_mask.nonzero().unbind(1))
     return SegmentPlan(rows.to(dev), src.clamp(min=0).to(dev), p_mask.to(dev), c_rows.to(dev),
-                       cols.clamp(max=T - 1).to(dev), c_mask.to(dev), piece_row.to(dev))
+                       cols.clamp(max=T - 1).to(dev), c_mask.to(dev), piece_row.to(dev), p_at, c_at)
 
 
 def run_segments(sequence, u, plan: SegmentPlan):
@@ -170,13 +179,15 @@ def run_segments(sequence, u, plan: SegmentPlan):
     if plan.rows.shape[1]:  # prompts (none in packed examples' rows)
         u_p = masked(u[plan.rows, plan.src], plan.p_mask)
         y_p, state = sequence(u_p, plan.p_mask, None)
-        out = u.new_zeros(B, T, y_p.shape[-1])
-        out[plan.rows[plan.p_mask], plan.src[plan.p_mask]] = y_p[plan.p_mask]
+        out = y_p.new_zeros(B, T, y_p.shape[-1])  # y's dtype: fp32 where autocast runs the scan wide (Mamba-2)
+        b, j = plan.p_at
+        out[plan.rows[b, j], plan.src[b, j]] = y_p[b, j]
     if plan.c_rows is None:
         return out
     u_c = masked(u[plan.c_rows, plan.cols], plan.c_mask)
     start = None if plan.rows.shape[1] == 0 else state.select(plan.piece_row)  # packed examples: a fresh state
     y_c, _ = sequence(u_c, plan.c_mask, start)
-    out = u.new_zeros(B, T, y_c.shape[-1]) if out is None else out
-    out[plan.c_rows[plan.c_mask], plan.cols[plan.c_mask]] = y_c[plan.c_mask]
+    out = y_c.new_zeros(B, T, y_c.shape[-1]) if out is None else out
+    n, l = plan.c_at
+    out[plan.c_rows[n, l], plan.cols[n, l]] = y_c[n, l]
     return out
