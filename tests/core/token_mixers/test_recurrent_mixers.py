@@ -231,3 +231,21 @@ def test_packed_rows_read_their_layout_once_per_forward(monkeypatch):
         for _ in range(2):
             model(ids, attention_mask=mask, segment_ids=segments)
     assert len(reads) == 2
+
+
+@pytest.mark.tf5
+def test_granite_4_h_mamba_norm_per_group_is_transformers_5s():
+    """Granite 4.0-H's gated norm: transformers 5.23 normalises each group of d_ssm / n_groups channels apart, as
+    mamba_ssm's fused kernel does (the one transformers 4.57's own CUDA training path runs); 4.57's torch path, and
+    the granitemoehybrid record after it (exact against 4.57: test_fp32_matches_transformers), over the whole width.
+    At 2 groups, padded and not: ours per group (`mamba_norm_per_group`, Nemotron-H's) is 5.23's within 2e-5, and
+    the whole-width norm is more than 1% off it, so the two rules are told apart here (docs/families.md)."""
+    ref, ours = pair("mamba2")
+    x, mask = torch.randn(3, 21, D), padded_mask()
+    assert ours.G == 2 and ours.norm.groups == 1  # the granitemoehybrid record's rule: 4.57's
+    with torch.no_grad():
+        whole = ours(x)
+        ours.norm.groups = ours.G  # what mamba_norm_per_group builds (Mamba2Mixer.__init__)
+        assert rel(ours(x), ref(x)) <= 2e-5
+        assert rel(ours(x, attention_mask=mask), ref(x, attention_mask=mask), mask.bool()) <= 2e-5
+        assert rel(whole, ref(x)) > 1e-2
