@@ -3,7 +3,7 @@ TES installed as train.py installs it, step_loss (forward, choice loss, method a
 backward) under CPU autocast, which makes CUDA autocast's dtype choices for matmuls. What it cannot replay:
 the CUDA kernels themselves (grouped_mm's, SDPA's flash and memory-efficient paths), CUDA autocast's op list
 (tests/test_gpu_path.py feeds its fp32 activations in directly), copies to the host, which are no op on the
-CPU, and time and memory (docs/performance.md).
+CPU, and time and memory (docs/gpu.md).
 """
 import contextlib
 import sys
