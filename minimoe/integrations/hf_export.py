@@ -172,7 +172,8 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor], transformers: i
     """Our adapter tensors -> (peft's state dict, the targets for its config) for `transformers`' (4 or 5)
     modules (module docstring); unknown keys raise."""
     fp, five = config["fingerprint"], transformers == 5
-    family, rename = fp["model_type"], (lambda path: in_transformers_5(fp["model_type"], path)) if five else str
+    family = fp["model_type"]
+    rename = (lambda path: in_transformers_5(family, path)) if five else (lambda path: path)
     table, E, r = family_of(family).layer_keys, fp["num_experts"], config["rank"]
     out, modules, params, saved, ranks = {}, set(), set(), [], {}
     wrapped = {}  # peft module path -> {parameter name: {"lora_A"/"lora_B": tensor}} (banks of one module)
