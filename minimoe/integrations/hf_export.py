@@ -39,7 +39,8 @@ knows (OLMoE, Qwen3-MoE, Mixtral, DeepSeek: measured exact) and gives wrong logi
   gpt-oss's bank is [E, in, out] with `is_transposed` set on its module (TRANSPOSED_IN_5), which peft reads: its
   A_e is ours and its B_e is to_disk(ours); Llama 4's is [E, in, out] without it, read as on 4.57. Modules that
   transformers 5 renames on load (RENAMED_IN_5: Mixtral's, MiniMax-M2's and Kimi Linear's `block_sparse_moe.`
-  is its `mlp.`, Granite's `router.layer` its `router`) are written under its names.
+  is its `mlp.`, Granite's `router.layer` its `router`, DeepSeek-V4's release names its own) are written under its
+  names, and a linear's target names its parent too (`self_attn.q_b_proj`: DeepSeek-V4's compressor holds another).
 - Native gates tuned by "+ affinity tuning" go to `modules_to_save` under their full module path,
   so that only the tuned layers are replaced.
 - peft refuses LoRA on a Mamba model's `out_proj` (Nemotron-H's `mamba_out` target; not Granite 4.0-H, whose model
@@ -96,7 +97,10 @@ TRANSFORMERS_4_FAMILIES = frozenset({"granitemoe", "olmoe", "qwen3_moe", "qwen2_
 # them on load), within a layer: the checkpoint's path prefix -> transformers 5's
 RENAMED_IN_5 = {**dict.fromkeys(("mixtral", "minimax_m2", "kimi_linear"), {"block_sparse_moe.": "mlp."}),
                 **dict.fromkeys(("granitemoe", "granitemoehybrid", "granitemoeshared"),
-                                {"block_sparse_moe.router.layer.": "block_sparse_moe.router."})}
+                                {"block_sparse_moe.router.layer.": "block_sparse_moe.router."}),
+                # DeepSeek-V4's release names, and its LoRA targets' (lora_paths) among them
+                "deepseek_v4": {"ffn.": "mlp.", "attn.wq_b.": "self_attn.q_b_proj.", "attn.wkv.": "self_attn.kv_proj.",
+                                "attn.wo_b.": "self_attn.o_b_proj.", "attn.wo_a.": "self_attn.o_a_proj."}}
 # the families whose experts module in transformers 5 says `is_transposed` (banks [E, in, out]), which peft reads
 TRANSPOSED_IN_5 = frozenset({"gpt_oss"})
 # the families whose `out_proj` peft 0.21.2 refuses to adapt (its Mamba check, by model_type: Granite 4.0-H is not one)
@@ -195,7 +199,7 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor], transformers: i
                            "tuned native gates only")
         base, _, ab = name.rpartition(".")  # e.g. "mlp.experts.gate_up_proj", "lora_A"
         disk = table.get(f"{base}.weight", f"{base}.weight")
-        if t.dim() == 3 and five:  # a bank: a 3-D parameter of the experts module, named as ours
+        if base.startswith("mlp.experts.") and five:  # a bank: a 3-D parameter of the experts module, named as ours
             module, param = experts_module(family, disk), base.rpartition(".")[2]
             if isinstance(disk, Converted):
                 ab, t = converted_factor(disk, t, ab, E, r, transposed=family in TRANSPOSED_IN_5)
@@ -214,7 +218,9 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor], transformers: i
         elif isinstance(disk, str) and t.dim() == 2:  # a linear layer: same module, same shapes
             module = rename(disk.removesuffix(".weight"))
             out[f"{prefix}{module}.{ab}.weight"] = t
-            modules.add(module.rpartition(".")[2])
+            # peft matches a suffix: for 5, with its parent ("self_attn.q_b_proj"), as DeepSeek-V4's compressor
+            # and indexer hold modules of the same name (q_b_proj, kv_proj), which are not adapted
+            modules.add(".".join(module.split(".")[-2:]) if five else module.rpartition(".")[2])
         elif isinstance(disk, str) and disk.endswith(".weight"):  # Granite's fused [E, out, in] bank in 4.57
             module = disk.removesuffix(".weight")
             out[f"{prefix}{module}.{ab}.weight"] = param_wrapper_factor(t, ab, E, r)

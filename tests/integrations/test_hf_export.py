@@ -269,7 +269,7 @@ def test_export_for_transformers_5_names_fused_experts_and_keeps_the_scale(tmp_p
     main([str(tmp_path / "adapter"), str(tmp_path / "peft"), "--transformers", "5"])
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
-    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert config["target_modules"] == ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
     assert config["rank_pattern"] == {"experts.gate_up_proj": 8} and config["alpha_pattern"] == {"experts.gate_up_proj": 24}
     tensors = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     inner = "base_model.model.model.layers.0.mlp.experts.base_layer"  # gate_up_proj's wrapper, inside down_proj's
