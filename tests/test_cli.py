@@ -130,7 +130,7 @@ def test_bare_sweep_lists_the_presets_runs_nothing_and_exits_2(tmp_path, capsys,
 def test_export_takes_model_as_the_other_commands_and_its_old_name_warns(capsys, monkeypatch):
     from minimoe.cli import export
     seen = []
-    monkeypatch.setattr(export, "export_peft", lambda adapter, out, checkpoint, base_model: seen.append(base_model))
+    monkeypatch.setattr(export, "export_peft", lambda adapter, out, checkpoint, base_model, transformers: seen.append(base_model))
     export.main(["run", "out", "--model", "some/base"])
     export.main(["run", "out", "--base-model", "some/base"])
     assert seen == ["some/base", "some/base"]

@@ -4,6 +4,7 @@ or with --merged as a plain checkpoint with the adapter merged into the base wei
     python export.py runs/olmoe-arc_challenge-ACS-IS-seed42 exported/olmoe-arc-acs
     python export.py runs/<run> OUT --checkpoint selected --model allenai/OLMoE-1B-7B-0924-SFT
     python export.py runs/<run> OUT --merged      # config.json, model*.safetensors, tokenizer files
+    python export.py runs/<run> OUT --transformers 5   # for transformers 5.x (its fused experts)
 
 Then, with peft and transformers installed:
     model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(BASE), OUT)
@@ -31,6 +32,10 @@ def main(argv=None):
                                "the merged checkpoint (replaced whole)")
     p.add_argument("--merged", action="store_true", help="write the base model with the adapter merged in (official "
                    "layout, the base's dtype and tokenizer files) instead of a peft adapter")
+    p.add_argument("--transformers", type=int, choices=(4, 5), help="the transformers major version that will load "
+                   "the peft adapter: 5 holds routed experts fused, as 3-D parameters that peft adapts by name "
+                   "(target_parameters); 4.57 most as per-expert modules (default: 4 for a family transformers 4.57 "
+                   "holds, else 5). An adapter loads right only on the version it was written for")
     p.add_argument("--checkpoint", choices=("last", "selected"),
                    help="for a run folder: 'last' (default, the paper's endpoint) or 'selected' (minimum validation NLL)")
     p.add_argument("--model", help=f"base_model_name_or_path to write, or with --merged the base to merge into: "
@@ -40,6 +45,9 @@ def main(argv=None):
                         "trained on (same shapes); refused by default")
     old_name(p, "--base-model", "--model")
     args = p.parse_args(argv)
+    if args.merged and args.transformers:
+        p.error("--transformers names the transformers a peft adapter is written for; a --merged checkpoint, in the "
+                "official layout, loads in 4.57 and 5 alike")
     base_model = model_path(args.model)
     try:
         if args.merged:
@@ -47,7 +55,8 @@ def main(argv=None):
                                         allow_other_base=args.allow_other_base)
             print(f"merged checkpoint: {out}")
         else:
-            out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=base_model)
+            out = export_peft(args.adapter, args.out, checkpoint=args.checkpoint, base_model=base_model,
+                              transformers=args.transformers)
             print(f"peft adapter: {out}")
     except (OSError, ValueError, KeyError) as e:  # bad input, a refused OUT, a full disk: one line naming the file
         p.exit(2, f"export.py: error: {e}\n")

@@ -3,11 +3,18 @@ merged into its base, as a plain checkpoint.
 
 `export_peft(adapter_or_run, out_dir)` writes `adapter_config.json` and `adapter_model.safetensors`
 such that `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)`
-gives minimoe's logits with the adapter (tests/core/decoder/test_families_parity.py holds this for every family,
-tests/integrations/test_hf_export.py for each exportable method). Our names map onto the checkpoint's
-through the family's `layer_keys` (core/decoder/families.py), the one name table:
+gives minimoe's logits with the adapter (on transformers 4.57: tests/core/decoder/test_families_parity.py for every
+family it holds, tests/integrations/test_hf_export.py for each exportable method; on 5.23: test_hf_export.py for
+every family). Our names map onto the checkpoint's
+through the family's `layer_keys` (core/decoder/families.py), the one name table, for the modules of the
+transformers that will load it (`transformers`: 4 for 4.57's, the default for the families it holds; 5 for 5.x's,
+the default for the others; export.py --transformers). The two hold routed experts differently, and an adapter
+written for one loads wrong on the other: on 4.57, a 5 export's expert targets match nothing (peft warns, the
+experts run unadapted); on 5.23, peft 0.21.2 converts a 4.57 export itself for the families whose conversion it
+knows (OLMoE, Qwen3-MoE, Mixtral, DeepSeek: measured exact) and gives wrong logits without an error for others
+(Granite's three, Qwen2-MoE: measured; gpt-oss: a shape error).
 - Attention LoRA keeps its modules and shapes: `q_proj.lora_A [r, D]`, `lora_B [out, r]`.
-- Granite's fused expert banks are 3-D parameters in transformers (`input_linear.weight [E, 2I, D]`,
+- Granite's fused expert banks are 3-D parameters in transformers 4.57 (`input_linear.weight [E, 2I, D]`,
   `output_linear.weight`), so they go through peft's `target_parameters` (its ParamWrapper), which
   stores A as [E*r, in] with the expert index slowest and B as [out, r*E] with the expert index
   fastest: A = ours.reshape(E*r, in), B = ours.permute(1, 2, 0).reshape(out, r*E).
@@ -17,13 +24,27 @@ through the family's `layer_keys` (core/decoder/families.py), the one name table
   transposes (`Layout.to_disk`), so our delta B A stored is A^T to_disk(B): peft's B_e is our A_e^T and
   its A_e is to_disk(our B_e) (gate_up's columns interleaved as the checkpoint's, where they are). The
   banks are parameters of one module (`mlp.experts`), which peft wraps once per parameter in the module's
-  parameter order: the first one's keys sit under one `base_layer.` per later wrapper. Gemma 4's banks are such
-  parameters too (`experts.gate_up_proj`, `experts.down_proj`, no `.weight`), stored [E, out, in] as ours.
-- OLMoE keeps per-expert modules on transformers 4.x: our fused gate_up pair splits into rank-r
+  parameter order: the first one's keys sit under one `base_layer.` per later wrapper.
+- The other families keep per-expert modules on transformers 4.57 (OLMoE's, say): our fused gate_up pair splits into rank-r
   LoRAs on `experts.{j}.gate_proj` (A rows [0, r), B rows [0, I)) and `up_proj` (the rest), and
   down_proj's pair into `experts.{j}.down_proj`.
+- transformers 5 holds every family's routed experts as 3-D parameters of one `experts` module beside the router
+  (`mlp.experts.gate_up_proj [E, 2I, D]` gate rows first, `down_proj [E, D, I]`; Nemotron-H's `up_proj`), named as
+  our banks are, so all go through `target_parameters`. peft's ParamWrapper gives each expert its own A_e [r, in]
+  and B_e [out, r] at one shared scale alpha/r, as ours: exact, no merge needed. Where 4.57 kept gate and up apart
+  (our two rank-r LoRAs on one bank), transformers 5 fuses them, and so do we: one rank-2r LoRA, A_e = our
+  [A_gate; A_up] (already so stacked), B_e = [[B_gate, 0], [0, B_up]], with `rank_pattern` 2r and `alpha_pattern`
+  2 alpha for `experts.gate_up_proj` (alpha/r kept; peft 0.21.2 warns that the patterns "did not match any
+  targeted module": its check looks at modules, not parameters, and the rank is applied, as the test shows).
+  gpt-oss's bank is [E, in, out] with `is_transposed` set on its module (TRANSPOSED_IN_5), which peft reads: its
+  A_e is ours and its B_e is to_disk(ours); Llama 4's is [E, in, out] without it, read as on 4.57. Modules that
+  transformers 5 renames on load (RENAMED_IN_5: Mixtral's, MiniMax-M2's and Kimi Linear's `block_sparse_moe.`
+  is its `mlp.`, Granite's `router.layer` its `router`, DeepSeek-V4's release names its own) are written under its
+  names, and a linear's target names its parent too (`self_attn.q_b_proj`: DeepSeek-V4's compressor holds another).
 - Native gates tuned by "+ affinity tuning" go to `modules_to_save` under their full module path,
   so that only the tuned layers are replaced.
+- peft refuses LoRA on a Mamba model's `out_proj` (Nemotron-H's `mamba_out` target; not Granite 4.0-H, whose model
+  type its check does not list): refused here by name, before anything is written.
 - A method that routes natively (its record's `not_exportable` is None: native, acs, and the baselines
   densemixer, esft, router) exports as LoRA on native routing does; its router state, if any (ESFT's
   choice of experts), is training's and is left out. ESFT's full form trains expert weights in full
@@ -68,6 +89,23 @@ from minimoe.runs.run_folder import resolve_adapter  # a run folder resolves thr
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys
 
+# The families transformers 4.57 holds: export_peft writes for its modules by default; for the others, for 5's.
+TRANSFORMERS_4_FAMILIES = frozenset({"granitemoe", "olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
+                                     "deepseek_v2", "deepseek_v3", "granitemoehybrid", "qwen3_next",
+                                     "granitemoeshared", "flex_olmo", "glm4_moe", "llama4_text"})
+# transformers 5's modules where they are not named as the checkpoint's keys (its conversion mapping renames
+# them on load), within a layer: the checkpoint's path prefix -> transformers 5's
+RENAMED_IN_5 = {**dict.fromkeys(("mixtral", "minimax_m2", "kimi_linear"), {"block_sparse_moe.": "mlp."}),
+                **dict.fromkeys(("granitemoe", "granitemoehybrid", "granitemoeshared"),
+                                {"block_sparse_moe.router.layer.": "block_sparse_moe.router."}),
+                # DeepSeek-V4's release names, and its LoRA targets' (lora_paths) among them
+                "deepseek_v4": {"ffn.": "mlp.", "attn.wq_b.": "self_attn.q_b_proj.", "attn.wkv.": "self_attn.kv_proj.",
+                                "attn.wo_b.": "self_attn.o_b_proj.", "attn.wo_a.": "self_attn.o_a_proj."}}
+# the families whose experts module in transformers 5 says `is_transposed` (banks [E, in, out]), which peft reads
+TRANSPOSED_IN_5 = frozenset({"gpt_oss"})
+# the families whose `out_proj` peft 0.21.2 refuses to adapt (its Mamba check, by model_type: Granite 4.0-H is not one)
+PEFT_MAMBA_TYPES = frozenset({"nemotron_h"})
+
 
 def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[str, torch.Tensor], object]:
     """(adapter config as save_adapter writes it, tensors, its configured Method or None) from a model, an
@@ -91,23 +129,68 @@ def param_wrapper_factor(t, ab: str, E: int, r: int):
     return t.reshape(E * r, t.shape[-1]) if ab == "lora_A" else t.permute(1, 2, 0).reshape(t.shape[1], r * E)
 
 
-def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict]:
-    """Our adapter tensors -> (peft's state dict, the targets for its config); unknown keys raise."""
-    fp = config["fingerprint"]
-    table, E, r = family_of(fp["model_type"]).layer_keys, fp["num_experts"], config["rank"]
-    out, modules, params, saved = {}, set(), set(), []
-    wrapped = {}  # peft module path -> {parameter name: {"lora_A"/"lora_B": tensor}} (Converted banks)
-    # the order of the banks that are parameters of one module (Converted ones, and Gemma 4's bare ones)
-    order = [(d.key if isinstance(d, Converted) else d).rpartition(".")[2] for d in table.values()
-             if isinstance(d, Converted) or isinstance(d, str) and not d.endswith(".weight")]
+def block_diagonal(B, blocks: int):
+    """B [E, out, r] whose row block b pairs with A's row block b -> [E, out, blocks*r], block b in columns b*r..:
+    our `blocks` LoRAs of rank r as one of rank blocks*r (zeros elsewhere), the same product with A [E, blocks*r, in]."""
+    E, out, r = B.shape
+    wide = B.new_zeros(E, out, blocks * r)
+    for b, rows in enumerate(B.chunk(blocks, dim=1)):
+        wide[:, b * rows.shape[1]:(b + 1) * rows.shape[1], b * r:(b + 1) * r] = rows
+    return wide
+
+
+def converted_factor(disk: Converted, t, ab: str, E: int, r: int, transposed: bool) -> tuple[str, object]:
+    """Our factor of a bank stored as x @ W ([E, in', out'], the record's `Converted` layout) -> (peft's name
+    for it, its ParamWrapper factor). peft reads such a bank as [E, out, in] unless its module says
+    `is_transposed` (transformers 5's gpt-oss): then A is ours and B is to_disk(ours) (its rows in the
+    checkpoint's order); else it adapts the transpose: its B_e = our A_e^T, its A_e = to_disk(our B_e)."""
+    if transposed:
+        return ab, t.reshape(E * r, t.shape[-1]) if ab == "lora_A" else \
+            layout_of(disk).to_disk(t).permute(2, 1, 0).reshape(t.shape[1], r * E)
+    if ab == "lora_A":  # ours [E, r, in] -> peft's B [out', r*E] (out' = our in), expert fastest
+        return "lora_B", t.permute(2, 1, 0).reshape(t.shape[-1], r * E)
+    return "lora_A", layout_of(disk).to_disk(t).reshape(E * r, t.shape[1])  # [E, r, in'] -> [E*r, in']
+
+
+def experts_module(family, disk) -> str:
+    """The module (within a layer) that holds the routed experts as 3-D parameters in transformers 5, from the
+    checkpoint key of one of its banks: the MoE block's experts ("mlp.experts"; Gemma 4's "experts"), renamed
+    where transformers 5 renames the checkpoint's modules (RENAMED_IN_5)."""
+    key = disk.key if isinstance(disk, Converted) else disk if isinstance(disk, str) else disk[0]
+    moe, found, _ = f".{key}".partition(".experts.")  # ".mlp" of "mlp.experts.{j}.gate_proj.weight"
+    if not found:  # Granite's "block_sparse_moe.input_linear.weight": the block is the bank's parent
+        moe = "." + key.rsplit(".", 2)[0]
+    return in_transformers_5(family, f"{moe}.experts".lstrip("."))
+
+
+def in_transformers_5(family, path: str) -> str:
+    """A module path within a layer as the checkpoint names it -> as transformers 5's model does."""
+    dotted = f"{path}."
+    for old, new in RENAMED_IN_5.get(family, {}).items():
+        if dotted.startswith(old):
+            return (new + dotted[len(old):]).removesuffix(".")
+    return path
+
+
+def peft_tensors(config: dict, tensors: dict[str, torch.Tensor], transformers: int = 4) -> tuple[dict, dict]:
+    """Our adapter tensors -> (peft's state dict, the targets for its config) for `transformers`' (4 or 5)
+    modules (module docstring); unknown keys raise."""
+    fp, five = config["fingerprint"], transformers == 5
+    family = fp["model_type"]
+    rename = (lambda path: in_transformers_5(family, path)) if five else (lambda path: path)
+    table, E, r = family_of(family).layer_keys, fp["num_experts"], config["rank"]
+    out, modules, params, saved, ranks = {}, set(), set(), [], {}
+    wrapped = {}  # peft module path -> {parameter name: {"lora_A"/"lora_B": tensor}} (banks of one module)
+    # the banks' order in their module (the order peft nests their wrappers in)
+    order = [k.removesuffix(".weight").rpartition(".")[2] for k in table if k.startswith("mlp.experts.")]
     for key in sorted(tensors):
         t = tensors[key]
         layer, _, name = key.partition(".layers.")[2].partition(".")
         prefix = f"{PREFIX}model.layers.{layer}."
         if key.endswith(".weight") and name == "mlp.gate.weight":  # a tuned native gate
-            disk = table.get(name, name)
-            out[prefix + disk] = t
-            saved.append(f"model.layers.{layer}.{disk.removesuffix('.weight')}")
+            module = rename(table.get(name, name).removesuffix(".weight"))
+            out[f"{prefix}{module}.weight"] = t
+            saved.append(f"model.layers.{layer}.{module}")
             continue
         if ".mlp.router." in key:  # state of a method that routes natively (export_peft refuses the others):
             continue  # read in training only (ESFT's choice of experts), no part of the forward
@@ -116,29 +199,37 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
                            "tuned native gates only")
         base, _, ab = name.rpartition(".")  # e.g. "mlp.experts.gate_up_proj", "lora_A"
         disk = table.get(f"{base}.weight", f"{base}.weight")
-        if isinstance(disk, Converted):  # a bank stored as x @ W: peft's B_e = A_e^T, A_e = to_disk(B_e)
-            module, _, param = disk.key.rpartition(".")
-            pieces = wrapped.setdefault(prefix + module, {}).setdefault(param, {})
-            if ab == "lora_A":  # ours [E, r, in] -> peft's B [out', r*E] (out' = our in), expert fastest
-                pieces["lora_B"] = t.permute(2, 1, 0).reshape(t.shape[-1], r * E)
-            else:  # ours [E, out, r] -> [E, r, in'] (in' = our out, in the disk's order) -> peft's A [E*r, in']
-                pieces["lora_A"] = layout_of(disk).to_disk(t).reshape(E * r, t.shape[1])
+        if base.startswith("mlp.experts.") and five:  # a bank: a 3-D parameter of the experts module, named as ours
+            module, param = experts_module(family, disk), base.rpartition(".")[2]
+            if isinstance(disk, Converted):
+                ab, t = converted_factor(disk, t, ab, E, r, transposed=family in TRANSPOSED_IN_5)
+            else:  # [E, out, in] as ours; gate and up stored apart on disk: our two LoRAs as one of rank 2r
+                blocks = len(disk) if isinstance(disk, tuple) else 1
+                t = param_wrapper_factor(t if ab == "lora_A" else block_diagonal(t, blocks), ab, E, blocks * r)
+                if blocks > 1:  # peft's rank and alpha for this parameter: alpha/r's scale kept
+                    ranks[f"{module.rpartition('.')[2]}.{param}"] = blocks
+            wrapped.setdefault(prefix + module, {}).setdefault(param, {})[ab] = t
             params.add(f"{module.rpartition('.')[2]}.{param}")  # "experts.gate_up_proj"
-        elif isinstance(disk, str) and t.dim() == 3 and not disk.endswith(".weight"):  # a bank that is a bare
-            module, _, param = disk.rpartition(".")  # parameter of one module holding both (Gemma 4's experts)
-            wrapped.setdefault(prefix + module, {}).setdefault(param, {})[ab] = param_wrapper_factor(t, ab, E, r)
+        elif isinstance(disk, Converted):  # transformers 4.57's gpt-oss and Llama 4 banks, stored as x @ W
+            module, _, param = disk.key.rpartition(".")
+            ab, t = converted_factor(disk, t, ab, E, r, transposed=False)
+            wrapped.setdefault(prefix + module, {}).setdefault(param, {})[ab] = t
             params.add(f"{module.rpartition('.')[2]}.{param}")  # "experts.gate_up_proj"
         elif isinstance(disk, str) and t.dim() == 2:  # a linear layer: same module, same shapes
-            module = disk.removesuffix(".weight")
+            module = rename(disk.removesuffix(".weight"))
             out[f"{prefix}{module}.{ab}.weight"] = t
-            modules.add(module.rpartition(".")[2])
-        elif isinstance(disk, str):  # a fused [E, out, in] bank: peft's ParamWrapper layout
+            # peft matches a suffix: for 5, with its parent ("self_attn.q_b_proj"), as DeepSeek-V4's compressor
+            # and indexer hold modules of the same name (q_b_proj, kv_proj), which are not adapted
+            modules.add(".".join(module.split(".")[-2:]) if five else module.rpartition(".")[2])
+        elif isinstance(disk, str) and disk.endswith(".weight"):  # Granite's fused [E, out, in] bank in 4.57
             module = disk.removesuffix(".weight")
             out[f"{prefix}{module}.{ab}.weight"] = param_wrapper_factor(t, ab, E, r)
             # "block_sparse_moe.input_linear.weight": peft matches a suffix, and a shared expert's linear
             # (Granite's shared_mlp.input_linear) would match "input_linear.weight" too
             params.add(".".join(disk.split(".")[-3:]))
-        else:  # per-expert modules: block b of A feeds row block b of B (see lora.LoRAMixin)
+        elif isinstance(disk, str):  # a bank that transformers 4.57 does not hold (refused before: export_peft)
+            raise ValueError(f"export_peft: {family}'s {base} ({disk}) is a transformers 5 bank; export for 5")
+        else:  # per-expert modules (4.57): block b of A feeds row block b of B (see lora.LoRAMixin)
             for j in range(E):  # A [E, blocks*r, in] and B [E, blocks*out, r] both split along dim 1
                 for pat, part in zip(disk, t[j].chunk(len(disk), dim=0)):
                     module = pat.format(j=j).removesuffix(".weight")
@@ -153,22 +244,36 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor]) -> tuple[dict[s
             for ab, t in by_param[param].items():
                 out[f"{path}.{ab}.weight"] = t
     return out, {"target_modules": sorted(modules) or None, "target_parameters": sorted(params) or None,
-                 "modules_to_save": saved or None}
+                 "modules_to_save": saved or None, "rank_pattern": {k: n * r for k, n in ranks.items()},
+                 "alpha_pattern": {k: n * config["alpha"] for k, n in ranks.items()}}
 
 
-def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_model: str | None = None) -> Path:
+def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_model: str | None = None,
+                transformers: int | None = None) -> Path:
     """Write out_dir/adapter_config.json and adapter_model.safetensors (atomically) in peft's format.
 
     adapter_or_run: a model with LoRA, an adapter folder (adapter_config.json + adapter.safetensors)
     or a run folder (its `checkpoint`: "last" by default or "selected", as evaluate.py resolves it).
     base_model: written as base_model_name_or_path; default the adapter's own record.
+    transformers: the major version of the transformers that will load it, 4 (4.57's modules) or 5 (5.x's fused
+    experts); default 4 for a family 4.57 holds (TRANSFORMERS_4_FAMILIES), else 5.
     """
     config, tensors, method = _adapter_state(adapter_or_run, checkpoint)
+    family = config["fingerprint"]["model_type"]
+    transformers = transformers or (4 if family in TRANSFORMERS_4_FAMILIES else 5)
+    if transformers not in (4, 5):
+        raise ValueError(f"export_peft: transformers={transformers!r}; expected 4 or 5 (its major version)")
+    if transformers == 4 and family not in TRANSFORMERS_4_FAMILIES:
+        raise ValueError(f"export_peft: transformers 4.57 does not hold {family}; export it for transformers 5 "
+                         "(transformers=5, export.py --transformers 5)")
     refuse_routing_heads(method, "export_peft")
+    if family in PEFT_MAMBA_TYPES and (outs := sorted(k for k in tensors if ".out_proj.lora_" in k)):
+        raise ValueError(f"export_peft: refused: peft refuses LoRA on {family}'s Mamba out_proj ({outs[0]}); train "
+                         "without the mamba_out target, or export it merged (export.py --merged)")
     if rows := sorted(k for k in tensors if ".mlp.router.rows." in k):
         raise ValueError(f"export_peft: refused: the adapter trains expert weights in full ({rows[0]}, ESFT's "
                          "full form), which peft's LoRA cannot hold; export it merged (export.py --merged)")
-    state, targets = peft_tensors(config, tensors)
+    state, targets = peft_tensors(config, tensors, transformers)
     base_model = base_model or config.get("base_model")
     if not base_model:
         raise ValueError("export_peft: the base model is not recorded with this adapter; pass base_model= "

@@ -9,7 +9,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import tiny_model
 from minimoe.cli.export import main
-from minimoe.core.adaptation.lora import add_lora
+from minimoe.core.adaptation.lora import LoRAGroupedLinear, add_lora
+from minimoe.core.decoder.families import FAMILIES
 from minimoe.core.routing_methods.methods import set_router
 from minimoe.core.routing_methods.routing import moe_blocks
 from minimoe.integrations.hf_export import export_merged, export_peft
@@ -213,3 +214,88 @@ def test_export_errors_name_only_export_flags(tmp_path, capsys):
     main([str(tmp_path / "adapter"), str(tmp_path / "out"), "--merged", "--model", str(tmp_path / "other"),
           "--allow-other-base"])
     assert (tmp_path / "out" / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------- for transformers 5 (its fused experts)
+
+# peft refuses a LoRA on Nemotron-H's Mamba out_proj (export_peft too: test below); the rest of its default targets
+TF5_TARGETS = {"nemotron_h": ("q", "k", "v", "o", "experts", "mamba_in")}
+
+
+@pytest.mark.tf5
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_peft_on_transformers_5_loads_the_export_with_our_logits(model_type, tmp_path):
+    """Every family's LoRA (its default targets: the routed experts, attention and its mixers), trained off zero and
+    exported with transformers=5, loads into peft 0.21.2 on transformers 5.23 (which holds the experts fused, as
+    3-D parameters: peft's target_parameters) from a checkpoint transformers 5.23 saved: every key matched, fp32
+    logits within 2e-5 of ours, and the experts' LoRA in them (logits without it off by > 1e-2)."""
+    from tests.core.decoder.test_families_parity import assert_peft_loads_the_export, with_trained_lora
+    from tests.loading.test_config_keys import tiny
+    model = with_trained_lora(model_type, tmp_path / "base", seed=1, targets=TF5_TARGETS.get(model_type),
+                              config=tiny(model_type)).eval()
+    assert_peft_loads_the_export(model, tmp_path, transformers=5)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert {p.rpartition(".")[2] for p in config["target_parameters"]} >= {"down_proj"}
+    ids_ = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(ids_).logits
+        for m in model.modules():  # the experts' LoRA off: what an export without it would give
+            if isinstance(m, LoRAGroupedLinear):
+                m.lora_B.zero_()
+        assert rel_err(model(ids_).logits, want) > 1e-2
+
+
+@pytest.mark.tf5
+@pytest.mark.parametrize("family,method", [("granitemoe", "acs"), ("mixtral", "native")])
+def test_a_tuned_gate_exports_for_transformers_5_where_it_renamed_the_router(family, method, tmp_path):
+    """A tuned gate goes to modules_to_save under transformers 5's path for it (Granite's block_sparse_moe.router,
+    Mixtral's mlp.gate: its checkpoint's block_sparse_moe.router.layer and block_sparse_moe.gate), and loads with our
+    logits."""
+    from tests.core.decoder.test_families_parity import assert_peft_loads_the_export
+    model = trained(family, method, True)
+    save_pretrained(tiny_model(family), tmp_path / "base")
+    assert_peft_loads_the_export(model, tmp_path, transformers=5)
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["modules_to_save"] == [{"granitemoe": "model.layers.1.block_sparse_moe.router",
+                                          "mixtral": "model.layers.1.mlp.gate"}[family]]
+
+
+def test_export_for_transformers_5_names_fused_experts_and_keeps_the_scale(tmp_path):
+    """OLMoE for transformers 5 (export.py --transformers 5): its experts as target_parameters, our gate and up
+    LoRAs (rank 4 each) as one of rank 8 on gate_up_proj with alpha doubled (rank_pattern, alpha_pattern): the
+    scale alpha/r kept, B block-diagonal. No oracle: the peft load itself is the tf5 test above."""
+    model = trained("olmoe", "native", False)
+    save_adapter(model, tmp_path / "adapter", base_model="tiny-base")
+    main([str(tmp_path / "adapter"), str(tmp_path / "peft"), "--transformers", "5"])
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["experts.down_proj", "experts.gate_up_proj"]
+    assert config["target_modules"] == ["self_attn.k_proj", "self_attn.o_proj", "self_attn.q_proj", "self_attn.v_proj"]
+    assert config["rank_pattern"] == {"experts.gate_up_proj": 8} and config["alpha_pattern"] == {"experts.gate_up_proj": 24}
+    tensors = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
+    inner = "base_model.model.model.layers.0.mlp.experts.base_layer"  # gate_up_proj's wrapper, inside down_proj's
+    A, B = tensors[f"{inner}.lora_A.weight"], tensors[f"{inner}.lora_B.weight"]  # [E*8, D], [2I, 8*E]
+    lora = model.model.layers[0].mlp.experts.gate_up_proj
+    E, I = lora.lora_A.shape[0], lora.lora_B.shape[1] // 2
+    B_e = B.reshape(2 * I, 8, E).permute(2, 0, 1)  # [E, 2I, 8], the expert fastest in peft's columns
+    delta = (24 / 8) * B_e @ A.reshape(E, 8, -1)
+    assert torch.allclose(delta, lora.delta_weight(), atol=1e-6)
+    assert not B_e[:, :I, 4:].any() and not B_e[:, I:, :4].any()  # gate rows read only gate's A rows
+
+
+def test_export_refuses_a_transformers_it_cannot_write_for(tmp_path, capsys):
+    """A transformers-5-only family for transformers 4 (4.57 does not hold it), a version other than 4 or 5, and
+    Nemotron-H's Mamba out_proj LoRA (peft refuses it) are refused by name, before anything is written; --merged
+    with --transformers is a usage error."""
+    qwen35 = add_lora(tiny_model("qwen3_5_moe"), rank=4, alpha=8, dropout=0.0)
+    with pytest.raises(ValueError, match="transformers 4.57 does not hold qwen3_5_moe; export it for transformers 5"):
+        export_peft(qwen35, tmp_path / "peft", base_model="x", transformers=4)
+    with pytest.raises(ValueError, match="transformers=3; expected 4 or 5"):
+        export_peft(qwen35, tmp_path / "peft", base_model="x", transformers=3)
+    nemotron = add_lora(tiny_model("nemotron_h"), rank=4, alpha=8, dropout=0.0)
+    with pytest.raises(ValueError, match="peft refuses LoRA on nemotron_h's Mamba out_proj.*mamba_out target"):
+        export_peft(nemotron, tmp_path / "peft", base_model="x")
+    assert not (tmp_path / "peft").exists()
+    save_adapter(qwen35, tmp_path / "adapter", base_model="x")
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "adapter"), str(tmp_path / "out"), "--merged", "--transformers", "5"])
+    assert "--transformers names the transformers a peft adapter is written for" in capsys.readouterr().err

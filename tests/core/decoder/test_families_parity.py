@@ -23,11 +23,9 @@ FP32_TOL = 2e-5
 # the families declared so far; a transformers-5-only one's cases marked tf5 (its oracle is transformers 5.23)
 NAMES = [v for v in VARIANTS if family_of(v) in FAMILIES]
 DECLARED = declared(NAMES)
-# the peft export's: the families transformers 4.57 has, and Gemma 4's (its banks are bare parameters of one module,
-# a layout of their own); the other transformers-5 families hold their experts fused, where peft adapts parameters,
-# not the per-expert modules the export names (peft 0.21.2 is in the test5 extra; skipped where peft is missing)
-WITH_PEFT = [v for v in NAMES if family_of(v) not in TRANSFORMERS_5_ONLY] + [
-    pytest.param(v, marks=pytest.mark.tf5) for v in NAMES if family_of(v) == "gemma4_text"]
+# the peft export for transformers 4.57: the families it has (for transformers 5, every family:
+# tests/integrations/test_hf_export.py)
+WITH_PEFT = [v for v in NAMES if family_of(v) not in TRANSFORMERS_5_ONLY]
 
 
 @pytest.mark.parametrize("variant", DECLARED)
@@ -215,11 +213,11 @@ def test_kv_cached_decoding_gives_the_full_forward_logits(variant, tmp_path):
     assert rel_err(torch.cat(steps, dim=1), full, torch.ones_like(ids)) <= FP32_TOL
 
 
-def with_trained_lora(variant, base, seed: int, targets=None):
-    """The variant's reference checkpoint saved at `base`, loaded by us with rank-4 LoRA (alpha 12; `targets`,
-    None: the family's) moved off its zero start by random steps, as a trained adapter would be (what both
-    export tests export)."""
-    reference_model(variant_config(variant), base)
+def with_trained_lora(variant, base, seed: int, targets=None, config: dict | None = None):
+    """The variant's reference checkpoint (or `config`'s) saved at `base`, loaded by us with rank-4 LoRA (alpha 12;
+    `targets`, None: the family's) moved off its zero start by random steps, as a trained adapter would be (what
+    both export tests export)."""
+    reference_model(config or variant_config(variant), base)
     model = minimoe.from_pretrained(base)
     add_lora(model, rank=4, alpha=12, dropout=0.0, targets=targets)
     g = torch.Generator().manual_seed(seed)
@@ -237,26 +235,15 @@ def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
     assert_peft_loads_the_export(with_trained_lora(variant, tmp_path / "base", seed=1).eval(), tmp_path)
 
 
-@pytest.mark.tf5
-def test_qwen3_5_moe_peft_loads_the_attention_and_deltanet_export(tmp_path):
-    """Qwen3.5's LoRA on the attention and the split DeltaNet projections (in_proj_qkv, in_proj_z, in_proj_b,
-    in_proj_a, out_proj: its module names, which peft targets), exported, loads into peft on transformers 5.23
-    with our logits. Not the experts: transformers 5 holds them fused, where peft adapts parameters, not the
-    per-expert modules the export names."""
-    pytest.importorskip("peft")
-    model = with_trained_lora("qwen3_5_moe", tmp_path / "base", seed=1, targets=("q", "k", "v", "o", "deltanet"))
-    assert_peft_loads_the_export(model.eval(), tmp_path)
-
-
-def assert_peft_loads_the_export(model, tmp_path):
-    """`model`'s LoRA saved, exported in peft's format, loaded by peft onto transformers' model of tmp_path/base:
-    every key matched, the adapter changing the logits, and peft's logits ours."""
+def assert_peft_loads_the_export(model, tmp_path, transformers: int | None = None):
+    """`model`'s LoRA saved, exported in peft's format (for `transformers`: export_peft's), loaded by peft onto
+    transformers' model of tmp_path/base: every key matched, the adapter changing the logits, and peft's logits ours."""
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
     from minimoe.integrations.hf_export import export_peft
     from minimoe.runs.adapters import save_adapter
     save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
-    export_peft(tmp_path / "adapter", tmp_path / "peft")
+    export_peft(tmp_path / "adapter", tmp_path / "peft", transformers=transformers)
     hf = hf_causal_lm(tmp_path / "base", dtype=torch.float32, attn_implementation="eager")
     hf = peft.PeftModel.from_pretrained(with_v2_softmax_mscale(hf), tmp_path / "peft").eval()
     ours = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
