@@ -333,6 +333,11 @@ def mimo_sliding_window(d: dict) -> int:
     return d["sliding_window_size"] + 1 if d.get("sliding_window_size") is not None else 129
 
 
+def mimo_layers(d: dict) -> dict:
+    """config.json's fields with MiMoV2FlashConfig's layer count (48) where it gives none, for the defaults by layer."""
+    return {"num_hidden_layers": 48, **d}
+
+
 register_family(Family(
     "mimo_v2_flash", "MiMoV2FlashForCausalLM",
     brings="sliding layers with twice the KV heads and attention sinks; values narrower than keys (v_head_dim) and "
@@ -349,20 +354,20 @@ register_family(Family(
                              "n_group", "topk_group", "norm_topk_prob"}),
     # MiMoV2FlashAttention, MiMoV2FlashTopkRouter (DeepSeek-V3's) and MiMoV2FlashMoE hard-code these
     # (its groups not kept mask to -inf, where transformers 4.57's DeepSeek-V3 router masked them to 0)
-    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "group_mask_inf": True, "n_shared_experts": 0,
-           "attention_sinks": True, "sinks_sliding_only": True, "sliding_kv_factor": 2, "use_sliding_window": True,
-           "layer_rope_partial": 0.334},
+    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "group_mask_inf": True,
+           "n_shared_experts": 0, "attention_sinks": True, "sinks_sliding_only": True, "sliding_kv_factor": 2,
+           "use_sliding_window": True, "layer_rope_partial": 0.334},
     null_defaults=frozenset({"routed_scaling_factor"}),
     write_defaults={"mlp_layer_types": mlp_kinds},
     # sliding_window_size is read into sliding_window's default, and held to it; mlp_layer_types into mlp_only_layers'
-    unread={"sliding_window_size": lambda d: d["sliding_window"] - 1, "mlp_layer_types": lambda d: d["mlp_layer_types"]},
+    unread={"sliding_window_size": lambda d: d["sliding_window"] - 1,
+            "mlp_layer_types": lambda d: d["mlp_layer_types"]},
     defaults={"vocab_size": 152576, "hidden_size": 4096, "dense_intermediate_size": 16384, "num_hidden_layers": 48,
               "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 192, "value_head_dim": 128,
               "intermediate_size": 2048, "num_experts": 256, "num_experts_per_tok": 8, "rms_norm_eps": 1e-5,
               "max_position_embeddings": 131072, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
               "norm_topk_prob": True, "qkv_bias": False, "bos_token_id": 1, "attention_value_scale": 0.707,
-              "sliding_window": mimo_sliding_window,
-              "layer_types": lambda d: mimo_layer_types(d.get("num_hidden_layers") or 0), "mlp_only_layers": dense_layers,
-              "rope_parameters": {
-                  "full_attention": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.334},
-                  "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.334}}}))
+              "sliding_window": mimo_sliding_window, "mlp_only_layers": lambda d: dense_layers(mimo_layers(d)),
+              "layer_types": lambda d: mimo_layer_types(mimo_layers(d)["num_hidden_layers"]),
+              "rope_parameters": {kind: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.334}
+                                  for kind, theta in (("full_attention", 5000000.0), ("sliding_attention", 10000.0))}}))
