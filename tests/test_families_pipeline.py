@@ -111,7 +111,8 @@ def test_the_pipeline_runs_on_a_transformers_saved_checkpoint(name, tmp_path, mo
 
 
 # Round 3's families whose hub path runs here too, under transformers 5.23 (tf5: their oracle)
-ROUND3_HUB = ["qwen3_5_moe", "lfm2_moe", "nemotron_h", "deepseek_v32", "glm_moe_dsa", "gemma4_text", "granitemoe_swa"]
+ROUND3_HUB = ["qwen3_5_moe", "lfm2_moe", "nemotron_h", "deepseek_v32", "glm_moe_dsa", "gemma4_text", "granitemoe_swa",
+              "mimo_v2_flash"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS + ROUND2 + HYBRIDS + tiny_families.declared(ROUND3_HUB))

@@ -189,6 +189,18 @@ VARIANTS = {
                            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                            layer_rope_theta=[10000.0, 0, 10000.0], embedding_multiplier=12.0, residual_multiplier=0.22,
                            logits_scaling=6.0, attention_multiplier=0.1, max_position_embeddings=64),
+    # MiMo-V2-Flash (transformers 5 only): a full layer, then sliding ones with twice the KV heads and sinks; values
+    # narrower than keys and scaled; each layer type's own rope theta and partial rotary (the sliding one by
+    # MiMo's 0.334 default: 8 of 24 dims); a dense middle layer; the sigmoid router's groups, bias and scaling.
+    "mimo_v2_flash": dict(model_type="mimo_v2_flash", num_key_value_heads=1, head_dim=24, v_head_dim=16,
+                          intermediate_size=96, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                          n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                          attention_value_scale=0.6, sliding_window=4, max_position_embeddings=64,
+                          layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+                          mlp_layer_types=["sparse", "dense", "sparse"],
+                          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0,
+                                                              "partial_rotary_factor": 0.5},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
 }
 # COMMON's fields a family's config names otherwise (Nemotron-H's layer_norm_epsilon): left out of its variants.
 NOT_COMMON = {"nemotron_h": ("rms_norm_eps", "num_hidden_layers")}

@@ -24,6 +24,7 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     d = {**from_transformers5(d, family, source), "model_type": family.model_type}
     d = {k: v for k, v in d.items() if k not in family.harmless}  # not ours to read (MLA's head_dim)
     d = renamed(d, family, source)
+    d = {k: v for k, v in d.items() if not (v is None and k in family.null_defaults)}  # the default, below
     d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
     refuse_unread(d, family, source)  # a key we do not read, set to change the model
     if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/token_mixers/mixers.py)

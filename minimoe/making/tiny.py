@@ -165,6 +165,16 @@ FAMILY_SWITCHES = {
                            sliding_window=4, no_rope_layers=[1, 0, 1], shared_expert_intermediate_size=40,
                            embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=6.0,
                            attention_multiplier=0.1, pad_token_id=0, eos_token_id=1),
+    # MiMo-V2-Flash: a full layer, then sliding ones with twice the KV heads and sinks; values narrower than keys and
+    # scaled; a rope per layer type on a partial rotary; a dense middle layer; the sigmoid router's groups and bias.
+    "mimo_v2_flash": dict(num_hidden_layers=3, num_key_value_heads=1, head_dim=24, value_head_dim=16,
+                          layer_types=["full_attention", "sliding_attention", "sliding_attention"], sliding_window=4,
+                          mlp_only_layers=[1], dense_intermediate_size=96, n_group=2, topk_group=1,
+                          routed_scaling_factor=2.5, norm_topk_prob=True, attention_value_scale=0.6,
+                          rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0,
+                                                              "partial_rotary_factor": 0.5},
+                                           "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
+                          pad_token_id=0, eos_token_id=1),
 }
 
 # --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.

@@ -106,7 +106,8 @@ PLANTED = [("gpt_oss", "swiglu_alpha", 1.702, 1.0),
            # layers' overrides as transformers 5.23 saves them, disagreeing with global_head_dim and its KV heads
            ("gemma4_text", "enable_moe_block", True, False), ("gemma4_text", "hidden_size_per_layer_input", 0, 256),
            ("gemma4_text", "num_kv_shared_layers", 0, 1), ("gemma4_text", "use_bidirectional_attention", "vision", "all"),
-           ("gemma4_text", "per_layer_config", {"1": {"head_dim": 32, "num_key_value_heads": 1}}, {"1": {"head_dim": 32}})]
+           ("gemma4_text", "per_layer_config", {"1": {"head_dim": 32, "num_key_value_heads": 1}}, {"1": {"head_dim": 32}}),
+           ("mimo_v2_flash", "sliding_window_size", 3, 4)]  # SGLang's size: one less than our window of 4
 
 
 @pytest.mark.parametrize("model_type,key,good,bad", PLANTED)
@@ -235,3 +236,25 @@ def test_two_keys_giving_one_field_must_agree():
     assert config_from_dict({**d, "mamba_n_groups": d["n_groups"]}).mixers["mamba2"].mamba_n_groups == d["n_groups"]
     with pytest.raises(ValueError, match="n_groups = 2 and mamba_n_groups = 1 disagree; both give mamba_n_groups"):
         config_from_dict({**d, "mamba_n_groups": 1})
+
+
+@pytest.mark.tf5
+def test_mimo_reads_its_released_config_json_as_transformers_does():
+    """MiMo-V2-Flash's released config.json writes routed_scaling_factor null and its window as sliding_window_size
+    (SGLang's, one less than transformers' sliding_window); and a rope_parameters entry may omit partial_rotary_factor:
+    each read as MiMoV2FlashConfig and its rotary embedding read them (null: 1.0; the window size + 1; 0.334 of the
+    head), not as our defaults for other families."""
+    transformers = oracle("transformers")
+    d = {k: v for k, v in tiny("mimo_v2_flash").items() if k != "sliding_window"}
+    d |= {"routed_scaling_factor": None, "sliding_window_size": 6}
+    theirs = transformers.AutoConfig.for_model(**d)
+    ours = config_from_dict(d)
+    assert (ours.routed_scaling_factor, ours.sliding_window) == (theirs.routed_scaling_factor, theirs.sliding_window) \
+        == (1.0, 7)
+    from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import MiMoV2FlashRotaryEmbedding
+    from minimoe.core.layers.rope import layer_type_frequencies
+    rope = MiMoV2FlashRotaryEmbedding(theirs)
+    for kind in ("full_attention", "sliding_attention"):  # the tiny sliding entry gives no partial_rotary_factor
+        want = getattr(rope, f"{kind}_inv_freq")
+        got = layer_type_frequencies(ours.rope_parameters[kind], ours.head_dim, ours.mixers["attention"].layer_rope_partial)
+        assert torch.equal(got, want)

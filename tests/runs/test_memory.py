@@ -364,3 +364,13 @@ def test_the_memory_command_sizes_mistral4_and_kimi_linear_at_their_released_siz
     (tmp_path / "config.json").write_text(json.dumps(config))
     e = memory_estimate.main([str(tmp_path), "--gpus", "1", "--gpu-memory", "80"])
     assert low < e.weights / 2 < high and not e.fits
+
+
+def test_the_memory_command_sizes_mimo_v2_flash_at_its_released_size(tmp_path):
+    """config.json with its layer count alone: MiMo-V2-Flash at MiMoV2FlashConfig's defaults, which transformers 5.23
+    documents as XiaomiMiMo/MiMo-V2-Flash's (48 layers, 256 experts of 2048, the sliding layers' 8 KV heads, values 128
+    wide beside keys 192). transformers 5.23's model of that config on the meta device holds 308,778,768,832
+    parameters and 47 x 256 selection-bias entries: 308,778,780,864 values, the card's "309B"."""
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mimo_v2_flash", "num_hidden_layers": 48}))
+    e = memory_estimate.main([str(tmp_path), "--gpus", "1", "--gpu-memory", "80"])
+    assert e.weights == 2 * 308_778_780_864 and not e.fits

@@ -43,7 +43,8 @@ ODD_FAMILY = {"qwen3_moe": dict(dense_intermediate_size=49), "qwen2_moe": dict(s
               "nemotron_h": dict(dense_intermediate_size=49, shared_expert_intermediate_size=41, n_group=1, topk_group=1),
               # DSA: the indexer's wq_b and weights_proj rows uneven too (5 heads)
               "deepseek_v32": dict(dense_intermediate_size=97, n_group=1, topk_group=1, index_n_heads=5),
-              "glm_moe_dsa": dict(dense_intermediate_size=97, index_n_heads=5)}
+              "glm_moe_dsa": dict(dense_intermediate_size=97, index_n_heads=5),
+              "mimo_v2_flash": dict(dense_intermediate_size=97, n_group=1, topk_group=1)}
 CASES = [*FAMILIES, "gpt_oss-mxfp4"]  # gpt-oss's experts as the official checkpoint stores them, too
 
 

@@ -94,6 +94,9 @@ class Family:
     # model_types of the multimodal config.json that hold this family's as their text_config (the released Qwen3.5s
     # and Gemma 4s; their tensors' prefix: key_prefixes): read as this family's model (loading/config_json.py)
     containers: tuple[str, ...] = ()
+    # our fields whose null in config.json means the default, as the family's transformers config reads it (MiMo's
+    # released config.json writes routed_scaling_factor null: 1.0)
+    null_defaults: frozenset = frozenset()
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,9 @@ them."""
 from __future__ import annotations
 
 from minimoe.core.decoder.families import (DEEPSEEK_FIELDS, DEEPSEEK_KEYS, DEEPSEEK_RENAMES, GRANITE_WRITE,
-                                           MLA_DEFAULTS, MLA_LORA_PATHS, MLA_UNREAD, Family, attention_kinds,
-                                           register_family)
-from minimoe.core.token_mixers.attention import gemma_layer_types
+                                           MLA_DEFAULTS, MLA_LORA_PATHS, MLA_UNREAD, PER_EXPERT_KEYS, Family,
+                                           attention_kinds, register_family)
+from minimoe.core.token_mixers.attention import gemma_layer_types, mimo_layer_types
 
 
 # MiniMax-M2's released config.json gives its partial rotary as rotary_dim (dims per head), transformers 5's
@@ -320,3 +320,54 @@ register_family(Family(
     defaults={"no_rope_layers": granite_swa_no_rope, "rope_theta": granite_swa_theta, "layer_types": granite_swa_kinds,
               "sliding_window": 128, "attention_multiplier": 1.0, "max_position_embeddings": 2048,
               "router_aux_loss_coef": 0.001, "bos_token_id": 1, "eos_token_id": 2}))
+
+
+# Xiaomi's MiMo-V2-Flash: GQA whose sliding layers have twice the key/value heads and the attention sinks, values
+# narrower than keys (v_head_dim) and scaled (attention_value_scale), a rope per layer type turning each head's first
+# partial_rotary_factor (0.334 where an entry gives none); DeepSeek-V3's sigmoid router without shared experts; dense
+# layers by mlp_layer_types. Keys: the hub's (transformers 5.23's conversion mapping: Qwen2-MoE's per-expert
+# matrices, the sinks as attention_sink_bias), which its save_pretrained writes too; the MTP layers are not loaded.
+def mimo_sliding_window(d: dict) -> int:
+    """MiMoV2FlashConfig's window: sliding_window_size + 1 where config.json gives that (SGLang's size counts the
+    keys before the query), else 129."""
+    return d["sliding_window_size"] + 1 if d.get("sliding_window_size") is not None else 129
+
+
+def mimo_layers(d: dict) -> dict:
+    """config.json's fields with MiMoV2FlashConfig's layer count (48) where it gives none, for the defaults by layer."""
+    return {"num_hidden_layers": 48, **d}
+
+
+register_family(Family(
+    "mimo_v2_flash", "MiMoV2FlashForCausalLM",
+    brings="sliding layers with twice the KV heads and attention sinks; values narrower than keys (v_head_dim) and "
+           "scaled; a rope theta per layer type on a partial rotary; DeepSeek-V3's sigmoid router, no shared expert",
+    hub_examples=("XiaomiMiMo/MiMo-V2-Flash", "XiaomiMiMo/MiMo-V2-Flash-Base"),
+    recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("mimo-v2-flash", "mimo_v2_flash"),
+    recipe_note="scores every expert then takes the top-K, as OLMoE: OLMoE's recipe (the paper trains no MiMo); the "
+                "sinks are neither routed nor adapted",
+    layer_keys={**PER_EXPERT_KEYS, "self_attn.sinks": "self_attn.attention_sink_bias"},
+    ignored_prefixes=("model.mtp.",),  # as MiMoV2FlashPreTrainedModel's _keys_to_ignore_on_load_unexpected
+    renames={**DEEPSEEK_RENAMES, "attention_bias": "qkv_bias", "v_head_dim": "value_head_dim"},
+    config_fields=frozenset({"qkv_bias", "head_dim", "value_head_dim", "attention_value_scale", "sliding_window",
+                             "layer_types", "rope_parameters", "dense_intermediate_size", "routed_scaling_factor",
+                             "n_group", "topk_group", "norm_topk_prob"}),
+    # MiMoV2FlashAttention, MiMoV2FlashTopkRouter (DeepSeek-V3's) and MiMoV2FlashMoE hard-code these
+    # (its groups not kept mask to -inf, where transformers 4.57's DeepSeek-V3 router masked them to 0)
+    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "group_mask_inf": True,
+           "n_shared_experts": 0, "attention_sinks": True, "sinks_sliding_only": True, "sliding_kv_factor": 2,
+           "use_sliding_window": True, "layer_rope_partial": 0.334},
+    null_defaults=frozenset({"routed_scaling_factor"}),
+    write_defaults={"mlp_layer_types": mlp_kinds},
+    # sliding_window_size is read into sliding_window's default, and held to it; mlp_layer_types into mlp_only_layers'
+    unread={"sliding_window_size": lambda d: d["sliding_window"] - 1,
+            "mlp_layer_types": lambda d: d["mlp_layer_types"]},
+    defaults={"vocab_size": 152576, "hidden_size": 4096, "dense_intermediate_size": 16384, "num_hidden_layers": 48,
+              "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 192, "value_head_dim": 128,
+              "intermediate_size": 2048, "num_experts": 256, "num_experts_per_tok": 8, "rms_norm_eps": 1e-5,
+              "max_position_embeddings": 131072, "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1,
+              "norm_topk_prob": True, "qkv_bias": False, "bos_token_id": 1, "attention_value_scale": 0.707,
+              "sliding_window": mimo_sliding_window, "mlp_only_layers": lambda d: dense_layers(mimo_layers(d)),
+              "layer_types": lambda d: mimo_layer_types(mimo_layers(d)["num_hidden_layers"]),
+              "rope_parameters": {kind: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.334}
+                                  for kind, theta in (("full_attention", 5000000.0), ("sliding_attention", 10000.0))}}))

@@ -74,8 +74,10 @@ def layer_type_ropes(config: MoEConfig, position_ids, dtype) -> dict | None:
     each type's head width), else None."""
     if config.rope_parameters is None:
         return None
-    heads = {config.layer_types[i]: config.mixers["attention"].heads(config, i)[1] for i in range(config.num_hidden_layers)}
-    return {kind: rope_cos_sin(position_ids, layer_type_frequencies(config.rope_parameters[kind], d), 1.0, dtype)
+    opts = config.mixers["attention"]
+    heads = {config.layer_types[i]: opts.heads(config, i)[1] for i in range(config.num_hidden_layers)}
+    return {kind: rope_cos_sin(position_ids, layer_type_frequencies(config.rope_parameters[kind], d,
+                                                                     opts.layer_rope_partial), 1.0, dtype)
             for kind, d in heads.items()}
 
 

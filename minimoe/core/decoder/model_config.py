@@ -65,6 +65,7 @@ class MoEConfig:
     correction_bias: bool = True  # noaux_tc selects with a checkpoint bias e_score_correction_bias (Mistral 4: none)
     n_group: int = 1  # expert groups for the group-limited methods
     topk_group: int = 1  # groups kept per token
+    group_mask_inf: bool = False  # experts of the groups not kept score -inf, not 0 (transformers 5's DeepSeek-V3 router)
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (DeepSeek)
     sigmoid_norm_eps: float = 1e-20  # added to the K sigmoid scores' sum when renormalised (DeepSeek-V3's; LFM2: 1e-6)
     router_bias: bool = False  # the gate has a bias (gpt-oss)

@@ -22,7 +22,9 @@ Decisions:
   the layer's whole head, or "proportional" (p-RoPE): the first partial_rotary_factor of the head's frequency pairs
   turn at theta^(-2i/d), d the whole head's width, the others not at all (frequency 0: cos 1, sin 0, the dims
   pass unchanged, exactly), over the whole head in rotate-half's pairs (x[i], x[i + d/2]); GLM's partial rotary
-  instead rotates the first dims only, its pairs (x[i], x[i + r/2]).
+  instead rotates the first dims only, its pairs (x[i], x[i + r/2]). A "default" entry turns the whole head in
+  Gemma 4 whatever partial_rotary_factor it holds; in MiMo-V2-Flash it turns the first r = int(d * factor) dims, GLM's
+  way, with the factor 0.334 where the entry gives none (`partial`: its modeling file's compute_default_rope_parameters).
 - DeepSeek stores its rope dims as interleaved pairs (x[2i], x[2i+1]). `deinterleave` reorders
   them to rotate-half's (evens, then odds), as transformers' `rope_interleave` does; applied to both
   q and k it leaves every q.k dot product, hence attention, unchanged.
@@ -105,21 +107,28 @@ def llama3_frequencies(inv_freq, factor: float, s: dict):
 LAYER_ROPE_TYPES = ("default", "proportional")  # a layer type's rope_type (Gemma 4's rope_parameters)
 
 
-def layer_type_frequencies(rope: dict, head_dim: int) -> torch.Tensor:
-    """One layer type's rope (its rope_parameters entry) over heads of `head_dim` -> inverse frequencies [d/2]
-    (module docstring); a type we do not compute is refused by name."""
+def layer_type_frequencies(rope: dict, head_dim: int, partial: float | None = None) -> torch.Tensor:
+    """One layer type's rope (its rope_parameters entry) over heads of `head_dim` -> inverse frequencies [d/2], or
+    [r/2] for a "default" entry turning r dims (`partial` set: module docstring); a type we do not compute is refused
+    by name."""
     kind = rope.get("rope_type", "default")
     if kind not in LAYER_ROPE_TYPES:
         raise ValueError(f"config: rope_parameters rope_type {kind!r} is not supported per layer type; expected one "
                          f"of {LAYER_ROPE_TYPES}")
     if not isinstance(rope.get("rope_theta"), (int, float)):
         raise ValueError(f"config: rope_parameters {rope!r} of a layer type has no rope_theta; expected a number")
-    inv_freq, _ = rope_frequencies(head_dim, rope["rope_theta"], None, 0)  # [d/2]
     if kind == "default":
-        return inv_freq
+        r = head_dim if partial is None else int(head_dim * rope.get("partial_rotary_factor", partial))
+        return rope_frequencies(r, rope["rope_theta"], None, 0)[0]  # [r/2]
+    inv_freq, _ = rope_frequencies(head_dim, rope["rope_theta"], None, 0)  # [d/2]
     turning = int(rope.get("partial_rotary_factor", 1.0) * head_dim // 2)  # pairs that turn
     inv_freq = torch.cat([inv_freq[:turning], inv_freq.new_zeros(head_dim // 2 - turning)])
     return inv_freq / rope.get("factor", 1.0)
+
+
+def layer_rope_dim(rope: dict, head_dim: int, partial: float | None = None) -> int:
+    """The dims a layer type's rope turns in each head: its frequencies' (an odd r turns r + 1, as transformers)."""
+    return 2 * layer_type_frequencies(rope, head_dim, partial).numel()
 
 
 def yarn_softmax_mscale(rope_scaling: dict | None) -> float:

@@ -117,7 +117,9 @@ class Scoring:
     - method: greedy (plain top-K); group_limited_greedy (DeepSeek-V2: keep the `topk_group` of
       `n_group` expert groups with the largest max score); noaux_tc (DeepSeek-V3: groups ranked by the
       sum of their two best scores, correction included). Experts outside the kept groups score 0,
-      as the reference masks them.
+      as transformers 4.57 masks them (a kept expert whose corrected score is below 0 can then lose to one of
+      them), or -inf where `groups_inf` (transformers 5's DeepSeek-V3 router and its kin, DeepSeek's own): never
+      chosen.
     - scaling: routed_scaling_factor, applied to the weights last.
     - norm_eps: added to the K sigmoid scores' sum where they are renormalised (DeepSeek-V3's 1e-20, LFM2's 1e-6).
     """
@@ -130,12 +132,13 @@ class Scoring:
     topk_group: int = 1
     scaling: float = 1.0
     norm_eps: float = 1e-20
+    groups_inf: bool = False
 
     @classmethod
     def of(cls, config) -> Scoring:
         c = config
         return cls(c.num_experts_per_tok, c.norm_topk_prob, c.scoring_func, c.topk_on_logits, c.topk_method,
-                   c.n_group, c.topk_group, c.routed_scaling_factor, c.sigmoid_norm_eps)
+                   c.n_group, c.topk_group, c.routed_scaling_factor, c.sigmoid_norm_eps, c.group_mask_inf)
 
     def scores(self, logits):  # [T, E] -> [T, E] fp32 per-expert scores (softmax or sigmoid)
         return logits.float().softmax(dim=-1) if self.func == "softmax" else logits.float().sigmoid()
@@ -148,7 +151,8 @@ class Scoring:
             grouped = s.view(T, self.n_group, E // self.n_group)
             rank = grouped.max(-1).values if self.method == "group_limited_greedy" else grouped.topk(2, -1).values.sum(-1)
             kept = torch.zeros_like(rank, dtype=torch.bool).scatter_(1, rank.topk(self.topk_group, -1).indices, True)
-            s = s.masked_fill(~kept.repeat_interleave(E // self.n_group, dim=1), 0.0)
+            dropped = 0.0 if not self.groups_inf else float("-inf")
+            s = s.masked_fill(~kept.repeat_interleave(E // self.n_group, dim=1), dropped)
         return s.topk(self.top_k, dim=-1).indices
 
     def select(self, logits, experts=None, correction=None):

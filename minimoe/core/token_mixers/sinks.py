@@ -14,6 +14,7 @@ Decisions:
   in q). The division by the scale is exact when the scale is a power of two (gpt-oss: head_dim 64,
   scale 1/8); otherwise it is one rounding of the sink logit. The sink's column is always allowed,
   so a sink layer always passes an explicit mask (never SDPA's is_causal).
+- Values may be narrower than keys (MiMo-V2-Flash: dv 128 beside d 192); the sink's value row is dv zeros.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def causal_mask(T: int, S: int, start: int, device):
 
 
 def sink_attention(q, k, v, sinks, mask, scale: float):
-    """q [B, H, T, d], k/v [B, G, S, d], sinks [H], mask bool [B|1, 1, T, S] or None (causal) -> [B, H, T, d]."""
+    """q [B, H, T, d], k [B, G, S, d], v [B, G, S, dv], sinks [H], mask bool [B|1, 1, T, S] or None (causal)
+    -> [B, H, T, dv]."""
     B, H, T, d = q.shape
     G, S = k.shape[1], k.shape[2]
     if mask is None:
@@ -39,6 +41,6 @@ def sink_attention(q, k, v, sinks, mask, scale: float):
     sink_k = k.new_zeros(B, G, 1, d + 1)
     sink_k[..., -1] = 1
     k = torch.cat((k, sink_k), dim=2)  # [B, G, S+1, d+1]
-    v = torch.cat((v, v.new_zeros(B, G, 1, d)), dim=2)  # [B, G, S+1, d]: the sink adds nothing
+    v = torch.cat((v, v.new_zeros(B, G, 1, v.shape[-1])), dim=2)  # [B, G, S+1, dv]: the sink adds nothing
     mask = torch.cat((mask, mask.new_ones(*mask.shape[:-1], 1)), dim=-1)  # [B|1, 1, T, S+1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -49,6 +49,7 @@ SAME_MEANING = {
                                         "moe_shared_expert_intermediate_size wide): ours 0 leaves that width alone",
     ("gemma4_text", "rope_scaling"): "transformers 5's alias of rope_parameters, which ours holds per layer type "
                                      "(compared as rope_parameters); our rope_scaling is not read then",
+    ("mimo_v2_flash", "rope_scaling"): "transformers 5's alias of rope_parameters, held per layer type as Gemma 4's",
 }
 
 # What a config.json of the family's MoE must say where transformers' defaults build another model (refused by name

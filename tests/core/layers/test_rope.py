@@ -73,3 +73,26 @@ def test_deinterleave_puts_the_even_dims_first():
 def test_other_rope_types_are_refused_by_name(kind):
     with pytest.raises(ValueError, match=f"rope_scaling type '{kind}' is not supported"):
         rope_frequencies(16, 1e4, {"rope_type": kind, "factor": 2.0}, 128)
+
+
+@pytest.mark.tf5
+@pytest.mark.parametrize("factor", [None, 0.5, 0.3])
+def test_a_default_layer_rope_turns_what_gemma4_and_mimo_turn(factor):
+    """A "default" rope_parameters entry: Gemma 4's rotary embedding turns the whole head whatever partial_rotary_factor
+    it holds (layer_rope_partial None); MiMo-V2-Flash's turns int(d * factor) dims, 0.334 of the head where the entry
+    gives none (layer_rope_partial 0.334). The inverse frequencies as each one's transformers 5.23 module computes them."""
+    from transformers import Gemma4TextConfig, MiMoV2FlashConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextRotaryEmbedding
+    from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import MiMoV2FlashRotaryEmbedding
+    from minimoe.core.layers.rope import layer_rope_dim, layer_type_frequencies
+    entry = {"rope_type": "default", "rope_theta": 100.0, **({} if factor is None else {"partial_rotary_factor": factor})}
+    ropes = {"sliding_attention": entry, "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+    kinds = ["sliding_attention", "full_attention"]
+    mimo = MiMoV2FlashConfig(head_dim=24, num_hidden_layers=2, layer_types=kinds, rope_parameters=ropes)
+    want = MiMoV2FlashRotaryEmbedding.compute_default_rope_parameters(mimo, layer_type="sliding_attention")[0]
+    assert torch.equal(layer_type_frequencies(entry, 24, 0.334), want)
+    assert layer_rope_dim(entry, 24, 0.334) == 2 * want.numel() == {None: 8, 0.5: 12, 0.3: 8}[factor]
+    gemma = Gemma4TextConfig(head_dim=24, num_hidden_layers=2, layer_types=kinds, rope_parameters=ropes)
+    gemma.allow_global_per_layer_attribute_access = True  # head_dim: the sliding layers' (the global ones have theirs)
+    want = Gemma4TextRotaryEmbedding.compute_default_rope_parameters(gemma, layer_type="sliding_attention")[0]
+    assert torch.equal(layer_type_frequencies(entry, 24), want) and layer_rope_dim(entry, 24) == 24

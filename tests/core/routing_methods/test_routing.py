@@ -457,8 +457,12 @@ SCORERS = {  # name -> (Scoring, whether the layer has a correction bias)
     # LFM2-MoE: V3's selection-only bias without groups, its own 1e-6 guard, scaled (transformers 5 only: tf5)
     "sigmoid-bias-lfm2": (Scoring(3, normalize=True, func="sigmoid", method="noaux_tc", scaling=1.5, norm_eps=1e-6),
                           True),
+    # MiMo-V2-Flash: transformers 5's DeepSeek-V3 router, whose groups not kept score -inf (4.57's: 0), under a bias
+    # that puts every kept expert's corrected score below 0, where the two differ (transformers 5 only: tf5)
+    "sigmoid-noaux-inf-mimo": (Scoring(3, normalize=True, func="sigmoid", method="noaux_tc", n_group=2, topk_group=1,
+                                       scaling=2.5, groups_inf=True), True),
 }
-TRANSFORMERS_5_SCORERS = {"sigmoid-bias-lfm2"}  # their oracle is transformers 5.23
+TRANSFORMERS_5_SCORERS = {"sigmoid-bias-lfm2", "sigmoid-noaux-inf-mimo"}  # their oracle is transformers 5.23
 
 
 def scorer_inputs(name, seed=0, D=16, E=8, T=32):
@@ -475,6 +479,8 @@ def scorer_inputs(name, seed=0, D=16, E=8, T=32):
         with torch.no_grad():
             gate.weight[:, 0] = -8.0
     correction = torch.randn(E, generator=g) * 0.3 if has_bias else None
+    if name == "sigmoid-noaux-inf-mimo":
+        correction = correction - 1.0  # every corrected score below 0: a 0 fill would pick the dropped groups' experts
     return scoring, gate, x, gate(x).detach().float(), correction
 
 
@@ -523,6 +529,15 @@ def transformers_routing(name, gate, x, correction):
         ref.weight.data.copy_(gate.weight)
         _, weights, experts = ref(x, correction)
         return experts, weights
+    if name == "sigmoid-noaux-inf-mimo":
+        from transformers import MiMoV2FlashConfig
+        from transformers.models.mimo_v2_flash.modeling_mimo_v2_flash import MiMoV2FlashTopkRouter
+        ref = MiMoV2FlashTopkRouter(MiMoV2FlashConfig(n_routed_experts=E, hidden_size=D, num_experts_per_tok=3,
+                                                      n_group=2, topk_group=1, routed_scaling_factor=2.5))
+        ref.weight.data.copy_(gate.weight)
+        ref.e_score_correction_bias.copy_(correction)
+        _, weights, experts = ref(x)
+        return experts, weights
     if name == "sigmoid-top1-on-logits":
         from transformers import Llama4TextConfig
         from transformers.models.llama4.modeling_llama4 import Llama4Router
@@ -560,7 +575,7 @@ def test_each_scorer_routes_as_transformers_does(name):
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name", ["group-max", "sigmoid-noaux"])
+@pytest.mark.parametrize("name", ["group-max", "sigmoid-noaux", "sigmoid-noaux-inf-mimo"])
 def test_group_limited_selection_stays_in_the_kept_groups(name):
     # Every executed expert lies in one of topk_group groups, however the scores fall; noaux_tc's
     # correction bias moves the selection and never the weights (sigmoid of the logits, renormalised).
