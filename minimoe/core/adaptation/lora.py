@@ -277,9 +277,10 @@ def base_plus_delta(x, weight, a, b, dispatch, stacked=None):
     d_in = weight.shape[-1]
     if stacked is None:
         stacked = torch.cat([weight.detach().to(x.dtype), b.detach()], dim=-1)
-    else:
-        with torch.no_grad():
-            stacked[..., d_in:].copy_(b)
+    else:  # through .data, which autograd does not version: another call of the same bank before this one's
+        # backward (DenseMixer's dense term runs every expert in its own backward) writes the same b, and a
+        # versioned write there failed that backward (what the call saved had been "modified by an inplace operation")
+        stacked.data[..., d_in:].copy_(b.detach())
     if not _grouped_mm_applies(xa, stacked.transpose(-2, -1)):
         return per_block_addmm(x, weight, expert_matmul(a, b, dispatch), dispatch)
     w = weight if weight.requires_grad else None
