@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 
 from minimoe.cli import train
 from minimoe.core.task import step
+from minimoe.core.token_mixers.dsa_indexer import LightningIndexer
 from minimoe.core.adaptation.lora import add_lora, merge_lora
 from minimoe.data.benchmarks import load_examples
 from minimoe.evaluation.folders import METRICS, eval_dir
@@ -144,11 +145,12 @@ def runs(tmp_path_factory):
     return {"root": root, "models": models, "log": done.stderr, "margins": margins}
 
 
-def clear_of_ties(root: Path, name: str, family: str, flags: list) -> tuple[Path, list, float]:
-    """The first of five models of `family` (seeds 0-4) whose one-process run (root/one/name, with `flags`)
-    routes clear of ties: (the model, its flags, the run's routing margin)."""
+def clear_of_ties(root: Path, name: str, family: str, flags: list,
+                  saved=transformers_saved) -> tuple[Path, list, float]:
+    """The first of five models of `family` (seeds 0-4, each written by `saved`) whose one-process run
+    (root/one/name, with `flags`) routes clear of ties: (the model, its flags, the run's routing margin)."""
     for seed in range(5):
-        model = transformers_saved(family, root / "models" / f"{name}-{seed}", seed)
+        model = saved(family, root / "models" / f"{name}-{seed}", seed)
         shutil.rmtree(root / "one" / name, ignore_errors=True)
         margin = one_process(["--out-dir", str(root / "one"), "--run-name", name, "--model", str(model), *flags])
         if margin >= TRAINING_MARGIN:
@@ -157,17 +159,35 @@ def clear_of_ties(root: Path, name: str, family: str, flags: list) -> tuple[Path
 
 
 def one_process(flags: list) -> float:
-    """train.main(flags) here; returns the smallest routing margin (conftest.routing_margin) of its training
-    forwards, every step's."""
-    margins, forward = [], step.forward_choices
+    """train.main(flags) here; returns the smallest selection margin of its training forwards, every step's: the
+    routers' (conftest.routing_margin) and a DSA indexer's top-k (`indexer_margin`)."""
+    margins, forward, select = [], step.forward_choices, LightningIndexer.forward
+    scores = []  # (masked scores [B, T, S], k) of each indexer call in the forward
 
     def recorded(model, batch):
         out, logp = forward(model, batch)
         margins.append(routing_margin(model, out.routings, batch.attention_mask))
+        margins.extend(indexer_margin(s, k, batch.attention_mask) for s, k in scores)
+        scores.clear()
         return out, logp
-    with mock.patch.object(step, "forward_choices", recorded):
+
+    @torch.no_grad()
+    def indexer(self, x, q_latent, cos, sin, allowed, cache=None, start=0):
+        scores.append((self.scores(x, q_latent, cos, sin, cache, start).masked_fill(~allowed[:, 0], float("-inf")),
+                       self.topk))
+        return select(self, x, q_latent, cos, sin, allowed, cache, start)
+    with mock.patch.object(step, "forward_choices", recorded), mock.patch.object(LightningIndexer, "forward", indexer):
         train.main(flags)
     return min(margins)
+
+
+def indexer_margin(scores, k: int, attention_mask) -> float:
+    """The smallest k-th minus (k+1)-th score of a DSA indexer's (scores [B, T, S], -inf where the mask forbids) over
+    the real queries that allow more than k keys: one process and two ranks pad their rows to other lengths, and
+    the scores' rounding with them (a relu that is 0 in every head scores a key exactly 0: ties, at few heads)."""
+    top = scores.topk(k + 1, dim=-1).values  # [B, T, k+1]
+    chosen = torch.isfinite(top[..., k]) & attention_mask.bool()
+    return (top[..., k - 1] - top[..., k])[chosen].min().item() if chosen.any() else float("inf")
 
 
 def steps(run: Path) -> list[dict]:
