@@ -182,12 +182,14 @@ def one_process(flags: list) -> float:
 
 
 def indexer_margin(scores, k: int, attention_mask) -> float:
-    """The smallest k-th minus (k+1)-th score of a DSA indexer's (scores [B, T, S], -inf where the mask forbids) over
-    the real queries that allow more than k keys: one process and two ranks pad their rows to other lengths, and
-    the scores' rounding with them (a relu that is 0 in every head scores a key exactly 0: ties, at few heads)."""
+    """conftest.indexer_margin's measure (the k-th minus the (k+1)-th score, relative to the query's largest, over the
+    real queries that allow more than k keys) of one indexer call of a training forward (scores [B, T, S], -inf where
+    the mask forbids), packed candidates' segments included, which conftest's forward of `ids` alone has not."""
+    if scores.shape[-1] <= k:  # every key kept
+        return float("inf")
     top = scores.topk(k + 1, dim=-1).values  # [B, T, k+1]
     chosen = torch.isfinite(top[..., k]) & attention_mask.bool()
-    return (top[..., k - 1] - top[..., k])[chosen].min().item() if chosen.any() else float("inf")
+    return ((top[..., k - 1] - top[..., k]) / top[..., 0].abs())[chosen].min().item() if chosen.any() else float("inf")
 
 
 def steps(run: Path) -> list[dict]:
@@ -219,16 +221,23 @@ def test_two_processes_equal_one_process(runs, family, mode):
     one, two = runs["root"] / "one" / family, runs["root"] / mode / family
     record = json.loads((two / "config.json").read_text())
     assert record["shard"] == mode and record["world_size"] == 2  # the run folder says which mode ran
-    a, b = steps(one), steps(two)
-    assert len(a) == len(b) == STEPS
+    a, b = runs_agree(one, two, spread=SPREAD.get(family, 0.001))
     # each record's lr is the next step's: steps 1-4 ran at lr x 1, 3/4, 1/2, 1/4
     rate = 1e-5 if family == "esft-full" else LR  # the full form's rows: esft_lr's default, its only group
     assert [r["lr"] for r in a] == pytest.approx([rate * (1 - s / STEPS) for s in range(1, STEPS + 1)])
-    for key in ("loss", "task", "method", "grad_norm"):  # the method term: summed over ranks, as one batch's
-        torch.testing.assert_close(torch.tensor([r[key] for r in b]), torch.tensor([r[key] for r in a]),
-                                   rtol=1e-5, atol=1e-7, msg=key)
     if RUNS[family][1][1] in ("tes", "acs"):  # the supervision term is there to compare
         assert all(r["method"] > 0 for r in b)
+
+
+def runs_agree(one: Path, two: Path, *, grad_rtol: float = 1e-5, spread: float = 0.001) -> tuple[list, list]:
+    """test_two_processes_equal_one_process's comparison of run `two` with run `one` (its docstring: why these
+    bounds): the step terms within rtol 1e-5 (the gradient norm within `grad_rtol`), the routing statistics, the
+    adapter's every element within 2 x lr x steps and all but `spread` of them within 1e-6. Returns their steps."""
+    a, b = steps(one), steps(two)
+    assert len(a) == len(b) == STEPS
+    for key in ("loss", "task", "method", "grad_norm"):  # the method term: summed over ranks, as one batch's
+        torch.testing.assert_close(torch.tensor([r[key] for r in b]), torch.tensor([r[key] for r in a]),
+                                   rtol=grad_rtol if key == "grad_norm" else 1e-5, atol=1e-7, msg=key)
     for ra, rb in zip(a, b):  # routing statistics: every rank's micro-batches, not rank 0's half
         assert ra["routing"].keys() == rb["routing"].keys()
         for layer, stats in ra["routing"].items():
@@ -239,7 +248,8 @@ def test_two_processes_equal_one_process(runs, family, mode):
     assert x.keys() == y.keys()
     diffs = torch.cat([(y[k].float() - x[k].float()).abs().flatten() for k in x])  # float: ESFT's bool `chosen`
     assert diffs.max() <= 2 * LR * STEPS
-    assert (diffs > 1e-6).float().mean() <= SPREAD.get(family, 0.001)
+    assert (diffs > 1e-6).float().mean() <= spread
+    return a, b
 
 
 @pytest.mark.parametrize("family", [name for name in RUNS if name not in UNSHARDED])

@@ -24,7 +24,8 @@ from minimoe.loading.config_json import read_config
 from minimoe.making.tiny import tiny_checkpoint
 from tests.conftest import tiny_model
 from tests.runs.test_sharded_load import with_biases
-from tests.runs.test_sharding import FLAGS, LR, REPO, STEPS, TRAINING_MARGIN, adapter, clear_of_ties, manifests, steps
+from tests.runs.test_sharding import (FLAGS, REPO, TRAINING_MARGIN, adapter, clear_of_ties, manifests, runs_agree,
+                                     steps)
 
 METHOD = {"deepseek_v32": ["--method", "dual"],
           "qwen3_5_moe": ["--method", "acs", "--objective", "is"],
@@ -80,32 +81,17 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("name", list(RUNS))
 def test_two_sharded_processes_equal_one_process(runs, name):
-    """The step terms and gradient norm within rtol 1e-5, the routing statistics within test_sharding's bounds, the
-    adapter's every element within 2 x lr x steps and all but 0.1% within 1e-6: test_sharding's tolerance, for the
-    same reason (each rank's gradient sums its 4 examples, the reduce-scatter adds the halves: float32 rounding in
-    another order, which AdamW carries on)."""
+    """test_sharding's comparison and tolerance (test_sharding.runs_agree), for the same reason: each rank's gradient
+    sums its 4 examples, the reduce-scatter adds the halves, float32 rounding in another order that AdamW carries
+    on; for the recurrent mixers, their padding besides (`GRAD_RTOL`, `SPREAD`)."""
     assert runs["margins"][name] >= TRAINING_MARGIN, f"{name}: routes on near-ties in five models drawn"
     one, two = runs["root"] / "one" / name, runs["root"] / "fsdp" / name
     record = json.loads((two / "config.json").read_text())
     assert record["shard"] == "fsdp" and record["world_size"] == 2
     assert record["quantize"] == ("nf4" if name.endswith("-nf4") else None)
-    a, b = steps(one), steps(two)
-    assert len(a) == len(b) == STEPS
-    for key in ("loss", "task", "method", "grad_norm"):
-        torch.testing.assert_close(torch.tensor([r[key] for r in b]), torch.tensor([r[key] for r in a]),
-                                   rtol=GRAD_RTOL.get(name, 1e-5) if key == "grad_norm" else 1e-5, atol=1e-7, msg=key)
-    for ra, rb in zip(a, b):  # routing statistics: every rank's micro-batches, not rank 0's half
-        assert ra["routing"].keys() == rb["routing"].keys()
-        for layer, stats in ra["routing"].items():
-            for stat, value in stats.items():
-                torch.testing.assert_close(torch.tensor(rb["routing"][layer][stat]), torch.tensor(value),
-                                           rtol=1e-5, atol=2e-6, msg=f"{layer} {stat}")
+    runs_agree(one, two, grad_rtol=GRAD_RTOL.get(name, 1e-5), spread=SPREAD.get(name, 0.001))
     x, y = adapter(one), adapter(two)
-    assert x.keys() == y.keys()
-    diffs = torch.cat([(y[k].float() - x[k].float()).abs().flatten() for k in x])
-    assert diffs.max() <= 2 * LR * STEPS
-    assert (diffs > 1e-6).float().mean() <= SPREAD.get(name, 0.001)
-    assert (diffs > 0).any()  # it trained, in another reduction order: not a copy of one process
+    assert any(not torch.equal(x[k], y[k]) for k in x)  # it trained, in another reduction order: not a copy of one
 
 
 @pytest.mark.parametrize("name", list(METHOD))
