@@ -135,14 +135,19 @@ def runs(tmp_path_factory):
                         "--resume"], "refused": True},
              {"flags": ["--out-dir", str(root / "one"), "--run-name", "olmoe", *flags["olmoe"], "--resume"],
               "refused": True}]
-    (root / "plan.json").write_text(json.dumps({"runs": plan}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     with run_lock(root / "one" / "olmoe"):
-        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                               "29523", "-m", "tests.fsdp_worker", str(root / "plan.json")],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        done = torchrun(root, plan, 29523)
     assert done.returncode == 0, done.stderr[-4000:]
     return {"root": root, "models": models, "log": done.stderr, "margins": margins}
+
+
+def torchrun(root: Path, plan: list, port: int) -> subprocess.CompletedProcess:
+    """`plan`'s runs (tests/fsdp_worker.py) in one torchrun launch of 2 gloo processes, its plan.json in `root`."""
+    (root / "plan.json").write_text(json.dumps({"runs": plan}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(port), "-m", "tests.fsdp_worker", str(root / "plan.json")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
 def clear_of_ties(root: Path, name: str, family: str, flags: list,
