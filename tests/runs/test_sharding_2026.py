@@ -1,12 +1,12 @@
 """--shard fsdp on the 2026 families' own mixers, on the CPU with gloo: two FSDP processes equal one process at the
 same global batch over 4 real updates, at tests/runs/test_sharding.py's tolerance and by its pattern (one torchrun
-launch, models drawn to route clear of ties), for DeepSeek-V3.2 (MLA with the DSA indexer: its top-k picks each
+launch, models drawn to route, and to pick DSA's keys, clear of ties), for DeepSeek-V3.2 (MLA with the DSA indexer: its top-k picks each
 query's keys, its parameters frozen but sharded with the layer), Qwen3.5-MoE (Gated DeltaNet's split projections,
 gated attention), Kimi-Linear (Kimi Delta Attention among NoPE MLA layers) and LFM2-MoE (gated short
 convolutions); and --quantize nf4 --shard fsdp on DeepSeek-V3.2 (MLA and the dense layer packed, the indexer dense).
 
 transformers 4.57 holds none of them, so the models are ours, written by our save_pretrained at the tiny
-tokenizer's vocabulary (their loading is held exact against transformers 5.23 in tests/loading); no oracle is
+tokenizer's vocabulary (their loading is held exact against transformers 5.23 by the tf5 parity tests); no oracle is
 needed here: what is compared is one process against two, on the same checkpoint.
 """
 import json
@@ -32,7 +32,8 @@ METHOD = {"deepseek_v32": ["--method", "dual"],
 RUNS = {**{f: (f, m) for f, m in METHOD.items()},
         "deepseek_v32-nf4": ("deepseek_v32", ["--method", "tes", "--objective", "is", "--quantize", "nf4"])}
 # The DSA indexer at 16 heads, not the tiny 4: a key whose relu is 0 in every head scores exactly 0, and at 4 heads
-# such ties sit at the k-th place in most rows (the padding then decides which key topk returns: logits 1.1 apart)
+# such ties sit at the k-th place in many rows, and the row length decides which key topk returns (one process's
+# 8 rows against the same rows as two batches of 4: answer log-probabilities 1.1 apart)
 WIDTHS = {"deepseek_v32": dict(index_n_heads=16)}
 # The recurrent mixers against one process (not against DDP, which FSDP equals closely: test_fsdp_equals_ddp): each
 # rank pads its 4 examples to their own longest, and Gated DeltaNet's and KDA's chunked recurrences round otherwise
