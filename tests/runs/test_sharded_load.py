@@ -142,8 +142,9 @@ def test_the_sharded_model_gathered_equals_the_one_process_model(case, world_siz
 
 
 # --quantize nf4: packed expert banks and attention (OLMoE); MLA's projections, a dense layer and shared experts
-# (DeepSeek-V3); DeltaNet's fused projections (Qwen3-Next); experts stored in MXFP4, packed in NF4 (gpt-oss).
-PACKED = ["olmoe", "deepseek_v3", "qwen3_next", "gpt_oss-mxfp4"]
+# (DeepSeek-V3); DeltaNet's fused projections (Qwen3-Next); experts stored in MXFP4, packed in NF4 (gpt-oss); MLA
+# packed beside a DSA indexer left dense (DeepSeek-V3.2); KDA's projections among MLA layers (Kimi-Linear).
+PACKED = ["olmoe", "deepseek_v3", "qwen3_next", "gpt_oss-mxfp4", "deepseek_v32", "kimi_linear"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

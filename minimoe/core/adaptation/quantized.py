@@ -47,6 +47,7 @@ FORMATS = ("nf4", "mxfp4")  # mxfp4: gpt-oss's released expert blocks kept as lo
 NF4_BLOCK = 64  # values per NF4 scale (QLoRA's, torchao's default)
 NF4_SCALER_BLOCK = 256  # scales per second-level scale (torchao's default); smaller where a matrix has fewer
 ROUTER_GATES = ("gate", "shared_expert_gate")  # never packed: every method reads their logits
+SELECTORS = ("indexer",)  # never packed: a DSA indexer's top-k picks each query's keys (docs/quantization.md)
 
 
 def require(fmt: str) -> None:
@@ -307,10 +308,11 @@ def is_quantized(module: nn.Module) -> bool:
 
 def quantized_modules(model: nn.Module) -> list[str]:
     """The modules whose weight `--quantize` packs: every nn.Linear and expert bank in the decoder layers
-    but the router gates (module docstring)."""
+    but the router gates (module docstring) and the `SELECTORS`."""
     return [name for name, m in model.named_modules()
             if ".layers." in f".{name}" and isinstance(m, (nn.Linear, GroupedLinear))
-            and name.rpartition(".")[2] not in ROUTER_GATES and ".router." not in f".{name}."]  # a method's heads train
+            and name.rpartition(".")[2] not in ROUTER_GATES and ".router." not in f".{name}."  # a method's heads train
+            and not any(f".{s}." in f".{name}." for s in SELECTORS)]
 
 
 def pack(weight: torch.Tensor, fmt: str, name: str = "weight"):
