@@ -59,7 +59,7 @@ register_family(Family(
                 "k and v: kv_b_proj; MLA_LORA_PATHS)",
     layer_keys=DEEPSEEK_KEYS, renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS,
     config_fields=DEEPSEEK_FIELDS - {"first_k_dense_replace"} | {"norm_topk_prob", "rope_interleave"},
-    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True},
+    fixed={"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "group_mask_inf": True},
     never_null=frozenset({"rope_interleave"}),  # as DeepSeek-V3's: null would be no interleave to transformers
     # mlp_layer_types is read through mlp_only_layers' default and kept (config.extra) as the file gives it
     unread={**MLA_UNREAD, "mlp_layer_types": lambda d: d["mlp_layer_types"]}, harmless=frozenset({"head_dim"}),
@@ -149,7 +149,7 @@ DSA_COMMON = dict(
     unread={**MLA_UNREAD, "mlp_layer_types": lambda d: d["mlp_layer_types"]},
     harmless=frozenset({"head_dim", "layer_types"}))
 DSA_FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True, "rope_interleave": True,
-             "first_k_dense_replace": 0}
+             "first_k_dense_replace": 0, "group_mask_inf": True}
 
 register_family(Family(
     "deepseek_v32", "DeepseekV32ForCausalLM",

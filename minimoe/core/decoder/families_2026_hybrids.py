@@ -237,7 +237,7 @@ register_family(Family(
     # NemotronHTopkRouter (DeepSeek-V3's, in fp32), NemotronHRMSNormGated (per group): hard-coded there
     fixed={"single_block_layers": True, "hidden_act": "relu2", "position_embedding_type": "nope", "attention_bias": False,
            "norm_weight_in_fp32": True, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32": True,
-           "mamba_norm_per_group": True},
+           "mamba_norm_per_group": True, "group_mask_inf": True},
     unread={"mamba_hidden_act": "silu", "mlp_hidden_act": "relu2", "hybrid_override_pattern": nemotron_pattern},
     # what its modeling file never reads: MoE's n_shared_experts (the shared expert's width is its own field),
     # init-only settings, the residual's dtype (NemotronHBlock adds in the norm weight's), the unused bias switch
