@@ -117,10 +117,31 @@ def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[s
         gates = gate_layers(model)
         config = dict(model.lora_spec, fingerprint=fingerprint(model.config), base_model=None,
                       router=model.router_spec, gate_layers=gates)
-        return config, {k: v.detach().cpu() for k, v in adapter_tensors(model, gates).items()}, model.router_method
+        tensors = {**adapter_tensors(model, gates), **gate_companions(model, gates)}
+        return config, {k: v.detach().cpu() for k, v in tensors.items()}, model.router_method
     source = resolve_adapter(adapter_or_run, checkpoint, flag=None)
     config = json.loads((source.folder / "adapter_config.json").read_text(encoding="utf-8"))
     return config, load_file(str(source.folder / "adapter.safetensors")), source.method
+
+
+def gate_companions(model: MoEForCausalLM, gates) -> dict[str, torch.Tensor]:
+    """The frozen tensors beside each tuned gate's weight in its module (gpt-oss's router bias, DeepSeek-V3's
+    selection bias): peft's modules_to_save copies the whole module, so its adapter must hold them too."""
+    state = model.state_dict()
+    return {k: v for i in gates for k, v in state.items()
+            if k.startswith(f"model.layers.{i}.mlp.gate.") and not k.endswith(".weight")}
+
+
+def gate_module_tensors(family) -> list[str]:
+    """Our names of the frozen tensors that transformers holds in the same module as the gate's weight, from the
+    record: a router bias (gpt-oss) and DeepSeek-V3's selection bias (noaux_tc with a correction bias), where the
+    checkpoint keeps it beside the weight (LFM2's and MiniMax-M2's live on the MoE block: peft saves the gate alone)."""
+    record = family_of(family)
+    fixed, table = record.fixed, record.layer_keys
+    held = ["mlp.gate.bias"] * bool(fixed.get("router_bias")) + ["mlp.gate.e_score_correction_bias"] * bool(
+        fixed.get("topk_method") == "noaux_tc" and fixed.get("correction_bias", True))
+    module = table.get("mlp.gate.weight", "mlp.gate.weight").rpartition(".")[0]
+    return [n for n in held if table.get(n, n).rpartition(".")[0] == module]
 
 
 def param_wrapper_factor(t, ab: str, E: int, r: int):
@@ -187,10 +208,19 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor], transformers: i
         t = tensors[key]
         layer, _, name = key.partition(".layers.")[2].partition(".")
         prefix = f"{PREFIX}model.layers.{layer}."
-        if key.endswith(".weight") and name == "mlp.gate.weight":  # a tuned native gate
-            module = rename(table.get(name, name).removesuffix(".weight"))
-            out[f"{prefix}{module}.weight"] = t
-            saved.append(f"model.layers.{layer}.{module}")
+        if name.startswith("mlp.gate.") and name != "mlp.gate.weight" and name not in gate_module_tensors(family):
+            continue  # a gate companion that transformers keeps on another module (LFM2's expert_bias): not saved
+        if name.startswith("mlp.gate."):  # a tuned native gate, and the frozen tensors of its module
+            disk = table.get(name, name)
+            module = rename(disk.rpartition(".")[0])
+            out[f"{prefix}{module}.{disk.rpartition('.')[2]}"] = t
+            if name == "mlp.gate.weight":
+                saved.append(f"model.layers.{layer}.{module}")
+                if missing := [n for n in gate_module_tensors(family) if f"{key[:-len(name)]}{n}" not in tensors]:
+                    raise ValueError(f"export_peft: refused: peft saves {module} whole (modules_to_save), and this "
+                                     f"adapter holds its tuned weight without {missing[0]}, which an adapter folder "
+                                     "does not carry; export the loaded model (export_peft(model, ...)) or merged "
+                                     "(export.py --merged)")
             continue
         if ".mlp.router." in key:  # state of a method that routes natively (export_peft refuses the others):
             continue  # read in training only (ESFT's choice of experts), no part of the forward

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import tiny_model
+from tests.conftest import tiny_model, transformers_major
 from minimoe.cli.export import main
 from minimoe.core.adaptation.lora import LoRAGroupedLinear, add_lora
 from minimoe.core.decoder.families import FAMILIES
@@ -258,6 +258,33 @@ def test_a_tuned_gate_exports_for_transformers_5_where_it_renamed_the_router(fam
     config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert config["modules_to_save"] == [{"granitemoe": "model.layers.1.block_sparse_moe.router",
                                           "mixtral": "model.layers.1.mlp.gate"}[family]]
+
+
+# families whose gate module in transformers holds more than the weight: gpt-oss's router bias, the selection bias
+GATE_WITH_BIAS = [("gpt_oss", 4), ("deepseek_v3", 4),
+                  *(pytest.param(f, 5, marks=pytest.mark.tf5) for f in ("deepseek_v32", "kimi_linear", "nemotron_h"))]
+
+
+@pytest.mark.parametrize("family,transformers", GATE_WITH_BIAS)
+def test_a_tuned_gate_exports_with_the_frozen_tensors_of_its_module(family, transformers, tmp_path):
+    """peft's modules_to_save copies the gate's whole module, so the export of a model carries the gate's bias
+    beside its tuned weight (peft raised a KeyError without it), and loads with our logits."""
+    if transformers_major() != transformers:
+        pytest.skip(f"an export for transformers {transformers}, loaded by it")
+    from tests.core.decoder.test_families_parity import assert_peft_loads_the_export
+    model = trained(family, "native", True)
+    save_pretrained(tiny_model(family), tmp_path / "base")
+    assert_peft_loads_the_export(model, tmp_path, transformers=transformers, from_model=True)
+
+
+def test_a_tuned_gate_without_its_bias_is_refused_by_name(tmp_path):
+    """An adapter folder holds the tuned gate's weight only: for a gate whose module holds a bias too, the export
+    says what is missing and what to do, before writing anything."""
+    model = trained("deepseek_v3", "native", True)
+    save_adapter(model, tmp_path / "adapter", base_model="tiny-base")
+    with pytest.raises(ValueError, match=r"mlp\.gate.*e_score_correction_bias.*export the loaded model"):
+        export_peft(tmp_path / "adapter", tmp_path / "peft")
+    assert not (tmp_path / "peft").exists()
 
 
 def test_export_for_transformers_5_names_fused_experts_and_keeps_the_scale(tmp_path):

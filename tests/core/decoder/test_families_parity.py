@@ -235,15 +235,17 @@ def test_peft_loads_the_export_with_our_logits(variant, tmp_path):
     assert_peft_loads_the_export(with_trained_lora(variant, tmp_path / "base", seed=1).eval(), tmp_path)
 
 
-def assert_peft_loads_the_export(model, tmp_path, transformers: int | None = None):
-    """`model`'s LoRA saved, exported in peft's format (for `transformers`: export_peft's), loaded by peft onto
-    transformers' model of tmp_path/base: every key matched, the adapter changing the logits, and peft's logits ours."""
+def assert_peft_loads_the_export(model, tmp_path, transformers: int | None = None, *, from_model: bool = False):
+    """`model`'s LoRA saved, exported in peft's format (for `transformers`: export_peft's; `from_model`: from the
+    model itself, not its adapter folder), loaded by peft onto transformers' model of tmp_path/base: every key
+    matched, the adapter changing the logits, and peft's logits ours."""
     peft = pytest.importorskip("peft")
     from safetensors.torch import load_file
     from minimoe.integrations.hf_export import export_peft
     from minimoe.runs.adapters import save_adapter
     save_adapter(model, tmp_path / "adapter", base_model=str(tmp_path / "base"))
-    export_peft(tmp_path / "adapter", tmp_path / "peft", transformers=transformers)
+    export_peft(model if from_model else tmp_path / "adapter", tmp_path / "peft", transformers=transformers,
+                base_model=str(tmp_path / "base"))
     hf = hf_causal_lm(tmp_path / "base", dtype=torch.float32, attn_implementation="eager")
     hf = peft.PeftModel.from_pretrained(with_v2_softmax_mscale(hf), tmp_path / "peft").eval()
     ours = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
