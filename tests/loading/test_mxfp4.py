@@ -109,16 +109,7 @@ def test_a_bank_dequantised_whole_is_the_per_expert_one_bit_for_bit(dtype):
 def test_a_bank_dequantises_in_the_same_few_ops_whatever_its_experts():
     """Dequantising an MXFP4 bank dispatches the same ops for 2 experts as for 6, and few of them: one lookup over
     the whole bank, not a set of kernels per expert."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Dispatched(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops.append(func._overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    from tests.core.adaptation.test_quantized import Dispatched  # nf4's bank counts its ops the same way
     counts = {}
     for experts in (2, 6):
         packed, _ = gate_up_bank(experts, torch.bfloat16)
