@@ -134,7 +134,7 @@ def dequantising_bytes(model, dtype: torch.dtype, fmt: str) -> int:
     int32 codes (4 bytes a pair of values), alive together for a moment: nf4's `nf4_dequantize` and mxfp4's
     `decode_mxfp4` (loading/mxfp4.py; it packs the expert banks alone) alike."""
     modules = dict(model.named_modules())
-    packed = [n for n, m in modules.items() if isinstance(m, GroupedLinear)] if fmt == "mxfp4" else quantized_modules(model)
+    packed = quantized_modules(model) if fmt == "nf4" else [n for n, m in modules.items() if isinstance(m, GroupedLinear)]
     n = max((modules[name].weight.numel() for name in packed), default=0)
     return n * dtype.itemsize + n // 2 * 4
 

@@ -226,7 +226,7 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
                 return per_block_addmm(x, weight, delta, dispatch)
             A, b = self.padded_factors(A, B)
             a = expert_matmul(dropped, A, dispatch)  # [N, k]
-        stacked = self.stacked if stacked is None else stacked  # None: a cast bank or an FSDP-gathered one, a copy anyway
+        stacked = self.stacked if stacked is None else stacked  # None: a cast or FSDP-gathered bank, a copy anyway
         stacked = stacked if stacked is not None and stacked.dtype == x.dtype else None
         return base_plus_delta(x, weight, a.to(x.dtype), b.to(x.dtype), dispatch, stacked)
 

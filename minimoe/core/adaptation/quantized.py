@@ -262,7 +262,7 @@ class Dequantizing:
         return dequantized_buffer(packed, shape, matmul_dtype(x, self.weight), self.weight.device)
 
     def _forward_on(self, buffer, x, *args, **kwargs):
-        """The module's own forward with `buffer`'s weight in place of the placeholder (and as a LoRA bank's `stacked`)."""
+        """The module's own forward on `buffer`'s weight instead of the placeholder (a LoRA bank's `stacked`: buffer)."""
         weight = buffer[..., :self.packed.shape[-1]]
         if isinstance(self, nn.Linear):
             return F.linear(x, weight, self.bias)  # nn.Linear.forward, on this weight
@@ -291,8 +291,10 @@ class Dequantizing:
         return self
 
 
+# Under compile, the outputs of these are kept from forward (recomputing one would be a second forward matmul);
+# the rest is recomputed in backward, the dequantised weight first, which must not be saved.
 PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-            torch.ops.aten._grouped_mm.default)  # kept from forward under compile; the rest is recomputed
+            torch.ops.aten._grouped_mm.default)
 
 
 def _save_products(ctx, op, *args, **kwargs):

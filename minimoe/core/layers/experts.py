@@ -119,7 +119,7 @@ class GroupedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
 
     def forward(self, x, dispatch: Dispatch, weight=None):  # x [N, in] -> [N, out]
-        """weight: the bank to use in place of self.weight (a packed bank's dequantisation, core/adaptation/quantized.py)."""
+        """weight: the bank to use instead of self.weight (a packed bank's dequantisation: adaptation/quantized.py)."""
         return expert_matmul(x, self.weight if weight is None else weight, dispatch)
 
 
