@@ -31,7 +31,8 @@ class Layout:
     from_disk: Callable  # the stored tensor -> ours
     to_disk: Callable  # ours -> as stored: what we save, in the layout transformers reads
     # MXFP4 (loading/mxfp4.py) stores a matrix as [E, out, in] whatever its dense layout: what the decoded
-    # matrix goes through to be ours; None: never stored so (a bias), an MXFP4 form is refused
+    # matrix goes through to be ours, a permutation of its rows (dim 1), so that MXFP4Weight applies it to the
+    # blocks and scales instead; None: never stored so (a bias), an MXFP4 form is refused
     from_packed: Callable | None = None
 
 

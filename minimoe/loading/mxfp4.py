@@ -15,6 +15,7 @@ As openai/gpt-oss-20b stores it (transformers 4.57's integrations/mxfp4.py reads
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from minimoe.core.adaptation.quantized import digest_sample
 
@@ -32,6 +33,17 @@ def dequantize_mxfp4(blocks, scales, dtype=torch.bfloat16, name: str = "tensor")
 
     Exact in bf16 and fp32 (every value is a 2-bit mantissa times a power of two in their range).
     Decoded one leading slice at a time, so a layer's bank needs no fp32 copy of itself."""
+    check_mxfp4(blocks, scales, name)
+    *lead, R, nb, _ = blocks.shape
+    out = torch.empty(*lead, R, nb * BLOCK, dtype=dtype, device=blocks.device)
+    flat_blocks, flat_scales, flat_out = blocks.reshape(-1, R, nb, 16), scales.reshape(-1, R, nb), out.view(-1, R, nb * BLOCK)
+    for i in range(flat_blocks.shape[0]):  # one expert at a time: the peak is one expert's values
+        flat_out[i] = decode_mxfp4(flat_blocks[i], flat_scales[i], dtype)
+    return out
+
+
+def check_mxfp4(blocks, scales, name: str = "tensor"):
+    """Raise MXFP4Error, naming `name`, unless blocks and scales are MXFP4 as gpt-oss stores it (module docstring)."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
         raise MXFP4Error(f"{name}: blocks and scales must be uint8; got {blocks.dtype} and {scales.dtype}")
     if blocks.dim() < 3 or blocks.shape[-1] != BLOCK // 2 or blocks.shape[:-1] != scales.shape:
@@ -39,18 +51,30 @@ def dequantize_mxfp4(blocks, scales, dtype=torch.bfloat16, name: str = "tensor")
                          f"expected blocks [..., R, C/32, 16] and scales [..., R, C/32]")
     if (scales == NAN_SCALE).any():
         raise MXFP4Error(f"{name}: a scale is 255, E8M0's NaN; expected 0-254")
+
+
+def decode_mxfp4(blocks, scales, dtype):
+    """Checked blocks [..., C/32, 16] and scales [..., C/32] -> [..., C] in `dtype`, whatever the leading
+    dimensions, in the same few ops (a whole bank at once: `MXFP4Weight`): one lookup of each byte's two
+    values, the scales' powers of two, a cast. No check and no read-back, so that torch.compile traces it."""
     work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
-    magnitude = torch.tensor(E2M1, dtype=work, device=blocks.device)
-    table = torch.cat((magnitude, -magnitude))  # [16] value of each 4-bit code
-    *lead, R, nb, _ = blocks.shape
-    out = torch.empty(*lead, R, nb * BLOCK, dtype=dtype, device=blocks.device)
-    flat_blocks, flat_scales, flat_out = blocks.reshape(-1, R, nb, 16), scales.reshape(-1, R, nb), out.view(-1, R, nb * BLOCK)
-    for i in range(flat_blocks.shape[0]):  # one expert at a time: the peak is one expert's values
-        b = flat_blocks[i].long()
-        values = torch.stack((table[b & 0x0F], table[b >> 4]), dim=-1).view(R, nb, BLOCK)  # low nibble first
-        values = torch.ldexp(values, (flat_scales[i].int() - 127)[..., None].to(work))
-        flat_out[i] = values.view(R, nb * BLOCK).to(dtype)
-    return out
+    values = F.embedding(blocks.int(), e2m1_pairs(work, blocks.device)).flatten(-2)  # [..., C/32, 32], low nibble first
+    return values.ldexp_((scales.int() - 127).unsqueeze(-1).to(work)).flatten(-2).to(dtype)
+
+
+_PAIRS: dict[tuple, torch.Tensor] = {}
+
+
+def e2m1_pairs(dtype, device) -> torch.Tensor:
+    """[256, 2]: the two E2M1 values a byte stands for, its low nibble's first (gpt-oss's order). One per dtype and
+    device."""
+    key = (dtype, torch.device(device))
+    if key not in _PAIRS:
+        magnitude = torch.tensor(E2M1, dtype=dtype, device=device)
+        table = torch.cat((magnitude, -magnitude))  # [16] value of each 4-bit code
+        byte = torch.arange(256, device=device)
+        _PAIRS[key] = torch.stack((table[byte & 0x0F], table[byte >> 4]), dim=-1)
+    return _PAIRS[key]
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,12 +95,18 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class MXFP4Weight:
     """A bank kept as the checkpoint's MXFP4 blocks and scales (`--quantize mxfp4`, core/adaptation/quantized.py),
-    dequantised one expert at a time by `dequantize_mxfp4` and `layout` (its record's `Layout.from_packed`,
-    core/decoder/families.py: gate_up's interleaved rows to gate first), the same functions and order as dequantising on load: bit for bit
-    the dense bank. shape: [E, out, in] as ours; dtype: what it dequantises to."""
+    dequantised as a whole bank by `decode_mxfp4` in the same few ops whatever E: bit for bit the bank that
+    dequantising on load gives (`dequantize_mxfp4`, then the record's `Layout.from_packed`, loading/layouts.py).
+    That layout permutes rows (gate_up's interleaved rows to gate first), and decoding is row by row, so it is
+    applied once here, to the blocks' and scales' rows: no forward pays for it. Transient while dequantising: the
+    int32 codes and the decoded values, each a bank's size in bf16 (as nf4's).
+    shape: [E, out, in] as ours; dtype: what it dequantises to."""
 
     def __init__(self, blocks, scales, dtype, layout=None, name: str = "tensor"):
-        self.blocks, self.scales, self.layout, self.name = blocks, scales, layout, name
+        check_mxfp4(blocks, scales, name)  # once: dequantize_into reads nothing back (torch.compile traces it)
+        if layout is not None:
+            blocks, scales = layout(blocks).contiguous(), layout(scales).contiguous()
+        self.blocks, self.scales, self.name = blocks, scales, name
         E, out, nb, _ = blocks.shape
         self.shape, self.dtype, self.device = torch.Size((E, out, nb * BLOCK)), dtype, blocks.device
         self.sample = None
@@ -84,10 +114,7 @@ class MXFP4Weight:
         self.sample = digest_sample(dense)  # an adapter's base digest, as of the dequantised-on-load bank
 
     def dequantize_into(self, out):
-        for e in range(self.shape[0]):
-            w = dequantize_mxfp4(self.blocks[e:e + 1], self.scales[e:e + 1], self.dtype, self.name)
-            out[e].copy_((self.layout(w) if self.layout else w)[0])
-        return out
+        return out.copy_(decode_mxfp4(self.blocks, self.scales, self.dtype))  # the whole bank at once
 
     def to(self, device):
         self.blocks, self.scales, self.device = self.blocks.to(device), self.scales.to(device), torch.device(device)

@@ -31,8 +31,8 @@ With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed m
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
 the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time; and
-dequantising: what dequantising it holds beside it (nf4: the lookup's result in the run's dtype and the int32
-codes, `nf4_dequantize`; mxfp4 decodes one expert at a time: not counted). With
+dequantising: what dequantising it holds beside it (the lookup's result in the run's dtype and the int32
+codes: nf4's `nf4_dequantize`, mxfp4's `decode_mxfp4`, each a whole bank at once). With
 --shard fsdp too: the rank's share of the packed bytes (ceil(1/N) of each module's, core/adaptation/sharded_nf4.py)
 and its rows of the rest, two layers gathered (packed), and the largest packed module dequantised.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
@@ -130,12 +130,12 @@ def optimizer_bytes(params, optim: str) -> int:
 
 
 def dequantising_bytes(model, dtype: torch.dtype, fmt: str) -> int:
-    """nf4: beside the largest packed matrix's dequantised weight, `nf4_dequantize`'s lookup result (the
-    matrix in `dtype`) and its int32 codes (4 bytes a pair of values), alive together for a moment."""
-    if fmt != "nf4":
-        return 0
+    """Beside the largest packed matrix's dequantised weight, the lookup's result (the matrix in `dtype`) and its
+    int32 codes (4 bytes a pair of values), alive together for a moment: nf4's `nf4_dequantize` and mxfp4's
+    `decode_mxfp4` (loading/mxfp4.py; it packs the expert banks alone) alike."""
     modules = dict(model.named_modules())
-    n = max((modules[name].weight.numel() for name in quantized_modules(model)), default=0)
+    packed = quantized_modules(model) if fmt == "nf4" else [n for n, m in modules.items() if isinstance(m, GroupedLinear)]
+    n = max((modules[name].weight.numel() for name in packed), default=0)
     return n * dtype.itemsize + n // 2 * 4
 
 
@@ -210,7 +210,7 @@ def hub_weights(name: str) -> int:
 
 def table(e: Estimate) -> str:
     gib = 2**30
-    rows = [("weights", e.weights), *([("dequantising (nf4's lookup, codes)", e.dequantising)] if e.dequantising else []),
+    rows = [("weights", e.weights), *([("dequantising (lookup, codes)", e.dequantising)] if e.dequantising else []),
             ("LoRA + heads (fp32, with gradients)", e.lora), ("AdamW state", e.optimizer),
             ("activations (estimate)", e.activations), ("logits (estimate: chat data)", e.logits), ("total", e.total)]
     lines = [f"{what:<38} {n / gib:9.3f} GiB" for what, n in rows]

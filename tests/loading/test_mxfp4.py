@@ -84,3 +84,37 @@ def test_bad_blocks_and_scales_are_named():
     scales[1, 2, 0] = 255
     with pytest.raises(MXFP4Error, match="255, E8M0's NaN"):
         dequantize_mxfp4(blocks, scales)
+
+
+def gate_up_bank(experts: int, dtype):
+    """An MXFP4Weight of random bytes [E, 2I, D] with gate_up's interleaved rows, and the bank as dequantising on load
+    gives it, one expert at a time (dequantize_mxfp4, then the layout's from_packed), as MXFP4Weight did before."""
+    from minimoe.loading.layouts import LAYOUTS
+    from minimoe.loading.mxfp4 import MXFP4Weight
+    blocks, scales, _ = quantised((experts, 8), 64, seed=experts)
+    layout = LAYOUTS["gate_up_interleaved"].from_packed
+    per_expert = torch.cat([layout(dequantize_mxfp4(blocks[e:e + 1], scales[e:e + 1], dtype)) for e in range(experts)])
+    return MXFP4Weight(blocks, scales, dtype, layout), per_expert
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bank_dequantised_whole_is_the_per_expert_one_bit_for_bit(dtype):
+    """MXFP4Weight dequantises the whole bank at once, its layout applied to the blocks' and scales' rows at load:
+    bit for bit the bank dequantised one expert at a time and laid out after (gate_up's interleaved rows)."""
+    packed, per_expert = gate_up_bank(5, dtype)
+    out = packed.dequantize_into(torch.empty(packed.shape, dtype=dtype))
+    assert out.shape == per_expert.shape and torch.equal(out, per_expert)
+
+
+def test_a_bank_dequantises_in_the_same_few_ops_whatever_its_experts():
+    """Dequantising an MXFP4 bank dispatches the same ops for 2 experts as for 6, and few of them: one lookup over
+    the whole bank, not a set of kernels per expert."""
+    from tests.core.adaptation.test_quantized import Dispatched  # nf4's bank counts its ops the same way
+    counts = {}
+    for experts in (2, 6):
+        packed, _ = gate_up_bank(experts, torch.bfloat16)
+        with Dispatched() as dispatched:
+            packed.dequantize_into(torch.empty(packed.shape, dtype=torch.bfloat16))
+        counts[experts] = dispatched.ops
+    assert counts[2] == counts[6], counts
+    assert len(counts[6]) <= 12, counts[6]

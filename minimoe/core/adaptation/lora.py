@@ -153,12 +153,13 @@ class LoRALinear(LoRAMixin, nn.Module):
         self.weight, self.bias = base.weight, base.bias
         self._init_lora(rank, alpha, dropout, 1, dtype)
 
-    def forward(self, x):  # x [..., in] -> [..., out]
+    def forward(self, x, weight=None):  # x [..., in] -> [..., out]; weight: in place of self.weight (a packed base's)
+        weight = self.weight if weight is None else weight
         if self.merged:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, weight, self.bias)
         with self.branch(x) as (dropped, A, B):
             delta = scaled(F.linear(F.linear(dropped, A), B), self.scale)  # [..., out]
-        return linear_plus_delta(x, self.weight, self.bias, delta)
+        return linear_plus_delta(x, weight, self.bias, delta)
 
 
 def linear_plus_delta(x, weight, bias, delta):
@@ -211,20 +212,23 @@ class LoRAGroupedLinear(LoRAMixin, GroupedLinear):
         self._stack()
         return self
 
-    def forward(self, x, dispatch):  # x [N, in] sorted by expert -> [N, out]
+    def forward(self, x, dispatch, weight=None, stacked=None):  # x [N, in] sorted by expert -> [N, out]
+        """weight, stacked: in place of self.weight and self.stacked (a packed bank's dequantisation, whose
+        buffer [E, out, in + k] is its `stacked`: core/adaptation/quantized.py)."""
+        weight = self.weight if weight is None else weight
         if self.merged:
-            return expert_matmul(x, self.weight, dispatch)
+            return expert_matmul(x, weight, dispatch)
         with self.branch(x) as (dropped, A, B):
             if cpu_memory.keeps_adapter_dtype(x):  # fp32 a and B on the CPU: the delta apart, addmm per block
                 a = expert_matmul(dropped, A, dispatch)  # [N, blocks*r]
                 pairs = zip(a.chunk(self.blocks, dim=-1), B.chunk(self.blocks, dim=-2))
                 delta = scaled(torch.cat([expert_matmul(a_b, B_b, dispatch) for a_b, B_b in pairs], dim=-1), self.scale)
-                return per_block_addmm(x, self.weight, delta, dispatch)
+                return per_block_addmm(x, weight, delta, dispatch)
             A, b = self.padded_factors(A, B)
             a = expert_matmul(dropped, A, dispatch)  # [N, k]
-        stacked = self.stacked  # None: a cast bank or an FSDP-gathered one, a copy anyway
+        stacked = self.stacked if stacked is None else stacked  # None: a cast or FSDP-gathered bank, a copy anyway
         stacked = stacked if stacked is not None and stacked.dtype == x.dtype else None
-        return base_plus_delta(x, self.weight, a.to(x.dtype), b.to(x.dtype), dispatch, stacked)
+        return base_plus_delta(x, weight, a.to(x.dtype), b.to(x.dtype), dispatch, stacked)
 
     def padded_factors(self, A, B):
         """A [E, k, in] and s B as one block-diagonal b [E, out, k]: block i of A's rows feeds row block i

@@ -14,6 +14,15 @@ read before; the module's class becomes a `Dequantizing` one whose forward
    the last drops it. So the dequantised weight lives from its module's forward to the end of its
    forward, and again across its module's backward: one module's weight at a time, never the model's.
 
+The module's forward takes the dequantised weight as an argument (`weight=`, a LoRA bank's `stacked=`), so
+nothing is written to the module while it runs. Under torch.compile the hooks cannot be traced (they read
+storage pointers: 27 graph breaks on a tiny granitemoe), so a traced forward runs the same dequantise-then-
+forward under torch's selective activation checkpointing instead: the products (mm, addmm, grouped_mm) are
+kept from forward, everything else, the dequantisation first, is recomputed in backward. The same contract,
+which the partitioner keeps: no dequantised weight is saved for backward (tests/core/adaptation/test_quantized.py
+holds that, and the compiled step equal to eager's bit for bit). Eager keeps the hooks: eager selective
+checkpointing reruns the module's Python forward in backward and holds each product's output until then.
+
 The LoRA delta meets the dequantised base as it meets a dense one (core/adaptation/lora.py: in the matmul's accumulator), because it
 is the same code: per-block addmm on the CPU, one grouped_mm over [x | a] against [W | s B] under
 autocast. A LoRA bank's dequantised weight is written into the first `in` columns of a fresh
@@ -40,6 +49,7 @@ import weakref
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from minimoe.core.layers.experts import GroupedLinear, matmul_dtype
 
@@ -225,13 +235,13 @@ class Dequantizing:
     """Mixed into a module's class by `quantize_module`: forward on the weight dequantised (module docstring)."""
 
     def forward(self, x, *args, **kwargs):
-        placeholder, packed = self.weight, self.packed
-        dtype = matmul_dtype(x, placeholder)
-        k = getattr(self, "k", 0)  # a LoRA bank's [x | a] width: the buffer is its `stacked`
-        shape = (*packed.shape[:-1], packed.shape[-1] + k)
-        buffer = dequantized_buffer(packed, shape, dtype, placeholder.device)
+        if torch.compiler.is_compiling():  # traced: torch's own recomputation instead of the hooks (module docstring)
+            return checkpoint(self._dequantized_forward, x, *args, use_reentrant=False,
+                              context_fn=_recompute_all_but_products, **kwargs)
+        packed, k = self.packed, getattr(self, "k", 0)  # k: a LoRA bank's [x | a] width (its `stacked` buffer)
+        buffer = self._dequantized(x)
         storage, device = buffer.untyped_storage().data_ptr(), buffer.device
-        rebuild = _Rebuild(packed, shape, dtype, placeholder.device)
+        rebuild = _Rebuild(packed, buffer.shape, buffer.dtype, device)
         alive = weakref.ref(buffer)  # autograd keeps the hooks with what they saved: no strong reference here
 
         def pack(t):
@@ -243,16 +253,26 @@ class Dequantizing:
         def unpack(saved):
             return saved.rebuild.unpack(saved) if isinstance(saved, _Saved) else saved
 
-        self.weight = buffer[..., :packed.shape[-1]]
-        if k:
-            self.stacked = buffer
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-                return super().forward(x, *args, **kwargs)
-        finally:
-            self.weight = placeholder
-            if k:
-                self.stacked = None
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return self._forward_on(buffer, x, *args, **kwargs)
+
+    def _dequantized(self, x):
+        """A fresh [..., out, in + k] buffer, the weight dequantised in the matmul's dtype in its first `in` columns."""
+        packed = self.packed
+        shape = (*packed.shape[:-1], packed.shape[-1] + getattr(self, "k", 0))
+        return dequantized_buffer(packed, shape, matmul_dtype(x, self.weight), self.weight.device)
+
+    def _forward_on(self, buffer, x, *args, **kwargs):
+        """The module's own forward on `buffer`'s weight instead of the placeholder (a LoRA bank's `stacked`: buffer)."""
+        weight = buffer[..., :self.packed.shape[-1]]
+        if isinstance(self, nn.Linear):
+            return F.linear(x, weight, self.bias)  # nn.Linear.forward, on this weight
+        if hasattr(self, "k"):
+            kwargs["stacked"] = buffer
+        return super().forward(x, *args, weight=weight, **kwargs)
+
+    def _dequantized_forward(self, x, *args, **kwargs):
+        return self._forward_on(self._dequantized(x), x, *args, **kwargs)
 
     def merge(self):  # a LoRA module's: the delta has no packed weight to go into
         raise ValueError("merge: this LoRA's base weight is packed (--quantize); dequantize_model(model) first, "
@@ -270,6 +290,20 @@ class Dequantizing:
         if hasattr(self, "k"):
             self.stacked = None
         return self
+
+
+# Under compile, the outputs of these are kept from forward (recomputing one would be a second forward matmul);
+# the rest is recomputed in backward, the dequantised weight first, which must not be saved.
+PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._grouped_mm.default)
+
+
+def _save_products(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in PRODUCTS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_all_but_products():
+    return create_selective_checkpoint_contexts(_save_products)
 
 
 _CLASSES: dict[type, type] = {}

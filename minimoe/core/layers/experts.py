@@ -118,8 +118,9 @@ class GroupedLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
 
-    def forward(self, x, dispatch: Dispatch):  # x [N, in] -> [N, out]
-        return expert_matmul(x, self.weight, dispatch)
+    def forward(self, x, dispatch: Dispatch, weight=None):  # x [N, in] -> [N, out]
+        """weight: the bank to use instead of self.weight (a packed bank's dequantisation: adaptation/quantized.py)."""
+        return expert_matmul(x, self.weight if weight is None else weight, dispatch)
 
 
 class Experts(nn.Module):

@@ -378,3 +378,49 @@ def test_importing_torchao_prints_no_failed_to_load_lines():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "Failed to load" not in done.stderr + done.stdout
+
+
+def holds_a_weight(t, weight) -> bool:
+    """Whether t, or its transpose, holds `weight` [..., out, in] in its first `in` columns (a LoRA bank's [W | s B])."""
+    for view in (t, t.mT) if t.dim() >= 2 else (t,):
+        if view.shape[:-1] == weight.shape[:-1] and view.shape[-1] >= weight.shape[-1] and view.dtype == weight.dtype \
+                and torch.equal(view[..., :weight.shape[-1]], weight):
+            return True
+    return False
+
+
+def test_a_packed_model_compiles_without_graph_breaks_and_saves_no_dequantised_weight(monkeypatch):
+    """--compile through packed layers: compile_layers(fullgraph=True) traces every decoder layer of a packed tiny
+    granitemoe with LoRA (q, k, v and both banks; o_proj packed without LoRA) as one graph, which the eager
+    path's saved-tensor hooks broke 27 times. The compiled step's logits and LoRA gradients are eager's bit for
+    bit, and nothing the compiled forward saves for backward holds a dequantised weight: the dequantisation is
+    recomputed in backward, as in eager. bf16 autocast, as the GPU recipe (aot_eager: the traced graphs run as aten ops)."""
+    from minimoe.core.decoder.model import compile_layers
+    from minimoe.core.layers import cpu_memory
+    monkeypatch.setattr(cpu_memory, "EXPERT_BLOCK", 1)  # the CPU's row rounding counts on the host
+
+    def build():
+        model = quantized.quantize_model(tiny_model("granitemoe", num_hidden_layers=2).to(torch.bfloat16), "nf4")
+        torch.manual_seed(1)
+        return add_lora(model, rank=4, dropout=0.0).train()
+    eager, compiled = build(), compile_layers(build(), backend="aot_eager", fullgraph=True)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    results, saved = [], []
+    for model in (eager, compiled):
+        saved.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            logits = model(ids).logits
+        logits.float().logsumexp(-1).mean().backward()
+        results.append((logits, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    packed = {n: m for n, m in compiled.named_modules() if quantized.is_quantized(m)}
+    assert any(isinstance(m, GroupedLinear) and hasattr(m, "k") for m in packed.values())  # LoRA banks among them
+    assert any(isinstance(m, nn.Linear) for m in packed.values())  # and a packed linear without LoRA (o_proj)
+    for name, m in packed.items():
+        weight = m.packed.dequantize_into(torch.empty(m.weight.shape, dtype=torch.bfloat16))
+        assert not any(holds_a_weight(t, weight) for t in saved if t.is_floating_point()), name
+    (logits, grads), (logits_c, grads_c) = results
+    assert torch.equal(logits, logits_c)
+    assert grads.keys() == grads_c.keys() and any("experts.gate_up_proj.lora_A" in n for n in grads)
+    for name in grads:
+        assert torch.equal(grads_c[name], grads[name]), name
