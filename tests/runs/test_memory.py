@@ -377,8 +377,6 @@ def test_the_memory_command_sizes_mimo_v2_flash_at_its_released_size(tmp_path):
     assert e.weights == 2 * 308_778_780_864 and not e.fits
 
 
-
-
 class NewTensorBytes(TorchDispatchMode):
     """The bytes of the tensors the ops allocate while active (not views, nor tensors written in place)."""
 
