@@ -58,7 +58,7 @@ class MoEConfig:
     moe_latent_size: int | None = None  # set: the routed experts run in this width, projected in and out (Nemotron-H)
     n_shared_experts: int = 0  # DeepSeek: shared experts of intermediate_size each, run as one of n times the width
     # The router's scoring and selection (routing.Scoring reads these; families.py says who uses which).
-    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3) | "sqrtsoftplus" (DeepSeek-V4)
     topk_on_logits: bool = False  # top-K on the logits, then softmax (Granite, gpt-oss) or sigmoid (Llama 4) of the K
     expert_input_scaled: bool = False  # the combine weight scales each expert's input, not its output (Llama 4)
     topk_method: str = "greedy"  # greedy | group_limited_greedy (DeepSeek-V2) | noaux_tc (DeepSeek-V3)
@@ -216,6 +216,9 @@ class MoEConfig:
             raise ValueError(f"config: scoring_func {self.scoring_func!r}; expected one of {SCORE_FUNCS}")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"config: topk_method {self.topk_method!r}; expected one of {TOPK_METHODS}")
+        if self.topk_on_logits and self.scoring_func == "sqrtsoftplus":
+            raise ValueError("config: topk_on_logits (top-K on logits) takes softmax or sigmoid scores; got "
+                             "scoring_func 'sqrtsoftplus'")
         if self.topk_on_logits and self.topk_method != "greedy":
             raise ValueError(f"config: topk_on_logits (top-K on logits) takes greedy top-K; got {self.topk_method!r}")
         if self.topk_method != "greedy":
