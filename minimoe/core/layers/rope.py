@@ -23,6 +23,8 @@ Decisions:
   turn at theta^(-2i/d), d the whole head's width, the others not at all (frequency 0: cos 1, sin 0, the dims
   pass unchanged, exactly), over the whole head in rotate-half's pairs (x[i], x[i + d/2]); GLM's partial rotary
   instead rotates the first dims only, its pairs (x[i], x[i + r/2]).
+- DeepSeek-V4 turns the *last* r dims of each head as interleaved pairs, in place (`rotate_trailing_pairs`): its
+  values are its keys, so the attention output carries the rotation, undone by the opposite turn (-sin).
 - DeepSeek stores its rope dims as interleaved pairs (x[2i], x[2i+1]). `deinterleave` reorders
   them to rotate-half's (evens, then odds), as transformers' `rope_interleave` does; applied to both
   q and k it leaves every q.k dot product, hence attention, unchanged.
@@ -140,6 +142,16 @@ def apply_rope(x, cos, sin):  # x [B, h, T, d], cos/sin [B, T, d]: rotate-half's
     cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rotate_trailing_pairs(x, cos, sin):
+    """DeepSeek-V4's rope: the last r dims of x [..., d] as interleaved pairs (x[2i], x[2i+1]), turned by cos, sin
+    [..., r/2] (broadcast over x's other leading dims) in fp32 and cast back once; the first d - r dims pass."""
+    r = 2 * cos.shape[-1]
+    rot = x[..., -r:].float()
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    rot = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-r], rot.to(x.dtype)), dim=-1)
 
 
 def deinterleave(x):

@@ -11,6 +11,8 @@ holds MLA's options, else GQA attention. `MIXERS` maps each name to its class, o
     "gated_deltanet"  core/token_mixers/deltanet.py  Gated DeltaNet (Qwen3-Next's linear_attention layers) (DeltaNetConfig)
     "kda"        core/token_mixers/kda.py        Kimi Delta Attention (Kimi Linear's linear_attention layers) (KDAConfig)
     "short_conv" core/token_mixers/short_conv.py LFM2's gated short convolution: C * conv(B * x) (ShortConvConfig)
+    "compressed" core/token_mixers/compressed_attention.py  DeepSeek-V4: a sliding window plus compressed entries
+                 (CSA with its indexer, HCA), shared-KV heads with sinks, a grouped output (CompressedAttentionConfig)
 
 The interface every mixer keeps (a new one is a file with its class and its config, added to `MIXERS`):
 - `config_class`: a dataclass of the mixer's own options, defined and value-checked (in `__post_init__`,
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from minimoe.core.token_mixers.attention import Attention
+from minimoe.core.token_mixers.compressed_attention import CompressedSparseAttention
 from minimoe.core.token_mixers.deltanet import GatedDeltaNet
 from minimoe.core.token_mixers.kda import KimiDeltaAttention
 from minimoe.core.token_mixers.mamba2 import Mamba2Mixer
@@ -50,7 +53,8 @@ from minimoe.core.token_mixers.mla import MLAttention
 from minimoe.core.token_mixers.short_conv import ShortConv
 
 MIXERS: dict[str, type] = {"attention": Attention, "mla": MLAttention, "mamba2": Mamba2Mixer,
-                           "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "short_conv": ShortConv}
+                           "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "short_conv": ShortConv,
+                           "compressed": CompressedSparseAttention}
 # A model of one block per layer (Nemotron-H, MoEConfig.single_block_layers) names its feed-forward layers by
 # these in mixer_types: such a layer has no mixer, only its MoE block ("moe") or dense MLP ("mlp").
 FEED_FORWARD = ("moe", "mlp")
