@@ -388,5 +388,7 @@ def set_routing_trainable(model):
 
 
 def moe_blocks(model) -> dict:
-    """Layer index -> its MoE block, for the layers that route (a dense layer's mlp has no router)."""
-    return {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "router")}
+    """Layer index -> its MoE block, for the layers that route (a dense layer's mlp has no router; a hash-routed
+    layer's experts are its token's, not a router's: docs/methods.md)."""
+    return {i: layer.mlp for i, layer in enumerate(model.model.layers)
+            if hasattr(layer.mlp, "router") and not getattr(layer.mlp, "hashed", False)}

@@ -28,9 +28,11 @@ Decisions, for parity with transformers 5.23 (modeling_deepseek_v4.py, whose tor
 - The indexer has no gradient (its output is a top-k), so its weights are frozen, as DSA's (docs/methods.md).
 - The norms multiply their weight in fp32 (transformers keeps them fp32); q's weightless norm rounds its scale to
   the model dtype first, as the reference does; rope tables are rounded to the model dtype, turned in fp32.
+- Packed rows (segment_ids): a candidate's compressed entries are those of its own row, the prompt then itself,
+  so each piece runs through this mixer as its own row and its outputs go back in place (`pieces`, read on the
+  host once per layer); the rest of the model runs packed. The prompt runs once per candidate here.
 - Not reached, refused by name: the generation cache (the compressors' running windows and overlap state,
-  transformers' DeepseekV4CSACache) and packed rows (segment_ids: each candidate would need its own compressed
-  entries of prompt + itself; score with per-candidate rows, --per-candidate-rows).
+  transformers' DeepseekV4CSACache).
 """
 from __future__ import annotations
 
@@ -40,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimoe.core.layers.masks import mask_kind
+from minimoe.core.layers.masks import bool_mask, mask_kind
 from minimoe.core.layers.norms import RMSNorm
 from minimoe.core.layers.rope import rope_cos_sin, rope_frequencies, rotate_trailing_pairs
 from minimoe.core.token_mixers.dsa_indexer import head_weighted_scores, keep_selected
@@ -99,9 +101,12 @@ class PairRope:
     """cos, sin [B, T, r/2] of one rope base (and scaling) at given positions, in the model dtype."""
 
     def __init__(self, r: int, theta: float, scaling: dict | None, max_position_embeddings: int):
-        self.inv_freq, self.factor = rope_frequencies(r, theta, scaling, max_position_embeddings)
+        self.args = (r, theta, scaling, max_position_embeddings)  # frequencies at first use: a model built on the
+        self.inv_freq = None  # meta device (from_pretrained) has no values to compute them from
 
     def tables(self, positions, dtype):  # positions [B, T] -> cos, sin [B, T, r/2]
+        if self.inv_freq is None:
+            self.inv_freq, self.factor = rope_frequencies(*self.args)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.factor, dtype)
         half = cos.shape[-1] // 2
         return cos[..., :half], sin[..., :half]
@@ -208,19 +213,20 @@ class CompressedSparseAttention(nn.Module):
     def forward(self, x, inputs, cache=None):  # x [B, T, D]
         if cache is not None or inputs.cache_start:
             self.cache_slot(None, 0, 0, 0, None, None)
-        if inputs.segment_ids is not None:
-            raise NotImplementedError("DeepSeek-V4's compressed attention does not run packed rows (segment_ids): "
-                                      "each candidate needs its own compressed entries; use per-candidate rows "
-                                      "(--per-candidate-rows) and unpacked token batches")
+        if inputs.segment_ids is not None:  # packed rows: each piece (prompt + one candidate) as its own row
+            return self.packed(x, inputs)
         B, T, _ = x.shape
-        H, d, pos = self.H, self.d, inputs.position_ids
+        return self.attend(x, inputs.position_ids, inputs.masks[self.mask_kind].expand(B, 1, T, T))
+
+    def attend(self, x, pos, mask):  # x [B, T, D], pos [B, T], mask bool [B, 1, T, T] (window, padding) -> [B, T, D]
+        B, T, _ = x.shape
+        H, d = self.H, self.d
         cos, sin = self.rope.tables(pos, x.dtype)  # [B, T, r/2]
         q_latent = self.q_a_norm(self.q_a_proj(x))  # [B, T, Q]
         q = self.q_b_proj(q_latent).view(B, T, H, d).transpose(1, 2)  # [B, H, T, d]
         q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = rotate_trailing_pairs(q, cos[:, None], sin[:, None])
         kv = rotate_trailing_pairs(self.kv_norm(self.kv_proj(x))[:, None], cos[:, None], sin[:, None])  # [B, 1, T, d]
-        mask = inputs.masks[self.mask_kind].expand(B, 1, T, T)  # causal, in the window, real keys
         if self.kind != SLIDING:
             entries = self.compressor.entries(x, self.rope)  # [B, W, d]
             whole = torch.arange(entries.shape[1], device=x.device) < ((pos + 1) // self.compressor.rate)[..., None]
@@ -231,3 +237,40 @@ class CompressedSparseAttention(nn.Module):
         y = sink_attention(q, kv, kv, self.sinks, mask, d ** -0.5)  # [B, H, T, d]
         y = rotate_trailing_pairs(y, cos[:, None], -sin[:, None]).transpose(1, 2)  # [B, T, H, d]
         return self.o_b_proj(self.o_a_proj(y.reshape(B, T, self.groups, -1)).flatten(2))
+
+    def packed(self, x, inputs):
+        """Packed rows (core/task/choices.py, core/task/tokens.py): every candidate's compressed entries are its own
+        row's, prompt and itself, so each piece runs as that row would, its outputs put back (the prompt's, the same
+        in every piece, once per piece); exactly what per-candidate rows compute."""
+        B, T, D = x.shape
+        rows, cols, valid, keep = pieces(inputs.segment_ids, inputs.attention_mask)  # [N], [N, L] x 3
+        N, L = cols.shape
+        pos = torch.arange(L, device=x.device).expand(N, L)
+        mask = bool_mask(valid.long(), N, L, 0, x.device, kind=self.mask_kind)
+        y = self.attend(x[rows[:, None], cols], pos, mask)  # [N, L, D]
+        out = x.new_zeros(B, T, y.shape[-1])
+        out[rows[:, None].expand(N, L)[keep], cols[keep]] = y[keep]  # each position once (backward: its gradient once)
+        return out
+
+
+def pieces(segment_ids, attention_mask=None):
+    """Packed rows' pieces, read on the host once: each candidate (segment s > 0) with its row's prompt (segment 0)
+    before it, left-aligned -> rows [N], cols [N, L] (0 where not valid), valid [N, L], keep [N, L] (valid, the
+    prompt's positions in its row's first piece only: the outputs put back)."""
+    seg = segment_ids.cpu()
+    ok = torch.ones_like(seg, dtype=torch.bool) if attention_mask is None else attention_mask[:, -seg.shape[1]:].bool().cpu()
+    found = []
+    for r in range(seg.shape[0]):
+        prompt = ((seg[r] == 0) & ok[r]).nonzero()[:, 0]
+        kinds = [int(s) for s in torch.unique(seg[r][ok[r]]) if s > 0]
+        found += [(r, torch.cat((prompt, ((seg[r] == s) & ok[r]).nonzero()[:, 0]))) for s in kinds] or [(r, prompt)]
+    L = max(1, max(len(c) for _, c in found))
+    cols = torch.zeros(len(found), L, dtype=torch.long)
+    valid = torch.zeros(len(found), L, dtype=torch.bool)
+    keep = torch.zeros(len(found), L, dtype=torch.bool)
+    for i, (r, c) in enumerate(found):
+        cols[i, :len(c)], valid[i, :len(c)] = c, True
+        first = i == 0 or found[i - 1][0] != r
+        keep[i, :len(c)] = True if first else seg[r][c] > 0
+    dev = segment_ids.device
+    return torch.tensor([r for r, _ in found], device=dev), cols.to(dev), valid.to(dev), keep.to(dev)

@@ -105,6 +105,7 @@ class MixerInputs:
     segment_plan: object = None  # packed rows' layout for the recurrent mixers, read once (ssm_common.segment_plan)
     shared: dict = field(default_factory=dict)  # what a layer's mixer leaves for later layers, by its index (DSA's top-k)
     ropes: dict | None = None  # layer type -> its (cos, sin) where each type has its own rope (Gemma 4), else None
+    token_ids: torch.Tensor | None = None  # [B, T] the input ids, which hash-routed MoE layers read (DeepSeek-V4)
 
 
 class KVCache:
