@@ -50,3 +50,26 @@ def test_config_json_ropes_are_read_or_refused_by_name():
 def test_the_generation_cache_is_refused_by_name():
     with pytest.raises(NotImplementedError, match="compressed attention has no generation cache"):
         KVCache(tiny_config("deepseek_v4"), 1, 8, torch.float32, torch.device("cpu"))
+
+
+def test_the_release_layout_loads_as_the_one_transformers_saves(tmp_path):
+    """The release's files name the tensors without transformers' model. (embed.weight, norm.weight, hc_head_fn,
+    layers.N.attn.wq_a.weight, ...): they load as the same model (Family.key_prefixes)."""
+    import minimoe
+    from safetensors.torch import load_file, save_file
+    from minimoe.loading.checkpoint import save_pretrained
+    model = tiny_model("deepseek_v4")
+    save_pretrained(model, tmp_path / "saved")
+    tensors = load_file(tmp_path / "saved" / "model.safetensors")
+    assert "model.layers.1.attn.indexer.compressor.ape" in tensors and "head.weight" in tensors  # transformers' names
+    renames = {"model.embed_tokens.": "embed.", "model.norm.": "norm.", "model.hc_head.hc_": "hc_head_",
+               "model.layers.": "layers."}
+    release = {next((new + k[len(old):] for old, new in renames.items() if k.startswith(old)), k): v
+               for k, v in tensors.items()}
+    assert "hc_head_fn" in release and "embed.weight" in release
+    (tmp_path / "release").mkdir()
+    save_file(release, str(tmp_path / "release" / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "release" / "config.json").write_text((tmp_path / "saved" / "config.json").read_text())
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(minimoe.from_pretrained(tmp_path / "release")(ids).logits, model(ids).logits)
