@@ -30,7 +30,7 @@ Decisions, for parity with transformers 5.23 (modeling_deepseek_v4.py, whose tor
   the model dtype first, as the reference does; rope tables are rounded to the model dtype, turned in fp32.
 - Packed rows (segment_ids): a candidate's compressed entries are those of its own row, the prompt then itself,
   so each piece runs through this mixer as its own row and its outputs go back in place (`pieces`, read on the
-  host once per layer); the rest of the model runs packed. The prompt runs once per candidate here.
+  host once per forward, kept in MixerInputs.shared); the rest of the model runs packed. The prompt runs once per candidate here.
 - Not reached, refused by name: the generation cache (the compressors' running windows and overlap state,
   transformers' DeepseekV4CSACache).
 """
@@ -107,6 +107,8 @@ class PairRope:
     def tables(self, positions, dtype):  # positions [B, T] -> cos, sin [B, T, r/2]
         if self.inv_freq is None:
             self.inv_freq, self.factor = rope_frequencies(*self.args)
+        if self.inv_freq.device != positions.device:  # moved once, not copied to the device at every call
+            self.inv_freq = self.inv_freq.to(positions.device)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.factor, dtype)
         half = cos.shape[-1] // 2
         return cos[..., :half], sin[..., :half]
@@ -243,7 +245,9 @@ class CompressedSparseAttention(nn.Module):
         row's, prompt and itself, so each piece runs as that row would, its outputs put back (the prompt's, the same
         in every piece, once per piece); exactly what per-candidate rows compute."""
         B, T, D = x.shape
-        rows, cols, valid, keep = pieces(inputs.segment_ids, inputs.attention_mask)  # [N], [N, L] x 3
+        if "pieces" not in inputs.shared:  # read on the host by the first such layer of this forward, once
+            inputs.shared["pieces"] = pieces(inputs.segment_ids, inputs.attention_mask)
+        rows, cols, valid, keep = inputs.shared["pieces"]  # [N], [N, L] x 3
         N, L = cols.shape
         pos = torch.arange(L, device=x.device).expand(N, L)
         mask = bool_mask(valid.long(), N, L, 0, x.device, kind=self.mask_kind)

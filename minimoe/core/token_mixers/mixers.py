@@ -103,7 +103,7 @@ class MixerInputs:
     position_ids: torch.Tensor  # [B, T]
     cache_start: int = 0  # positions already in the cache (S = cache_start + T)
     segment_plan: object = None  # packed rows' layout for the recurrent mixers, read once (ssm_common.segment_plan)
-    shared: dict = field(default_factory=dict)  # what a layer's mixer leaves for later layers, by its index (DSA's top-k)
+    shared: dict = field(default_factory=dict)  # what a layer's mixer leaves for later layers: DSA's top-k by its index, V4's "pieces"
     ropes: dict | None = None  # layer type -> its (cos, sin) where each type has its own rope (Gemma 4), else None
     token_ids: torch.Tensor | None = None  # [B, T] the input ids, which hash-routed MoE layers read (DeepSeek-V4)
 
