@@ -365,7 +365,7 @@ def resolve_layers(layers, sparse) -> list[int]:
         raise ValueError(f"set_router: layers={layers!r}; expected a scope name or a non-empty list of indices")
     bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, Integral) or i not in sparse]
     if bad:
-        dense = "" if sparse == list(range(len(sparse))) else f" (its MoE layers are {sparse}; dense layers are never routed)"
+        dense = "" if sparse == list(range(len(sparse))) else f" (its MoE layers are {sparse}; dense and hash-routed layers are never a method's)"
         raise ValueError(f"set_router: layer index {bad[0]!r} is out of range; the model has layers "
                          f"0..{max(sparse)}{dense}")
     return sorted({int(i) for i in layers})
