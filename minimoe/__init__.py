@@ -1,6 +1,6 @@
 """minimoe: sparse MoE language models in a few readable files (Granite-MoE, GraniteMoeShared, OLMoE, FlexOlmo,
 Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3, GLM-4.5, Llama-4, gpt-oss, MiniMax-M2, GLM-4.7-Flash, Mistral-Small-4,
-DeepSeek-V3.2, GLM-5, Gemma-4, Granite-Swash, MiMo-V2-Flash, and
+DeepSeek-V3.2, GLM-5, Gemma-4, Granite-Swash, MiMo-V2-Flash, DeepSeek-V4, and
 the hybrids Granite-4.0-H, Qwen3-Next, Qwen3.5-MoE, Kimi-Linear, LFM2-MoE and Nemotron-H: one record each in minimoe/core/decoder/families.py), with LoRA and token-error-supervised routing."""
 from minimoe.core.decoder.generate import generate
 from minimoe.core.adaptation.lora import add_lora, merge_lora, unmerge_lora

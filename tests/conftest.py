@@ -163,7 +163,7 @@ def transformers_major() -> int | None:
 # The families whose model_type transformers 4.57 lacks: their oracle tests are marked tf5 (transformers 5.23).
 TRANSFORMERS_5_ONLY = {"minimax_m2", "glm4_moe_lite", "mistral4", "qwen3_5_moe", "kimi_linear", "lfm2_moe",
                        "nemotron_h", "deepseek_v32", "glm_moe_dsa", "gemma4_text",
-                       "granitemoe_swa", "mimo_v2_flash"}
+                       "granitemoe_swa", "mimo_v2_flash", "deepseek_v4"}
 
 
 def by_oracle(cases, model_type=lambda case: case) -> list:

@@ -201,6 +201,18 @@ VARIANTS = {
                           rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1000.0,
                                                               "partial_rotary_factor": 0.5},
                                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}),
+    # DeepSeek-V4 (transformers 5 only): a sliding, a CSA (windows of 4, the indexer keeping 2 of them) and an HCA layer
+    # (windows of 5) over 16-token rows, a window of 6, YaRN on the compressed layers' rope, 3 hyper-connection streams,
+    # a hash-routed first layer, the SwiGLU clamp low enough to bite.
+    "deepseek_v4": dict(model_type="deepseek_v4", head_dim=16, q_lora_rank=24, o_groups=2, o_lora_rank=16,
+                        moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, index_n_heads=8,
+                        index_head_dim=16, index_topk=2, sliding_window=6, hc_mult=3, swiglu_limit=1.0,
+                        layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                        mlp_layer_types=["hash_moe", "moe", "moe"], max_position_embeddings=64,
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 5},
+                        rope_theta=10000.0, compress_rope_theta=40000.0, partial_rotary_factor=0.5,
+                        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                         "beta_fast": 32.0, "beta_slow": 1.0}),
 }
 # COMMON's fields a family's config names otherwise (Nemotron-H's layer_norm_epsilon): left out of its variants.
 NOT_COMMON = {"nemotron_h": ("rms_norm_eps", "num_hidden_layers")}
@@ -219,7 +231,7 @@ def family_of(variant: str) -> str:
 def variant_config(variant: str) -> dict:
     """`variant`'s transformers config fields at the tiny width (tests/core/decoder/test_model.py's reference_model
     builds and saves its model)."""
-    mla = variant.startswith("deepseek") or variant in ("glm4_moe_lite", "mistral4", "glm_moe_dsa")
+    mla = variant.startswith("deepseek") and variant != "deepseek_v4" or variant in ("glm4_moe_lite", "mistral4", "glm_moe_dsa")
     common = {k: v for k, v in COMMON.items() if k not in NOT_COMMON.get(family_of(variant), ())}
     return {**common, **(MLA if mla else {}), **VARIANTS[variant]}
 

@@ -48,7 +48,7 @@ def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str | Co
     family's `layer_keys` renames it: whatever modules a family's config switches on (biases, q/k norms,
     dense layers, shared experts) are in the table without being listed here."""
     with torch.device("meta"):
-        names = [n for n, _ in MoEForCausalLM(config).named_parameters()]  # a tied head is the embedding's
+        names = tensor_names(MoEForCausalLM(config))
     family = family_of(config.model_type)
     table = family.layer_keys
     layout = {}
@@ -67,6 +67,20 @@ def checkpoint_layout(config: MoEConfig) -> dict[str, tuple[str, ...] | str | Co
         else:
             layout[name] = at + disk
     return layout
+
+
+def tensor_names(model) -> list[str]:
+    """What a checkpoint holds of `model`: its parameters (a tied head is the embedding's) and persistent buffers
+    (DeepSeek-V4's integer tid2eid table, which no optimizer or requires_grad_ may touch)."""
+    buffers = {n for n, _ in model.named_buffers()}
+    return [n for n, _ in model.named_parameters()] + [n for n in model.state_dict(keep_vars=True) if n in buffers]
+
+
+def model_tensor(model, name: str) -> torch.Tensor:
+    """A parameter or buffer of `model` by its name."""
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    return module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
 
 
 def mxfp4_keys(key: str) -> tuple[str, str]:
@@ -213,16 +227,17 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
     targets = []  # (record entry, the parameter it fills): every unpacked parameter at its final dtype and device
     for name, disk in layout.items():
         if name not in packed:
-            targets.append((disk, place(model, name, torch.empty(model.get_parameter(name).shape, dtype=dtype,
-                                                                 device=device)), None))
+            meta = model_tensor(model, name)  # an integer table (DeepSeek-V4's tid2eid) keeps its dtype
+            targets.append((disk, place(model, name, torch.empty(meta.shape, device=device, dtype=dtype
+                                                                 if meta.is_floating_point() else meta.dtype)), None))
     read_entries(files, where, targets, config.num_experts, str(folder))
     # --quantize: each packed parameter read whole into one reused staging buffer, then packed, one after the
     # other, so the unpacked model never is whole. One buffer, not one allocation each: under
     # keep_freed_memory the heap is never trimmed, and a freed block does not always fit the next matrix.
-    largest = max((model.get_parameter(n).numel() for n in packed), default=0) if quantize == "nf4" else 0
+    largest = max((model_tensor(model, n).numel() for n in packed), default=0) if quantize == "nf4" else 0
     stage = torch.empty(largest, dtype=dtype, device=device)
     for name in (n for n in layout if n in packed):
-        disk, meta = layout[name], model.get_parameter(name)
+        disk, meta = layout[name], model_tensor(model, name)
         module_name = name.rpartition(".")[0]
         module = model.get_submodule(module_name)
         if quantize == "mxfp4":  # the blocks and scales as read, no dense bank at all
@@ -238,7 +253,7 @@ def from_pretrained(name_or_path, *, dtype=None, device=None, cache_dir=None, re
         with mapped_big_blocks():  # the packing's transients, unmapped when freed (process_memory.py says why)
             quantize_module(module, pack(value, quantize, module_name))
     model.tie_weights()
-    still_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    still_meta = [n for n, p in [*model.named_parameters(), *model.named_buffers()] if p.is_meta]
     if still_meta:
         raise KeyError(f"{folder}: no checkpoint key fills parameter {still_meta[0]!r}")
     return model.eval()
@@ -315,11 +330,15 @@ def read_keys(files: dict, where: dict, reads: dict) -> int:
 
 
 def place(model, name: str, value: torch.Tensor) -> torch.Tensor:
-    """`value` made parameter `name` of the meta-built model (its requires_grad kept); returns it."""
-    meta = model.get_parameter(name)
+    """`value` made parameter (or buffer) `name` of the meta-built model (its requires_grad kept); returns it."""
+    meta = model_tensor(model, name)
     advise_huge_pages(value)  # 512x fewer first-touch page faults while the file is copied in
     module_name, _, leaf = name.rpartition(".")
-    model.get_submodule(module_name)._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
+    module = model.get_submodule(module_name)
+    if leaf in module._buffers:
+        module._buffers[leaf] = value
+    else:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=meta.requires_grad)
     return value
 
 
@@ -378,7 +397,7 @@ def to_disk_layout(config: MoEConfig, tensors: dict[str, torch.Tensor]) -> dict[
 def checkpoint_tensors(model: MoEForCausalLM) -> dict[str, torch.Tensor]:
     """The official on-disk tensors of `model` (base weights only; LoRA and method heads are not in the table)."""
     names = checkpoint_layout(model.config)
-    return to_disk_layout(model.config, {n: model.get_parameter(n).detach().cpu() for n in names})
+    return to_disk_layout(model.config, {n: model_tensor(model, n).detach().cpu() for n in names})
 
 
 def save_pretrained(model: MoEForCausalLM, path, *, max_shard_bytes: int = 5 * 2**30):

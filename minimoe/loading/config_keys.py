@@ -52,7 +52,8 @@ def from_transformers5(d: dict, family, source: str) -> dict:
     d = dict(d)
     if d.get("rope_parameters", {}) is None:  # a config without rope (Kimi Linear's, Nemotron-H's) writes null
         del d["rope_parameters"]
-    if "rope_parameters" in d and "rope_parameters" not in family.config_fields:  # Gemma 4 reads its per-type ropes
+    reads_ropes = "rope_parameters" in family.config_fields or "rope_parameters" in family.unread  # Gemma 4, V4
+    if "rope_parameters" in d and not reads_ropes:  # a family that reads its per-type ropes itself keeps them
         d.update(rope_fields(d.pop("rope_parameters"), d, source))
     if "dtype" in d:
         dtype = d.pop("dtype")

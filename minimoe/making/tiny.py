@@ -175,6 +175,16 @@ FAMILY_SWITCHES = {
                                                               "partial_rotary_factor": 0.5},
                                            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}},
                           pad_token_id=0, eos_token_id=1),
+    # DeepSeek-V4: a sliding, a CSA (windows of 4, its indexer keeping 2 entries) and an HCA layer (windows of 8), a
+    # window of 6, hyper-connections of 3 streams, a hash-routed first layer, the clamp low enough to bite.
+    "deepseek_v4": dict(num_hidden_layers=3, mixer_types=["compressed"] * 3, head_dim=16, partial_rotary_factor=0.5,
+                        compressed_layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                "heavily_compressed_attention"],
+                        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                        compress_rope_theta=40000.0, compressed_q_lora_rank=24, o_groups=2, o_lora_rank=16,
+                        compressed_index_n_heads=8, compressed_index_head_dim=16, compressed_index_topk=2,
+                        sliding_window=6, hc_mult=3, hash_layers=[0], swiglu_clamp=1.0, scoring_func="sqrtsoftplus",
+                        routed_scaling_factor=1.5, n_shared_experts=1, pad_token_id=0, eos_token_id=1),
 }
 
 # --model tiny's OLMoE (module docstring): 4 layers, experts 64 wide, no GQA, no clip_qkv, top-K as drawn.

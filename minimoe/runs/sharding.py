@@ -49,7 +49,7 @@ from minimoe.core.adaptation.lora import lora_modules
 from minimoe.core.adaptation.quantized import is_quantized, quantized_modules
 from minimoe.core.adaptation.sharded_nf4 import RECORDS, NF4Records, shardable
 from minimoe.core.decoder.model import MoEForCausalLM
-from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, read_entries, weight_index
+from minimoe.loading.checkpoint import DTYPES, checkpoint_layout, model_tensor, read_entries, weight_index
 from minimoe.process_memory import mapped_big_blocks
 from minimoe.loading.config_json import read_config
 from minimoe.runs.config import TrainConfig
@@ -104,7 +104,7 @@ def put_rows(model: nn.Module, values: dict[str, torch.Tensor]):
     """Each rank copies its rows of the whole tensors `values` (parameter name -> tensor) into its shards."""
     with torch.no_grad():
         for name, value in values.items():
-            local, first = local_rows(model.get_parameter(name))
+            local, first = local_rows(model_tensor(model, name))
             local.copy_(value[first:first + len(local)])
 
 
@@ -119,7 +119,7 @@ def read_base_rows(model: MoEForCausalLM, folder: Path) -> int:
         module, _, leaf = name.rpartition(".")
         if leaf == "weight" and is_quantized(model.get_submodule(module)):
             continue  # packed: pack_base_rows (its bias is read here)
-        local, first = local_rows(model.get_parameter(name))
+        local, first = local_rows(model_tensor(model, name))  # a buffer (tid2eid) whole on every rank
         if len(local):
             targets.append((disk, local, first))
     return read_entries(files, where, targets, config.num_experts, str(folder))

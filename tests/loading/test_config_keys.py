@@ -189,7 +189,8 @@ def test_every_family_saved_by_transformers5_loads_exactly(model_type, tmp_path)
     on_disk = json.loads((tmp_path / "config.json").read_text())
     family = FAMILIES[model_type]  # Kimi Linear's and Nemotron-H's configs name no rope
     if not family.fixed.get("mla_nope") and family.fixed.get("position_embedding_type") != "nope":
-        assert "rope_parameters" in on_disk and "rope_theta" not in on_disk  # the form this test is about
+        assert "rope_parameters" in on_disk  # the form this test is about; DeepseekV4Config (its two ropes held by
+        assert "rope_theta" not in on_disk or "rope_parameters" in family.unread  # unread) keeps rope_theta beside
     ours = minimoe.from_pretrained(tmp_path, dtype=torch.float32)
     ids, mask = batch()
     with torch.no_grad():

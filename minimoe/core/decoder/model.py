@@ -34,6 +34,11 @@ Decisions that matter for parity with `transformers` 4.57 (its modeling files of
   core/layers/parallel_dense.py), the gate reading its own weightless norm of the stream (`gate_input`), a gain per
   expert (core/layers/experts.py); an input norm as well as OLMo-2's output norms (`sandwich_norm`), each layer's
   output times the checkpoint's `layer_scalar`, the embedding times sqrt(D) in the model dtype, logits softcapped.
+- DeepSeek-V4 (`hc_mult`): the residual is hc_mult streams [B, T, N, D], the embedding copied into each; every
+  block reads a collapse of them and its output is spread back by the layer's hyper-connections, and the model's
+  `hc_head` collapses them before the final norm (core/layers/hyper_connections.py). Its first MoE layers
+  (`hash_layers`) take each token's experts from a frozen table by token id (routing.hash_experts), weighed by the
+  gate's scores; they report no Routing: not routers for the methods (docs/methods.md).
 - Experts: stacked `[E, out, in]` banks run on token blocks sorted by expert (core/layers/experts.py).
   Under autocast every matmul of a bf16 model runs in bf16, the banks included; nothing in forward or
   backward reads a device value back to the host (no bincount, .item() or boolean indexing).
@@ -50,6 +55,7 @@ import torch.nn.functional as F
 
 from minimoe.core.layers.clamped_experts import ClampedSwiGLUExperts
 from minimoe.core.layers.experts import Experts, SquaredReLUExperts
+from minimoe.core.layers.hyper_connections import HyperConnection, HyperHead
 from minimoe.core.layers.masks import block_mask, bool_mask, flex_applies
 from minimoe.core.token_mixers.mixers import KVCache, MixerInputs, mixer_for
 from minimoe.core.layers.mlp import DenseMLP
@@ -57,7 +63,7 @@ from minimoe.core.layers.norms import RMSNorm
 from minimoe.core.layers.parallel_dense import ParallelDense
 from minimoe.core.layers.rope import layer_type_frequencies, rope_cos_sin, rope_frequencies
 from minimoe.core.decoder.model_config import MoEConfig, config_field_names  # noqa: F401 (importers' name for both)
-from minimoe.core.routing_methods.routing import NativeRouter, Routing, Scoring
+from minimoe.core.routing_methods.routing import NativeRouter, Routing, Scoring, hash_experts
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -85,10 +91,14 @@ def layer_type_ropes(config: MoEConfig, position_ids, dtype) -> dict | None:
 # ----------------------------------------------------------------------------- the MoE block
 
 class MoEBlock(nn.Module):
-    def __init__(self, config: MoEConfig):
+    def __init__(self, config: MoEConfig, hashed: bool = False):
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=config.router_bias)  # native affinity W_aff
-        if config.topk_method == "noaux_tc" and config.correction_bias:  # DeepSeek-V3's selection-only bias, never trained
+        self.hashed = hashed  # DeepSeek-V4: the experts by token id, gate.tid2eid [V, K] (routing.hash_experts)
+        if hashed:  # an integer buffer, a checkpoint tensor (loading/checkpoint.py reads persistent buffers too)
+            self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, config.num_experts_per_tok,
+                                                             dtype=torch.long))
+        elif config.topk_method == "noaux_tc" and config.correction_bias:  # DeepSeek-V3's selection-only bias, never trained
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
         if config.moe_latent_size is not None:  # Nemotron-H's latent MoE: experts in a narrower width
             self.fc1_latent_proj = nn.Linear(config.hidden_size, config.moe_latent_size, bias=False)
@@ -105,14 +115,16 @@ class MoEBlock(nn.Module):
         self.router_fp32 = config.router_fp32
         if config.shared_expert_intermediate_size:  # never routed: every token's, beside the routed K (mlp.py)
             self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
-                                          fused=config.shared_expert_fused, act=config.hidden_act)
+                                          fused=config.shared_expert_fused, act=config.hidden_act,
+                                          limit=config.swiglu_clamp)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if config.shared_expert_gate else None
 
-    def forward(self, x, stash: dict | None = None, gate_input=None) -> tuple[torch.Tensor, Routing]:  # x [B, T, D]
-        """stash: under gradient checkpointing, the first pass records its expert choice there and
+    def forward(self, x, stash: dict | None = None, gate_input=None, token_ids=None) -> tuple[torch.Tensor, Routing]:
+        """x [B, T, D]. stash: under gradient checkpointing, the first pass records its expert choice there and
         the recompute replays it, so that backward never runs experts the forward did not.
         gate_input [B, T, D]: what the gate and the routing policy read where it is not the experts' input x
-        (Gemma 4's own norm, core/layers/parallel_dense.py)."""
+        (Gemma 4's own norm, core/layers/parallel_dense.py). token_ids [B, T]: a hash-routed block's input ids;
+        it returns no Routing (None), as a dense layer."""
         B, T, D = x.shape
         flat = x.reshape(B * T, D)
         replay = stash.get("experts") if stash is not None else None
@@ -127,7 +139,12 @@ class MoEBlock(nn.Module):
             logits = F.linear(gx, self.gate.weight.to(gx.dtype), bias).float()  # [B*T, E]
         correction = getattr(self.gate, "e_score_correction_bias", None)
         extra = {} if correction is None else {"correction": correction}  # a policy of your own may not take it
-        routing = self.router(gx, logits, experts=replay, **extra)
+        if self.hashed:  # the table's experts, the native scores' weights; never a method's (docs/methods.md)
+            if token_ids is None:
+                raise ValueError("a hash-routed MoE layer (DeepSeek-V4's tid2eid) needs the input ids; none were given")
+            routing = Routing(logits, *self.router.scoring.select(logits, hash_experts(self.gate.tid2eid, token_ids)))
+        else:
+            routing = self.router(gx, logits, experts=replay, **extra)
         if stash is not None and replay is None:
             stash["experts"] = routing.experts.detach()
         latent = hasattr(self, "fc1_latent_proj")  # routed on the hidden state, the experts run in the latent width
@@ -142,7 +159,7 @@ class MoEBlock(nn.Module):
             if self.shared_expert_gate is not None:  # Qwen2-MoE: sigmoid(w . x) per token
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             y = y + shared
-        return y.view(B, T, D), routing
+        return y.view(B, T, D), None if self.hashed else routing
 
 
 def scaled(x, factor: float):
@@ -165,7 +182,7 @@ class DecoderLayer(nn.Module):
         self.sparse = layer_idx in config.sparse_layers  # else a dense MLP, never routed (mlp.py)
         self.mlp = None
         if config.has_mlp(layer_idx):
-            self.mlp = MoEBlock(config) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size,
+            self.mlp = MoEBlock(config, layer_idx in config.hash_layers) if self.sparse else DenseMLP(config.hidden_size, config.dense_intermediate_size,
                                                                      act=config.hidden_act)
         # Gemma 4: a dense MLP beside the experts, the branches' norms, the gate's own input (parallel_dense.py)
         self.parallel = ParallelDense(config) if config.parallel_dense and self.sparse else None
@@ -184,6 +201,9 @@ class DecoderLayer(nn.Module):
         if config.layer_scalar:  # Gemma 4: the checkpoint's layer_scalar [1], never trained
             self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         self.residual_multiplier = config.residual_multiplier
+        if config.hc_mult:  # DeepSeek-V4: each block between its hyper-connection's collapse and spread
+            hc = (config.hidden_size, config.hc_mult, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+            self.attn_hc, self.ffn_hc = HyperConnection(*hc), HyperConnection(*hc)
         self.gradient_checkpointing = False  # recompute this block in backward instead of storing it
 
     @property
@@ -196,6 +216,12 @@ class DecoderLayer(nn.Module):
         return self._forward(h, inputs, cache, None)
 
     def _forward(self, h, inputs, cache, stash):
+        if hasattr(self, "attn_hc"):  # h [B, T, N, D]: N residual streams (core/layers/hyper_connections.py)
+            x, post, comb = self.attn_hc(h)
+            h = HyperConnection.expand(h, self.mixer(self.input_layernorm(x), inputs, cache), post, comb)
+            x, post, comb = self.ffn_hc(h)
+            mlp_out, routing = self.mlp(self.post_attention_layernorm(x), stash, token_ids=inputs.token_ids)
+            return HyperConnection.expand(h, mlp_out, post, comb), routing
         if self.norm_after:
             x = self.input_layernorm(h) if hasattr(self, "input_layernorm") else h
             h = h + scaled(self.post_attention_layernorm(self.mixer(x, inputs, cache)), self.residual_multiplier)
@@ -235,6 +261,8 @@ class Model(nn.Module):
             self.embed_tokens.reset_parameters()
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm.of(config, config.hidden_size)
+        if config.hc_mult:  # DeepSeek-V4: the streams' final collapse, before the norm
+            self.hc_head = HyperHead(config.hidden_size, config.hc_mult, config.hc_eps, config.rms_norm_eps)
 
 
 class MoEForCausalLM(nn.Module):
@@ -285,12 +313,17 @@ class MoEForCausalLM(nn.Module):
         if c.embedding_sqrt_scale:  # Gemma: sqrt(D) rounded to the model dtype first, as its reference multiplies
             h = h * torch.tensor(c.hidden_size ** 0.5).to(h.dtype)
         inputs = self.mixer_inputs(B, T, h, attention_mask, position_ids, cache, segment_ids)
+        inputs.token_ids = input_ids
+        if c.hc_mult:  # DeepSeek-V4: the embedding in each of the N residual streams [B, T, N, D]
+            h = h.unsqueeze(2).expand(B, T, c.hc_mult, c.hidden_size).contiguous()
         routings = []
         for i, layer in enumerate(self.model.layers):
             h, routing = layer(h, inputs, cache.layers[i] if cache is not None else None)
             routings.append(routing)
         if cache is not None:
             cache.length += T
+        if c.hc_mult:
+            h = self.model.hc_head(h)
         h = self.model.norm(h)
         if logits_at is not None:
             h = h[logits_at]  # [n, D]
@@ -352,7 +385,7 @@ def compile_layers(model: MoEForCausalLM, **options) -> MoEForCausalLM:
 
 def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None):
     """Random init for tests and tiny models: N(0, std) matrices, unit norms and gains (zero-centred norms 0), zero
-    biases; the recurrent mixers' dt_bias, A_log and D keep their constructors' values."""
+    biases; the recurrent mixers' dt_bias, A_log and D keep their constructors' values; a hash table's rows random."""
     std = model.config.initializer_range if std is None else std
     zero_centred = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm) and m.zero_centred}
     with torch.no_grad():
@@ -363,10 +396,16 @@ def init_weights(model: MoEForCausalLM, std: float | None = None, generator=None
                 p.zero_()
             elif name.endswith(("norm.weight", "layer_scalar", "gate_input_scale", "per_expert_scale")) or "layernorm" in name:
                 p.fill_(1.0)  # norms, and Gemma 4's gains (transformers' init: ones)
-            elif name.endswith(".bias"):
+            elif name.endswith(("_hc.scale", "hc_head.hc_scale")):  # hyper-connections: transformers' init
+                p.fill_(1.0)
+            elif name.endswith((".bias", "_hc.base", "hc_head.hc_base")):
                 p.zero_()
             else:
                 p.normal_(0.0, std, generator=generator)
+        for name, b in model.named_buffers():
+            if name.endswith("tid2eid"):  # DeepSeek-V4's hash table: K distinct experts per token id, at random
+                E = model.config.num_experts
+                b.copy_(torch.rand(b.shape[0], E, generator=generator).argsort(-1)[:, :b.shape[1]])
         pad = model.model.embed_tokens.padding_idx
         if pad is not None:
             model.model.embed_tokens.weight[pad].zero_()

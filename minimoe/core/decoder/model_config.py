@@ -58,7 +58,7 @@ class MoEConfig:
     moe_latent_size: int | None = None  # set: the routed experts run in this width, projected in and out (Nemotron-H)
     n_shared_experts: int = 0  # DeepSeek: shared experts of intermediate_size each, run as one of n times the width
     # The router's scoring and selection (routing.Scoring reads these; families.py says who uses which).
-    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3)
+    scoring_func: str = "softmax"  # "softmax" | "sigmoid" (DeepSeek-V3) | "sqrtsoftplus" (DeepSeek-V4)
     topk_on_logits: bool = False  # top-K on the logits, then softmax (Granite, gpt-oss) or sigmoid (Llama 4) of the K
     expert_input_scaled: bool = False  # the combine weight scales each expert's input, not its output (Llama 4)
     topk_method: str = "greedy"  # greedy | group_limited_greedy (DeepSeek-V2) | noaux_tc (DeepSeek-V3)
@@ -76,6 +76,13 @@ class MoEConfig:
     rope_interleave: bool | None = None
     rope_in_fp32: bool = False  # rotate q and k in fp32 and cast once (Llama 4's complex product); else model dtype
     swiglu_limit: float | None = None  # set: gpt-oss's clamped SwiGLU experts with biases (core/layers/clamped_experts.py)
+    swiglu_clamp: float | None = None  # set: SwiGLU's inputs clamped in the experts and shared expert (DeepSeek-V4; mlp.py)
+    # DeepSeek-V4's manifold-constrained hyper-connections (core/layers/hyper_connections.py): hc_mult residual streams
+    # (0: one plain residual), Sinkhorn-Knopp passes and eps of their mixing
+    hc_mult: int = 0
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    hash_layers: list = field(default_factory=list)  # MoE layers routed by token id (DeepSeek-V4's tid2eid; routing.py)
     norm_zero_centred: bool = False  # RMSNorm scales by 1 + weight, in fp32 (Qwen3-Next)
     # Gemma 4 (core/decoder/parallel_block.py): a dense MLP of dense_intermediate_size beside the routed experts in
     # every MoE layer, each branch normed before and after, the gate reading its own weightless norm of the stream
@@ -182,6 +189,15 @@ class MoEConfig:
             raise ValueError("config: parallel_dense (Gemma 4) needs dense_intermediate_size (config.json's "
                              "intermediate_size), the width of the dense MLP beside the experts")
         self._check_router()
+        self._check_hyper_connections()
+
+    def _check_hyper_connections(self):
+        if not (isinstance(self.hc_mult, int) and self.hc_mult >= 0) or not (
+                isinstance(self.hc_sinkhorn_iters, int) and self.hc_sinkhorn_iters >= 1):
+            raise ValueError(f"config: hc_mult {self.hc_mult!r}, hc_sinkhorn_iters {self.hc_sinkhorn_iters!r}; expected "
+                             f"an int >= 0 (0: no hyper-connections) and an int >= 1")
+        if not set(self.hash_layers) <= set(self.sparse_layers):
+            raise ValueError(f"config: hash_layers {self.hash_layers!r}; expected MoE layers among {self.sparse_layers}")
 
     def _hold_mixers(self, family):
         """`mixers` as its own copies (replace re-checks each), one per kind held, each of its mixer's class."""
@@ -217,6 +233,9 @@ class MoEConfig:
             raise ValueError(f"config: scoring_func {self.scoring_func!r}; expected one of {SCORE_FUNCS}")
         if self.topk_method not in TOPK_METHODS:
             raise ValueError(f"config: topk_method {self.topk_method!r}; expected one of {TOPK_METHODS}")
+        if self.topk_on_logits and self.scoring_func == "sqrtsoftplus":
+            raise ValueError("config: topk_on_logits (top-K on logits) takes softmax or sigmoid scores; got "
+                             "scoring_func 'sqrtsoftplus'")
         if self.topk_on_logits and self.topk_method != "greedy":
             raise ValueError(f"config: topk_on_logits (top-K on logits) takes greedy top-K; got {self.topk_method!r}")
         if self.topk_method != "greedy":

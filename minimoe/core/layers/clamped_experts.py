@@ -26,11 +26,11 @@ import torch.nn as nn
 
 from minimoe.core.layers import cpu_memory
 from minimoe.core.layers.experts import Dispatch, GroupedLinear, matmul_dtype
+from minimoe.core.layers.mlp import clamped
 
 
 def clamped_swiglu(gate, up, alpha: float, limit: float):
-    gate = gate.clamp(max=limit)
-    up = up.clamp(-limit, limit)
+    gate, up = clamped(gate, up, limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.layers import cpu_memory
-from minimoe.core.layers.mlp import ACTIVATIONS
+from minimoe.core.layers.mlp import ACTIVATIONS, clamped
 
 
 class Dispatch:
@@ -139,6 +139,7 @@ class Experts(nn.Module):
         self.down_proj = GroupedLinear(E, D, I)
         self.scale_input = config.expert_input_scaled
         self.act = ACTIVATIONS[config.hidden_act]
+        self.limit = config.swiglu_clamp  # DeepSeek-V4: SwiGLU's inputs clamped (mlp.clamped); None: not
         if config.per_expert_scale:
             self.per_expert_scale = nn.Parameter(torch.ones(E))
 
@@ -154,6 +155,8 @@ class Experts(nn.Module):
             rows = rows * dispatch.row_weights(weights).to(rows.dtype)
         h = self.gate_up_proj(rows, dispatch)  # [N, 2I]
         gate, up = h.chunk(2, dim=-1)
+        if self.limit is not None:
+            gate, up = clamped(gate, up, self.limit)
         y = self.down_proj(self.act(gate) * up, dispatch)  # [N, D]
         if not self.scale_input:
             y = y * dispatch.row_weights(weights).to(y.dtype)

@@ -9,7 +9,8 @@ expert as `shared_expert` with its gate `shared_expert_gate`, the checkpoint's n
 shared expert stores its gate and up rows as one matrix (`fused`: gate_up_proj [2I, D], gate rows
 first), as its routed experts are stored. The gate's activation is config.json's `hidden_act` (`ACTIVATIONS`:
 SiLU everywhere but Gemma 4's tanh-approximated GELU), the routed experts' too (core/layers/experts.py);
-"relu2" is Nemotron-H's squared ReLU, without a gate.
+"relu2" is Nemotron-H's squared ReLU, without a gate. DeepSeek-V4 clamps SwiGLU's inputs (`limit`: the gate
+below it, up within +-it; `clamped`, which gpt-oss's experts share), its routed experts' and its shared expert's.
 """
 from __future__ import annotations
 
@@ -22,12 +23,19 @@ import torch.nn.functional as F
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
+def clamped(gate, up, limit: float):
+    """SwiGLU's inputs clamped: the gate at most `limit`, up within [-limit, limit] (gpt-oss, DeepSeek-V4)."""
+    return gate.clamp(max=limit), up.clamp(-limit, limit)
+
+
 class DenseMLP(nn.Module):
     """down(act(gate(x)) * up(x)), x [..., D] -> [..., D], I the hidden width; with act "relu2" no gate:
     down(relu(up(x))^2) (Nemotron-H's dense layers and shared expert)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, fused: bool = False, act: str = "silu"):
+    def __init__(self, hidden_size: int, intermediate_size: int, fused: bool = False, act: str = "silu",
+                 limit: float | None = None):
         super().__init__()
+        self.limit = limit
         self.ungated = act == "relu2"
         self.act = None if self.ungated else ACTIVATIONS[act]
         if self.ungated:
@@ -46,4 +54,6 @@ class DenseMLP(nn.Module):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.limit is not None:
+            gate, up = clamped(gate, up, self.limit)
         return self.down_proj(self.act(gate) * up)

@@ -25,6 +25,8 @@ Decisions:
   instead rotates the first dims only, its pairs (x[i], x[i + r/2]). A "default" entry turns the whole head in
   Gemma 4 whatever partial_rotary_factor it holds; in MiMo-V2-Flash it turns the first r = int(d * factor) dims, GLM's
   way, with the factor 0.334 where the entry gives none (`partial`: its modeling file's compute_default_rope_parameters).
+- DeepSeek-V4 turns the *last* r dims of each head as interleaved pairs, in place (`rotate_trailing_pairs`): its
+  values are its keys, so the attention output carries the rotation, undone by the opposite turn (-sin).
 - DeepSeek stores its rope dims as interleaved pairs (x[2i], x[2i+1]). `deinterleave` reorders
   them to rotate-half's (evens, then odds), as transformers' `rope_interleave` does; applied to both
   q and k it leaves every q.k dot product, hence attention, unchanged.
@@ -149,6 +151,16 @@ def apply_rope(x, cos, sin):  # x [B, h, T, d], cos/sin [B, T, d]: rotate-half's
     cos, sin = cos[:, None], sin[:, None]
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def rotate_trailing_pairs(x, cos, sin):
+    """DeepSeek-V4's rope: the last r dims of x [..., d] as interleaved pairs (x[2i], x[2i+1]), turned by cos, sin
+    [..., r/2] (broadcast over x's other leading dims) in fp32 and cast back once; the first d - r dims pass."""
+    r = 2 * cos.shape[-1]
+    rot = x[..., -r:].float()
+    even, odd = rot[..., 0::2], rot[..., 1::2]
+    rot = torch.stack((even * cos - odd * sin, odd * cos + even * sin), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-r], rot.to(x.dtype)), dim=-1)
 
 
 def deinterleave(x):

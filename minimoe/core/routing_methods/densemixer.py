@@ -47,7 +47,7 @@ def dense_weights(scoring: Scoring, logits, experts):
     # the softmax over the K chosen logits is p renormalised over the K; Llama 4's sigmoid of each is not
     if scoring.normalize or (scoring.on_logits and scoring.func == "softmax"):
         total = s.gather(-1, experts).sum(dim=-1, keepdim=True)
-        s = s / (total + 1e-20 if scoring.func == "sigmoid" else total)  # DeepSeek-V3's guard, as select
+        s = s / (total if scoring.func == "softmax" else total + 1e-20)  # DeepSeek-V3's guard, as select
     return s * scoring.scaling
 
 

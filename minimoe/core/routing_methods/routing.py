@@ -7,7 +7,7 @@ pre-expert hidden state h_t and logits [T, E] the native affinity logits a_t = W
 compute everything else as usual. Its parameters live under `...mlp.router.*`; the checkpoint's
 own gate stays at `...mlp.gate`. Which method uses which policy, with which options, is methods.py's
 table; its `set_router` installs one.
-- `Scoring`: a family's scoring and selection as config fields (softmax or sigmoid, top-K before or
+- `Scoring`: a family's scoring and selection as config fields (softmax, sigmoid or sqrt-softplus, top-K before or
   after the softmax, norm_topk_prob, group-limited top-K, the selection-only correction bias,
   routed_scaling_factor); every policy below routes through it, so every method runs on every family.
 - `NativeRouter`: the family's top-K (Eq. native_affinity, native_moe_output).
@@ -21,7 +21,7 @@ table; its `set_router` installs one.
 
 Decisions where the paper is silent, and why:
 - On every scorer TES attenuates the logits before the family's scoring and selection (correction
-  bias and group limits then applied as the family applies them); sigmoid scoring is not
+  bias and group limits then applied as the family applies them); sigmoid and sqrt-softplus scoring are not
   shift-invariant, so there phi_i - min_j phi_j replaces phi (native at init, bit for bit). TES's
   readout and ACS's C_t use the family's own native weights of the K renormalised (`Scoring.shares`:
   softmax p or sigmoid s; no scaling factor). Dual mixes before the scoring (docs/methods.md).
@@ -98,7 +98,7 @@ def _number(x) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
-SCORE_FUNCS = ("softmax", "sigmoid")
+SCORE_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -114,6 +114,8 @@ class Scoring:
       renormalised unless `normalize`); Llama 4's MoE block scales the expert's input by it.
     - func sigmoid (DeepSeek-V3, GLM-4.5): sigmoid scores; the selection may add `correction` (the checkpoint's
       e_score_correction_bias [E]) to them, the weights never do.
+    - func sqrtsoftplus (DeepSeek-V4): sqrt(softplus(a)) per expert, otherwise as sigmoid (correction bias in the
+      choice only, the K renormalised with norm_eps); a positive score of unbounded size, not in (0, 1).
     - method: greedy (plain top-K); group_limited_greedy (DeepSeek-V2: keep the `topk_group` of
       `n_group` expert groups with the largest max score); noaux_tc (DeepSeek-V3: groups ranked by the
       sum of their two best scores, correction included). Experts outside the kept groups score 0,
@@ -121,7 +123,8 @@ class Scoring:
       them), or -inf where `groups_inf` (transformers 5's DeepSeek-V3 router and its kin, DeepSeek's own): never
       chosen.
     - scaling: routed_scaling_factor, applied to the weights last.
-    - norm_eps: added to the K sigmoid scores' sum where they are renormalised (DeepSeek-V3's 1e-20, LFM2's 1e-6).
+    - norm_eps: added to the K sigmoid (or sqrt-softplus) scores' sum where they are renormalised (DeepSeek-V3's
+      1e-20, LFM2's 1e-6).
     """
     top_k: int
     normalize: bool = False
@@ -140,8 +143,15 @@ class Scoring:
         return cls(c.num_experts_per_tok, c.norm_topk_prob, c.scoring_func, c.topk_on_logits, c.topk_method,
                    c.n_group, c.topk_group, c.routed_scaling_factor, c.sigmoid_norm_eps, c.group_mask_inf)
 
-    def scores(self, logits):  # [T, E] -> [T, E] fp32 per-expert scores (softmax or sigmoid)
-        return logits.float().softmax(dim=-1) if self.func == "softmax" else logits.float().sigmoid()
+    def scores(self, logits):  # [T, E] -> [T, E] fp32 per-expert scores (softmax, sigmoid or sqrt-softplus)
+        if self.func == "softmax":
+            return logits.float().softmax(dim=-1)
+        return logits.float().sigmoid() if self.func == "sigmoid" else F.softplus(logits.float()).sqrt()
+
+    @property
+    def shift_invariant(self) -> bool:
+        """Whether a per-token constant added to every logit leaves the weights unchanged (softmax only)."""
+        return self.func == "softmax"
 
     def choose(self, scores, correction=None):
         """[T, E] scores (no gradient) -> [T, K] experts, by `method` (the class docstring)."""
@@ -175,7 +185,7 @@ class Scoring:
             weights = scores.gather(-1, experts)  # one op sequence whether chosen or replayed
             if self.normalize:
                 total = weights.sum(dim=-1, keepdim=True)
-                weights = weights / (total + self.norm_eps if self.func == "sigmoid" else total)
+                weights = weights / (total if self.func == "softmax" else total + self.norm_eps)
         return experts, weights if self.scaling == 1.0 else weights * self.scaling
 
     def shares(self, logits, experts):
@@ -189,6 +199,13 @@ def select_topk(logits, k: int, renormalize: bool, experts=None):
     """Top-K of softmax(logits) -> (experts [T, K], weights [T, K] fp32), renormalised over the K when
     `renormalize`; `experts` replays a selection. The softmax scorer's greedy selection (`Scoring`)."""
     return Scoring(k, renormalize).select(logits, experts)
+
+
+def hash_experts(table, token_ids):
+    """DeepSeek-V4's hash routing (its first layers): each token's K experts are the row of a frozen table for its
+    token id (the checkpoint's tid2eid [V, K]), not the gate's choice -> [B*T, K]. The gate's scores still weigh
+    them: `Scoring.select` with these experts given. Not a router for the methods (docs/methods.md)."""
+    return table[token_ids.reshape(-1)].long()
 
 
 def concentration(logits, experts, scoring: Scoring | None = None):
@@ -321,7 +338,7 @@ class TokenErrorRouter(NativeRouter):
         W, b = self.error_head.weight, self.error_head.bias  # fp32, cast at use like the gate
         scores = F.softplus(F.linear(x, W.to(x.dtype), b.to(x.dtype)).float())  # [T, E] e_hat_{t,i} > 0
         attenuated = attenuate(logits, scores, self.gamma, self.tau, self.transform,
-                               relative=self.scoring.func == "sigmoid")
+                               relative=not self.scoring.shift_invariant)
         experts, weights = self.scoring.select(attenuated, experts, correction)
         pbar = self.scoring.shares(logits, experts)  # [T, K] native weights of the executed set, renormalised
         e_hat = (pbar * scores.gather(-1, experts)).sum(dim=-1)  # [T]
@@ -352,7 +369,7 @@ def resolve_layers(layers, sparse) -> list[int]:
         raise ValueError(f"set_router: layers={layers!r}; expected a scope name or a non-empty list of indices")
     bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, Integral) or i not in sparse]
     if bad:
-        dense = "" if sparse == list(range(len(sparse))) else f" (its MoE layers are {sparse}; dense layers are never routed)"
+        dense = "" if sparse == list(range(len(sparse))) else f" (its MoE layers are {sparse}; dense and hash-routed layers are never a method's)"
         raise ValueError(f"set_router: layer index {bad[0]!r} is out of range; the model has layers "
                          f"0..{max(sparse)}{dense}")
     return sorted({int(i) for i in layers})
@@ -375,5 +392,7 @@ def set_routing_trainable(model):
 
 
 def moe_blocks(model) -> dict:
-    """Layer index -> its MoE block, for the layers that route (a dense layer's mlp has no router)."""
-    return {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "router")}
+    """Layer index -> its MoE block, for the layers that route (a dense layer's mlp has no router; a hash-routed
+    layer's experts are its token's, not a router's: docs/methods.md)."""
+    return {i: layer.mlp for i, layer in enumerate(model.model.layers)
+            if hasattr(layer.mlp, "router") and not getattr(layer.mlp, "hashed", False)}

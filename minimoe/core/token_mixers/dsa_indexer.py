@@ -136,9 +136,16 @@ class LightningIndexer(nn.Module):
         keys = self.rotate(self.k_norm(self.wk(x))[:, :, None], cos, sin)[:, :, 0]  # [B, T, d]
         if cache is not None:
             keys = cache.update_index_keys(start, keys)  # [B, S, d]
-        scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * self.d ** -0.5)  # [B, T, h, S]
-        w = self.weights_proj(x.to(self.weights_proj.weight.dtype)).float() * self.h ** -0.5  # [B, T, h]
-        return torch.matmul(w[:, :, None], scores)[:, :, 0]
+        return head_weighted_scores(q, keys, self.weights_proj, x)
+
+
+def head_weighted_scores(q, keys, weights_proj: nn.Linear, x):
+    """The lightning indexer's score (module docstring; DeepSeek-V4's compressed indexer scores its compressed keys
+    alike): q [B, T, h, d], keys [B, S, d], x [B, T, D] the hidden states weights_proj reads -> [B, T, S] fp32."""
+    h, d = q.shape[-2:]
+    scores = F.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)[:, None]) * d ** -0.5)  # [B, T, h, S]
+    w = weights_proj(x.to(weights_proj.weight.dtype)).float() * h ** -0.5  # [B, T, h]
+    return torch.matmul(w[:, :, None], scores)[:, :, 0]
 
 
 def causal(T: int, start: int, device):

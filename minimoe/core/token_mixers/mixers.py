@@ -11,6 +11,8 @@ holds MLA's options, else GQA attention. `MIXERS` maps each name to its class, o
     "gated_deltanet"  core/token_mixers/deltanet.py  Gated DeltaNet (Qwen3-Next's linear_attention layers) (DeltaNetConfig)
     "kda"        core/token_mixers/kda.py        Kimi Delta Attention (Kimi Linear's linear_attention layers) (KDAConfig)
     "short_conv" core/token_mixers/short_conv.py LFM2's gated short convolution: C * conv(B * x) (ShortConvConfig)
+    "compressed" core/token_mixers/compressed_attention.py  DeepSeek-V4: a sliding window plus compressed entries
+                 (CSA with its indexer, HCA), shared-KV heads with sinks, a grouped output (CompressedAttentionConfig)
 
 The interface every mixer keeps (a new one is a file with its class and its config, added to `MIXERS`):
 - `config_class`: a dataclass of the mixer's own options, defined and value-checked (in `__post_init__`,
@@ -43,6 +45,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from minimoe.core.token_mixers.attention import Attention
+from minimoe.core.token_mixers.compressed_attention import CompressedSparseAttention
 from minimoe.core.token_mixers.deltanet import GatedDeltaNet
 from minimoe.core.token_mixers.kda import KimiDeltaAttention
 from minimoe.core.token_mixers.mamba2 import Mamba2Mixer
@@ -50,7 +53,8 @@ from minimoe.core.token_mixers.mla import MLAttention
 from minimoe.core.token_mixers.short_conv import ShortConv
 
 MIXERS: dict[str, type] = {"attention": Attention, "mla": MLAttention, "mamba2": Mamba2Mixer,
-                           "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "short_conv": ShortConv}
+                           "gated_deltanet": GatedDeltaNet, "kda": KimiDeltaAttention, "short_conv": ShortConv,
+                           "compressed": CompressedSparseAttention}
 # A model of one block per layer (Nemotron-H, MoEConfig.single_block_layers) names its feed-forward layers by
 # these in mixer_types: such a layer has no mixer, only its MoE block ("moe") or dense MLP ("mlp").
 FEED_FORWARD = ("moe", "mlp")
@@ -99,8 +103,9 @@ class MixerInputs:
     position_ids: torch.Tensor  # [B, T]
     cache_start: int = 0  # positions already in the cache (S = cache_start + T)
     segment_plan: object = None  # packed rows' layout for the recurrent mixers, read once (ssm_common.segment_plan)
-    shared: dict = field(default_factory=dict)  # what a layer's mixer leaves for later layers, by its index (DSA's top-k)
+    shared: dict = field(default_factory=dict)  # what a layer's mixer leaves for later layers: DSA's top-k by its index, V4's "pieces"
     ropes: dict | None = None  # layer type -> its (cos, sin) where each type has its own rope (Gemma 4), else None
+    token_ids: torch.Tensor | None = None  # [B, T] the input ids, which hash-routed MoE layers read (DeepSeek-V4)
 
 
 class KVCache:

@@ -46,6 +46,8 @@ def reference_model(kw: dict, folder, seed=0, *, shard=False):
         for name, b in ref.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # selection only: large enough to change choices
                 b.copy_(0.5 * torch.randn_like(b))
+            elif name.endswith("tid2eid"):  # DeepSeek-V4's hash table (zeros at init): K distinct experts per token id
+                b.copy_(torch.rand(b.shape[0], config.num_local_experts).argsort(-1)[:, :b.shape[1]])
             elif name.endswith("layer_scalar"):  # Gemma 4's, a checkpoint buffer: off 1, so that a lost one shows
                 b.copy_(1 + 0.1 * torch.randn_like(b))
         ref.get_input_embeddings().weight[config.pad_token_id].zero_()

@@ -39,7 +39,7 @@ def dense_reference_gate_grad(block, x, r, scoring: Scoring):
     """d/dW_gate of <r, y_dense>, the dense mixture over all E experts: y_dense = sum_e w_e(a) E_e(x), the
     experts' outputs held fixed, or, where the experts scale their input (Llama 4), sum_e E_e(w_e(a) x), the
     gradient reaching w_e through the expert. w from the family's weights written out: softmax p (or sigmoid
-    s), divided by their sum over the native K where the family renormalises (norm_topk_prob, or a softmax
+    s, or DeepSeek-V4's sqrt(softplus(a))), divided by their sum over the native K where the family renormalises (norm_topk_prob, or a softmax
     over the K logits), times the scaling factor."""
     flat = x.reshape(-1, x.shape[-1])
     T, E = flat.shape[0], block.gate.weight.shape[0]
@@ -47,7 +47,7 @@ def dense_reference_gate_grad(block, x, r, scoring: Scoring):
     a = F.linear(flat.float() if block.router_fp32 else flat, W, block.gate.bias).float()  # [T, E]
     correction = getattr(block.gate, "e_score_correction_bias", None)
     chosen = scoring.select(a.detach(), correction=correction)[0]  # [T, K] the native top-K
-    s = a.softmax(-1) if scoring.func == "softmax" else a.sigmoid()
+    s = {"softmax": a.softmax(-1), "sigmoid": a.sigmoid(), "sqrtsoftplus": F.softplus(a).sqrt()}[scoring.func]
     if scoring.normalize or (scoring.on_logits and scoring.func == "softmax"):
         s = s / s.gather(-1, chosen).sum(-1, keepdim=True)
     w = s * scoring.scaling  # [T, E]
