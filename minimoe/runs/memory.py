@@ -31,8 +31,8 @@ With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed m
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
 the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time; and
-dequantising: what dequantising it holds beside it (nf4: the lookup's result in the run's dtype and the int32
-codes, `nf4_dequantize`; mxfp4 decodes one expert at a time: not counted). With
+dequantising: what dequantising holds beside it (nf4: the int32 codes and the lookup's result in the run's dtype of
+one chunk of experts, at most 256 MiB, `nf4_dequantize_into`; mxfp4 decodes one expert at a time: not counted). With
 --shard fsdp too: the rank's share of the packed bytes (ceil(1/N) of each module's, core/adaptation/sharded_nf4.py)
 and its rows of the rest, two layers gathered (packed), and the largest packed module dequantised.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
@@ -48,7 +48,7 @@ import torch
 
 from minimoe.core.layers.experts import GroupedLinear
 from minimoe.core.task.tokens import CHUNK
-from minimoe.core.adaptation.quantized import nf4_bytes, quantized_modules
+from minimoe.core.adaptation.quantized import nf4_bytes, nf4_chunk, nf4_temporary_bytes, quantized_modules
 from minimoe.core.adaptation.sharded_nf4 import record_widths
 from minimoe.loading.checkpoint import DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files
 from minimoe.loading.config_json import config_from_dict, read_config
@@ -130,13 +130,17 @@ def optimizer_bytes(params, optim: str) -> int:
 
 
 def dequantising_bytes(model, dtype: torch.dtype, fmt: str) -> int:
-    """nf4: beside the largest packed matrix's dequantised weight, `nf4_dequantize`'s lookup result (the
-    matrix in `dtype`) and its int32 codes (4 bytes a pair of values), alive together for a moment."""
+    """nf4: beside a packed matrix's dequantised weight, what `nf4_dequantize_into` holds for one chunk of its
+    experts (the int32 codes, the lookup's result, the block scales), at the most of any packed module."""
     if fmt != "nf4":
         return 0
     modules = dict(model.named_modules())
-    n = max((modules[name].weight.numel() for name in quantized_modules(model)), default=0)
-    return n * dtype.itemsize + n // 2 * 4
+    return max((chunk_bytes(modules[name].weight.shape, dtype) for name in quantized_modules(model)), default=0)
+
+
+def chunk_bytes(shape, dtype: torch.dtype) -> int:
+    *lead, rows, cols = shape
+    return min(math.prod(lead), nf4_chunk(rows, cols, dtype)) * nf4_temporary_bytes(rows * cols, dtype)
 
 
 def packed_shard_bytes(model, dtype: torch.dtype, gpus: int) -> tuple[int, int]:

@@ -311,36 +311,48 @@ def test_lora_and_optimizer_figures_are_the_bytes_a_step_holds(tmp_path, monkeyp
         assert held < memory.optimizer_bytes(trainable, "adamw") * (0.5 if optim == "adamw8bit" else 0.4)
 
 
-def test_the_dequantising_figure_is_what_nf4_dequantize_allocates(tmp_path):
-    """--quantize nf4: beside the dequantised weight (in the weights figure), the bytes of the tensors that
-    dequantising the largest packed matrix allocates (the int32 codes, the lookup's result, the scales), counted
-    op by op as it runs: the figure holds them to within the small per-block scales."""
+def test_the_dequantising_figure_is_what_nf4_dequantize_into_holds_at_once(tmp_path, monkeypatch):
+    """--quantize nf4: beside the dequantised weight (in the weights figure), the most bytes that dequantising the
+    largest packed matrix holds at once in tensors it allocates (one chunk's int32 codes, lookup result and scales),
+    tracked op by op as it runs: the figure is that peak, whole banks (the tiny model's fit one chunk) and in chunks."""
     pytest.importorskip("torchao")
+    import weakref
     from torch.utils._python_dispatch import TorchDispatchMode
-    from minimoe.core.adaptation.quantized import is_quantized
+    from minimoe.core.adaptation import quantized
     from minimoe.loading.checkpoint import from_pretrained
 
-    class Allocations(TorchDispatchMode):
+    class Held(TorchDispatchMode):
+        """The most bytes alive at once in storages that ops allocate (a storage lives while a tensor on it does)."""
+
         def __init__(self):
             super().__init__()
-            self.bytes = 0
+            self.storages, self.peak = {}, 0  # data_ptr -> (bytes, weak references to the tensors on it)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
                       if isinstance(a, torch.Tensor)}
             for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                    self.bytes += t.untyped_storage().nbytes()  # a new tensor, not a view nor written in place
+                if isinstance(t, torch.Tensor):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in inputs:  # a new storage (an old one's address may be reused)
+                        self.storages[ptr] = (t.untyped_storage().nbytes(), [])
+                    if ptr in self.storages:
+                        self.storages[ptr][1].append(weakref.ref(t))
+            self.peak = max(self.peak, sum(n for n, refs in self.storages.values() if any(r() is not None for r in refs)))
             return out
     save_pretrained(tiny_model("olmoe"), tmp_path / "m")
     model = from_pretrained(tmp_path / "m", dtype="bfloat16", quantize="nf4")
-    largest = max((m for m in model.modules() if is_quantized(m)), key=lambda m: m.weight.numel())
-    out = torch.empty(largest.weight.shape, dtype=torch.bfloat16)
-    with Allocations() as counted:
-        largest.packed.dequantize_into(out)
-    figure = memory_estimate.main([str(tmp_path / "m"), "--dtype", "bfloat16", "--quantize", "nf4"]).dequantising
-    assert figure <= counted.bytes < figure * 1.1
+    largest = max((m for m in model.modules() if quantized.is_quantized(m)), key=lambda m: m.weight.numel())
+    matrix = quantized.nf4_temporary_bytes(largest.weight.shape[-2] * largest.weight.shape[-1], torch.bfloat16)
+    for chunk in (None, 3):  # whole banks; then chunks of 3 experts
+        if chunk:
+            monkeypatch.setattr(quantized, "DEQUANTIZE_CHUNK_BYTES", chunk * matrix)
+        out = torch.empty(largest.weight.shape, dtype=torch.bfloat16)
+        with Held() as held:
+            largest.packed.dequantize_into(out)
+        figure = memory_estimate.main([str(tmp_path / "m"), "--dtype", "bfloat16", "--quantize", "nf4"]).dequantising
+        assert figure == held.peak == (chunk or largest.weight.shape[0]) * matrix, (chunk, figure, held.peak)
 
 
 # config.json with only the required fields: the rest are the family's defaults, which transformers 5.23 documents as
