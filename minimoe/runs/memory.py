@@ -23,10 +23,11 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   `batch_size * max_length` tokens; with --gradient-checkpointing, one hidden vector per layer plus
   one layer's full set. A DSA indexer (DeepSeek-V3.2, GLM-5) adds its fp32 scores, [rows, T, heads, T], one
   layer's at a time and kept for no backward (core/token_mixers/dsa_indexer.py).
-- logits: an estimate: the LM head's output over the vocabulary at the supervised positions, at most
-  core/task/tokens.py's CHUNK of them at a time (the chunked loss), as three fp32 [positions, vocab] tensors
-  (logits, log-softmax, their gradient); the worst case, every position of the micro-batch supervised
-  (chat and completion data); answer-choice data scores only the candidates' tokens, fewer.
+- logits: the LM head's output over the vocabulary at the scored positions, at most core/task/tokens.py's CHUNK
+  of them at a time (the chunked loss): three fp32 [positions, vocab] tensors (log-softmax and two gradients) and,
+  when not chunked, the output in the run's dtype (a test holds this to a real step's peak); the positions follow --data: choice (the recipe's answer-choice
+  benchmarks) scores only the candidates' tokens, --answer-tokens an example (an assumption: the data's own
+  count is not read); chat (chat and completion data) every position of the micro-batch.
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
@@ -66,6 +67,7 @@ class Estimate:
     gpu_memory: int
     logits: int = 0
     dequantising: int = 0
+    data: str = "choice"  # what the logits figure assumes (DATA_KINDS)
 
     @property
     def total(self) -> int:
@@ -157,9 +159,25 @@ def packed_shard_bytes(model, dtype: torch.dtype, gpus: int) -> tuple[int, int]:
     return mine, layer
 
 
-def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None) -> Estimate:
+DATA_KINDS = ("choice", "chat")  # what the loss scores: candidates' answer tokens, or every position
+ANSWER_TOKENS = 64  # an example's candidates' answer tokens together, assumed: 4 candidates of 16 tokens
+
+
+def logits_bytes(positions: int, vocab: int, dtype: torch.dtype) -> int:
+    """The logits' peak over a step, [positions, vocab] tensors: in fp32 the log-softmax (saved for backward), the
+    gradient the gather sends it and the log-softmax's own gradient; up to CHUNK positions the head's output in
+    `dtype` too (the forward's output keeps it), past it the chunked loss's CHUNK positions at a time, each
+    chunk's output recomputed in the backward and dropped (a test holds both to a real step's peak)."""
+    if positions > CHUNK:
+        return CHUNK * vocab * 3 * 4
+    return positions * vocab * (3 * 4 + dtype.itemsize)
+
+
+def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None,
+             data: str = "choice", answer_tokens: int = ANSWER_TOKENS) -> Estimate:
     """Bytes per GPU for `model` (a meta-device MoEForCausalLM in the run's dtype, LoRA and `cfg.method`
-    installed) under `cfg`'s batch; `weights_total`: the stored bytes when the files' shapes are unknown."""
+    installed) under `cfg`'s batch of `data` (DATA_KINDS; choice: `answer_tokens` scored an example);
+    `weights_total`: the stored bytes when the files' shapes are unknown."""
     from minimoe.runs.install import install_method
     dequantising = 0
     if cfg.quantize is not None:
@@ -192,11 +210,11 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     kept = (layers * config.hidden_size + per_token) if cfg.gradient_checkpointing else layers * per_token
     mla = config.mixers.get("mla")  # a DSA indexer's fp32 scores (module docstring)
     indexer = tokens * cfg.max_length * mla.index_n_heads * 4 if mla is not None and mla.index_topk else 0
-    positions = min(tokens, CHUNK)  # the chunked loss's head call (module docstring)
+    positions = tokens if data == "chat" else math.ceil(cfg.batch_size / gpus) * answer_tokens
     return Estimate(weights=weights, lora=math.ceil(2 * sum(p.numel() * p.element_size() for p in trainable) / split),
                     optimizer=math.ceil(optimizer_bytes(trainable, cfg.optim) / split),
                     activations=tokens * kept * itemsize + indexer, gpu_memory=gpu_memory,
-                    logits=3 * positions * config.vocab_size * 4, dequantising=dequantising)
+                    logits=logits_bytes(positions, config.vocab_size, DTYPES[cfg.dtype]), dequantising=dequantising, data=data)
 
 
 def model_config(name: str):
@@ -216,7 +234,7 @@ def table(e: Estimate) -> str:
     gib = 2**30
     rows = [("weights", e.weights), *([("dequantising (nf4's lookup, codes)", e.dequantising)] if e.dequantising else []),
             ("LoRA + heads (fp32, with gradients)", e.lora), ("AdamW state", e.optimizer),
-            ("activations (estimate)", e.activations), ("logits (estimate: chat data)", e.logits), ("total", e.total)]
+            ("activations (estimate)", e.activations), (f"logits (estimate: {e.data} data)", e.logits), ("total", e.total)]
     lines = [f"{what:<38} {n / gib:9.3f} GiB" for what, n in rows]
     verdict = "fits" if e.fits else "does not fit"
     lines.append(f"{verdict}: {e.total / gib:.3f} GiB of {e.gpu_memory / gib:.1f} GiB a GPU "
