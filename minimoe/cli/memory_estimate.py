@@ -32,6 +32,8 @@ def main(argv=None) -> Estimate:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--optim", choices=["adamw", "adamw8bit", "adamw4bit"], default="adamw",
                    help="train.py's --optim: AdamW's moments in fp32, or in 8 or 4 bits (torchao.optim)")
+    p.add_argument("--lora-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="train.py's --lora-dtype: the adapters and their gradients in fp32 or bf16")
     p.add_argument("--quantize", choices=["nf4", "mxfp4"], default=None,
                    help="train.py's --quantize: the frozen base in 4 bits (mxfp4: gpt-oss's experts as released)")
     p.add_argument("--data", choices=memory_module.DATA_KINDS, default="choice",
@@ -55,7 +57,7 @@ def main(argv=None) -> Estimate:
                 "shard": args.shard if args.gpus > 1 else "ddp", "batch_size": args.batch_size,
                 "max_length": args.max_length, "lora_rank": args.lora_rank,
                 "gradient_checkpointing": args.gradient_checkpointing or None, "quantize": args.quantize,
-                "optim": args.optim}
+                "optim": args.optim, "lora_dtype": args.lora_dtype}
     cfg = build_config(settings, recipe)
     try:
         check_model_settings(cfg, config)  # train.py's own checks: what it refuses is not sized
@@ -76,6 +78,7 @@ def main(argv=None) -> Estimate:
     print(f"{args.model}: {args.gpus} GPU(s) of {args.gpu_memory:g} GiB, {args.shard if args.gpus > 1 else 'one process'}"
           f", batch {cfg.batch_size} x {cfg.max_length} tokens, LoRA rank {cfg.lora_rank}, {cfg.dtype}"
           + (f", base in {cfg.quantize}" if cfg.quantize else "") + f", {cfg.optim}"
+          + (", bf16 LoRA" if cfg.lora_dtype == "bfloat16" else "")
           + (", gradient checkpointing" if cfg.gradient_checkpointing else "")
           + (f", {args.data} data" + (f" ({args.answer_tokens} answer tokens an example)" if args.data == "choice" else "")))
     print(table(result))

@@ -10,12 +10,13 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   stored bytes only). FSDP: this rank's rows of every parameter (dim 0, ceil(n / GPUs) rows, as
   fully_shard cuts it), plus the largest decoder layer gathered whole while it runs, twice (FSDP2
   prefetches the next layer's all-gather).
-- lora: LoRA, method heads and tuned gates in their dtype (fp32) with their gradients, 8 bytes a parameter
-  (counted on a meta-device model with the run's LoRA and method, as train.py installs them).
+- lora: LoRA, method heads and tuned gates in their dtype with their gradients: 8 bytes a parameter in fp32, 4 for
+  LoRA with --lora-dtype bfloat16 (counted on a meta-device model with the run's LoRA and method, as train.py
+  installs them).
 - optimizer (--optim, train.py's): AdamW's two fp32 moments and its step, 8 bytes a trainable parameter;
   adamw8bit / adamw4bit (torchao.optim): each moment of a tensor of 4096 values or more (and whole blocks) in
   8 bits plus an fp32 scale per 256 values, or 4 bits plus one per 128, and the code table; smaller tensors
-  keep fp32 moments, as torchao decides (`optimizer_bytes`, exact: a test holds it to the optimizer's state).
+  keep moments in their own dtype, as torchao decides (`optimizer_bytes`, exact: a test holds it to the optimizer's state).
   FSDP divides lora and optimizer by the GPUs.
 - activations: an estimate, not a measurement: per token and layer, what autograd keeps for the
   backward of one micro-batch, in the run's dtype: ~12 * hidden (norms, attention in/out, residuals)
@@ -112,7 +113,7 @@ def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
 
 
 # torchao.optim's low-bit AdamW: (bits a value, values per fp32 scale, code-table entries); tensors under 4096
-# values, or not whole blocks, keep fp32 moments (torchao's _AdamBase._new_buffer).
+# values, or not whole blocks, keep moments in their own dtype (torchao's _AdamBase._new_buffer: zeros_like).
 LOW_BIT_STATE = {"adamw8bit": (8, 256, 256), "adamw4bit": (4, 128, 16)}
 LOW_BIT_MIN = 4096
 
@@ -125,8 +126,8 @@ def optimizer_bytes(params, optim: str) -> int:
         bits, block, table = LOW_BIT_STATE.get(optim, (None, None, None))
         if bits is not None and n >= LOW_BIT_MIN and n % block == 0:
             moment = n * bits // 8 + n // block * 4 + table * 4
-        else:
-            moment = n * 4
+        else:  # torch's AdamW, and torchao's below its quantised sizes: zeros_like(p), the parameter's dtype
+            moment = n * p.element_size()
         total += 2 * moment + 4
     return total
 
@@ -233,7 +234,7 @@ def hub_weights(name: str) -> int:
 def table(e: Estimate) -> str:
     gib = 2**30
     rows = [("weights", e.weights), *([("dequantising (nf4's lookup, codes)", e.dequantising)] if e.dequantising else []),
-            ("LoRA + heads (fp32, with gradients)", e.lora), ("AdamW state", e.optimizer),
+            ("LoRA + heads (with gradients)", e.lora), ("AdamW state", e.optimizer),
             ("activations (estimate)", e.activations), (f"logits (estimate: {e.data} data)", e.logits), ("total", e.total)]
     lines = [f"{what:<38} {n / gib:9.3f} GiB" for what, n in rows]
     verdict = "fits" if e.fits else "does not fit"
