@@ -41,7 +41,7 @@ def main(argv=None) -> Estimate:
                         "candidates' tokens) or chat (chat and completion data: every position)")
     p.add_argument("--answer-tokens", type=int, default=memory_module.ANSWER_TOKENS,
                    help="--data choice: an example's candidates' answer tokens together (default "
-                        f"{memory_module.ANSWER_TOKENS}: 4 candidates of 16 tokens)")
+                        f"{memory_module.ANSWER_TOKENS}: the largest of the study's benchmarks', 8 examples at a time)")
     args = p.parse_args(argv)
     if args.answer_tokens < 1:
         p.error(f"--answer-tokens {args.answer_tokens}: expected 1 or more")

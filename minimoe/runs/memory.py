@@ -26,9 +26,10 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   layer's at a time and kept for no backward (core/token_mixers/dsa_indexer.py).
 - logits: the LM head's output over the vocabulary at the scored positions, at most core/task/tokens.py's CHUNK
   of them at a time (the chunked loss): three fp32 [positions, vocab] tensors (log-softmax and two gradients) and,
-  when not chunked, the output in the run's dtype (a test holds this to a real step's peak); the positions follow --data: choice (the recipe's answer-choice
-  benchmarks) scores only the candidates' tokens, --answer-tokens an example (an assumption: the data's own
-  count is not read); chat (chat and completion data) every position of the micro-batch.
+  when not chunked, the output in the run's dtype (a test holds this to a real step's peak). The positions follow
+  --data: choice (the recipe's answer-choice benchmarks) scores only the candidates' tokens, --answer-tokens an
+  example (default: the study's benchmarks' largest, 8 consecutive examples at a time, counted with a
+  2048-token BPE; the data itself is not read); chat (chat and completion data) every position of the micro-batch.
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
@@ -161,7 +162,7 @@ def packed_shard_bytes(model, dtype: torch.dtype, gpus: int) -> tuple[int, int]:
 
 
 DATA_KINDS = ("choice", "chat")  # what the loss scores: candidates' answer tokens, or every position
-ANSWER_TOKENS = 64  # an example's candidates' answer tokens together, assumed: 4 candidates of 16 tokens
+ANSWER_TOKENS = 68  # an example's candidates' answer tokens together: docs/quantization.md says how it was measured
 
 
 def logits_bytes(positions: int, vocab: int, dtype: torch.dtype) -> int:
