@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minimoe.cli import sweep, train
+from minimoe.cli import evaluate, sweep, train
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import install
 from tests.kill import killed_after
@@ -21,7 +21,7 @@ def eager(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
 
 
-SMOKE = ["--model", "tiny", "--batch-size", "2", "--epochs", "1", "--no-test-eval", "--quiet", "--method", "tes",
+SMOKE = ["--model", "tiny", "--batch-size", "2", "--epochs", "1", "--quiet", "--method", "tes",
          "--save-every-steps", "2", "--optim", "adamw8bit", "--lora-dtype", "bfloat16"]
 
 
@@ -32,9 +32,14 @@ def run_train(tmp_path, data, *flags, name):
 
 def test_a_bf16_lora_run_is_recorded_resumed_bitwise_and_its_adapter_is_bf16(tmp_path, data):
     """config.json records the dtype; the adapter's LoRA tensors are bf16 (the method's heads fp32) and trained (B
-    moved off 0); a run killed after step 3 resumes from its step-2 checkpoint to the same steps and adapter, bit for
-    bit (the stochastic rounding draws from the run's generator, which the checkpoint restores)."""
+    moved off 0); evaluate.py on the run folder scores the test split as train.py did at its end, to the digit (the
+    adapter read back in bf16); a run killed after step 3 resumes from its step-2 checkpoint to the same steps and
+    adapter, bit for bit (the stochastic rounding draws from the run's generator, which the checkpoint restores)."""
     straight = run_train(tmp_path, data, name="straight")
+    evaluate.main(["--adapter", str(straight), "--eval-dir", str(tmp_path / "evaluated")])
+    scored = [json.loads((folder / "metrics.json").read_text()) for folder in (straight / "eval" / "test",
+                                                                                tmp_path / "evaluated")]
+    assert [m["choice_nll"] for m in scored[:1]] == [m["choice_nll"] for m in scored[1:]]
     assert json.loads((straight / "config.json").read_text())["lora_dtype"] == "bfloat16"
     adapter = load_file(straight / "checkpoints" / "epoch-1" / "adapter.safetensors")
     lora = {k: v for k, v in adapter.items() if "lora_" in k}
@@ -42,8 +47,8 @@ def test_a_bf16_lora_run_is_recorded_resumed_bitwise_and_its_adapter_is_bf16(tmp
     assert {v.dtype for k, v in adapter.items() if k not in lora} <= {torch.float32}
     assert any(v.abs().sum() > 0 for k, v in lora.items() if "lora_B" in k)
     with pytest.raises(SystemExit, match="stopped after step 3"), killed_after(steps=3):
-        run_train(tmp_path, data, name="killed")
-    run_train(tmp_path, data, "--resume", name="killed")
+        run_train(tmp_path, data, "--no-test-eval", name="killed")
+    run_train(tmp_path, data, "--no-test-eval", "--resume", name="killed")
     steps = [[(r["step"], r["loss"]) for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
               if r["kind"] == "step"] for run in (straight, tmp_path / "killed")]
     assert steps[0] == steps[1]
