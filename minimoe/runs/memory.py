@@ -34,8 +34,8 @@ With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed m
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
 the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time; and
-dequantising: what dequantising holds beside it (nf4: the int32 codes and the lookup's result in the run's dtype of
-one chunk of experts, at most 256 MiB, `nf4_dequantize_into`; mxfp4 decodes one expert at a time: not counted). With
+dequantising: what dequantising holds beside it (the int32 codes and the lookup's result in the run's dtype: nf4's of
+one chunk of experts, at most 256 MiB, `nf4_dequantize_into`; mxfp4's of a whole bank, loading/mxfp4.py). With
 --shard fsdp too: the rank's share of the packed bytes (ceil(1/N) of each module's, core/adaptation/sharded_nf4.py)
 and its rows of the rest, two layers gathered (packed), and the largest packed module dequantised.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
@@ -134,11 +134,13 @@ def optimizer_bytes(params, optim: str) -> int:
 
 
 def dequantising_bytes(model, dtype: torch.dtype, fmt: str) -> int:
-    """nf4: beside a packed matrix's dequantised weight, what `nf4_dequantize_into` holds for one chunk of its
-    experts (the int32 codes, the lookup's result, the block scales), at the most of any packed module."""
-    if fmt != "nf4":
-        return 0
+    """Beside a packed matrix's dequantised weight, what dequantising it holds at once: nf4, one chunk of its
+    experts' int32 codes, lookup result and block scales (`nf4_dequantize_into`), at the most of any packed module;
+    mxfp4, the largest bank's int32 codes and decoded values, a bank decoded whole (loading/mxfp4.py)."""
     modules = dict(model.named_modules())
+    if fmt == "mxfp4":
+        n = max((m.weight.numel() for m in modules.values() if isinstance(m, GroupedLinear)), default=0)
+        return n * dtype.itemsize + n // 2 * 4
     return max((chunk_bytes(modules[name].weight.shape, dtype) for name in quantized_modules(model)), default=0)
 
 
@@ -234,7 +236,7 @@ def hub_weights(name: str) -> int:
 
 def table(e: Estimate) -> str:
     gib = 2**30
-    rows = [("weights", e.weights), *([("dequantising (nf4's lookup, codes)", e.dequantising)] if e.dequantising else []),
+    rows = [("weights", e.weights), *([("dequantising (lookup, codes)", e.dequantising)] if e.dequantising else []),
             ("LoRA + heads (with gradients)", e.lora), ("AdamW state", e.optimizer),
             ("activations (estimate)", e.activations), (f"logits (estimate: {e.data} data)", e.logits), ("total", e.total)]
     lines = [f"{what:<38} {n / gib:9.3f} GiB" for what, n in rows]
