@@ -32,9 +32,19 @@ def main(argv=None) -> Estimate:
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--optim", choices=["adamw", "adamw8bit", "adamw4bit"], default="adamw",
                    help="train.py's --optim: AdamW's moments in fp32, or in 8 or 4 bits (torchao.optim)")
+    p.add_argument("--lora-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="train.py's --lora-dtype: the adapters and their gradients in fp32 or bf16")
     p.add_argument("--quantize", choices=["nf4", "mxfp4"], default=None,
                    help="train.py's --quantize: the frozen base in 4 bits (mxfp4: gpt-oss's experts as released)")
+    p.add_argument("--data", choices=memory_module.DATA_KINDS, default="choice",
+                   help="what the loss scores, for the logits: choice (the recipe's answer-choice benchmarks: the "
+                        "candidates' tokens) or chat (chat and completion data: every position)")
+    p.add_argument("--answer-tokens", type=int, default=memory_module.ANSWER_TOKENS,
+                   help="--data choice: an example's candidates' answer tokens together (default "
+                        f"{memory_module.ANSWER_TOKENS}: the largest of the study's benchmarks', 8 examples at a time)")
     args = p.parse_args(argv)
+    if args.answer_tokens < 1:
+        p.error(f"--answer-tokens {args.answer_tokens}: expected 1 or more")
     if args.gpus < 1:
         p.error(f"--gpus {args.gpus}: expected 1 or more")
     if not args.gpu_memory > 0:
@@ -47,7 +57,7 @@ def main(argv=None) -> Estimate:
                 "shard": args.shard if args.gpus > 1 else "ddp", "batch_size": args.batch_size,
                 "max_length": args.max_length, "lora_rank": args.lora_rank,
                 "gradient_checkpointing": args.gradient_checkpointing or None, "quantize": args.quantize,
-                "optim": args.optim}
+                "optim": args.optim, "lora_dtype": args.lora_dtype}
     cfg = build_config(settings, recipe)
     try:
         check_model_settings(cfg, config)  # train.py's own checks: what it refuses is not sized
@@ -63,11 +73,14 @@ def main(argv=None) -> Estimate:
     else:  # config.json alone: the parameters the config makes, in the run's dtype
         total = None
     result = estimate(model, cfg, gpus=args.gpus, gpu_memory=int(args.gpu_memory * 2**30),
-                      shard=args.shard if args.gpus > 1 else "ddp", weights_total=total)
+                      shard=args.shard if args.gpus > 1 else "ddp", weights_total=total, data=args.data,
+                      answer_tokens=args.answer_tokens)
     print(f"{args.model}: {args.gpus} GPU(s) of {args.gpu_memory:g} GiB, {args.shard if args.gpus > 1 else 'one process'}"
           f", batch {cfg.batch_size} x {cfg.max_length} tokens, LoRA rank {cfg.lora_rank}, {cfg.dtype}"
           + (f", base in {cfg.quantize}" if cfg.quantize else "") + f", {cfg.optim}"
-          + (", gradient checkpointing" if cfg.gradient_checkpointing else ""))
+          + (", bf16 LoRA" if cfg.lora_dtype == "bfloat16" else "")
+          + (", gradient checkpointing" if cfg.gradient_checkpointing else "")
+          + (f", {args.data} data" + (f" ({args.answer_tokens} answer tokens an example)" if args.data == "choice" else "")))
     print(table(result))
     return result
 

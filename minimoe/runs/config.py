@@ -256,6 +256,10 @@ class TrainConfig:
     lora_dropout: float = setting("lora", help="dropout on each adapter's input", type=number(float, 0, 1, high_open=True))
     lora_targets: list[str] | None = setting("lora", None, "comma list of " + ", ".join([*TARGETS, *LORA_ALIASES]) +
                                              " (default: the model's family's, Family.lora_targets)", type=names)
+    lora_dtype: str = setting("lora", "float32", "the adapters' dtype: float32 (peft's), or bfloat16 (half their memory "
+                              "and their gradients'; needs --optim adamw8bit or adamw4bit, whose update is rounded to bf16 "
+                              "stochastically; docs/quantization.md); method heads and tuned gates stay float32",
+                              choices=["float32", "bfloat16"])
     lr: float = setting("optimisation", help="LoRA learning rate (peak of the schedule)", type=POSITIVE)
     batch_size: int = setting("optimisation", help="examples per micro-batch, all ranks together", type=COUNT)
     grad_accum: int = setting("optimisation", help="micro-batches per optimizer step", type=COUNT)

@@ -21,7 +21,8 @@ def install_method(model, cfg: TrainConfig):
     trainable, native gate frozen unless the method tunes it); a method without LoRA (`Method.lora`) keeps it
     frozen at its zero start."""
     method = cfg.method
-    add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets)
+    add_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout, targets=cfg.lora_targets,
+             dtype=getattr(torch, cfg.lora_dtype))
     set_router(model, method)  # its layers, objective and lambda are the method's own
     if not method.lora:  # router-only tuning: the LoRA stays at its B = 0 start, frozen, so the model is the base's
         for m in lora_modules(model).values():
@@ -72,6 +73,10 @@ def check_model_settings(cfg: TrainConfig, model_config) -> None:
         released = ", ".join(f.model_type for f in FAMILIES.values() if f.packed_release == "mxfp4")
         raise ValueError(f"--quantize mxfp4 keeps released MXFP4 experts packed, as {released} stores them; this "
                          f"model is {model_config.model_type}; use --quantize nf4")
+    if cfg.lora_dtype == "bfloat16" and cfg.optim == "adamw":
+        raise ValueError("--lora-dtype bfloat16 with --optim adamw: torch's AdamW rounds each update to the nearest "
+                         "bf16 value, where most of LoRA's early steps are lost; use --optim adamw8bit or adamw4bit "
+                         "(torchao's, which round it stochastically), or --lora-dtype float32")
     if cfg.quantize == "mxfp4" and cfg.shard == "fsdp":
         raise ValueError("--quantize mxfp4 with --shard fsdp is not supported: the sharded load packs NF4 only "
                          "(core/adaptation/sharded_nf4.py); use --quantize nf4 with --shard fsdp, or --quantize "
@@ -107,10 +112,19 @@ def aux_coefficient(cfg: TrainConfig, model_config=None) -> float:
 
 def optimizer_class(name: str):
     """--optim's class: torch's AdamW, or torchao.optim's AdamW8bit / AdamW4bit (the moments in 8 or 4 bits, a
-    scale per block; tensors under 4096 values keep fp32 moments); ImportError naming the extra without torchao."""
+    scale per block; tensors under 4096 values keep moments in their own dtype); ImportError naming the extra
+    without torchao. train.py has torchao's round a bf16 parameter's update stochastically (`optimizer_options`)."""
     if name == "adamw":
         return torch.optim.AdamW
     try:
         return getattr(torchao_module("torchao.optim"), {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}[name])
     except ImportError as e:
         raise ImportError(f"--optim {name} needs torchao, which is not installed: pip install -e \".[quant]\" ({e})") from None
+
+
+def optimizer_options(name: str) -> dict:
+    """--optim's keywords beyond the rate and decay: torchao's round a bf16 parameter's fp32 update to bf16
+    stochastically (--lora-dtype bfloat16; fp32 parameters are untouched), so that a step below half a bf16
+    spacing still moves the weight in expectation, where rounding to nearest would drop it. fp32 master weights
+    were the other way: 4 bytes a parameter more, all that bf16 saves on the weight and its gradient."""
+    return {} if name == "adamw" else {"bf16_stochastic_round": True}

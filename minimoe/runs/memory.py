@@ -10,12 +10,13 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   stored bytes only). FSDP: this rank's rows of every parameter (dim 0, ceil(n / GPUs) rows, as
   fully_shard cuts it), plus the largest decoder layer gathered whole while it runs, twice (FSDP2
   prefetches the next layer's all-gather).
-- lora: LoRA, method heads and tuned gates in their dtype (fp32) with their gradients, 8 bytes a parameter
-  (counted on a meta-device model with the run's LoRA and method, as train.py installs them).
+- lora: LoRA, method heads and tuned gates in their dtype with their gradients: 8 bytes a parameter in fp32, 4 for
+  LoRA with --lora-dtype bfloat16 (counted on a meta-device model with the run's LoRA and method, as train.py
+  installs them).
 - optimizer (--optim, train.py's): AdamW's two fp32 moments and its step, 8 bytes a trainable parameter;
   adamw8bit / adamw4bit (torchao.optim): each moment of a tensor of 4096 values or more (and whole blocks) in
   8 bits plus an fp32 scale per 256 values, or 4 bits plus one per 128, and the code table; smaller tensors
-  keep fp32 moments, as torchao decides (`optimizer_bytes`, exact: a test holds it to the optimizer's state).
+  keep moments in their own dtype, as torchao decides (`optimizer_bytes`, exact: a test holds it to the optimizer's state).
   FSDP divides lora and optimizer by the GPUs.
 - activations: an estimate, not a measurement: per token and layer, what autograd keeps for the
   backward of one micro-batch, in the run's dtype: ~12 * hidden (norms, attention in/out, residuals)
@@ -23,16 +24,18 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   `batch_size * max_length` tokens; with --gradient-checkpointing, one hidden vector per layer plus
   one layer's full set. A DSA indexer (DeepSeek-V3.2, GLM-5) adds its fp32 scores, [rows, T, heads, T], one
   layer's at a time and kept for no backward (core/token_mixers/dsa_indexer.py).
-- logits: an estimate: the LM head's output over the vocabulary at the supervised positions, at most
-  core/task/tokens.py's CHUNK of them at a time (the chunked loss), as three fp32 [positions, vocab] tensors
-  (logits, log-softmax, their gradient); the worst case, every position of the micro-batch supervised
-  (chat and completion data); answer-choice data scores only the candidates' tokens, fewer.
+- logits: the LM head's output over the vocabulary at the scored positions, at most core/task/tokens.py's CHUNK
+  of them at a time (the chunked loss): three fp32 [positions, vocab] tensors (log-softmax and two gradients) and,
+  when not chunked, the output in the run's dtype (a test holds this to a real step's peak). The positions follow
+  --data: choice (the recipe's answer-choice benchmarks) scores only the candidates' tokens, --answer-tokens an
+  example (default: the study's benchmarks' largest, 8 consecutive examples at a time, counted with a
+  2048-token BPE; the data itself is not read); chat (chat and completion data) every position of the micro-batch.
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
 the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time; and
-dequantising: what dequantising it holds beside it (the lookup's result in the run's dtype and the int32
-codes: nf4's `nf4_dequantize`, mxfp4's `decode_mxfp4`, each a whole bank at once). With
+dequantising: what dequantising holds beside it (the int32 codes and the lookup's result in the run's dtype: nf4's of
+one chunk of experts, at most 256 MiB, `nf4_dequantize_into`; mxfp4's of a whole bank, loading/mxfp4.py). With
 --shard fsdp too: the rank's share of the packed bytes (ceil(1/N) of each module's, core/adaptation/sharded_nf4.py)
 and its rows of the rest, two layers gathered (packed), and the largest packed module dequantised.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
@@ -48,7 +51,7 @@ import torch
 
 from minimoe.core.layers.experts import GroupedLinear
 from minimoe.core.task.tokens import CHUNK
-from minimoe.core.adaptation.quantized import nf4_bytes, quantized_modules
+from minimoe.core.adaptation.quantized import nf4_bytes, nf4_chunk, nf4_temporary_bytes, quantized_modules
 from minimoe.core.adaptation.sharded_nf4 import record_widths
 from minimoe.loading.checkpoint import DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files
 from minimoe.loading.config_json import config_from_dict, read_config
@@ -66,6 +69,7 @@ class Estimate:
     gpu_memory: int
     logits: int = 0
     dequantising: int = 0
+    data: str = "choice"  # what the logits figure assumes (DATA_KINDS)
 
     @property
     def total(self) -> int:
@@ -110,7 +114,7 @@ def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
 
 
 # torchao.optim's low-bit AdamW: (bits a value, values per fp32 scale, code-table entries); tensors under 4096
-# values, or not whole blocks, keep fp32 moments (torchao's _AdamBase._new_buffer).
+# values, or not whole blocks, keep moments in their own dtype (torchao's _AdamBase._new_buffer: zeros_like).
 LOW_BIT_STATE = {"adamw8bit": (8, 256, 256), "adamw4bit": (4, 128, 16)}
 LOW_BIT_MIN = 4096
 
@@ -123,20 +127,26 @@ def optimizer_bytes(params, optim: str) -> int:
         bits, block, table = LOW_BIT_STATE.get(optim, (None, None, None))
         if bits is not None and n >= LOW_BIT_MIN and n % block == 0:
             moment = n * bits // 8 + n // block * 4 + table * 4
-        else:
-            moment = n * 4
+        else:  # torch's AdamW, and torchao's below its quantised sizes: zeros_like(p), the parameter's dtype
+            moment = n * p.element_size()
         total += 2 * moment + 4
     return total
 
 
 def dequantising_bytes(model, dtype: torch.dtype, fmt: str) -> int:
-    """Beside the largest packed matrix's dequantised weight, the lookup's result (the matrix in `dtype`) and its
-    int32 codes (4 bytes a pair of values), alive together for a moment: nf4's `nf4_dequantize` and mxfp4's
-    `decode_mxfp4` (loading/mxfp4.py; it packs the expert banks alone) alike."""
+    """Beside a packed matrix's dequantised weight, what dequantising it holds at once: nf4, one chunk of its
+    experts' int32 codes, lookup result and block scales (`nf4_dequantize_into`), at the most of any packed module;
+    mxfp4, the largest bank's int32 codes and decoded values, a bank decoded whole (loading/mxfp4.py)."""
     modules = dict(model.named_modules())
-    packed = quantized_modules(model) if fmt == "nf4" else [n for n, m in modules.items() if isinstance(m, GroupedLinear)]
-    n = max((modules[name].weight.numel() for name in packed), default=0)
-    return n * dtype.itemsize + n // 2 * 4
+    if fmt == "mxfp4":
+        n = max((m.weight.numel() for m in modules.values() if isinstance(m, GroupedLinear)), default=0)
+        return n * dtype.itemsize + n // 2 * 4
+    return max((chunk_bytes(modules[name].weight.shape, dtype) for name in quantized_modules(model)), default=0)
+
+
+def chunk_bytes(shape, dtype: torch.dtype) -> int:
+    *lead, rows, cols = shape
+    return min(math.prod(lead), nf4_chunk(rows, cols, dtype)) * nf4_temporary_bytes(rows * cols, dtype)
 
 
 def packed_shard_bytes(model, dtype: torch.dtype, gpus: int) -> tuple[int, int]:
@@ -153,9 +163,25 @@ def packed_shard_bytes(model, dtype: torch.dtype, gpus: int) -> tuple[int, int]:
     return mine, layer
 
 
-def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None) -> Estimate:
+DATA_KINDS = ("choice", "chat")  # what the loss scores: candidates' answer tokens, or every position
+ANSWER_TOKENS = 68  # an example's candidates' answer tokens together: docs/quantization.md says how it was measured
+
+
+def logits_bytes(positions: int, vocab: int, dtype: torch.dtype) -> int:
+    """The logits' peak over a step, [positions, vocab] tensors: in fp32 the log-softmax (saved for backward), the
+    gradient the gather sends it and the log-softmax's own gradient; up to CHUNK positions the head's output in
+    `dtype` too (the forward's output keeps it), past it the chunked loss's CHUNK positions at a time, each
+    chunk's output recomputed in the backward and dropped (a test holds both to a real step's peak)."""
+    if positions > CHUNK:
+        return CHUNK * vocab * 3 * 4
+    return positions * vocab * (3 * 4 + dtype.itemsize)
+
+
+def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_total: int | None = None,
+             data: str = "choice", answer_tokens: int = ANSWER_TOKENS) -> Estimate:
     """Bytes per GPU for `model` (a meta-device MoEForCausalLM in the run's dtype, LoRA and `cfg.method`
-    installed) under `cfg`'s batch; `weights_total`: the stored bytes when the files' shapes are unknown."""
+    installed) under `cfg`'s batch of `data` (DATA_KINDS; choice: `answer_tokens` scored an example);
+    `weights_total`: the stored bytes when the files' shapes are unknown."""
     from minimoe.runs.install import install_method
     dequantising = 0
     if cfg.quantize is not None:
@@ -188,11 +214,11 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     kept = (layers * config.hidden_size + per_token) if cfg.gradient_checkpointing else layers * per_token
     mla = config.mixers.get("mla")  # a DSA indexer's fp32 scores (module docstring)
     indexer = tokens * cfg.max_length * mla.index_n_heads * 4 if mla is not None and mla.index_topk else 0
-    positions = min(tokens, CHUNK)  # the chunked loss's head call (module docstring)
+    positions = tokens if data == "chat" else math.ceil(cfg.batch_size / gpus) * answer_tokens
     return Estimate(weights=weights, lora=math.ceil(2 * sum(p.numel() * p.element_size() for p in trainable) / split),
                     optimizer=math.ceil(optimizer_bytes(trainable, cfg.optim) / split),
                     activations=tokens * kept * itemsize + indexer, gpu_memory=gpu_memory,
-                    logits=3 * positions * config.vocab_size * 4, dequantising=dequantising)
+                    logits=logits_bytes(positions, config.vocab_size, DTYPES[cfg.dtype]), dequantising=dequantising, data=data)
 
 
 def model_config(name: str):
@@ -211,8 +237,8 @@ def hub_weights(name: str) -> int:
 def table(e: Estimate) -> str:
     gib = 2**30
     rows = [("weights", e.weights), *([("dequantising (lookup, codes)", e.dequantising)] if e.dequantising else []),
-            ("LoRA + heads (fp32, with gradients)", e.lora), ("AdamW state", e.optimizer),
-            ("activations (estimate)", e.activations), ("logits (estimate: chat data)", e.logits), ("total", e.total)]
+            ("LoRA + heads (with gradients)", e.lora), ("AdamW state", e.optimizer),
+            ("activations (estimate)", e.activations), (f"logits (estimate: {e.data} data)", e.logits), ("total", e.total)]
     lines = [f"{what:<38} {n / gib:9.3f} GiB" for what, n in rows]
     verdict = "fits" if e.fits else "does not fit"
     lines.append(f"{verdict}: {e.total / gib:.3f} GiB of {e.gpu_memory / gib:.1f} GiB a GPU "

@@ -56,7 +56,7 @@ from minimoe.runs.adapters import load_adapter, load_adapter_rows, save_adapter
 from minimoe.core.adaptation.trainable import trainable_parameters
 from minimoe.runs.config import TrainConfig
 from minimoe.runs.device import autocast_for
-from minimoe.runs.install import aux_coefficient, install_method, optimizer_class  # noqa: F401 (training.install_method: its callers' name)
+from minimoe.runs.install import aux_coefficient, install_method, optimizer_class, optimizer_options  # noqa: F401 (training.install_method: its callers' name)
 from minimoe.runs.ranks import full, global_sum, world
 from minimoe.runs.run_folder import (STATE, append_metrics, drop_later_checkpoints, drop_step_checkpoints,
                                  latest_checkpoint, params_device, read_json, read_metrics, remove_orphans, save_state,
@@ -82,7 +82,7 @@ def make_optimizer(model, cfg: TrainConfig):
     lrs = {"lora": cfg.lr, **heads, "router": cfg.router_lr or cfg.lr}
     groups = [{"params": [p for _, p in params], "lr": lrs[name], "name": name}  # grouped by `method`, as its rates
               for name, params in trainable_parameters(model, method).items() if params]
-    return optimizer_class(cfg.optim)(groups, weight_decay=cfg.weight_decay)
+    return optimizer_class(cfg.optim)(groups, weight_decay=cfg.weight_decay, **optimizer_options(cfg.optim))
 
 
 

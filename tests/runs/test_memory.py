@@ -1,6 +1,7 @@
 """What fits where (minimoe/runs/memory.py): its weight figures held to the real safetensors files of a
 saved tiny model, the per-GPU split, and the verdict."""
 import json
+import weakref
 
 import pytest
 import torch
@@ -285,18 +286,20 @@ def state_bytes(value) -> int:
     return value.numel() * value.element_size()
 
 
-@pytest.mark.parametrize("optim", ["adamw", "adamw8bit", "adamw4bit"])
-def test_lora_and_optimizer_figures_are_the_bytes_a_step_holds(tmp_path, monkeypatch, optim):
+@pytest.mark.parametrize("optim, lora_dtype", [("adamw", "float32"), ("adamw8bit", "float32"), ("adamw4bit", "float32"),
+                                               ("adamw8bit", "bfloat16")])
+def test_lora_and_optimizer_figures_are_the_bytes_a_step_holds(tmp_path, monkeypatch, optim, lora_dtype):
     """After one step of train.py's optimizer (--optim) on the tiny OLMoE with TES: the lora figure is the trainable
     tensors' bytes and their gradients', the optimizer figure the bytes of every tensor in the optimizer's state
-    (torchao's: their codes, block scales and code tables; its fp32 moments for the small tensors)."""
+    (torchao's: their codes, block scales and code tables; moments in the parameter's dtype for the small tensors);
+    with --lora-dtype bfloat16, the LoRA, its gradients and those small moments in bf16, the heads in fp32."""
     from minimoe.runs.config import build_config
     from minimoe.runs.training import install_method, make_optimizer
     if optim != "adamw":
         pytest.importorskip("torchao")
         monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)  # its update, eagerly (test_optimizers.py)
     save_pretrained(tiny_model("olmoe"), tmp_path / "m")
-    cfg = build_config({"model": str(tmp_path / "m"), "method": "tes", "optim": optim}, "olmoe")
+    cfg = build_config({"model": str(tmp_path / "m"), "method": "tes", "optim": optim, "lora_dtype": lora_dtype}, "olmoe")
     install_method(model := tiny_model("olmoe"), cfg)
     optimizer = make_optimizer(model, cfg)
     for group in optimizer.param_groups:
@@ -304,44 +307,90 @@ def test_lora_and_optimizer_figures_are_the_bytes_a_step_holds(tmp_path, monkeyp
             p.grad = torch.full_like(p, 1e-3)
     optimizer.step()
     trainable = [p for g in optimizer.param_groups for p in g["params"]]
-    estimate = memory_estimate.main([str(tmp_path / "m"), "--method", "tes", "--recipe", "olmoe", "--optim", optim])
+    estimate = memory_estimate.main([str(tmp_path / "m"), "--method", "tes", "--recipe", "olmoe", "--optim", optim,
+                                     "--lora-dtype", lora_dtype])
+    assert {p.dtype for p in trainable} == {torch.float32, getattr(torch, lora_dtype)}
     assert estimate.lora == sum(state_bytes(p) + state_bytes(p.grad) for p in trainable)
     held = sum(state_bytes(v) for s in optimizer.state.values() for v in s.values())
     assert estimate.optimizer == held
-    if optim != "adamw":  # the expert banks' LoRA in low bits: a quarter or an eighth of AdamW's, near enough
+    if optim != "adamw" and lora_dtype == "float32":  # the expert banks' LoRA in low bits: a quarter or an eighth of AdamW's
         assert held < memory.optimizer_bytes(trainable, "adamw") * (0.5 if optim == "adamw8bit" else 0.4)
 
 
-def test_the_dequantising_figure_is_what_nf4_dequantize_allocates(tmp_path):
-    """--quantize nf4: beside the dequantised weight (in the weights figure), the bytes of the tensors that
-    dequantising the largest packed matrix allocates (the int32 codes, the lookup's result, the scales), counted
-    op by op as it runs: the figure holds them to within the small per-block scales."""
+class HeldStorages(TorchDispatchMode):
+    """The most bytes alive at once in the storages that ops allocate while active (a storage lives while a tensor
+    on it does; views and in-place results are not new); `keep(t)`: which new tensors count (default all)."""
+
+    def __init__(self, keep=lambda t: True):
+        super().__init__()
+        self.keep, self.storages, self.peak = keep, {}, 0  # data_ptr -> (bytes, weak references to tensors on it)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in inputs:  # a new storage (an old one's address may be reused)
+                    self.storages.pop(ptr, None)
+                    if self.keep(t):
+                        self.storages[ptr] = (t.untyped_storage().nbytes(), [])
+                if ptr in self.storages:
+                    self.storages[ptr][1].append(weakref.ref(t))
+        self.peak = max(self.peak, sum(n for n, refs in self.storages.values() if any(r() is not None for r in refs)))
+        return out
+
+
+def test_the_dequantising_figure_is_what_nf4_dequantize_into_holds_at_once(tmp_path, monkeypatch):
+    """--quantize nf4: beside the dequantised weight (in the weights figure), the most bytes that dequantising the
+    largest packed matrix holds at once in tensors it allocates (one chunk's int32 codes, lookup result and scales),
+    tracked op by op as it runs: the figure is that peak, whole banks (the tiny model's fit one chunk) and in chunks."""
     pytest.importorskip("torchao")
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from minimoe.core.adaptation.quantized import is_quantized
+    from minimoe.core.adaptation import quantized
     from minimoe.loading.checkpoint import from_pretrained
 
-    class Allocations(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.bytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                      if isinstance(a, torch.Tensor)}
-            for t in torch.utils._pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                    self.bytes += t.untyped_storage().nbytes()  # a new tensor, not a view nor written in place
-            return out
     save_pretrained(tiny_model("olmoe"), tmp_path / "m")
     model = from_pretrained(tmp_path / "m", dtype="bfloat16", quantize="nf4")
-    largest = max((m for m in model.modules() if is_quantized(m)), key=lambda m: m.weight.numel())
-    out = torch.empty(largest.weight.shape, dtype=torch.bfloat16)
-    with Allocations() as counted:
-        largest.packed.dequantize_into(out)
-    figure = memory_estimate.main([str(tmp_path / "m"), "--dtype", "bfloat16", "--quantize", "nf4"]).dequantising
-    assert figure <= counted.bytes < figure * 1.1
+    largest = max((m for m in model.modules() if quantized.is_quantized(m)), key=lambda m: m.weight.numel())
+    matrix = quantized.nf4_temporary_bytes(largest.weight.shape[-2] * largest.weight.shape[-1], torch.bfloat16)
+    for chunk in (None, 3):  # whole banks; then chunks of 3 experts
+        if chunk:
+            monkeypatch.setattr(quantized, "DEQUANTIZE_CHUNK_BYTES", chunk * matrix)
+        out = torch.empty(largest.weight.shape, dtype=torch.bfloat16)
+        with HeldStorages() as held:
+            largest.packed.dequantize_into(out)
+        figure = memory_estimate.main([str(tmp_path / "m"), "--dtype", "bfloat16", "--quantize", "nf4"]).dequantising
+        assert figure == held.peak == (chunk or largest.weight.shape[0]) * matrix, (chunk, figure, held.peak)
+
+
+@pytest.mark.parametrize("data", memory.DATA_KINDS)
+def test_the_logits_figure_is_a_real_steps_peak_over_the_vocabulary(tmp_path, data):
+    """The logits figure for --data choice (8 examples of 4 candidates, 26 answer tokens an example) and chat (8 rows,
+    every position supervised: past the chunked loss's CHUNK) is the most bytes held at once in [positions, vocab]
+    tensors during a real training step (step_loss, bf16, LoRA), within the head weight's transposed view."""
+    from minimoe.core.adaptation.lora import add_lora
+    from minimoe.core.task.choices import pack_choices
+    from minimoe.core.task.step import step_loss
+    from minimoe.core.task.tokens import make_token_batch
+    from minimoe.data.chat import TokenRow
+    from minimoe.runs.config import build_config
+    save_pretrained(model := tiny_model("olmoe"), tmp_path / "m")
+    model = add_lora(model.to(torch.bfloat16), rank=4)
+    V, g = model.config.vocab_size, torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(3, V, (n,), generator=g).tolist()  # noqa: E731
+    if data == "choice":
+        batch = pack_choices([(ids(40), [ids(n) for n in (5, 7, 6, 8)]) for _ in range(8)], 0)
+        flags = ["--answer-tokens", "26"]
+    else:
+        batch = make_token_batch([TokenRow(ids(160), [False] + [True] * 159) for _ in range(8)], 0)
+        flags = []
+    counts = {"examples": 8, "tokens": batch.supervised_tokens, "rows": batch.input_ids.shape[0]}
+    with HeldStorages(lambda t: t.dim() == 2 and t.shape[-1] == V) as held:
+        step_loss(model, [batch], build_config({"model": str(tmp_path / "m"), "method": "ce"}, "tiny").method, counts, 1)
+    figure = memory_estimate.main([str(tmp_path / "m"), "--batch-size", "8", "--max-length", "160", "--data", data,
+                                   *flags]).logits
+    assert figure <= held.peak <= figure + model.lm_head.weight.numel() * 2, (figure, held.peak)
 
 
 # config.json with only the required fields: the rest are the family's defaults, which transformers 5.23 documents as

@@ -36,7 +36,8 @@ logits); the embeddings, LM head, norms and biases stay as loaded, and so does e
 
 Formats: `NF4Weight` (QLoRA's NormalFloat-4 with double-quantised scales, packed per expert matrix by
 torchao's `to_nf4` as QLoRA on transformers' per-expert modules packs them, held as whole-bank tensors and
-dequantised a bank at a time by `nf4_dequantize`: a fixed number of kernels, not one set per expert). The
+dequantised a bank at a time by `nf4_dequantize`: a fixed number of kernels, not one set per expert, for each
+chunk of experts whose temporaries fit DEQUANTIZE_CHUNK_BYTES, `nf4_dequantize_into`). The
 library is optional (the `quant` extra); `require("nf4")` names the extra when it is missing.
 """
 from __future__ import annotations
@@ -127,7 +128,7 @@ class NF4Weight:
 
     def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
         """Write the weight into `out` (its shape; any float dtype, any strides); returns out."""
-        return out.copy_(nf4_dequantize(self.codes, self.scalers, self.factors, self.means, self.pairs).view(out.shape))
+        return nf4_dequantize_into(out, self.codes, self.scalers, self.factors, self.means, self.pairs)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What this weight alone holds (the pair table is shared)."""
@@ -162,12 +163,46 @@ def nf4_pairs(table: torch.Tensor) -> torch.Tensor:
 def nf4_dequantize(codes, scalers, factors, means, pairs):
     """NF4Weight's parts -> the [E, n] weight in pairs' dtype: torchao's get_original_weight for every matrix
     at once. Six kernels whatever E (tests/core/adaptation/test_quantized.py counts them), plain tensor ops that
-    torch.compile traces whole. Transient: the int32 codes and the lookup, each a bank's size in bf16."""
+    torch.compile traces whole. Transient: the int32 codes and the lookup, each the size of E matrices in bf16
+    (`nf4_dequantize_into` passes a chunk of experts)."""
     E, blocks = scalers.shape
     # The block scales: int8 / second-level factor, in the weight's dtype, plus the matrix's mean (torchao's order).
     scales = (scalers.view(E, factors.shape[1], -1) / factors.unsqueeze(-1)).view(E, blocks) + means.unsqueeze(-1)
     values = F.embedding(codes.int(), pairs).view(E, blocks, NF4_BLOCK)  # [E, n / 2, 2]: each byte's two values
     return values.mul_(scales.unsqueeze(-1)).view(E, -1)
+
+
+# The most that dequantising a bank holds beside its output at once: the int32 codes and the lookup's result of a
+# chunk of experts. A whole Qwen3-30B-A3B gate_up bank's would be 1.5 GiB in bf16, a DeepSeek-V3 one's 28 GiB; at
+# 256 MiB a chunk's kernels still each stream tens of millions of values, so their count costs no launch time.
+DEQUANTIZE_CHUNK_BYTES = 2**28
+
+
+def nf4_chunk(rows: int, cols: int, dtype: torch.dtype) -> int:
+    """Experts of a bank of [rows, cols] matrices that `nf4_dequantize_into` dequantises at once: as many as keep
+    their temporaries within DEQUANTIZE_CHUNK_BYTES, one at least (a single larger matrix is one chunk)."""
+    return max(1, DEQUANTIZE_CHUNK_BYTES // nf4_temporary_bytes(rows * cols, dtype))
+
+
+def nf4_temporary_bytes(n: int, dtype: torch.dtype) -> int:
+    """What `nf4_dequantize` holds at once for one matrix of n values in `dtype`: the int32 codes (4 bytes a pair),
+    the lookup's result and the block scales (the division's result before them is freed when the mean is added)."""
+    return n // 2 * 4 + n * dtype.itemsize + n // NF4_BLOCK * dtype.itemsize
+
+
+def nf4_dequantize_into(out, codes, scalers, factors, means, pairs):
+    """`nf4_dequantize` of every matrix, written into `out` ([..., out, in], any float dtype and strides) a chunk
+    of experts at a time (`nf4_chunk`), so its temporaries are a chunk's, not the bank's. Each chunk is the same
+    few kernels, and a chunk's experts are dequantised by the same arithmetic as the whole bank's: bit for bit."""
+    rows, cols = out.shape[-2:]
+    matrices = out.view(-1, rows, cols)  # a plain [out, in] Linear is one matrix
+    step = nf4_chunk(rows, cols, pairs.dtype)
+    for e in range(0, matrices.shape[0], step):
+        chunk = slice(e, e + step)
+        # one expression: a name bound to a chunk's values would hold them while the next chunk is dequantised
+        matrices[chunk].copy_(nf4_dequantize(codes[chunk], scalers[chunk], factors[chunk], means[chunk], pairs)
+                              .view(-1, rows, cols))
+    return out
 
 
 DIGEST_VALUES = 4096  # values of a weight in the base-weights digest

@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from minimoe.core.adaptation.quantized import (DIGEST_VALUES, NF4_BLOCK, NF4_SCALER_BLOCK, NF4Weight, _to_nf4,
-                                               digest_stride, nf4_dequantize, nf4_pairs, quantize_module)
+                                               digest_stride, nf4_dequantize_into, nf4_pairs, quantize_module)
 
 RECORDS = "weight_nf4"  # the uint8 parameter's name on its module
 
@@ -82,7 +82,7 @@ class NF4Records:
     def dequantize_into(self, out: torch.Tensor) -> torch.Tensor:
         records = getattr(self.module(), RECORDS).view(self.matrices, self.record)  # the gathered bytes
         parts = parts_of(records, *self.shape[-2:], self.dtype)
-        return out.copy_(nf4_dequantize(*parts, self.pairs()).view(out.shape))
+        return nf4_dequantize_into(out, *parts, self.pairs())
 
     def pairs(self) -> torch.Tensor:
         """quantized.nf4_pairs of torchao's NF4 table in this weight's dtype and device."""

@@ -50,18 +50,25 @@ class Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_bank_dequantises_in_the_same_few_ops_whatever_its_experts():
-    """Dequantising a bank dispatches the same ops for 4 experts as for 16 (one vectorised lookup over the
-    whole bank, not one set of kernels per expert), and few of them."""
-    counts = {}
-    for experts in (4, 16):
-        packed = quantized.NF4Weight(torch.randn(experts, 32, 64, dtype=torch.bfloat16))
+def test_a_bank_dequantises_in_the_same_few_ops_per_chunk_whatever_its_experts(monkeypatch):
+    """Dequantising a bank dispatches the same ops for 4 experts as for 16 while one chunk holds them (one vectorised
+    lookup over the chunk, not one set of kernels per expert), and few of them. With chunks of 4 experts
+    (DEQUANTIZE_CHUNK_BYTES), 16 experts are 4 chunks of those same ops, and the bank is the whole-bank one's bit for bit."""
+    banks = {experts: quantized.NF4Weight(torch.randn(experts, 32, 64, dtype=torch.bfloat16)) for experts in (4, 16)}
+
+    def dequantize(packed):
         out = torch.empty(packed.shape, dtype=torch.bfloat16)
         with Dispatched() as dispatched:
             packed.dequantize_into(out)
-        counts[experts] = dispatched.ops
-    assert counts[4] == counts[16], counts
-    assert len(counts[16]) <= 16, counts[16]
+        return out, dispatched.ops
+    whole = {experts: dequantize(packed) for experts, packed in banks.items()}
+    assert whole[4][1] == whole[16][1], whole
+    assert sum(op not in ("view", "slice", "unsqueeze") for op in whole[16][1]) <= 6, whole[16][1]  # kernels
+    monkeypatch.setattr(quantized, "DEQUANTIZE_CHUNK_BYTES", 4 * quantized.nf4_temporary_bytes(32 * 64, torch.bfloat16))
+    out, ops = dequantize(banks[16])
+    view, *chunk = whole[4][1]  # the bank viewed as matrices, then one chunk's ops
+    assert ops == [view] + 4 * chunk, ops
+    assert torch.equal(out, whole[16][0])
 
 
 def test_the_dequantisation_compiles_as_one_graph_and_stays_exact():
