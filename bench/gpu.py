@@ -528,6 +528,8 @@ def quantized_step(device, smoke: bool, layers: int = 8, vocab: int | None = Non
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
             t = timed(lambda: step(side), device, 1, 0)[0]
+            print(f"nf4 stage: round {i} ({'warm-up' if i < warmup else 'timed'}), {side}: {t:.2f} s",
+                  file=sys.stderr, flush=True)  # a CPU's round takes minutes: progress
             if i >= warmup:
                 times[side].append(t)
             if device.type == "cuda":
