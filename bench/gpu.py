@@ -27,6 +27,10 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
   widths (Mamba-2 layers and one NoPE attention layer) and Qwen3-Next-80B-A3B's (Gated DeltaNet and two gated
   attention layers); LoRA on q, k, v and the routed experts as above, the recurrent mixers frozen on both sides.
   transformers runs its torch paths (no mamba_ssm / causal-conv1d / fla kernels are installed).
+- qwen35, deepseek32, gemma4 (only when named in --only): the 2026 families, Qwen3.5-35B-A3B's, DeepSeek-V3.2's and
+  Gemma 4 26B-A4B's widths, peft on transformers 5's fused experts (bench/lora_peft.py's FUSED_TARGETS); on a CPU
+  at CPU_CUTS' widths (2 layers, fewer experts, a 2048-token vocabulary, 1 x 128).
+- On a CPU every LoRA stage holds its sides at once and alternates their steps one by one (interleaved_sides).
 - nf4 (only when named in --only; needs torchao, the quant extra): one LoRA step at 8 layers of
   Qwen3-30B-A3B's widths (on a CPU one layer, all 128 experts, a 2048-token vocabulary, 1 x 128), the base in
   bf16 against the same weights packed in NF4 (--quantize nf4), dequantised a bank at a time and, as before, one
