@@ -335,10 +335,16 @@ def interleaved_sides(sides: list[str], folder, family: str, ids, device, steps:
     for side in sides:  # minimoe's first: transformers' adopts its equal weights
         donor = next((f[2] for s, f in fns.items() if s == "minimoe"), None)
         fns[side] = side_fns(side, folder, family, ids, device, donor)
+    def shown(what, side, fn):  # a CPU's step at these widths takes many seconds on a shared machine: progress
+        def run():
+            t0 = time.perf_counter()
+            fn()
+            print(f"{family} {what}, {side}: {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+        return run
     t0 = time.perf_counter()
-    steps_t = common.interleaved({s: f[1] for s, f in fns.items()}, rounds=steps, warmup=warmup)
+    steps_t = common.interleaved({s: shown("step", s, f[1]) for s, f in fns.items()}, rounds=steps, warmup=warmup)
     first = time.perf_counter() - t0 - sum(map(sum, steps_t.times.values()))
-    fwd_t = common.interleaved({s: f[0] for s, f in fns.items()}, rounds=steps, warmup=1)
+    fwd_t = common.interleaved({s: shown("forward", s, f[0]) for s, f in fns.items()}, rounds=steps, warmup=1)
     ref = "transformers + peft"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak so far, GiB
     return {side: dict(step=steps_t.median(side), forward=fwd_t.median(side), memory=None, warmup=first, rss=rss,
@@ -388,8 +394,9 @@ def lora_step(device, family: str, layers: int, smoke: bool, peak: float, budget
         mfu6, mfu4 = 6 * N * tokens / r["step"] / peak, 4 * N * tokens / r["step"] / peak
         rounds = (f"; per round {r['rounds'][0]:.2f}x [{r['rounds'][1]:.2f}-{r['rounds'][2]:.2f}], interleaved"
                   if r.get("rounds") else "")
+        mfu = "" if cpu else f"MFU 6N {mfu6:.1%}, 4N {mfu4:.1%}; "  # a shared CPU's measured peak is not its own
         row("lora", name, f"{side}: step s (B{B} x T{T})", r["step"], ref["step"] if ref else None, speedup,
-            note=f"MFU 6N {mfu6:.1%}, 4N {mfu4:.1%}; warm-up {r['warmup']:.1f} s"
+            note=f"{mfu}warm-up {r['warmup']:.1f} s"
                  + (f"; peak {r['memory']:.1f} GiB" if r["memory"] is not None else "") + rounds
                  + (f"; process peak RSS {r['rss']:.1f} GiB, the sides held at once" if r.get("rss") else ""))
         fwd_ratio = ref["forward"] / r["forward"] if ref and side != "transformers + peft" else None
