@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import resource
 import shutil
 import signal
@@ -463,38 +464,35 @@ class PerExpertNF4:
 
 
 def base_forms(model) -> dict:
-    """Each packed module of `model` (quantize_model, then add_lora: what --quantize nf4 builds) -> its base in the
-    three forms the nf4 stage times: "bf16" (the weight dequantised once into a plain frozen parameter, and for a
-    LoRA bank the [W | s B] buffer it views), "nf4" (the NF4Weight, dequantised a bank at a time) and "nf4 per
-    expert" (`PerExpertNF4` on the same packed values). One model whose bases are swapped between steps holds one
-    dense copy of the weights, not three models' (at 128 experts three one-layer models did not fit a CPU's run)."""
+    """Each packed module of `model` (quantize_model, then add_lora: what --quantize nf4 builds) -> its packed base
+    in the two forms the nf4 stage times beside bf16: "nf4" (the NF4Weight, dequantised a bank at a time) and "nf4
+    per expert" (`PerExpertNF4` on the same packed values). One model whose bases are swapped between steps
+    (use_base), not three models (at 128 experts three one-layer models did not fit a CPU's run)."""
     from minimoe.core.adaptation.quantized import is_quantized
-    forms = {}
-    for m in model.modules():
-        if is_quantized(m):
-            rows, cols = m.packed.shape[-2:]
-            stacked = torch.zeros(*m.packed.shape[:-1], cols + getattr(m, "k", 0), dtype=m.weight.dtype,
-                                  device=m.weight.device)
-            weight = m.packed.dequantize_into(stacked[..., :cols])
-            forms[m] = {"bf16": (nn.Parameter(weight, requires_grad=False), stacked if hasattr(m, "k") else None),
-                        "nf4": m.packed, "nf4 per expert": PerExpertNF4(m.packed)}
-    return forms
+    return {m: {"nf4": m.packed, "nf4 per expert": PerExpertNF4(m.packed)} for m in model.modules() if is_quantized(m)}
 
 
 def use_base(forms: dict, side: str):
-    """Give every module of `forms` (base_forms) its base in form `side`: no copy, only attributes swapped."""
+    """Give every module of `forms` (base_forms) its base in form `side`: "bf16", a plain frozen parameter holding
+    the packed weights dequantised (for a LoRA bank, the view of its [W | s B] buffer), made here and dropped
+    when a packed form comes back, so that the bf16 copy is resident during the bf16 steps only; or a packed form,
+    swapped in by attribute."""
     from minimoe.core.adaptation.quantized import is_quantized, quantize_module
     for m, form in forms.items():
         if side == "bf16":
-            if is_quantized(m):
-                del m.weight, m.packed
-                m.__class__ = type(m).__bases__[1]  # the class quantize_module mixed Dequantizing into
-            m.weight = form["bf16"][0]
-            if hasattr(m, "k"):
-                m.stacked = form["bf16"][1]
+            if not is_quantized(m):
+                continue
+            packed, dtype, k = form["nf4"], m.weight.dtype, getattr(m, "k", 0)
+            stacked = torch.zeros(*packed.shape[:-1], packed.shape[-1] + k, dtype=dtype, device=m.weight.device)
+            weight = packed.dequantize_into(stacked[..., :packed.shape[-1]])
+            del m.weight, m.packed
+            m.__class__ = type(m).__bases__[1]  # the class quantize_module mixed Dequantizing into
+            m.weight = nn.Parameter(weight, requires_grad=False)
+            if k:
+                m.stacked = stacked
         else:
             if not is_quantized(m):
-                quantize_module(m, form["nf4"])
+                quantize_module(m, form["nf4"])  # drops the bf16 parameter
             m.packed = form[side]
 
 
@@ -520,11 +518,10 @@ def quantized_step(device, smoke: bool, layers: int = 8, vocab: int | None = Non
                      targets=["q", "k", "v", "experts"]).train()
     forms = base_forms(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    dense = sum(f["bf16"][0].numel() * f["bf16"][0].element_size() for f in forms.values()) / 2**30
+    dense = sum(math.prod(m.weight.shape) * m.weight.element_size() for m in forms) / 2**30
     packed = packed_bytes(model) / 2**30
 
-    def step(side):
-        use_base(forms, side)
+    def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(ids).logits.float().logsumexp(-1).mean()
         loss.backward()
@@ -534,11 +531,12 @@ def quantized_step(device, smoke: bool, layers: int = 8, vocab: int | None = Non
     times, peaks = {side: [] for side in sides}, {side: 0.0 for side in sides}
     for i in range(warmup + steps):
         for side in sides:
+            use_base(forms, side)  # untimed: the bf16 form is dequantised here
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
-            t = timed(lambda: step(side), device, 1, 0)[0]
+            t = timed(step, device, 1, 0)[0]
             print(f"nf4 stage: round {i} ({'warm-up' if i < warmup else 'timed'}), {side}: {t:.2f} s",
                   file=sys.stderr, flush=True)  # a CPU's round takes minutes: progress
             if i >= warmup:

@@ -162,8 +162,9 @@ def test_gpu_benchmark_chat_stage_runs_the_chunked_and_the_plain_loss(tmp_path, 
 
 def test_gpu_benchmark_nf4_stage_swaps_one_models_base_between_the_three_forms(tmp_path, monkeypatch):
     """bench/gpu.py's nf4 stage on one model: use_base gives every packed module its base as a plain bf16 parameter
-    (the LoRA bank's [W | s B] buffer again), as the whole-bank NF4Weight, or as PerExpertNF4 on the same packed
-    values; the same logits in all three (the bf16 base is the NF4 weights dequantised), and the stage's rows."""
+    (the LoRA bank's [W | s B] buffer again; dropped when a packed form comes back), as the whole-bank NF4Weight, or
+    as PerExpertNF4 on the same packed values; the same logits in all three (the bf16 base is the NF4 weights
+    dequantised), and the stage's rows."""
     pytest.importorskip("torchao")
     from bench import gpu
     from minimoe.core.adaptation.lora import add_lora
@@ -181,6 +182,8 @@ def test_gpu_benchmark_nf4_stage_swaps_one_models_base_between_the_three_forms(t
         assert all((m.stacked is not None) == (kind is None) for m in banks)
         if kind is None:  # the bank's weight views its stacked buffer, as add_lora made it
             assert all(m.weight.data_ptr() == m.stacked.data_ptr() for m in banks)
+        else:  # no bf16 copy kept beside the packed base
+            assert not [p for m in forms for p in m.parameters(recurse=False) if not p.requires_grad]
         with torch.no_grad():
             logits.setdefault(side, model(ids).logits)
     assert torch.equal(logits["bf16"], logits["nf4"]) and torch.equal(logits["nf4"], logits["nf4 per expert"])
