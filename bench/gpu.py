@@ -27,10 +27,14 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
   widths (Mamba-2 layers and one NoPE attention layer) and Qwen3-Next-80B-A3B's (Gated DeltaNet and two gated
   attention layers); LoRA on q, k, v and the routed experts as above, the recurrent mixers frozen on both sides.
   transformers runs its torch paths (no mamba_ssm / causal-conv1d / fla kernels are installed).
+- qwen35, deepseek32, gemma4 (only when named in --only): the 2026 families, Qwen3.5-35B-A3B's, DeepSeek-V3.2's and
+  Gemma 4 26B-A4B's widths, peft on transformers 5's fused experts (bench/lora_peft.py's FUSED_TARGETS); on a CPU
+  at CPU_CUTS' widths (2 layers, fewer experts, a 2048-token vocabulary, 1 x 128).
+- On a CPU every LoRA stage holds its sides at once and alternates their steps one by one (interleaved_sides).
 - nf4 (only when named in --only; needs torchao, the quant extra): one LoRA step at 8 layers of
-  Qwen3-30B-A3B's widths (on a CPU one layer, a 2048-token vocabulary, 2 x 256), the base in bf16 against
-  the same weights packed in NF4 (--quantize nf4), dequantised a bank at a time and, as before, one expert
-  at a time: step time and peak memory, interleaved.
+  Qwen3-30B-A3B's widths (on a CPU one layer, all 128 experts, a 2048-token vocabulary, 1 x 128), the base in
+  bf16 against the same weights packed in NF4 (--quantize nf4), dequantised a bank at a time and, as before, one
+  expert at a time: step time and each step's peak memory, interleaved on one model whose base is swapped.
 - compile: granite8 with `compile_layers`, and in mode="reduce-overhead" (CUDA graphs), beside eager.
 - baselines: DenseMixer, router-only tuning, CE + affinity tuning and CE + load balancing, each one step's
   time over CE's, one layer at Granite's and OLMoE's widths, 4096 tokens (bench/baselines.py).
@@ -45,6 +49,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import resource
 import shutil
 import signal
 import statistics
@@ -58,6 +64,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -165,7 +172,7 @@ def environment(device, smoke: bool) -> float:
                                     capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
         except (OSError, subprocess.SubprocessError, IndexError):
             pass
-    n = 256 if smoke else 8192
+    n = 256 if smoke else 8192 if device.type == "cuda" else 2048  # a CPU's 8192^3 takes minutes
     a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
     times = timed(lambda: a @ b, device, steps=5 if smoke else 20, warmup=2)
     peak = 2 * n**3 / statistics.median(times)
@@ -246,13 +253,17 @@ def training_step_syncs(device):
     syncs(step, device, "tiny TES all layers", "host syncs in one train.py optimizer step, logging included")
 
 
-def measure_side(side: str, folder, family: str, ids, device, steps: int, warmup: int, name: str) -> dict:
-    """One side's LoRA step and forward times, warm-up (compilation included) and peak memory."""
+def side_fns(side: str, folder, family: str, ids, device, donor=None):
+    """One side's model, loaded from `folder` with its LoRA: (forward, step) callables, AdamW in the step, and
+    the model. donor: a model already loaded whose equal frozen weights transformers' side adopts (adopt_equal)."""
     from bench.lora_peft import peft_wrap
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     torch._dynamo.reset()  # each compiled side compiles afresh, its own settings
     if side == "transformers + peft":
-        model = peft_wrap(common.load_hf(Path(folder), torch.bfloat16, "sdpa"), family).to(device)
+        model = common.load_hf(Path(folder), torch.bfloat16, "sdpa")
+        if donor is not None:
+            adopt_equal(model, donor)
+        model = peft_wrap(model, family).to(device)
         kw = {"use_cache": False}
     else:
         model = from_pretrained(folder, dtype=torch.bfloat16, device=device)
@@ -282,6 +293,29 @@ def measure_side(side: str, folder, family: str, ids, device, steps: int, warmup
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+    return forward, step, model
+
+
+def adopt_equal(model, donor) -> int:
+    """Make each frozen parameter of `model` that equals one of `donor`'s (shape, dtype and values) a view of the
+    donor's storage; returns the values shared. The CPU rows hold both sides at once: the same random weights
+    are then in memory once (a LoRA bank's view strides over its [W | s B] buffer; peft adds its delta to it,
+    a fresh tensor, whatever the strides)."""
+    frozen = {}
+    for q in donor.parameters():
+        if not q.requires_grad:
+            frozen.setdefault((tuple(q.shape), q.dtype), []).append(q)
+    shared = 0
+    for p in model.parameters():
+        same = next((q for q in frozen.get((tuple(p.shape), p.dtype), []) if torch.equal(p, q)), None)
+        if same is not None:
+            p.data, shared = same.data, shared + p.numel()
+    return shared
+
+
+def measure_side(side: str, folder, family: str, ids, device, steps: int, warmup: int, name: str) -> dict:
+    """One side's LoRA step and forward times, warm-up (compilation included) and peak memory."""
+    forward, step, _ = side_fns(side, folder, family, ids, device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -294,6 +328,32 @@ def measure_side(side: str, folder, family: str, ids, device, steps: int, warmup
     return dict(step=statistics.median(step_times), forward=statistics.median(fwd_times), memory=memory, warmup=first)
 
 
+def interleaved_sides(sides: list[str], folder, family: str, ids, device, steps: int, warmup: int) -> dict:
+    """On a CPU: every side's model held at once, their steps (then forwards) alternated one by one
+    (common.interleaved, the order rotating), so that a shared machine's slow spells hit all sides alike;
+    each side's median, and its per-round ratio to the reference (median, min, max) where both ran."""
+    fns = {}
+    for side in sides:  # minimoe's first: transformers' adopts its equal weights
+        donor = next((f[2] for s, f in fns.items() if s == "minimoe"), None)
+        fns[side] = side_fns(side, folder, family, ids, device, donor)
+    def shown(what, side, fn):  # a CPU's step at these widths takes many seconds on a shared machine: progress
+        def run():
+            t0 = time.perf_counter()
+            fn()
+            print(f"{family} {what}, {side}: {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
+        return run
+    t0 = time.perf_counter()
+    steps_t = common.interleaved({s: shown("step", s, f[1]) for s, f in fns.items()}, rounds=steps, warmup=warmup)
+    first = time.perf_counter() - t0 - sum(map(sum, steps_t.times.values()))
+    fwd_t = common.interleaved({s: shown("forward", s, f[0]) for s, f in fns.items()}, rounds=steps, warmup=1)
+    ref = "transformers + peft"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak so far, GiB
+    return {side: dict(step=steps_t.median(side), forward=fwd_t.median(side), memory=None, warmup=first, rss=rss,
+                       rounds=steps_t.ratio(ref, side) if ref in fns and side != ref else None,
+                       fwd_rounds=fwd_t.ratio(ref, side) if ref in fns and side != ref else None)
+            for side in sides}
+
+
 def random_model(c: MoEConfig, device) -> MoEForCausalLM:
     """Random bf16 weights of config c, drawn on the device (a CPU init of a 3B model takes minutes)."""
     with torch.device(device):
@@ -303,16 +363,21 @@ def random_model(c: MoEConfig, device) -> MoEForCausalLM:
 
 def lora_step(device, family: str, layers: int, smoke: bool, peak: float, budget: Budget, sides: list[str]):
     """The LoRA step of each of `sides` (minimoe eager, compiled, compiled with CUDA graphs; transformers +
-    peft), same random weights."""
-    c = config(family, layers, smoke)
-    B, T = (2, 64) if smoke else (8, 512)
-    steps, warmup = (2, 1) if smoke else (8, 3)
+    peft), same random weights: on a GPU one side after the other (each its own peak memory), on a CPU
+    interleaved (interleaved_sides), the 2026 families at CPU_CUTS' widths."""
+    cpu = device.type == "cpu"
+    cut = cpu and not smoke and family in CPU_CUTS  # CPU_CUTS' widths
+    c = cpu_config(family) if cut else config(family, layers, smoke)
+    B, T = (2, 64) if smoke else CPU_BATCH if cpu else (8, 512)
+    steps, warmup = (2, 1) if smoke else (3, 1) if cpu else (8, 3)
     ids = torch.randint(2, c.vocab_size, (B, T), generator=torch.Generator().manual_seed(5)).to(device)
-    name = f"{family} {layers}L"
+    name = f"{family} {c.num_hidden_layers}L" + (f" E{c.num_experts} V{c.vocab_size}" if cut else "")
     with tempfile.TemporaryDirectory() as folder:
         save_pretrained(random_model(c, device), folder)
         results = {}
-        for side in sides:
+        if cpu:  # both sides at once, interleaved step by step (a shared CPU); no per-side peak
+            results = interleaved_sides(sides, folder, family, ids, device, steps, warmup)
+        for side in sides if not cpu else ():
             if budget.left() < 30:
                 row("lora", name, f"{side}: skipped", note="time budget spent")
                 continue
@@ -328,11 +393,17 @@ def lora_step(device, family: str, layers: int, smoke: bool, peak: float, budget
     for side, r in results.items():
         speedup = ref["step"] / r["step"] if ref and side != "transformers + peft" else None
         mfu6, mfu4 = 6 * N * tokens / r["step"] / peak, 4 * N * tokens / r["step"] / peak
+        rounds = (f"; per round {r['rounds'][0]:.2f}x [{r['rounds'][1]:.2f}-{r['rounds'][2]:.2f}], interleaved"
+                  if r.get("rounds") else "")
+        mfu = "" if cpu else f"MFU 6N {mfu6:.1%}, 4N {mfu4:.1%}; "  # a shared CPU's measured peak is not its own
         row("lora", name, f"{side}: step s (B{B} x T{T})", r["step"], ref["step"] if ref else None, speedup,
-            note=f"MFU 6N {mfu6:.1%}, 4N {mfu4:.1%}; warm-up {r['warmup']:.1f} s"
-                 + (f"; peak {r['memory']:.1f} GiB" if r["memory"] is not None else ""))
+            note=f"{mfu}warm-up {r['warmup']:.1f} s"
+                 + (f"; peak {r['memory']:.1f} GiB" if r["memory"] is not None else "") + rounds
+                 + (f"; process peak RSS {r['rss']:.1f} GiB, the sides held at once" if r.get("rss") else ""))
         fwd_ratio = ref["forward"] / r["forward"] if ref and side != "transformers + peft" else None
-        row("forward", name, f"{side}: forward s", r["forward"], ref["forward"] if ref else None, fwd_ratio)
+        rounds = (f"per round {r['fwd_rounds'][0]:.2f}x [{r['fwd_rounds'][1]:.2f}-{r['fwd_rounds'][2]:.2f}]"
+                  if r.get("fwd_rounds") else "")
+        row("forward", name, f"{side}: forward s", r["forward"], ref["forward"] if ref else None, fwd_ratio, note=rounds)
 
 
 def syncs(step, device, name, metric="host syncs in one LoRA step"):
@@ -392,15 +463,49 @@ class PerExpertNF4:
         return out
 
 
+def base_forms(model) -> dict:
+    """Each packed module of `model` (quantize_model, then add_lora: what --quantize nf4 builds) -> its packed base
+    in the two forms the nf4 stage times beside bf16: "nf4" (the NF4Weight, dequantised a bank at a time) and "nf4
+    per expert" (`PerExpertNF4` on the same packed values). One model whose bases are swapped between steps
+    (use_base), not three models (at 128 experts three one-layer models did not fit a CPU's run)."""
+    from minimoe.core.adaptation.quantized import is_quantized
+    return {m: {"nf4": m.packed, "nf4 per expert": PerExpertNF4(m.packed)} for m in model.modules() if is_quantized(m)}
+
+
+def use_base(forms: dict, side: str):
+    """Give every module of `forms` (base_forms) its base in form `side`: "bf16", a plain frozen parameter holding
+    the packed weights dequantised (for a LoRA bank, the view of its [W | s B] buffer), made here and dropped
+    when a packed form comes back, so that the bf16 copy is resident during the bf16 steps only; or a packed form,
+    swapped in by attribute."""
+    from minimoe.core.adaptation.quantized import is_quantized, quantize_module
+    for m, form in forms.items():
+        if side == "bf16":
+            if not is_quantized(m):
+                continue
+            packed, dtype, k = form["nf4"], m.weight.dtype, getattr(m, "k", 0)
+            stacked = torch.zeros(*packed.shape[:-1], packed.shape[-1] + k, dtype=dtype, device=m.weight.device)
+            weight = packed.dequantize_into(stacked[..., :packed.shape[-1]])
+            del m.weight, m.packed
+            m.__class__ = type(m).__bases__[1]  # the class quantize_module mixed Dequantizing into
+            m.weight = nn.Parameter(weight, requires_grad=False)
+            if k:
+                m.stacked = stacked
+        else:
+            if not is_quantized(m):
+                quantize_module(m, form["nf4"])  # drops the bf16 parameter
+            m.packed = form[side]
+
+
 def quantized_step(device, smoke: bool, layers: int = 8, vocab: int | None = None, batch: tuple[int, int] = (8, 512),
                    steps: int = 5):
     """One LoRA step at `layers` layers of Qwen3-30B-A3B's widths, all 128 experts (the GPU recipe: bf16 under
     autocast, rank 8 on q, k, v and the experts, dropout 0, AdamW), its base in bf16 and the same weights
     packed in NF4 (--quantize nf4, core/adaptation/quantized.py), dequantised a bank at a time (now) and one expert at a
     time with torchao (`PerExpertNF4`, before): median step time of each, the three interleaved step by step
-    (a loaded machine slows all alike), and on CUDA each one's peak memory. vocab: a smaller vocabulary
-    (a CPU's memory). batch: (B, T)."""
-    from minimoe.core.adaptation.quantized import is_quantized, quantize_model
+    (a loaded machine slows all alike) on one model whose bases are swapped (`base_forms`), and on CUDA each
+    step's peak memory above what was allocated before it. vocab: a smaller vocabulary (a CPU's memory).
+    batch: (B, T)."""
+    from minimoe.core.adaptation.quantized import packed_bytes, quantize_model
     layers = 1 if smoke else layers
     c = config("qwen3_moe", layers, smoke)
     if vocab:
@@ -409,42 +514,45 @@ def quantized_step(device, smoke: bool, layers: int = 8, vocab: int | None = Non
     steps, warmup = (2, 1) if smoke else (steps, 1)
     ids = torch.randint(2, c.vocab_size, (B, T), generator=torch.Generator().manual_seed(5)).to(device)
     name = f"qwen3_moe {layers}L E{c.num_experts}" + (f" V{vocab}" if vocab else "")
-    models = {}
-    for side in ("bf16", "nf4", "nf4 per expert"):
-        model = random_model(c, device)
-        if side != "bf16":
-            quantize_model(model, "nf4")
-        add_lora(model, rank=8, dropout=0.0, targets=["q", "k", "v", "experts"]).train()
-        if side == "nf4 per expert":
-            for m in model.modules():
-                if is_quantized(m):
-                    m.packed = PerExpertNF4(m.packed)
-        models[side] = (model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5))
+    model = add_lora(quantize_model(random_model(c, device), "nf4"), rank=8, dropout=0.0,
+                     targets=["q", "k", "v", "experts"]).train()
+    forms = base_forms(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    dense = sum(math.prod(m.weight.shape) * m.weight.element_size() for m in forms) / 2**30
+    packed = packed_bytes(model) / 2**30
 
-    def step(side):
-        model, optimizer = models[side]
+    def step():
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model(ids).logits.float().logsumexp(-1).mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    times, peaks = {side: [] for side in models}, {}
+    sides = ("bf16", "nf4", "nf4 per expert")
+    times, peaks = {side: [] for side in sides}, {side: 0.0 for side in sides}
     for i in range(warmup + steps):
-        for side in models:
+        for side in sides:
+            use_base(forms, side)  # untimed: the bf16 form is dequantised here
             if device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            t = timed(lambda: step(side), device, 1, 0)[0]
+                before = torch.cuda.memory_allocated(device)
+            t = timed(step, device, 1, 0)[0]
+            print(f"nf4 stage: round {i} ({'warm-up' if i < warmup else 'timed'}), {side}: {t:.2f} s",
+                  file=sys.stderr, flush=True)  # a CPU's round takes minutes: progress
             if i >= warmup:
                 times[side].append(t)
             if device.type == "cuda":
-                peaks[side] = torch.cuda.max_memory_allocated(device) / 2**30
+                peaks[side] = max(peaks[side], (torch.cuda.max_memory_allocated(device) - before) / 2**30)
     t16 = statistics.median(times["bf16"])
     for side in ("nf4", "nf4 per expert"):
         t4 = statistics.median(times[side])
-        peak = f"; peak {peaks[side]:.2f} GiB against {peaks['bf16']:.2f} GiB" if peaks else ""
+        ratios = sorted(b / a for a, b in zip(times["bf16"], times[side]))  # per round: this side over bf16
+        peak = (f"; step peak above resident {peaks[side]:.2f} GiB against {peaks['bf16']:.2f} GiB"
+                if device.type == "cuda" else "")
         row("nf4", name, f"LoRA step s, {side} base (B{B} x T{T})", t4, t16, t16 / t4,
-            note=f"reference: the bf16 base, interleaved; {steps} steps{peak}")
+            note=f"reference: the bf16 base, interleaved, one model; {side} / bf16 per round "
+                 f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}], {steps} rounds; "
+                 f"base weights {dense:.2f} GiB bf16, {packed:.2f} GiB packed{peak}")
 
 
 def attention_backends(device, smoke: bool):
@@ -592,11 +700,27 @@ LORA_STAGES = {"granite8": ("granitemoe", 8), "olmoe8": ("olmoe", 8), "granite32
                "granite4h": ("granitemoehybrid", 8), "qwen3next": ("qwen3_next", 8),
                # the 2026 families (transformers 5 only): DeepSeek-V3.2 at 4 layers, its first 3 dense, 1 of 256 experts
                "qwen35": ("qwen3_5_moe", 8), "deepseek32": ("deepseek_v32", 4), "gemma4": ("gemma4_text", 8)}
+# On a CPU (not --smoke) the 2026 stages time both sides in one process at the published hidden, head and expert
+# widths, cut to what both models held at once fit in a few GB (transformers + peft adds an fp32 delta the size of
+# each fused bank, and keeps it for backward): 2 layers, one of each attention kind, fewer experts (top-8 kept),
+# a 2048-token vocabulary, batch 1 x 128. DeepSeek-V3.2 at hidden 7168: one MoE layer of 8 experts, routed ungrouped
+# (its 8 groups of top-4 need 16 experts or more for top-8, 1.9 GB of fp32 delta a bank on peft's side).
+CPU_CUTS = {"qwen3_5_moe": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_experts=64),
+            "deepseek_v32": dict(num_hidden_layers=1, first_k_dense_replace=0, n_routed_experts=8, n_group=1,
+                                 topk_group=1),
+            "gemma4_text": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], num_experts=32)}
+CPU_BATCH, CPU_VOCAB = (1, 128), 2048
+
+
+def cpu_config(family: str) -> MoEConfig:
+    return config_from_dict({**common.OFFICIAL_NEW[family], **CPU_CUTS[family], "vocab_size": CPU_VOCAB})
+
+
 SMOKE_LAYERS = {"deepseek32": 4}  # a stage whose smoke run needs more than 2 layers (DeepSeek-V3.2: an MoE layer)
 
 
-# The nf4 stage: on a GPU 8 layers at the recipe's batch; on a CPU one layer, a 2048-token vocabulary, 2 x 256.
-NF4_STAGE = {True: dict(layers=8), False: dict(layers=1, vocab=2048, batch=(2, 256), steps=3)}
+# The nf4 stage: on a GPU 8 layers at the recipe's batch; on a CPU one layer, a 2048-token vocabulary, 1 x 128.
+NF4_STAGE = {True: dict(layers=8), False: dict(layers=1, vocab=2048, batch=(1, 128), steps=5)}
 
 
 def reference_holds(family: str) -> bool:

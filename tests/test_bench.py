@@ -158,3 +158,36 @@ def test_gpu_benchmark_chat_stage_runs_the_chunked_and_the_plain_loss(tmp_path, 
     assert all(r["minimoe"] > 0 for r in chat.values()) and chat["tokens/s, one a row"]["ratio"] == 1.0
     assert chunked and set(chunked) == {8}  # 4 rounds x 2 chunked layouts x 2 micro-batches
     assert len(chunked) == 4 * 2 * 2
+
+
+def test_gpu_benchmark_nf4_stage_swaps_one_models_base_between_the_three_forms(tmp_path, monkeypatch):
+    """bench/gpu.py's nf4 stage on one model: use_base gives every packed module its base as a plain bf16 parameter
+    (the LoRA bank's [W | s B] buffer again; dropped when a packed form comes back), as the whole-bank NF4Weight, or
+    as PerExpertNF4 on the same packed values; the same logits in all three (the bf16 base is the NF4 weights
+    dequantised), and the stage's rows."""
+    pytest.importorskip("torchao")
+    from bench import gpu
+    from minimoe.core.adaptation.lora import add_lora
+    from minimoe.core.adaptation.quantized import NF4Weight, is_quantized, quantize_model
+    model = add_lora(quantize_model(gpu.random_model(gpu.config("qwen3_moe", 1, True), torch.device("cpu")), "nf4"),
+                     rank=4, dropout=0.0, targets=["q", "k", "v", "experts"]).eval()
+    forms = gpu.base_forms(model)
+    assert len(forms) == 6  # q, k, v, o and the two banks
+    ids = torch.randint(2, 500, (1, 16), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for side, kind in (("bf16", None), ("nf4", NF4Weight), ("nf4 per expert", gpu.PerExpertNF4), ("bf16", None)):
+        gpu.use_base(forms, side)
+        assert all(is_quantized(m) == (kind is not None) and (kind is None or type(m.packed) is kind) for m in forms)
+        banks = [m for m in forms if hasattr(m, "k")]
+        assert all((m.stacked is not None) == (kind is None) for m in banks)
+        if kind is None:  # the bank's weight views its stacked buffer, as add_lora made it
+            assert all(m.weight.data_ptr() == m.stacked.data_ptr() for m in banks)
+        else:  # no bf16 copy kept beside the packed base
+            assert not [p for m in forms for p in m.parameters(recurse=False) if not p.requires_grad]
+        with torch.no_grad():
+            logits.setdefault(side, model(ids).logits)
+    assert torch.equal(logits["bf16"], logits["nf4"]) and torch.equal(logits["nf4"], logits["nf4 per expert"])
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    rows = [r for r in gpu.main(["--smoke", "--device", "cpu", "--only", "nf4", "--out", "n"]) if r["section"] == "nf4"]
+    assert [r["metric"].split(",")[1] for r in rows] == [" nf4 base (B2 x T64)", " nf4 per expert base (B2 x T64)"]
+    assert all(r["minimoe"] > 0 and r["reference"] > 0 and "interleaved, one model" in r["note"] for r in rows), rows

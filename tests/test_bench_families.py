@@ -116,3 +116,32 @@ def test_the_2026_family_stages_time_both_sides_under_transformers_5(tmp_path, m
     rows = run_2026_stages(tmp_path, monkeypatch)
     steps = {(r["model"], r["metric"].split(":")[0]) for r in rows if r["section"] == "lora" and "step s" in r["metric"]}
     assert steps == {(m, side) for m in STAGES_2026.values() for side in ("minimoe", "transformers + peft")}
+    ours = [r for r in rows if r["section"] == "lora" and r["metric"].startswith("minimoe: step s")]
+    assert len(ours) == 3 and all("interleaved" in r["note"] for r in ours), ours  # the CPU's path: one process
+
+
+@pytest.mark.parametrize("family", sorted(gpu.CPU_CUTS))
+def test_the_cpu_rows_keep_the_published_widths(family):
+    """The 2026 stages' CPU widths: hidden, expert and attention widths and top-k as published; each attention kind
+    once (Qwen3.5's DeltaNet and gated attention, Gemma 4's sliding and global layers), fewer experts, no dense
+    layer (DeepSeek-V3.2's one layer is its MoE)."""
+    cut, full = gpu.cpu_config(family), gpu.config(family, 8, smoke=False)
+    same = ("hidden_size", "intermediate_size", "num_experts_per_tok", "num_attention_heads", "head_dim")
+    assert {k: getattr(cut, k) for k in same} == {k: getattr(full, k) for k in same}
+    assert cut.num_experts < full.num_experts and cut.vocab_size == gpu.CPU_VOCAB and cut.num_hidden_layers <= 2
+    kinds = lambda c: set(c.mixer_types or c.flat().get("layer_types") or ["one"])  # noqa: E731
+    assert kinds(cut) == kinds(full) and cut.flat()["mlp_only_layers"] == []
+
+
+def test_adopt_equal_shares_the_storage_of_equal_frozen_weights_only():
+    """The CPU rows hold both sides at once: transformers' side adopts minimoe's equal frozen weights (one copy in
+    memory), never a weight whose values differ, nor a trained one."""
+    torch.manual_seed(0)
+    donor, model = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    donor.requires_grad_(False)
+    model.weight.data.copy_(donor.weight)
+    assert gpu.adopt_equal(model, donor) == 64  # the weight, not the bias (different values)
+    assert model.weight.data_ptr() == donor.weight.data_ptr() and model.bias.data_ptr() != donor.bias.data_ptr()
+    donor.bias.requires_grad_(True)
+    model.bias.data.copy_(donor.bias)
+    assert gpu.adopt_equal(model, donor) == 64  # a trained bias is not shared
