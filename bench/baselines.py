@@ -47,7 +47,8 @@ def step_fn(config: MoEConfig, method: str, tune_router: bool, aux: bool, target
     if cuda:  # the GPU recipe: a bf16 base under autocast, fp32 LoRA and tuned gates (install_method)
         model.to(torch.bfloat16)
     configured = Method.from_record({"name": method, "tune_router": tune_router, "options": options, "layers": "all"})
-    cfg = SimpleNamespace(lora_rank=8, lora_alpha=8, lora_dropout=0.0, lora_targets=list(targets), method=configured)
+    cfg = SimpleNamespace(lora_rank=8, lora_alpha=8, lora_dropout=0.0, lora_dtype="float32", lora_targets=list(targets),
+                          method=configured)
     install_method(model, cfg)
     for mlp in esft_layers(model).values():  # ESFT: a quarter of the experts chosen (training.py chooses from data)
         mlp.router.chosen[::4] = True

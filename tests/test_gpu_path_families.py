@@ -17,7 +17,7 @@ from minimoe.core.layers import cpu_memory
 from minimoe.core.layers import experts as experts_module
 from minimoe.core.task.choices import make_choice_batch
 from minimoe.core.task.step import step_loss
-from minimoe.core.token_mixers import ssm_common
+from minimoe.core.token_mixers import compressed_attention, ssm_common
 from minimoe.making.tiny import FAMILY_SWITCHES, tiny_model
 from minimoe.runs import training
 from minimoe.runs.config import build_config
@@ -27,14 +27,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import HostSyncs  # noqa: E402
 
 FAMILIES = sorted(FAMILY_SWITCHES)  # all 25: no oracle is read, so every one runs in every environment
-# The families with a recurrent mixer (Mamba-2, Gated DeltaNet, KDA, the short conv): packed answer rows read their
+# The families with a recurrent mixer (Mamba-2, Gated DeltaNet, KDA, the short conv) and DeepSeek-V4: packed rows read their
 # layout on the host once per forward (ssm_common.segment_plan: one copy of segment_ids and the mask on CUDA, no
 # sync per layer); every other family's training step makes the host wait for nothing.
-RECURRENT = {"granitemoehybrid", "qwen3_next", "qwen3_5_moe", "kimi_linear", "lfm2_moe", "nemotron_h"}
+# the families whose packed rows read their layout on the host once a forward: the recurrent mixers' segment_plan,
+# DeepSeek-V4's compressed attention's pieces (each candidate with its prompt as its own row)
+LAYOUT_READERS = {"granitemoehybrid", "qwen3_next", "qwen3_5_moe", "kimi_linear", "lfm2_moe", "nemotron_h", "deepseek_v4"}
 
 
 def host_syncs_bound(family: str, packed: bool) -> int:
-    return 1 if packed and family in RECURRENT else 0
+    return 1 if packed and family in LAYOUT_READERS else 0
 
 
 def autocast():
@@ -112,18 +114,22 @@ def test_every_method_carries_bf16s_error_only_under_autocast(method):
 def test_a_training_step_syncs_the_host_at_most_its_bound(family, packed, monkeypatch):
     """The GPU recipe's step on each family's tiny model as it is (top-K and a DSA indexer's top-k choosing):
     host syncs (bench/common.HostSyncs: .item(), nonzero, mask indexing, ...) at most `host_syncs_bound`; the
-    packed rows' layout read (segment_plan) counts as its one copy to the host, its work on host tensors as none.
+    packed rows' layout read (segment_plan, pieces) counts as its one copy to the host, its work on host tensors as none.
     The per-expert loop, which reads the counts back, is refused."""
     monkeypatch.setattr(cpu_memory, "EXPERT_BLOCK", 1)  # the CPU-only row rounding of bf16 blocks counts on the host
     monkeypatch.setattr(experts_module.Dispatch, "counts_list", property(lambda self: pytest.fail("the loop ran")))
-    plan = ssm_common.segment_plan
     syncs = HostSyncs()
 
-    def host_read(*args):
-        syncs.counts["segment_plan"] = syncs.counts.get("segment_plan", 0) + 1
-        with _disable_current_modes():
-            return plan(*args)
-    monkeypatch.setattr(ssm_common, "segment_plan", host_read)
+    def host_read(module, name):
+        read = getattr(module, name)
+
+        def counted(*args):
+            syncs.counts[name] = syncs.counts.get(name, 0) + 1
+            with _disable_current_modes():
+                return read(*args)
+        monkeypatch.setattr(module, name, counted)
+    host_read(ssm_common, "segment_plan")
+    host_read(compressed_attention, "pieces")
     batch = make_choice_batch(examples(), CharTokenizer(), 0, packed=packed)
     model = tiny_model(family).to(torch.bfloat16)
     with syncs:

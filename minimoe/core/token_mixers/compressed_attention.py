@@ -247,20 +247,22 @@ class CompressedSparseAttention(nn.Module):
         B, T, D = x.shape
         if "pieces" not in inputs.shared:  # read on the host by the first such layer of this forward, once
             inputs.shared["pieces"] = pieces(inputs.segment_ids, inputs.attention_mask)
-        rows, cols, valid, keep = inputs.shared["pieces"]  # [N], [N, L] x 3
+        rows, cols, valid, kept = inputs.shared["pieces"]  # [N], [N, L] x 2, kept: 3 x [K]
         N, L = cols.shape
         pos = torch.arange(L, device=x.device).expand(N, L)
         mask = bool_mask(valid.long(), N, L, 0, x.device, kind=self.mask_kind)
         y = self.attend(x[rows[:, None], cols], pos, mask)  # [N, L, D]
         out = x.new_zeros(B, T, y.shape[-1])
-        out[rows[:, None].expand(N, L)[keep], cols[keep]] = y[keep]  # each position once (backward: its gradient once)
+        to_row, to_col, at = kept  # each position once (backward: its gradient once), by indices found on the host
+        out[to_row, to_col] = y.flatten(0, 1)[at]
         return out
 
 
 def pieces(segment_ids, attention_mask=None):
     """Packed rows' pieces, read on the host once: each candidate (segment s > 0) with its row's prompt (segment 0)
     before it, left-aligned -> rows [N], cols [N, L] (0 where not valid), valid [N, L], keep [N, L] (valid, the
-    prompt's positions in its row's first piece only: the outputs put back)."""
+    prompt's positions in its row's first piece only: the outputs put back) as 3 x [K] integer indices: the row and
+    column each output goes back to, and where it is in the flattened [N * L] pieces (no mask read on the device)."""
     seg = segment_ids.cpu()
     ok = torch.ones_like(seg, dtype=torch.bool) if attention_mask is None else attention_mask[:, -seg.shape[1]:].bool().cpu()
     found = []
@@ -277,4 +279,7 @@ def pieces(segment_ids, attention_mask=None):
         first = i == 0 or found[i - 1][0] != r
         keep[i, :len(c)] = True if first else seg[r][c] > 0
     dev = segment_ids.device
-    return torch.tensor([r for r, _ in found], device=dev), cols.to(dev), valid.to(dev), keep.to(dev)
+    rows = torch.tensor([r for r, _ in found])
+    at = keep.flatten().nonzero()[:, 0]  # on the host
+    kept = tuple(t.to(dev) for t in (rows[:, None].expand(len(found), L).flatten()[at], cols.flatten()[at], at))
+    return rows.to(dev), cols.to(dev), valid.to(dev), kept
