@@ -426,6 +426,38 @@ def test_the_memory_command_sizes_mimo_v2_flash_at_its_released_size(tmp_path):
     assert e.weights == 2 * 308_778_780_864 and not e.fits
 
 
+# DeepseekV4Config's defaults, which transformers 5.23 documents as deepseek-ai/DeepSeek-V4-Flash-Base's: 43 layers,
+# hidden 4096, 64 query heads of 512 over one key/value head, q rank 1024, 256 experts of 2048 (top-6) and a shared
+# one, 4 residual streams, the output in 8 groups of rank 1024, the indexer's 64 heads of 128, vocabulary 129280, the
+# layers' schedule its default (two HCA layers, then CSA and HCA alternating), the first 3 hash-routed
+V4_FLASH = {"model_type": "deepseek_v4", "num_hidden_layers": 43}
+
+
+def test_the_memory_command_sizes_deepseek_v4_flash_at_its_released_size(tmp_path):
+    """config.json with its layer count alone (V4_FLASH). transformers 5.23's DeepseekV4ForCausalLM of that config on the
+    meta device holds 284,325,869,015 parameters and 40 x 256 selection-bias entries: 284,325,879,255 values, the
+    V4-Flash card's "284B" (test_deepseek_v4_flash_figure_is_transformers_own_count computes it there). The hash
+    layers' tid2eid tables (3 x 129280 x 6 integers, 18.6 MB) are buffers, not in the weights figure."""
+    (tmp_path / "config.json").write_text(json.dumps(V4_FLASH))
+    e = memory_estimate.main([str(tmp_path), "--gpus", "1", "--gpu-memory", "80"])
+    assert e.weights == 2 * 284_325_879_255 and not e.fits
+
+
+@pytest.mark.tf5
+def test_deepseek_v4_flash_figure_is_transformers_own_count(tmp_path):
+    """The figure above, against transformers 5.23's own model of the same config.json on the meta device (its
+    parameters and its float buffers, the correction biases; not its rope tables, nor tid2eid)."""
+    import transformers
+    config = transformers.AutoConfig.for_model(**V4_FLASH)
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(config)
+    counted = sum(p.numel() for p in ref.parameters()) + sum(
+        b.numel() for n, b in ref.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert counted == 284_325_879_255
+    (tmp_path / "config.json").write_text(json.dumps(V4_FLASH))
+    assert memory_estimate.main([str(tmp_path), "--gpus", "1", "--gpu-memory", "80"]).weights == 2 * counted
+
+
 class NewTensorBytes(TorchDispatchMode):
     """The bytes of the tensors the ops allocate while active (not views, nor tensors written in place)."""
 
