@@ -416,6 +416,19 @@ def test_the_memory_command_sizes_mistral4_and_kimi_linear_at_their_released_siz
     assert low < e.weights / 2 < high and not e.fits
 
 
+def test_mistral_small_4s_release_config_sizes_its_text_model(tmp_path):
+    """The release's config.json (Mistral3ForConditionalGeneration's: the text model under text_config, a vision
+    config beside it) sizes the text model alone: the flat config.json's figure."""
+    text = RELEASED_BY_DEFAULTS["mistral4"][0]
+    for name, config in (("flat", text), ("release", {"model_type": "mistral3", "text_config": text,
+                                                      "vision_config": {"model_type": "pixtral"}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    flat, release = (memory_estimate.main([str(tmp_path / name), "--gpus", "1", "--gpu-memory", "80"]).weights
+                     for name in ("flat", "release"))
+    assert release == flat
+
+
 def test_the_memory_command_sizes_mimo_v2_flash_at_its_released_size(tmp_path):
     """config.json with its layer count alone: MiMo-V2-Flash at MiMoV2FlashConfig's defaults, which transformers 5.23
     documents as XiaomiMiMo/MiMo-V2-Flash's (48 layers, 256 experts of 2048, the sliding layers' 8 KV heads, values 128
