@@ -67,7 +67,9 @@ def text_model_config(d: dict, source: str) -> dict:
     tie = d.get("tie_word_embeddings")
     if tie is not None and text.setdefault("tie_word_embeddings", tie) != tie:
         raise ValueError(f"{source}: tie_word_embeddings {tie!r} and text_config's {text['tie_word_embeddings']!r} "
-                         f"disagree")
+                         f"disagree (transformers 5 ties by the outer one unless the checkpoint's lm_head.weight "
+                         f"differs from the embedding): set both false if the checkpoint stores lm_head.weight, "
+                         f"true if it does not")
     for key in ("dtype", "torch_dtype"):
         if key in d and "dtype" not in text and "torch_dtype" not in text:
             text[key] = d[key]
