@@ -50,22 +50,26 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
 
 
 def text_model_config(d: dict, source: str) -> dict:
-    """A multimodal release's config.json (a model_type of some family's `containers`: the released Qwen3.5s and
-    Gemma 4s, the text model's fields under text_config) -> the text model's, as transformers' ForCausalLM reads
-    that file; its other towers are not ours. A text_config of another model, or a tie_word_embeddings that
+    """A multimodal release's config.json (a model_type of some family's `containers`: the released Qwen3.5s,
+    Gemma 4s and Mistral Small 4, the text model's fields under text_config) -> the text model's, as transformers'
+    ForCausalLM reads that file; its other towers are not ours. A text_config of another model (one naming none is
+    the model its wrapper's config assumes: Mistral3Config's dense Mistral), or a tie_word_embeddings that
     disagrees with it, is refused by name; the wrapper's dtype serves a text config that gives none. Any other
     config.json is returned as it is."""
     family = next((f for f in FAMILIES.values() if d.get("model_type") in f.containers), None)
     if family is None or not isinstance(d.get("text_config"), dict):
         return d
     text, expected = dict(d["text_config"]), family.text_model_type or family.model_type
-    if text.setdefault("model_type", expected) != expected:
-        raise ValueError(f"{source}: text_config's model_type {text['model_type']!r}; expected {expected!r} in a "
-                         f"{d['model_type']} config.json")
+    if text.setdefault("model_type", family.containers[d["model_type"]]) != expected:
+        said = "" if "model_type" in d["text_config"] else " (it names none: its transformers config's default)"
+        raise ValueError(f"{source}: text_config's model_type {text['model_type']!r}{said}; minimoe holds a "
+                         f"{d['model_type']} config.json whose text model is {expected!r} only")
     tie = d.get("tie_word_embeddings")
     if tie is not None and text.setdefault("tie_word_embeddings", tie) != tie:
         raise ValueError(f"{source}: tie_word_embeddings {tie!r} and text_config's {text['tie_word_embeddings']!r} "
-                         f"disagree")
+                         f"disagree (transformers 5 ties by the outer one unless the checkpoint's lm_head.weight "
+                         f"differs from the embedding): set both false if the checkpoint stores lm_head.weight, "
+                         f"true if it does not")
     for key in ("dtype", "torch_dtype"):
         if key in d and "dtype" not in text and "torch_dtype" not in text:
             text[key] = d[key]

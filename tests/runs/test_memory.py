@@ -416,6 +416,19 @@ def test_the_memory_command_sizes_mistral4_and_kimi_linear_at_their_released_siz
     assert low < e.weights / 2 < high and not e.fits
 
 
+def test_mistral_small_4s_release_config_sizes_its_text_model(tmp_path):
+    """The release's config.json (Mistral3ForConditionalGeneration's: the text model under text_config, a vision
+    config beside it) sizes the text model alone: the flat config.json's figure."""
+    text = RELEASED_BY_DEFAULTS["mistral4"][0]
+    for name, config in (("flat", text), ("release", {"model_type": "mistral3", "text_config": text,
+                                                      "vision_config": {"model_type": "pixtral"}})):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    flat, release = (memory_estimate.main([str(tmp_path / name), "--gpus", "1", "--gpu-memory", "80"]).weights
+                     for name in ("flat", "release"))
+    assert release == flat
+
+
 def test_the_memory_command_sizes_mimo_v2_flash_at_its_released_size(tmp_path):
     """config.json with its layer count alone: MiMo-V2-Flash at MiMoV2FlashConfig's defaults, which transformers 5.23
     documents as XiaomiMiMo/MiMo-V2-Flash's (48 layers, 256 experts of 2048, the sliding layers' 8 KV heads, values 128
@@ -424,6 +437,38 @@ def test_the_memory_command_sizes_mimo_v2_flash_at_its_released_size(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mimo_v2_flash", "num_hidden_layers": 48}))
     e = memory_estimate.main([str(tmp_path), "--gpus", "1", "--gpu-memory", "80"])
     assert e.weights == 2 * 308_778_780_864 and not e.fits
+
+
+# DeepseekV4Config's defaults, which transformers 5.23 documents as deepseek-ai/DeepSeek-V4-Flash-Base's: 43 layers,
+# hidden 4096, 64 query heads of 512 over one key/value head, q rank 1024, 256 experts of 2048 (top-6) and a shared
+# one, 4 residual streams, the output in 8 groups of rank 1024, the indexer's 64 heads of 128, vocabulary 129280, the
+# layers' schedule its default (two HCA layers, then CSA and HCA alternating), the first 3 hash-routed
+V4_FLASH = {"model_type": "deepseek_v4", "num_hidden_layers": 43}
+
+
+def test_the_memory_command_sizes_deepseek_v4_flash_at_its_released_size(tmp_path):
+    """config.json with its layer count alone (V4_FLASH). transformers 5.23's DeepseekV4ForCausalLM of that config on the
+    meta device holds 284,325,869,015 parameters and 40 x 256 selection-bias entries: 284,325,879,255 values, the
+    V4-Flash card's "284B" (test_deepseek_v4_flash_figure_is_transformers_own_count computes it there). The hash
+    layers' tid2eid tables (3 x 129280 x 6 integers, 18.6 MB) are buffers, not in the weights figure."""
+    (tmp_path / "config.json").write_text(json.dumps(V4_FLASH))
+    e = memory_estimate.main([str(tmp_path), "--gpus", "1", "--gpu-memory", "80"])
+    assert e.weights == 2 * 284_325_879_255 and not e.fits
+
+
+@pytest.mark.tf5
+def test_deepseek_v4_flash_figure_is_transformers_own_count(tmp_path):
+    """The figure above, against transformers 5.23's own model of the same config.json on the meta device (its
+    parameters and its float buffers, the correction biases; not its rope tables, nor tid2eid)."""
+    import transformers
+    config = transformers.AutoConfig.for_model(**V4_FLASH)
+    with torch.device("meta"):
+        ref = transformers.AutoModelForCausalLM.from_config(config)
+    counted = sum(p.numel() for p in ref.parameters()) + sum(
+        b.numel() for n, b in ref.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert counted == 284_325_879_255
+    (tmp_path / "config.json").write_text(json.dumps(V4_FLASH))
+    assert memory_estimate.main([str(tmp_path), "--gpus", "1", "--gpu-memory", "80"]).weights == 2 * counted
 
 
 class NewTensorBytes(TorchDispatchMode):

@@ -91,9 +91,11 @@ class Family:
     # unread keys whose transformers default is not the value our model runs with: that default, so that a config.json
     # leaving one out is refused as one setting it would be (Gemma 4's enable_moe_block, false: the dense model)
     unread_defaults: dict = field(default_factory=dict)
-    # model_types of the multimodal config.json that hold this family's as their text_config (the released Qwen3.5s
-    # and Gemma 4s; their tensors' prefix: key_prefixes): read as this family's model (loading/config_json.py)
-    containers: tuple[str, ...] = ()
+    # model_types of the multimodal config.json that hold this family's as their text_config (the released Qwen3.5s,
+    # Gemma 4s and Mistral Small 4; their tensors' prefix: key_prefixes): read as this family's model
+    # (loading/config_json.py); each -> the model_type its transformers config gives a text_config that names none
+    # (Mistral3Config's: "mistral", the dense Mistral, refused as not ours)
+    containers: dict = field(default_factory=dict)
     # our fields whose null in config.json means the default, as the family's transformers config reads it (MiMo's
     # released config.json writes routed_scaling_factor null: 1.0)
     null_defaults: frozenset = frozenset()

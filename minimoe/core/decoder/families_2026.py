@@ -101,6 +101,14 @@ register_family(Family(
                 **{k: v for k, v in DEEPSEEK_KEYS.items() if k.startswith("mlp.shared_expert.")}},
     renames=DEEPSEEK_RENAMES, lora_paths=MLA_LORA_PATHS,
     config_fields=DEEPSEEK_FIELDS | {"norm_topk_prob", "rope_interleave"},
+    # the release: Mistral3ForConditionalGeneration's config.json (model_type mistral3, this as its text_config) and
+    # its text model's keys as transformers 5.23 holds them (model.language_model., lm_head.) or as its llava
+    # conversion reads and its save_pretrained writes them (language_model.model., language_model.lm_head.); the
+    # vision tower and projector are not loaded
+    containers={"mistral3": "mistral"},
+    key_prefixes={"model.language_model.": "model.", "language_model.model.": "model.",
+                  "language_model.lm_head.": "lm_head."},
+    ignored_prefixes=("model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector."),
     # Mistral4TopkRouter: the gate in the model's dtype, softmax scores, noaux_tc's group ranking without a bias
     fixed={"scoring_func": "softmax", "topk_method": "noaux_tc", "correction_bias": False},
     never_null=frozenset({"rope_interleave"}),
@@ -242,7 +250,7 @@ register_family(Family(
     applies_aux_loss=False,  # Gemma4ForCausalLM returns no load-balancing loss
     # the released checkpoints: Gemma4ForConditionalGeneration's config.json (model_type gemma4, this as its
     # text_config), the text model under model.language_model.; its vision and audio towers are not loaded
-    containers=("gemma4",), key_prefixes={"model.language_model.": "model."},
+    containers={"gemma4": "gemma4_text"}, key_prefixes={"model.language_model.": "model."},
     ignored_prefixes=("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio."),
     # what a config built here must say for transformers to build this model (its defaults build another)
     write_defaults={"enable_moe_block": lambda config: True, "hidden_size_per_layer_input": lambda config: 0,

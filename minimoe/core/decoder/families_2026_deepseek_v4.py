@@ -141,4 +141,7 @@ register_family(Family(
               "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
               "swiglu_clamp": 10.0, "sliding_window": 128, "hc_mult": 4, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6,
               "scoring_func": "sqrtsoftplus", "routed_scaling_factor": 1.5, "router_aux_loss_coef": 0.001,
-              "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1}))
+              "max_position_embeddings": 1048576, "rms_norm_eps": 1e-6, "bos_token_id": 0, "eos_token_id": 1,
+              # DeepseekV4Config's widths, which it documents as deepseek-ai/DeepSeek-V4-Flash-Base's
+              "vocab_size": 129280, "hidden_size": 4096, "intermediate_size": 2048, "num_attention_heads": 64,
+              "num_experts": 256, "num_experts_per_tok": 6}))

@@ -28,7 +28,7 @@ register_family(Family(
     recipe_note="softmax over all experts then top-K, as OLMoE: OLMoE's recipe; LoRA as Qwen3-Next's, on the "
                 "DeltaNet layers' in_proj_qkv, in_proj_z, in_proj_b, in_proj_a and out_proj too (peft names no "
                 "default for it: these are its module names)",
-    text_model_type="qwen3_5_moe_text", containers=("qwen3_5_moe",),
+    text_model_type="qwen3_5_moe_text", containers={"qwen3_5_moe": "qwen3_5_moe_text"},
     # transformers 5.23's save_pretrained and the qwen2_moe conversion it applies: per-expert matrices; the
     # vision-language release's keys under model.language_model. (its PrefixChange), read as ours, and its experts
     # fused ([E, 2I, D] gate rows first, [E, D, I], no .weight: Qwen3_5MoeExperts' own), read as per-expert
