@@ -31,8 +31,16 @@ Decisions, for parity with transformers 5.23 (modeling_deepseek_v4.py, whose tor
 - Packed rows (segment_ids): a candidate's compressed entries are those of its own row, the prompt then itself,
   so each piece runs through this mixer as its own row and its outputs go back in place (`pieces`, read on the
   host once per forward, kept in MixerInputs.shared); the rest of the model runs packed. The prompt runs once per candidate here.
-- Not reached, refused by name: the generation cache (the compressors' running windows and overlap state,
-  transformers' DeepseekV4CSACache).
+- The generation cache (`CompressedSlot`): the shared key/value head of every position (the mask keeps the window,
+  as for the other sliding layers), and per compressor (the layer's, CSA's indexer's) its running windows
+  (`CompressorState`): the projected series of the positions past its last whole window, CSA's overlap (that
+  window's series a, its gate biased) and the entries so far, as transformers' DeepseekV4CSACache holds them. A
+  step's entries are the full forward's: windows close at the same positions, the overlap is the window before.
+- Left-padded rows are refused by the cache (`refuse_left_padding`): windows count from each row's first column,
+  padding included, in the full forward as in transformers, so that such a row's entries pool padding and it decodes
+  otherwise than alone (transformers' own left-padded generate differs from both: its padding's hidden states, which
+  its compressors read, are not ours). Decoding it exactly needs windows counted from each row's first real token,
+  hence per-row window counts in the cache.
 """
 from __future__ import annotations
 
@@ -126,20 +134,75 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, series))
         self.kv_norm = RMSNorm(width, eps, weight_in_fp32=True)
 
-    def entries(self, x, rope: PairRope):  # x [B, T, D] -> [B, W, c], each turned at its window's first position
-        B, T, _ = x.shape
-        m, W = self.rate, T // self.rate
+    def entries(self, x, rope: PairRope, state: "CompressorState | None" = None):
+        """x [B, T, D] -> [B, W, c]: every whole window's entry so far (with `state`: the cache's too, and x's
+        positions follow its own), each turned at its window's first position."""
+        B, m, c = x.shape[0], self.rate, self.c
+        if state is None:
+            x = x[:, :x.shape[1] // m * m]
+        kv, gate = self.kv_proj(x), self.gate_proj(x)  # [B, T', series]
+        first, prior = 0, None
+        if state is not None:  # the pending positions before x's; the positions past x's last whole window kept
+            kv, gate, first, prior = state.take(kv, gate, m)
+        W = kv.shape[1] // m
         if W == 0:
-            return x.new_zeros(B, 0, self.c)
-        kv = self.kv_proj(x[:, :W * m]).view(B, W, m, -1)
-        gate = self.gate_proj(x[:, :W * m]).view(B, W, m, -1) + self.position_bias
-        if self.overlap:  # entry w: window w-1's series a (none before window 0: weight 0) and window w's b
-            c = self.c
-            kv = torch.cat((F.pad(kv[:, :-1, :, :c], (0, 0, 0, 0, 1, 0)), kv[..., c:]), dim=2)  # [B, W, 2m, c]
-            gate = torch.cat((F.pad(gate[:, :-1, :, :c], (0, 0, 0, 0, 1, 0), value=float("-inf")), gate[..., c:]), 2)
+            return x.new_zeros(B, 0, c) if state is None else state.append(x.new_zeros(B, 0, c))
+        kv, gate = kv.view(B, W, m, -1), gate.view(B, W, m, -1) + self.position_bias
+        if self.overlap:  # entry w: window w-1's series a (before the first: the cache's, else weight 0) and w's b
+            if prior is None:
+                prior = kv.new_zeros(B, 1, m, c), gate.new_full((B, 1, m, c), float("-inf"))
+            if state is not None:
+                state.overlap = kv[:, -1:, :, :c], gate[:, -1:, :, :c]
+            kv = torch.cat((torch.cat((prior[0], kv[:, :-1, :, :c]), 1), kv[..., c:]), dim=2)  # [B, W, 2m, c]
+            gate = torch.cat((torch.cat((prior[1], gate[:, :-1, :, :c]), 1), gate[..., c:]), dim=2)
         pooled = self.kv_norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))  # [B, W, c]
-        cos, sin = rope.tables(torch.arange(W, device=x.device)[None] * m, x.dtype)
-        return rotate_trailing_pairs(pooled, cos, sin)
+        cos, sin = rope.tables((first + torch.arange(W, device=x.device))[None] * m, x.dtype)
+        turned = rotate_trailing_pairs(pooled, cos, sin)
+        return turned if state is None else state.append(turned)
+
+
+class CompressorState:
+    """One compressor's running windows in the generation cache: the projected series of the positions past its last
+    whole window (kv, gate [B, < m, series], unbiased), CSA's overlap (that window's series a: kv, gate [B, 1, m, c],
+    the gate biased) and its entries so far [B, W_max, c], filled left to right."""
+
+    def __init__(self, batch_size: int, max_len: int, rate: int, width: int, dtype, device):
+        self.stored = torch.zeros(batch_size, max_len // rate, width, dtype=dtype, device=device)
+        self.count, self.pending, self.overlap = 0, None, None
+
+    def take(self, kv, gate, m: int):
+        """The series of x's positions -> (the pending ones and x's, whole windows only; the first one's index; the
+        overlap before it); the rest kept pending."""
+        if self.pending is not None:
+            kv, gate = torch.cat((self.pending[0], kv), 1), torch.cat((self.pending[1], gate), 1)
+        whole = kv.shape[1] // m * m
+        self.pending = kv[:, whole:], gate[:, whole:]
+        return kv[:, :whole], gate[:, :whole], self.count, self.overlap
+
+    def append(self, entries):  # [B, w, c] -> all so far [B, W, c]
+        end = self.count + entries.shape[1]
+        if end > self.stored.shape[1]:
+            raise ValueError(f"DeepSeek-V4's cache holds {self.stored.shape[1]} compressed entries; {end} were asked for")
+        self.stored[:, self.count:end] = entries
+        self.count = end
+        return self.stored[:, :end]
+
+
+class CompressedSlot:
+    """A DeepSeek-V4 layer's generation cache: the shared key/value head [B, 1, S_max, d] (the keys are the values),
+    and each compressor's running windows by name ("compressor", CSA's "indexer")."""
+
+    def __init__(self, batch_size: int, max_len: int, d: int, compressors: dict, dtype, device):
+        self.kv = torch.zeros(batch_size, 1, max_len, d, dtype=dtype, device=device)
+        self.states = {name: CompressorState(batch_size, max_len, m, c, dtype, device)
+                       for name, (m, c) in compressors.items()}
+
+    def update(self, start: int, kv):  # kv [B, 1, T, d] at positions start.. -> all so far [B, 1, S, d]
+        end = start + kv.shape[2]
+        if end > self.kv.shape[2]:
+            raise ValueError(f"KV cache holds {self.kv.shape[2]} positions; {end} were asked for")
+        self.kv[:, :, start:end] = kv
+        return self.kv[:, :, :end]
 
 
 class CompressedIndexer(Compressor):
@@ -155,10 +218,10 @@ class CompressedIndexer(Compressor):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x, q_latent, rope: PairRope, cos, sin, visible):
+    def forward(self, x, q_latent, rope: PairRope, cos, sin, visible, state: CompressorState | None = None):
         """x [B, T, D], q_latent [B, T, Q], cos/sin [B, T, r/2], visible bool [B, T, W] -> the kept entries [B, T, W]."""
         B, T, _ = x.shape
-        keys = self.entries(x, rope)  # [B, W, c]
+        keys = self.entries(x, rope, state)  # [B, W, c]
         q = rotate_trailing_pairs(self.q_b_proj(q_latent).view(B, T, self.h, self.c), cos[:, :, None], sin[:, :, None])
         scores = head_weighted_scores(q, keys, self.scorer.weights_proj, x).masked_fill(~visible, float("-inf"))
         top = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices  # [B, T, k]
@@ -208,19 +271,28 @@ class CompressedSparseAttention(nn.Module):
                 self.compressor.indexer = CompressedIndexer(config, opts)
 
     @staticmethod
-    def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device):
-        raise NotImplementedError("DeepSeek-V4's compressed attention has no generation cache in minimoe (its "
-                                  "compressors' running windows): decode with full forwards instead")
+    def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> CompressedSlot:
+        opts = config.mixers["compressed"]
+        kind = opts.compressed_layer_types[layer_idx]
+        compressors = {} if kind == SLIDING else {"compressor": (opts.compress_rates[kind], config.head_dim)}
+        if kind == CSA:
+            compressors["indexer"] = (opts.compress_rates[CSA], opts.compressed_index_head_dim)
+        return CompressedSlot(batch_size, max_len, config.head_dim, compressors, dtype, device)
 
-    def forward(self, x, inputs, cache=None):  # x [B, T, D]
-        if cache is not None or inputs.cache_start:
-            self.cache_slot(None, 0, 0, 0, None, None)
+    def forward(self, x, inputs, cache: CompressedSlot | None = None):  # x [B, T, D]
         if inputs.segment_ids is not None:  # packed rows: each piece (prompt + one candidate) as its own row
+            if cache is not None:
+                raise ValueError("DeepSeek-V4's attention: packed rows (segment_ids) with a generation cache; "
+                                 "expected one or the other")
             return self.packed(x, inputs)
+        if cache is not None and inputs.cache_start == 0 and inputs.attention_mask is not None:
+            refuse_left_padding(inputs)
         B, T, _ = x.shape
-        return self.attend(x, inputs.position_ids, inputs.masks[self.mask_kind].expand(B, 1, T, T))
+        mask = inputs.masks[self.mask_kind]  # [B, 1, T, S]: the window and padding over the cached positions too
+        return self.attend(x, inputs.position_ids, mask.expand(B, 1, T, mask.shape[-1]), cache, inputs.cache_start)
 
-    def attend(self, x, pos, mask):  # x [B, T, D], pos [B, T], mask bool [B, 1, T, T] (window, padding) -> [B, T, D]
+    def attend(self, x, pos, mask, cache: CompressedSlot | None = None, start: int = 0):
+        """x [B, T, D], pos [B, T], mask bool [B, 1, T, S] (window, padding; S = start + T) -> [B, T, D]."""
         B, T, _ = x.shape
         H, d = self.H, self.d
         cos, sin = self.rope.tables(pos, x.dtype)  # [B, T, r/2]
@@ -229,12 +301,15 @@ class CompressedSparseAttention(nn.Module):
         q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = rotate_trailing_pairs(q, cos[:, None], sin[:, None])
         kv = rotate_trailing_pairs(self.kv_norm(self.kv_proj(x))[:, None], cos[:, None], sin[:, None])  # [B, 1, T, d]
+        if cache is not None:
+            kv = cache.update(start, kv)  # [B, 1, S, d]
         if self.kind != SLIDING:
-            entries = self.compressor.entries(x, self.rope)  # [B, W, d]
+            state = cache.states if cache is not None else {}
+            entries = self.compressor.entries(x, self.rope, state.get("compressor"))  # [B, W, d]
             whole = torch.arange(entries.shape[1], device=x.device) < ((pos + 1) // self.compressor.rate)[..., None]
             if self.kind == CSA:  # [B, T, W]: of those, the indexer's top-k
-                whole = self.compressor.indexer(x, q_latent, self.rope, cos, sin, whole)
-            kv = torch.cat((kv, entries[:, None]), dim=2)  # [B, 1, T + W, d]
+                whole = self.compressor.indexer(x, q_latent, self.rope, cos, sin, whole, state.get("indexer"))
+            kv = torch.cat((kv, entries[:, None]), dim=2)  # [B, 1, S + W, d]
             mask = torch.cat((mask, whole[:, None]), dim=-1)
         y = sink_attention(q, kv, kv, self.sinks, mask, d ** -0.5)  # [B, H, T, d]
         y = rotate_trailing_pairs(y, cos[:, None], -sin[:, None]).transpose(1, 2)  # [B, T, H, d]
@@ -255,6 +330,20 @@ class CompressedSparseAttention(nn.Module):
         out = x.new_zeros(B, T, y.shape[-1])
         out[rows[:, None].expand(N, L)[keep], cols[keep]] = y[keep]  # each position once (backward: its gradient once)
         return out
+
+
+def refuse_left_padding(inputs):
+    """The generation cache's prefill: no padding before a real token (the module docstring: the compressors would
+    pool it into the row's first windows, and the row would decode otherwise than alone). Read on the host once per
+    forward, by the first such layer."""
+    if "left_padded" not in inputs.shared:
+        mask = inputs.attention_mask.bool()
+        later = mask.flip(-1).cummax(-1).values.flip(-1)  # [B, S]: a real token here or after
+        inputs.shared["left_padded"] = bool((later & ~mask).any())
+    if inputs.shared["left_padded"]:
+        raise ValueError("DeepSeek-V4's generation cache: attention_mask pads a row before its tokens (left "
+                         "padding), which its compressors would pool into that row's windows; expected rows without "
+                         "left padding (generate padded rows one at a time)")
 
 
 def pieces(segment_ids, attention_mask=None):
