@@ -22,9 +22,12 @@ Every layer (config.json's layer_types, ours `compressed_layer_types`):
   DeepSeek-V3.2's scores, core/token_mixers/dsa_indexer.py) keeps each query's top-k entries among those it sees.
 
 Decisions, for parity with transformers 5.23 (modeling_deepseek_v4.py, whose torch path runs on the CPU):
-- The compressors read every position, padding too, as transformers' do: right padding comes after every real
-  position and no real query sees a window holding it (w < (p + 1) // m). Left padding would enter the first
-  windows in both.
+- Each row's windows count from its first real token (`shift_left`; its positions then count real tokens, as
+  generate() gives them): right padding comes after every real position and no real query sees a window holding it
+  (w < (p + 1) // m), as in transformers, whose compressors read every column. Left padding departs from
+  transformers there, on purpose: its compressors pool the padding into a row's first windows, so that its output
+  depends on the padding's hidden states (ours and its differ, padding queries being masked otherwise) and a padded
+  row is not the row alone; ours is (tests/core/decoder/test_deepseek_v4.py).
 - The indexer has no gradient (its output is a top-k), so its weights are frozen, as DSA's (docs/methods.md).
 - The norms multiply their weight in fp32 (transformers keeps them fp32); q's weightless norm rounds its scale to
   the model dtype first, as the reference does; rope tables are rounded to the model dtype, turned in fp32.
@@ -32,15 +35,13 @@ Decisions, for parity with transformers 5.23 (modeling_deepseek_v4.py, whose tor
   so each piece runs through this mixer as its own row and its outputs go back in place (`pieces`, read on the
   host once per forward, kept in MixerInputs.shared); the rest of the model runs packed. The prompt runs once per candidate here.
 - The generation cache (`CompressedSlot`): the shared key/value head of every position (the mask keeps the window,
-  as for the other sliding layers), and per compressor (the layer's, CSA's indexer's) its running windows
-  (`CompressorState`): the projected series of the positions past its last whole window, CSA's overlap (that
-  window's series a, its gate biased) and the entries so far, as transformers' DeepseekV4CSACache holds them. A
-  step's entries are the full forward's: windows close at the same positions, the overlap is the window before.
-- Left-padded rows are refused by the cache (`refuse_left_padding`): windows count from each row's first column,
-  padding included, in the full forward as in transformers, so that such a row's entries pool padding and it decodes
-  otherwise than alone (transformers' own left-padded generate differs from both: its padding's hidden states, which
-  its compressors read, are not ours). Decoding it exactly needs windows counted from each row's first real token,
-  hence per-row window counts in the cache.
+  as for the other sliding layers), and per compressor (the layer's, CSA's indexer's; `CompressorState`) the
+  projected series at each row's own positions and the entries so far. A step pools again the windows from the first
+  that some row has not closed (rows close windows at different steps when their padding differs; CSA's from the
+  window before, for its overlap): a few windows per step, through the full forward's code, so its entries are the
+  full forward's. transformers' DeepseekV4CSACache keeps the pending positions and the overlap apart instead, with
+  one window count for the batch. Every position's series are kept, as its key/value head is (kv and gate: 4 head
+  widths and 4 index widths per position in a CSA layer, 2 head widths in an HCA one, beside the head's 1).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimoe.core.layers.masks import bool_mask, mask_kind
+from minimoe.core.layers.masks import bool_mask, left_padding, mask_kind
 from minimoe.core.layers.norms import RMSNorm
 from minimoe.core.layers.rope import rope_cos_sin, rope_frequencies, rotate_trailing_pairs
 from minimoe.core.token_mixers.dsa_indexer import head_weighted_scores, keep_selected
@@ -134,57 +135,73 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, series))
         self.kv_norm = RMSNorm(width, eps, weight_in_fp32=True)
 
-    def entries(self, x, rope: PairRope, state: "CompressorState | None" = None):
-        """x [B, T, D] -> [B, W, c]: every whole window's entry so far (with `state`: the cache's too, and x's
-        positions follow its own), each turned at its window's first position."""
-        B, m, c = x.shape[0], self.rate, self.c
+    def entries(self, x, rope: PairRope, pad, state: "CompressorState | None" = None):
+        """x [B, T, D], pad [B] each row's left padding -> [B, W, c]: the entries of each row's whole windows so far,
+        counted from its first real token (with `state`: the cache's, x's columns after them), each turned at its
+        window's first position. Entries past a row's whole windows hold what no query of it sees."""
+        m = self.rate
+        series = torch.cat((self.kv_proj(x), self.gate_proj(x)), dim=-1)  # [B, T, 2 series]
         if state is None:
-            x = x[:, :x.shape[1] // m * m]
-        kv, gate = self.kv_proj(x), self.gate_proj(x)  # [B, T', series]
-        first, prior = 0, None
-        if state is not None:  # the pending positions before x's; the positions past x's last whole window kept
-            kv, gate, first, prior = state.take(kv, gate, m)
-        W = kv.shape[1] // m
-        if W == 0:
-            return x.new_zeros(B, 0, c) if state is None else state.append(x.new_zeros(B, 0, c))
-        kv, gate = kv.view(B, W, m, -1), gate.view(B, W, m, -1) + self.position_bias
-        if self.overlap:  # entry w: window w-1's series a (before the first: the cache's, else weight 0) and w's b
-            if prior is None:
-                prior = kv.new_zeros(B, 1, m, c), gate.new_full((B, 1, m, c), float("-inf"))
-            if state is not None:
-                state.overlap = kv[:, -1:, :, :c], gate[:, -1:, :, :c]
-            kv = torch.cat((torch.cat((prior[0], kv[:, :-1, :, :c]), 1), kv[..., c:]), dim=2)  # [B, W, 2m, c]
-            gate = torch.cat((torch.cat((prior[1], gate[:, :-1, :, :c]), 1), gate[..., c:]), dim=2)
-        pooled = self.kv_norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))  # [B, W, c]
-        cos, sin = rope.tables((first + torch.arange(W, device=x.device))[None] * m, x.dtype)
-        turned = rotate_trailing_pairs(pooled, cos, sin)
-        return turned if state is None else state.append(turned)
+            own, lo, hi = shift_left(series, pad), 0, x.shape[1] // m
+        else:  # the windows from the first that a row has not closed
+            own, lo, hi = state.write(series, pad)
+        first = max(lo - 1, 0) if self.overlap else lo  # CSA's window lo reads window lo-1's series a
+        new = self.pool(own[:, first * m:hi * m], first, rope)[:, lo - first:]
+        return new if state is None else state.store(new, lo)
+
+    def pool(self, series, first: int, rope: PairRope):  # series [B, n m, 2 series] of windows first.. -> [B, n, c]
+        B, n, m, c = series.shape[0], series.shape[1] // self.rate, self.rate, self.c
+        if n == 0:
+            return series.new_zeros(B, 0, c)
+        kv, gate = series.view(B, n, m, -1).chunk(2, dim=-1)
+        gate = gate + self.position_bias
+        if self.overlap:  # entry w: window w-1's series a (none before the first: weight 0) and window w's b
+            kv = torch.cat((F.pad(kv[:, :-1, :, :c], (0, 0, 0, 0, 1, 0)), kv[..., c:]), dim=2)  # [B, n, 2m, c]
+            gate = torch.cat((F.pad(gate[:, :-1, :, :c], (0, 0, 0, 0, 1, 0), value=float("-inf")), gate[..., c:]), 2)
+        pooled = self.kv_norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))  # [B, n, c]
+        cos, sin = rope.tables((first + torch.arange(n, device=series.device))[None] * m, series.dtype)
+        return rotate_trailing_pairs(pooled, cos, sin)
+
+
+def shift_left(x, pad):
+    """x [B, T, ...] -> each row b's columns pad_b.. at 0..; its last column repeated after (what no query sees)."""
+    T = x.shape[1]
+    cols = (torch.arange(T, device=x.device)[None] + pad[:, None]).clamp(max=T - 1)  # [B, T]
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], cols]
+
+
+def own_positions(pad, start: int, T: int):
+    """pad [B] -> [B, T]: the positions of columns start.. in each row's own count (its padding's negative)."""
+    return torch.arange(start, start + T, device=pad.device)[None] - pad[:, None]
 
 
 class CompressorState:
-    """One compressor's running windows in the generation cache: the projected series of the positions past its last
-    whole window (kv, gate [B, < m, series], unbiased), CSA's overlap (that window's series a: kv, gate [B, 1, m, c],
-    the gate biased) and its entries so far [B, W_max, c], filled left to right."""
+    """One compressor's running windows in the generation cache: the projected series (kv and gate, unbiased) at each
+    row's own positions [B, S_max + 1, 2 series] (the last slot takes padding's), the entries so far [B, W_max, c],
+    and the windows every row has closed (those from it are pooled again at each step, CSA's from the one before)."""
 
-    def __init__(self, batch_size: int, max_len: int, rate: int, width: int, dtype, device):
+    def __init__(self, batch_size: int, max_len: int, rate: int, width: int, series: int, dtype, device):
+        self.series = torch.zeros(batch_size, max_len + 1, 2 * series, dtype=dtype, device=device)
         self.stored = torch.zeros(batch_size, max_len // rate, width, dtype=dtype, device=device)
-        self.count, self.pending, self.overlap = 0, None, None
+        self.rate, self.length, self.closed, self.pad_max = rate, 0, 0, 0  # columns written; windows closed in every row
 
-    def take(self, kv, gate, m: int):
-        """The series of x's positions -> (the pending ones and x's, whole windows only; the first one's index; the
-        overlap before it); the rest kept pending."""
-        if self.pending is not None:
-            kv, gate = torch.cat((self.pending[0], kv), 1), torch.cat((self.pending[1], gate), 1)
-        whole = kv.shape[1] // m * m
-        self.pending = kv[:, whole:], gate[:, whole:]
-        return kv[:, :whole], gate[:, :whole], self.count, self.overlap
+    def write(self, series, pad):  # series [B, T, 2 series] of the next columns -> (all so far, lo, hi)
+        B, T, _ = series.shape
+        if self.length + T >= self.series.shape[1]:
+            raise ValueError(f"DeepSeek-V4's cache holds {self.series.shape[1] - 1} positions; "
+                             f"{self.length + T} were asked for")
+        if self.length == 0:
+            self.pad_max = int(pad.max())  # read on the host once, at the prefill
+        own = own_positions(pad, self.length, T)
+        own = own.where(own >= 0, self.series.shape[1] - 1)
+        self.series[torch.arange(B, device=series.device)[:, None], own] = series
+        self.length += T
+        return self.series, self.closed, self.length // self.rate
 
-    def append(self, entries):  # [B, w, c] -> all so far [B, W, c]
-        end = self.count + entries.shape[1]
-        if end > self.stored.shape[1]:
-            raise ValueError(f"DeepSeek-V4's cache holds {self.stored.shape[1]} compressed entries; {end} were asked for")
-        self.stored[:, self.count:end] = entries
-        self.count = end
+    def store(self, entries, lo: int):  # entries [B, n, c] of windows lo.. -> all so far [B, lo + n, c]
+        end = lo + entries.shape[1]
+        self.stored[:, lo:end] = entries
+        self.closed = max(0, self.length - self.pad_max) // self.rate
         return self.stored[:, :end]
 
 
@@ -194,8 +211,8 @@ class CompressedSlot:
 
     def __init__(self, batch_size: int, max_len: int, d: int, compressors: dict, dtype, device):
         self.kv = torch.zeros(batch_size, 1, max_len, d, dtype=dtype, device=device)
-        self.states = {name: CompressorState(batch_size, max_len, m, c, dtype, device)
-                       for name, (m, c) in compressors.items()}
+        self.states = {name: CompressorState(batch_size, max_len, m, c, series, dtype, device)
+                       for name, (m, c, series) in compressors.items()}
 
     def update(self, start: int, kv):  # kv [B, 1, T, d] at positions start.. -> all so far [B, 1, S, d]
         end = start + kv.shape[2]
@@ -218,10 +235,11 @@ class CompressedIndexer(Compressor):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x, q_latent, rope: PairRope, cos, sin, visible, state: CompressorState | None = None):
-        """x [B, T, D], q_latent [B, T, Q], cos/sin [B, T, r/2], visible bool [B, T, W] -> the kept entries [B, T, W]."""
+    def forward(self, x, q_latent, rope: PairRope, cos, sin, visible, pad, state: CompressorState | None = None):
+        """x [B, T, D], q_latent [B, T, Q], cos/sin [B, T, r/2], visible bool [B, T, W], pad [B] -> the kept entries
+        [B, T, W]."""
         B, T, _ = x.shape
-        keys = self.entries(x, rope, state)  # [B, W, c]
+        keys = self.entries(x, rope, pad, state)  # [B, W, c]
         q = rotate_trailing_pairs(self.q_b_proj(q_latent).view(B, T, self.h, self.c), cos[:, :, None], sin[:, :, None])
         scores = head_weighted_scores(q, keys, self.scorer.weights_proj, x).masked_fill(~visible, float("-inf"))
         top = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices  # [B, T, k]
@@ -274,9 +292,12 @@ class CompressedSparseAttention(nn.Module):
     def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> CompressedSlot:
         opts = config.mixers["compressed"]
         kind = opts.compressed_layer_types[layer_idx]
-        compressors = {} if kind == SLIDING else {"compressor": (opts.compress_rates[kind], config.head_dim)}
+        series = 2 if kind == CSA else 1  # CSA's two series a and b per position
+        compressors = {} if kind == SLIDING else {"compressor": (opts.compress_rates[kind], config.head_dim,
+                                                                 series * config.head_dim)}
         if kind == CSA:
-            compressors["indexer"] = (opts.compress_rates[CSA], opts.compressed_index_head_dim)
+            c = opts.compressed_index_head_dim
+            compressors["indexer"] = (opts.compress_rates[CSA], c, 2 * c)
         return CompressedSlot(batch_size, max_len, config.head_dim, compressors, dtype, device)
 
     def forward(self, x, inputs, cache: CompressedSlot | None = None):  # x [B, T, D]
@@ -285,14 +306,16 @@ class CompressedSparseAttention(nn.Module):
                 raise ValueError("DeepSeek-V4's attention: packed rows (segment_ids) with a generation cache; "
                                  "expected one or the other")
             return self.packed(x, inputs)
-        if cache is not None and inputs.cache_start == 0 and inputs.attention_mask is not None:
-            refuse_left_padding(inputs)
         B, T, _ = x.shape
+        if "left_padding" not in inputs.shared:  # [B], by the first such layer of this forward
+            inputs.shared["left_padding"] = left_padding(inputs.attention_mask, B, x.device)
         mask = inputs.masks[self.mask_kind]  # [B, 1, T, S]: the window and padding over the cached positions too
-        return self.attend(x, inputs.position_ids, mask.expand(B, 1, T, mask.shape[-1]), cache, inputs.cache_start)
+        return self.attend(x, inputs.position_ids, mask.expand(B, 1, T, mask.shape[-1]), inputs.shared["left_padding"],
+                           cache, inputs.cache_start)
 
-    def attend(self, x, pos, mask, cache: CompressedSlot | None = None, start: int = 0):
-        """x [B, T, D], pos [B, T], mask bool [B, 1, T, S] (window, padding; S = start + T) -> [B, T, D]."""
+    def attend(self, x, pos, mask, pad, cache: CompressedSlot | None = None, start: int = 0):
+        """x [B, T, D], pos [B, T], mask bool [B, 1, T, S] (window, padding; S = start + T), pad [B] each row's left
+        padding (its compressed windows count from its first real token) -> [B, T, D]."""
         B, T, _ = x.shape
         H, d = self.H, self.d
         cos, sin = self.rope.tables(pos, x.dtype)  # [B, T, r/2]
@@ -305,10 +328,11 @@ class CompressedSparseAttention(nn.Module):
             kv = cache.update(start, kv)  # [B, 1, S, d]
         if self.kind != SLIDING:
             state = cache.states if cache is not None else {}
-            entries = self.compressor.entries(x, self.rope, state.get("compressor"))  # [B, W, d]
-            whole = torch.arange(entries.shape[1], device=x.device) < ((pos + 1) // self.compressor.rate)[..., None]
+            entries = self.compressor.entries(x, self.rope, pad, state.get("compressor"))  # [B, W, d]
+            own = own_positions(pad, start, T)  # [B, T]: window w is whole for a query at own position p once w < (p + 1) // m
+            whole = torch.arange(entries.shape[1], device=x.device) < ((own + 1) // self.compressor.rate)[..., None]
             if self.kind == CSA:  # [B, T, W]: of those, the indexer's top-k
-                whole = self.compressor.indexer(x, q_latent, self.rope, cos, sin, whole, state.get("indexer"))
+                whole = self.compressor.indexer(x, q_latent, self.rope, cos, sin, whole, pad, state.get("indexer"))
             kv = torch.cat((kv, entries[:, None]), dim=2)  # [B, 1, S + W, d]
             mask = torch.cat((mask, whole[:, None]), dim=-1)
         y = sink_attention(q, kv, kv, self.sinks, mask, d ** -0.5)  # [B, H, T, d]
@@ -326,24 +350,10 @@ class CompressedSparseAttention(nn.Module):
         N, L = cols.shape
         pos = torch.arange(L, device=x.device).expand(N, L)
         mask = bool_mask(valid.long(), N, L, 0, x.device, kind=self.mask_kind)
-        y = self.attend(x[rows[:, None], cols], pos, mask)  # [N, L, D]
+        y = self.attend(x[rows[:, None], cols], pos, mask, torch.zeros(N, dtype=torch.long, device=x.device))  # [N, L, D]
         out = x.new_zeros(B, T, y.shape[-1])
         out[rows[:, None].expand(N, L)[keep], cols[keep]] = y[keep]  # each position once (backward: its gradient once)
         return out
-
-
-def refuse_left_padding(inputs):
-    """The generation cache's prefill: no padding before a real token (the module docstring: the compressors would
-    pool it into the row's first windows, and the row would decode otherwise than alone). Read on the host once per
-    forward, by the first such layer."""
-    if "left_padded" not in inputs.shared:
-        mask = inputs.attention_mask.bool()
-        later = mask.flip(-1).cummax(-1).values.flip(-1)  # [B, S]: a real token here or after
-        inputs.shared["left_padded"] = bool((later & ~mask).any())
-    if inputs.shared["left_padded"]:
-        raise ValueError("DeepSeek-V4's generation cache: attention_mask pads a row before its tokens (left "
-                         "padding), which its compressors would pool into that row's windows; expected rows without "
-                         "left padding (generate padded rows one at a time)")
 
 
 def pieces(segment_ids, attention_mask=None):

@@ -1,7 +1,7 @@
 """DeepSeek-V4's record and the rules where the paper and transformers are silent (its parity with transformers 5.23:
 tests/core/decoder/test_families_parity.py, tf5): hash-routed layers are outside every method's scope and report no
 routing; config.json's two ropes are read or refused by name; the generation cache holds the compressors' running
-windows (left-padded rows refused by name)."""
+windows, each row's counted from its first real token."""
 import pytest
 import torch
 
@@ -52,48 +52,46 @@ def test_config_json_ropes_are_read_or_refused_by_name():
 
 
 def test_cached_decoding_equals_full_forwards_across_windows():
-    """Prefill 7 positions, then steps of 1, 3 and 6 and single tokens up to 30: CSA's windows of 4 (its overlap and
-    its indexer's), HCA's of 8 and the sliding window of 6 are crossed mid-step and at step ends, and every step's
-    logits are the full forward's (the pending positions, the overlap, the entries and their positions all held)."""
+    """Prefill 7 columns, then steps of 1, 3 and 6 and single tokens up to 30, on a row and on one left-padded by 5:
+    CSA's windows of 4 (its overlap and its indexer's), HCA's of 8 and the sliding window of 6 are crossed mid-step
+    and at step ends, and every step's logits are the full forward's (the series, the overlap, the entries, the
+    windows closed in every row all held)."""
     model = tiny_model("deepseek_v4")
     opts = model.config.mixers["compressed"]
     assert opts.compress_rates == {CSA: 4, HCA: 8} and model.config.sliding_window == 6
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        full = model(ids).logits
+        full = model(ids, attention_mask=mask, position_ids=pos).logits
         cache = KVCache(model.config, 2, 30, model.dtype, ids.device)
         steps, t = [], 0
         for n in [7, 1, 1, 3, 1, 6] + [1] * 11:
-            steps.append(model(ids[:, t:t + n], cache=cache).logits)
+            steps.append(model(ids[:, t:t + n], attention_mask=mask[:, :t + n], position_ids=pos[:, t:t + n],
+                               cache=cache).logits)
             t += n
-    assert t == 30 and cache.layers[2].states["compressor"].count == 3 and cache.layers[1].states["indexer"].count == 7
-    assert rel_err(torch.cat(steps, dim=1), full, torch.ones_like(ids)) <= 2e-5
+    assert t == 30 and cache.layers[2].states["compressor"].closed == 25 // 8
+    assert cache.layers[1].states["indexer"].closed == 25 // 4
+    assert rel_err(torch.cat(steps, dim=1), full, mask) <= 2e-5
 
 
-def test_greedy_generation_equals_full_forwards_per_row():
-    """generate() on a batch of two rows, 20 new tokens past a 9-token prompt: each row's tokens are those of greedy
-    full forwards over that row alone, without a cache."""
+def test_left_padded_greedy_generation_equals_full_forwards_per_row():
+    """generate() on three rows, two left-padded (by 4 and by 9 of 11: less than one HCA window, more than two CSA
+    ones), 20 new tokens: each row's tokens are those of greedy full forwards over that row alone, without a cache
+    (the compressors count each row's windows from its first real token, compressed_attention.py)."""
     model = tiny_model("deepseek_v4", std=0.3)
-    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
-    tokens = minimoe.generate(model, ids, 20)
-    with torch.no_grad():
-        for r in range(2):
-            seq = ids[r:r + 1]
-            for _ in range(20):
-                seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-            assert torch.equal(tokens[r], seq[0]), r
-
-
-def test_left_padded_generation_is_refused_by_name():
-    """The compressors would pool a left-padded row's padding into its windows (compressed_attention.py): refused
-    before the cache is written; the same rows one at a time decode."""
-    model = tiny_model("deepseek_v4")
-    ids = torch.randint(3, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(3, 128, (3, 11), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    with pytest.raises(ValueError, match="left padding"):
-        minimoe.generate(model, ids, 3, attention_mask=mask)
-    assert minimoe.generate(model, ids[1:, 4:], 3).shape == (1, 8)
+    mask[2, :9] = 0
+    tokens = minimoe.generate(model, ids, 20, attention_mask=mask)
+    with torch.no_grad():
+        for r in range(3):
+            seq = ids[r:r + 1, mask[r].bool()]
+            for _ in range(20):
+                seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            assert torch.equal(tokens[r, -20:], seq[0, -20:]), r
 
 
 def test_the_release_layout_loads_as_the_one_transformers_saves(tmp_path):
