@@ -183,7 +183,8 @@ class CompressorState:
     def __init__(self, batch_size: int, max_len: int, rate: int, width: int, series: int, dtype, device):
         self.series = torch.zeros(batch_size, max_len + 1, 2 * series, dtype=dtype, device=device)
         self.stored = torch.zeros(batch_size, max_len // rate, width, dtype=dtype, device=device)
-        self.rate, self.length, self.closed, self.pad_max = rate, 0, 0, 0  # columns written; windows closed in every row
+        self.rate, self.length = rate, 0  # columns written
+        self.closed, self.pad_max = 0, 0  # windows every row has closed; the most padding of a row
 
     def write(self, series, pad):  # series [B, T, 2 series] of the next columns -> (all so far, lo, hi)
         B, T, _ = series.shape
@@ -329,7 +330,7 @@ class CompressedSparseAttention(nn.Module):
         if self.kind != SLIDING:
             state = cache.states if cache is not None else {}
             entries = self.compressor.entries(x, self.rope, pad, state.get("compressor"))  # [B, W, d]
-            own = own_positions(pad, start, T)  # [B, T]: window w is whole for a query at own position p once w < (p + 1) // m
+            own = own_positions(pad, start, T)  # [B, T]: a query at own position p sees window w < (p + 1) // m
             whole = torch.arange(entries.shape[1], device=x.device) < ((own + 1) // self.compressor.rate)[..., None]
             if self.kind == CSA:  # [B, T, W]: of those, the indexer's top-k
                 whole = self.compressor.indexer(x, q_latent, self.rope, cos, sin, whole, pad, state.get("indexer"))
@@ -350,7 +351,8 @@ class CompressedSparseAttention(nn.Module):
         N, L = cols.shape
         pos = torch.arange(L, device=x.device).expand(N, L)
         mask = bool_mask(valid.long(), N, L, 0, x.device, kind=self.mask_kind)
-        y = self.attend(x[rows[:, None], cols], pos, mask, torch.zeros(N, dtype=torch.long, device=x.device))  # [N, L, D]
+        no_padding = torch.zeros(N, dtype=torch.long, device=x.device)
+        y = self.attend(x[rows[:, None], cols], pos, mask, no_padding)  # [N, L, D]
         out = x.new_zeros(B, T, y.shape[-1])
         out[rows[:, None].expand(N, L)[keep], cols[keep]] = y[keep]  # each position once (backward: its gradient once)
         return out
