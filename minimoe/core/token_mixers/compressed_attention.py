@@ -22,17 +22,26 @@ Every layer (config.json's layer_types, ours `compressed_layer_types`):
   DeepSeek-V3.2's scores, core/token_mixers/dsa_indexer.py) keeps each query's top-k entries among those it sees.
 
 Decisions, for parity with transformers 5.23 (modeling_deepseek_v4.py, whose torch path runs on the CPU):
-- The compressors read every position, padding too, as transformers' do: right padding comes after every real
-  position and no real query sees a window holding it (w < (p + 1) // m). Left padding would enter the first
-  windows in both.
+- Each row's windows count from its first real token (`shift_left`; its positions then count real tokens, as
+  generate() gives them): right padding comes after every real position and no real query sees a window holding it
+  (w < (p + 1) // m), as in transformers, whose compressors read every column. Left padding departs from
+  transformers there, on purpose: its compressors pool the padding into a row's first windows, so that its output
+  depends on the padding's hidden states (ours and its differ, padding queries being masked otherwise) and a padded
+  row is not the row alone; ours is (tests/core/decoder/test_deepseek_v4.py).
 - The indexer has no gradient (its output is a top-k), so its weights are frozen, as DSA's (docs/methods.md).
 - The norms multiply their weight in fp32 (transformers keeps them fp32); q's weightless norm rounds its scale to
   the model dtype first, as the reference does; rope tables are rounded to the model dtype, turned in fp32.
 - Packed rows (segment_ids): a candidate's compressed entries are those of its own row, the prompt then itself,
   so each piece runs through this mixer as its own row and its outputs go back in place (`pieces`, read on the
   host once per forward, kept in MixerInputs.shared); the rest of the model runs packed. The prompt runs once per candidate here.
-- Not reached, refused by name: the generation cache (the compressors' running windows and overlap state,
-  transformers' DeepseekV4CSACache).
+- The generation cache (`CompressedSlot`): the shared key/value head of every position (the mask keeps the window,
+  as for the other sliding layers), and per compressor (the layer's, CSA's indexer's; `CompressorState`) the
+  projected series at each row's own positions and the entries so far. A step pools again the windows from the first
+  that some row has not closed (rows close windows at different steps when their padding differs; CSA's from the
+  window before, for its overlap): a few windows per step, through the full forward's code, so its entries are the
+  full forward's. transformers' DeepseekV4CSACache keeps the pending positions and the overlap apart instead, with
+  one window count for the batch. Every position's series are kept, as its key/value head is (kv and gate: 4 head
+  widths and 4 index widths per position in a CSA layer, 2 head widths in an HCA one, beside the head's 1).
 """
 from __future__ import annotations
 
@@ -42,7 +51,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minimoe.core.layers.masks import bool_mask, mask_kind
+from minimoe.core.layers.masks import bool_mask, left_padding, mask_kind
 from minimoe.core.layers.norms import RMSNorm
 from minimoe.core.layers.rope import rope_cos_sin, rope_frequencies, rotate_trailing_pairs
 from minimoe.core.token_mixers.dsa_indexer import head_weighted_scores, keep_selected
@@ -126,20 +135,92 @@ class Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, series))
         self.kv_norm = RMSNorm(width, eps, weight_in_fp32=True)
 
-    def entries(self, x, rope: PairRope):  # x [B, T, D] -> [B, W, c], each turned at its window's first position
-        B, T, _ = x.shape
-        m, W = self.rate, T // self.rate
-        if W == 0:
-            return x.new_zeros(B, 0, self.c)
-        kv = self.kv_proj(x[:, :W * m]).view(B, W, m, -1)
-        gate = self.gate_proj(x[:, :W * m]).view(B, W, m, -1) + self.position_bias
-        if self.overlap:  # entry w: window w-1's series a (none before window 0: weight 0) and window w's b
-            c = self.c
-            kv = torch.cat((F.pad(kv[:, :-1, :, :c], (0, 0, 0, 0, 1, 0)), kv[..., c:]), dim=2)  # [B, W, 2m, c]
+    def entries(self, x, rope: PairRope, pad, state: "CompressorState | None" = None):
+        """x [B, T, D], pad [B] each row's left padding -> [B, W, c]: the entries of each row's whole windows so far,
+        counted from its first real token (with `state`: the cache's, x's columns after them), each turned at its
+        window's first position. Entries past a row's whole windows hold what no query of it sees."""
+        m = self.rate
+        series = torch.cat((self.kv_proj(x), self.gate_proj(x)), dim=-1)  # [B, T, 2 series]
+        if state is None:
+            own, lo, hi = shift_left(series, pad), 0, x.shape[1] // m
+        else:  # the windows from the first that a row has not closed
+            own, lo, hi = state.write(series, pad)
+        first = max(lo - 1, 0) if self.overlap else lo  # CSA's window lo reads window lo-1's series a
+        new = self.pool(own[:, first * m:hi * m], first, rope)[:, lo - first:]
+        return new if state is None else state.store(new, lo)
+
+    def pool(self, series, first: int, rope: PairRope):  # series [B, n m, 2 series] of windows first.. -> [B, n, c]
+        B, n, m, c = series.shape[0], series.shape[1] // self.rate, self.rate, self.c
+        if n == 0:
+            return series.new_zeros(B, 0, c)
+        kv, gate = series.view(B, n, m, -1).chunk(2, dim=-1)
+        gate = gate + self.position_bias
+        if self.overlap:  # entry w: window w-1's series a (none before the first: weight 0) and window w's b
+            kv = torch.cat((F.pad(kv[:, :-1, :, :c], (0, 0, 0, 0, 1, 0)), kv[..., c:]), dim=2)  # [B, n, 2m, c]
             gate = torch.cat((F.pad(gate[:, :-1, :, :c], (0, 0, 0, 0, 1, 0), value=float("-inf")), gate[..., c:]), 2)
-        pooled = self.kv_norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))  # [B, W, c]
-        cos, sin = rope.tables(torch.arange(W, device=x.device)[None] * m, x.dtype)
+        pooled = self.kv_norm((kv * gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)).sum(dim=2))  # [B, n, c]
+        cos, sin = rope.tables((first + torch.arange(n, device=series.device))[None] * m, series.dtype)
         return rotate_trailing_pairs(pooled, cos, sin)
+
+
+def shift_left(x, pad):
+    """x [B, T, ...] -> each row b's columns pad_b.. at 0..; its last column repeated after (what no query sees)."""
+    T = x.shape[1]
+    cols = (torch.arange(T, device=x.device)[None] + pad[:, None]).clamp(max=T - 1)  # [B, T]
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], cols]
+
+
+def own_positions(pad, start: int, T: int):
+    """pad [B] -> [B, T]: the positions of columns start.. in each row's own count (its padding's negative)."""
+    return torch.arange(start, start + T, device=pad.device)[None] - pad[:, None]
+
+
+class CompressorState:
+    """One compressor's running windows in the generation cache: the projected series (kv and gate, unbiased) at each
+    row's own positions [B, S_max + 1, 2 series] (the last slot takes padding's), the entries so far [B, W_max, c],
+    and the windows every row has closed (those from it are pooled again at each step, CSA's from the one before)."""
+
+    def __init__(self, batch_size: int, max_len: int, rate: int, width: int, series: int, dtype, device):
+        self.series = torch.zeros(batch_size, max_len + 1, 2 * series, dtype=dtype, device=device)
+        self.stored = torch.zeros(batch_size, max_len // rate, width, dtype=dtype, device=device)
+        self.rate, self.length = rate, 0  # columns written
+        self.closed, self.pad_max = 0, 0  # windows every row has closed; the most padding of a row
+
+    def write(self, series, pad):  # series [B, T, 2 series] of the next columns -> (all so far, lo, hi)
+        B, T, _ = series.shape
+        if self.length + T >= self.series.shape[1]:
+            raise ValueError(f"DeepSeek-V4's cache holds {self.series.shape[1] - 1} positions; "
+                             f"{self.length + T} were asked for")
+        if self.length == 0:
+            self.pad_max = int(pad.max())  # read on the host once, at the prefill
+        own = own_positions(pad, self.length, T)
+        own = own.where(own >= 0, self.series.shape[1] - 1)
+        self.series[torch.arange(B, device=series.device)[:, None], own] = series
+        self.length += T
+        return self.series, self.closed, self.length // self.rate
+
+    def store(self, entries, lo: int):  # entries [B, n, c] of windows lo.. -> all so far [B, lo + n, c]
+        end = lo + entries.shape[1]
+        self.stored[:, lo:end] = entries
+        self.closed = max(0, self.length - self.pad_max) // self.rate
+        return self.stored[:, :end]
+
+
+class CompressedSlot:
+    """A DeepSeek-V4 layer's generation cache: the shared key/value head [B, 1, S_max, d] (the keys are the values),
+    and each compressor's running windows by name ("compressor", CSA's "indexer")."""
+
+    def __init__(self, batch_size: int, max_len: int, d: int, compressors: dict, dtype, device):
+        self.kv = torch.zeros(batch_size, 1, max_len, d, dtype=dtype, device=device)
+        self.states = {name: CompressorState(batch_size, max_len, m, c, series, dtype, device)
+                       for name, (m, c, series) in compressors.items()}
+
+    def update(self, start: int, kv):  # kv [B, 1, T, d] at positions start.. -> all so far [B, 1, S, d]
+        end = start + kv.shape[2]
+        if end > self.kv.shape[2]:
+            raise ValueError(f"KV cache holds {self.kv.shape[2]} positions; {end} were asked for")
+        self.kv[:, :, start:end] = kv
+        return self.kv[:, :, :end]
 
 
 class CompressedIndexer(Compressor):
@@ -155,10 +236,11 @@ class CompressedIndexer(Compressor):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x, q_latent, rope: PairRope, cos, sin, visible):
-        """x [B, T, D], q_latent [B, T, Q], cos/sin [B, T, r/2], visible bool [B, T, W] -> the kept entries [B, T, W]."""
+    def forward(self, x, q_latent, rope: PairRope, cos, sin, visible, pad, state: CompressorState | None = None):
+        """x [B, T, D], q_latent [B, T, Q], cos/sin [B, T, r/2], visible bool [B, T, W], pad [B] -> the kept entries
+        [B, T, W]."""
         B, T, _ = x.shape
-        keys = self.entries(x, rope)  # [B, W, c]
+        keys = self.entries(x, rope, pad, state)  # [B, W, c]
         q = rotate_trailing_pairs(self.q_b_proj(q_latent).view(B, T, self.h, self.c), cos[:, :, None], sin[:, :, None])
         scores = head_weighted_scores(q, keys, self.scorer.weights_proj, x).masked_fill(~visible, float("-inf"))
         top = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices  # [B, T, k]
@@ -208,19 +290,33 @@ class CompressedSparseAttention(nn.Module):
                 self.compressor.indexer = CompressedIndexer(config, opts)
 
     @staticmethod
-    def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device):
-        raise NotImplementedError("DeepSeek-V4's compressed attention has no generation cache in minimoe (its "
-                                  "compressors' running windows): decode with full forwards instead")
+    def cache_slot(config, layer_idx: int, batch_size: int, max_len: int, dtype, device) -> CompressedSlot:
+        opts = config.mixers["compressed"]
+        kind = opts.compressed_layer_types[layer_idx]
+        series = 2 if kind == CSA else 1  # CSA's two series a and b per position
+        compressors = {} if kind == SLIDING else {"compressor": (opts.compress_rates[kind], config.head_dim,
+                                                                 series * config.head_dim)}
+        if kind == CSA:
+            c = opts.compressed_index_head_dim
+            compressors["indexer"] = (opts.compress_rates[CSA], c, 2 * c)
+        return CompressedSlot(batch_size, max_len, config.head_dim, compressors, dtype, device)
 
-    def forward(self, x, inputs, cache=None):  # x [B, T, D]
-        if cache is not None or inputs.cache_start:
-            self.cache_slot(None, 0, 0, 0, None, None)
+    def forward(self, x, inputs, cache: CompressedSlot | None = None):  # x [B, T, D]
         if inputs.segment_ids is not None:  # packed rows: each piece (prompt + one candidate) as its own row
+            if cache is not None:
+                raise ValueError("DeepSeek-V4's attention: packed rows (segment_ids) with a generation cache; "
+                                 "expected one or the other")
             return self.packed(x, inputs)
         B, T, _ = x.shape
-        return self.attend(x, inputs.position_ids, inputs.masks[self.mask_kind].expand(B, 1, T, T))
+        if "left_padding" not in inputs.shared:  # [B], by the first such layer of this forward
+            inputs.shared["left_padding"] = left_padding(inputs.attention_mask, B, x.device)
+        mask = inputs.masks[self.mask_kind]  # [B, 1, T, S]: the window and padding over the cached positions too
+        return self.attend(x, inputs.position_ids, mask.expand(B, 1, T, mask.shape[-1]), inputs.shared["left_padding"],
+                           cache, inputs.cache_start)
 
-    def attend(self, x, pos, mask):  # x [B, T, D], pos [B, T], mask bool [B, 1, T, T] (window, padding) -> [B, T, D]
+    def attend(self, x, pos, mask, pad, cache: CompressedSlot | None = None, start: int = 0):
+        """x [B, T, D], pos [B, T], mask bool [B, 1, T, S] (window, padding; S = start + T), pad [B] each row's left
+        padding (its compressed windows count from its first real token) -> [B, T, D]."""
         B, T, _ = x.shape
         H, d = self.H, self.d
         cos, sin = self.rope.tables(pos, x.dtype)  # [B, T, r/2]
@@ -229,12 +325,16 @@ class CompressedSparseAttention(nn.Module):
         q = q * torch.rsqrt(q.float().pow(2).mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = rotate_trailing_pairs(q, cos[:, None], sin[:, None])
         kv = rotate_trailing_pairs(self.kv_norm(self.kv_proj(x))[:, None], cos[:, None], sin[:, None])  # [B, 1, T, d]
+        if cache is not None:
+            kv = cache.update(start, kv)  # [B, 1, S, d]
         if self.kind != SLIDING:
-            entries = self.compressor.entries(x, self.rope)  # [B, W, d]
-            whole = torch.arange(entries.shape[1], device=x.device) < ((pos + 1) // self.compressor.rate)[..., None]
+            state = cache.states if cache is not None else {}
+            entries = self.compressor.entries(x, self.rope, pad, state.get("compressor"))  # [B, W, d]
+            own = own_positions(pad, start, T)  # [B, T]: a query at own position p sees window w < (p + 1) // m
+            whole = torch.arange(entries.shape[1], device=x.device) < ((own + 1) // self.compressor.rate)[..., None]
             if self.kind == CSA:  # [B, T, W]: of those, the indexer's top-k
-                whole = self.compressor.indexer(x, q_latent, self.rope, cos, sin, whole)
-            kv = torch.cat((kv, entries[:, None]), dim=2)  # [B, 1, T + W, d]
+                whole = self.compressor.indexer(x, q_latent, self.rope, cos, sin, whole, pad, state.get("indexer"))
+            kv = torch.cat((kv, entries[:, None]), dim=2)  # [B, 1, S + W, d]
             mask = torch.cat((mask, whole[:, None]), dim=-1)
         y = sink_attention(q, kv, kv, self.sinks, mask, d ** -0.5)  # [B, H, T, d]
         y = rotate_trailing_pairs(y, cos[:, None], -sin[:, None]).transpose(1, 2)  # [B, T, H, d]
@@ -251,7 +351,8 @@ class CompressedSparseAttention(nn.Module):
         N, L = cols.shape
         pos = torch.arange(L, device=x.device).expand(N, L)
         mask = bool_mask(valid.long(), N, L, 0, x.device, kind=self.mask_kind)
-        y = self.attend(x[rows[:, None], cols], pos, mask)  # [N, L, D]
+        no_padding = torch.zeros(N, dtype=torch.long, device=x.device)
+        y = self.attend(x[rows[:, None], cols], pos, mask, no_padding)  # [N, L, D]
         out = x.new_zeros(B, T, y.shape[-1])
         to_row, to_col, at = kept  # each position once (backward: its gradient once), by indices found on the host
         out[to_row, to_col] = y.flatten(0, 1)[at]

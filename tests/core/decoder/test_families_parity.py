@@ -20,8 +20,6 @@ from tests.conftest import TRANSFORMERS_5_ONLY
 from tests.tiny_families import VARIANTS, declared, family_of, mxfp4_reference_model, variant_config
 
 FP32_TOL = 2e-5
-# DeepSeek-V4's compressors keep running windows that minimoe's cache does not hold (compressed_attention.py)
-NO_GENERATION_CACHE = {"deepseek_v4"}
 # the families declared so far; a transformers-5-only one's cases marked tf5 (its oracle is transformers 5.23)
 NAMES = [v for v in VARIANTS if family_of(v) in FAMILIES]
 DECLARED = declared(NAMES)
@@ -202,15 +200,12 @@ def test_every_method_trains_a_step_reaching_every_lora_tensor(variant, method, 
 @pytest.mark.parametrize("variant", DECLARED)
 def test_kv_cached_decoding_gives_the_full_forward_logits(variant, tmp_path):
     """Prefill 12 tokens into the KV cache, then decode one at a time (sliding windows and sinks on the
-    cached keys, MLA's key and value widths, DSA's indexer keys): every step's logits equal the full forward's."""
+    cached keys, MLA's key and value widths, DSA's indexer keys, DeepSeek-V4's running windows): every step's logits
+    equal the full forward's."""
     from minimoe.core.token_mixers.mixers import KVCache
     reference_model(variant_config(variant), tmp_path)
     model = minimoe.from_pretrained(tmp_path)
     ids, _ = batch(model)  # clear of routing and selection ties, unpadded too
-    if family_of(variant) in NO_GENERATION_CACHE:  # refused by name, before anything runs
-        with pytest.raises(NotImplementedError, match="has no generation cache"):
-            KVCache(model.config, ids.shape[0], ids.shape[1], model.dtype, ids.device)
-        return
     with torch.no_grad():
         full = model(ids).logits
         cache = KVCache(model.config, ids.shape[0], ids.shape[1], model.dtype, ids.device)  # the indexer's keys too
@@ -336,6 +331,20 @@ def test_hybrid_greedy_generation_with_the_state_cache_equals_full_forwards(vari
             for _ in range(6):
                 seq = torch.cat([seq, model(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
             assert torch.equal(tokens[r, -6:], seq[0, -6:]), r
+
+
+@pytest.mark.parametrize("variant", declared(COMPRESSED))
+def test_compressed_generation_equals_transformers_cached_generate(variant, tmp_path):
+    """DeepSeek-V4: 20 greedy tokens past a 9-token prompt, two rows, with our cache (compressed_attention.py's
+    CompressedSlot) and with transformers' (DeepseekV4HCACache, DeepseekV4CSACache) on its torch path, token for
+    token: windows of 4 (CSA) and 5 (HCA) and the sliding window of 6 crossed several times."""
+    from minimoe.core.decoder.generate import generate
+    ref = reference_model(variant_config(variant), tmp_path)
+    model = minimoe.from_pretrained(tmp_path)
+    ids = batch(model)[0][:2, :9]
+    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                        eos_token_id=None, pad_token_id=model.config.pad_token_id)
+    assert torch.equal(generate(model, ids, 20), want)
 
 
 def test_qwen3_next_loads_past_its_multi_token_prediction_keys(tmp_path):
