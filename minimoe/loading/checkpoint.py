@@ -23,7 +23,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from minimoe.atomic import atomic_directory
-from minimoe.core.decoder.families import Converted, family_of
+from minimoe.core.decoder.family_record import Converted, family_of
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM
 from minimoe.core.adaptation.quantized import pack, quantize_module, quantized_modules
 from minimoe.core.adaptation.quantized import require as require_quantization

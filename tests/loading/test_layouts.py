@@ -4,7 +4,7 @@ with the names there are."""
 import pytest
 import torch
 
-from minimoe.core.decoder.families import FAMILIES, Converted
+from minimoe.core.decoder.family_record import FAMILIES, Converted
 from minimoe.loading.layouts import LAYOUTS, layout_of
 
 
