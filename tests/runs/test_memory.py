@@ -41,7 +41,7 @@ def test_weight_figures_are_the_safetensors_sizes(tmp_path, family):
 
 def layer_bytes(folder) -> int:
     """The largest decoder layer's bytes, from the files' headers (FSDP gathers one, prefetches the next)."""
-    from minimoe.loading.checkpoint import WeightFile
+    from minimoe.loading.weight_file import WeightFile
     sizes = {}
     for file in folder.glob("*.safetensors"):
         for key, entry in WeightFile(file).entries.items():
