@@ -44,121 +44,36 @@ fails or is stopped writes its reason into the table and the rest go on (or stop
 - default: the default run's epoch (eager and --compile) and the scoring of the 500 SciQ test
   questions, on --default-model: its weights, or, for a folder holding only its config.json and
   tokenizer files (they travel; the 1.5 GB weights do not), random weights of its shape: timing only.
+
+This file holds the stages table, the small stages and main; what every stage shares is in gpu_common.py, the
+LoRA stages in gpu_lora.py, the nf4 stage in gpu_nf4.py, the default stage in gpu_default.py.
 """
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import resource
-import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
-import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
+from bench.gpu_common import (ROWS, SMOKE_WIDTHS, STREAM, Budget, Stopped, config, random_model, row,  # noqa: E402
+                              syncs, timed)
+from bench.gpu_default import default_run  # noqa: E402
+from bench.gpu_lora import lora_step, reference_holds  # noqa: E402
+from bench.gpu_nf4 import quantized_step  # noqa: E402
 from minimoe.core.layers.experts import GroupedLinear  # noqa: E402
 from minimoe.core.adaptation.lora import add_lora  # noqa: E402
-from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, compile_layers, init_weights  # noqa: E402
+from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights  # noqa: E402
 from minimoe.loading.checkpoint import from_pretrained, save_pretrained
-from minimoe.loading.config_json import config_from_dict  # noqa: E402
-
-ROWS: list[dict] = []
-STREAM: list[Path] = []  # the JSONL that every row is appended to as it is made (main sets it)
-SMOKE_WIDTHS = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
-                    num_experts=8, num_experts_per_tok=2)
-# The published widths that SMOKE_WIDTHS leaves wide, cut for the CPU (head_dim: hidden / heads, as above).
-SMOKE_EXTRA = dict(head_dim=16, dense_intermediate_size=48, kv_lora_rank=16, qk_nope_head_dim=16,
-                   qk_rope_head_dim=8, v_head_dim=16, shared_expert_intermediate_size=40,
-                   # the hybrids' mixers (Mamba-2's head width follows: 2 x 64 / 8; chunks shorter than the rows)
-                   mamba_n_heads=8, mamba_d_head="auto", mamba_d_state=16, mamba_chunk_size=16,
-                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
-                   # the 2026 families': the DSA indexer, MLA's q low rank, Gemma 4's global layers
-                   index_n_heads=4, index_head_dim=16, index_topk=16, q_lora_rank=32, global_head_dim=32,
-                   num_global_key_value_heads=1)
-
-
-def row(section, model, metric, minimoe=None, reference=None, ratio=None, note=""):
-    note = " ".join(str(note).split())  # an error's lines would break the table's row
-    ROWS.append(dict(section=section, model=model, metric=metric, minimoe=minimoe, reference=reference,
-                     ratio=ratio, note=note))
-    for path in STREAM:
-        with open(path, "a") as f:
-            f.write(json.dumps(ROWS[-1], default=str) + "\n")
-
-
-class Stopped(Exception):
-    """SIGTERM (a time limit outside the script): the table is written with what was measured."""
-
-
-class Budget:
-    def __init__(self, seconds: float):
-        self.end = time.monotonic() + seconds
-
-    def left(self) -> float:
-        return self.end - time.monotonic()
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn, device, steps: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def config(family: str, layers: int, smoke: bool) -> MoEConfig:
-    if family in common.OFFICIAL_NEW:  # config.json's names, read through the family's record
-        d = common.OFFICIAL_NEW[family]
-        kinds = {"layer_types": d["layer_types"][:layers]} if "layer_types" in d else {}  # a hybrid's first layers
-        c = config_from_dict({**d, "num_hidden_layers": layers, **kinds})
-        if not smoke:
-            return c
-        mla = {"num_key_value_heads": SMOKE_WIDTHS["num_attention_heads"]} if "mla" in c.mixers else {}  # one kv head each
-        if c.mixer_types:  # a hybrid's few smoke layers: each of its mixers once, in the order the full depth has them
-            every = list(dict.fromkeys(config_from_dict(dict(d)).mixer_types))
-            mla["mixer_types"] = (every * layers)[:layers]
-        flat = c.flat()  # the mixers' options by their flat names, as SMOKE_EXTRA's
-        if flat.get("n_group", 1) > 1:  # expert groups of two at the smoke run's 8 experts (DeepSeek-V3.2's 8 groups)
-            mla.update(n_group=4, topk_group=2)
-        return MoEConfig.from_flat({**flat, **SMOKE_WIDTHS, **mla, **{k: v for k, v in SMOKE_EXTRA.items() if flat.get(k)},
-                                    "extra": c.extra})
-    d = dict(common.OFFICIAL[family], num_hidden_layers=layers)
-    if smoke:
-        d.update(SMOKE_WIDTHS)
-    return MoEConfig(**d)
-
-
-def active_params(c: MoEConfig) -> int:
-    """N: parameters a token passes through: every weight but the embedding, the routed experts' banks
-    counted K / E (attention, norms, routers, shared experts, dense layers and the LM head whole, tied or not)."""
-    with torch.device("meta"):
-        model = MoEForCausalLM(c)
-    share = c.num_experts_per_tok / c.num_experts
-    return round(sum(p.numel() * (share if ".mlp.experts." in name else 1)
-                     for name, p in model.named_parameters(remove_duplicate=False) if "embed_tokens" not in name))
 
 
 # ----------------------------------------------------------------------------- sections
@@ -253,179 +168,6 @@ def training_step_syncs(device):
     syncs(step, device, "tiny TES all layers", "host syncs in one train.py optimizer step, logging included")
 
 
-def side_fns(side: str, folder, family: str, ids, device, donor=None):
-    """One side's model, loaded from `folder` with its LoRA: (forward, step) callables, AdamW in the step, and
-    the model. donor: a model already loaded whose equal frozen weights transformers' side adopts (adopt_equal)."""
-    from bench.lora_peft import peft_wrap
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
-    torch._dynamo.reset()  # each compiled side compiles afresh, its own settings
-    if side == "transformers + peft":
-        model = common.load_hf(Path(folder), torch.bfloat16, "sdpa")
-        if donor is not None:
-            adopt_equal(model, donor)
-        model = peft_wrap(model, family).to(device)
-        kw = {"use_cache": False}
-    else:
-        model = from_pretrained(folder, dtype=torch.bfloat16, device=device)
-        add_lora(model, rank=8, alpha=8, dropout=0.0, targets=("q", "k", "v", "experts"))
-        kw = {}
-        if side == "minimoe compiled":
-            compile_layers(model)
-        elif side == "minimoe compiled + CUDA graphs":  # static shapes here: inductor's CUDA graph trees
-            compile_layers(model, mode="reduce-overhead")
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    # CUDA graph trees reuse their output buffers from one replay to the next: each forward says a new step
-    # began (without it the H200 run failed: "accessing tensor output of CUDAGraphs that has been overwritten").
-    graphs = side == "minimoe compiled + CUDA graphs"
-    begin = torch.compiler.cudagraph_mark_step_begin if graphs else (lambda: None)
-
-    def forward():
-        begin()
-        with torch.no_grad(), autocast:
-            model(input_ids=ids, **kw)
-
-    def step():
-        begin()
-        with autocast:
-            logits = model(input_ids=ids, **kw).logits
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return forward, step, model
-
-
-def adopt_equal(model, donor) -> int:
-    """Make each frozen parameter of `model` that equals one of `donor`'s (shape, dtype and values) a view of the
-    donor's storage; returns the values shared. The CPU rows hold both sides at once: the same random weights
-    are then in memory once (a LoRA bank's view strides over its [W | s B] buffer; peft adds its delta to it,
-    a fresh tensor, whatever the strides)."""
-    frozen = {}
-    for q in donor.parameters():
-        if not q.requires_grad:
-            frozen.setdefault((tuple(q.shape), q.dtype), []).append(q)
-    shared = 0
-    for p in model.parameters():
-        same = next((q for q in frozen.get((tuple(p.shape), p.dtype), []) if torch.equal(p, q)), None)
-        if same is not None:
-            p.data, shared = same.data, shared + p.numel()
-    return shared
-
-
-def measure_side(side: str, folder, family: str, ids, device, steps: int, warmup: int, name: str) -> dict:
-    """One side's LoRA step and forward times, warm-up (compilation included) and peak memory."""
-    forward, step, _ = side_fns(side, folder, family, ids, device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    step_times = timed(step, device, steps, warmup)
-    first = time.perf_counter() - t0 - sum(step_times)  # the warm-up steps, compilation included
-    fwd_times = timed(forward, device, steps, 1)
-    memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-    if side == "minimoe":
-        syncs(step, device, name)
-    return dict(step=statistics.median(step_times), forward=statistics.median(fwd_times), memory=memory, warmup=first)
-
-
-def interleaved_sides(sides: list[str], folder, family: str, ids, device, steps: int, warmup: int) -> dict:
-    """On a CPU: every side's model held at once, their steps (then forwards) alternated one by one
-    (common.interleaved, the order rotating), so that a shared machine's slow spells hit all sides alike;
-    each side's median, and its per-round ratio to the reference (median, min, max) where both ran."""
-    fns = {}
-    for side in sides:  # minimoe's first: transformers' adopts its equal weights
-        donor = next((f[2] for s, f in fns.items() if s == "minimoe"), None)
-        fns[side] = side_fns(side, folder, family, ids, device, donor)
-    def shown(what, side, fn):  # a CPU's step at these widths takes many seconds on a shared machine: progress
-        def run():
-            t0 = time.perf_counter()
-            fn()
-            print(f"{family} {what}, {side}: {time.perf_counter() - t0:.2f} s", file=sys.stderr, flush=True)
-        return run
-    t0 = time.perf_counter()
-    steps_t = common.interleaved({s: shown("step", s, f[1]) for s, f in fns.items()}, rounds=steps, warmup=warmup)
-    first = time.perf_counter() - t0 - sum(map(sum, steps_t.times.values()))
-    fwd_t = common.interleaved({s: shown("forward", s, f[0]) for s, f in fns.items()}, rounds=steps, warmup=1)
-    ref = "transformers + peft"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak so far, GiB
-    return {side: dict(step=steps_t.median(side), forward=fwd_t.median(side), memory=None, warmup=first, rss=rss,
-                       rounds=steps_t.ratio(ref, side) if ref in fns and side != ref else None,
-                       fwd_rounds=fwd_t.ratio(ref, side) if ref in fns and side != ref else None)
-            for side in sides}
-
-
-def random_model(c: MoEConfig, device) -> MoEForCausalLM:
-    """Random bf16 weights of config c, drawn on the device (a CPU init of a 3B model takes minutes)."""
-    with torch.device(device):
-        model = MoEForCausalLM(c).to(torch.bfloat16)
-    return init_weights(model, generator=torch.Generator(device).manual_seed(0))
-
-
-def lora_step(device, family: str, layers: int, smoke: bool, peak: float, budget: Budget, sides: list[str]):
-    """The LoRA step of each of `sides` (minimoe eager, compiled, compiled with CUDA graphs; transformers +
-    peft), same random weights: on a GPU one side after the other (each its own peak memory), on a CPU
-    interleaved (interleaved_sides), the 2026 families at CPU_CUTS' widths."""
-    cpu = device.type == "cpu"
-    cut = cpu and not smoke and family in CPU_CUTS  # CPU_CUTS' widths
-    c = cpu_config(family) if cut else config(family, layers, smoke)
-    B, T = (2, 64) if smoke else CPU_BATCH if cpu else (8, 512)
-    steps, warmup = (2, 1) if smoke else (3, 1) if cpu else (8, 3)
-    ids = torch.randint(2, c.vocab_size, (B, T), generator=torch.Generator().manual_seed(5)).to(device)
-    name = f"{family} {c.num_hidden_layers}L" + (f" E{c.num_experts} V{c.vocab_size}" if cut else "")
-    with tempfile.TemporaryDirectory() as folder:
-        save_pretrained(random_model(c, device), folder)
-        results = {}
-        if cpu:  # both sides at once, interleaved step by step (a shared CPU); no per-side peak
-            results = interleaved_sides(sides, folder, family, ids, device, steps, warmup)
-        for side in sides if not cpu else ():
-            if budget.left() < 30:
-                row("lora", name, f"{side}: skipped", note="time budget spent")
-                continue
-            try:
-                results[side] = measure_side(side, folder, family, ids, device, steps, warmup, name)
-            except Exception as e:  # a side that fails (a compile error, say) must not lose the others
-                traceback.print_exc()
-                row("lora", name, f"{side}: failed", note=f"{type(e).__name__}: {str(e)[:200]}")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    tokens, N = B * T, active_params(c)
-    ref = results.get("transformers + peft")
-    for side, r in results.items():
-        speedup = ref["step"] / r["step"] if ref and side != "transformers + peft" else None
-        mfu6, mfu4 = 6 * N * tokens / r["step"] / peak, 4 * N * tokens / r["step"] / peak
-        rounds = (f"; per round {r['rounds'][0]:.2f}x [{r['rounds'][1]:.2f}-{r['rounds'][2]:.2f}], interleaved"
-                  if r.get("rounds") else "")
-        mfu = "" if cpu else f"MFU 6N {mfu6:.1%}, 4N {mfu4:.1%}; "  # a shared CPU's measured peak is not its own
-        row("lora", name, f"{side}: step s (B{B} x T{T})", r["step"], ref["step"] if ref else None, speedup,
-            note=f"{mfu}warm-up {r['warmup']:.1f} s"
-                 + (f"; peak {r['memory']:.1f} GiB" if r["memory"] is not None else "") + rounds
-                 + (f"; process peak RSS {r['rss']:.1f} GiB, the sides held at once" if r.get("rss") else ""))
-        fwd_ratio = ref["forward"] / r["forward"] if ref and side != "transformers + peft" else None
-        rounds = (f"per round {r['fwd_rounds'][0]:.2f}x [{r['fwd_rounds'][1]:.2f}-{r['fwd_rounds'][2]:.2f}]"
-                  if r.get("fwd_rounds") else "")
-        row("forward", name, f"{side}: forward s", r["forward"], ref["forward"] if ref else None, fwd_ratio, note=rounds)
-
-
-def syncs(step, device, name, metric="host syncs in one LoRA step"):
-    """Host syncs in one step: the dispatcher's view (HostSyncs, any device) and, on CUDA, torch's own
-    sync debug mode (which also sees copies to the host)."""
-    with common.HostSyncs(device.type if device.type != "cpu" else None) as seen:
-        step()
-    cuda_syncs = "-"
-    if device.type == "cuda":
-        sync(device)
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                step()
-            cuda_syncs = sum("synchroniz" in str(w.message) for w in caught)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    row("syncs", name, f"{metric} (dispatcher ops / CUDA sync debug mode)", f"{seen.total} / {cuda_syncs}",
-        note=json.dumps(seen.counts) if seen.counts else "")
-
-
 def bank_copies(device, smoke: bool):
     """Bytes one LoRA step (Granite widths, 1 layer, the GPU recipe) copies on tensors shaped like a bank
     (common.BankCopies: the logits' casts, larger than a bank at the real vocabulary, are not one)."""
@@ -440,119 +182,6 @@ def bank_copies(device, smoke: bool):
         model(ids).logits.float().logsumexp(-1).mean().backward()
     row("copies", "granitemoe 1L", "bytes copied on bank-shaped tensors in one LoRA step (rank 4)",
         sum(copies.bytes.values()), note="; ".join(copies.shapes))
-
-
-class PerExpertNF4:
-    """An NF4Weight dequantised as core/adaptation/quantized.py did before its whole-bank lookup: one torchao
-    NF4Tensor per expert matrix, `get_original_weight` in a Python loop. The same packed values."""
-
-    def __init__(self, packed):
-        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, SubclassTensorArgs
-        self.packed, self.shape = packed, packed.shape
-        rows, cols = packed.shape[-2:]
-        meta = SubclassTensorArgs(torch.Size((rows, cols)), (cols, 1), 0, packed.dtype, packed.device, False)
-        table = packed.pairs[:16, 1]  # byte b's low nibble is b for b < 16: the 16 levels
-        blocks = rows * cols // 64
-        self.parts = [NF4Tensor(meta, 64, blocks, blocks // packed.factors.shape[1], packed.scalers[e],
-                                packed.factors[e], packed.means[e], packed.codes[e], table)
-                      for e in range(packed.codes.shape[0])]
-
-    def dequantize_into(self, out):
-        for o, q in zip(out.unsqueeze(0) if out.dim() == 2 else out, self.parts):
-            o.copy_(q.get_original_weight())
-        return out
-
-
-def base_forms(model) -> dict:
-    """Each packed module of `model` (quantize_model, then add_lora: what --quantize nf4 builds) -> its packed base
-    in the two forms the nf4 stage times beside bf16: "nf4" (the NF4Weight, dequantised a bank at a time) and "nf4
-    per expert" (`PerExpertNF4` on the same packed values). One model whose bases are swapped between steps
-    (use_base), not three models (at 128 experts three one-layer models did not fit a CPU's run)."""
-    from minimoe.core.adaptation.quantized import is_quantized
-    return {m: {"nf4": m.packed, "nf4 per expert": PerExpertNF4(m.packed)} for m in model.modules() if is_quantized(m)}
-
-
-def use_base(forms: dict, side: str):
-    """Give every module of `forms` (base_forms) its base in form `side`: "bf16", a plain frozen parameter holding
-    the packed weights dequantised (for a LoRA bank, the view of its [W | s B] buffer), made here and dropped
-    when a packed form comes back, so that the bf16 copy is resident during the bf16 steps only; or a packed form,
-    swapped in by attribute."""
-    from minimoe.core.adaptation.quantized import is_quantized, quantize_module
-    for m, form in forms.items():
-        if side == "bf16":
-            if not is_quantized(m):
-                continue
-            packed, dtype, k = form["nf4"], m.weight.dtype, getattr(m, "k", 0)
-            stacked = torch.zeros(*packed.shape[:-1], packed.shape[-1] + k, dtype=dtype, device=m.weight.device)
-            weight = packed.dequantize_into(stacked[..., :packed.shape[-1]])
-            del m.weight, m.packed
-            m.__class__ = type(m).__bases__[1]  # the class quantize_module mixed Dequantizing into
-            m.weight = nn.Parameter(weight, requires_grad=False)
-            if k:
-                m.stacked = stacked
-        else:
-            if not is_quantized(m):
-                quantize_module(m, form["nf4"])  # drops the bf16 parameter
-            m.packed = form[side]
-
-
-def quantized_step(device, smoke: bool, layers: int = 8, vocab: int | None = None, batch: tuple[int, int] = (8, 512),
-                   steps: int = 5):
-    """One LoRA step at `layers` layers of Qwen3-30B-A3B's widths, all 128 experts (the GPU recipe: bf16 under
-    autocast, rank 8 on q, k, v and the experts, dropout 0, AdamW), its base in bf16 and the same weights
-    packed in NF4 (--quantize nf4, core/adaptation/quantized.py), dequantised a bank at a time (now) and one expert at a
-    time with torchao (`PerExpertNF4`, before): median step time of each, the three interleaved step by step
-    (a loaded machine slows all alike) on one model whose bases are swapped (`base_forms`), and on CUDA each
-    step's peak memory above what was allocated before it. vocab: a smaller vocabulary (a CPU's memory).
-    batch: (B, T)."""
-    from minimoe.core.adaptation.quantized import packed_bytes, quantize_model
-    layers = 1 if smoke else layers
-    c = config("qwen3_moe", layers, smoke)
-    if vocab:
-        c = replace(c, vocab_size=vocab)
-    B, T = (2, 64) if smoke else batch
-    steps, warmup = (2, 1) if smoke else (steps, 1)
-    ids = torch.randint(2, c.vocab_size, (B, T), generator=torch.Generator().manual_seed(5)).to(device)
-    name = f"qwen3_moe {layers}L E{c.num_experts}" + (f" V{vocab}" if vocab else "")
-    model = add_lora(quantize_model(random_model(c, device), "nf4"), rank=8, dropout=0.0,
-                     targets=["q", "k", "v", "experts"]).train()
-    forms = base_forms(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    dense = sum(math.prod(m.weight.shape) * m.weight.element_size() for m in forms) / 2**30
-    packed = packed_bytes(model) / 2**30
-
-    def step():
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(ids).logits.float().logsumexp(-1).mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    sides = ("bf16", "nf4", "nf4 per expert")
-    times, peaks = {side: [] for side in sides}, {side: 0.0 for side in sides}
-    for i in range(warmup + steps):
-        for side in sides:
-            use_base(forms, side)  # untimed: the bf16 form is dequantised here
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-                before = torch.cuda.memory_allocated(device)
-            t = timed(step, device, 1, 0)[0]
-            print(f"nf4 stage: round {i} ({'warm-up' if i < warmup else 'timed'}), {side}: {t:.2f} s",
-                  file=sys.stderr, flush=True)  # a CPU's round takes minutes: progress
-            if i >= warmup:
-                times[side].append(t)
-            if device.type == "cuda":
-                peaks[side] = max(peaks[side], (torch.cuda.max_memory_allocated(device) - before) / 2**30)
-    t16 = statistics.median(times["bf16"])
-    for side in ("nf4", "nf4 per expert"):
-        t4 = statistics.median(times[side])
-        ratios = sorted(b / a for a, b in zip(times["bf16"], times[side]))  # per round: this side over bf16
-        peak = (f"; step peak above resident {peaks[side]:.2f} GiB against {peaks['bf16']:.2f} GiB"
-                if device.type == "cuda" else "")
-        row("nf4", name, f"LoRA step s, {side} base (B{B} x T{T})", t4, t16, t16 / t4,
-            note=f"reference: the bf16 base, interleaved, one model; {side} / bf16 per round "
-                 f"{statistics.median(ratios):.2f} [{ratios[0]:.2f}-{ratios[-1]:.2f}], {steps} rounds; "
-                 f"base weights {dense:.2f} GiB bf16, {packed:.2f} GiB packed{peak}")
 
 
 def attention_backends(device, smoke: bool):
@@ -585,54 +214,6 @@ def attention_backends(device, smoke: bool):
     run = lambda: masks.flex(True)(q, k, v, block_mask=mask, enable_gqa=True).sum().backward()  # noqa: E731
     t = statistics.median(timed(run, device, steps=10, warmup=2))
     row("attention", f"B{B} H{H} G{G} T{T} d{d}", "flex packed block mask: fwd+bwd s", t, note="compiled flex_attention")
-
-
-def default_model(folder: Path, device) -> tuple[Path, str]:
-    """The default model's folder, or for one holding only config.json and tokenizer files, a temporary
-    folder with random weights of its shape beside a copy of them (timing only)."""
-    if any(folder.glob("*.safetensors")):
-        return folder, "trained weights"
-    from minimoe.loading.config_json import read_config
-    out = Path(tempfile.mkdtemp())
-    save_pretrained(random_model(read_config(folder), device), out)
-    for f in folder.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, out / f.name)
-    return out, "random weights of its shape (timing only)"
-
-
-def default_run(device, folder: Path, budget: Budget):
-    """The default run's epoch (train.py, the step seconds in metrics.jsonl) and the scoring of the 500
-    SciQ test questions, on the default model."""
-    folder, weights = default_model(folder, device)
-    row("default run", folder.name, "weights", note=weights)
-    from minimoe import load_tokenizer
-    from minimoe.data.benchmarks import load_split
-    from minimoe.evaluation.accuracy import evaluate_split
-    examples = load_split("sciq", "test", data_dir=Path(tempfile.mkdtemp()) / "splits")
-    model = from_pretrained(folder, dtype=torch.bfloat16).to(device)
-    tokenizer = load_tokenizer(folder)
-    score = lambda: evaluate_split(model, tokenizer, examples, batch_size=64, device=device, diagnostics=False)  # noqa: E731
-    times = timed(score, device, steps=3, warmup=1)
-    row("default run", folder.name, f"score {len(examples)} SciQ test questions, s", statistics.median(times),
-        note="bf16, batch 64; target <= 2 s")
-    model = None  # free the GPU for train.py
-    for flags in ([], ["--compile"]):
-        if budget.left() < 90:
-            row("default run", folder.name, f"epoch {' '.join(flags)}: skipped", note="time budget spent")
-            continue
-        with tempfile.TemporaryDirectory() as out:
-            cmd = [sys.executable, str(Path(__file__).resolve().parents[1] / "train.py"), "--model", str(folder),
-                   "--data", "sciq", "--epochs", "1", "--no-zero-shot", "--no-test-eval", "--quiet",
-                   "--device", str(device), "--out-dir", out, "--run-name", "r", *flags]
-            t0 = time.perf_counter()
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(60, budget.left()))
-            if proc.returncode:
-                raise RuntimeError(f"train.py {' '.join(flags)} failed: {proc.stderr[-1500:]}")
-            steps = [json.loads(line) for line in open(Path(out) / "r" / "metrics.jsonl")]
-            epoch = sum(r["seconds"] for r in steps if r["kind"] == "step")
-            row("default run", folder.name, f"epoch s (sum of step seconds) {' '.join(flags)}".strip(), epoch,
-                note=f"process wall {time.perf_counter() - t0:.0f} s; target <= 5 s")
 
 
 def baseline_steps(device, smoke: bool):
@@ -700,20 +281,6 @@ LORA_STAGES = {"granite8": ("granitemoe", 8), "olmoe8": ("olmoe", 8), "granite32
                "granite4h": ("granitemoehybrid", 8), "qwen3next": ("qwen3_next", 8),
                # the 2026 families (transformers 5 only): DeepSeek-V3.2 at 4 layers, its first 3 dense, 1 of 256 experts
                "qwen35": ("qwen3_5_moe", 8), "deepseek32": ("deepseek_v32", 4), "gemma4": ("gemma4_text", 8)}
-# On a CPU (not --smoke) the 2026 stages time both sides in one process at the published hidden, head and expert
-# widths, cut to what both models held at once fit in a few GB (transformers + peft adds an fp32 delta the size of
-# each fused bank, and keeps it for backward): 2 layers, one of each attention kind, fewer experts (top-8 kept),
-# a 2048-token vocabulary, batch 1 x 128. DeepSeek-V3.2 at hidden 7168: one MoE layer of 8 experts, routed ungrouped
-# (its 8 groups of top-4 need 16 experts or more for top-8, 1.9 GB of fp32 delta a bank on peft's side).
-CPU_CUTS = {"qwen3_5_moe": dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_experts=64),
-            "deepseek_v32": dict(num_hidden_layers=1, first_k_dense_replace=0, n_routed_experts=8, n_group=1,
-                                 topk_group=1),
-            "gemma4_text": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], num_experts=32)}
-CPU_BATCH, CPU_VOCAB = (1, 128), 2048
-
-
-def cpu_config(family: str) -> MoEConfig:
-    return config_from_dict({**common.OFFICIAL_NEW[family], **CPU_CUTS[family], "vocab_size": CPU_VOCAB})
 
 
 SMOKE_LAYERS = {"deepseek32": 4}  # a stage whose smoke run needs more than 2 layers (DeepSeek-V3.2: an MoE layer)
@@ -721,19 +288,6 @@ SMOKE_LAYERS = {"deepseek32": 4}  # a stage whose smoke run needs more than 2 la
 
 # The nf4 stage: on a GPU 8 layers at the recipe's batch; on a CPU one layer, a 2048-token vocabulary, 1 x 128.
 NF4_STAGE = {True: dict(layers=8), False: dict(layers=1, vocab=2048, batch=(1, 128), steps=5)}
-
-
-def reference_holds(family: str) -> bool:
-    """Whether the installed transformers builds `family` (the 2026 families: transformers 5, the test5 extra); where
-    it does not, the stage times minimoe alone and says why."""
-    try:
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    except ImportError:
-        CONFIG_MAPPING_NAMES = {}
-    held = common.OFFICIAL_NEW.get(family, {}).get("model_type", family) in CONFIG_MAPPING_NAMES
-    if not held:
-        row("lora", family, "transformers + peft: skipped", note="needs transformers 5 (pip install -e '.[test5]')")
-    return held
 
 
 def stages(names: list[str], device, args, peak: float, budget: Budget) -> list:

@@ -116,19 +116,19 @@ def test_gpu_benchmark_default_stage_makes_random_weights_of_the_default_models_
     import shutil
     from dataclasses import replace
 
-    from bench import gpu
+    from bench.gpu_default import default_model
     from minimoe import load_tokenizer
     from minimoe.making.tiny import tiny_checkpoint
     light = tmp_path / "light"
     light.mkdir()
     for name in ("config.json", "tokenizer.json"):
         shutil.copy(tiny_checkpoint() / name, light / name)
-    folder, weights = gpu.default_model(light, torch.device("cpu"))
+    folder, weights = default_model(light, torch.device("cpu"))
     assert weights.startswith("random") and folder != light
     model = from_pretrained(folder)
     assert replace(model.config, torch_dtype=None) == replace(from_pretrained(tiny_checkpoint()).config, torch_dtype=None)
     assert load_tokenizer(folder).encode("a question") == load_tokenizer(tiny_checkpoint()).encode("a question")
-    assert gpu.default_model(tiny_checkpoint(), torch.device("cpu")) == (tiny_checkpoint(), "trained weights")
+    assert default_model(tiny_checkpoint(), torch.device("cpu")) == (tiny_checkpoint(), "trained weights")
 
 
 def test_chat_step_benchmark_times_packed_against_one_example_a_row(tmp_path, monkeypatch):
@@ -167,16 +167,18 @@ def test_gpu_benchmark_nf4_stage_swaps_one_models_base_between_the_three_forms(t
     dequantised), and the stage's rows."""
     pytest.importorskip("torchao")
     from bench import gpu
+    from bench.gpu_common import config, random_model
+    from bench.gpu_nf4 import PerExpertNF4, base_forms, use_base
     from minimoe.core.adaptation.lora import add_lora
     from minimoe.core.adaptation.quantized import NF4Weight, is_quantized, quantize_model
-    model = add_lora(quantize_model(gpu.random_model(gpu.config("qwen3_moe", 1, True), torch.device("cpu")), "nf4"),
+    model = add_lora(quantize_model(random_model(config("qwen3_moe", 1, True), torch.device("cpu")), "nf4"),
                      rank=4, dropout=0.0, targets=["q", "k", "v", "experts"]).eval()
-    forms = gpu.base_forms(model)
+    forms = base_forms(model)
     assert len(forms) == 6  # q, k, v, o and the two banks
     ids = torch.randint(2, 500, (1, 16), generator=torch.Generator().manual_seed(0))
     logits = {}
-    for side, kind in (("bf16", None), ("nf4", NF4Weight), ("nf4 per expert", gpu.PerExpertNF4), ("bf16", None)):
-        gpu.use_base(forms, side)
+    for side, kind in (("bf16", None), ("nf4", NF4Weight), ("nf4 per expert", PerExpertNF4), ("bf16", None)):
+        use_base(forms, side)
         assert all(is_quantized(m) == (kind is not None) and (kind is None or type(m.packed) is kind) for m in forms)
         banks = [m for m in forms if hasattr(m, "k")]
         assert all((m.stacked is not None) == (kind is None) for m in banks)

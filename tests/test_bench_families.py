@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from bench import common, gpu
+from bench.gpu_common import active_params, config, random_model
+from bench.gpu_lora import CPU_CUTS, CPU_VOCAB, adopt_equal, cpu_config
 from tests.conftest import transformers_major
 from minimoe.core.decoder.model import MoEForCausalLM
 
@@ -31,8 +33,8 @@ def test_todays_family_stages_time_both_sides_in_smoke_mode(stages, models, tmp_
 ])
 def test_the_hybrid_stages_time_both_mixers(family, real, smoke):
     """8 real-width layers hold both of the hybrid's mixers, and so do the smoke mode's 2 layers."""
-    assert gpu.config(family, 8, smoke=False).mixer_types == real
-    assert gpu.config(family, 2, smoke=True).mixer_types == smoke
+    assert config(family, 8, smoke=False).mixer_types == real
+    assert config(family, 2, smoke=True).mixer_types == smoke
 
 
 def test_qwen3_next_widths_are_transformers_config_defaults():
@@ -48,13 +50,13 @@ def test_qwen3_next_widths_are_transformers_config_defaults():
     ("deepseek_v3", 27, 16.0, 3.0),  # Moonlight-16B-A3B's: 16B in total, 3B activated
 ])
 def test_the_real_widths_give_the_published_parameter_counts(family, layers, total, active):
-    c = gpu.config(family, layers, smoke=False)
+    c = config(family, layers, smoke=False)
     with torch.device("meta"):
         n = sum(p.numel() for p in MoEForCausalLM(c).parameters())
     assert round(n / 1e9, 1) == total
     # the cards' activated count: the active parameters and the embedding (3.35B and 2.92B here)
-    assert (gpu.active_params(c) + c.vocab_size * c.hidden_size) / 1e9 == pytest.approx(active, abs=0.1)
-    assert gpu.config(family, 8, smoke=False).num_hidden_layers == 8
+    assert (active_params(c) + c.vocab_size * c.hidden_size) / 1e9 == pytest.approx(active, abs=0.1)
+    assert config(family, 8, smoke=False).num_hidden_layers == 8
 
 
 @pytest.mark.parametrize("family, layers, billions", [
@@ -64,7 +66,7 @@ def test_the_real_widths_give_the_published_parameter_counts(family, layers, tot
 def test_the_hybrids_real_widths_give_the_published_totals(family, layers, billions):
     """Only the totals: the cards round the activated count (1B, 3B) and do not say what it counts."""
     with torch.device("meta"):
-        n = sum(p.numel() for p in MoEForCausalLM(gpu.config(family, layers, smoke=False)).parameters())
+        n = sum(p.numel() for p in MoEForCausalLM(config(family, layers, smoke=False)).parameters())
     assert round(n / 1e9) == billions
 
 
@@ -76,7 +78,7 @@ def test_peft_adapts_what_minimoe_adapts(family, tmp_path):
     from bench.lora_peft import peft_wrap
     from minimoe.core.adaptation.lora import add_lora
     from minimoe.loading.checkpoint import from_pretrained, save_pretrained
-    save_pretrained(gpu.random_model(gpu.config(family, 2, smoke=True), torch.device("cpu")), tmp_path)
+    save_pretrained(random_model(config(family, 2, smoke=True), torch.device("cpu")), tmp_path)
     theirs = peft_wrap(common.load_hf(tmp_path, torch.float32), family)
     ours = from_pretrained(tmp_path)
     add_lora(ours, rank=8, alpha=8, dropout=0.0, targets=("q", "k", "v", "experts"))
@@ -120,15 +122,15 @@ def test_the_2026_family_stages_time_both_sides_under_transformers_5(tmp_path, m
     assert len(ours) == 3 and all("interleaved" in r["note"] for r in ours), ours  # the CPU's path: one process
 
 
-@pytest.mark.parametrize("family", sorted(gpu.CPU_CUTS))
+@pytest.mark.parametrize("family", sorted(CPU_CUTS))
 def test_the_cpu_rows_keep_the_published_widths(family):
     """The 2026 stages' CPU widths: hidden, expert and attention widths and top-k as published; each attention kind
     once (Qwen3.5's DeltaNet and gated attention, Gemma 4's sliding and global layers), fewer experts, no dense
     layer (DeepSeek-V3.2's one layer is its MoE)."""
-    cut, full = gpu.cpu_config(family), gpu.config(family, 8, smoke=False)
+    cut, full = cpu_config(family), config(family, 8, smoke=False)
     same = ("hidden_size", "intermediate_size", "num_experts_per_tok", "num_attention_heads", "head_dim")
     assert {k: getattr(cut, k) for k in same} == {k: getattr(full, k) for k in same}
-    assert cut.num_experts < full.num_experts and cut.vocab_size == gpu.CPU_VOCAB and cut.num_hidden_layers <= 2
+    assert cut.num_experts < full.num_experts and cut.vocab_size == CPU_VOCAB and cut.num_hidden_layers <= 2
     kinds = lambda c: set(c.mixer_types or c.flat().get("layer_types") or ["one"])  # noqa: E731
     assert kinds(cut) == kinds(full) and cut.flat()["mlp_only_layers"] == []
 
@@ -140,8 +142,8 @@ def test_adopt_equal_shares_the_storage_of_equal_frozen_weights_only():
     donor, model = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
     donor.requires_grad_(False)
     model.weight.data.copy_(donor.weight)
-    assert gpu.adopt_equal(model, donor) == 64  # the weight, not the bias (different values)
+    assert adopt_equal(model, donor) == 64  # the weight, not the bias (different values)
     assert model.weight.data_ptr() == donor.weight.data_ptr() and model.bias.data_ptr() != donor.bias.data_ptr()
     donor.bias.requires_grad_(True)
     model.bias.data.copy_(donor.bias)
-    assert gpu.adopt_equal(model, donor) == 64  # a trained bias is not shared
+    assert adopt_equal(model, donor) == 64  # a trained bias is not shared

@@ -271,7 +271,7 @@ def test_the_package_descriptions_name_every_family():
     (issue 47): each must name every registered family, by a name sweep.py would recognise (its name_hints)."""
     import configparser
     import minimoe
-    from minimoe.core.decoder.families import FAMILIES
+    from minimoe.core.decoder.family_record import FAMILIES
     cfg = configparser.ConfigParser()
     cfg.read(REPO / "setup.cfg")
     for where, text in (("setup.cfg", cfg["metadata"]["description"]), ("minimoe/__init__.py", minimoe.__doc__)):

@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 import minimoe
 import tests.tiny_families as tiny_families
 from minimoe.cli import evaluate, sweep, train
-from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.family_record import FAMILIES
 from minimoe.loading.config_json import read_config
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.study.grid import guess_recipe

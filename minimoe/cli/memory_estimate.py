@@ -8,7 +8,7 @@ import torch
 
 import minimoe.runs.memory as memory_module
 from minimoe.cli import is_tiny, model_path, run_command
-from minimoe.core.decoder.families import family_of
+from minimoe.core.decoder.family_record import family_of
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.loading.checkpoint import DTYPES
 from minimoe.runs.memory import Estimate, estimate, hub_weights, model_config, stored_weights, table

@@ -77,7 +77,7 @@ from safetensors.torch import load_file, save_file
 from minimoe.atomic import atomic_directory
 from minimoe.core.adaptation.lora import lora_modules
 from minimoe.core.adaptation.quantized import dequantize_model
-from minimoe.core.decoder.families import Converted, family_of
+from minimoe.core.decoder.family_record import Converted, family_of
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.core.routing_methods.methods import Method
 from minimoe.core.routing_methods.routing import moe_blocks

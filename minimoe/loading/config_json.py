@@ -8,7 +8,7 @@ import copy
 import json
 from pathlib import Path
 
-from minimoe.core.decoder.families import CONFIG_FIELDS, FAMILIES, family_of
+from minimoe.core.decoder.family_record import CONFIG_FIELDS, FAMILIES, family_of
 from minimoe.core.decoder.model_config import MoEConfig, config_field_names
 from minimoe.loading.config_keys import from_transformers5, refuse_unread
 

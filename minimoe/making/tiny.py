@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from minimoe.core.decoder.families import FAMILIES, Converted, family_of
+from minimoe.core.decoder.family_record import FAMILIES, Converted, family_of
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, init_weights
 from minimoe.data.benchmarks import EOS_TOKEN, PAD_TOKEN, load_examples, train_tokenizer
 from minimoe.loading.checkpoint import atomic_directory, checkpoint_layout, write_checkpoint

@@ -11,7 +11,7 @@ import torch
 
 from minimoe.core.adaptation.lora import add_lora, lora_modules
 from minimoe.core.adaptation.quantized import NF4_BLOCK, quantized_modules, torchao_module
-from minimoe.core.decoder.families import FAMILIES, family_of
+from minimoe.core.decoder.family_record import FAMILIES, family_of
 from minimoe.core.routing_methods.methods import set_router
 from minimoe.runs.config import TrainConfig
 

@@ -6,7 +6,7 @@ Recipe decisions (paper, Experimental Configuration table):
   5000), so that steps per epoch are the paper's 125/312 (Granite, 16 per step) and 250/625
   (OLMoE, 8 per step). A count that does not divide keeps its partial last step: every example is
   seen once per epoch (`steps_per_epoch`, a ceiling).
-- A recipe holds no family's facts: LoRA's targets are the model's family's (families.Family.lora_targets,
+- A recipe holds no family's facts: LoRA's targets are the model's family's (family_record.Family.lora_targets,
   the paper's Q/K/V for Granite and Q/K/V/O for OLMoE, plus the routed experts), so one recipe trains every
   family that names it (the hybrids' targets take in their recurrent layers) and --recipe changes the
   optimisation, never what is adapted (--lora-targets does).

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
-from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.family_record import FAMILIES
 from minimoe.core.routing_methods.methods import ALIASES, METHODS, Method
 from minimoe.data.userdata import data_kind
 from minimoe.evaluation.diagnostics import PAPER_SEEDS
@@ -154,7 +154,7 @@ def row_settings(row: str) -> dict:
 
 
 def guess_recipe(model: str) -> str | None:
-    """The family's recipe (families.Family.recipe): from a local folder's config.json, else from a hub id or
+    """The family's recipe (family_record.Family.recipe): from a local folder's config.json, else from a hub id or
     folder name holding one of a family's `name_hints` (the longest that matches); None leaves it to train.py, which reads the
     checkpoint's model_type (never a default family's recipe)."""
     config = Path(model) / "config.json"

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from minimoe.core.decoder.families import family_of
+from minimoe.core.decoder.family_record import family_of
 from minimoe.cli import evaluate, export, train
 from minimoe.loading.checkpoint import from_pretrained
 from minimoe.making.tiny import FAMILY_SWITCHES, tiny_checkpoint

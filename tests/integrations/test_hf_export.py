@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from tests.conftest import tiny_model, transformers_major
 from minimoe.cli.export import main
 from minimoe.core.adaptation.lora import LoRAGroupedLinear, add_lora
-from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.family_record import FAMILIES
 from minimoe.core.routing_methods.methods import set_router
 from minimoe.core.routing_methods.routing import moe_blocks
 from minimoe.integrations.hf_export import export_merged, export_peft

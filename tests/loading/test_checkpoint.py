@@ -9,7 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import minimoe
-from minimoe.loading.checkpoint import WeightFile, checkpoint_tensors, save_pretrained
+from minimoe.loading.checkpoint import checkpoint_tensors, save_pretrained
+from minimoe.loading.weight_file import WeightFile
 from minimoe.loading.hub import HUB_FILES, resolve_checkpoint
 from tests.conftest import oracle, tiny_model
 

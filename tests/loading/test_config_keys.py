@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import minimoe
-from minimoe.core.decoder.families import CONFIG_FIELDS, FAMILIES
+from minimoe.core.decoder.family_record import CONFIG_FIELDS, FAMILIES
 from minimoe.loading.config_json import config_from_dict, config_to_dict
 from minimoe.loading.config_keys import HARMLESS, UNREAD
 from tests.conftest import TRANSFORMERS_5_ONLY, oracle, tiny_config

@@ -7,7 +7,7 @@ import torch
 pytest.importorskip("transformers")  # the oracle: a plain install skips these tests
 
 from minimoe.core.layers.clamped_experts import ClampedSwiGLUExperts
-from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.family_record import FAMILIES
 from minimoe.loading.checkpoint import from_mxfp4
 from minimoe.loading.layouts import layout_of
 from tests.core.layers.test_clamped_experts import from_interleaved, reference as clamped_reference

@@ -4,7 +4,7 @@ with the names there are."""
 import pytest
 import torch
 
-from minimoe.core.decoder.families import FAMILIES, Converted
+from minimoe.core.decoder.family_record import FAMILIES, Converted
 from minimoe.loading.layouts import LAYOUTS, layout_of
 
 
@@ -33,7 +33,7 @@ def test_a_fused_bank_under_another_prefix_reads_as_its_per_expert_matrices(tmp_
     model.language_model. reads, through WeightFile's plain reads of byte ranges, as each expert's gate rows and up
     rows under model.; other keys keep theirs; a bank whose rows do not split evenly is refused, naming its key."""
     from safetensors.torch import save_file
-    from minimoe.loading.checkpoint import SAFETENSORS_DTYPES, WeightFile
+    from minimoe.loading.weight_file import SAFETENSORS_DTYPES, WeightFile
     from minimoe.loading.layouts import as_our_keys
     bank, disk = torch.randn(3, 8, 5).to(torch.bfloat16), "model.language_model.layers.1.mlp.experts.gate_up_proj"
     save_file({disk: bank, "lm_head.weight": torch.randn(2, 5)}, tmp_path / "m.safetensors")

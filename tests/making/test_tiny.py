@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import minimoe
-from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.family_record import FAMILIES
 from minimoe.loading.config_json import read_config
 from minimoe.making.tiny import FAMILY_SWITCHES, build_tiny_checkpoint, tiny_checkpoint, tiny_model_type
 

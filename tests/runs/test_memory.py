@@ -41,7 +41,7 @@ def test_weight_figures_are_the_safetensors_sizes(tmp_path, family):
 
 def layer_bytes(folder) -> int:
     """The largest decoder layer's bytes, from the files' headers (FSDP gathers one, prefetches the next)."""
-    from minimoe.loading.checkpoint import WeightFile
+    from minimoe.loading.weight_file import WeightFile
     sizes = {}
     for file in folder.glob("*.safetensors"):
         for key, entry in WeightFile(file).entries.items():
@@ -83,7 +83,7 @@ def test_lora_figures_count_the_trainable_parameters(tmp_path):
 def test_the_recipe_is_the_familys_own(tmp_path, family):
     """Without --recipe the estimate takes the family record's recipe, as train.py does, and LoRA on the
     family's own targets whatever the recipe: gpt-oss trains Granite's targets (no o_proj), OLMoE O too."""
-    from minimoe.core.decoder.families import family_of
+    from minimoe.core.decoder.family_record import family_of
     from minimoe.core.adaptation.lora import add_lora
     save_pretrained(tiny_model(family), tmp_path / "m")
     recipe = family_of(family).recipe

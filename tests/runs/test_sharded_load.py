@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from minimoe.core.adaptation.quantized import is_quantized
 from minimoe.core.adaptation.sharded_nf4 import NF4Records, records_of
-from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.family_record import FAMILIES
 from minimoe.core.decoder.model import MoEForCausalLM
 from minimoe.loading.checkpoint import checkpoint_layout, from_pretrained, save_pretrained
 from minimoe.runs import memory

@@ -66,7 +66,7 @@ from torch.distributed.tensor import DTensor
 
 from minimoe.core.layers import cpu_memory
 from minimoe.core.layers.experts import GroupedLinear, _grouped_mm_applies, expert_matmul, matmul_dtype
-from minimoe.core.decoder.families import family_of
+from minimoe.core.decoder.family_record import family_of
 from minimoe.core.decoder.model import MoEForCausalLM, scaled
 from minimoe.core.adaptation.quantized import carry_quantization
 from minimoe.core.routing_methods.routing import set_routing_trainable

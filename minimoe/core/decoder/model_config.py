@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
 
-from minimoe.core.decoder.families import family_of
+from minimoe.core.decoder.family_record import family_of
 from minimoe.core.layers.mlp import ACTIVATIONS
 from minimoe.core.layers.rope import layer_type_frequencies, rope_type
 from minimoe.core.routing_methods.routing import SCORE_FUNCS, TOPK_METHODS
@@ -17,7 +17,7 @@ from minimoe.core.token_mixers.mixers import FEED_FORWARD, MIXERS, flat_mixer_ty
 
 @dataclass
 class MoEConfig:
-    model_type: str  # a families.FAMILIES key; the family fixes some switches below (Family.fixed)
+    model_type: str  # a family_record.FAMILIES key; the family fixes some switches below (Family.fixed)
     vocab_size: int
     hidden_size: int  # D
     intermediate_size: int  # I, width of one expert

@@ -9,7 +9,8 @@ import pytest
 
 from tests.conftest import tiny_config
 from minimoe.cli.train import check_quantization, parse_args, resolve_config
-from minimoe.core.decoder.families import CONFIG_FIELDS, FAMILIES, REQUIRED, Family, family_of, register_family
+from minimoe.core.decoder.family_record import (CONFIG_FIELDS, FAMILIES, REQUIRED, Family, family_of,
+                                                register_family)
 from minimoe.core.adaptation.lora import TARGETS, resolve_targets
 from minimoe.core.decoder.model import MoEConfig, MoEForCausalLM, config_field_names
 from minimoe.loading.checkpoint import tensor_names

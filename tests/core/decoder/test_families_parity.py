@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import minimoe
-from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.family_record import FAMILIES
 from minimoe.core.adaptation.lora import add_lora, merge_lora
 from minimoe.core.routing_methods.methods import METHODS, set_router
 from minimoe.loading.checkpoint import checkpoint_layout, model_tensor, to_disk_layout

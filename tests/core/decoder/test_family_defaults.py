@@ -5,7 +5,7 @@ default (DeepSeek-V3's routed_scaling_factor 2.5, OLMoE's rms_norm_eps 1e-5, ...
 import pytest
 
 from tests.conftest import TRANSFORMERS_5_ONLY, by_oracle, oracle, tiny_config
-from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.family_record import FAMILIES
 from minimoe.loading.config_json import REQUIRED_FIELDS, config_from_dict, config_to_dict
 from minimoe.loading.config_keys import rope_fields
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import minimoe
 import minimoe.core.layers.experts as mm
 import minimoe.core.decoder.model as model_module
-from minimoe.core.decoder.families import family_of
+from minimoe.core.decoder.family_record import family_of
 from minimoe.core.layers import cpu_memory
 from minimoe.core.task.choices import forward_choices, make_choice_batch
 from minimoe.core.routing_methods.objectives import load_balancing_loss

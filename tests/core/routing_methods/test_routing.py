@@ -17,7 +17,7 @@ from minimoe.core.routing_methods.objectives import itakura_saito, supervision_l
 from minimoe.core.routing_methods.routing import (ConcentrationRouter, DualAffinityRouter, NativeRouter, Routing, Scoring, TokenErrorRouter,
                                   attenuate, concentration, native_concentration, resolve_layers, select_topk)
 
-# The routings the tests run under (not core's families.FAMILIES): Granite's softmax over the K, OLMoE's
+# The routings the tests run under (not core's family_record.FAMILIES): Granite's softmax over the K, OLMoE's
 # softmax then top-K without and with norm_topk_prob.
 CONFIGS = {
     "granite": dict(model_type="granitemoe", tie_word_embeddings=True, embedding_multiplier=12.0,

@@ -9,7 +9,7 @@ import pytest
 from tests.conftest import tiny_config
 from minimoe.core.token_mixers.attention import AttentionConfig
 from minimoe.core.token_mixers.deltanet import DeltaNetConfig
-from minimoe.core.decoder.families import FAMILIES
+from minimoe.core.decoder.family_record import FAMILIES
 from minimoe.core.token_mixers.mamba2 import Mamba2Config
 from minimoe.core.token_mixers.mixers import MIXERS, mixer_field_names
 from minimoe.core.token_mixers.mla import MLAConfig
