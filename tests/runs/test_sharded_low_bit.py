@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
     torch.save(state, path)
     log += torchrun(root, [{"flags": [*killed, "--resume"]},
                            {"flags": [*sharded[KILLED], "--run-name", "fresh", "--resume"]}], 29532)
-    return {"root": root, "margins": margins, "log": log}
+    return {"root": root, "margins": margins, "log": log, "flags": flags}
 
 
 @pytest.mark.parametrize("name", ["aligned", "aligned-4bit"])
@@ -106,6 +106,22 @@ def test_bf16_adapters_round_stochastically_per_rank(runs):
     lora = [k for k in x if "lora_" in k]
     assert lora and {x[k].dtype for k in lora} == {y[k].dtype for k in lora} == {torch.bfloat16}
     within(one, two, rtol=1e-4, grad_rtol=1e-2)
+
+
+def test_the_memory_command_counts_the_first_ranks_low_bit_state(runs):
+    """The memory command's optimizer figure under --shard fsdp (the first rank's rows of each tensor, quantised by
+    torchao's rule for that shard) is the bytes of rank 0's saved state, in the run where some shards keep fp32
+    moments (codes, block scales, code tables, fp32 moments, steps)."""
+    from minimoe.cli import memory_estimate
+    from tests.runs.test_memory import state_bytes
+    model = runs["flags"]["family-targets"][1]
+    state = torch.load(runs["root"] / "fsdp" / "family-targets" / "checkpoints" / "epoch-1" / "training_state.pt",
+                       weights_only=True)["optimizer"]["ranks"][0]["optimizer"]["state"]
+    kinds = {type(s["exp_avg"]).__name__ for s in state.values()}
+    assert kinds == {"OptimState8bit", "Tensor"}
+    estimate = memory_estimate.main([model, "--gpus", "2", "--shard", "fsdp", "--recipe", "tiny", "--method", "ce",
+                                     "--dtype", "float32", "--optim", "adamw8bit"])
+    assert estimate.optimizer == sum(state_bytes(v) for s in state.values() for v in s.values())
 
 
 def within(one, two, *, rtol: float, grad_rtol: float | None = None):
