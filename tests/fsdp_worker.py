@@ -4,8 +4,10 @@ processes is the slow part (tests/runs/test_sharding.py).
     torchrun --nproc_per_node 2 -m tests.fsdp_worker PLAN.json
 
 PLAN.json: {"runs": [{"flags": [...], "kill_after_steps": N or "refused": true (optional), "chunk": N
-(optional)}, ...]}. Each run is train.main(flags), in order, in these processes; "chunk" sets the chunked
-next-token loss's positions per head call (core/task/tokens.py's CHUNK); a run with kill_after_steps stops there
+(optional), "eager": true (optional)}, ...]}. Each run is train.main(flags), in order, in these processes; "chunk"
+sets the chunked next-token loss's positions per head call (core/task/tokens.py's CHUNK); "eager" runs torch.compile's
+callers eagerly (torchao's low-bit step compiles itself: tests/runs/test_optimizers.py says why not here); a run
+with kill_after_steps stops there
 as a kill would (tests/kill.py); a refused one is expected to end in SystemExit on every rank, and
 each rank prints `rank R: exit STATUS: MESSAGE`.
 """
@@ -18,6 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 from unittest import mock
 
+import torch
 import torch.distributed as dist
 
 from minimoe.cli import train
@@ -35,7 +38,8 @@ def main(path: str):
             steps = run.get("kill_after_steps")
             try:
                 with (killed_after(steps=steps) if steps else nullcontext(),
-                      mock.patch.object(tokens, "CHUNK", run.get("chunk", tokens.CHUNK))):
+                      mock.patch.object(tokens, "CHUNK", run.get("chunk", tokens.CHUNK)),
+                      mock.patch.object(torch, "compile", lambda fn, **options: fn) if run.get("eager") else nullcontext()):
                     train.main(run["flags"])
             except SystemExit as stop:  # the kill: the run folder as it left it; or the refusal
                 if not (steps or run.get("refused")):

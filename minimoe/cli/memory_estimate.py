@@ -17,7 +17,6 @@ from minimoe.runs.memory import Estimate, estimate, hub_weights, model_config, s
 def main(argv=None) -> Estimate:
     from minimoe.runs.config import build_config
     from minimoe.runs.install import check_model_settings
-    from minimoe.runs.sharding import check_sharded_optimizer
     p = argparse.ArgumentParser(prog="python -m minimoe.runs.memory", description=memory_module.__doc__.split("\n\n")[0],
                                 epilog=memory_module.__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a checkpoint folder, a hub model id, or tiny / tiny:<model_type> (as train.py)")
@@ -61,7 +60,6 @@ def main(argv=None) -> Estimate:
     cfg = build_config(settings, recipe)
     try:
         check_model_settings(cfg, config)  # train.py's own checks: what it refuses is not sized
-        check_sharded_optimizer(cfg)
     except ValueError as e:
         p.error(str(e))
     with torch.device("meta"):

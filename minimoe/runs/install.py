@@ -5,6 +5,7 @@ setting resolves to (`aux_coefficient`), and the optimizer class --optim names (
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -112,14 +113,29 @@ def aux_coefficient(cfg: TrainConfig, model_config=None) -> float:
 
 def optimizer_class(name: str):
     """--optim's class: torch's AdamW, or torchao.optim's AdamW8bit / AdamW4bit (the moments in 8 or 4 bits, a
-    scale per block; tensors under 4096 values keep moments in their own dtype); ImportError naming the extra
-    without torchao. train.py has torchao's round a bf16 parameter's update stochastically (`optimizer_options`)."""
+    scale per block; tensors under 4096 values keep moments in their own dtype) as `fp32_faced`; ImportError
+    naming the extra without torchao. train.py has torchao's round a bf16 parameter's update stochastically
+    (`optimizer_options`)."""
     if name == "adamw":
         return torch.optim.AdamW
     try:
-        return getattr(torchao_module("torchao.optim"), {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}[name])
+        base = getattr(torchao_module("torchao.optim"), {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}[name])
     except ImportError as e:
         raise ImportError(f"--optim {name} needs torchao, which is not installed: pip install -e \".[quant]\" ({e})") from None
+    return fp32_faced(base)
+
+
+@functools.cache  # one class a base: a run's optimizer is of optimizer_class(name)
+def fp32_faced(base):
+    """torchao's low-bit AdamW whose quantised moments say float32 whatever the parameter's dtype. Their dtype is
+    only the one the tensor shows (the codes and scales are the same, and its update reads them in fp32); torchao
+    gives a bf16 parameter's moments bf16, but its DTensor.from_local (--shard fsdp) views them back as float32
+    while the DTensor still says bf16, and the update then fails (eager: lerp's sharding check; compiled: an
+    unimplemented view by dtype). One process, fp32 parameters and unquantised moments are as torchao makes them."""
+    def zeros(p, signed: bool, block_size: int):
+        return base._subclass_zeros(p, signed, block_size).to(torch.float32)  # no copy: the same codes and scales
+    return type(base.__name__, (base,), {"_subclass_zeros": staticmethod(zeros), "__doc__": fp32_faced.__doc__,
+                                         "__module__": __name__, "low_bit": True})
 
 
 def optimizer_options(name: str) -> dict:

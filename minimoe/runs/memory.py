@@ -17,7 +17,8 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   adamw8bit / adamw4bit (torchao.optim): each moment of a tensor of 4096 values or more (and whole blocks) in
   8 bits plus an fp32 scale per 256 values, or 4 bits plus one per 128, and the code table; smaller tensors
   keep moments in their own dtype, as torchao decides (`optimizer_bytes`, exact: a test holds it to the optimizer's state).
-  FSDP divides lora and optimizer by the GPUs.
+  FSDP divides lora by the GPUs, and the optimizer's state is the first rank's rows of each tensor (torchao
+  quantises each rank's shard by its own size and blocks).
 - activations: an estimate, not a measurement: per token and layer, what autograd keeps for the
   backward of one micro-batch, in the run's dtype: ~12 * hidden (norms, attention in/out, residuals)
   + top-K * 3 * expert width (each routed expert's gate, up and activation), for the rank's share of
@@ -119,11 +120,12 @@ LOW_BIT_STATE = {"adamw8bit": (8, 256, 256), "adamw4bit": (4, 128, 16)}
 LOW_BIT_MIN = 4096
 
 
-def optimizer_bytes(params, optim: str) -> int:
-    """The bytes of --optim's state for `params` (the trainable tensors): two moments and a step each."""
+def optimizer_bytes(params, optim: str, gpus: int = 1) -> int:
+    """The bytes of --optim's state for `params` (the trainable tensors): two moments and a step each; `gpus` > 1
+    (FSDP): the first rank's, ceil(n / gpus) rows of each tensor, which torchao quantises by that shard's size."""
     total = 0
     for p in params:
-        n = p.numel()
+        n = p.numel() if gpus == 1 else math.ceil(p.shape[0] / gpus) * math.prod(p.shape[1:])
         bits, block, table = LOW_BIT_STATE.get(optim, (None, None, None))
         if bits is not None and n >= LOW_BIT_MIN and n % block == 0:
             moment = n * bits // 8 + n // block * 4 + table * 4
@@ -216,7 +218,7 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     indexer = tokens * cfg.max_length * mla.index_n_heads * 4 if mla is not None and mla.index_topk else 0
     positions = tokens if data == "chat" else math.ceil(cfg.batch_size / gpus) * answer_tokens
     return Estimate(weights=weights, lora=math.ceil(2 * sum(p.numel() * p.element_size() for p in trainable) / split),
-                    optimizer=math.ceil(optimizer_bytes(trainable, cfg.optim) / split),
+                    optimizer=optimizer_bytes(trainable, cfg.optim, split),
                     activations=tokens * kept * itemsize + indexer, gpu_memory=gpu_memory,
                     logits=logits_bytes(positions, config.vocab_size, DTYPES[cfg.dtype]), dequantising=dequantising, data=data)
 

@@ -30,7 +30,10 @@ Decisions:
   today's adapter files, so evaluate.py and export.py read them unchanged. The optimizer state is
   gathered the same way, keyed by parameter name (torch.distributed.checkpoint.state_dict's full state
   dict), and saved in training_state.pt: plain tensors, loaded with weights_only=True; not DCP, whose
-  metadata file is a pickle. Resume puts each rank's rows back from those full tensors.
+  metadata file is a pickle. Resume puts each rank's rows back from those full tensors. torchao's low-bit
+  state (--optim adamw8bit / adamw4bit) is not gathered whole: torchao quantises each rank's shard in blocks
+  that start at the shard, so the ranks' codes need not make the whole tensor's; each rank's state is saved as
+  it stands, with its generator, and resumed at the same world size (`full_optimizer_state`).
 - The step's gradient: FSDP2 averages gradients over ranks as DDP does, so core/task/step.py's
   world-size factor serves both.
 """
@@ -73,20 +76,11 @@ def check_sharding(cfg: TrainConfig, world_size: int):
     if cfg.zero_shot:
         raise ShardingRefused("--shard fsdp with --zero-shot: the zero-shot score runs the whole base model on rank 0; "
                               "score the base with evaluate.py instead")
-    check_sharded_optimizer(cfg)
     if cfg.method.name == "esft":
         raise ShardingRefused("--shard fsdp with --method esft: ESFT's LoRA form masks the expert LoRA's gradient to "
                               "the chosen experts with a hook on each parameter, which FSDP's sharded parameters "
                               "never run (every expert would train), and its full form copies the chosen rows out of "
                               "banks that each rank holds only in part; use DDP (torchrun without --shard)")
-
-
-def check_sharded_optimizer(cfg: TrainConfig):
-    """--shard fsdp takes torch's AdamW only (train.py, and the memory command sizes nothing else sharded)."""
-    if cfg.shard == "fsdp" and cfg.optim != "adamw":
-        raise ShardingRefused(f"--shard fsdp with --optim {cfg.optim}: a sharded run's checkpoint gathers the optimizer "
-                              f"state whole (get_optimizer_state_dict), which was not made to work for torchao's "
-                              f"low-bit state tensors; use --optim adamw, or DDP (torchrun without --shard)")
 
 
 def local_rows(param) -> tuple[torch.Tensor, int]:
@@ -219,12 +213,54 @@ def set_parameter(model: nn.Module, name: str, param: nn.Parameter):
 
 
 def full_optimizer_state(model, optimizer) -> dict:
-    """AdamW's state gathered whole and keyed by parameter name (every rank calls it; a collective)."""
+    """The optimizer's state for training_state.pt (every rank calls it; a collective). AdamW's: gathered whole
+    and keyed by parameter name. torchao's low-bit AdamW (`low_bit`): each rank's own state as it stands (its
+    8- or 4-bit codes and block scales, whose blocks follow the rank's rows) and its torch generator (the bf16
+    stochastic rounding draws there, as many numbers as its rows), gathered to rank 0 as a list by rank."""
+    if low_bit(optimizer):
+        mine = {"optimizer": local_state(optimizer.state_dict()), "rng": torch.get_rng_state()}
+        ranks = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(mine, ranks, dst=0)
+        return {"ranks": ranks}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_optimizer_rows(model, optimizer, state: dict):
-    """full_optimizer_state's dict back into the sharded optimizer: each rank its rows."""
+    """full_optimizer_state's dict back into the sharded optimizer: each rank its rows (low-bit: its own state and
+    generator, which need the world size that saved them; train.py refuses a --resume at another)."""
+    if "ranks" in state:
+        ranks, rank = state["ranks"], dist.get_rank()
+        if len(ranks) != dist.get_world_size():
+            raise ValueError(f"the low-bit optimizer state was saved by {len(ranks)} ranks, not "
+                             f"{dist.get_world_size()}: resume at the world size that saved it")
+        put_local_state(optimizer, ranks[rank]["optimizer"])
+        torch.set_rng_state(ranks[rank]["rng"])
+        return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
+def low_bit(optimizer) -> bool:
+    """Whether `optimizer` is torchao's low-bit AdamW (--optim adamw8bit / adamw4bit: install.optimizer_class)."""
+    return getattr(optimizer, "low_bit", False)
+
+
+def local_state(state_dict: dict) -> dict:
+    """An optimizer's state_dict with each DTensor state (a moment) replaced by this rank's local tensor."""
+    return {**state_dict, "state": {i: {k: v.to_local() if isinstance(v, DTensor) else v for k, v in s.items()}
+                                    for i, s in state_dict["state"].items()}}
+
+
+def put_local_state(optimizer, local: dict):
+    """`local_state`'s dict back: the groups (their rates) through load_state_dict, and each moment set
+    directly, wrapped as a DTensor of its parameter's placement as torchao made it (its _new_buffer: local shapes
+    differ between ranks where the rows do not divide evenly). Not through load_state_dict: it casts each state
+    tensor to its parameter's dtype, which would make a bf16 parameter's moments say bf16 (install.fp32_faced)."""
+    optimizer.load_state_dict({**local, "state": {}})
+    params = [p for group in optimizer.param_groups for p in group["params"]]  # state_dict's numbering
+    for i, entries in local["state"].items():
+        p = params[i]
+        optimizer.state[p] = {k: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                                    stride=p.stride())
+                              if isinstance(p, DTensor) and k != "step" else v for k, v in entries.items()}

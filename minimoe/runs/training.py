@@ -296,13 +296,13 @@ def restore(run: Path, state: dict | None, optimizer, scheduler, rank: int, mode
     past that position, which the resumed run writes again."""
     start = Position()
     if state:
+        set_rng_state(state["rng"], params_device(optimizer))  # first: a sharded low-bit state sets each rank's own
         if model is not None:
             load_optimizer_rows(model, optimizer, state["optimizer"])
         else:
             optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start = Position(state["epoch"], state.get("epoch_step", 0), state["step"])
-        set_rng_state(state["rng"], params_device(optimizer))
     if rank == 0:
         remove_orphans(run)
         drop_later_checkpoints(run, start.epoch, start.step)

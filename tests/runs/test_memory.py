@@ -36,7 +36,9 @@ def test_weight_figures_are_the_safetensors_sizes(tmp_path, family):
     assert ddp.weights == on_disk and ddp.lora == one.lora  # DDP: every rank the whole model
     fsdp = memory_estimate.main([str(tmp_path / "m"), "--gpus", "4", "--shard", "fsdp", "--dtype", "float32"])
     assert on_disk / 4 <= fsdp.weights - 2 * layer_bytes(tmp_path / "m") < on_disk / 4 * 1.1  # rows, + 2 layers
-    assert fsdp.lora * 4 == pytest.approx(one.lora, abs=4) and fsdp.optimizer * 4 == pytest.approx(one.optimizer, abs=4)
+    assert fsdp.lora * 4 == pytest.approx(one.lora, abs=4)
+    # the first rank's rows of each tensor (ceil(n / 4)) and each tensor's step: a little over a quarter
+    assert one.optimizer / 4 <= fsdp.optimizer <= one.optimizer / 4 * 1.002
 
 
 def layer_bytes(folder) -> int:
@@ -168,7 +170,6 @@ def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
     ("olmoe", ["--quantize", "mxfp4"], "this model is olmoe; use --quantize nf4"),
     ("gpt_oss", ["--quantize", "mxfp4", "--gpus", "2", "--shard", "fsdp"], "--quantize mxfp4 with --shard fsdp"),
     ("olmoe", ["--gpu-memory", "-5"], "--gpu-memory -5: expected"),
-    ("olmoe", ["--optim", "adamw8bit", "--gpus", "2", "--shard", "fsdp"], "--shard fsdp with --optim adamw8bit"),
     ("mixtral", ["--quantize", "nf4"], "not a multiple of NF4's block of 64"),  # [2 x 36, 60]: 4320 values
 ])
 def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, message):

@@ -13,7 +13,6 @@ from minimoe.cli import sweep, train
 from minimoe.making.tiny import tiny_checkpoint
 from minimoe.runs import install
 from minimoe.runs.config import build_config
-from minimoe.runs.sharding import ShardingRefused, check_sharding
 from minimoe.runs.training import install_method, make_optimizer
 from tests.conftest import tiny_model
 from tests.kill import killed_after
@@ -124,14 +123,8 @@ def test_the_sweep_passes_optim_and_tells_runs_apart_by_it(tmp_path, data):
     assert cell.changed({**record, "optim": "adamw"}) == ["optim"] and cell.changed(record) == []
 
 
-def test_low_bit_optimizers_are_refused_with_fsdp_and_without_torchao(tmp_path, monkeypatch):
-    """--shard fsdp gathers the optimizer state whole, which is not made to work for torchao's state tensors:
-    refused by name, as is --optim adamw8bit without torchao (naming the extra), before any run folder."""
-    cfg = build_config({"optim": "adamw8bit", "shard": "fsdp", "zero_shot": False}, "tiny")
-    monkeypatch.setenv("LOCAL_RANK", "0")
-    with pytest.raises(ShardingRefused, match="--shard fsdp with --optim adamw8bit"):
-        check_sharding(cfg, 2)
-
+def test_low_bit_optimizers_are_refused_without_torchao(tmp_path, monkeypatch):
+    """--optim adamw4bit without torchao: refused naming the extra, before any run folder."""
     def missing(name):
         raise ImportError("No module named 'torchao'")
     monkeypatch.setattr(install, "torchao_module", missing)
