@@ -34,8 +34,8 @@ With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed m
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
 17 bytes per 32 values, as released), everything else in the run's dtype, plus
 the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time; and
-dequantising: what dequantising holds beside it (the int32 codes and the lookup's result in the run's dtype: nf4's of
-one chunk of experts, at most 256 MiB, `nf4_dequantize_into`; mxfp4's of a whole bank, loading/mxfp4.py). With
+dequantising: what dequantising holds beside it (the int32 codes and the lookup's result in the run's dtype of
+one chunk of experts, at most 256 MiB, `dequantize_in_chunks`, nf4's and mxfp4's alike). With
 --shard fsdp too: the rank's share of the packed bytes (ceil(1/N) of each module's, core/adaptation/sharded_nf4.py)
 and its rows of the rest, two layers gathered (packed), and the largest packed module dequantised.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
@@ -51,11 +51,12 @@ import torch
 
 from minimoe.core.layers.experts import GroupedLinear
 from minimoe.core.task.tokens import CHUNK
-from minimoe.core.adaptation.quantized import nf4_bytes, nf4_chunk, nf4_temporary_bytes, quantized_modules
+from minimoe.core.adaptation.quantized import chunk_experts, nf4_bytes, nf4_temporary_bytes, quantized_modules
 from minimoe.core.adaptation.sharded_nf4 import record_widths
 from minimoe.loading.checkpoint import DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files
 from minimoe.loading.config_json import config_from_dict, read_config
 from minimoe.loading.hub import hub_file
+from minimoe.loading.mxfp4 import mxfp4_temporary_bytes
 
 HEADROOM = 0.9  # of a GPU's memory: CUDA context, allocator fragmentation
 
@@ -134,19 +135,21 @@ def optimizer_bytes(params, optim: str) -> int:
 
 
 def dequantising_bytes(model, dtype: torch.dtype, fmt: str) -> int:
-    """Beside a packed matrix's dequantised weight, what dequantising it holds at once: nf4, one chunk of its
-    experts' int32 codes, lookup result and block scales (`nf4_dequantize_into`), at the most of any packed module;
-    mxfp4, the largest bank's int32 codes and decoded values, a bank decoded whole (loading/mxfp4.py)."""
+    """Beside a packed matrix's dequantised weight, what dequantising it holds at once: one chunk of its experts'
+    temporaries (`dequantize_in_chunks`, core/adaptation/quantized.py), at the most of any packed module: nf4's
+    int32 codes, lookup result and block scales; mxfp4's (gpt-oss's expert banks) int32 codes and decoded values."""
     modules = dict(model.named_modules())
     if fmt == "mxfp4":
-        n = max((m.weight.numel() for m in modules.values() if isinstance(m, GroupedLinear)), default=0)
-        return n * dtype.itemsize + n // 2 * 4
-    return max((chunk_bytes(modules[name].weight.shape, dtype) for name in quantized_modules(model)), default=0)
+        shapes = [m.weight.shape for m in modules.values() if isinstance(m, GroupedLinear)]
+        return max((chunk_bytes(shape, mxfp4_temporary_bytes(shape[-2] * shape[-1], dtype)) for shape in shapes),
+                   default=0)
+    shapes = [modules[name].weight.shape for name in quantized_modules(model)]
+    return max((chunk_bytes(shape, nf4_temporary_bytes(shape[-2] * shape[-1], dtype)) for shape in shapes), default=0)
 
 
-def chunk_bytes(shape, dtype: torch.dtype) -> int:
-    *lead, rows, cols = shape
-    return min(math.prod(lead), nf4_chunk(rows, cols, dtype)) * nf4_temporary_bytes(rows * cols, dtype)
+def chunk_bytes(shape, temporary_bytes: int) -> int:
+    """A chunk's temporaries for a bank of `shape`, one matrix's being `temporary_bytes`."""
+    return min(math.prod(shape[:-2]), chunk_experts(temporary_bytes)) * temporary_bytes
 
 
 def packed_shard_bytes(model, dtype: torch.dtype, gpus: int) -> tuple[int, int]:

@@ -426,36 +426,25 @@ def test_the_memory_command_sizes_mimo_v2_flash_at_its_released_size(tmp_path):
     assert e.weights == 2 * 308_778_780_864 and not e.fits
 
 
-class NewTensorBytes(TorchDispatchMode):
-    """The bytes of the tensors the ops allocate while active (not views, nor tensors written in place)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.bytes += t.untyped_storage().nbytes()
-        return out
-
-
-def test_the_mxfp4_dequantising_figure_is_what_decoding_a_bank_allocates(tmp_path):
-    """--quantize mxfp4 dequantises a bank whole (loading/mxfp4.py's decode_mxfp4): the figure beside the dequantised
-    weight is the int32 codes and the decoded values of the largest bank, as allocated op by op (within the
-    per-block exponents)."""
+def test_the_mxfp4_dequantising_figure_is_what_decoding_a_chunk_holds_at_once(tmp_path, monkeypatch):
+    """--quantize mxfp4 decodes a bank a chunk of experts at a time, as nf4 (`dequantize_in_chunks`): the figure
+    beside the dequantised weight is the most bytes alive at once in what decoding the largest bank allocates (one
+    chunk's int32 codes and decoded values), tracked op by op, whole banks (the tiny model's fit one chunk) and in
+    chunks of one expert."""
     pytest.importorskip("transformers")
-    from minimoe.core.adaptation.quantized import is_quantized
+    from minimoe.core.adaptation import quantized
     from minimoe.loading.checkpoint import from_pretrained
+    from minimoe.loading.mxfp4 import mxfp4_temporary_bytes
     from tests.tiny_families import mxfp4_reference_model
     mxfp4_reference_model(tmp_path)
     model = from_pretrained(tmp_path, dtype="bfloat16", quantize="mxfp4")
-    largest = max((m for m in model.modules() if is_quantized(m)), key=lambda m: m.weight.numel())
-    out = torch.empty(largest.weight.shape, dtype=torch.bfloat16)
-    with NewTensorBytes() as counted:
-        largest.packed.dequantize_into(out)
-    figure = memory_estimate.main([str(tmp_path), "--dtype", "bfloat16", "--quantize", "mxfp4"]).dequantising
-    assert figure <= counted.bytes < figure * 1.1
+    largest = max((m for m in model.modules() if quantized.is_quantized(m)), key=lambda m: m.weight.numel())
+    matrix = mxfp4_temporary_bytes(largest.weight.shape[-2] * largest.weight.shape[-1], torch.bfloat16)
+    for chunk in (None, 1):
+        if chunk:
+            monkeypatch.setattr(quantized, "DEQUANTIZE_CHUNK_BYTES", chunk * matrix)
+        out = torch.empty(largest.weight.shape, dtype=torch.bfloat16)
+        with HeldStorages() as held:
+            largest.packed.dequantize_into(out)
+        figure = memory_estimate.main([str(tmp_path), "--dtype", "bfloat16", "--quantize", "mxfp4"]).dequantising
+        assert figure == held.peak == (chunk or largest.weight.shape[0]) * matrix, (chunk, figure, held.peak)
