@@ -3,9 +3,8 @@ processes is the slow part (tests/runs/test_sharding.py).
 
     torchrun --nproc_per_node 2 -m tests.fsdp_worker PLAN.json
 
-PLAN.json: {"runs": [{"flags": [...], "kill_after_steps": N or "refused": true (optional), "chunk": N
-(optional)}, ...]}. Each run is train.main(flags), in order, in these processes; "chunk" sets the chunked
-next-token loss's positions per head call (core/task/tokens.py's CHUNK); a run with kill_after_steps stops there
+PLAN.json: {"runs": [{"flags": [...], "kill_after_steps": N or "refused": true (optional)}, ...]}. Each run is
+train.main(flags), in order, in these processes; a run with kill_after_steps stops there
 as a kill would (tests/kill.py); a refused one is expected to end in SystemExit on every rank, and
 each rank prints `rank R: exit STATUS: MESSAGE`.
 """
@@ -21,7 +20,6 @@ from unittest import mock
 import torch.distributed as dist
 
 from minimoe.cli import train
-from minimoe.core.task import tokens
 from tests.kill import killed_after
 
 
@@ -34,8 +32,7 @@ def main(path: str):
         for run in plan.get("runs", []):
             steps = run.get("kill_after_steps")
             try:
-                with (killed_after(steps=steps) if steps else nullcontext(),
-                      mock.patch.object(tokens, "CHUNK", run.get("chunk", tokens.CHUNK))):
+                with killed_after(steps=steps) if steps else nullcontext():
                     train.main(run["flags"])
             except SystemExit as stop:  # the kill: the run folder as it left it; or the refusal
                 if not (steps or run.get("refused")):

@@ -24,8 +24,8 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   `batch_size * max_length` tokens; with --gradient-checkpointing, one hidden vector per layer plus
   one layer's full set. A DSA indexer (DeepSeek-V3.2, GLM-5) adds its fp32 scores, [rows, T, heads, T], one
   layer's at a time and kept for no backward (core/token_mixers/dsa_indexer.py).
-- logits: the LM head's output over the vocabulary at the scored positions, at most core/task/tokens.py's CHUNK
-  of them at a time (the chunked loss): three fp32 [positions, vocab] tensors (log-softmax and two gradients) and,
+- logits: the LM head's output over the vocabulary at the scored positions, at most --loss-chunk of them at a time
+  (train.py's; default core/task/tokens.py's CHUNK, 1024: the chunked loss): three fp32 [positions, vocab] tensors (log-softmax and two gradients) and,
   when not chunked, the output in the run's dtype (a test holds this to a real step's peak). The positions follow
   --data: choice (the recipe's answer-choice benchmarks) scores only the candidates' tokens, --answer-tokens an
   example (default: the study's benchmarks' largest, 8 consecutive examples at a time, counted with a
@@ -170,13 +170,13 @@ DATA_KINDS = ("choice", "chat")  # what the loss scores: candidates' answer toke
 ANSWER_TOKENS = 68  # an example's candidates' answer tokens together: docs/quantization.md says how it was measured
 
 
-def logits_bytes(positions: int, vocab: int, dtype: torch.dtype) -> int:
+def logits_bytes(positions: int, vocab: int, dtype: torch.dtype, chunk: int = CHUNK) -> int:
     """The logits' peak over a step, [positions, vocab] tensors: in fp32 the log-softmax (saved for backward), the
-    gradient the gather sends it and the log-softmax's own gradient; up to CHUNK positions the head's output in
-    `dtype` too (the forward's output keeps it), past it the chunked loss's CHUNK positions at a time, each
-    chunk's output recomputed in the backward and dropped (a test holds both to a real step's peak)."""
-    if positions > CHUNK:
-        return CHUNK * vocab * 3 * 4
+    gradient the gather sends it and the log-softmax's own gradient; up to `chunk` positions (--loss-chunk) the
+    head's output in `dtype` too (the forward's output keeps it), past it the chunked loss's `chunk` positions at a
+    time, each chunk's output recomputed in the backward and dropped (a test holds both to a real step's peak)."""
+    if positions > chunk:
+        return chunk * vocab * 3 * 4
     return positions * vocab * (3 * 4 + dtype.itemsize)
 
 
@@ -221,7 +221,8 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     return Estimate(weights=weights, lora=math.ceil(2 * sum(p.numel() * p.element_size() for p in trainable) / split),
                     optimizer=math.ceil(optimizer_bytes(trainable, cfg.optim) / split),
                     activations=tokens * kept * itemsize + indexer, gpu_memory=gpu_memory,
-                    logits=logits_bytes(positions, config.vocab_size, DTYPES[cfg.dtype]), dequantising=dequantising, data=data)
+                    logits=logits_bytes(positions, config.vocab_size, DTYPES[cfg.dtype], cfg.loss_chunk),
+                    dequantising=dequantising, data=data)
 
 
 def model_config(name: str):

@@ -364,11 +364,13 @@ def test_the_dequantising_figure_is_what_nf4_dequantize_into_holds_at_once(tmp_p
         assert figure == held.peak == (chunk or largest.weight.shape[0]) * matrix, (chunk, figure, held.peak)
 
 
+@pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("data", memory.DATA_KINDS)
-def test_the_logits_figure_is_a_real_steps_peak_over_the_vocabulary(tmp_path, data):
-    """The logits figure for --data choice (8 examples of 4 candidates, 26 answer tokens an example) and chat (8 rows,
-    every position supervised: past the chunked loss's CHUNK) is the most bytes held at once in [positions, vocab]
-    tensors during a real training step (step_loss, bf16, LoRA), within the head weight's transposed view."""
+def test_the_logits_figure_is_a_real_steps_peak_over_the_vocabulary(tmp_path, data, chunk):
+    """The logits figure for --data choice (8 examples of 4 candidates, 26 answer tokens an example: 208 positions)
+    and chat (8 rows, every position supervised: 1,272, past the chunked loss's CHUNK) is the most bytes held at once
+    in [positions, vocab] tensors during a real training step (step_loss, bf16, LoRA), within the head weight's
+    transposed view; at the default chunk, and at --loss-chunk 64 (both kinds past it: 64 positions at a time)."""
     from minimoe.core.adaptation.lora import add_lora
     from minimoe.core.task.choices import pack_choices
     from minimoe.core.task.step import step_loss
@@ -387,9 +389,13 @@ def test_the_logits_figure_is_a_real_steps_peak_over_the_vocabulary(tmp_path, da
         flags = []
     counts = {"examples": 8, "tokens": batch.supervised_tokens, "rows": batch.input_ids.shape[0]}
     with HeldStorages(lambda t: t.dim() == 2 and t.shape[-1] == V) as held:
-        step_loss(model, [batch], build_config({"model": str(tmp_path / "m"), "method": "ce"}, "tiny").method, counts, 1)
+        step_loss(model, [batch], build_config({"model": str(tmp_path / "m"), "method": "ce"}, "tiny").method, counts, 1,
+                  loss_chunk=chunk)
+    if chunk:
+        flags += ["--loss-chunk", str(chunk)]
     figure = memory_estimate.main([str(tmp_path / "m"), "--batch-size", "8", "--max-length", "160", "--data", data,
                                    *flags]).logits
+    assert (figure == (chunk or 0) * V * 12) == bool(chunk)  # at --loss-chunk 64, its chunks alone
     assert figure <= held.peak <= figure + model.lm_head.weight.numel() * 2, (figure, held.peak)
 
 
