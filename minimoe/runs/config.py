@@ -209,6 +209,10 @@ class TrainConfig:
                                    "router gates, norms, embeddings and the LM head stay as loaded; mxfp4: gpt-oss only, "
                                    "its released MXFP4 experts kept as loaded (docs/quantization.md)",
                                    choices=["nf4", "mxfp4"])
+    quantize_embedding: bool = setting("model", False, "with --quantize: also keep the input embedding's table packed "
+                                       "in NF4, each forward dequantising only the batch's rows (it gets no gradient "
+                                       "under LoRA); for a large vocabulary (gpt-oss-20b: 1.08 -> 0.28 GiB). Not with "
+                                       "tied embeddings or --shard fsdp (core/adaptation/packed_embedding.py)")
     pad_token_id: int | None = None  # fills short rows: the checkpoint's pad id, else its eos id (train.py sets it)
     # data
     data: str | None = setting("data", None, "arc_challenge | arc_easy | openbookqa | sciq | medmcqa; or your own: a "

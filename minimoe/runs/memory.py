@@ -32,7 +32,8 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   2048-token BPE; the data itself is not read); chat (chat and completion data) every position of the micro-batch.
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
-17 bytes per 32 values, as released), everything else in the run's dtype, plus
+17 bytes per 32 values, as released; --quantize-embedding: the embedding's table in NF4 too,
+core/adaptation/packed_embedding.py), everything else in the run's dtype, plus
 the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time; and
 dequantising: what dequantising holds beside it (the int32 codes and the lookup's result in the run's dtype of
 one chunk of experts, at most 256 MiB, `dequantize_in_chunks`, nf4's and mxfp4's alike). With
@@ -99,9 +100,10 @@ def shard_bytes(params, gpus: int) -> int:
                p.element_size() for p in params)
 
 
-def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
+def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4", embedding: bool = False) -> int:
     """--quantize nf4: the base's bytes with its large matrices packed (module docstring), on a meta model
-    without LoRA: packed sizes, the rest in `dtype`, and the largest packed matrix dequantised in `dtype`."""
+    without LoRA: packed sizes, the rest in `dtype`, and the largest packed matrix dequantised in `dtype`.
+    embedding (--quantize-embedding): the embedding's table at NF4's size too, never dequantised whole."""
     if fmt == "mxfp4":  # gpt-oss's expert banks, as released: 16 bytes of codes and 1 scale per 32 values
         packed = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, GroupedLinear)}
         size = lambda shape: math.prod(shape) // 32 * 17  # noqa: E731
@@ -109,9 +111,10 @@ def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
         packed = {f"{name}.weight" for name in quantized_modules(model)}
         size = lambda shape: nf4_bytes(shape, dtype)  # noqa: E731
     params = dict(model.named_parameters())
-    dense = sum(p.numel() * dtype.itemsize for n, p in params.items() if n not in packed)
-    return dense + sum(size(params[n].shape) for n in packed) + max((params[n].numel() * dtype.itemsize
-                                                                     for n in packed), default=0)
+    table = {"model.embed_tokens.weight"} if embedding else set()
+    dense = sum(p.numel() * dtype.itemsize for n, p in params.items() if n not in packed | table)
+    return (dense + sum(size(params[n].shape) for n in packed) + sum(nf4_bytes(params[n].shape, dtype) for n in table)
+            + max((params[n].numel() * dtype.itemsize for n in packed), default=0))
 
 
 # torchao.optim's low-bit AdamW: (bits a value, values per fp32 scale, code-table entries); tensors under 4096
@@ -188,7 +191,8 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     from minimoe.runs.install import install_method
     dequantising = 0
     if cfg.quantize is not None:
-        weights_total = quantized_weights(model, DTYPES[cfg.dtype], cfg.quantize)  # before LoRA wraps the linears
+        weights_total = quantized_weights(model, DTYPES[cfg.dtype], cfg.quantize,  # before LoRA wraps the linears
+                                          cfg.quantize_embedding)
         dequantising = dequantising_bytes(model, DTYPES[cfg.dtype], cfg.quantize)
         if shard == "fsdp":  # the rank's packed share, two packed layers gathered, one module dequantised
             mine, layer = packed_shard_bytes(model, DTYPES[cfg.dtype], gpus)

@@ -117,6 +117,28 @@ def test_quantized_weight_figures_are_the_real_packed_sizes(tmp_path, family, fm
         assert memory_estimate.main([str(tmp_path / "m"), "--dtype", dtype, "--quantize", fmt]).weights == held
 
 
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_a_packed_embeddings_weight_figure_is_the_real_packed_size(tmp_path, fmt):
+    """--quantize-embedding: the weight figure is what the loaded model holds once pack_embedding packs its table
+    (the table at NF4's real size beside the packed base), plus the largest packed layer matrix dequantised (never
+    the table: it is read by rows); the table saves its dense bytes less its packed ones."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    from minimoe.core.adaptation.packed_embedding import pack_embedding
+    from minimoe.core.adaptation.quantized import packed_bytes, quantized_modules
+    from minimoe.loading.checkpoint import from_pretrained
+    from tests.tiny_families import mxfp4_reference_model
+    (tmp_path / "m").mkdir()
+    mxfp4_reference_model(tmp_path / "m")  # gpt-oss: untied embedding and head, as the release
+    model = pack_embedding(from_pretrained(tmp_path / "m", dtype="bfloat16", quantize=fmt))
+    largest = max(model.get_submodule(n).weight.numel() for n in quantized_modules(model)) * 2
+    held = sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model) + largest
+    flags = [str(tmp_path / "m"), "--dtype", "bfloat16", "--quantize", fmt]
+    packed, dense = (memory_estimate.main(flags + extra).weights for extra in (["--quantize-embedding"], []))
+    table = model.model.embed_tokens
+    assert packed == held and dense - packed == table.weight.numel() * 2 - table.packed.nbytes > 0
+
+
 def test_the_sharded_quantized_figure_is_a_ranks_share_two_gathered_layers_and_one_module(tmp_path):
     """--quantize nf4 --shard fsdp: the weights per GPU are the rank's bytes of the base (packed_shard_bytes, which
     tests/runs/test_sharded_load.py holds to what a sharded rank holds), plus the largest decoder layer as FSDP
@@ -170,6 +192,10 @@ def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
     ("olmoe", ["--gpu-memory", "-5"], "--gpu-memory -5: expected"),
     ("olmoe", ["--optim", "adamw8bit", "--gpus", "2", "--shard", "fsdp"], "--shard fsdp with --optim adamw8bit"),
     ("mixtral", ["--quantize", "nf4"], "not a multiple of NF4's block of 64"),  # [2 x 36, 60]: 4320 values
+    ("olmoe", ["--quantize-embedding"], "give --quantize nf4"),
+    ("olmoe", ["--quantize", "nf4", "--quantize-embedding", "--gpus", "2", "--shard", "fsdp"],
+     "--quantize-embedding with --shard fsdp"),
+    ("granitemoe", ["--quantize", "nf4", "--quantize-embedding"], "ties its embedding to its LM head"),
 ])
 def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, message):
     """The memory command checks its settings with train.py's own check (install.check_model_settings):
