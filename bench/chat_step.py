@@ -26,7 +26,6 @@ from bench import common  # noqa: E402
 from examples.sciq_chat import SCIQ, conversation  # noqa: E402
 from minimoe.core.decoder.families import family_of  # noqa: E402
 from minimoe.core.task.choices import pad_id  # noqa: E402
-from minimoe.core.task import tokens  # noqa: E402
 from minimoe.core.task.step import step_loss  # noqa: E402
 from minimoe.data.benchmarks import _read_arrow  # noqa: E402
 from minimoe.data.instruct import TextExample, encode_example, read_template  # noqa: E402
@@ -50,7 +49,7 @@ def chat_rows(folder: Path, template_file, n: int, max_length: int) -> list:
     raise ValueError(f"only {len(rows)} SciQ conversations fit --max-length {max_length}; {n} asked for")
 
 
-# layout -> (packed rows, positions per LM-head call: None is core/task/tokens.py's CHUNK)
+# layout -> (packed rows, positions per LM-head call, --loss-chunk: None is core/task/tokens.py's CHUNK)
 LAYOUTS = {"one a row": (False, None), "packed": (True, None)}
 
 
@@ -59,8 +58,8 @@ def step_fns(model, rows: list, settings: dict, recipe: str | None, layouts: dic
     ({layout: one optimizer step over `rows`}, {layout: (rows, tokens) it feeds, padding included}).
     settings: TrainConfig's device, dtype, batch_size (a micro-batch) and max_length."""
     family = family_of(model.config.model_type)
-    cfgs = {layout: build_config({"method": "tes", "lora_dropout": 0.0, "pack": pack, **settings},
-                                 recipe or family.recipe) for layout, (pack, _) in layouts.items()}
+    cfgs = {layout: build_config({"method": "tes", "lora_dropout": 0.0, "pack": pack, "loss_chunk": chunk, **settings},
+                                 recipe or family.recipe) for layout, (pack, chunk) in layouts.items()}
     for cfg in cfgs.values():
         cfg.pad_token_id, cfg.lora_targets = pad_id(model.config), cfg.lora_targets or list(family.lora_targets)
     torch.manual_seed(0)
@@ -73,15 +72,10 @@ def step_fns(model, rows: list, settings: dict, recipe: str | None, layouts: dic
                   "rows": sum(b.input_ids.shape[0] for b in batches)}
         fed[layout] = (counts["rows"], sum(b.input_ids.numel() for b in batches))
 
-        def step(batches=batches, counts=counts, cfg=cfg, chunk=layouts[layout][1]):
-            kept = tokens.CHUNK
-            tokens.CHUNK = kept if chunk is None else chunk  # forward_tokens reads it at each call
-            try:
-                optimizer.zero_grad(set_to_none=True)
-                step_loss(model, batches, cfg.method, counts, 1, **training.loss_settings(cfg, model.config))
-                optimizer.step()
-            finally:
-                tokens.CHUNK = kept
+        def step(batches=batches, counts=counts, cfg=cfg):
+            optimizer.zero_grad(set_to_none=True)
+            step_loss(model, batches, cfg.method, counts, 1, **training.loss_settings(cfg, model.config))
+            optimizer.step()
         fns[layout] = step
     return fns, fed
 

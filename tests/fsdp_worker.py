@@ -3,9 +3,8 @@ processes is the slow part (tests/runs/test_sharding.py).
 
     torchrun --nproc_per_node 2 -m tests.fsdp_worker PLAN.json
 
-PLAN.json: {"runs": [{"flags": [...], "kill_after_steps": N or "refused": true (optional), "chunk": N
-(optional), "eager": true (optional)}, ...]}. Each run is train.main(flags), in order, in these processes; "chunk"
-sets the chunked next-token loss's positions per head call (core/task/tokens.py's CHUNK); "eager" runs torch.compile's
+PLAN.json: {"runs": [{"flags": [...], "kill_after_steps": N or "refused": true (optional), "eager": true
+(optional)}, ...]}. Each run is train.main(flags), in order, in these processes; "eager" runs torch.compile's
 callers eagerly (torchao's low-bit step compiles itself: tests/runs/test_optimizers.py says why not here); a run
 with kill_after_steps stops there
 as a kill would (tests/kill.py); a refused one is expected to end in SystemExit on every rank, and
@@ -24,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from minimoe.cli import train
-from minimoe.core.task import tokens
 from tests.kill import killed_after
 
 
@@ -38,7 +36,6 @@ def main(path: str):
             steps = run.get("kill_after_steps")
             try:
                 with (killed_after(steps=steps) if steps else nullcontext(),
-                      mock.patch.object(tokens, "CHUNK", run.get("chunk", tokens.CHUNK)),
                       mock.patch.object(torch, "compile", lambda fn, **options: fn) if run.get("eager") else nullcontext()):
                     train.main(run["flags"])
             except SystemExit as stop:  # the kill: the run folder as it left it; or the refusal

@@ -10,6 +10,7 @@ import minimoe.runs.memory as memory_module
 from minimoe.cli import is_tiny, model_path, run_command
 from minimoe.core.decoder.family_record import family_of
 from minimoe.core.decoder.model import MoEForCausalLM
+from minimoe.core.task.tokens import CHUNK
 from minimoe.loading.checkpoint import DTYPES
 from minimoe.runs.memory import Estimate, estimate, hub_weights, model_config, stored_weights, table
 
@@ -25,7 +26,7 @@ def main(argv=None) -> Estimate:
     p.add_argument("--shard", choices=["ddp", "fsdp"], default="fsdp", help="train.py's --shard (default fsdp)")
     p.add_argument("--recipe", default=None, help="train.py's recipe (default: the model's family's)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="base weights' dtype")
-    for flag in ("--batch-size", "--max-length", "--lora-rank"):
+    for flag in ("--batch-size", "--max-length", "--lora-rank", "--loss-chunk"):
         p.add_argument(flag, type=int, default=None, help=f"train.py's {flag} (default: the recipe's)")
     p.add_argument("--method", default="ce", help="train.py's --method (its heads count as trainable)")
     p.add_argument("--gradient-checkpointing", action="store_true")
@@ -35,6 +36,8 @@ def main(argv=None) -> Estimate:
                    help="train.py's --lora-dtype: the adapters and their gradients in fp32 or bf16")
     p.add_argument("--quantize", choices=["nf4", "mxfp4"], default=None,
                    help="train.py's --quantize: the frozen base in 4 bits (mxfp4: gpt-oss's experts as released)")
+    p.add_argument("--quantize-embedding", action="store_true",
+                   help="train.py's --quantize-embedding: the embedding's table packed in NF4 too")
     p.add_argument("--data", choices=memory_module.DATA_KINDS, default="choice",
                    help="what the loss scores, for the logits: choice (the recipe's answer-choice benchmarks: the "
                         "candidates' tokens) or chat (chat and completion data: every position)")
@@ -56,7 +59,8 @@ def main(argv=None) -> Estimate:
                 "shard": args.shard if args.gpus > 1 else "ddp", "batch_size": args.batch_size,
                 "max_length": args.max_length, "lora_rank": args.lora_rank,
                 "gradient_checkpointing": args.gradient_checkpointing or None, "quantize": args.quantize,
-                "optim": args.optim, "lora_dtype": args.lora_dtype}
+                "optim": args.optim, "lora_dtype": args.lora_dtype, "loss_chunk": args.loss_chunk,
+                "quantize_embedding": args.quantize_embedding}
     cfg = build_config(settings, recipe)
     try:
         check_model_settings(cfg, config)  # train.py's own checks: what it refuses is not sized
@@ -75,9 +79,11 @@ def main(argv=None) -> Estimate:
                       answer_tokens=args.answer_tokens)
     print(f"{args.model}: {args.gpus} GPU(s) of {args.gpu_memory:g} GiB, {args.shard if args.gpus > 1 else 'one process'}"
           f", batch {cfg.batch_size} x {cfg.max_length} tokens, LoRA rank {cfg.lora_rank}, {cfg.dtype}"
-          + (f", base in {cfg.quantize}" if cfg.quantize else "") + f", {cfg.optim}"
+          + (f", base in {cfg.quantize}" if cfg.quantize else "")
+          + (", embedding in nf4" if cfg.quantize_embedding else "") + f", {cfg.optim}"
           + (", bf16 LoRA" if cfg.lora_dtype == "bfloat16" else "")
           + (", gradient checkpointing" if cfg.gradient_checkpointing else "")
+          + (f", loss chunk {cfg.loss_chunk}" if cfg.loss_chunk != CHUNK else "")
           + (f", {args.data} data" + (f" ({args.answer_tokens} answer tokens an example)" if args.data == "choice" else "")))
     print(table(result))
     return result

@@ -46,6 +46,7 @@ from minimoe.cli import is_tiny, model_path, run_command
 from minimoe.core.task.choices import check_max_length, pad_id
 from minimoe.core.decoder.families import family_of
 from minimoe.core.decoder.model import MoEConfig, compile_layers
+from minimoe.core.adaptation.packed_embedding import pack_embedding
 from minimoe.core.adaptation.quantized import require as require_quantization
 from minimoe.data.benchmarks import SPLITS, load_split
 from minimoe.data.manifests import check_disjoint, split_sha256
@@ -157,6 +158,8 @@ def check_quantization(cfg: TrainConfig, model_config) -> None:
     (mxfp4 for the families released in it and not with --shard fsdp, NF4's blocks: docs/quantization.md)."""
     try:
         require_quantization(cfg.quantize)
+        if cfg.quantize_embedding:
+            require_quantization("nf4")  # the table packs in NF4 whatever the base's format
     except ImportError as e:
         sys.exit(f"train.py: error: {e}")
     check_settings(cfg, model_config)
@@ -286,6 +289,8 @@ def main(argv=None):
     # In the run's dtype at once: loading fp32 and converting would hold both copies at the peak.
     model = None if sharded else minimoe.from_pretrained(folder, dtype=cfg.dtype, quantize=cfg.quantize,
                                                          device=cfg.device if cfg.quantize else None)
+    if cfg.quantize_embedding:  # refused with --shard fsdp (install.check_model_settings)
+        pack_embedding(model)
     for note in ignored_flags(args.typed, cfg, model_config):  # flags typed off their defaults, not a --config's
         print(f"train.py: warning: {note}", file=sys.stderr)
     run = Path(cfg.out_dir) / (cfg.run_name or run_name(vars(cfg), cfg.method))  # named by --data as given (sweep.py does so)

@@ -20,10 +20,11 @@ from minimoe.evaluation.accuracy import eval_mode
 
 
 def evaluate_tokens(model, rows, *, batch_size: int = 16, device=None, pad_token_id: int | None = None,
-                    progress: str | None = None, pad_to: int = 1, autocast=nullcontext) -> tuple[list[dict], dict]:
+                    progress: str | None = None, pad_to: int = 1, autocast=nullcontext,
+                    loss_chunk: int | None = None) -> tuple[list[dict], dict]:
     """rows: data.chat.TokenRow's with ids -> (records, metrics).
     records: {"id", "loss" (mean CE of its supervised tokens), "ce_sum", "tokens"} per row, in input order;
-    metrics: n_examples, supervised_tokens, loss, perplexity."""
+    metrics: n_examples, supervised_tokens, loss, perplexity. loss_chunk: the LM head's positions at once (--loss-chunk)."""
     if not rows:
         raise ValueError("evaluate_tokens: no examples")
     device = torch.device(device) if device is not None else model.device
@@ -35,7 +36,7 @@ def evaluate_tokens(model, rows, *, batch_size: int = 16, device=None, pad_token
             part = rows[start:start + batch_size]
             batch = make_token_batch(part, pad, pad_to=pad_to).to(device)
             with autocast():
-                _, logp = forward_tokens(model, batch)  # [n] fp32
+                _, logp = forward_tokens(model, batch, loss_chunk)  # [n] fp32
             total, count = (t.tolist() for t in example_losses(-logp.double(), batch))
             records += [{"id": r.id, "loss": s / n, "ce_sum": s, "tokens": n} for r, s, n in zip(part, total, count)]
     tokens = sum(r["tokens"] for r in records)

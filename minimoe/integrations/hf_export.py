@@ -76,6 +76,7 @@ from safetensors.torch import load_file, save_file
 
 from minimoe.atomic import atomic_directory
 from minimoe.core.adaptation.lora import lora_modules
+from minimoe.core.adaptation.packed_embedding import pack_embedding
 from minimoe.core.adaptation.quantized import dequantize_model
 from minimoe.core.decoder.family_record import Converted, family_of
 from minimoe.core.decoder.model import MoEForCausalLM
@@ -391,6 +392,8 @@ def export_merged_adapter(adapter_or_run, out_dir, *, checkpoint: str | None = N
     quantize = source.run_config.get("quantize")  # a QLoRA run merges into its dequantised base (core/adaptation/quantized.py)
     model = load_adapter(from_pretrained(folder, quantize=quantize), source.folder, allow_other_base=allow_other_base,
                          method=source.method)
+    if source.run_config.get("quantize_embedding"):  # its table as trained on: torchao's dequantisation of it
+        pack_embedding(model)
     if quantize:  # after load_adapter, whose base digest is of the weights as loaded, not as dequantised
         dequantize_model(model)
     tokenizer = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from minimoe.core.adaptation.quantized import digest_sample
+from minimoe.core.adaptation.quantized import dequantize_in_chunks, digest_sample
 
 BLOCK = 32  # values per shared scale
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # |value| of codes 0-7; codes 8-15 are their negatives
@@ -32,14 +32,13 @@ def dequantize_mxfp4(blocks, scales, dtype=torch.bfloat16, name: str = "tensor")
     """blocks uint8 [..., R, C/32, 16], scales uint8 [..., R, C/32] -> [..., R, C] in `dtype`.
 
     Exact in bf16 and fp32 (every value is a 2-bit mantissa times a power of two in their range).
-    Decoded one leading slice at a time, so a layer's bank needs no fp32 copy of itself."""
+    Decoded a few leading slices at a time (`dequantize_in_chunks`), so a layer's bank needs no fp32 copy of itself."""
     check_mxfp4(blocks, scales, name)
     *lead, R, nb, _ = blocks.shape
     out = torch.empty(*lead, R, nb * BLOCK, dtype=dtype, device=blocks.device)
-    flat_blocks, flat_scales, flat_out = blocks.reshape(-1, R, nb, 16), scales.reshape(-1, R, nb), out.view(-1, R, nb * BLOCK)
-    for i in range(flat_blocks.shape[0]):  # one expert at a time: the peak is one expert's values
-        flat_out[i] = decode_mxfp4(flat_blocks[i], flat_scales[i], dtype)
-    return out
+    flat_blocks, flat_scales = blocks.reshape(-1, R, nb, 16), scales.reshape(-1, R, nb)
+    return dequantize_in_chunks(out, mxfp4_temporary_bytes(R * nb * BLOCK, dtype),
+                                lambda c: decode_mxfp4(flat_blocks[c], flat_scales[c], dtype))
 
 
 def check_mxfp4(blocks, scales, name: str = "tensor"):
@@ -60,6 +59,14 @@ def decode_mxfp4(blocks, scales, dtype):
     work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
     values = F.embedding(blocks.int(), e2m1_pairs(work, blocks.device)).flatten(-2)  # [..., C/32, 32], low nibble first
     return values.ldexp_((scales.int() - 127).unsqueeze(-1).to(work)).flatten(-2).to(dtype)
+
+
+def mxfp4_temporary_bytes(n: int, dtype: torch.dtype) -> int:
+    """What `decode_mxfp4` holds at once for n values decoded to `dtype`: the int32 codes (4 bytes a byte of two
+    values) and the lookup's result in its working dtype, both alive in the lookup (the codes are freed before the
+    scales are computed, n / 32 of them); where `dtype` is neither bf16 nor fp32, the fp32 values and their cast."""
+    work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+    return n // 2 * 4 + n * work.itemsize + (0 if work == dtype else n * dtype.itemsize)
 
 
 _PAIRS: dict[tuple, torch.Tensor] = {}
@@ -95,11 +102,11 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class MXFP4Weight:
     """A bank kept as the checkpoint's MXFP4 blocks and scales (`--quantize mxfp4`, core/adaptation/quantized.py),
-    dequantised as a whole bank by `decode_mxfp4` in the same few ops whatever E: bit for bit the bank that
-    dequantising on load gives (`dequantize_mxfp4`, then the record's `Layout.from_packed`, loading/layouts.py).
+    dequantised a chunk of experts at a time by `decode_mxfp4`, the same few ops per chunk whatever E: bit for bit
+    the bank that dequantising on load gives (`dequantize_mxfp4`, then the record's `Layout.from_packed`, loading/layouts.py).
     That layout permutes rows (gate_up's interleaved rows to gate first), and decoding is row by row, so it is
-    applied once here, to the blocks' and scales' rows: no forward pays for it. Transient while dequantising: the
-    int32 codes and the decoded values, each a bank's size in bf16 (as nf4's).
+    applied once here, to the blocks' and scales' rows: no forward pays for it. Transient while dequantising: a
+    chunk's int32 codes and decoded values (`mxfp4_temporary_bytes`), at most DEQUANTIZE_CHUNK_BYTES, as nf4's.
     shape: [E, out, in] as ours; dtype: what it dequantises to."""
 
     def __init__(self, blocks, scales, dtype, layout=None, name: str = "tensor"):
@@ -114,7 +121,10 @@ class MXFP4Weight:
         self.sample = digest_sample(dense)  # an adapter's base digest, as of the dequantised-on-load bank
 
     def dequantize_into(self, out):
-        return out.copy_(decode_mxfp4(self.blocks, self.scales, self.dtype))  # the whole bank at once
+        """Write the bank into `out` (its shape; any float dtype and strides) a chunk of experts at a time, as
+        nf4's (`dequantize_in_chunks`); returns out."""
+        return dequantize_in_chunks(out, mxfp4_temporary_bytes(self.shape[-2] * self.shape[-1], self.dtype),
+                                    lambda c: decode_mxfp4(self.blocks[c], self.scales[c], self.dtype))
 
     def to(self, device):
         self.blocks, self.scales, self.device = self.blocks.to(device), self.scales.to(device), torch.device(device)

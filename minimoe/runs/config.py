@@ -32,6 +32,7 @@ from pathlib import Path
 from minimoe.core.adaptation.lora import ALIASES as LORA_ALIASES, TARGETS
 from minimoe.core.routing_methods.methods import ALIASES, METHODS, Method, UnknownOption, declaring, number
 from minimoe.core.routing_methods.objectives import OBJECTIVES
+from minimoe.core.task.tokens import CHUNK
 from minimoe.data.benchmarks import DEFAULT_DATA_DIR, benchmark_folder
 from minimoe.loading.checkpoint import RUN_DTYPES
 from minimoe.runs.recipes import RECIPES, SELECTED_WHEN_TUNED, by_recipe_counts
@@ -208,6 +209,10 @@ class TrainConfig:
                                    "router gates, norms, embeddings and the LM head stay as loaded; mxfp4: gpt-oss only, "
                                    "its released MXFP4 experts kept as loaded (docs/quantization.md)",
                                    choices=["nf4", "mxfp4"])
+    quantize_embedding: bool = setting("model", False, "with --quantize: also keep the input embedding's table packed "
+                                       "in NF4, each forward dequantising only the batch's rows (it gets no gradient "
+                                       "under LoRA); for a large vocabulary (gpt-oss-20b: 1.08 -> 0.28 GiB). Not with "
+                                       "tied embeddings or --shard fsdp (core/adaptation/packed_embedding.py)")
     pad_token_id: int | None = None  # fills short rows: the checkpoint's pad id, else its eos id (train.py sets it)
     # data
     data: str | None = setting("data", None, "arc_challenge | arc_easy | openbookqa | sciq | medmcqa; or your own: a "
@@ -270,6 +275,10 @@ class TrainConfig:
                          "8 bytes a parameter), adamw8bit or adamw4bit (torchao.optim's: the moments in 8 or 4 bits "
                          "with a scale per block, ~2 or ~1 byte a parameter; pip install -e \".[quant]\"; "
                          "docs/quantization.md)", choices=["adamw", "adamw8bit", "adamw4bit"])
+    loss_chunk: int = setting("optimisation", CHUNK, "the most scored positions (answer tokens, supervised tokens) the LM "
+                              "head runs at at once: past N, the loss goes N at a time, each chunk's [N, vocabulary] "
+                              "logits recomputed in the backward (exact: the same loss); smaller saves memory on a "
+                              "large vocabulary (docs/quantization.md)", type=COUNT, metavar="N")
     clip: float = setting("optimisation", help="gradient-norm clip", type=POSITIVE)
     epochs: int = setting("optimisation", help="passes over the training examples; 1 with the default model", type=COUNT)
     train_examples: dict | None  # the paper's count per benchmark, for its steps per epoch; None: all (the recipe's)

@@ -24,6 +24,7 @@ from minimoe.data.benchmarks import DEFAULT_DATA_DIR, SPLITS, Example, load_spli
 from minimoe.data.manifests import split_sha256
 from minimoe.data.chat import TokenRow
 from minimoe.data.instruct import TextExample, encode_splits
+from minimoe.core.adaptation.packed_embedding import pack_embedding
 from minimoe.core.decoder.generate import generate
 from minimoe.evaluation.accuracy import diagnostics_report, eval_mode, evaluate_split, json_safe
 from minimoe.evaluation.diagnostics import (PAPER_SEEDS, accuracy_table, collect_metrics, metrics_files,
@@ -123,11 +124,13 @@ class Evaluation:
 
 
 def load_model(folder, adapter: AdapterSource | None, *, device: torch.device, dtype: str = "auto",
-               allow_other_base: bool = False, quantize: str | None = None):
+               allow_other_base: bool = False, quantize: str | None = None, quantize_embedding: bool = False):
     """The checkpoint in `folder` on `device` (runs.pick_device's), in `dtype` ("auto": train.py's rule,
     runs.pick_dtype), its base packed as `quantize` says (a QLoRA run's: core/adaptation/quantized.py), with `adapter`
-    loaded onto it -> (model, tokenizer)."""
+    loaded onto it -> (model, tokenizer); quantize_embedding: its embedding's table packed too (packed_embedding.py)."""
     model = from_pretrained(folder, dtype=DTYPES[pick_dtype(dtype, device)], device=device, quantize=quantize)
+    if quantize_embedding:
+        pack_embedding(model)
     tokenizer = load_tokenizer(folder)
     if adapter is not None:
         load_adapter(model, adapter.folder, allow_other_base=allow_other_base, method=adapter.method)
@@ -173,7 +176,8 @@ def load_evaluation(*, base_model: str | None = None, adapter=None, checkpoint: 
     torch_device = pick_device(device)
     folder = resolve_checkpoint(base_model, cache_dir, model_revision)  # a hub id: its snapshot at a commit
     model, tokenizer = load_model(folder, source, device=torch_device, dtype=dtype, allow_other_base=allow_other_base,
-                                  quantize=run_config.get("quantize"))  # scored on the base it trained on
+                                  quantize=run_config.get("quantize"),  # scored on the base it trained on
+                                  quantize_embedding=run_config.get("quantize_embedding", False))
     if any(isinstance(ex, TextExample) for ex in examples):  # chat or completion: their token rows, no diagnostics
         examples = encode_splits({split: examples}, tokenizer, folder, chat_template or run_config.get("chat_template"),
                                  max_length, str(data))[split]

@@ -11,6 +11,7 @@ import os
 import torch
 
 from minimoe.core.adaptation.lora import add_lora, lora_modules
+from minimoe.core.adaptation.packed_embedding import unpackable
 from minimoe.core.adaptation.quantized import NF4_BLOCK, quantized_modules, torchao_module
 from minimoe.core.decoder.family_record import FAMILIES, family_of
 from minimoe.core.routing_methods.methods import set_router
@@ -68,7 +69,8 @@ def check_model_settings(cfg: TrainConfig, model_config) -> None:
     model), the memory command and the sweep's dry run share; a ValueError names the setting and why.
     --aux-coef family on a family without one (`aux_coefficient`); --quantize mxfp4 only where the release
     stores MXFP4 experts (Family.packed_release: gpt-oss); --quantize nf4 only where every matrix it packs
-    holds whole blocks of 64 values; no --quantize mxfp4 with --shard fsdp."""
+    holds whole blocks of 64 values; no --quantize mxfp4 with --shard fsdp; --quantize-embedding only with
+    --quantize, untied embeddings whose rows are whole NF4 blocks, and not with --shard fsdp."""
     aux_coefficient(cfg, model_config)
     if cfg.quantize == "mxfp4" and family_of(model_config.model_type).packed_release != "mxfp4":
         released = ", ".join(f.model_type for f in FAMILIES.values() if f.packed_release == "mxfp4")
@@ -82,6 +84,8 @@ def check_model_settings(cfg: TrainConfig, model_config) -> None:
         raise ValueError("--quantize mxfp4 with --shard fsdp is not supported: the sharded load packs NF4 only "
                          "(core/adaptation/sharded_nf4.py); use --quantize nf4 with --shard fsdp, or --quantize "
                          "mxfp4 in one process or under --shard ddp")
+    if cfg.quantize_embedding:
+        check_packed_embedding(cfg, model_config)
     if cfg.quantize == "nf4":
         from minimoe.core.decoder.model import MoEForCausalLM
         with torch.device("meta"):
@@ -91,6 +95,18 @@ def check_model_settings(cfg: TrainConfig, model_config) -> None:
             if rows * cols % NF4_BLOCK:
                 raise ValueError(f"--quantize nf4: {name} [{rows}, {cols}] has {rows * cols} values per matrix, not "
                                  f"a multiple of NF4's block of {NF4_BLOCK}; this model cannot be packed in NF4")
+
+
+def check_packed_embedding(cfg: TrainConfig, model_config) -> None:
+    """--quantize-embedding (core/adaptation/packed_embedding.py): what check_model_settings refuses of it."""
+    if cfg.quantize is None:
+        raise ValueError("--quantize-embedding packs the embedding's table in NF4 beside a packed base; give "
+                         "--quantize nf4 (or mxfp4 on gpt-oss) with it")
+    if cfg.shard == "fsdp":
+        raise ValueError("--quantize-embedding with --shard fsdp is not supported: the sharded load reads the "
+                         "embedding dense (runs/sharding.py); drop one of them")
+    if refusal := unpackable(model_config.tie_word_embeddings, model_config.hidden_size):
+        raise ValueError(refusal)
 
 
 def aux_coefficient(cfg: TrainConfig, model_config=None) -> float:

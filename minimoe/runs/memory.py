@@ -25,18 +25,19 @@ for a folder, its safetensors headers; for a folder with config.json alone, the 
   `batch_size * max_length` tokens; with --gradient-checkpointing, one hidden vector per layer plus
   one layer's full set. A DSA indexer (DeepSeek-V3.2, GLM-5) adds its fp32 scores, [rows, T, heads, T], one
   layer's at a time and kept for no backward (core/token_mixers/dsa_indexer.py).
-- logits: the LM head's output over the vocabulary at the scored positions, at most core/task/tokens.py's CHUNK
-  of them at a time (the chunked loss): three fp32 [positions, vocab] tensors (log-softmax and two gradients) and,
+- logits: the LM head's output over the vocabulary at the scored positions, at most --loss-chunk of them at a time
+  (train.py's; default core/task/tokens.py's CHUNK, 1024: the chunked loss): three fp32 [positions, vocab] tensors (log-softmax and two gradients) and,
   when not chunked, the output in the run's dtype (a test holds this to a real step's peak). The positions follow
   --data: choice (the recipe's answer-choice benchmarks) scores only the candidates' tokens, --answer-tokens an
   example (default: the study's benchmarks' largest, 8 consecutive examples at a time, counted with a
   2048-token BPE; the data itself is not read); chat (chat and completion data) every position of the micro-batch.
 With --quantize nf4 (train.py's, docs/quantization.md), weights are the packed matrices at their real
 NF4 size (core/adaptation/quantized.py's nf4_bytes, what NF4Weight holds; --quantize mxfp4: gpt-oss's expert banks at
-17 bytes per 32 values, as released), everything else in the run's dtype, plus
+17 bytes per 32 values, as released; --quantize-embedding: the embedding's table in NF4 too,
+core/adaptation/packed_embedding.py), everything else in the run's dtype, plus
 the largest packed matrix dequantised in the run's dtype: the one module's weight alive at a time; and
-dequantising: what dequantising holds beside it (the int32 codes and the lookup's result in the run's dtype: nf4's of
-one chunk of experts, at most 256 MiB, `nf4_dequantize_into`; mxfp4's of a whole bank, loading/mxfp4.py). With
+dequantising: what dequantising holds beside it (the int32 codes and the lookup's result in the run's dtype of
+one chunk of experts, at most 256 MiB, `dequantize_in_chunks`, nf4's and mxfp4's alike). With
 --shard fsdp too: the rank's share of the packed bytes (ceil(1/N) of each module's, core/adaptation/sharded_nf4.py)
 and its rows of the rest, two layers gathered (packed), and the largest packed module dequantised.
 The verdict: fits when the sum is at most 90% of --gpu-memory (CUDA context and allocator slack).
@@ -52,11 +53,12 @@ import torch
 
 from minimoe.core.layers.experts import GroupedLinear
 from minimoe.core.task.tokens import CHUNK
-from minimoe.core.adaptation.quantized import nf4_bytes, nf4_chunk, nf4_temporary_bytes, quantized_modules
+from minimoe.core.adaptation.quantized import chunk_experts, nf4_bytes, nf4_temporary_bytes, quantized_modules
 from minimoe.core.adaptation.sharded_nf4 import record_widths
 from minimoe.loading.checkpoint import DTYPES, SAFETENSORS_DTYPES, WeightFile, _weight_files
 from minimoe.loading.config_json import config_from_dict, read_config
 from minimoe.loading.hub import hub_file
+from minimoe.loading.mxfp4 import mxfp4_temporary_bytes
 
 HEADROOM = 0.9  # of a GPU's memory: CUDA context, allocator fragmentation
 
@@ -99,9 +101,10 @@ def shard_bytes(params, gpus: int) -> int:
                p.element_size() for p in params)
 
 
-def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
+def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4", embedding: bool = False) -> int:
     """--quantize nf4: the base's bytes with its large matrices packed (module docstring), on a meta model
-    without LoRA: packed sizes, the rest in `dtype`, and the largest packed matrix dequantised in `dtype`."""
+    without LoRA: packed sizes, the rest in `dtype`, and the largest packed matrix dequantised in `dtype`.
+    embedding (--quantize-embedding): the embedding's table at NF4's size too, never dequantised whole."""
     if fmt == "mxfp4":  # gpt-oss's expert banks, as released: 16 bytes of codes and 1 scale per 32 values
         packed = {f"{name}.weight" for name, m in model.named_modules() if isinstance(m, GroupedLinear)}
         size = lambda shape: math.prod(shape) // 32 * 17  # noqa: E731
@@ -109,9 +112,10 @@ def quantized_weights(model, dtype: torch.dtype, fmt: str = "nf4") -> int:
         packed = {f"{name}.weight" for name in quantized_modules(model)}
         size = lambda shape: nf4_bytes(shape, dtype)  # noqa: E731
     params = dict(model.named_parameters())
-    dense = sum(p.numel() * dtype.itemsize for n, p in params.items() if n not in packed)
-    return dense + sum(size(params[n].shape) for n in packed) + max((params[n].numel() * dtype.itemsize
-                                                                     for n in packed), default=0)
+    table = {"model.embed_tokens.weight"} if embedding else set()
+    dense = sum(p.numel() * dtype.itemsize for n, p in params.items() if n not in packed | table)
+    return (dense + sum(size(params[n].shape) for n in packed) + sum(nf4_bytes(params[n].shape, dtype) for n in table)
+            + max((params[n].numel() * dtype.itemsize for n in packed), default=0))
 
 
 # torchao.optim's low-bit AdamW: (bits a value, values per fp32 scale, code-table entries); tensors under 4096
@@ -136,19 +140,21 @@ def optimizer_bytes(params, optim: str, gpus: int = 1) -> int:
 
 
 def dequantising_bytes(model, dtype: torch.dtype, fmt: str) -> int:
-    """Beside a packed matrix's dequantised weight, what dequantising it holds at once: nf4, one chunk of its
-    experts' int32 codes, lookup result and block scales (`nf4_dequantize_into`), at the most of any packed module;
-    mxfp4, the largest bank's int32 codes and decoded values, a bank decoded whole (loading/mxfp4.py)."""
+    """Beside a packed matrix's dequantised weight, what dequantising it holds at once: one chunk of its experts'
+    temporaries (`dequantize_in_chunks`, core/adaptation/quantized.py), at the most of any packed module: nf4's
+    int32 codes, lookup result and block scales; mxfp4's (gpt-oss's expert banks) int32 codes and decoded values."""
     modules = dict(model.named_modules())
     if fmt == "mxfp4":
-        n = max((m.weight.numel() for m in modules.values() if isinstance(m, GroupedLinear)), default=0)
-        return n * dtype.itemsize + n // 2 * 4
-    return max((chunk_bytes(modules[name].weight.shape, dtype) for name in quantized_modules(model)), default=0)
+        shapes = [m.weight.shape for m in modules.values() if isinstance(m, GroupedLinear)]
+        return max((chunk_bytes(shape, mxfp4_temporary_bytes(shape[-2] * shape[-1], dtype)) for shape in shapes),
+                   default=0)
+    shapes = [modules[name].weight.shape for name in quantized_modules(model)]
+    return max((chunk_bytes(shape, nf4_temporary_bytes(shape[-2] * shape[-1], dtype)) for shape in shapes), default=0)
 
 
-def chunk_bytes(shape, dtype: torch.dtype) -> int:
-    *lead, rows, cols = shape
-    return min(math.prod(lead), nf4_chunk(rows, cols, dtype)) * nf4_temporary_bytes(rows * cols, dtype)
+def chunk_bytes(shape, temporary_bytes: int) -> int:
+    """A chunk's temporaries for a bank of `shape`, one matrix's being `temporary_bytes`."""
+    return min(math.prod(shape[:-2]), chunk_experts(temporary_bytes)) * temporary_bytes
 
 
 def packed_shard_bytes(model, dtype: torch.dtype, gpus: int) -> tuple[int, int]:
@@ -169,13 +175,13 @@ DATA_KINDS = ("choice", "chat")  # what the loss scores: candidates' answer toke
 ANSWER_TOKENS = 68  # an example's candidates' answer tokens together: docs/quantization.md says how it was measured
 
 
-def logits_bytes(positions: int, vocab: int, dtype: torch.dtype) -> int:
+def logits_bytes(positions: int, vocab: int, dtype: torch.dtype, chunk: int = CHUNK) -> int:
     """The logits' peak over a step, [positions, vocab] tensors: in fp32 the log-softmax (saved for backward), the
-    gradient the gather sends it and the log-softmax's own gradient; up to CHUNK positions the head's output in
-    `dtype` too (the forward's output keeps it), past it the chunked loss's CHUNK positions at a time, each
-    chunk's output recomputed in the backward and dropped (a test holds both to a real step's peak)."""
-    if positions > CHUNK:
-        return CHUNK * vocab * 3 * 4
+    gradient the gather sends it and the log-softmax's own gradient; up to `chunk` positions (--loss-chunk) the
+    head's output in `dtype` too (the forward's output keeps it), past it the chunked loss's `chunk` positions at a
+    time, each chunk's output recomputed in the backward and dropped (a test holds both to a real step's peak)."""
+    if positions > chunk:
+        return chunk * vocab * 3 * 4
     return positions * vocab * (3 * 4 + dtype.itemsize)
 
 
@@ -187,7 +193,8 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     from minimoe.runs.install import install_method
     dequantising = 0
     if cfg.quantize is not None:
-        weights_total = quantized_weights(model, DTYPES[cfg.dtype], cfg.quantize)  # before LoRA wraps the linears
+        weights_total = quantized_weights(model, DTYPES[cfg.dtype], cfg.quantize,  # before LoRA wraps the linears
+                                          cfg.quantize_embedding)
         dequantising = dequantising_bytes(model, DTYPES[cfg.dtype], cfg.quantize)
         if shard == "fsdp":  # the rank's packed share, two packed layers gathered, one module dequantised
             mine, layer = packed_shard_bytes(model, DTYPES[cfg.dtype], gpus)
@@ -220,7 +227,8 @@ def estimate(model, cfg, *, gpus: int, gpu_memory: int, shard: str, weights_tota
     return Estimate(weights=weights, lora=math.ceil(2 * sum(p.numel() * p.element_size() for p in trainable) / split),
                     optimizer=optimizer_bytes(trainable, cfg.optim, split),
                     activations=tokens * kept * itemsize + indexer, gpu_memory=gpu_memory,
-                    logits=logits_bytes(positions, config.vocab_size, DTYPES[cfg.dtype]), dequantising=dequantising, data=data)
+                    logits=logits_bytes(positions, config.vocab_size, DTYPES[cfg.dtype], cfg.loss_chunk),
+                    dequantising=dequantising, data=data)
 
 
 def model_config(name: str):

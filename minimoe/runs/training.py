@@ -98,7 +98,7 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
 def loss_settings(cfg: TrainConfig, model_config=None) -> dict:
     """step_loss's keywords from the run's settings: the loss coefficients and the autocast to run in."""
     return dict(is_eps=cfg.is_eps, depth_scaled_lambda=cfg.depth_scaled_lambda,
-                aux_coef=aux_coefficient(cfg, model_config), autocast=lambda: autocast(cfg))
+                aux_coef=aux_coefficient(cfg, model_config), autocast=lambda: autocast(cfg), loss_chunk=cfg.loss_chunk)
 
 
 # A compiled model's rows are padded to a multiple of this many tokens: torch.compile then sees one
@@ -233,7 +233,8 @@ def score_split(model, tokenizer, examples, cfg: TrainConfig) -> dict:
         from minimoe.evaluation.heldout import evaluate_tokens
         _, metrics = evaluate_tokens(model, examples, batch_size=cfg.eval_batch_size, device=cfg.device,
                                      pad_token_id=cfg.pad_token_id, progress=None if quiet else "validation",
-                                     pad_to=length_bucket(cfg), autocast=lambda: autocast(cfg))
+                                     pad_to=length_bucket(cfg), autocast=lambda: autocast(cfg),
+                                     loss_chunk=cfg.loss_chunk)
         return {"loss": metrics["loss"], "perplexity": metrics["perplexity"]}
     _, metrics, _ = evaluate_split(model, tokenizer, examples, batch_size=cfg.eval_batch_size, device=cfg.device,
                                    diagnostics=False, max_length=cfg.max_length, packed=cfg.packed,

@@ -18,8 +18,11 @@ FLAGS = ["--model", "tiny", "--quantize", "nf4", "--method", "ce", "--max-train-
          "--epochs", "2", "--no-test-eval", "--quiet", "--lora-dropout", "0"]
 
 
-def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path):
-    flags = ["--out-dir", str(tmp_path), "--run-name", "q", "--data-dir", str(tmp_path / "splits"), *FLAGS]
+@pytest.mark.parametrize("embedding", [[], ["--quantize-embedding"]])
+def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path, embedding):
+    """With --quantize-embedding the embedding's table is packed in training, in evaluation and in the merged export's
+    dequantised base alike (the export's logits are the packed model's)."""
+    flags = ["--out-dir", str(tmp_path), "--run-name", "q", "--data-dir", str(tmp_path / "splits"), *FLAGS, *embedding]
     with pytest.raises(SystemExit, match="stopped after epoch 1"), killed_after(epochs=1):
         train.main(flags)
     train.main(["--resume", str(tmp_path / "q")])  # every setting, --quantize among them, from config.json
@@ -32,6 +35,8 @@ def test_a_quantized_run_resumes_evaluates_and_exports(tmp_path):
                                  dtype="float32")
     packed = evaluation.model
     assert any(is_quantized(m) for m in packed.modules())  # scored on the base it trained on
+    assert is_quantized(packed.model.embed_tokens) == bool(embedding)
+    assert json.loads((run / "config.json").read_text())["quantize_embedding"] == bool(embedding)
 
     # The adapter's base digest is the checkpoint's: it loads onto the original, unquantized base.
     load_adapter(from_pretrained(tiny_checkpoint()), run / "checkpoints" / "epoch-2")

@@ -106,15 +106,25 @@ def test_a_bank_dequantised_whole_is_the_per_expert_one_bit_for_bit(dtype):
     assert out.shape == per_expert.shape and torch.equal(out, per_expert)
 
 
-def test_a_bank_dequantises_in_the_same_few_ops_whatever_its_experts():
-    """Dequantising an MXFP4 bank dispatches the same ops for 2 experts as for 6, and few of them: one lookup over
-    the whole bank, not a set of kernels per expert."""
+def test_a_bank_dequantises_in_the_same_few_ops_per_chunk_whatever_its_experts(monkeypatch):
+    """Dequantising an MXFP4 bank dispatches the same ops for 2 experts as for 6 while one chunk holds them, and few of
+    them: one lookup over the chunk, not a set of kernels per expert. With chunks of 2 experts (DEQUANTIZE_CHUNK_BYTES,
+    nf4's plan), 6 experts are 3 chunks of those same ops, bit for bit the whole bank."""
+    from minimoe.core.adaptation import quantized
+    from minimoe.loading.mxfp4 import mxfp4_temporary_bytes
     from tests.core.adaptation.test_quantized import Dispatched  # nf4's bank counts its ops the same way
-    counts = {}
-    for experts in (2, 6):
-        packed, _ = gate_up_bank(experts, torch.bfloat16)
+
+    def dequantize(packed):
+        out = torch.empty(packed.shape, dtype=torch.bfloat16)
         with Dispatched() as dispatched:
-            packed.dequantize_into(torch.empty(packed.shape, dtype=torch.bfloat16))
-        counts[experts] = dispatched.ops
-    assert counts[2] == counts[6], counts
-    assert len(counts[6]) <= 12, counts[6]
+            packed.dequantize_into(out)
+        return out, dispatched.ops
+    banks = {experts: gate_up_bank(experts, torch.bfloat16)[0] for experts in (2, 6)}
+    whole = {experts: dequantize(packed) for experts, packed in banks.items()}
+    assert whole[2][1] == whole[6][1], whole
+    assert len(whole[6][1]) <= 16, whole[6][1]
+    monkeypatch.setattr(quantized, "DEQUANTIZE_CHUNK_BYTES", 2 * mxfp4_temporary_bytes(8 * 64, torch.bfloat16))
+    out, ops = dequantize(banks[6])
+    view, *chunk = whole[2][1]  # the bank viewed as matrices, then one chunk's ops
+    assert ops == [view] + 3 * chunk, ops
+    assert torch.equal(out, whole[6][0])

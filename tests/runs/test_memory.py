@@ -119,6 +119,28 @@ def test_quantized_weight_figures_are_the_real_packed_sizes(tmp_path, family, fm
         assert memory_estimate.main([str(tmp_path / "m"), "--dtype", dtype, "--quantize", fmt]).weights == held
 
 
+@pytest.mark.parametrize("fmt", ["nf4", "mxfp4"])
+def test_a_packed_embeddings_weight_figure_is_the_real_packed_size(tmp_path, fmt):
+    """--quantize-embedding: the weight figure is what the loaded model holds once pack_embedding packs its table
+    (the table at NF4's real size beside the packed base), plus the largest packed layer matrix dequantised (never
+    the table: it is read by rows); the table saves its dense bytes less its packed ones."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("transformers")
+    from minimoe.core.adaptation.packed_embedding import pack_embedding
+    from minimoe.core.adaptation.quantized import packed_bytes, quantized_modules
+    from minimoe.loading.checkpoint import from_pretrained
+    from tests.tiny_families import mxfp4_reference_model
+    (tmp_path / "m").mkdir()
+    mxfp4_reference_model(tmp_path / "m")  # gpt-oss: untied embedding and head, as the release
+    model = pack_embedding(from_pretrained(tmp_path / "m", dtype="bfloat16", quantize=fmt))
+    largest = max(model.get_submodule(n).weight.numel() for n in quantized_modules(model)) * 2
+    held = sum(p.numel() * p.element_size() for p in model.parameters()) + packed_bytes(model) + largest
+    flags = [str(tmp_path / "m"), "--dtype", "bfloat16", "--quantize", fmt]
+    packed, dense = (memory_estimate.main(flags + extra).weights for extra in (["--quantize-embedding"], []))
+    table = model.model.embed_tokens
+    assert packed == held and dense - packed == table.weight.numel() * 2 - table.packed.nbytes > 0
+
+
 def test_the_sharded_quantized_figure_is_a_ranks_share_two_gathered_layers_and_one_module(tmp_path):
     """--quantize nf4 --shard fsdp: the weights per GPU are the rank's bytes of the base (packed_shard_bytes, which
     tests/runs/test_sharded_load.py holds to what a sharded rank holds), plus the largest decoder layer as FSDP
@@ -171,6 +193,10 @@ def test_a_hub_id_not_cached_offline_is_one_line_that_says_what_to_do(tmp_path):
     ("gpt_oss", ["--quantize", "mxfp4", "--gpus", "2", "--shard", "fsdp"], "--quantize mxfp4 with --shard fsdp"),
     ("olmoe", ["--gpu-memory", "-5"], "--gpu-memory -5: expected"),
     ("mixtral", ["--quantize", "nf4"], "not a multiple of NF4's block of 64"),  # [2 x 36, 60]: 4320 values
+    ("olmoe", ["--quantize-embedding"], "give --quantize nf4"),
+    ("olmoe", ["--quantize", "nf4", "--quantize-embedding", "--gpus", "2", "--shard", "fsdp"],
+     "--quantize-embedding with --shard fsdp"),
+    ("granitemoe", ["--quantize", "nf4", "--quantize-embedding"], "ties its embedding to its LM head"),
 ])
 def test_what_train_py_refuses_is_not_sized(tmp_path, capsys, family, flags, message):
     """The memory command checks its settings with train.py's own check (install.check_model_settings):
@@ -365,11 +391,13 @@ def test_the_dequantising_figure_is_what_nf4_dequantize_into_holds_at_once(tmp_p
         assert figure == held.peak == (chunk or largest.weight.shape[0]) * matrix, (chunk, figure, held.peak)
 
 
+@pytest.mark.parametrize("chunk", [None, 64])
 @pytest.mark.parametrize("data", memory.DATA_KINDS)
-def test_the_logits_figure_is_a_real_steps_peak_over_the_vocabulary(tmp_path, data):
-    """The logits figure for --data choice (8 examples of 4 candidates, 26 answer tokens an example) and chat (8 rows,
-    every position supervised: past the chunked loss's CHUNK) is the most bytes held at once in [positions, vocab]
-    tensors during a real training step (step_loss, bf16, LoRA), within the head weight's transposed view."""
+def test_the_logits_figure_is_a_real_steps_peak_over_the_vocabulary(tmp_path, data, chunk):
+    """The logits figure for --data choice (8 examples of 4 candidates, 26 answer tokens an example: 208 positions)
+    and chat (8 rows, every position supervised: 1,272, past the chunked loss's CHUNK) is the most bytes held at once
+    in [positions, vocab] tensors during a real training step (step_loss, bf16, LoRA), within the head weight's
+    transposed view; at the default chunk, and at --loss-chunk 64 (both kinds past it: 64 positions at a time)."""
     from minimoe.core.adaptation.lora import add_lora
     from minimoe.core.task.choices import pack_choices
     from minimoe.core.task.step import step_loss
@@ -388,9 +416,13 @@ def test_the_logits_figure_is_a_real_steps_peak_over_the_vocabulary(tmp_path, da
         flags = []
     counts = {"examples": 8, "tokens": batch.supervised_tokens, "rows": batch.input_ids.shape[0]}
     with HeldStorages(lambda t: t.dim() == 2 and t.shape[-1] == V) as held:
-        step_loss(model, [batch], build_config({"model": str(tmp_path / "m"), "method": "ce"}, "tiny").method, counts, 1)
+        step_loss(model, [batch], build_config({"model": str(tmp_path / "m"), "method": "ce"}, "tiny").method, counts, 1,
+                  loss_chunk=chunk)
+    if chunk:
+        flags += ["--loss-chunk", str(chunk)]
     figure = memory_estimate.main([str(tmp_path / "m"), "--batch-size", "8", "--max-length", "160", "--data", data,
                                    *flags]).logits
+    assert (figure == (chunk or 0) * V * 12) == bool(chunk)  # at --loss-chunk 64, its chunks alone
     assert figure <= held.peak <= figure + model.lm_head.weight.numel() * 2, (figure, held.peak)
 
 
@@ -472,36 +504,25 @@ def test_deepseek_v4_flash_figure_is_transformers_own_count(tmp_path):
     assert memory_estimate.main([str(tmp_path), "--gpus", "1", "--gpu-memory", "80"]).weights == 2 * counted
 
 
-class NewTensorBytes(TorchDispatchMode):
-    """The bytes of the tensors the ops allocate while active (not views, nor tensors written in place)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                  if isinstance(a, torch.Tensor)}
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.bytes += t.untyped_storage().nbytes()
-        return out
-
-
-def test_the_mxfp4_dequantising_figure_is_what_decoding_a_bank_allocates(tmp_path):
-    """--quantize mxfp4 dequantises a bank whole (loading/mxfp4.py's decode_mxfp4): the figure beside the dequantised
-    weight is the int32 codes and the decoded values of the largest bank, as allocated op by op (within the
-    per-block exponents)."""
+def test_the_mxfp4_dequantising_figure_is_what_decoding_a_chunk_holds_at_once(tmp_path, monkeypatch):
+    """--quantize mxfp4 decodes a bank a chunk of experts at a time, as nf4 (`dequantize_in_chunks`): the figure
+    beside the dequantised weight is the most bytes alive at once in what decoding the largest bank allocates (one
+    chunk's int32 codes and decoded values), tracked op by op, whole banks (the tiny model's fit one chunk) and in
+    chunks of one expert."""
     pytest.importorskip("transformers")
-    from minimoe.core.adaptation.quantized import is_quantized
+    from minimoe.core.adaptation import quantized
     from minimoe.loading.checkpoint import from_pretrained
+    from minimoe.loading.mxfp4 import mxfp4_temporary_bytes
     from tests.tiny_families import mxfp4_reference_model
     mxfp4_reference_model(tmp_path)
     model = from_pretrained(tmp_path, dtype="bfloat16", quantize="mxfp4")
-    largest = max((m for m in model.modules() if is_quantized(m)), key=lambda m: m.weight.numel())
-    out = torch.empty(largest.weight.shape, dtype=torch.bfloat16)
-    with NewTensorBytes() as counted:
-        largest.packed.dequantize_into(out)
-    figure = memory_estimate.main([str(tmp_path), "--dtype", "bfloat16", "--quantize", "mxfp4"]).dequantising
-    assert figure <= counted.bytes < figure * 1.1
+    largest = max((m for m in model.modules() if quantized.is_quantized(m)), key=lambda m: m.weight.numel())
+    matrix = mxfp4_temporary_bytes(largest.weight.shape[-2] * largest.weight.shape[-1], torch.bfloat16)
+    for chunk in (None, 1):
+        if chunk:
+            monkeypatch.setattr(quantized, "DEQUANTIZE_CHUNK_BYTES", chunk * matrix)
+        out = torch.empty(largest.weight.shape, dtype=torch.bfloat16)
+        with HeldStorages() as held:
+            largest.packed.dequantize_into(out)
+        figure = memory_estimate.main([str(tmp_path), "--dtype", "bfloat16", "--quantize", "mxfp4"]).dequantising
+        assert figure == held.peak == (chunk or largest.weight.shape[0]) * matrix, (chunk, figure, held.peak)

@@ -1,8 +1,8 @@
 """The chunked next-token loss under --shard fsdp (two gloo processes on the CPU, tests/fsdp_worker.py): past CHUNK
 supervised positions core/task/tokens.py runs the LM head after the model's forward, on the root unit's weight,
 which FSDP2 keeps gathered until the backward ends (runs/sharding.py). A TES run on chat rows, every micro-batch
-past the chunk (CHUNK set to 4), its layers checkpointed (--gradient-checkpointing), equals one process running
-the head inside its forward (CHUNK left at 1,024), no checkpointing:
+past the chunk (--loss-chunk 4), its layers checkpointed (--gradient-checkpointing), equals one process running
+the head inside its forward (the default chunk of 1,024), no checkpointing:
 each step's loss terms, and the adapter after 4 updates, to the reduction order's rounding (as
 tests/runs/test_sharding.py bounds it). With the root resharded after its forward, the sharded run stops on the
 head's sharded weight (seen: "aten.mm.default got mixed torch.Tensor and DTensor"). 13 s on 2 cores."""
@@ -38,8 +38,7 @@ def test_a_sharded_chunked_loss_equals_one_process(tmp_path):
              "--data-dir", str(tmp_path / "splits")]
     train.main(["--out-dir", str(tmp_path / "one"), "--run-name", "chat", *flags])
     plan = {"runs": [{"flags": ["--out-dir", str(tmp_path / "fsdp"), "--run-name", "chat", "--shard", "fsdp", *flags,
-                                "--gradient-checkpointing"],
-                      "chunk": CHUNK}]}
+                                "--gradient-checkpointing", "--loss-chunk", str(CHUNK)]}]}
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
@@ -48,6 +47,8 @@ def test_a_sharded_chunked_loss_equals_one_process(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     one, two = tmp_path / "one" / "chat", tmp_path / "fsdp" / "chat"
     a, b = steps(one), steps(two)
+    recorded = [json.loads((run / "config.json").read_text())["loss_chunk"] for run in (one, two)]
+    assert recorded == [tokens.CHUNK, CHUNK]  # the setting is the run's record, as every other
     assert len(a) == len(b) == STEPS and all(r["method"] > 0 for r in b)  # TES reads the chunked CE
     for key in ("loss", "task", "method", "grad_norm"):
         torch.testing.assert_close(torch.tensor([r[key] for r in b]), torch.tensor([r[key] for r in a]),

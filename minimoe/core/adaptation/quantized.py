@@ -37,7 +37,7 @@ logits); the embeddings, LM head, norms and biases stay as loaded, and so does e
 Formats: `NF4Weight` (QLoRA's NormalFloat-4 with double-quantised scales, packed per expert matrix by
 torchao's `to_nf4` as QLoRA on transformers' per-expert modules packs them, held as whole-bank tensors and
 dequantised a bank at a time by `nf4_dequantize`: a fixed number of kernels, not one set per expert, for each
-chunk of experts whose temporaries fit DEQUANTIZE_CHUNK_BYTES, `nf4_dequantize_into`). The
+chunk of experts whose temporaries fit DEQUANTIZE_CHUNK_BYTES, `dequantize_in_chunks`, which MXFP4's banks share). The
 library is optional (the `quant` extra); `require("nf4")` names the extra when it is missing.
 """
 from __future__ import annotations
@@ -178,10 +178,24 @@ def nf4_dequantize(codes, scalers, factors, means, pairs):
 DEQUANTIZE_CHUNK_BYTES = 2**28
 
 
-def nf4_chunk(rows: int, cols: int, dtype: torch.dtype) -> int:
-    """Experts of a bank of [rows, cols] matrices that `nf4_dequantize_into` dequantises at once: as many as keep
-    their temporaries within DEQUANTIZE_CHUNK_BYTES, one at least (a single larger matrix is one chunk)."""
-    return max(1, DEQUANTIZE_CHUNK_BYTES // nf4_temporary_bytes(rows * cols, dtype))
+def chunk_experts(temporary_bytes: int) -> int:
+    """Experts of a bank that `dequantize_in_chunks` decodes at once, given one matrix's temporaries: as many as keep
+    them within DEQUANTIZE_CHUNK_BYTES, one at least (a single larger matrix is one chunk). nf4's and mxfp4's plan."""
+    return max(1, DEQUANTIZE_CHUNK_BYTES // temporary_bytes)
+
+
+def dequantize_in_chunks(out, temporary_bytes: int, decode):
+    """Write a bank into `out` ([..., out, in], any float dtype and strides) a chunk of experts at a time
+    (`chunk_experts` of one matrix's `temporary_bytes`): decode(experts, a slice) returns those experts' values,
+    any shape of their size. Each chunk runs decode's same few kernels, and decoding is per value, so the result
+    is the whole bank's bit for bit; the temporaries are a chunk's."""
+    rows, cols = out.shape[-2:]
+    matrices = out.view(-1, rows, cols)  # a plain [out, in] Linear is one matrix
+    step = chunk_experts(temporary_bytes)
+    for e in range(0, matrices.shape[0], step):
+        # one expression: a name bound to a chunk's values would hold them while the next chunk is decoded
+        matrices[e:e + step].copy_(decode(slice(e, e + step)).view(-1, rows, cols))
+    return out
 
 
 def nf4_temporary_bytes(n: int, dtype: torch.dtype) -> int:
@@ -192,17 +206,9 @@ def nf4_temporary_bytes(n: int, dtype: torch.dtype) -> int:
 
 def nf4_dequantize_into(out, codes, scalers, factors, means, pairs):
     """`nf4_dequantize` of every matrix, written into `out` ([..., out, in], any float dtype and strides) a chunk
-    of experts at a time (`nf4_chunk`), so its temporaries are a chunk's, not the bank's. Each chunk is the same
-    few kernels, and a chunk's experts are dequantised by the same arithmetic as the whole bank's: bit for bit."""
-    rows, cols = out.shape[-2:]
-    matrices = out.view(-1, rows, cols)  # a plain [out, in] Linear is one matrix
-    step = nf4_chunk(rows, cols, pairs.dtype)
-    for e in range(0, matrices.shape[0], step):
-        chunk = slice(e, e + step)
-        # one expression: a name bound to a chunk's values would hold them while the next chunk is dequantised
-        matrices[chunk].copy_(nf4_dequantize(codes[chunk], scalers[chunk], factors[chunk], means[chunk], pairs)
-                              .view(-1, rows, cols))
-    return out
+    of experts at a time (`dequantize_in_chunks`)."""
+    return dequantize_in_chunks(out, nf4_temporary_bytes(out.shape[-2] * out.shape[-1], pairs.dtype),
+                                lambda c: nf4_dequantize(codes[c], scalers[c], factors[c], means[c], pairs))
 
 
 DIGEST_VALUES = 4096  # values of a weight in the base-weights digest

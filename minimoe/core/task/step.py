@@ -16,18 +16,21 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-from minimoe.core.task.choices import choice_loss, choice_scores, forward_choices
+from minimoe.core.task.choices import choice_loss, choice_scores
 from minimoe.core.routing_methods.objectives import load_balancing_loss, supervision_loss
 from minimoe.core.task.tokens import TokenBatch, forward_tokens
 
 
 def step_loss(model, batches, method, counts: dict, world_size: int, *, is_eps: float = 1e-8,
-              depth_scaled_lambda: bool = False, aux_coef: float = 0.0, autocast=nullcontext, stats=None) -> dict:
+              depth_scaled_lambda: bool = False, aux_coef: float = 0.0, autocast=nullcontext, stats=None,
+              loss_chunk: int | None = None) -> dict:
     """Forward + backward of one optimizer step's micro-batches (this rank's); returns the step's
     logged terms as device scalars (the caller reads them back once). `method`: a configured
     methods.Method (its prediction, objective and lambda_); `counts`: the step's examples, supervised tokens
     and rows over every micro-batch and rank; `autocast`: makes the context each forward runs in;
-    `stats` (tracking.RoutingStats), when given, gets each real micro-batch's routing.
+    `stats` (tracking.RoutingStats), when given, gets each real micro-batch's routing; `loss_chunk`: the most
+    scored positions the LM head runs at at once (--loss-chunk; default core/task/tokens.py's CHUNK), answer
+    choices and chat rows alike (tokens.forward_tokens).
 
     A placeholder micro-batch (a rank without an example in the epoch's last step, training.micro_batches)
     runs with weight zero: DDP all-reduces every backward, and it must add nothing."""
@@ -37,8 +40,7 @@ def step_loss(model, batches, method, counts: dict, world_size: int, *, is_eps: 
         sync = i == len(batches) - 1 or not hasattr(model, "no_sync")  # DDP: all-reduce on the last only
         weight = 0.0 if batch.placeholder else 1.0
         with nullcontext() if sync else model.no_sync(), autocast():
-            forward = forward_tokens if isinstance(batch, TokenBatch) else forward_choices
-            out, logp = forward(model, batch)  # logp [n]: every candidate's answer tokens, or the supervised ones
+            out, logp = forward_tokens(model, batch, loss_chunk)  # logp [n]: candidates' answer tokens, or supervised
             if stats is not None and not batch.placeholder:
                 stats.add(out.routings, batch, batch.at_supervised(-logp.detach()))
             if isinstance(batch, TokenBatch):  # per supervised token over the step, as the method term

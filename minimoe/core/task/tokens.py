@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minimoe.core.task.choices import forward_choices
 
-CHUNK = 1024  # supervised positions per head call: [1024, 151k] fp32 logits are 0.6 GB
+CHUNK = 1024  # scored positions per head call by default (--loss-chunk): [1024, 151k] fp32 logits are 0.6 GB
 
 
 @dataclass
@@ -125,14 +125,16 @@ def chunked_token_ce(head, hidden, target, chunk: int = CHUNK) -> torch.Tensor:
                       for h, t in zip(hidden.split(chunk), target.split(chunk))])
 
 
-def forward_tokens(model, batch: TokenBatch, chunk: int | None = None):
-    """One forward, the LM head at the supervised positions a chunk at a time -> (output, log-probs [n] fp32),
-    as choices.forward_choices returns them (chunk: CHUNK, read at the call). Up to `chunk` supervised tokens
-    the head runs inside the forward, as for answer choices. Past it the head runs after the forward: under
+def forward_tokens(model, batch, chunk: int | None = None):
+    """One forward, the LM head at the scored positions a chunk at a time -> (output, log-probs [n] fp32),
+    as choices.forward_choices returns them; `batch` a TokenBatch or a ChoiceBatch (its candidates' answer tokens
+    are the positions; training runs both kinds here, so --loss-chunk bounds either's logits). chunk: the run's
+    --loss-chunk, else CHUNK, read at the call. Up to `chunk` scored positions the head runs inside the forward,
+    as forward_choices runs it. Past it the head runs after the forward: under
     --shard fsdp its weight is then still gathered, since the root unit keeps its parameters unsharded from
     its forward to the end of the backward (runs/sharding.py; tests/runs/test_sharded_chat.py)."""
     chunk = CHUNK if chunk is None else chunk
-    if batch.supervised_tokens <= chunk:
+    if batch.target.shape[0] <= chunk:  # a ChoiceBatch's supervised_tokens are the gold answer's alone
         return forward_choices(model, batch)
     out = model(batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
                 segment_ids=batch.segment_ids, logits_at=batch.scored_positions, head=False)

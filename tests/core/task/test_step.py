@@ -109,6 +109,30 @@ def test_step_loss_is_the_papers_total_loss_over_two_micro_batches(method, objec
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
+def test_answer_choices_past_the_loss_chunk_give_the_papers_total_loss():
+    """--loss-chunk 3: each micro-batch's answer tokens (more than 3) go through the LM head 3 at a time, each chunk's
+    logits recomputed in the backward (core/task/tokens.py), and step_loss is still Eq. total_loss by hand (the head
+    on all answer tokens at once): its logged terms and every trainable parameter's gradient, TES with IS."""
+    cfg, model, batches, counts = setup("tes", "is")
+    assert all(b.target.shape[0] > 3 for b in batches)
+    chunks = []
+    model.lm_head.register_forward_hook(lambda module, args, out: chunks.append(out.shape[0]))
+    model.zero_grad(set_to_none=True)
+    logs = step_loss(model, batches, cfg.method, counts, world_size=1,
+                     **training.loss_settings(replace(cfg, loss_chunk=3)))
+    got = grads(model)
+    assert max(chunks) == 3 and len(chunks) > 2 * len(batches)  # chunked, in the forward and again in the backward
+    model.zero_grad(set_to_none=True)
+    ce, method_term = by_hand(model, batches, "is")
+    (ce + LAMBDA * method_term).backward()
+    want = grads(model)
+    assert float(logs["task"]) == pytest.approx(ce.item(), rel=1e-5)
+    assert float(logs["method"]) == pytest.approx(method_term.item(), rel=1e-5)
+    assert got.keys() == want.keys() and any("lora" in n for n in got)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("method", ["acs", "tes"])
 def test_the_observed_ce_stays_attached_in_the_method_term(method):
     """The method term's gradient flows through the observed CE too (the paper keeps it attached: IS and
