@@ -7,20 +7,16 @@ each step's loss terms, and the adapter after 4 updates, to the reduction order'
 tests/runs/test_sharding.py bounds it). With the root resharded after its forward, the sharded run stops on the
 head's sharded weight (seen: "aten.mm.default got mixed torch.Tensor and DTensor"). 13 s on 2 cores."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
 from minimoe.cli import train
 from minimoe.core.task import tokens
 from tests.cli.test_train_chat import CHATML, chat_rows, write_jsonl
+from tests.runs.test_sharding import torchrun
 
-REPO = Path(__file__).resolve().parents[2]
 LR, STEPS, CHUNK = 2e-3, 4, 4  # a micro-batch holds 6 supervised tokens or more (two assistant turns an example)
 FLAGS = ["--model", "tiny", "--method", "tes", "--max-train-examples", str(8 * STEPS), "--batch-size", "8",
          "--epochs", "1", "--warmup", "0", "--lora-dropout", "0", "--recipe", "tiny", "--no-test-eval", "--quiet",
@@ -37,13 +33,8 @@ def test_a_sharded_chunked_loss_equals_one_process(tmp_path):
     flags = [*FLAGS, "--data", str(data), "--chat-template", str(tmp_path / "chatml.jinja"),
              "--data-dir", str(tmp_path / "splits")]
     train.main(["--out-dir", str(tmp_path / "one"), "--run-name", "chat", *flags])
-    plan = {"runs": [{"flags": ["--out-dir", str(tmp_path / "fsdp"), "--run-name", "chat", "--shard", "fsdp", *flags,
-                                "--gradient-checkpointing", "--loss-chunk", str(CHUNK)]}]}
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29527", "-m", "tests.fsdp_worker", str(tmp_path / "plan.json")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = torchrun(tmp_path, [{"flags": ["--out-dir", str(tmp_path / "fsdp"), "--run-name", "chat", "--shard", "fsdp",
+                                          *flags, "--gradient-checkpointing", "--loss-chunk", str(CHUNK)]}])
     assert done.returncode == 0, done.stderr[-4000:]
     one, two = tmp_path / "one" / "chat", tmp_path / "fsdp" / "chat"
     a, b = steps(one), steps(two)

@@ -14,17 +14,14 @@ that leaves is measured and bounded in its test. At a real model's widths nearly
 (docs/distributed.md). About 70 s of CPU in all.
 """
 import json
-import os
 import shutil
-import subprocess
-import sys
 from unittest import mock
 
 import pytest
 import torch
 
-from tests.runs.test_sharding import (FLAGS, LR, REPO, STEPS, TRAINING_MARGIN, adapter, clear_of_ties, manifests,
-                                      runs_agree, steps)
+from tests.runs.test_sharding import (FLAGS, LR, STEPS, TRAINING_MARGIN, adapter, clear_of_ties, manifests,
+                                      runs_agree, steps, torchrun)
 
 pytest.importorskip("torchao")
 ALIGNED = ["--method", "ce", "--optim", "adamw8bit", "--lora-rank", "16", "--lora-targets", "gate_up"]
@@ -35,12 +32,9 @@ RUNS = {"aligned": ALIGNED,
 KILLED = "aligned"
 
 
-def torchrun(root, plan: list, port: int):
-    (root / "plan.json").write_text(json.dumps({"runs": [{**run, "eager": True} for run in plan]}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(port), "-m", "tests.fsdp_worker", str(root / "plan.json")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+def eager_torchrun(root, plan: list):
+    """test_sharding's launch, torchao's low-bit step run eagerly in it (fsdp_worker's "eager")."""
+    done = torchrun(root, [{**run, "eager": True} for run in plan])
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stderr
 
@@ -59,16 +53,16 @@ def runs(tmp_path_factory):
     sharded = {n: ["--out-dir", str(root / "fsdp"), "--shard", "fsdp", "--save-every-steps", "2", *f]
                for n, f in flags.items()}
     killed = [*sharded[KILLED], "--run-name", "killed"]
-    log = torchrun(root, [*({"flags": [*sharded[n], "--run-name", n]} for n in RUNS),
-                          {"flags": killed, "kill_after_steps": 2}], 29531)
+    log = eager_torchrun(root, [*({"flags": [*sharded[n], "--run-name", n]} for n in RUNS),
+                          {"flags": killed, "kill_after_steps": 2}])
     shutil.copytree(root / "fsdp" / "killed", root / "fsdp" / "fresh")
     path = root / "fsdp" / "fresh" / "checkpoints" / "step-2" / "training_state.pt"
     state = torch.load(path, weights_only=True)
     for rank in state["optimizer"]["ranks"]:
         rank["optimizer"]["state"] = {}
     torch.save(state, path)
-    log += torchrun(root, [{"flags": [*killed, "--resume"]},
-                           {"flags": [*sharded[KILLED], "--run-name", "fresh", "--resume"]}], 29532)
+    log += eager_torchrun(root, [{"flags": [*killed, "--resume"]},
+                           {"flags": [*sharded[KILLED], "--run-name", "fresh", "--resume"]}])
     return {"root": root, "margins": margins, "log": log, "flags": flags}
 
 

@@ -7,16 +7,14 @@ one-process packed base (its base-weights digest, summed over the ranks' samples
 torchrun launch (about 25 s of CPU in all).
 """
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from minimoe.loading.checkpoint import from_pretrained
 from minimoe.runs.adapters import load_adapter
-from tests.runs.test_sharding import FLAGS, LR, REPO, STEPS, TRAINING_MARGIN, adapter, clear_of_ties, manifests, steps
+from tests.runs.test_sharding import (FLAGS, LR, STEPS, TRAINING_MARGIN, adapter, clear_of_ties, manifests, steps,
+                                      torchrun)
 
 pytest.importorskip("torchao")
 # DeepSeek-V3 with --gradient-checkpointing: its layers' forwards run again inside the backward, on the gathered bytes
@@ -40,11 +38,7 @@ def runs(tmp_path_factory):
     killed = [*sharded[KILLED], "--run-name", "killed"]
     plan = [*({"flags": [*sharded[f], "--run-name", f]} for f in RUNS),
             {"flags": killed, "kill_after_steps": 2}, {"flags": [*killed, "--resume"]}]
-    (root / "plan.json").write_text(json.dumps({"runs": plan}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           "29527", "-m", "tests.fsdp_worker", str(root / "plan.json")],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = torchrun(root, plan)
     assert done.returncode == 0, done.stderr[-4000:]
     return {"root": root, "flags": flags, "margins": margins, "log": done.stderr}
 

@@ -21,6 +21,7 @@ sharding error from a data-parallel one.
 """
 import json
 import os
+import socket
 import shlex
 import shutil
 import subprocess
@@ -136,17 +137,25 @@ def runs(tmp_path_factory):
              {"flags": ["--out-dir", str(root / "one"), "--run-name", "olmoe", *flags["olmoe"], "--resume"],
               "refused": True}]
     with run_lock(root / "one" / "olmoe"):
-        done = torchrun(root, plan, 29523)
+        done = torchrun(root, plan)
     assert done.returncode == 0, done.stderr[-4000:]
     return {"root": root, "models": models, "log": done.stderr, "margins": margins}
 
 
-def torchrun(root: Path, plan: list, port: int) -> subprocess.CompletedProcess:
+def free_port() -> int:
+    """A TCP port free on this machine now: the launch's rendezvous, so that launches running at once (two test
+    sessions on one machine) do not meet on a fixed port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(root: Path, plan: list) -> subprocess.CompletedProcess:
     """`plan`'s runs (tests/fsdp_worker.py) in one torchrun launch of 2 gloo processes, its plan.json in `root`."""
     (root / "plan.json").write_text(json.dumps({"runs": plan}))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(port), "-m", "tests.fsdp_worker", str(root / "plan.json")],
+                           str(free_port()), "-m", "tests.fsdp_worker", str(root / "plan.json")],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
 
 
@@ -166,11 +175,11 @@ def clear_of_ties(root: Path, name: str, family: str, flags: list,
 def one_process(flags: list) -> float:
     """train.main(flags) here; returns the smallest selection margin of its training forwards, every step's: the
     routers' (conftest.routing_margin) and a DSA indexer's top-k (`indexer_margin`)."""
-    margins, forward, select = [], step.forward_choices, LightningIndexer.forward
+    margins, forward, select = [], step.forward_tokens, LightningIndexer.forward
     scores = []  # (masked scores [B, T, S], k) of each indexer call in the forward
 
-    def recorded(model, batch):
-        out, logp = forward(model, batch)
+    def recorded(model, batch, chunk=None):
+        out, logp = forward(model, batch, chunk)
         margins.append(routing_margin(model, out.routings, batch.attention_mask))
         margins.extend(indexer_margin(s, k, batch.attention_mask) for s, k in scores)
         scores.clear()
@@ -181,7 +190,7 @@ def one_process(flags: list) -> float:
         scores.append((self.scores(x, q_latent, cos, sin, cache, start).masked_fill(~allowed[:, 0], float("-inf")),
                        self.topk))
         return select(self, x, q_latent, cos, sin, allowed, cache, start)
-    with mock.patch.object(step, "forward_choices", recorded), mock.patch.object(LightningIndexer, "forward", indexer):
+    with mock.patch.object(step, "forward_tokens", recorded), mock.patch.object(LightningIndexer, "forward", indexer):
         train.main(flags)
     return min(margins)
 

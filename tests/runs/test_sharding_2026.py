@@ -68,7 +68,7 @@ def runs(tmp_path_factory):
     plan = [{"flags": ["--out-dir", str(root / "fsdp"), "--shard", "fsdp", "--run-name", name, *fl]}
             for name, fl in flags.items()]
     plan += [{"flags": ["--out-dir", str(root / "ddp"), "--run-name", name, *flags[name]]} for name in METHOD]
-    done = torchrun(root, plan, 29531)
+    done = torchrun(root, plan)
     assert done.returncode == 0, done.stderr[-4000:]
     return {"root": root, "margins": margins}
 
