@@ -36,9 +36,9 @@ knows (OLMoE, Qwen3-MoE, Mixtral, DeepSeek: measured exact) and gives wrong logi
   [A_gate; A_up] (already so stacked), B_e = [[B_gate, 0], [0, B_up]], with `rank_pattern` 2r and `alpha_pattern`
   2 alpha for `experts.gate_up_proj` (alpha/r kept; peft 0.21.2 warns that the patterns "did not match any
   targeted module": its check looks at modules, not parameters, and the rank is applied, as the test shows).
-  gpt-oss's bank is [E, in, out] with `is_transposed` set on its module (TRANSPOSED_IN_5), which peft reads: its
+  gpt-oss's bank is [E, in, out] with `is_transposed` set on its module (Family.experts_transposed_in_5), which peft reads: its
   A_e is ours and its B_e is to_disk(ours); Llama 4's is [E, in, out] without it, read as on 4.57. Modules that
-  transformers 5 renames on load (RENAMED_IN_5: Mixtral's, MiniMax-M2's and Kimi Linear's `block_sparse_moe.`
+  transformers 5 renames on load (Family.modules_in_5: Mixtral's, MiniMax-M2's and Kimi Linear's `block_sparse_moe.`
   is its `mlp.`, Granite's `router.layer` its `router`, DeepSeek-V4's release names its own) are written under its
   names, and a linear's target names its parent too (`self_attn.q_b_proj`: DeepSeek-V4's compressor holds another).
 - Native gates tuned by "+ affinity tuning" go to `modules_to_save` under their full module path,
@@ -89,24 +89,6 @@ from minimoe.runs.adapters import adapter_tensors, fingerprint, gate_layers, loa
 from minimoe.runs.run_folder import resolve_adapter  # a run folder resolves through selection.json
 
 PREFIX = "base_model.model."  # where peft's PeftModelForCausalLM keeps the transformers model's keys
-
-# The families transformers 4.57 holds: export_peft writes for its modules by default; for the others, for 5's.
-TRANSFORMERS_4_FAMILIES = frozenset({"granitemoe", "olmoe", "qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss",
-                                     "deepseek_v2", "deepseek_v3", "granitemoehybrid", "qwen3_next",
-                                     "granitemoeshared", "flex_olmo", "glm4_moe", "llama4_text"})
-# transformers 5's modules where they are not named as the checkpoint's keys (its conversion mapping renames
-# them on load), within a layer: the checkpoint's path prefix -> transformers 5's
-RENAMED_IN_5 = {**dict.fromkeys(("mixtral", "minimax_m2", "kimi_linear"), {"block_sparse_moe.": "mlp."}),
-                **dict.fromkeys(("granitemoe", "granitemoehybrid", "granitemoeshared"),
-                                {"block_sparse_moe.router.layer.": "block_sparse_moe.router."}),
-                # DeepSeek-V4's release names, and its LoRA targets' (lora_paths) among them
-                "deepseek_v4": {"ffn.": "mlp.", "attn.wq_b.": "self_attn.q_b_proj.", "attn.wkv.": "self_attn.kv_proj.",
-                                "attn.wo_b.": "self_attn.o_b_proj.", "attn.wo_a.": "self_attn.o_a_proj."}}
-# the families whose experts module in transformers 5 says `is_transposed` (banks [E, in, out]), which peft reads
-TRANSPOSED_IN_5 = frozenset({"gpt_oss"})
-# the families whose `out_proj` peft 0.21.2 refuses to adapt (its Mamba check, by model_type: Granite 4.0-H is not one)
-PEFT_MAMBA_TYPES = frozenset({"nemotron_h"})
-
 
 def _adapter_state(adapter_or_run, checkpoint: str | None) -> tuple[dict, dict[str, torch.Tensor], object]:
     """(adapter config as save_adapter writes it, tensors, its configured Method or None) from a model, an
@@ -177,7 +159,7 @@ def converted_factor(disk: Converted, t, ab: str, E: int, r: int, transposed: bo
 def experts_module(family, disk) -> str:
     """The module (within a layer) that holds the routed experts as 3-D parameters in transformers 5, from the
     checkpoint key of one of its banks: the MoE block's experts ("mlp.experts"; Gemma 4's "experts"), renamed
-    where transformers 5 renames the checkpoint's modules (RENAMED_IN_5)."""
+    where transformers 5 renames the checkpoint's modules (Family.modules_in_5)."""
     key = disk.key if isinstance(disk, Converted) else disk if isinstance(disk, str) else disk[0]
     moe, found, _ = f".{key}".partition(".experts.")  # ".mlp" of "mlp.experts.{j}.gate_proj.weight"
     if not found:  # Granite's "block_sparse_moe.input_linear.weight": the block is the bank's parent
@@ -188,7 +170,7 @@ def experts_module(family, disk) -> str:
 def in_transformers_5(family, path: str) -> str:
     """A module path within a layer as the checkpoint names it -> as transformers 5's model does."""
     dotted = f"{path}."
-    for old, new in RENAMED_IN_5.get(family, {}).items():
+    for old, new in family_of(family).modules_in_5.items():
         if dotted.startswith(old):
             return (new + dotted[len(old):]).removesuffix(".")
     return path
@@ -233,7 +215,7 @@ def peft_tensors(config: dict, tensors: dict[str, torch.Tensor], transformers: i
         if base.startswith("mlp.experts.") and five:  # a bank: a 3-D parameter of the experts module, named as ours
             module, param = experts_module(family, disk), base.rpartition(".")[2]
             if isinstance(disk, Converted):
-                ab, t = converted_factor(disk, t, ab, E, r, transposed=family in TRANSPOSED_IN_5)
+                ab, t = converted_factor(disk, t, ab, E, r, transposed=family_of(family).experts_transposed_in_5)
             else:  # [E, out, in] as ours; gate and up stored apart on disk: our two LoRAs as one of rank 2r
                 blocks = len(disk) if isinstance(disk, tuple) else 1
                 t = param_wrapper_factor(t if ab == "lora_A" else block_diagonal(t, blocks), ab, E, blocks * r)
@@ -287,18 +269,18 @@ def export_peft(adapter_or_run, out_dir, *, checkpoint: str | None = None, base_
     or a run folder (its `checkpoint`: "last" by default or "selected", as evaluate.py resolves it).
     base_model: written as base_model_name_or_path; default the adapter's own record.
     transformers: the major version of the transformers that will load it, 4 (4.57's modules) or 5 (5.x's fused
-    experts); default 4 for a family 4.57 holds (TRANSFORMERS_4_FAMILIES), else 5.
+    experts); default the oldest that holds the family (Family.since_transformers).
     """
     config, tensors, method = _adapter_state(adapter_or_run, checkpoint)
     family = config["fingerprint"]["model_type"]
-    transformers = transformers or (4 if family in TRANSFORMERS_4_FAMILIES else 5)
+    transformers = transformers or family_of(family).since_transformers
     if transformers not in (4, 5):
         raise ValueError(f"export_peft: transformers={transformers!r}; expected 4 or 5 (its major version)")
-    if transformers == 4 and family not in TRANSFORMERS_4_FAMILIES:
+    if transformers < family_of(family).since_transformers:
         raise ValueError(f"export_peft: transformers 4.57 does not hold {family}; export it for transformers 5 "
                          "(transformers=5, export.py --transformers 5)")
     refuse_routing_heads(method, "export_peft")
-    if family in PEFT_MAMBA_TYPES and (outs := sorted(k for k in tensors if ".out_proj.lora_" in k)):
+    if family_of(family).peft_refuses_mamba_out and (outs := sorted(k for k in tensors if ".out_proj.lora_" in k)):
         raise ValueError(f"export_peft: refused: peft refuses LoRA on {family}'s Mamba out_proj ({outs[0]}); train "
                          "without the mamba_out target, or export it merged (export.py --merged)")
     if rows := sorted(k for k in tensors if ".mlp.router.rows." in k):

@@ -17,6 +17,7 @@ GRANITE_WRITE = {"attention_multiplier": lambda config: config.attention_scale}
 
 register_family(Family(
     "granitemoe", "GraniteMoeForCausalLM",
+    modules_in_5={"block_sparse_moe.router.layer.": "block_sparse_moe.router."},
     brings="top-K on logits then softmax over the K; embedding, residual, attention and logits multipliers",
     hub_examples=("ibm-granite/granite-3.1-1b-a400m-base", "ibm-granite/granite-3.1-3b-a800m-base"),
     recipe="granite", lora_targets=("q", "k", "v", "experts"), name_hints=("granite",),
@@ -84,6 +85,7 @@ register_family(Family(
 
 register_family(Family(
     "mixtral", "MixtralForCausalLM",
+    modules_in_5={"block_sparse_moe.": "mlp."},
     brings="top-2 of the softmax, renormalised; per-expert w1/w2/w3 on disk; optional sliding-window attention",
     hub_examples=("mistralai/Mixtral-8x7B-v0.1", "mistralai/Mixtral-8x22B-v0.1"),
     recipe="olmoe", lora_targets=("q", "k", "v", "o", "experts"), name_hints=("mixtral",),
@@ -111,6 +113,7 @@ def attention_kinds(config) -> list[str]:
 
 register_family(Family(
     "gpt_oss", "GptOssForCausalLM",
+    experts_transposed_in_5=True,
     brings="attention sinks; sliding and full layers alternating (layer_types); biases on attention, router and "
            "experts; top-K on logits then softmax over the K; clamped SwiGLU, gate and up interleaved on disk; "
            "YaRN; experts in MXFP4 in the official checkpoint, dequantised on load",
@@ -198,6 +201,7 @@ DELTANET_FIELDS = frozenset({"linear_conv_kernel_dim", "linear_key_head_dim", "l
 
 register_family(Family(
     "granitemoehybrid", "GraniteMoeHybridForCausalLM",
+    modules_in_5={"block_sparse_moe.router.layer.": "block_sparse_moe.router."},
     brings="Mamba-2 layers (in_proj, causal conv1d, chunked SSD scan, gated RMSNorm) among attention layers "
            "(layer_types); attention without rope (position_embedding_type nope) or with it; a shared expert "
            "beside the routed ones; Granite's multipliers and top-K on logits",
@@ -244,6 +248,7 @@ register_family(Family(
 
 register_family(Family(
     "granitemoeshared", "GraniteMoeSharedForCausalLM",
+    modules_in_5={"block_sparse_moe.router.layer.": "block_sparse_moe.router."},
     brings="Granite MoE plus a shared expert beside the routed ones (shared_intermediate_size), its gate and up "
            "rows stored as one matrix as the routed experts'",
     hub_examples=("ibm-research/moe-7b-1b-active-shared-experts",),

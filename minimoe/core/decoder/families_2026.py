@@ -18,6 +18,7 @@ def rotary_dim_factor(d: dict) -> float:
 
 register_family(Family(
     "minimax_m2", "MiniMaxM2ForCausalLM",
+    since_transformers=5, modules_in_5={"block_sparse_moe.": "mlp."},
     brings="q/k RMSNorm over the whole projection width, partial rotary (rotary_dim); sigmoid router with a "
            "selection-only correction bias, top-K renormalised; per-expert w1/w2/w3 on disk",
     hub_examples=("MiniMaxAI/MiniMax-M2", "MiniMaxAI/MiniMax-M2.1"),
@@ -50,6 +51,7 @@ def dense_layers(d: dict) -> list[int]:
 
 register_family(Family(
     "glm4_moe_lite", "Glm4MoeLiteForCausalLM",
+    since_transformers=5,
     brings="DeepSeek-V3's Multi-head Latent Attention (optional q LoRA, interleaved rope pairs) with GLM-4.5's "
            "router (sigmoid scores, selection-only bias, group top-K, routed_scaling_factor) and shared expert; "
            "dense layers by mlp_layer_types",
@@ -90,6 +92,7 @@ def mla_rotary_factor(d: dict) -> float:
 
 register_family(Family(
     "mistral4", "Mistral4ForCausalLM",
+    since_transformers=5,
     brings="MLA (low-rank q, interleaved rope pairs) under YaRN with Llama 4's query scaling by position; a softmax "
            "router ranking expert groups by their two best scores, no correction bias; a shared expert; fused experts",
     hub_examples=("mistralai/Mistral-Small-4-119B-2603",),
@@ -161,6 +164,7 @@ DSA_FIXED = {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "router_fp32"
 
 register_family(Family(
     "deepseek_v32", "DeepseekV32ForCausalLM",
+    since_transformers=5,
     brings="DeepSeek-V3 plus DeepSeek Sparse Attention: a lightning indexer (its own query and key projections, "
            "LayerNorm'd key, rope on halves, ReLU head scores weighed per query) keeps each query's index_topk keys, "
            "and MLA attends to those only",
@@ -185,6 +189,7 @@ def glm5_indexer_types(d: dict) -> list[str]:
 
 register_family(Family(
     "glm_moe_dsa", "GlmMoeDsaForCausalLM",
+    since_transformers=5,
     brings="DeepSeek-V3.2's sparse attention with GLM's widths: rope on interleaved pairs in the indexer, and "
            "\"shared\" layers (indexer_types) that reuse the top-k of the full layer before them, with no indexer",
     hub_examples=("zai-org/GLM-5",),
@@ -219,6 +224,7 @@ def gemma4_per_layer_config(d: dict) -> dict:
 
 register_family(Family(
     "gemma4_text", "Gemma4ForCausalLM",
+    since_transformers=5,
     brings="a dense MLP beside the routed experts in every layer, each branch normed before and after; a router on "
            "its own weightless norm with a learned input scale and per-expert scale; sliding and global layers "
            "with their own head width and KV heads, keys = values and a rope per layer type (proportional, "
@@ -303,6 +309,7 @@ def granite_swa_kinds(d: dict) -> list[str]:
 
 register_family(Family(
     "granitemoe_swa", "GraniteMoeSWAForCausalLM",
+    since_transformers=5,
     brings="Granite MoE with sliding-window layers (layer_types), attention sinks and a rope theta per layer (0: no "
            "rope); Granite's multipliers and optional fused shared expert; experts fused on disk",
     hub_examples=("ibm-granite/granite-swash-3b-a600m",),
@@ -348,6 +355,7 @@ def mimo_layers(d: dict) -> dict:
 
 register_family(Family(
     "mimo_v2_flash", "MiMoV2FlashForCausalLM",
+    since_transformers=5,
     brings="sliding layers with twice the KV heads and attention sinks; values narrower than keys (v_head_dim) and "
            "scaled; a rope theta per layer type on a partial rotary; DeepSeek-V3's sigmoid router, no shared expert",
     hub_examples=("XiaomiMiMo/MiMo-V2-Flash", "XiaomiMiMo/MiMo-V2-Flash-Base"),

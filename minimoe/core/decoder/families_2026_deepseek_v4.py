@@ -87,8 +87,14 @@ def v4_rope_parameters(d: dict) -> dict:
                          "rope_theta": d["compress_rope_theta"], **share}}
 
 
+# transformers 5's module names where its conversion mapping renames the release's on load (the peft export's
+# targets: its LoRA targets' modules, lora_paths, among them)
+DEEPSEEK_V4_MODULES_IN_5 = {"ffn.": "mlp.", "attn.wq_b.": "self_attn.q_b_proj.", "attn.wkv.": "self_attn.kv_proj.",
+                            "attn.wo_b.": "self_attn.o_b_proj.", "attn.wo_a.": "self_attn.o_a_proj."}
+
 register_family(Family(
     "deepseek_v4", "DeepseekV4ForCausalLM",
+    since_transformers=5, modules_in_5=DEEPSEEK_V4_MODULES_IN_5,
     brings="compressed sparse attention: one shared key/value head with sinks over a sliding window, plus compressed "
            "entries (HCA's, and CSA's overlapping ones picked by a lightning indexer), rope on the last dims undone "
            "on the output, a grouped output projection; manifold-constrained hyper-connections (N residual streams, "

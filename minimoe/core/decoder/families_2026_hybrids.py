@@ -20,6 +20,7 @@ from minimoe.core.decoder.families_2026 import dense_layers
 # embedding and our logits to the vision-language model's on text).
 register_family(Family(
     "qwen3_5_moe", "Qwen3_5MoeForCausalLM",
+    since_transformers=5,
     brings="Qwen3-Next's hybrid with the DeltaNet projections split (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), "
            "every layer sparse, multimodal rope sections (text: the plain partial rotary); the released files nest "
            "the text model under model.language_model. and its config under text_config",
@@ -81,6 +82,7 @@ def kimi_layer_kinds(d: dict) -> list[str]:
 
 register_family(Family(
     "kimi_linear", "KimiLinearForCausalLM",
+    since_transformers=5, modules_in_5={"block_sparse_moe.": "mlp."},
     brings="Kimi Delta Attention (a gated delta rule with a forget gate per key channel) among MLA layers without "
            "rope; DeepSeek-V3's sigmoid router with its selection-only bias; a shared expert; dense layers by "
            "mlp_layer_types",
@@ -143,6 +145,7 @@ def uses_expert_bias(d: dict) -> str:
 
 register_family(Family(
     "lfm2_moe", "Lfm2MoeForCausalLM",
+    since_transformers=5,
     brings="gated short convolutions (C * conv(B * x), no activation) among GQA layers (layer_types conv / "
            "full_attention); per-head q/k RMSNorm; sigmoid router with a selection-only expert bias "
            "(use_expert_bias), top-K renormalised; dense first layers (num_dense_layers); w1/w2/w3 names",
@@ -207,6 +210,7 @@ NEMOTRON_KEYS = {
 
 register_family(Family(
     "nemotron_h", "NemotronHForCausalLM",
+    since_transformers=5, peft_refuses_mamba_out=True,
     brings="one block per layer, each with its own norm and residual (layers_block_type or hybrid_override_pattern): "
            "Mamba-2 (gated norm per group, time step clamped at time_step_min), attention without rope, MoE or "
            "dense MLP; squared-ReLU experts without a gate; optional latent expert width (moe_latent_size); "

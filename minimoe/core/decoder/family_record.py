@@ -99,6 +99,14 @@ class Family:
     # our fields whose null in config.json means the default, as the family's transformers config reads it (MiMo's
     # released config.json writes routed_scaling_factor null: 1.0)
     null_defaults: frozenset = frozenset()
+    # the oldest transformers major version that holds the family: its tests' oracle (tests/conftest.py's
+    # TRANSFORMERS_5_ONLY) and the one export_peft writes for by default (integrations/hf_export.py)
+    since_transformers: int = 4
+    # within a layer, a checkpoint path prefix -> transformers 5's module path, where its conversion mapping renames
+    # the module on load (Mixtral's block_sparse_moe. -> mlp.): where the peft export for transformers 5 names it
+    modules_in_5: dict = field(default_factory=dict)
+    experts_transposed_in_5: bool = False  # transformers 5's experts module says `is_transposed` ([E, in, out]), read by peft
+    peft_refuses_mamba_out: bool = False  # peft 0.21 refuses LoRA on its Mamba out_proj (peft's check, by model_type)
 
 
 @dataclass(frozen=True)

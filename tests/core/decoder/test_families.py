@@ -42,6 +42,17 @@ def test_every_record_is_complete_and_consistent(model_type):
     assert set(f.layer_keys) <= params
 
 
+def test_each_record_names_the_oldest_transformers_that_holds_it():
+    """Family.since_transformers (the tf5 mark of a family's oracle tests, export_peft's default) against the
+    installed transformers' own list of model types: 4 where it holds the family, 5 where it does not."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    major = int(transformers.__version__.split(".")[0])
+    for name, record in FAMILIES.items():
+        held = (record.text_model_type or name) in CONFIG_MAPPING_NAMES or name in CONFIG_MAPPING_NAMES
+        assert held == (record.since_transformers <= major), (name, record.since_transformers, major)
+
+
 def test_unknown_model_type_names_the_families_there_are():
     with pytest.raises(ValueError, match=r"unknown model_type 'llama4'; expected one of \[.*'granitemoe'.*'olmoe'"):
         family_of("llama4")
