@@ -361,7 +361,10 @@ class MoEForCausalLM(nn.Module):
                  bool_mask(attention_mask, B, T, start, device, segment_ids, kind, position_ids)
                  for kind in {m.mask_kind for m in mixers}}  # one per attention pattern (core/layers/masks.py)
         ropes = layer_type_ropes(self.config, position_ids, h.dtype)
-        return MixerInputs(cos, sin, masks, attention_mask, segment_ids, position_ids, start, ropes=ropes)
+        inputs = MixerInputs(cos, sin, masks, attention_mask, segment_ids, position_ids, start, ropes=ropes)
+        for read in {type(m).read_layout for m in mixers if hasattr(m, "read_layout")}:
+            read(inputs)  # packed rows' layout, read on the host here, outside the (compiled) layers
+        return inputs
 
     def head(self, hidden):
         """Final-normed hidden states [..., D] -> logits [..., V], Granite's logits_scaling included."""

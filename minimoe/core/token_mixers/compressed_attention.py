@@ -212,6 +212,12 @@ class CompressedSparseAttention(nn.Module):
         raise NotImplementedError("DeepSeek-V4's compressed attention has no generation cache in minimoe (its "
                                   "compressors' running windows): decode with full forwards instead")
 
+    @staticmethod
+    def read_layout(inputs):
+        """Packed rows' pieces onto inputs.shared["pieces"], read on the host once per forward (mixers.py)."""
+        if inputs.segment_ids is not None and "pieces" not in inputs.shared:
+            inputs.shared["pieces"] = pieces(inputs.segment_ids, inputs.attention_mask)
+
     def forward(self, x, inputs, cache=None):  # x [B, T, D]
         if cache is not None or inputs.cache_start:
             self.cache_slot(None, 0, 0, 0, None, None)
@@ -245,22 +251,22 @@ class CompressedSparseAttention(nn.Module):
         row's, prompt and itself, so each piece runs as that row would, its outputs put back (the prompt's, the same
         in every piece, once per piece); exactly what per-candidate rows compute."""
         B, T, D = x.shape
-        if "pieces" not in inputs.shared:  # read on the host by the first such layer of this forward, once
-            inputs.shared["pieces"] = pieces(inputs.segment_ids, inputs.attention_mask)
-        rows, cols, valid, keep = inputs.shared["pieces"]  # [N], [N, L] x 3
+        self.read_layout(inputs)  # done already where the model built `inputs`; a mixer called alone reads it here
+        rows, cols, valid, (at_piece, at_col) = inputs.shared["pieces"]  # [N], [N, L] x 2, [m] x 2
         N, L = cols.shape
         pos = torch.arange(L, device=x.device).expand(N, L)
         mask = bool_mask(valid.long(), N, L, 0, x.device, kind=self.mask_kind)
         y = self.attend(x[rows[:, None], cols], pos, mask)  # [N, L, D]
         out = x.new_zeros(B, T, y.shape[-1])
-        out[rows[:, None].expand(N, L)[keep], cols[keep]] = y[keep]  # each position once (backward: its gradient once)
+        out[rows[at_piece], cols[at_piece, at_col]] = y[at_piece, at_col]  # each position once (backward: its gradient once)
         return out
 
 
 def pieces(segment_ids, attention_mask=None):
     """Packed rows' pieces, read on the host once: each candidate (segment s > 0) with its row's prompt (segment 0)
-    before it, left-aligned -> rows [N], cols [N, L] (0 where not valid), valid [N, L], keep [N, L] (valid, the
-    prompt's positions in its row's first piece only: the outputs put back)."""
+    before it, left-aligned -> rows [N], cols [N, L] (0 where not valid), valid [N, L], and the outputs put back,
+    (piece [m], column [m]) of each: the valid positions, the prompt's in its row's first piece only (found here on
+    the host: a mask index on the device is a nonzero, a sync and a compiled layer's graph break)."""
     seg = segment_ids.cpu()
     ok = torch.ones_like(seg, dtype=torch.bool) if attention_mask is None else attention_mask[:, -seg.shape[1]:].bool().cpu()
     found = []
@@ -277,4 +283,5 @@ def pieces(segment_ids, attention_mask=None):
         first = i == 0 or found[i - 1][0] != r
         keep[i, :len(c)] = True if first else seg[r][c] > 0
     dev = segment_ids.device
-    return torch.tensor([r for r, _ in found], device=dev), cols.to(dev), valid.to(dev), keep.to(dev)
+    return (torch.tensor([r for r, _ in found], device=dev), cols.to(dev), valid.to(dev),
+            tuple(i.to(dev) for i in keep.nonzero().unbind(1)))
