@@ -105,11 +105,16 @@ class PairRope:
         self.inv_freq = None  # meta device (from_pretrained) has no values to compute them from
 
     def tables(self, positions, dtype):  # positions [B, T] -> cos, sin [B, T, r/2]
-        if self.inv_freq is None:
-            self.inv_freq, self.factor = rope_frequencies(*self.args)
-        if self.inv_freq.device != positions.device:  # moved once, not copied to the device at every call
-            self.inv_freq = self.inv_freq.to(positions.device)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.factor, dtype)
+        if torch.compiler.is_compiling():  # traced: in the graph, no write to self (a compiled checkpoint refuses it)
+            inv_freq, factor = rope_frequencies(*self.args)
+            inv_freq = inv_freq.to(positions.device)
+        else:
+            if self.inv_freq is None:
+                self.inv_freq, self.factor = rope_frequencies(*self.args)
+            if self.inv_freq.device != positions.device:  # moved once, not copied to the device at every call
+                self.inv_freq = self.inv_freq.to(positions.device)
+            inv_freq, factor = self.inv_freq, self.factor
+        cos, sin = rope_cos_sin(positions, inv_freq, factor, dtype)
         half = cos.shape[-1] // 2
         return cos[..., :half], sin[..., :half]
 
