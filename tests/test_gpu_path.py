@@ -102,14 +102,19 @@ def test_a_training_steps_forward_and_backward_make_no_host_sync(tmp_path, metho
     assert logs["task"] > 0 and logs["aux"] > 0 and (method in ("native", "dual")) == (logs["method"] == 0.0)
 
 
-def test_compiled_layers_are_one_graph_each_and_equal_eager():
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_compiled_layers_are_one_graph_each_and_equal_eager(checkpointing):
     """compile_layers with fullgraph=True: every decoder layer (TES routing, LoRA on the banks) traces as
     one graph, which a read-back (.item(), bool() of a tensor) would break, and the compiled model's
     logits and gradients equal eager's. Under bf16 autocast, as the GPU recipe runs; the aot_eager
-    backend traces forward and backward as inductor would, without compiling kernels."""
+    backend traces forward and backward as inductor would, without compiling kernels. With gradient
+    checkpointing too (--compile --gradient-checkpointing): the eager layer's stash of its expert choice,
+    a write to a dict, failed the trace ("HOP: Unsafe side effect"); traced, the checkpoint keeps top-K's
+    output from forward instead."""
     def build():
         model = add_lora(tiny_model("granitemoe").to(torch.bfloat16), dropout=0.0)
         set_router(model, "tes", layers="all")
+        model.gradient_checkpointing_enable(checkpointing)
         return model.train()
     eager, compiled = build(), compile_layers(build(), backend="aot_eager", fullgraph=True)
     compiled.load_state_dict(eager.state_dict())
@@ -127,6 +132,31 @@ def test_compiled_layers_are_one_graph_each_and_equal_eager():
     assert grads.keys() == grads_c.keys() and any("error_head" in n for n in grads)
     for name in grads:
         torch.testing.assert_close(grads_c[name], grads[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_compiled_checkpointed_layers_backward_never_chooses_experts_again():
+    """--compile --gradient-checkpointing: the traced checkpoint's recomputation in backward reruns no top-K (the
+    expert choice is kept from forward, as eager's stash replays it), so that backward never runs experts the
+    forward did not; the forward graph chooses. aot_eager's own partitioner, its graphs read as they compile."""
+    from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+    ops = {"forward": [], "backward": []}
+
+    def reader(side):
+        def read(gm, inputs):
+            ops[side] += [n.target for n in gm.graph.nodes if n.op == "call_function"]
+            return boxed_nop(gm, inputs)
+        return read
+    model = add_lora(tiny_model("granitemoe").to(torch.bfloat16), dropout=0.0)
+    set_router(model, "tes", layers="all")
+    model.gradient_checkpointing_enable()
+    def backend(gm, inputs):
+        return aot_eager(gm, inputs, fw_compiler=reader("forward"), bw_compiler=reader("backward"))
+    compile_layers(model.train(), backend=backend, fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randint(0, model.config.vocab_size, (2, 16)))
+    out.logits.float().logsumexp(-1).mean().backward()
+    topk = torch.ops.aten.topk.default
+    assert topk in ops["forward"] and topk not in ops["backward"], ops["backward"].count(topk)
 
 
 def test_length_buckets_pad_rows_and_leave_scores_unchanged(tmp_path):

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from minimoe.core.layers.clamped_experts import ClampedSwiGLUExperts
 from minimoe.core.layers.experts import Experts, SquaredReLUExperts
@@ -167,6 +168,17 @@ def scaled(x, factor: float):
     return x if factor == 1.0 else x * factor
 
 
+def _save_choices(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.topk.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _keep_expert_choice():
+    """A traced layer's checkpoint keeps every top-K's output from forward (the expert choice, a DSA indexer's
+    keys): the stash's guarantee that backward never runs experts the forward did not, kept by the partitioner
+    (torch.compile traces no write to a dict inside a checkpoint)."""
+    return create_selective_checkpoint_contexts(_save_choices)
+
+
 class DecoderLayer(nn.Module):
     """A token mixer then a feed-forward block (the MoE block, or a dense layer's MLP), each with its norm and
     residual; in a one-block-per-layer model (Nemotron-H: config.single_block_layers) only one of the two, the
@@ -212,7 +224,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, inputs: MixerInputs, cache=None):  # cache: this layer's slot of a KVCache
         if self.gradient_checkpointing and torch.is_grad_enabled() and cache is None:
-            return torch.utils.checkpoint.checkpoint(self._forward, h, inputs, cache, {}, use_reentrant=False)
+            if torch.compiler.is_compiling():  # traced: a write to the stash is a side effect the HOP refuses
+                return checkpoint(self._forward, h, inputs, cache, None, use_reentrant=False,
+                                  context_fn=_keep_expert_choice)
+            return checkpoint(self._forward, h, inputs, cache, {}, use_reentrant=False)
         return self._forward(h, inputs, cache, None)
 
     def _forward(self, h, inputs, cache, stash):
@@ -346,7 +361,10 @@ class MoEForCausalLM(nn.Module):
                  bool_mask(attention_mask, B, T, start, device, segment_ids, kind, position_ids)
                  for kind in {m.mask_kind for m in mixers}}  # one per attention pattern (core/layers/masks.py)
         ropes = layer_type_ropes(self.config, position_ids, h.dtype)
-        return MixerInputs(cos, sin, masks, attention_mask, segment_ids, position_ids, start, ropes=ropes)
+        inputs = MixerInputs(cos, sin, masks, attention_mask, segment_ids, position_ids, start, ropes=ropes)
+        for read in {type(m).read_layout for m in mixers if hasattr(m, "read_layout")}:
+            read(inputs)  # packed rows' layout, read on the host here, outside the (compiled) layers
+        return inputs
 
     def head(self, hidden):
         """Final-normed hidden states [..., D] -> logits [..., V], Granite's logits_scaling included."""

@@ -114,11 +114,16 @@ class PairRope:
         self.inv_freq = None  # meta device (from_pretrained) has no values to compute them from
 
     def tables(self, positions, dtype):  # positions [B, T] -> cos, sin [B, T, r/2]
-        if self.inv_freq is None:
-            self.inv_freq, self.factor = rope_frequencies(*self.args)
-        if self.inv_freq.device != positions.device:  # moved once, not copied to the device at every call
-            self.inv_freq = self.inv_freq.to(positions.device)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.factor, dtype)
+        if torch.compiler.is_compiling():  # traced: in the graph, no write to self (a compiled checkpoint refuses it)
+            inv_freq, factor = rope_frequencies(*self.args)
+            inv_freq = inv_freq.to(positions.device)
+        else:
+            if self.inv_freq is None:
+                self.inv_freq, self.factor = rope_frequencies(*self.args)
+            if self.inv_freq.device != positions.device:  # moved once, not copied to the device at every call
+                self.inv_freq = self.inv_freq.to(positions.device)
+            inv_freq, factor = self.inv_freq, self.factor
+        cos, sin = rope_cos_sin(positions, inv_freq, factor, dtype)
         half = cos.shape[-1] // 2
         return cos[..., :half], sin[..., :half]
 
@@ -301,6 +306,12 @@ class CompressedSparseAttention(nn.Module):
             compressors["indexer"] = (opts.compress_rates[CSA], c, 2 * c)
         return CompressedSlot(batch_size, max_len, config.head_dim, compressors, dtype, device)
 
+    @staticmethod
+    def read_layout(inputs):
+        """Packed rows' pieces onto inputs.shared["pieces"], read on the host once per forward (mixers.py)."""
+        if inputs.segment_ids is not None and "pieces" not in inputs.shared:
+            inputs.shared["pieces"] = pieces(inputs.segment_ids, inputs.attention_mask)
+
     def forward(self, x, inputs, cache: CompressedSlot | None = None):  # x [B, T, D]
         if inputs.segment_ids is not None:  # packed rows: each piece (prompt + one candidate) as its own row
             if cache is not None:
@@ -345,25 +356,23 @@ class CompressedSparseAttention(nn.Module):
         row's, prompt and itself, so each piece runs as that row would, its outputs put back (the prompt's, the same
         in every piece, once per piece); exactly what per-candidate rows compute."""
         B, T, D = x.shape
-        if "pieces" not in inputs.shared:  # read on the host by the first such layer of this forward, once
-            inputs.shared["pieces"] = pieces(inputs.segment_ids, inputs.attention_mask)
-        rows, cols, valid, kept = inputs.shared["pieces"]  # [N], [N, L] x 2, kept: 3 x [K]
+        self.read_layout(inputs)  # done already where the model built `inputs`; a mixer called alone reads it here
+        rows, cols, valid, (at_piece, at_col) = inputs.shared["pieces"]  # [N], [N, L] x 2, [m] x 2
         N, L = cols.shape
         pos = torch.arange(L, device=x.device).expand(N, L)
         mask = bool_mask(valid.long(), N, L, 0, x.device, kind=self.mask_kind)
         no_padding = torch.zeros(N, dtype=torch.long, device=x.device)
         y = self.attend(x[rows[:, None], cols], pos, mask, no_padding)  # [N, L, D]
         out = x.new_zeros(B, T, y.shape[-1])
-        to_row, to_col, at = kept  # each position once (backward: its gradient once), by indices found on the host
-        out[to_row, to_col] = y.flatten(0, 1)[at]
+        out[rows[at_piece], cols[at_piece, at_col]] = y[at_piece, at_col]  # each position once (backward: its gradient once)
         return out
 
 
 def pieces(segment_ids, attention_mask=None):
     """Packed rows' pieces, read on the host once: each candidate (segment s > 0) with its row's prompt (segment 0)
-    before it, left-aligned -> rows [N], cols [N, L] (0 where not valid), valid [N, L], keep [N, L] (valid, the
-    prompt's positions in its row's first piece only: the outputs put back) as 3 x [K] integer indices: the row and
-    column each output goes back to, and where it is in the flattened [N * L] pieces (no mask read on the device)."""
+    before it, left-aligned -> rows [N], cols [N, L] (0 where not valid), valid [N, L], and the outputs put back,
+    (piece [m], column [m]) of each: the valid positions, the prompt's in its row's first piece only (found here on
+    the host: a mask index on the device is a nonzero, a sync and a compiled layer's graph break)."""
     seg = segment_ids.cpu()
     ok = torch.ones_like(seg, dtype=torch.bool) if attention_mask is None else attention_mask[:, -seg.shape[1]:].bool().cpu()
     found = []
@@ -380,7 +389,5 @@ def pieces(segment_ids, attention_mask=None):
         first = i == 0 or found[i - 1][0] != r
         keep[i, :len(c)] = True if first else seg[r][c] > 0
     dev = segment_ids.device
-    rows = torch.tensor([r for r, _ in found])
-    at = keep.flatten().nonzero()[:, 0]  # on the host
-    kept = tuple(t.to(dev) for t in (rows[:, None].expand(len(found), L).flatten()[at], cols.flatten()[at], at))
-    return rows.to(dev), cols.to(dev), valid.to(dev), kept
+    return (torch.tensor([r for r, _ in found], device=dev), cols.to(dev), valid.to(dev),
+            tuple(i.to(dev) for i in keep.nonzero().unbind(1)))

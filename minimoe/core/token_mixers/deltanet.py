@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.layers.masks import FULL
-from minimoe.core.token_mixers.ssm_common import GatedRMSNorm, RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
+from minimoe.core.token_mixers.ssm_common import GatedRMSNorm, RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, read_layout, run_sequence, wide
 
 
 IN_PROJ_LAYOUTS = ("fused", "split")
@@ -92,6 +92,7 @@ class GatedDeltaNet(nn.Module):
     """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/token_mixers/mixers.py ("gated_deltanet")."""
     attribute = "linear_attn"  # the layer's attribute, hence the checkpoint's names (model.layers.i.linear_attn.*)
     mask_kind, takes_block_mask = FULL, True  # it reads padding and segments itself, never an attention mask
+    read_layout = staticmethod(read_layout)  # packed rows' layout, once per forward (mixers.py)
     chunk = 64  # the delta rule's chunk length, transformers' (any length gives the same values to rounding)
     config_class = DeltaNetConfig  # its options: MoEConfig.mixers["gated_deltanet"]
 

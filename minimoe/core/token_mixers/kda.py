@@ -31,7 +31,7 @@ from minimoe.core.layers.masks import FULL
 from minimoe.core.layers.norms import rms_normalized
 from minimoe.core.token_mixers.deltanet import l2norm
 from minimoe.core.token_mixers.ssm_common import (RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks,
-                                                  run_sequence, wide)
+                                                  read_layout, run_sequence, wide)
 
 
 @dataclass
@@ -94,6 +94,7 @@ class KimiDeltaAttention(nn.Module):
     """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/token_mixers/mixers.py ("kda")."""
     attribute = "self_attn"  # Kimi Linear keeps its linear layers' weights under self_attn, as its attention's
     mask_kind, takes_block_mask = FULL, True  # it reads padding and segments itself, never an attention mask
+    read_layout = staticmethod(read_layout)  # packed rows' layout, once per forward (mixers.py)
     chunk = 64  # the rule's chunk length, transformers' (any length gives the same values to rounding)
     config_class = KDAConfig  # its options: MoEConfig.mixers["kda"]
 
@@ -135,7 +136,9 @@ class KimiDeltaAttention(nn.Module):
         qkv, window = causal_conv1d(masked(qkv, mask), weight, None, None if state is None else state.conv)
         q, k, v = (wide(t).unflatten(-1, (self.H, self.d)) for t in masked(qkv, mask).split(W, dim=-1))
         beta = wide(b.sigmoid())  # the sigmoid in the model dtype, as the reference
-        g = -wide(self.A_log).exp() * F.softplus((wide(f) + wide(self.dt_bias)).unflatten(-1, (self.H, self.d)))
+        # softplus before the head split: compiled, the split's view in backward met softplus's gradient in the
+        # layout eager gives a gathered piece's channels, not the traced one ("view size is not compatible")
+        g = -wide(self.A_log).exp() * F.softplus(wide(f) + wide(self.dt_bias)).unflatten(-1, (self.H, self.d))
         o, S = chunk_kda(l2norm(q) * self.d ** -0.5, l2norm(k), v, g, beta, self.chunk,
                          None if state is None else state.scan)
         return o.flatten(2).to(u.dtype), RecurrentState(window, S)

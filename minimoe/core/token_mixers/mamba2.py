@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from minimoe.core.layers.masks import FULL
-from minimoe.core.token_mixers.ssm_common import GatedRMSNorm, RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, run_sequence, wide
+from minimoe.core.token_mixers.ssm_common import GatedRMSNorm, RecurrentState, StateSlot, causal_conv1d, masked, pad_to_chunks, read_layout, run_sequence, wide
 
 
 @dataclass
@@ -99,6 +99,7 @@ class Mamba2Mixer(nn.Module):
     """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/token_mixers/mixers.py ("mamba2")."""
     attribute = "mamba"  # the layer's attribute, hence the checkpoint's names (model.layers.i.mamba.*)
     mask_kind, takes_block_mask = FULL, True  # it reads padding and segments itself, never an attention mask
+    read_layout = staticmethod(read_layout)  # packed rows' layout, once per forward (mixers.py)
 
     config_class = Mamba2Config  # its options: MoEConfig.mixers["mamba2"]
 

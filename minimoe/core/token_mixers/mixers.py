@@ -29,7 +29,10 @@ The interface every mixer keeps (a new one is a file with its class and its conf
   layer: its conv and recurrent state);
 - `mask_kind` (masks.mask_kind(...): the attention pattern it reads from `inputs.masks`; one shared
   object per pattern, so that compiled layers do not recompile on the dict key) and
-  `takes_block_mask` (False: it needs a bool mask, never a FlexAttention BlockMask).
+  `takes_block_mask` (False: it needs a bool mask, never a FlexAttention BlockMask);
+- optional `read_layout(inputs)` (static): what the mixer reads on the host of packed rows (`segment_ids`), put
+  on `inputs`; the model calls it once per forward before its layers run, so that a compiled layer (model.
+  compile_layers) traces no host read (a graph break per read).
 
 Decisions:
 - The model builds the rope tables and the masks once per forward, for every layer (`MixerInputs`);

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from minimoe.core.layers.masks import FULL
-from minimoe.core.token_mixers.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, run_sequence
+from minimoe.core.token_mixers.ssm_common import RecurrentState, StateSlot, causal_conv1d, masked, read_layout, run_sequence
 
 
 @dataclass
@@ -46,6 +46,7 @@ class ShortConv(nn.Module):
     """x [B, T, D] -> [B, T, D]; see the module docstring. A mixer of core/token_mixers/mixers.py ("short_conv")."""
     attribute = "conv"  # the layer's attribute, hence the checkpoint's names (model.layers.i.conv.*)
     mask_kind, takes_block_mask = FULL, True  # it reads padding and segments itself, never an attention mask
+    read_layout = staticmethod(read_layout)  # packed rows' layout, once per forward (mixers.py)
     config_class = ShortConvConfig  # its options: MoEConfig.mixers["short_conv"]
 
     def __init__(self, config, layer_idx: int):

@@ -20,8 +20,8 @@ all candidates as one right-padded batch of pieces, each starting from its row's
 is exactly what a candidate's own unpacked row computes, prompt once instead of once per candidate.
 Packed examples (core/task/tokens.py: several whole examples in one row, segments 1, 2, ..., no segment 0)
 are the same pieces without a prompt: each starts from the zero state, as its own row would.
-The piece layout is read on the host once per forward (`segment_plan`, one device sync) and kept on the
-forward's MixerInputs for every recurrent layer after the first; it holds the real positions as index tensors
+The piece layout is read on the host once per forward (`segment_plan`, one device sync), by the model before its
+layers run (`read_layout`: no compiled layer traces a host read), and kept on the forward's MixerInputs; it holds the real positions as index tensors
 (found on the host), so that no layer indexes by a mask on the device (a mask index is a nonzero: a sync each).
 """
 from __future__ import annotations
@@ -59,13 +59,22 @@ def run_sequence(sequence, u, inputs, cache: StateSlot | None):
     T = u.shape[1]
     mask = None if inputs.attention_mask is None else inputs.attention_mask[:, -T:]
     if inputs.segment_ids is not None:
-        if inputs.segment_plan is None:  # the first recurrent layer of this forward reads it; the others reuse it
-            inputs.segment_plan = segment_plan(inputs.segment_ids, mask)
+        read_layout(inputs)  # done already where the model built `inputs`; a mixer called alone reads it here
         return run_segments(sequence, u, inputs.segment_plan)
     y, state = sequence(u, mask, None if cache is None else cache.state)
     if cache is not None:
         cache.state = state
     return y
+
+
+def read_layout(inputs):
+    """Packed rows' layout onto `inputs` (MixerInputs.segment_plan), read on the host once per forward: the
+    recurrent mixers' `read_layout`, which the model calls before its layers run (mixers.py), so that a compiled
+    layer traces no host read; a no op where no rows are packed or the plan is there."""
+    if inputs.segment_ids is not None and inputs.segment_plan is None:
+        T = inputs.segment_ids.shape[1]
+        mask = None if inputs.attention_mask is None else inputs.attention_mask[:, -T:]
+        inputs.segment_plan = segment_plan(inputs.segment_ids, mask)
 
 
 def causal_conv1d(u, weight, bias, window=None, silu: bool = True):
