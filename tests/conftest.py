@@ -3,6 +3,7 @@
 import importlib
 import json
 import os
+import sys
 from dataclasses import asdict, fields, replace
 from types import SimpleNamespace
 
@@ -201,6 +202,15 @@ def cpu_unless_marked_cuda(request, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles from nothing: dynamo's caches are per code object, shared by every test of the session, and
+    the families' layers compiled one test after another exceed its recompile limit (8) for DecoderLayer.forward."""
+    yield
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
 
 
 @pytest.fixture(autouse=True)
