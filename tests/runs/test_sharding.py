@@ -35,6 +35,8 @@ from safetensors.torch import load_file
 
 from minimoe.cli import train
 from minimoe.core.task import step
+from minimoe.core.token_mixers import compressed_attention
+from minimoe.core.token_mixers.compressed_attention import CompressedIndexer
 from minimoe.core.token_mixers.dsa_indexer import LightningIndexer
 from minimoe.core.adaptation.lora import add_lora, merge_lora
 from minimoe.data.benchmarks import load_examples
@@ -165,23 +167,34 @@ def clear_of_ties(root: Path, name: str, family: str, flags: list,
 
 def one_process(flags: list) -> float:
     """train.main(flags) here; returns the smallest selection margin of its training forwards, every step's: the
-    routers' (conftest.routing_margin) and a DSA indexer's top-k (`indexer_margin`)."""
+    routers' (conftest.routing_margin) and a DSA or CSA indexer's top-k (`indexer_margin`)."""
     margins, forward, select = [], step.forward_choices, LightningIndexer.forward
-    scores = []  # (masked scores [B, T, S], k) of each indexer call in the forward
+    scores = []  # (masked scores [B, T, S], k, its real queries [B, T] or None: the batch's) of each indexer call
 
     def recorded(model, batch):
         out, logp = forward(model, batch)
         margins.append(routing_margin(model, out.routings, batch.attention_mask))
-        margins.extend(indexer_margin(s, k, batch.attention_mask) for s, k in scores)
+        margins.extend(indexer_margin(s, k, batch.attention_mask if real is None else real) for s, k, real in scores)
         scores.clear()
         return out, logp
 
     @torch.no_grad()
     def indexer(self, x, q_latent, cos, sin, allowed, cache=None, start=0):
         scores.append((self.scores(x, q_latent, cos, sin, cache, start).masked_fill(~allowed[:, 0], float("-inf")),
-                       self.topk))
+                       self.topk, None))
         return select(self, x, q_latent, cos, sin, allowed, cache, start)
-    with mock.patch.object(step, "forward_choices", recorded), mock.patch.object(LightningIndexer, "forward", indexer):
+
+    def compressed(self, x, q_latent, rope, cos, sin, visible):  # DeepSeek-V4's CSA indexer: its scores as computed
+        raw = []
+        with mock.patch.object(compressed_attention, "head_weighted_scores", lambda *a: raw.append(weigh(*a)) or raw[0]):
+            kept = pick(self, x, q_latent, rope, cos, sin, visible)
+        # its rows are the packed rows' pieces (each prompt + one candidate), not the batch's: every query counted,
+        # a padding one's near-tie too (a model drawn again for nothing at worst)
+        scores.append((raw[0].masked_fill(~visible, float("-inf")), self.topk, torch.ones(visible.shape[:2], dtype=bool)))
+        return kept
+    weigh, pick = compressed_attention.head_weighted_scores, CompressedIndexer.forward
+    with (mock.patch.object(step, "forward_choices", recorded), mock.patch.object(LightningIndexer, "forward", indexer),
+          mock.patch.object(CompressedIndexer, "forward", compressed)):
         train.main(flags)
     return min(margins)
 
