@@ -186,12 +186,19 @@ def one_process(flags: list) -> float:
 
     def compressed(self, x, q_latent, rope, cos, sin, visible):  # DeepSeek-V4's CSA indexer: its scores as computed
         raw = []
-        with mock.patch.object(compressed_attention, "head_weighted_scores", lambda *a: raw.append(weigh(*a)) or raw[0]):
+
+        def recording(*args):  # the scores the indexer computes, kept
+            raw.append(weigh(*args))
+            return raw[-1]
+
+        with mock.patch.object(compressed_attention, "head_weighted_scores", recording):
             kept = pick(self, x, q_latent, rope, cos, sin, visible)
         # its rows are the packed rows' pieces (each prompt + one candidate), not the batch's: every query counted,
         # a padding one's near-tie too (a model drawn again for nothing at worst)
-        scores.append((raw[0].masked_fill(~visible, float("-inf")), self.topk, torch.ones(visible.shape[:2], dtype=bool)))
+        every = torch.ones(visible.shape[:2], dtype=torch.bool)
+        scores.append((raw[0].masked_fill(~visible, float("-inf")), self.topk, every))
         return kept
+
     weigh, pick = compressed_attention.head_weighted_scores, CompressedIndexer.forward
     with (mock.patch.object(step, "forward_choices", recorded), mock.patch.object(LightningIndexer, "forward", indexer),
           mock.patch.object(CompressedIndexer, "forward", compressed)):

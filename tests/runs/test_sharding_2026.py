@@ -43,7 +43,8 @@ METHOD = {"deepseek_v32": ["--method", "dual"],
           "granitemoe_swa": ["--method", "ce"],
           "glm_moe_dsa": ["--method", "tes", "--objective", "enll"]}
 # Also run under DDP (test_fsdp_equals_ddp): the first four, the families of each kind of mixer then held; the nine
-# added since run under FSDP alone, against one process (a DDP run each would cost the launch 12 s more on 2 cores)
+# added since under FSDP alone, against one process (the nine cost the module 14 s on 2 idle cores; their DDP runs
+# would add a tenth more)
 DDP = ["deepseek_v32", "qwen3_5_moe", "kimi_linear", "lfm2_moe"]
 # run name -> (family, flags): each family as above; DeepSeek-V3.2 once more on a packed base
 RUNS = {**{f: (f, m) for f, m in METHOD.items()},

@@ -2,8 +2,9 @@
 keys: fused, renamed and latent expert banks, MLA with and without the DSA indexer, the recurrent mixers'
 projections): packing while loading equals packing after a dense load, the packed logits err from the dense base's
 as much as torchao's own dequantisation in place and no more (test_quantized's rule), and the dequantised model
-(export.py --merged's base) computes what the packed one does; a DSA indexer, and DeepSeek-V4's CSA indexer, stay dense. Every method training on
-each of them with a packed base: test_quantized.py's test_methods_train_on_every_family_with_a_packed_base."""
+(export.py --merged's base) computes what the packed one does; a DSA indexer, and DeepSeek-V4's CSA indexer, stay
+dense. Every method training on each of them with a packed base: test_quantized.py's
+test_methods_train_on_every_family_with_a_packed_base."""
 import pytest
 import torch
 
