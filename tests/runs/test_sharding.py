@@ -170,12 +170,14 @@ def one_process(flags: list) -> float:
     routers' (conftest.routing_margin) and a DSA or CSA indexer's top-k (`indexer_margin`)."""
     margins, forward, select = [], step.forward_choices, LightningIndexer.forward
     scores = []  # (masked scores [B, T, S], k, its real queries [B, T] or None: the batch's) of each indexer call
+    piece_rows = []  # DeepSeek-V4's packed rows as pieces: their real positions [N, L] (compressed_attention.pieces)
 
     def recorded(model, batch):
         out, logp = forward(model, batch)
         margins.append(routing_margin(model, out.routings, batch.attention_mask))
         margins.extend(indexer_margin(s, k, batch.attention_mask if real is None else real) for s, k, real in scores)
         scores.clear()
+        piece_rows.clear()
         return out, logp
 
     @torch.no_grad()
@@ -193,15 +195,21 @@ def one_process(flags: list) -> float:
 
         with mock.patch.object(compressed_attention, "head_weighted_scores", recording):
             kept = pick(self, x, q_latent, rope, cos, sin, visible)
-        # its rows are the packed rows' pieces (each prompt + one candidate), not the batch's: every query counted,
-        # a padding one's near-tie too (a model drawn again for nothing at worst)
-        every = torch.ones(visible.shape[:2], dtype=torch.bool)
-        scores.append((raw[0].masked_fill(~visible, float("-inf")), self.topk, every))
+        # packed rows run as their pieces (each prompt + one candidate): the pieces' real queries, not the batch's (a
+        # padding query's picks reach no output)
+        scores.append((raw[0].masked_fill(~visible, float("-inf")), self.topk, piece_rows[0] if piece_rows else None))
         return kept
 
+    def cut(segment_ids, attention_mask=None):
+        found = split(segment_ids, attention_mask)
+        piece_rows.append(found[2])
+        return found
+
     weigh, pick = compressed_attention.head_weighted_scores, CompressedIndexer.forward
+    split = compressed_attention.pieces
     with (mock.patch.object(step, "forward_choices", recorded), mock.patch.object(LightningIndexer, "forward", indexer),
-          mock.patch.object(CompressedIndexer, "forward", compressed)):
+          mock.patch.object(CompressedIndexer, "forward", compressed),
+          mock.patch.object(compressed_attention, "pieces", cut)):
         train.main(flags)
     return min(margins)
 

@@ -52,7 +52,11 @@ RUNS = {**{f: (f, m) for f, m in METHOD.items()},
 # The DSA indexer at 16 heads, not the tiny 4: a key whose relu is 0 in every head scores exactly 0, and at 4 heads
 # such ties sit at the k-th place in many rows, and the row length decides which key topk returns (one process's
 # 8 rows against the same rows as two batches of 4: answer log-probabilities 1.1 apart)
-WIDTHS = {"deepseek_v32": dict(index_n_heads=16), "glm_moe_dsa": dict(index_n_heads=16)}  # GLM-5: the same indexer
+# (GLM-5: the same indexer). DeepSeek-V4's CSA indexer the same, 16 heads, not the tiny 8: at 8, its top-k tied
+# exactly (margin 0) in the first two models drawn, and the third routed 1.2e-5 clear and left 0.37% of the adapter
+# beyond 1e-6 of one process's
+WIDTHS = {"deepseek_v32": dict(index_n_heads=16), "glm_moe_dsa": dict(index_n_heads=16),
+          "deepseek_v4": dict(compressed_index_n_heads=16)}
 # The recurrent mixers against one process (not against DDP, which FSDP equals closely: test_fsdp_equals_ddp): each
 # rank pads its 4 examples to their own longest, and Gated DeltaNet's and KDA's chunked recurrences round otherwise
 # at another row length; one process alone, the 8 examples' gradient against its two halves' sum differs by up to
