@@ -43,7 +43,7 @@ METHOD = {"deepseek_v32": ["--method", "dual"],
           "granitemoe_swa": ["--method", "ce"],
           "glm_moe_dsa": ["--method", "tes", "--objective", "enll"]}
 # Also run under DDP (test_fsdp_equals_ddp): the first four, the families of each kind of mixer then held; the nine
-# added since under FSDP alone, against one process (the nine cost the module 14 s on 2 idle cores; their DDP runs
+# added since under FSDP alone, against one process (the nine cost the module 14-26 s on 2 cores; their DDP runs
 # would add a tenth more)
 DDP = ["deepseek_v32", "qwen3_5_moe", "kimi_linear", "lfm2_moe"]
 # run name -> (family, flags): each family as above; DeepSeek-V3.2 once more on a packed base
