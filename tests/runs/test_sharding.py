@@ -36,6 +36,8 @@ from safetensors.torch import load_file
 
 from minimoe.cli import train
 from minimoe.core.task import step
+from minimoe.core.token_mixers import compressed_attention
+from minimoe.core.token_mixers.compressed_attention import CompressedIndexer
 from minimoe.core.token_mixers.dsa_indexer import LightningIndexer
 from minimoe.core.adaptation.lora import add_lora, merge_lora
 from minimoe.data.benchmarks import load_examples
@@ -174,23 +176,49 @@ def clear_of_ties(root: Path, name: str, family: str, flags: list,
 
 def one_process(flags: list) -> float:
     """train.main(flags) here; returns the smallest selection margin of its training forwards, every step's: the
-    routers' (conftest.routing_margin) and a DSA indexer's top-k (`indexer_margin`)."""
+    routers' (conftest.routing_margin) and a DSA or CSA indexer's top-k (`indexer_margin`)."""
     margins, forward, select = [], step.forward_tokens, LightningIndexer.forward
-    scores = []  # (masked scores [B, T, S], k) of each indexer call in the forward
+    scores = []  # (masked scores [B, T, S], k, its real queries [B, T] or None: the batch's) of each indexer call
+    piece_rows = []  # DeepSeek-V4's packed rows as pieces: their real positions [N, L] (compressed_attention.pieces)
 
     def recorded(model, batch, chunk=None):
         out, logp = forward(model, batch, chunk)
         margins.append(routing_margin(model, out.routings, batch.attention_mask))
-        margins.extend(indexer_margin(s, k, batch.attention_mask) for s, k in scores)
+        margins.extend(indexer_margin(s, k, batch.attention_mask if real is None else real) for s, k, real in scores)
         scores.clear()
+        piece_rows.clear()
         return out, logp
 
     @torch.no_grad()
     def indexer(self, x, q_latent, cos, sin, allowed, cache=None, start=0):
         scores.append((self.scores(x, q_latent, cos, sin, cache, start).masked_fill(~allowed[:, 0], float("-inf")),
-                       self.topk))
+                       self.topk, None))
         return select(self, x, q_latent, cos, sin, allowed, cache, start)
-    with mock.patch.object(step, "forward_tokens", recorded), mock.patch.object(LightningIndexer, "forward", indexer):
+
+    def compressed(self, x, q_latent, rope, cos, sin, visible, *rest):  # DeepSeek-V4's CSA indexer: its scores as computed
+        raw = []
+
+        def recording(*args):  # the scores the indexer computes, kept
+            raw.append(weigh(*args))
+            return raw[-1]
+
+        with mock.patch.object(compressed_attention, "head_weighted_scores", recording):
+            kept = pick(self, x, q_latent, rope, cos, sin, visible, *rest)
+        # packed rows run as their pieces (each prompt + one candidate): the pieces' real queries, not the batch's (a
+        # padding query's picks reach no output)
+        scores.append((raw[0].masked_fill(~visible, float("-inf")), self.topk, piece_rows[0] if piece_rows else None))
+        return kept
+
+    def cut(segment_ids, attention_mask=None):
+        found = split(segment_ids, attention_mask)
+        piece_rows.append(found[2])
+        return found
+
+    weigh, pick = compressed_attention.head_weighted_scores, CompressedIndexer.forward
+    split = compressed_attention.pieces
+    with (mock.patch.object(step, "forward_tokens", recorded), mock.patch.object(LightningIndexer, "forward", indexer),
+          mock.patch.object(CompressedIndexer, "forward", compressed),
+          mock.patch.object(compressed_attention, "pieces", cut)):
         train.main(flags)
     return min(margins)
 

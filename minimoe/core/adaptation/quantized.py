@@ -58,7 +58,9 @@ FORMATS = ("nf4", "mxfp4")  # mxfp4: gpt-oss's released expert blocks kept as lo
 NF4_BLOCK = 64  # values per NF4 scale (QLoRA's, torchao's default)
 NF4_SCALER_BLOCK = 256  # scales per second-level scale (torchao's default); smaller where a matrix has fewer
 ROUTER_GATES = ("gate", "shared_expert_gate")  # never packed: every method reads their logits
-SELECTORS = ("indexer",)  # never packed: a DSA indexer's top-k picks each query's keys (docs/quantization.md)
+# never packed: a DSA indexer's top-k picks each query's keys, and so does DeepSeek-V4's CSA indexer (its
+# compressor's `indexer`), each held dense on measured drift (docs/quantization.md)
+SELECTORS = ("indexer",)
 
 
 def require(fmt: str) -> None:

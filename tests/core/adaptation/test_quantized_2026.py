@@ -2,8 +2,9 @@
 keys: fused, renamed and latent expert banks, MLA with and without the DSA indexer, the recurrent mixers'
 projections): packing while loading equals packing after a dense load, the packed logits err from the dense base's
 as much as torchao's own dequantisation in place and no more (test_quantized's rule), and the dequantised model
-(export.py --merged's base) computes what the packed one does; a DSA indexer stays dense. Every method training on
-each of them with a packed base: test_quantized.py's test_methods_train_on_every_family_with_a_packed_base."""
+(export.py --merged's base) computes what the packed one does; a DSA indexer, and DeepSeek-V4's CSA indexer, stay
+dense. Every method training on each of them with a packed base: test_quantized.py's
+test_methods_train_on_every_family_with_a_packed_base."""
 import pytest
 import torch
 
@@ -40,14 +41,15 @@ def test_a_2026_checkpoint_packs_as_read_and_errs_as_nf4_alone(family):
         torch.testing.assert_close(quantized.dequantize_model(read)(ids).logits, y_read, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("family", DSA)
+@pytest.mark.parametrize("family", [*DSA, "deepseek_v4"])
 def test_a_dsa_indexer_stays_dense_under_nf4(family):
     """Its top-k picks each query's keys, as a gate picks experts, and 4-bit storage flips those picks
-    (docs/quantization.md: measured): the indexer's projections are left as loaded, MLA's around it packed."""
+    (docs/quantization.md: measured): the indexer's projections are left as loaded, the attention's around it
+    packed. DeepSeek-V4's CSA indexer (its compressor's) too, on the same measure."""
     model = quantized.quantize_model(tiny_model(family), "nf4")
     indexers = [n for n, _ in model.named_modules() if n.endswith(".indexer")]
     assert indexers
     for name in indexers:
-        layer = name.removesuffix(".indexer")
+        attention = name[:name.index(".self_attn.") + len(".self_attn")]
         assert not [n for n, m in model.get_submodule(name).named_modules() if quantized.is_quantized(m)], name
-        assert quantized.is_quantized(model.get_submodule(f"{layer}.q_b_proj")), layer
+        assert quantized.is_quantized(model.get_submodule(f"{attention}.q_b_proj")), attention
