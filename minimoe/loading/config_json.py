@@ -25,7 +25,7 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     d = {k: v for k, v in d.items() if k not in family.harmless}  # not ours to read (MLA's head_dim)
     d = renamed(d, family, source)
     d = {k: v for k, v in d.items() if not (v is None and k in family.null_defaults)}  # the default, below
-    d = {**{k: v(d) if callable(v) else copy.deepcopy(v) for k, v in family.defaults.items()}, **d}
+    d = {**family_defaults(family, d, source), **d}
     refuse_unread(d, family, source)  # a key we do not read, set to change the model
     if family.layer_kinds:  # a hybrid: each layer's kind in config.json -> its token mixer (core/token_mixers/mixers.py)
         kinds = d.get("mixer_types")
@@ -47,6 +47,19 @@ def config_from_dict(d: dict, source: str = "config.json") -> MoEConfig:
     known = {k: v for k, v in d.items() if k in ours}
     extra = {k: v for k, v in d.items() if k not in ours}
     return MoEConfig.from_flat({**known, "extra": extra})  # each mixer's options to its own config
+
+
+def family_defaults(family, d: dict, source: str) -> dict:
+    """The record's defaults for fields config.json may omit; a default computed from another field (DeepSeek-V4's
+    layer schedule from num_hidden_layers) that the file lacks too is refused naming that field."""
+    out = {}
+    for name, default in family.defaults.items():
+        try:
+            out[name] = default(d) if callable(default) else copy.deepcopy(default)
+        except KeyError as e:
+            raise ValueError(f"{source}: missing field {e.args[0]!r} for model_type {family.model_type!r} (the default "
+                             f"of {name!r} is computed from it)") from None
+    return out
 
 
 def text_model_config(d: dict, source: str) -> dict:

@@ -259,3 +259,10 @@ def test_mimo_reads_its_released_config_json_as_transformers_does():
         want = getattr(rope, f"{kind}_inv_freq")
         got = layer_type_frequencies(ours.rope_parameters[kind], ours.head_dim, ours.mixers["attention"].layer_rope_partial)
         assert torch.equal(got, want)
+
+
+def test_a_default_computed_from_a_missing_field_names_that_field():
+    """DeepSeek-V4's config.json without its layer count: the defaults that read it (the layer schedules) refuse it
+    naming num_hidden_layers, where a KeyError stopped the load before."""
+    with pytest.raises(ValueError, match=r"missing field.*num_hidden_layers"):
+        config_from_dict({"model_type": "deepseek_v4"})
