@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common  # noqa: E402
 from examples.sciq_chat import SCIQ, conversation  # noqa: E402
-from minimoe.core.decoder.families import family_of  # noqa: E402
+from minimoe.core.decoder.family_record import family_of  # noqa: E402
 from minimoe.core.task.choices import pad_id  # noqa: E402
 from minimoe.core.task.step import step_loss  # noqa: E402
 from minimoe.data.benchmarks import _read_arrow  # noqa: E402

@@ -10,7 +10,7 @@ pytest.importorskip("transformers")  # the oracle: a plain install skips these t
 import transformers
 from safetensors.torch import save_file
 
-from minimoe.core.decoder.families import TEXT_MODEL_TYPES
+from minimoe.core.decoder.family_record import TEXT_MODEL_TYPES
 from tests.conftest import by_oracle
 from tests.core.decoder.test_model import reference_model
 from tests.loading.test_mxfp4 import quantise_by_spec

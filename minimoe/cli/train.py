@@ -44,7 +44,7 @@ import minimoe
 from minimoe.atomic import atomic_file
 from minimoe.cli import is_tiny, model_path, run_command
 from minimoe.core.task.choices import check_max_length, pad_id
-from minimoe.core.decoder.families import family_of
+from minimoe.core.decoder.family_record import family_of
 from minimoe.core.decoder.model import MoEConfig, compile_layers
 from minimoe.core.adaptation.packed_embedding import pack_embedding
 from minimoe.core.adaptation.quantized import require as require_quantization

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import math
 
-from minimoe.core.decoder.family_record import Converted, Family, register_family
-# families_2026*.py, tests/tiny_families.py, cli/train.py and bench/chat_step.py import these from here
-from minimoe.core.decoder.family_record import FAMILIES, TEXT_MODEL_TYPES, family_of  # noqa: F401
+from minimoe.core.decoder.family_record import FAMILIES, Converted, Family, register_family
 
 # Granite's router and routed experts, as transformers' GraniteMoe (and its shared and hybrid kin) stores them.
 GRANITE_KEYS = {"mlp.gate.weight": "block_sparse_moe.router.layer.weight",

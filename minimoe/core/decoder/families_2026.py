@@ -5,8 +5,8 @@ them."""
 from __future__ import annotations
 
 from minimoe.core.decoder.families import (DEEPSEEK_FIELDS, DEEPSEEK_KEYS, DEEPSEEK_RENAMES, GRANITE_WRITE,
-                                           MLA_DEFAULTS, MLA_LORA_PATHS, MLA_UNREAD, PER_EXPERT_KEYS, Family,
-                                           attention_kinds, register_family)
+                                           MLA_DEFAULTS, MLA_LORA_PATHS, MLA_UNREAD, PER_EXPERT_KEYS, attention_kinds)
+from minimoe.core.decoder.family_record import Family, register_family
 from minimoe.core.token_mixers.attention import gemma_layer_types, mimo_layer_types
 
 

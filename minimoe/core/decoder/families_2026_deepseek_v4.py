@@ -22,7 +22,7 @@ Decisions:
 """
 from __future__ import annotations
 
-from minimoe.core.decoder.families import Family, register_family
+from minimoe.core.decoder.family_record import Family, register_family
 
 V4_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 V4_ATTENTION = {"q_a_proj.weight": "wq_a.weight", "q_a_norm.weight": "q_norm.weight", "q_b_proj.weight": "wq_b.weight",

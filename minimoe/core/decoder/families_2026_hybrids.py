@@ -4,8 +4,9 @@ the others (its module docstring says what a record holds); families_2026.py hol
 decoder/__init__.py imports this file, so that importing any of the decoder's modules registers them."""
 from __future__ import annotations
 
-from minimoe.core.decoder.families import (DEEPSEEK_FIELDS, DELTANET_FIELDS, FAMILIES, MAMBA2_FIELDS, MLA_LORA_PATHS,
-                                           MLA_UNREAD, PER_EXPERT_KEYS, QWEN_RENAMES, Family, register_family)
+from minimoe.core.decoder.families import (DEEPSEEK_FIELDS, DELTANET_FIELDS, MAMBA2_FIELDS, MLA_LORA_PATHS,
+                                           MLA_UNREAD, PER_EXPERT_KEYS, QWEN_RENAMES)
+from minimoe.core.decoder.family_record import FAMILIES, Family, register_family
 from minimoe.core.decoder.families_2026 import dense_layers
 
 
